@@ -1,0 +1,63 @@
+/* toyharness shim: the few things the Python binding cannot do through ggml's public API.
+ *
+ * - ggml_tensor is opaque to the binding (we declare no ggml structs), so shapes, strides,
+ *   types and data pointers are read here.
+ * - ggml aborts the process on internal errors; the abort handler makes that message say
+ *   who is speaking before the process ends.
+ * - ggml logs to stderr by default; the binding turns that down to warnings and errors.
+ */
+#include <stdio.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#define TH_EXPORT __attribute__((visibility("default")))
+
+TH_EXPORT int th_tensor_type(const struct ggml_tensor * t) { return (int) t->type; }
+
+TH_EXPORT void th_tensor_shape(const struct ggml_tensor * t, int64_t ne[4], size_t nb[4]) {
+    for (int i = 0; i < 4; i++) {
+        ne[i] = t->ne[i];
+        nb[i] = t->nb[i];
+    }
+}
+
+TH_EXPORT void * th_tensor_data(const struct ggml_tensor * t) { return t->data; }
+
+TH_EXPORT int th_tensor_has_buffer(const struct ggml_tensor * t) { return t->buffer != NULL; }
+
+TH_EXPORT int th_tensor_flags(const struct ggml_tensor * t) { return (int) t->flags; }
+
+TH_EXPORT int th_tensor_op(const struct ggml_tensor * t) { return (int) t->op; }
+
+static void th_abort_handler(const char * message) {
+    fflush(stdout);
+    fprintf(stderr,
+            "toyharness: ggml aborted the process: %s\n"
+            "toyharness: this is a bug in toyharness (user input should have been rejected before ggml); please report it\n",
+            message);
+    fflush(stderr);
+}
+
+TH_EXPORT void th_install_abort_handler(void) { ggml_set_abort_callback(th_abort_handler); }
+
+static int th_log_min_level = GGML_LOG_LEVEL_WARN;
+static int th_log_last_shown = 0;
+
+static void th_log_handler(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) user_data;
+    /* a CONT line continues the previous message: shown when that one was */
+    int show = level == GGML_LOG_LEVEL_CONT ? th_log_last_shown : (int) level >= th_log_min_level;
+    th_log_last_shown = show;
+    if (show) {
+        fputs(text, stderr);
+        fflush(stderr);
+    }
+}
+
+TH_EXPORT void th_set_log_level(int min_level) {
+    th_log_min_level = min_level;
+    ggml_log_set(th_log_handler, NULL);
+}

@@ -1,0 +1,219 @@
+"""cffi binding (ABI mode) to the pinned ggml and our shim.
+
+Only the functions the engine calls are declared, by their documented prototypes; ggml's
+structs stay opaque (the shim reads shapes and data pointers). The libraries are the ones the
+package build copied into ``toyharness/_native`` (``TOYHARNESS_NATIVE_DIR`` overrides that, for
+example to use a cuda build made on another machine).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cffi import FFI
+
+CDEF = r"""
+typedef struct ggml_context ggml_context;
+typedef struct ggml_tensor ggml_tensor;
+typedef struct ggml_cgraph ggml_cgraph;
+typedef struct ggml_backend * ggml_backend_t;
+typedef struct ggml_backend_buffer * ggml_backend_buffer_t;
+typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+typedef struct ggml_gallocr * ggml_gallocr_t;
+
+struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; };
+
+size_t ggml_tensor_overhead(void);
+size_t ggml_graph_overhead_custom(size_t size, bool grads);
+ggml_context * ggml_init(struct ggml_init_params params);
+void ggml_free(ggml_context * ctx);
+int64_t ggml_nelements(const ggml_tensor * t);
+size_t ggml_nbytes(const ggml_tensor * t);
+size_t ggml_type_size(int type);
+int64_t ggml_blck_size(int type);
+bool ggml_is_contiguous(const ggml_tensor * t);
+bool ggml_can_repeat(const ggml_tensor * t0, const ggml_tensor * t1);
+
+ggml_tensor * ggml_new_tensor_1d(ggml_context * ctx, int type, int64_t ne0);
+ggml_tensor * ggml_new_tensor_2d(ggml_context * ctx, int type, int64_t ne0, int64_t ne1);
+ggml_tensor * ggml_new_tensor_3d(ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
+ggml_tensor * ggml_new_tensor_4d(ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+ggml_tensor * ggml_set_name(ggml_tensor * t, const char * name);
+const char * ggml_get_name(const ggml_tensor * t);
+void ggml_set_input(ggml_tensor * t);
+void ggml_set_output(ggml_tensor * t);
+void ggml_set_param(ggml_tensor * t);
+void ggml_set_loss(ggml_tensor * t);
+
+ggml_tensor * ggml_add(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_sub(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_mul(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_div(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_sqr(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_sqrt(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_log(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_exp(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_neg(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_relu(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_silu(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_softplus(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_sum(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_sum_rows(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_repeat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_scale(ggml_context * ctx, ggml_tensor * a, float s);
+ggml_tensor * ggml_rms_norm(ggml_context * ctx, ggml_tensor * a, float eps);
+ggml_tensor * ggml_mul_mat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_cont(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_cpy(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_reshape_1d(ggml_context * ctx, ggml_tensor * a, int64_t ne0);
+ggml_tensor * ggml_reshape_2d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1);
+ggml_tensor * ggml_reshape_3d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2);
+ggml_tensor * ggml_reshape_4d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+ggml_tensor * ggml_view_1d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, size_t offset);
+ggml_tensor * ggml_view_2d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset);
+ggml_tensor * ggml_view_3d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, size_t nb1, size_t nb2, size_t offset);
+ggml_tensor * ggml_permute(ggml_context * ctx, ggml_tensor * a, int axis0, int axis1, int axis2, int axis3);
+ggml_tensor * ggml_transpose(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_get_rows(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_diag_mask_inf(ggml_context * ctx, ggml_tensor * a, int n_past);
+ggml_tensor * ggml_soft_max(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_soft_max_ext(ggml_context * ctx, ggml_tensor * a, ggml_tensor * mask, float scale, float max_bias);
+ggml_tensor * ggml_rope_ext(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b, ggml_tensor * c,
+    int n_dims, int mode, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor,
+    float attn_factor, float beta_fast, float beta_slow);
+ggml_tensor * ggml_swiglu_split(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_cross_entropy_loss(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_opt_step_adamw(ggml_context * ctx, ggml_tensor * a, ggml_tensor * grad,
+    ggml_tensor * m, ggml_tensor * v, ggml_tensor * adamw_params);
+
+ggml_cgraph * ggml_new_graph_custom(ggml_context * ctx, size_t size, bool grads);
+ggml_cgraph * ggml_graph_dup(ggml_context * ctx, ggml_cgraph * cgraph, bool force_grads);
+void ggml_build_forward_expand(ggml_cgraph * cgraph, ggml_tensor * tensor);
+void ggml_build_backward_expand(ggml_context * ctx, ggml_cgraph * cgraph, ggml_tensor ** grad_accs);
+void ggml_graph_reset(ggml_cgraph * cgraph);
+int ggml_graph_n_nodes(ggml_cgraph * cgraph);
+ggml_tensor * ggml_graph_node(ggml_cgraph * cgraph, int i);
+ggml_tensor * ggml_graph_get_grad(const ggml_cgraph * cgraph, const ggml_tensor * node);
+ggml_tensor * ggml_graph_get_grad_acc(const ggml_cgraph * cgraph, const ggml_tensor * node);
+
+ggml_backend_t ggml_backend_init_by_name(const char * name, const char * params);
+ggml_backend_t ggml_backend_cpu_init(void);
+void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads);
+const char * ggml_backend_name(ggml_backend_t backend);
+void ggml_backend_free(ggml_backend_t backend);
+ggml_backend_buffer_type_t ggml_backend_get_default_buffer_type(ggml_backend_t backend);
+ggml_backend_dev_t ggml_backend_dev_by_name(const char * name);
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+int ggml_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph);
+void ggml_backend_synchronize(ggml_backend_t backend);
+ggml_backend_buffer_t ggml_backend_alloc_ctx_tensors(ggml_context * ctx, ggml_backend_t backend);
+ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size);
+int ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer, ggml_tensor * tensor, void * addr);
+void ggml_backend_buffer_free(ggml_backend_buffer_t buffer);
+size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer);
+void ggml_backend_tensor_set(ggml_tensor * tensor, const void * data, size_t offset, size_t size);
+void ggml_backend_tensor_get(const ggml_tensor * tensor, void * data, size_t offset, size_t size);
+void ggml_backend_tensor_memset(ggml_tensor * tensor, uint8_t value, size_t offset, size_t size);
+
+ggml_gallocr_t ggml_gallocr_new(ggml_backend_buffer_type_t buft);
+void ggml_gallocr_free(ggml_gallocr_t galloc);
+bool ggml_gallocr_reserve(ggml_gallocr_t galloc, ggml_cgraph * graph);
+bool ggml_gallocr_alloc_graph(ggml_gallocr_t galloc, ggml_cgraph * graph);
+size_t ggml_gallocr_get_buffer_size(ggml_gallocr_t galloc, int buffer_id);
+
+int ggml_cpu_has_avx(void);
+int ggml_cpu_has_avx2(void);
+int ggml_cpu_has_avx512(void);
+int ggml_cpu_has_avx512_bf16(void);
+int ggml_cpu_has_fma(void);
+int ggml_cpu_has_neon(void);
+int ggml_cpu_has_sve(void);
+int ggml_cpu_has_llamafile(void);
+
+int th_tensor_type(const ggml_tensor * t);
+void th_tensor_shape(const ggml_tensor * t, int64_t ne[4], size_t nb[4]);
+void * th_tensor_data(const ggml_tensor * t);
+int th_tensor_has_buffer(const ggml_tensor * t);
+int th_tensor_flags(const ggml_tensor * t);
+int th_tensor_op(const ggml_tensor * t);
+void th_install_abort_handler(void);
+void th_set_log_level(int min_level);
+"""
+
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+GGML_TYPE_Q8_0 = 8
+GGML_TYPE_I32 = 26
+GGML_TYPE_BF16 = 30
+GGML_LOG_LEVEL_WARN = 3
+GGML_STATUS_SUCCESS = 0
+GGML_ROPE_TYPE_NORMAL = 0
+GGML_ROPE_TYPE_NEOX = 2
+GGML_MAX_NAME = 64
+
+NATIVE_DIR = Path(os.environ.get("TOYHARNESS_NATIVE_DIR") or Path(__file__).resolve().parent / "_native")
+
+# Load order matters: each library finds the ones before it already in the process.
+_LOAD_ORDER = ("libggml-base.so", "libggml-cpu.so", "libggml-cuda.so", "libggml-metal.so",
+               "libggml-blas.so", "libggml.so", "libtoyharness_shim.so")
+
+
+class NativeLibraryMissing(ImportError):
+    pass
+
+
+class _Symbols:
+    """Looks each symbol up in the loaded libraries in turn and caches the function."""
+
+    def __init__(self, handles):
+        self._handles = handles
+
+    def __getattr__(self, name):
+        for handle in self._handles:
+            try:
+                fn = getattr(handle, name)
+            except AttributeError:
+                continue
+            setattr(self, name, fn)
+            return fn
+        raise AttributeError(f"symbol {name} not found in the toyharness native libraries")
+
+
+def _load():
+    ffi = FFI()
+    ffi.cdef(CDEF)
+    if not NATIVE_DIR.is_dir():
+        raise NativeLibraryMissing(
+            f"toyharness native libraries not found in {NATIVE_DIR}: reinstall the package "
+            "(pip install -e .) so that native/build.py runs")
+    handles = []
+    found = {p.name.split(".so")[0] + ".so": p for p in NATIVE_DIR.glob("lib*.so*")}
+    for name in _LOAD_ORDER:
+        if name in found:
+            handles.append(ffi.dlopen(str(found[name]), ffi.RTLD_NOW | ffi.RTLD_GLOBAL))
+    if "libtoyharness_shim.so" not in found:
+        raise NativeLibraryMissing(f"libtoyharness_shim.so missing from {NATIVE_DIR}")
+    lib = _Symbols(handles)
+    lib.th_install_abort_handler()
+    lib.th_set_log_level(int(os.environ.get("TOYHARNESS_GGML_LOG", GGML_LOG_LEVEL_WARN)))
+    return ffi, lib, handles
+
+
+ffi, lib, _handles = _load()
+
+
+def available_native_backends() -> list[str]:
+    """Backends compiled into the loaded libraries (cpu always)."""
+    names = ["cpu"]
+    for i in range(lib.ggml_backend_dev_count()):
+        dev_name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_dev_get(i))).decode().lower()
+        if dev_name.startswith("cuda") and "cuda" not in names:
+            names.append("cuda")
+        if dev_name.startswith("metal") and "metal" not in names:
+            names.append("metal")
+    return names

@@ -1,0 +1,98 @@
+"""One engine service per backend per process: the ggml backend handle and its thread count."""
+
+from __future__ import annotations
+
+import os
+
+from .._ffi import available_native_backends, ffi, lib
+from ..errors import BackendError
+
+KNOWN_BACKENDS = ("cpu", "cuda", "metal")
+_SERVICES: dict[str, Engine] = {}
+
+
+def default_threads() -> int:
+    """Free cores: more threads than cores makes ggml's spinning barriers 10-1000x slower."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+class Engine:
+    """A ggml backend. Get it with `get_engine`; build programs with `engine.program()`."""
+
+    def __init__(self, backend: str, threads: int):
+        self.backend = backend
+        if backend == "cpu":
+            handle = lib.ggml_backend_cpu_init()
+        else:
+            handle = lib.ggml_backend_init_by_name(backend.upper().encode() + (b"0" if backend == "cuda" else b""),
+                                                   ffi.NULL)
+        if handle == ffi.NULL:
+            raise BackendError(f"backend {backend!r} failed to initialise (no device?)")
+        self.handle = handle
+        self.buffer_type = lib.ggml_backend_get_default_buffer_type(handle)
+        self.threads = 0
+        self.set_threads(threads)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.backend == "cpu"
+
+    def set_threads(self, threads: int) -> None:
+        if threads < 1:
+            raise BackendError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        if self.is_cpu:
+            lib.ggml_backend_cpu_set_n_threads(self.handle, threads)
+
+    def program(self, capacity: int = 1 << 16):
+        from .program import Program
+
+        return Program(self, capacity=capacity)
+
+    def fingerprint(self) -> str:
+        """What changes float results on this backend: for cpu, the SIMD level of the build."""
+        if self.is_cpu:
+            if lib.ggml_cpu_has_avx512():
+                simd = "avx512"
+            elif lib.ggml_cpu_has_avx2():
+                simd = "avx2"
+            elif lib.ggml_cpu_has_avx():
+                simd = "avx"
+            elif lib.ggml_cpu_has_sve():
+                simd = "sve"
+            elif lib.ggml_cpu_has_neon():
+                simd = "neon"
+            else:
+                simd = "scalar"
+            return f"cpu-{simd}"
+        if self.backend == "cuda":
+            return f"cuda-{_cuda_arch_tag()}"
+        return self.backend
+
+    def description(self) -> str:
+        return ffi.string(lib.ggml_backend_name(self.handle)).decode()
+
+
+def _cuda_arch_tag() -> str:
+    arch = os.environ.get("TOYHARNESS_CUDA_ARCH", "90")
+    return f"sm{arch}"
+
+
+def get_engine(backend: str = "cpu", threads: int | None = None) -> Engine:
+    """The process-wide service for `backend` (created on first use)."""
+    backend = backend.lower()
+    if backend not in KNOWN_BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; allowed: {', '.join(KNOWN_BACKENDS)}")
+    if backend not in available_native_backends():
+        raise BackendError(f"backend {backend!r} is not in this build (built: "
+                           f"{', '.join(available_native_backends())}); rebuild with "
+                           f"TOYHARNESS_BACKENDS=cpu,{backend} pip install -e .")
+    eng = _SERVICES.get(backend)
+    if eng is None:
+        eng = _SERVICES[backend] = Engine(backend, threads or default_threads())
+    elif threads is not None and threads != eng.threads:
+        eng.set_threads(threads)
+    return eng

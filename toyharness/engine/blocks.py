@@ -1,0 +1,100 @@
+"""Composed blocks the recipes share, built only from ops with a backward in ggml 0.25.3.
+
+ggml 0.25.3 has no backward for NORM (LayerNorm), GELU, CONCAT or FLASH_ATTN_EXT, so:
+LayerNorm is rms_norm of the centred input; tanh-GELU is x * sigmoid(2u) with sigmoid written
+as exp(-softplus(-z)); attention is batched over heads with one mul_mat per product.
+Every block here has a forward and finite-difference test in tests/test_engine_ops.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ShapeError
+from .tensor import Tensor
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """x (..., in) @ w(out, in).T + b(out,), as torch.nn.Linear."""
+    y = x.matmul_t(w)
+    return y + b if b is not None else y
+
+
+def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last axis = rms_norm(x - mean(x)) * g + b (exact, same eps placement)."""
+    centred = x - x.mean_rows()
+    return centred.rms_norm(eps) * gain + bias
+
+
+def rms_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:
+    return x.rms_norm(eps) * gain
+
+
+def sigmoid(z: Tensor) -> Tensor:
+    """exp(-softplus(-z)): finite value and gradient for any z (1/(1+exp(-z)) overflows)."""
+    return (-(-z).softplus()).exp()
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)."""
+    u2 = (x + x.sqr() * x * 0.044715) * (2.0 * GELU_C)
+    return x * sigmoid(u2)
+
+
+def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    return linear(linear(x, w_gate).swiglu(linear(x, w_up)), w_down)
+
+
+def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Tensor, w_proj: Tensor, b_proj: Tensor) -> Tensor:
+    return linear(gelu_tanh(linear(x, w_fc, b_fc)), w_proj, b_proj)
+
+
+def lora_linear(x: Tensor, w: Tensor, a: Tensor, b: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
+    """W x + scale * B(A x): w (out, in) frozen, a (rank, in), b (out, rank) trainable."""
+    if a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]:
+        raise ShapeError(f"lora: W {w.shape}, A {a.shape}, B {b.shape} do not compose")
+    return linear(x, w, bias) + linear(linear(x, a), b).scale(scale)
+
+
+def lens(embeddings: Tensor, projection: Tensor) -> Tensor:
+    """Projection lens: (..., d_in) @ projection(d_model, d_in).T."""
+    return linear(embeddings, projection)
+
+
+def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head: int, n_kv_head: int | None = None,
+              causal: bool = True, bq: Tensor | None = None, bk: Tensor | None = None, bv: Tensor | None = None,
+              bo: Tensor | None = None, rope_positions: Tensor | None = None, rope_base: float = 10000.0,
+              q_fn=None) -> Tensor:
+    """Multi-head self-attention of x (B, T, D), batched over heads (no per-head loop).
+
+    Grouped-query heads when n_kv_head < n_head: query heads share key/value heads in
+    consecutive groups (llama's repeat_interleave), through mul_mat's broadcast.
+    `q_fn(x)`, when given, replaces the query projection (a LoRA linear, say).
+    """
+    bsz, seq, d_model = x.shape
+    n_kv_head = n_kv_head or n_head
+    if d_model % n_head or n_head % n_kv_head:
+        raise ShapeError(f"attention: d_model {d_model}, n_head {n_head}, n_kv_head {n_kv_head} do not divide")
+    hd = d_model // n_head
+    q = q_fn(x) if q_fn is not None else linear(x, wq, bq)
+    k = linear(x, wk, bk)
+    v = linear(x, wv, bv)
+    q = q.reshape(bsz, seq, n_head, hd)
+    k = k.reshape(bsz, seq, n_kv_head, hd)
+    v = v.reshape(bsz, seq, n_kv_head, hd)
+    if rope_positions is not None:
+        q = q.rope(rope_positions, hd, rope_base)
+        k = k.rope(rope_positions, hd, rope_base)
+    q = q.permute(0, 2, 1, 3)                 # (B, H, T, hd)
+    k = k.permute(0, 2, 1, 3)                 # (B, Hkv, T, hd)
+    vt = v.permute(0, 2, 3, 1).cont()         # (B, Hkv, hd, T)
+    scores = q.bmm_t(k)                       # (B, H, Tq, Tk)
+    if causal:
+        probs = scores.scale(1.0 / math.sqrt(hd)).causal_mask().softmax()
+    else:
+        probs = scores.softmax(scale=1.0 / math.sqrt(hd))
+    out = probs.bmm_t(vt)                     # (B, H, Tq, hd)
+    out = out.permute(0, 2, 1, 3).cont().reshape(bsz, seq, d_model)
+    return linear(out, wo, bo)

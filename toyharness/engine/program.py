@@ -1,0 +1,510 @@
+"""A program on an engine: persistent tensors, graphs built from them, and the training step.
+
+Life cycle (ggml-notes.md, "Training step recipe")::
+
+    prog = engine.program()
+    w = prog.param("w", init=array)             # trainable f32 (persistent)
+    x = prog.input("x", (B, T, D))              # fed each step (persistent)
+    ...ops on Tensors...                         # graph nodes (compute context)
+    ce = prog.cross_entropy(logits, "targets")  # mean CE for training + a thread-invariant report
+    trainer = prog.trainer(ce, "bias_corrected")
+    loss = trainer.step({"x": ..., "targets": ...}, row.hp_for_step(i))
+
+Persistent tensors live in backend buffers allocated on demand; graph intermediates are
+placed by ggml's graph allocator before every compute, so several graphs (train, eval,
+sampling) can share nodes safely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._ffi import GGML_STATUS_SUCCESS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
+from ..adamw import AdamWRow, check_convention
+from ..errors import InputError, ShapeError
+from .backend import Engine
+from .tensor import Tensor
+
+GGML_FLAG_PARAM = 4
+GGML_FLAG_LOSS = 8
+
+NP_TO_GGML = {np.dtype(np.float32): GGML_TYPE_F32, np.dtype(np.float16): GGML_TYPE_F16,
+              np.dtype(np.int32): GGML_TYPE_I32}
+DTYPE_NAMES = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16, "bf16": GGML_TYPE_BF16, "i32": GGML_TYPE_I32}
+
+
+def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16, as uint16 bits."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
+    return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass
+class _Input:
+    tensor: Tensor
+    upper: int | None  # exclusive bound for ids (vocab size), checked before upload
+
+
+@dataclass
+class _Targets:
+    """Class ids fed by name, turned into what the loss graph reads."""
+
+    shape: tuple[int, ...]
+    vocab: int
+    onehot: Tensor
+    flat_index: Tensor
+
+
+@dataclass
+class CrossEntropy:
+    """`train` drives the backward (ggml's op); `report` is the same loss, thread-invariant."""
+
+    train: Tensor
+    report: Tensor
+    targets: str
+
+
+class Program:
+    def __init__(self, engine: Engine, capacity: int = 1 << 16):
+        self.engine = engine
+        self.capacity = capacity
+        self.graph_size = capacity
+        self._ctx_static = self._new_ctx(lib.ggml_tensor_overhead() * 8192)
+        self._ctx_compute = self._new_ctx(lib.ggml_tensor_overhead() * capacity * 2
+                                          + 6 * lib.ggml_graph_overhead_custom(self.graph_size, True))
+        self._n_ops = 0
+        self._buffers: list = []          # backend buffers of persistent tensors
+        self._pending: list[tuple[Tensor, np.ndarray]] = []  # uploads waiting for allocation
+        self._unallocated = 0
+        self.params: dict[str, Tensor] = {}     # trainable, in creation order
+        self.frozen: dict[str, Tensor] = {}
+        self.inputs: dict[str, _Input] = {}
+        self._targets: dict[str, _Targets] = {}
+        self._keepalive: list = []              # mmaps and host arrays that back tensors
+        self._galloc = lib.ggml_gallocr_new(engine.buffer_type)
+
+    # --- contexts and persistent tensors -------------------------------------------------
+    def _new_ctx(self, mem: int):
+        params = ffi.new("struct ggml_init_params *", {"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
+        ctx = lib.ggml_init(params[0])
+        if ctx == ffi.NULL:
+            raise MemoryError("ggml_init failed")
+        return ctx
+
+    def _count_op(self) -> None:
+        self._n_ops += 1
+        if self._n_ops > self.capacity // 4:
+            raise ShapeError(f"graph too large for this program ({self._n_ops} ops); "
+                             f"create it with engine.program(capacity=...) larger than {self.capacity}")
+
+    def _new_static(self, name: str, shape: tuple[int, ...], gtype: int) -> Tensor:
+        shape = tuple(int(s) for s in shape)
+        if not 0 < len(shape) <= 4 or any(s <= 0 for s in shape):
+            raise ShapeError(f"{name}: shape {shape} must have 1 to 4 positive dims")
+        ne = list(reversed(shape))
+        fn = (lib.ggml_new_tensor_1d, lib.ggml_new_tensor_2d, lib.ggml_new_tensor_3d, lib.ggml_new_tensor_4d)[len(ne) - 1]
+        t = Tensor(self, fn(self._ctx_static, gtype, *ne), len(shape)).named(name)
+        self._unallocated += 1
+        return t
+
+    def _check_new_name(self, name: str) -> None:
+        if name in self.params or name in self.frozen or name in self.inputs or name in self._targets:
+            raise InputError(f"tensor name {name!r} is used twice in this program")
+        if len(name.encode()) > 63:
+            raise InputError(f"tensor name {name!r} is longer than ggml's 63 bytes")
+
+    def param(self, name: str, init: np.ndarray, trainable: bool = True) -> Tensor:
+        """A persistent f32 parameter initialised from `init` (numpy, row-major)."""
+        self._check_new_name(name)
+        init = np.asarray(init)
+        if init.dtype.kind != "f":
+            raise InputError(f"{name}: parameters are float, got {init.dtype}")
+        t = self._new_static(name, init.shape, GGML_TYPE_F32)
+        if trainable:
+            lib.ggml_set_param(t.ptr)
+            self.params[name] = t
+        else:
+            self.frozen[name] = t
+        self._pending.append((t, np.ascontiguousarray(init, dtype=np.float32)))
+        return t
+
+    def frozen_array(self, name: str, array: np.ndarray, dtype: str = "f32") -> Tensor:
+        """A frozen weight from numpy, stored as f32, f16 or bf16."""
+        self._check_new_name(name)
+        if dtype not in ("f32", "f16", "bf16"):
+            raise InputError(f"{name}: frozen dtype {dtype!r}; allowed: f32, f16, bf16")
+        array = np.asarray(array, dtype=np.float32)
+        t = self._new_static(name, array.shape, DTYPE_NAMES[dtype])
+        self.frozen[name] = t
+        data = {"f32": lambda a: a, "f16": lambda a: a.astype(np.float16), "bf16": f32_to_bf16_bits}[dtype](array)
+        self._pending.append((t, np.ascontiguousarray(data)))
+        return t
+
+    def frozen_gguf(self, gguf, name: str, expect_shape: tuple[int, ...] | None = None,
+                    as_name: str | None = None) -> Tensor:
+        """A frozen weight straight from an open `GGUFFile`: mmap'd in place on cpu, else uploaded."""
+        info = gguf.tensor(name, expect_shape=expect_shape)
+        local = as_name or name
+        self._check_new_name(local)
+        if self.engine.is_cpu:
+            t = gguf.bind_in_place(self, info, local)
+        else:
+            t = self._new_static(local, info.shape, info.ggml_type)
+            self._pending.append((t, info.raw_bytes()))
+        self.frozen[local] = t
+        return t
+
+    def input(self, name: str, shape: tuple[int, ...], dtype: str = "f32", upper: int | None = None) -> Tensor:
+        """A persistent input fed by name each step. For i32 ids, `upper` bounds the values."""
+        self._check_new_name(name)
+        if dtype not in ("f32", "i32"):
+            raise InputError(f"{name}: input dtype {dtype!r}; allowed: f32, i32")
+        t = self._new_static(name, shape, DTYPE_NAMES[dtype])
+        lib.ggml_set_input(t.ptr)
+        self.inputs[name] = _Input(t, upper)
+        return t
+
+    def constant(self, name: str, array: np.ndarray) -> Tensor:
+        """A persistent tensor with a fixed value (positions, masks)."""
+        array = np.asarray(array)
+        dtype = "i32" if array.dtype.kind in "iu" else "f32"
+        t = self.input(name, array.shape, dtype)
+        self._pending.append((t, np.ascontiguousarray(array, dtype=np.int32 if dtype == "i32" else np.float32)))
+        return t
+
+    def allocate(self) -> None:
+        """Give every persistent tensor created so far backend memory, then upload pending values."""
+        if self._unallocated:
+            buf = lib.ggml_backend_alloc_ctx_tensors(self._ctx_static, self.engine.handle)
+            if buf == ffi.NULL:
+                raise MemoryError("could not allocate the program's persistent tensors")
+            self._buffers.append(buf)
+            self._unallocated = 0
+        for t, data in self._pending:
+            _upload(t, data)
+        self._pending.clear()
+
+    # --- host <-> backend ----------------------------------------------------------------
+    def write(self, t: Tensor, array: np.ndarray) -> None:
+        """Set a persistent tensor from numpy (shape checked; converted to its dtype)."""
+        self.allocate()
+        array = np.asarray(array)
+        if tuple(array.shape) != t.shape:
+            raise ShapeError(f"{t.name}: expected shape {t.shape}, got {tuple(array.shape)}")
+        conv = {GGML_TYPE_F32: lambda a: a.astype(np.float32), GGML_TYPE_I32: lambda a: a.astype(np.int32),
+                GGML_TYPE_F16: lambda a: a.astype(np.float16), GGML_TYPE_BF16: f32_to_bf16_bits}
+        if t.type not in conv:
+            raise InputError(f"{t.name}: cannot write a {t.dtype} tensor from numpy")
+        _upload(t, np.ascontiguousarray(conv[t.type](array)))
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """A copy of a tensor's values as numpy (f16/bf16 widened to f32)."""
+        self.allocate()
+        if lib.th_tensor_data(t.ptr) == ffi.NULL:
+            raise InputError(f"{t.name}: has no data (an intermediate not computed yet?)")
+        np_dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_I32: np.int32, GGML_TYPE_F16: np.float16,
+                    GGML_TYPE_BF16: np.uint16}.get(t.type)
+        if np_dtype is None:
+            raise InputError(f"{t.name}: reading {t.dtype} tensors is not supported")
+        src = t if t.is_contiguous() else None
+        if src is None:
+            raise InputError(f"{t.name}: not contiguous; read a cont() of it")
+        out = np.empty(t.shape, dtype=np_dtype)
+        lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(out), 0, out.nbytes)
+        if t.type == GGML_TYPE_BF16:
+            return bf16_bits_to_f32(out)
+        return out.astype(np.float32) if t.type == GGML_TYPE_F16 else out
+
+    def feed(self, feeds: dict[str, np.ndarray]) -> None:
+        """Validate and upload step inputs by name. Nothing reaches ggml unchecked."""
+        self.allocate()
+        for name, value in feeds.items():
+            if name in self._targets:
+                self._feed_targets(name, self._targets[name], value)
+            elif name in self.inputs:
+                self._feed_input(name, self.inputs[name], value)
+            else:
+                known = sorted([*self.inputs, *self._targets])
+                raise InputError(f"unknown input {name!r}; this program takes: {', '.join(known)}")
+
+    def _feed_input(self, name: str, inp: _Input, value) -> None:
+        value = np.asarray(value)
+        t = inp.tensor
+        if tuple(value.shape) != t.shape:
+            raise ShapeError(f"input {name!r}: expected shape {t.shape}, got {tuple(value.shape)}")
+        if t.type == GGML_TYPE_I32:
+            if value.dtype.kind not in "iu":
+                raise InputError(f"input {name!r}: expected integer ids, got {value.dtype}")
+            _check_ids(name, value, inp.upper)
+            value = value.astype(np.int32, copy=False)
+        else:
+            value = value.astype(np.float32, copy=False)
+            if not np.isfinite(value).all():
+                raise InputError(f"input {name!r}: contains NaN or inf")
+        _upload(t, np.ascontiguousarray(value))
+
+    def _feed_targets(self, name: str, tg: _Targets, value) -> None:
+        value = np.asarray(value)
+        if tuple(value.shape) != tg.shape:
+            raise ShapeError(f"targets {name!r}: expected shape {tg.shape}, got {tuple(value.shape)}")
+        if value.dtype.kind not in "iu":
+            raise InputError(f"targets {name!r}: expected integer class ids, got {value.dtype}")
+        _check_ids(name, value, tg.vocab)
+        flat = value.reshape(-1).astype(np.int64)
+        onehot = np.zeros((flat.size, tg.vocab), dtype=np.float32)
+        onehot[np.arange(flat.size), flat] = 1.0
+        _upload(tg.onehot, onehot)
+        _upload(tg.flat_index, (np.arange(flat.size) * tg.vocab + flat).astype(np.int32))
+
+    # --- loss ------------------------------------------------------------------------------
+    def cross_entropy(self, logits: Tensor, targets: str) -> CrossEntropy:
+        """Mean cross-entropy of `logits` (..., V) against integer targets fed as `targets`.
+
+        `train` is ggml's cross_entropy_loss (its CPU kernel adds per-thread partial sums, so
+        its scalar moves in the last bits with the thread count). `report` is the same mean,
+        computed per row (softmax, pick the target, log) and summed by one thread in a fixed
+        order: the loss we report, thread-count invariant.
+        """
+        self._check_new_name(targets)
+        if logits.type != GGML_TYPE_F32:
+            raise ShapeError(f"cross_entropy: logits must be f32, got {logits!r}")
+        vocab = logits.shape[-1]
+        rows = math.prod(logits.shape[:-1])
+        onehot = self._new_static(f"{targets}.onehot", (rows, vocab), GGML_TYPE_F32)
+        flat = self._new_static(f"{targets}.flat", (rows,), GGML_TYPE_I32)
+        lib.ggml_set_input(onehot.ptr)
+        lib.ggml_set_input(flat.ptr)
+        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat)
+        logits2 = logits.reshape(rows, vocab)
+        train = logits2._new(lib.ggml_cross_entropy_loss(self._ctx_compute, logits2.ptr, onehot.ptr), 0)
+        lib.ggml_set_loss(train.ptr)
+        picked = logits2.softmax().reshape(rows * vocab, 1).get_rows(flat)
+        report = picked.log().sum().scale(-1.0 / rows)
+        lib.ggml_set_output(report.ptr)
+        return CrossEntropy(train.named(f"{targets}.loss"), report.named(f"{targets}.loss_report"), targets)
+
+    # --- graphs ----------------------------------------------------------------------------
+    def forward(self, outputs: dict[str, Tensor]) -> ForwardGraph:
+        return ForwardGraph(self, outputs)
+
+    def trainer(self, loss: CrossEntropy, convention: str) -> Trainer:
+        return Trainer(self, loss, convention)
+
+    def _compute(self, graph) -> None:
+        if not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
+            raise MemoryError("ggml could not allocate the graph's intermediates")
+        status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
+        if status != GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    def compute_buffer_bytes(self) -> int:
+        return int(lib.ggml_gallocr_get_buffer_size(self._galloc, 0))
+
+    def persistent_bytes(self) -> int:
+        return sum(int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers)
+
+    def close(self) -> None:
+        if self._galloc is not None:
+            lib.ggml_gallocr_free(self._galloc)
+            for b in self._buffers:
+                lib.ggml_backend_buffer_free(b)
+            lib.ggml_free(self._ctx_compute)
+            lib.ggml_free(self._ctx_static)
+            self._galloc = None
+            self._buffers = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class ForwardGraph:
+    """A forward-only graph over chosen outputs (evaluation, sampling)."""
+
+    def __init__(self, prog: Program, outputs: dict[str, Tensor]):
+        self.prog, self.outputs = prog, outputs
+        self.graph = lib.ggml_new_graph_custom(prog._ctx_compute, prog.graph_size, False)
+        for t in outputs.values():
+            lib.ggml_set_output(t.ptr)
+            lib.ggml_build_forward_expand(self.graph, t.ptr)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.prog.feed(feeds)
+        self.prog._compute(self.graph)
+        return {k: self.prog.read(t if t.is_contiguous() else t) for k, t in self.outputs.items()}
+
+
+class Trainer:
+    """Forward, backward and one AdamW step per trainable tensor, fed by a 7-float row.
+
+    Every parameter's gradient goes to a persistent accumulator (contiguous, so AdamW reads it
+    with the right strides even for a parameter used only through a transpose). The first step
+    after construction does a full reset (gradients and moments); later steps reset gradients
+    only, so the moments carry over.
+    """
+
+    def __init__(self, prog: Program, loss: CrossEntropy, convention: str):
+        check_convention(AdamWRow(convention, 0, 0, 0, 0, 0), convention)
+        self.prog, self.loss, self.convention = prog, loss, convention
+        ctx = prog._ctx_compute
+        if not prog.params:
+            raise InputError("the program has no trainable parameters")
+        gf = lib.ggml_new_graph_custom(ctx, prog.graph_size, True)
+        lib.ggml_build_forward_expand(gf, loss.train.ptr)
+        lib.ggml_build_forward_expand(gf, loss.report.ptr)
+        n = lib.ggml_graph_n_nodes(gf)
+        # Persistent gradient accumulators for every parameter and for the loss (one left to
+        # the graph allocator is overwritten after step 0 and training silently stalls).
+        accs = ffi.new("ggml_tensor *[]", n)
+        self.grad_acc: dict[str, Tensor] = {}
+        reached = set()
+        for i in range(n):
+            node = lib.ggml_graph_node(gf, i)
+            flags = lib.th_tensor_flags(node)
+            if flags & (GGML_FLAG_PARAM | GGML_FLAG_LOSS):
+                name = ffi.string(lib.ggml_get_name(node)).decode()
+                ne = ffi.new("int64_t[4]")
+                lib.th_tensor_shape(node, ne, ffi.new("size_t[4]"))
+                acc = lib.ggml_new_tensor_4d(prog._ctx_static, GGML_TYPE_F32, *ne)
+                lib.ggml_set_name(acc, f"grad.{name}"[:63].encode())
+                prog._unallocated += 1
+                accs[i] = acc
+                if flags & GGML_FLAG_PARAM:
+                    self.grad_acc[name] = Tensor(prog, acc, prog.params[name].ndim)
+                    reached.add(name)
+        # ggml only puts leaves with the PARAM flag into the node list.
+        unused = [p for p in prog.params if p not in reached]
+        if unused:
+            raise InputError(f"trainable parameters not used by the loss: {', '.join(unused)}")
+        self.hp = prog._new_static("adamw.hp", (7,), GGML_TYPE_F32)
+        lib.ggml_set_input(self.hp.ptr)
+        self.m: dict[str, Tensor] = {}
+        self.v: dict[str, Tensor] = {}
+        for name, p in prog.params.items():
+            self.m[name] = prog._new_static(f"adamw.m.{name}"[:63], p.shape, GGML_TYPE_F32)
+            self.v[name] = prog._new_static(f"adamw.v.{name}"[:63], p.shape, GGML_TYPE_F32)
+        prog.allocate()
+
+        self.gb_grad = lib.ggml_graph_dup(ctx, gf, True)
+        lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
+        self.gb_opt = lib.ggml_graph_dup(ctx, self.gb_grad, True)
+        for name, p in prog.params.items():
+            grad = lib.ggml_graph_get_grad(self.gb_opt, p.ptr)
+            if grad == ffi.NULL:
+                raise InputError(f"parameter {name} gets no gradient from the loss")
+            if not lib.ggml_is_contiguous(grad):
+                grad = lib.ggml_cont(ctx, grad)
+            step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
+            lib.ggml_build_forward_expand(self.gb_opt, step)
+        self.gf = gf
+        self.eval_graph = lib.ggml_new_graph_custom(ctx, prog.graph_size, False)
+        lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
+        if not lib.ggml_gallocr_reserve(prog._galloc, self.gb_opt):
+            raise MemoryError("could not reserve memory for the training graph")
+        self.needs_full_reset = True
+        self.steps_done = 0
+
+    @property
+    def n_nodes(self) -> int:
+        return int(lib.ggml_graph_n_nodes(self.gb_opt))
+
+    def reset_full(self) -> None:
+        """Zero every gradient accumulator and both AdamW moments; loss gradient = 1."""
+        lib.ggml_graph_reset(self.gb_opt)
+
+    def reset_grads(self) -> None:
+        """Zero gradient accumulators only; the moments survive."""
+        lib.ggml_graph_reset(self.gb_grad)
+
+    def step(self, feeds: dict[str, np.ndarray], hp: list[float] | AdamWRow, step_index: int | None = None) -> float:
+        """One training step on one batch; returns the reported (thread-invariant) loss."""
+        if isinstance(hp, AdamWRow):
+            check_convention(hp, self.convention)
+            hp = hp.hp_for_step(self.steps_done if step_index is None else step_index)
+        row = np.asarray(hp, dtype=np.float32)
+        if row.shape != (7,) or not np.isfinite(row).all():
+            raise InputError(f"the AdamW row must be 7 finite floats, got {hp!r}")
+        self.prog.feed(feeds)
+        _upload(self.hp, row)
+        if self.needs_full_reset:
+            self.reset_full()
+            self.needs_full_reset = False
+        else:
+            self.reset_grads()
+        self.prog._compute(self.gb_opt)
+        self.steps_done += 1
+        return self.loss_value()
+
+    def grads_only(self, feeds: dict[str, np.ndarray]) -> float:
+        """Forward and backward without the AdamW step (gradients land in the accumulators)."""
+        self.prog.feed(feeds)
+        lib.ggml_graph_reset(self.gb_grad)
+        self.prog._compute(self.gb_grad)
+        return self.loss_value()
+
+    def eval_loss(self, feeds: dict[str, np.ndarray]) -> float:
+        """The reported loss on a batch, forward only: parameters and moments untouched."""
+        self.prog.feed(feeds)
+        self.prog._compute(self.eval_graph)
+        return self.loss_value()
+
+    def loss_value(self) -> float:
+        out = np.empty(1, dtype=np.float32)
+        lib.ggml_backend_tensor_get(self.loss.report.ptr, ffi.from_buffer(out), 0, 4)
+        return float(out[0])
+
+    def loss_value_f32(self) -> np.float32:
+        return np.float32(self.loss_value())
+
+    def train_loss_value(self) -> float:
+        """ggml's own cross_entropy_loss scalar (moves with the thread count)."""
+        out = np.empty(1, dtype=np.float32)
+        lib.ggml_backend_tensor_get(self.loss.train.ptr, ffi.from_buffer(out), 0, 4)
+        return float(out[0])
+
+    # --- state for checkpoints ---------------------------------------------------------------
+    def state(self) -> dict[str, np.ndarray]:
+        """Parameters and moments as numpy, by name (for checkpoints)."""
+        out = {}
+        for name, p in self.prog.params.items():
+            out[name] = self.prog.read(p)
+            out[f"adamw.m.{name}"] = self.prog.read(self.m[name])
+            out[f"adamw.v.{name}"] = self.prog.read(self.v[name])
+        return out
+
+    def load_state(self, state: dict[str, np.ndarray], steps_done: int) -> None:
+        """Restore parameters and moments; the next step resets gradients only."""
+        for name, p in self.prog.params.items():
+            for key, t in ((name, p), (f"adamw.m.{name}", self.m[name]), (f"adamw.v.{name}", self.v[name])):
+                if key not in state:
+                    raise InputError(f"checkpoint lacks tensor {key!r}")
+                self.prog.write(t, state[key])
+        self.needs_full_reset = False
+        self.steps_done = steps_done
+
+
+def _upload(t: Tensor, data: np.ndarray) -> None:
+    nbytes = int(lib.ggml_nbytes(t.ptr))
+    if data.nbytes != nbytes:
+        raise ShapeError(f"{t.name}: upload of {data.nbytes} bytes into a tensor of {nbytes} bytes")
+    lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(data), 0, nbytes)
+
+
+def _check_ids(name: str, value: np.ndarray, upper: int | None) -> None:
+    if value.size == 0:
+        return
+    lo, hi = int(value.min()), int(value.max())
+    if lo < 0 or (upper is not None and hi >= upper):
+        bad = lo if lo < 0 else hi
+        bound = f"[0, {upper})" if upper is not None else ">= 0"
+        raise InputError(f"{name!r}: id {bad} out of range {bound}")

@@ -1,0 +1,277 @@
+"""A ggml tensor seen from Python, with the ops the recipes use.
+
+Layout convention: shapes are numpy's, row-major. A numpy array of shape ``(a, b, c)`` is the
+ggml tensor with ``ne = [c, b, a]``; ``Tensor.shape`` reports ``(a, b, c)``. Every op here takes
+and returns numpy-order shapes and checks them before ggml sees them (ggml aborts on a bad
+shape, Python raises ``ShapeError``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+from .._ffi import GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
+from ..errors import ShapeError
+
+if TYPE_CHECKING:
+    from .program import Program
+
+TYPE_NAMES = {0: "f32", 1: "f16", 8: "q8_0", 26: "i32", 30: "bf16"}
+
+
+class Tensor:
+    __slots__ = ("prog", "ptr", "ndim")
+
+    def __init__(self, prog: Program, ptr, ndim: int):
+        self.prog, self.ptr, self.ndim = prog, ptr, ndim
+
+    # --- introspection ---------------------------------------------------------------
+    @property
+    def ne(self) -> list[int]:
+        ne = ffi.new("int64_t[4]")
+        nb = ffi.new("size_t[4]")
+        lib.th_tensor_shape(self.ptr, ne, nb)
+        return [int(x) for x in ne]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne[: self.ndim]))
+
+    @property
+    def type(self) -> int:
+        return lib.th_tensor_type(self.ptr)
+
+    @property
+    def dtype(self) -> str:
+        return TYPE_NAMES.get(self.type, f"ggml_type_{self.type}")
+
+    @property
+    def name(self) -> str:
+        return ffi.string(lib.ggml_get_name(self.ptr)).decode()
+
+    def named(self, name: str) -> Tensor:
+        lib.ggml_set_name(self.ptr, name.encode()[:63])
+        return self
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name!r}, shape={self.shape}, {self.dtype})"
+
+    def numel(self) -> int:
+        return int(lib.ggml_nelements(self.ptr))
+
+    def is_contiguous(self) -> bool:
+        return bool(lib.ggml_is_contiguous(self.ptr))
+
+    # --- plumbing ----------------------------------------------------------------------
+    def _new(self, ptr, ndim: int | None = None) -> Tensor:
+        self.prog._count_op()
+        return Tensor(self.prog, ptr, self.ndim if ndim is None else ndim)
+
+    @property
+    def _ctx(self):
+        return self.prog._ctx_compute
+
+    def _same_program(self, other: Tensor) -> None:
+        if other.prog is not self.prog:
+            raise ShapeError(f"{self!r} and {other!r} belong to different programs")
+
+    def _check_broadcast(self, other: Tensor, op: str) -> None:
+        """ggml broadcasts `other` into `self` when each of its dims divides self's."""
+        self._same_program(other)
+        if not lib.ggml_can_repeat(other.ptr, self.ptr):
+            raise ShapeError(f"{op}: cannot broadcast {other.shape} into {self.shape} "
+                             "(the second operand must repeat into the first)")
+
+    def _check_f32(self, op: str) -> None:
+        if self.type != GGML_TYPE_F32:
+            raise ShapeError(f"{op}: needs f32, got {self!r}")
+
+    # --- elementwise -------------------------------------------------------------------
+    def __add__(self, other: Tensor) -> Tensor:
+        self._check_broadcast(other, "add")
+        return self._new(lib.ggml_add(self._ctx, self.ptr, other.ptr), max(self.ndim, other.ndim))
+
+    def __mul__(self, other: Tensor | float) -> Tensor:
+        if isinstance(other, (int, float)):
+            return self.scale(float(other))
+        self._check_broadcast(other, "mul")
+        return self._new(lib.ggml_mul(self._ctx, self.ptr, other.ptr), max(self.ndim, other.ndim))
+
+    __rmul__ = __mul__
+
+    def __sub__(self, other: Tensor) -> Tensor:
+        # ggml's SUB backward is partial for a broadcast operand: repeat it explicitly.
+        other = other.repeat_like(self) if other.shape != self.shape else other
+        self._check_broadcast(other, "sub")
+        return self._new(lib.ggml_sub(self._ctx, self.ptr, other.ptr))
+
+    def __truediv__(self, other: Tensor | float) -> Tensor:
+        if isinstance(other, (int, float)):
+            return self.scale(1.0 / float(other))
+        other = other.repeat_like(self) if other.shape != self.shape else other
+        self._check_broadcast(other, "div")
+        return self._new(lib.ggml_div(self._ctx, self.ptr, other.ptr))
+
+    def __neg__(self) -> Tensor:
+        return self._new(lib.ggml_neg(self._ctx, self.ptr))
+
+    def scale(self, s: float) -> Tensor:
+        return self._new(lib.ggml_scale(self._ctx, self.ptr, float(s)))
+
+    def sqr(self) -> Tensor:
+        return self._new(lib.ggml_sqr(self._ctx, self.ptr))
+
+    def sqrt(self) -> Tensor:
+        return self._new(lib.ggml_sqrt(self._ctx, self.ptr))
+
+    def log(self) -> Tensor:
+        return self._new(lib.ggml_log(self._ctx, self.ptr))
+
+    def exp(self) -> Tensor:
+        return self._new(lib.ggml_exp(self._ctx, self.ptr))
+
+    def relu(self) -> Tensor:
+        return self._new(lib.ggml_relu(self._ctx, self.ptr))
+
+    def silu(self) -> Tensor:
+        return self._new(lib.ggml_silu(self._ctx, self.ptr))
+
+    def softplus(self) -> Tensor:
+        return self._new(lib.ggml_softplus(self._ctx, self.ptr))
+
+    # --- reductions and shape ----------------------------------------------------------
+    def sum(self) -> Tensor:
+        """Sum of all elements (one thread in ggml: a fixed order, thread-count invariant)."""
+        return self._new(lib.ggml_sum(self._ctx, self.ptr), 0)
+
+    def sum_rows(self) -> Tensor:
+        """Sum over the last numpy axis, kept with size 1."""
+        return self._new(lib.ggml_sum_rows(self._ctx, self.ptr))
+
+    def mean_rows(self) -> Tensor:
+        return self.sum_rows().scale(1.0 / self.shape[-1])
+
+    def repeat_like(self, other: Tensor) -> Tensor:
+        self._same_program(other)
+        if not lib.ggml_can_repeat(self.ptr, other.ptr):
+            raise ShapeError(f"repeat: {self.shape} does not repeat into {other.shape}")
+        return self._new(lib.ggml_repeat(self._ctx, self.ptr, other.ptr), other.ndim)
+
+    def reshape(self, *shape: int) -> Tensor:
+        shape = _shape_arg(shape)
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.numel() // known if s == -1 else s for s in shape)
+        if math.prod(shape) != self.numel() or not 1 <= len(shape) <= 4:
+            raise ShapeError(f"reshape: cannot view {self.shape} as {shape}")
+        src = self if self.is_contiguous() else self.cont()
+        ne = list(reversed(shape))
+        fn = (lib.ggml_reshape_1d, lib.ggml_reshape_2d, lib.ggml_reshape_3d, lib.ggml_reshape_4d)[len(ne) - 1]
+        return src._new(fn(self._ctx, src.ptr, *ne), len(shape))
+
+    def permute(self, *axes: int) -> Tensor:
+        """numpy's ``transpose(axes)``: output axis i is input axis ``axes[i]``."""
+        axes = _shape_arg(axes)
+        n = self.ndim
+        if sorted(axes) != list(range(n)):
+            raise ShapeError(f"permute: {axes} is not a permutation of {n} axes")
+        # ggml_permute(a, p): input dim j goes to output position p[j] (ggml dims = reversed).
+        ggml_pos = [0, 1, 2, 3]
+        for out_np, in_np in enumerate(axes):
+            ggml_pos[n - 1 - in_np] = n - 1 - out_np
+        return self._new(lib.ggml_permute(self._ctx, self.ptr, *ggml_pos))
+
+    def transpose(self) -> Tensor:
+        """Swap the last two numpy axes (a view; `cont()` makes it contiguous)."""
+        return self._new(lib.ggml_transpose(self._ctx, self.ptr), max(self.ndim, 2))
+
+    def cont(self) -> Tensor:
+        return self._new(lib.ggml_cont(self._ctx, self.ptr))
+
+    def view_rows(self, start: int, count: int) -> Tensor:
+        """Rows ``[start, start+count)`` of a contiguous 2-D tensor (numpy ``x[start:start+count]``)."""
+        if self.ndim != 2 or not self.is_contiguous():
+            raise ShapeError(f"view_rows needs a contiguous 2-D tensor, got {self!r}")
+        rows, cols = self.shape
+        if not (0 <= start and count > 0 and start + count <= rows):
+            raise ShapeError(f"view_rows: rows [{start}, {start + count}) outside {rows}")
+        nb1 = cols * 4
+        return self._new(lib.ggml_view_2d(self._ctx, self.ptr, cols, count, nb1, start * nb1))
+
+    # --- linear algebra ----------------------------------------------------------------
+    def matmul_t(self, w: Tensor) -> Tensor:
+        """``self @ w.T`` over the last axis: self (..., K), w (N, K) -> (..., N).
+
+        Leading axes are flattened into one 2-D product (one fixed summation order for every
+        shape; ggml's batched and flattened forms give different bits).
+        """
+        self._same_program(w)
+        if w.ndim != 2 or w.shape[1] != self.shape[-1]:
+            raise ShapeError(f"linear: weight {w.shape} does not take inputs {self.shape} "
+                             f"(need ({'N'}, {self.shape[-1]}))")
+        lead = self.shape[:-1]
+        x2 = self.reshape(-1, self.shape[-1]) if self.ndim != 2 else self
+        y = x2._new(lib.ggml_mul_mat(self._ctx, w.ptr, x2.ptr), 2)
+        return y.reshape(*lead, w.shape[0]) if self.ndim != 2 else y
+
+    def bmm_t(self, other: Tensor) -> Tensor:
+        """Batched ``self @ other^T`` over leading axes: (..., M, K) x (..., N, K) -> (..., M, N).
+
+        `other`'s leading axes may be a divisor of `self`'s (GQA: key heads shared by
+        consecutive query heads, as ggml's mul_mat broadcast does).
+        """
+        self._same_program(other)
+        if self.shape[-1] != other.shape[-1] or self.ndim != other.ndim:
+            raise ShapeError(f"bmm: {self.shape} and {other.shape} differ in the contracted axis")
+        a_lead, b_lead = self.shape[:-2], other.shape[:-2]
+        if any(a % b for a, b in zip(a_lead, b_lead)):
+            raise ShapeError(f"bmm: leading axes {b_lead} do not divide {a_lead}")
+        return self._new(lib.ggml_mul_mat(self._ctx, other.ptr, self.ptr))
+
+    # --- nn primitives -----------------------------------------------------------------
+    def rms_norm(self, eps: float) -> Tensor:
+        return self._new(lib.ggml_rms_norm(self._ctx, self.ptr, float(eps)))
+
+    def softmax(self, scale: float = 1.0) -> Tensor:
+        if scale == 1.0:
+            return self._new(lib.ggml_soft_max(self._ctx, self.ptr))
+        return self._new(lib.ggml_soft_max_ext(self._ctx, self.ptr, ffi.NULL, float(scale), 0.0))
+
+    def causal_mask(self) -> Tensor:
+        """-inf above the diagonal of the last two axes (query i sees keys <= i)."""
+        return self._new(lib.ggml_diag_mask_inf(self._ctx, self.ptr, 0))
+
+    def swiglu(self, up: Tensor) -> Tensor:
+        """silu(self) * up."""
+        self._same_program(up)
+        if self.shape != up.shape:
+            raise ShapeError(f"swiglu: gate {self.shape} and up {up.shape} differ")
+        return self._new(lib.ggml_swiglu_split(self._ctx, self.ptr, up.ptr))
+
+    def rope(self, positions: Tensor, n_dims: int, base: float = 10000.0, neox: bool = False) -> Tensor:
+        """Rotary embedding of a (B, T, H, hd) tensor; positions is an i32 input of shape (T,).
+
+        Default mode rotates adjacent pairs (llama.cpp's ``llama`` layout).
+        """
+        if self.ndim != 4 or positions.type != GGML_TYPE_I32 or positions.shape != (self.shape[1],):
+            raise ShapeError(f"rope: need x (B, T, H, hd) and i32 positions (T,), got {self.shape}, "
+                             f"{positions!r}")
+        mode = 2 if neox else 0
+        return self._new(lib.ggml_rope_ext(self._ctx, self.ptr, positions.ptr, ffi.NULL, n_dims, mode,
+                                           0, float(base), 1.0, 0.0, 1.0, 0.0, 0.0))
+
+    def get_rows(self, ids: Tensor) -> Tensor:
+        """Embedding lookup: table (V, D) and i32 ids of any shape -> ids.shape + (D,)."""
+        self._same_program(ids)
+        if self.ndim != 2 or ids.type != GGML_TYPE_I32:
+            raise ShapeError(f"get_rows: need a (V, D) table and i32 ids, got {self!r}, {ids!r}")
+        flat = ids.reshape(ids.numel()) if ids.ndim != 1 else ids
+        rows = flat._new(lib.ggml_get_rows(self._ctx, self.ptr, flat.ptr), 2)
+        return rows.reshape(*ids.shape, self.shape[1]) if ids.ndim != 1 else rows
+
+
+def _shape_arg(shape: Sequence) -> tuple[int, ...]:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return tuple(int(s) for s in shape)

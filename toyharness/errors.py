@@ -1,0 +1,31 @@
+"""Exceptions with a meaning for the user. The CLI maps them to exit codes (DESIGN.md)."""
+
+from __future__ import annotations
+
+
+class ToyharnessError(Exception):
+    """Base class. `exit_code` is what the CLI returns for it."""
+
+    exit_code = 2
+
+
+class InputError(ToyharnessError, ValueError):
+    """Bad user input: options, data, files, shapes, token ids. Exit 2."""
+
+
+class ShapeError(InputError):
+    """A tensor or array whose shape does not fit where it is used."""
+
+
+class GGUFError(InputError):
+    """A GGUF file that is missing, truncated, not a GGUF, or lacks what we need."""
+
+
+class BackendError(InputError):
+    """An unknown backend, or one this build does not include."""
+
+
+class CheckFailed(ToyharnessError):
+    """A check that ran and failed (golden mismatch, NaN loss). Exit 1."""
+
+    exit_code = 1
