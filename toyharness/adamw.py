@@ -21,6 +21,23 @@ from .errors import InputError
 CONVENTIONS = ("bias_corrected", "constant_betas")
 
 
+class HPRow(tuple):
+    """The 7 floats of one step's row, tagged with the convention that produced them."""
+
+    convention: str
+
+    def __new__(cls, values, convention: str) -> HPRow:
+        row = super().__new__(cls, (float(v) for v in values))
+        if len(row) != 7:
+            raise InputError(f"an AdamW row has 7 slots, got {len(row)}")
+        row.convention = convention
+        return row
+
+    @property
+    def lr(self) -> float:
+        return self[0]
+
+
 @dataclass(frozen=True)
 class Schedule:
     """LR schedule for slot 0: ``constant``, or ``cosine`` (linear warmup, cosine decay to min_lr)."""
@@ -59,7 +76,7 @@ class AdamWRow:
             raise InputError(f"adamw_convention: {self.convention!r} is not declared; "
                              f"allowed: {', '.join(CONVENTIONS)}")
 
-    def hp_for_step(self, step: int) -> list[float]:
+    def hp_for_step(self, step: int) -> HPRow:
         """The row for 0-indexed ``step``, slot 0 scaled by the schedule."""
         if step < 0:
             raise InputError(f"step must be >= 0, got {step}")
@@ -70,7 +87,7 @@ class AdamWRow:
             s5, s6 = 1.0 / (1.0 - b1**t), 1.0 / (1.0 - b2**t)
         else:
             s5, s6 = b1, b2
-        return [lr, b1, b2, self.eps, self.weight_decay, s5, s6]
+        return HPRow([lr, b1, b2, self.eps, self.weight_decay, s5, s6], self.convention)
 
     def with_schedule(self, schedule: Schedule) -> AdamWRow:
         return replace(self, schedule=schedule)
@@ -86,7 +103,7 @@ def constant_betas(lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.95, ep
     return AdamWRow("constant_betas", lr, beta1, beta2, eps, weight_decay, schedule or Schedule())
 
 
-def check_convention(row: AdamWRow, declared: str | None) -> None:
+def check_convention(row: AdamWRow | HPRow, declared: str | None) -> None:
     """Raise unless the row's convention is the one the training graph declared."""
     if declared not in CONVENTIONS:
         raise InputError(f"the training graph declares no AdamW convention ({declared!r}); "

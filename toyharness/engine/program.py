@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._ffi import GGML_STATUS_SUCCESS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
-from ..adamw import AdamWRow, check_convention
+from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import InputError, ShapeError
 from .backend import Engine
 from .tensor import Tensor
@@ -426,8 +426,15 @@ class Trainer:
         """Zero gradient accumulators only; the moments survive."""
         lib.ggml_graph_reset(self.gb_grad)
 
-    def step(self, feeds: dict[str, np.ndarray], hp: list[float] | AdamWRow, step_index: int | None = None) -> float:
-        """One training step on one batch; returns the reported (thread-invariant) loss."""
+    def step(self, feeds: dict[str, np.ndarray], hp: HPRow | AdamWRow | list[float],
+             step_index: int | None = None) -> float:
+        """One training step on one batch; returns the reported (thread-invariant) loss.
+
+        `hp` is a step's row (an `HPRow`, whose convention must be the declared one, or 7 bare
+        floats), or an `AdamWRow` evaluated at `step_index` (default: steps done so far).
+        """
+        if isinstance(hp, HPRow):
+            check_convention(hp, self.convention)
         if isinstance(hp, AdamWRow):
             check_convention(hp, self.convention)
             hp = hp.hp_for_step(self.steps_done if step_index is None else step_index)

@@ -1,0 +1,106 @@
+"""GPT-2 from scratch: learned positions, pre-LayerNorm blocks, causal attention with q/k/v/o
+biases, tanh-GELU MLP, final LayerNorm, tied unembedding. AdamW row `bias_corrected`.
+
+Init (the seeds' scheme): matrices and embeddings from the seeded LCG stream with standard
+deviation 0.02, LayerNorm gains 1, biases 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from toyharness.engine import blocks
+from toyharness.init import lcg_scaled
+from toyharness.lm import LMRecipe
+from toyharness.options import Options, choice
+
+
+@dataclass
+class GPT2Options(Options):
+    n_layer: int = 2
+    d_model: int = 128
+    n_head: int = 4
+    t_seq: int = 64
+    t_batch: int = 16
+    lr: float = 3e-3
+    beta2: float = 0.999
+    adamw_convention: str = choice("bias_corrected", ("bias_corrected", "constant_betas"))
+    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    warmup: int = 20
+    steps: int = 600
+    eval_every: int = 100
+    checkpoint_every: int = 200
+
+
+class GPT2(LMRecipe):
+    name = "gpt2"
+    options_class = GPT2Options
+
+    def init_params(self, o: GPT2Options, vocab: int) -> dict[str, np.ndarray]:
+        d = o.d_model
+
+        def mat(name, shape):
+            return lcg_scaled(o.seed, name, shape, 0.02)
+
+        P = {"token_embd.weight": mat("token_embd.weight", (vocab, d)),
+             "position_embd.weight": mat("position_embd.weight", (o.t_seq, d))}
+        for i in range(o.n_layer):
+            b = f"blk.{i}."
+            P[b + "attn_norm.weight"] = np.ones(d, np.float32)
+            P[b + "attn_norm.bias"] = np.zeros(d, np.float32)
+            for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                P[b + part + ".weight"] = mat(b + part + ".weight", (d, d))
+                P[b + part + ".bias"] = np.zeros(d, np.float32)
+            P[b + "ffn_norm.weight"] = np.ones(d, np.float32)
+            P[b + "ffn_norm.bias"] = np.zeros(d, np.float32)
+            P[b + "ffn_up.weight"] = mat(b + "ffn_up.weight", (4 * d, d))
+            P[b + "ffn_up.bias"] = np.zeros(4 * d, np.float32)
+            P[b + "ffn_down.weight"] = mat(b + "ffn_down.weight", (d, 4 * d))
+            P[b + "ffn_down.bias"] = np.zeros(d, np.float32)
+        P["output_norm.weight"] = np.ones(d, np.float32)
+        P["output_norm.bias"] = np.zeros(d, np.float32)
+        if o.untied:
+            P["output.weight"] = mat("output.weight", (vocab, d))
+        return P
+
+    def forward(self, P, tokens, positions, o: GPT2Options):
+        h = P["token_embd.weight"].get_rows(tokens) + P["position_embd.weight"].get_rows(positions)
+        for i in range(o.n_layer):
+            b = f"blk.{i}."
+            x = blocks.layer_norm(h, P[b + "attn_norm.weight"], P[b + "attn_norm.bias"])
+            h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
+                                     P[b + "attn_output.weight"], o.n_head, bq=P[b + "attn_q.bias"],
+                                     bk=P[b + "attn_k.bias"], bv=P[b + "attn_v.bias"], bo=P[b + "attn_output.bias"])
+            x = blocks.layer_norm(h, P[b + "ffn_norm.weight"], P[b + "ffn_norm.bias"])
+            h = h + blocks.gelu_mlp(x, P[b + "ffn_up.weight"], P[b + "ffn_up.bias"], P[b + "ffn_down.weight"],
+                                    P[b + "ffn_down.bias"])
+        h = blocks.layer_norm(h, P["output_norm.weight"], P["output_norm.bias"])
+        return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
+
+    def gguf_metadata(self, o: GPT2Options, vocab: int):
+        return "gpt2", {
+            "gpt2.context_length": o.t_seq, "gpt2.embedding_length": o.d_model,
+            "gpt2.feed_forward_length": 4 * o.d_model, "gpt2.block_count": o.n_layer,
+            "gpt2.attention.head_count": o.n_head, "gpt2.attention.layer_norm_epsilon": 1e-5,
+            "gpt2.vocab_size": vocab, "general.name": "toyharness-gpt2",
+        }
+
+    def export_tensors(self, params, o: GPT2Options):
+        """llama.cpp's gpt2 takes a fused attn_qkv (rows q, k, v)."""
+        out = {}
+        for name, value in params.items():
+            if ".attn_k." in name or ".attn_v." in name:
+                continue
+            if ".attn_q." in name:
+                kind = name.rsplit(".", 1)[1]
+                blk = name.split(".attn_q.")[0]
+                out[f"{blk}.attn_qkv.{kind}"] = np.concatenate(
+                    [params[f"{blk}.attn_{p}.{kind}"] for p in ("q", "k", "v")], axis=0)
+                continue
+            out[name] = value
+        return out
+
+
+recipe = GPT2()

@@ -1,0 +1,99 @@
+"""Llama from scratch: RMSNorm, RoPE (adjacent pairs: llama.cpp's layout, so Q and K export
+as they are), grouped-query attention, SwiGLU MLP, tied or untied output, optional q/k/v
+biases (as Qwen2). AdamW row `constant_betas`.
+
+Init: the seeded xorshift64 Box-Muller stream, standard deviation 0.02 * init_scale for
+matrices and embeddings; norm gains 1, biases 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from toyharness.engine import blocks
+from toyharness.init import normal
+from toyharness.lm import LMRecipe
+from toyharness.options import Options, choice
+
+RMS_EPS = 1e-5
+ROPE_BASE = 10000.0
+
+
+@dataclass
+class LlamaOptions(Options):
+    n_layer: int = 2
+    d_model: int = 128
+    n_head: int = 4
+    n_kv_head: int = 2
+    d_ff: int = 384
+    t_seq: int = 64
+    t_batch: int = 16
+    lr: float = 3e-3
+    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    warmup: int = 20
+    steps: int = 600
+    eval_every: int = 100
+    checkpoint_every: int = 200
+
+
+class Llama(LMRecipe):
+    name = "llama"
+    options_class = LlamaOptions
+
+    def init_params(self, o: LlamaOptions, vocab: int) -> dict[str, np.ndarray]:
+        d, hd = o.d_model, o.d_model // o.n_head
+        std = 0.02 * o.init_scale
+
+        def mat(name, shape):
+            return normal(o.seed, name, shape, std)
+
+        P = {"token_embd.weight": mat("token_embd.weight", (vocab, d))}
+        for i in range(o.n_layer):
+            b = f"blk.{i}."
+            P[b + "attn_norm.weight"] = np.ones(d, np.float32)
+            P[b + "attn_q.weight"] = mat(b + "attn_q.weight", (d, d))
+            P[b + "attn_k.weight"] = mat(b + "attn_k.weight", (o.n_kv_head * hd, d))
+            P[b + "attn_v.weight"] = mat(b + "attn_v.weight", (o.n_kv_head * hd, d))
+            if o.qkv_bias:
+                P[b + "attn_q.bias"] = np.zeros(d, np.float32)
+                P[b + "attn_k.bias"] = np.zeros(o.n_kv_head * hd, np.float32)
+                P[b + "attn_v.bias"] = np.zeros(o.n_kv_head * hd, np.float32)
+            P[b + "attn_output.weight"] = mat(b + "attn_output.weight", (d, d))
+            P[b + "ffn_norm.weight"] = np.ones(d, np.float32)
+            P[b + "ffn_gate.weight"] = mat(b + "ffn_gate.weight", (o.d_ff, d))
+            P[b + "ffn_up.weight"] = mat(b + "ffn_up.weight", (o.d_ff, d))
+            P[b + "ffn_down.weight"] = mat(b + "ffn_down.weight", (d, o.d_ff))
+        P["output_norm.weight"] = np.ones(d, np.float32)
+        if o.untied:
+            P["output.weight"] = mat("output.weight", (vocab, d))
+        return P
+
+    def forward(self, P, tokens, positions, o: LlamaOptions):
+        h = P["token_embd.weight"].get_rows(tokens)
+        for i in range(o.n_layer):
+            b = f"blk.{i}."
+            x = blocks.rms_norm(h, P[b + "attn_norm.weight"], RMS_EPS)
+            h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
+                                     P[b + "attn_output.weight"], o.n_head, o.n_kv_head,
+                                     bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
+                                     bv=P.get(b + "attn_v.bias"), rope_positions=positions, rope_base=ROPE_BASE)
+            x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], RMS_EPS)
+            h = h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
+        h = blocks.rms_norm(h, P["output_norm.weight"], RMS_EPS)
+        return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
+
+    def gguf_metadata(self, o: LlamaOptions, vocab: int):
+        arch = "qwen2" if o.qkv_bias else "llama"
+        return arch, {
+            f"{arch}.context_length": o.t_seq, f"{arch}.embedding_length": o.d_model,
+            f"{arch}.feed_forward_length": o.d_ff, f"{arch}.block_count": o.n_layer,
+            f"{arch}.attention.head_count": o.n_head, f"{arch}.attention.head_count_kv": o.n_kv_head,
+            f"{arch}.attention.layer_norm_rms_epsilon": RMS_EPS, f"{arch}.rope.freq_base": ROPE_BASE,
+            f"{arch}.rope.dimension_count": o.d_model // o.n_head, f"{arch}.vocab_size": vocab,
+            "general.name": "toyharness-llama",
+        }
+
+
+recipe = Llama()

@@ -1,0 +1,204 @@
+"""toyharness command line. Exit codes: 0 ok, 1 a check failed, 2 usage or input error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import CheckFailed, ToyharnessError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse exits 2 too; keep its one-line style
+        self.print_usage(sys.stderr)
+        self.exit(2, f"toyharness: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    sub.add_parser("recipes", help="list installed recipes (name, distribution, version)",
+                   description="List every recipe found through the toyharness.recipes entry points.")
+
+    r = sub.add_parser("run", help="train a recipe and write a run folder",
+                       description="Train RECIPE and write its run folder (config.toml, metrics.jsonl, "
+                                   "summary.json, loss.png, checkpoint.gguf, model.gguf).")
+    r.add_argument("recipe")
+    r.add_argument("--steps", type=int, help="number of training steps (default: the recipe's)")
+    r.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
+    r.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
+    r.add_argument("--config", help="TOML file of options")
+    r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one option (repeatable; wins over --config)")
+    r.add_argument("--out", help="run folder (default: runs/RECIPE-TIMESTAMP)")
+    r.add_argument("--save-init", action="store_true", help="write init.gguf: every parameter before step 0")
+    r.add_argument("--save-batches", action="store_true", help="write batches.npz: every step's exact inputs")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its checkpoint, bit for bit")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    g = sub.add_parser("golden", help="check or record golden losses",
+                       description="Compare each recipe's first 16 losses with goldens/<fingerprint>/, bit for bit.")
+    g.add_argument("action", choices=["check", "record"])
+    g.add_argument("recipes", nargs="*", help="default: every installed recipe")
+    g.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
+    g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
+
+    b = sub.add_parser("bench", help="time training steps (ms/step, tokens/s, peak RSS); writes bench.json",
+                       description="Time each recipe's training step at its default config.")
+    b.add_argument("recipes", nargs="*")
+    b.add_argument("--steps", type=int, default=10, help="timed steps after 3 warm-up steps")
+    b.add_argument("--threads", type=int)
+    b.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
+    b.add_argument("--out", default="bench.json")
+
+    s = sub.add_parser("sample", help="generate text from a trained language model",
+                       description="Sample text from RUN_DIR's model (checkpoint.gguf), forward only.")
+    s.add_argument("run_dir")
+    s.add_argument("--prompt", default="")
+    s.add_argument("--tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--top-k", type=int, default=40)
+    s.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
+                "sample": cmd_sample}[args.command](args)
+    except ToyharnessError as exc:
+        print(f"toyharness: {'check failed' if isinstance(exc, CheckFailed) else 'error'}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("toyharness: interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_recipes(args) -> int:
+    from .plugins import discover
+
+    for name, e in discover().items():
+        print(f"{name:<14} {e.distribution} {e.version}  ({e.value})")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .runner import train
+
+    summary = train(args.recipe, steps=args.steps, backend=args.backend, threads=args.threads, config=args.config,
+                    sets=args.sets, out=args.out, save_init=args.save_init, save_batches=args.save_batches,
+                    resume=args.resume, progress=not args.no_progress)
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{summary['recipe']} — {summary['out_dir']}", show_header=False)
+    for k in ("steps", "final_loss", "best_loss", "eval_loss", "accuracy", "wall_s", "steps_per_s", "peak_rss_mb",
+              "backend", "threads"):
+        if k in summary and summary[k] is not None:
+            v = summary[k]
+            t.add_row(k, f"{v:.4f}" if isinstance(v, float) and k.endswith(("loss", "accuracy")) else str(v))
+    Console().print(t)
+
+
+def cmd_golden(args) -> int:
+    from . import goldens
+    from .plugins import discover
+
+    root = Path(args.dir) if args.dir else None
+    names = args.recipes or list(discover())
+    failed = 0
+    for name in names:
+        if args.action == "record":
+            print(f"recorded {goldens.record(name, args.backend, root)}")
+            continue
+        try:
+            path, mismatch = goldens.check(name, args.backend, root)
+        except FileNotFoundError as exc:
+            print(f"SKIP {name}: {exc}")
+            continue
+        if mismatch:
+            failed += 1
+            print(f"FAIL {mismatch}")
+        else:
+            print(f"ok   {name} ({path})")
+    return 1 if failed else 0
+
+
+def cmd_bench(args) -> int:
+    import numpy as np
+
+    from .engine import get_engine
+    from .hookspecs import plugin_manager
+    from .plugins import discover, get_recipe
+    from .runner import atomic_write, batch_for, items_per_batch, load_data, peak_rss_mb, resolve_options
+
+    results = {}
+    engine = get_engine(args.backend, args.threads)
+    for name in args.recipes or list(discover()):
+        _, obj = get_recipe(name)
+        opts = resolve_options(obj, None, [], {})
+        pm = plugin_manager(obj)
+        data = load_data(pm, opts)
+        model = pm.hook.realize(engine=engine, options=opts, data=data)
+        times = []
+        for i in range(3 + args.steps):
+            batch = batch_for(data, "train", i, opts)
+            row = pm.hook.hp(options=opts, step=i)
+            t0 = time.perf_counter()
+            pm.hook.step(model=model, batch=batch, hp=row)
+            if i >= 3:
+                times.append((time.perf_counter() - t0) * 1000)
+        ms = float(np.median(times))
+        results[name] = {"ms_per_step": round(ms, 3),
+                         "items_per_s": round(items_per_batch(data, opts) / (ms / 1000), 1),
+                         "peak_rss_mb": round(peak_rss_mb(), 1)}
+        print(f"{name:<12} {ms:9.2f} ms/step  {results[name]['items_per_s']:>12,.0f} items/s")
+    doc = {"threads": engine.threads, "backend": engine.backend, "fingerprint": engine.fingerprint(),
+           "steps": args.steps, "recipes": results}
+    atomic_write(Path(args.out), json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import tomllib
+
+    from .data import decode_bytes
+    from .errors import InputError
+    from .lm import LMRecipe, sample_text
+    from .plugins import get_recipe
+    from .runner import resolve_options
+
+    run_dir = Path(args.run_dir)
+    cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
+    if not cfg_path.is_file() or not ckpt.is_file():
+        raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
+    cfg = tomllib.loads(cfg_path.read_text())
+    _, obj = get_recipe(cfg.get("recipe", "?"))
+    if not isinstance(obj, LMRecipe):
+        raise InputError(f"recipe {cfg.get('recipe')!r} is not a language model")
+    opts = resolve_options(obj, str(cfg_path), [], {})
+    from .runner import load_data
+    from .hookspecs import plugin_manager
+
+    data = load_data(plugin_manager(obj), opts)
+    if not data.byte_level:
+        raise InputError("sampling text needs a byte-level model (this run used pre-tokenized ids)")
+    model = obj.load_for_sampling(ckpt, opts, data.vocab)
+    prompt = list(args.prompt.encode("utf-8"))
+    out = sample_text(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + decode_bytes(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Golden files: each recipe's first N losses, bit for bit, per backend fingerprint.
+
+``goldens/<fingerprint>/<recipe>.yml`` holds the recipe, its resolved options, the ggml
+version, N, and each step's loss as float32 hex bits plus a readable decimal. A check is
+exact on the bits; a mismatch names the first diverging step, both values, the distance in
+ULPs, and how many later steps differ.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .errors import InputError
+from .runner import GGML_VERSION, atomic_write, float_hex, train
+
+GOLDEN_STEPS = 16
+# A small fixed config per recipe family: fast, and it exercises every block.
+GOLDEN_SETS = ["n_layer=1", "d_model=32", "n_head=2", "t_seq=16", "t_batch=2", "eval_every=1000",
+               "checkpoint_every=1000", "warmup=2", "seed=7"]
+
+
+def golden_root() -> Path:
+    env = os.environ.get("TOYHARNESS_GOLDENS")
+    if env:
+        return Path(env)
+    return Path.cwd() / "goldens"
+
+
+def golden_sets_for(recipe: str) -> list[str]:
+    """The fixed config: options the recipe does not have are left out."""
+    from .plugins import get_recipe
+    from .runner import resolve_options
+
+    _, obj = get_recipe(recipe)
+    cls = resolve_options(obj, None, [], {}).__class__
+    fields = set(cls.__dataclass_fields__)
+    sets = [s for s in GOLDEN_SETS if s.split("=")[0] in fields]
+    if recipe == "llama":
+        sets += ["n_kv_head=1", "d_ff=48"]
+    return sets
+
+
+def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None) -> dict:
+    """Run the golden config; return the golden document (not written)."""
+    from .engine import get_engine
+
+    seen: list[float] = []
+
+    class Collect:
+        from .hookspecs import hookimpl
+
+        @hookimpl
+        def step_end(self, run, step, loss, lr, ms, tokens_per_s):
+            seen.append(loss)
+            self.options = run.options
+
+    collector = Collect()
+    sets = golden_sets_for(recipe) + list(extra_sets or [])
+    train(recipe, steps=GOLDEN_STEPS, backend=backend, threads=threads, sets=sets, observers=(collector,),
+          progress=False, write_files=False)
+    fp = get_engine(backend).fingerprint()
+    return {"recipe": recipe, "fingerprint": fp, "ggml_version": GGML_VERSION, "steps": GOLDEN_STEPS,
+            "options": collector.options.to_dict(),
+            "losses": [{"step": i, "hex": float_hex(x), "value": float(np.float32(x))} for i, x in enumerate(seen)]}
+
+
+def path_for(recipe: str, fingerprint: str, root: Path | None = None) -> Path:
+    return (root or golden_root()) / fingerprint / f"{recipe}.yml"
+
+
+def record(recipe: str, backend: str = "cpu", root: Path | None = None) -> Path:
+    doc = compute(recipe, backend)
+    path = path_for(recipe, doc["fingerprint"], root)
+    atomic_write(path, yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def hex_to_f32(h: str) -> np.float32:
+    return np.frombuffer(struct.pack("<I", int(h, 16)), dtype=np.float32)[0]
+
+
+def ulp_distance(a_hex: str, b_hex: str) -> int:
+    """Distance in float32 units in the last place (sign-magnitude mapped to a line)."""
+    def ordinal(h: str) -> int:
+        bits = int(h, 16)
+        return bits if bits < 0x80000000 else 0x80000000 - bits
+    return abs(ordinal(a_hex) - ordinal(b_hex))
+
+
+@dataclass
+class Mismatch:
+    recipe: str
+    fingerprint: str
+    step: int
+    expected_hex: str
+    actual_hex: str
+    later_differing: int
+    total: int
+
+    def __str__(self) -> str:
+        e, a = hex_to_f32(self.expected_hex), hex_to_f32(self.actual_hex)
+        return (f"golden mismatch: recipe {self.recipe} on {self.fingerprint}: first diverging step {self.step}: "
+                f"expected {self.expected_hex} ({e!r}) got {self.actual_hex} ({a!r}), "
+                f"{ulp_distance(self.expected_hex, self.actual_hex)} ULP apart; "
+                f"{self.later_differing} of the {self.total - self.step - 1} later steps differ too")
+
+
+def compare(expected: dict, actual: dict) -> Mismatch | None:
+    exp = [x["hex"] for x in expected["losses"]]
+    act = [x["hex"] for x in actual["losses"]]
+    if len(exp) != len(act):
+        raise InputError(f"golden for {expected['recipe']} holds {len(exp)} steps, the run made {len(act)}")
+    for i, (e, a) in enumerate(zip(exp, act)):
+        if e != a:
+            later = sum(1 for x, y in zip(exp[i + 1:], act[i + 1:]) if x != y)
+            return Mismatch(expected["recipe"], expected["fingerprint"], i, e, a, later, len(exp))
+    return None
+
+
+def load(path: Path) -> dict:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InputError(f"golden {path}: not valid YAML ({exc})") from None
+    if not isinstance(doc, dict) or "losses" not in doc:
+        raise InputError(f"golden {path}: no 'losses' list")
+    return doc
+
+
+def check(recipe: str, backend: str = "cpu", root: Path | None = None) -> tuple[Path, Mismatch | None]:
+    """Compare a fresh run with the stored golden. Missing golden: FileNotFoundError."""
+    from .engine import get_engine
+
+    path = path_for(recipe, get_engine(backend).fingerprint(), root)
+    if not path.is_file():
+        raise FileNotFoundError(f"no golden for {recipe} at {path}; record one with "
+                                f"`toyharness golden record {recipe}`")
+    return path, compare(load(path), compute(recipe, backend))

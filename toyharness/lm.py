@@ -1,0 +1,159 @@
+"""What every language-model recipe shares: the program around a recipe's forward, the
+training step, evaluation, export and sampling. A recipe supplies three things:
+
+- ``init_params(options, vocab) -> {gguf_name: ndarray}``  (seeded init)
+- ``forward(P, tokens, positions, options) -> logits``      (composing engine blocks)
+- ``gguf_metadata(options, vocab) -> (arch, {key: value})`` and, if its names differ from
+  what llama.cpp expects, ``export_tensors(params, options) -> {name: ndarray}``
+
+Parameters are named with llama.cpp's GGUF names from the start, so checkpoints,
+``init.gguf`` and ``model.gguf`` share one naming.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .engine import GGUFFile, Program, Tensor, get_engine, write_gguf
+from .errors import GGUFError, InputError
+from .hookspecs import hookimpl
+
+
+class LanguageModel:
+    """A recipe's forward wrapped with inputs, loss and trainer on one program."""
+
+    def __init__(self, recipe: LMRecipe, engine, options, vocab: int, params: dict[str, np.ndarray],
+                 trainable: bool = True, batch: int | None = None, seq: int | None = None):
+        self.recipe, self.options, self.vocab = recipe, options, vocab
+        self.batch = batch or options.t_batch
+        self.seq = seq or options.t_seq
+        self.prog: Program = engine.program()
+        self.P: dict[str, Tensor] = {name: self.prog.param(name, value, trainable=trainable)
+                                     for name, value in params.items()}
+        self.tokens = self.prog.input("tokens", (self.batch, self.seq), "i32", upper=vocab)
+        self.positions = self.prog.constant("positions", np.arange(self.seq, dtype=np.int32))
+        self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
+        if self.logits.shape != (self.batch, self.seq, vocab):
+            raise InputError(f"recipe {recipe.name}: forward gave logits {self.logits.shape}, "
+                             f"expected {(self.batch, self.seq, vocab)}")
+        self.convention = options.adamw_convention
+        if trainable:
+            self.loss = self.prog.cross_entropy(self.logits, "targets")
+            self.trainer = self.prog.trainer(self.loss, self.convention)
+        else:
+            self.trainer = None
+        self._logits_graph = None
+
+    def step(self, batch: dict, hp) -> float:
+        return self.trainer.step(batch, hp)
+
+    def evaluate(self, batch: dict) -> dict:
+        return {"loss": self.trainer.eval_loss(batch)}
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {name: self.prog.read(t) for name, t in self.P.items()}
+
+    def next_logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Logits (batch, seq, vocab) of a forward-only graph."""
+        if self._logits_graph is None:
+            self._logits_graph = self.prog.forward({"logits": self.logits})
+        return self._logits_graph.run({"tokens": tokens})["logits"]
+
+
+class LMRecipe:
+    """Hook implementations shared by language-model recipes (subclass and fill the three parts)."""
+
+    name = "lm"
+    options_class: type = None
+
+    # --- what a recipe supplies ------------------------------------------------------------
+    def init_params(self, options, vocab: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def forward(self, P: dict[str, Tensor], tokens: Tensor, positions: Tensor, options) -> Tensor:
+        raise NotImplementedError
+
+    def gguf_metadata(self, options, vocab: int) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def export_tensors(self, params: dict[str, np.ndarray], options) -> dict[str, np.ndarray]:
+        return params
+
+    # --- hooks ---------------------------------------------------------------------------------
+    @hookimpl
+    def options(self):
+        return self.options_class
+
+    @hookimpl
+    def realize(self, engine, options, data):
+        return LanguageModel(self, engine, options, data.vocab, self.init_params(options, data.vocab))
+
+    @hookimpl
+    def hp(self, options, step):
+        return options.adamw_row().hp_for_step(step)
+
+    @hookimpl
+    def step(self, model, batch, hp):
+        return model.step(batch, hp)
+
+    @hookimpl
+    def evaluate(self, model, batch):
+        return model.evaluate(batch)
+
+    @hookimpl
+    def export(self, model, options, out_dir):
+        arch, meta = self.gguf_metadata(options, model.vocab)
+        tensors = self.export_tensors(model.params(), options)
+        return [write_gguf(Path(out_dir) / "model.gguf", arch, tensors, meta)]
+
+    # --- loading a trained model back (sampling) -----------------------------------------------
+    def load_for_sampling(self, path: Path, options, vocab: int, backend: str = "cpu",
+                          threads: int | None = None) -> LanguageModel:
+        """The model from a run folder's init/checkpoint naming (our parameter names), batch 1."""
+        with GGUFFile(path) as f:
+            expected = self.init_params(options, vocab)
+            params = {}
+            for name, value in expected.items():
+                params[name] = f.tensor(name, expect_shape=value.shape).to_numpy()
+        return LanguageModel(self, get_engine(backend, threads), options, vocab, params, trainable=False,
+                             batch=1, seq=options.t_seq)
+
+
+def sample_text(model: LanguageModel, prompt_ids: list[int], n_tokens: int, temperature: float, top_k: int,
+                seed: int) -> list[int]:
+    """Autoregressive sampling with a fixed-length causal forward (the prompt left-aligned)."""
+    if temperature < 0:
+        raise InputError(f"--temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise InputError(f"--top-k must be >= 0, got {top_k}")
+    rng = np.random.default_rng(seed)
+    ids = list(prompt_ids) or [ord("\n")]
+    seq = model.seq
+    for _ in range(n_tokens):
+        window = ids[-seq:]
+        buf = np.zeros((1, seq), dtype=np.int32)
+        buf[0, :len(window)] = window
+        logits = model.next_logits(buf)[0, len(window) - 1].astype(np.float64)
+        if temperature == 0:
+            nxt = int(np.argmax(logits))
+        else:
+            logits = logits / temperature
+            if 0 < top_k < len(logits):
+                cutoff = np.sort(logits)[-top_k]
+                logits = np.where(logits < cutoff, -np.inf, logits)
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            nxt = int(rng.choice(len(p), p=p))
+        ids.append(nxt)
+    return ids[len(prompt_ids) or 1:]
+
+
+def read_params_gguf(path: Path, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    with GGUFFile(path) as f:
+        missing = [n for n in expected if n not in f.names]
+        if missing:
+            raise GGUFError(f"{path}: missing tensors {missing[:5]}")
+        return {n: f.tensor(n, expect_shape=v.shape).to_numpy() for n, v in expected.items()}

@@ -1,0 +1,158 @@
+"""Typed options: recipe defaults, then a TOML file, then ``--set key=value`` (later wins).
+
+A recipe declares its options as a dataclass deriving from `Options`; each field's type
+(and, for a closed set, ``metadata={"choices": ...}``) is what values are checked against.
+Unknown keys and bad values raise `InputError` naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .adamw import CONVENTIONS, AdamWRow, Schedule
+from .errors import InputError
+
+
+def choice(default: Any, choices: tuple) -> Any:
+    return field(default=default, metadata={"choices": choices})
+
+
+@dataclass
+class Options:
+    """Options every recipe has (DESIGN.md, "Options")."""
+
+    t_seq: int = 64
+    t_batch: int = 8
+    weight_dtype: str = choice("f32", ("f32", "f16", "bf16"))
+    untied: bool = False
+    qkv_bias: bool = False
+    seed: int = 1337
+    init_scale: float = 1.0
+    # the AdamW row
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adamw_convention: str = choice("constant_betas", CONVENTIONS)
+    lr_schedule: str = choice("constant", ("constant", "cosine"))
+    warmup: int = 0
+    # the loop
+    steps: int = 200
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    data: str = "default"
+
+    def adamw_row(self, total_steps: int | None = None) -> AdamWRow:
+        schedule = Schedule(self.lr_schedule, self.warmup, total_steps or self.steps)
+        return AdamWRow(self.adamw_convention, self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, schedule)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _allowed_keys(cls: type[Options]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def convert(cls: type[Options], key: str, raw: Any) -> Any:
+    """Convert `raw` (a TOML value or a --set string) to the type of field `key`."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if key not in fields:
+        raise InputError(f"unknown option {key!r}; allowed: {', '.join(_allowed_keys(cls))}")
+    f = fields[key]
+    hints = typing.get_type_hints(cls)
+    typ = hints[key]
+    choices = f.metadata.get("choices")
+    try:
+        if typ is bool:
+            if isinstance(raw, bool):
+                value = raw
+            elif str(raw).lower() in ("true", "1", "yes", "on"):
+                value = True
+            elif str(raw).lower() in ("false", "0", "no", "off"):
+                value = False
+            else:
+                raise ValueError
+        elif typ is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            value = int(raw)
+        elif typ is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            value = float(raw)
+        elif typ is str:
+            value = str(raw)
+        elif typing.get_origin(typ) is tuple or typ == tuple[str, ...]:
+            value = tuple(raw) if isinstance(raw, (list, tuple)) else tuple(s.strip() for s in str(raw).split(",") if s.strip())
+        else:
+            value = raw
+    except (TypeError, ValueError):
+        kind = getattr(typ, "__name__", str(typ))
+        raise InputError(f"option {key!r}: {raw!r} is not a valid {kind}") from None
+    if choices is not None:
+        items = value if isinstance(value, tuple) else (value,)
+        bad = [v for v in items if v not in choices]
+        if bad:
+            raise InputError(f"option {key!r}: {bad[0]!r} is not allowed; allowed: {', '.join(map(str, choices))}")
+    return value
+
+
+def parse_set(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise InputError(f"--set {item!r}: expected key=value")
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"config file {path} not found")
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"config file {path}: not valid TOML ({exc})") from None
+    # config.toml of a run folder holds extra bookkeeping keys: not options.
+    for extra in ("recipe", "ggml_version", "backend", "fingerprint", "threads", "toyharness_version"):
+        data.pop(extra, None)
+    return data
+
+
+def resolve(cls: type[Options], toml: dict[str, Any] | None = None, sets: list[str] | None = None,
+            overrides: dict[str, Any] | None = None) -> Options:
+    """Recipe defaults <- TOML <- --set <- overrides (CLI flags such as --steps)."""
+    values: dict[str, Any] = {}
+    for key, raw in (toml or {}).items():
+        values[key] = convert(cls, key, raw)
+    for item in sets or []:
+        key, raw = parse_set(item)
+        values[key] = convert(cls, key, raw)
+    for key, raw in (overrides or {}).items():
+        values[key] = convert(cls, key, raw)
+    opts = cls(**values)
+    validate(opts)
+    return opts
+
+
+def validate(opts: Options) -> None:
+    positive = ["t_seq", "t_batch", "steps", "eval_every", "eval_batches", "checkpoint_every"]
+    for key in positive:
+        if getattr(opts, key) <= 0:
+            raise InputError(f"option {key!r}: must be > 0, got {getattr(opts, key)}")
+    for key in ("lr", "eps"):
+        if not getattr(opts, key) > 0:
+            raise InputError(f"option {key!r}: must be > 0, got {getattr(opts, key)}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(opts, key) < 1:
+            raise InputError(f"option {key!r}: must be in [0, 1), got {getattr(opts, key)}")
+    if opts.warmup < 0 or opts.weight_decay < 0 or opts.init_scale <= 0:
+        raise InputError("options 'warmup' and 'weight_decay' must be >= 0 and 'init_scale' > 0")

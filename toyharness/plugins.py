@@ -1,0 +1,54 @@
+"""Recipe discovery through the ``toyharness.recipes`` entry point group.
+
+Built-in recipes are registered by this distribution's own entry points, exactly like
+third-party ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from .errors import InputError
+
+GROUP = "toyharness.recipes"
+
+
+@dataclass
+class RecipeEntry:
+    name: str
+    value: str            # "module:object"
+    distribution: str
+    version: str
+    entry_point: Any
+
+    def load(self) -> Any:
+        try:
+            return self.entry_point.load()
+        except Exception as exc:
+            raise InputError(f"recipe {self.name!r} from distribution {self.distribution} {self.version} "
+                             f"failed to import ({self.value}): {type(exc).__name__}: {exc}") from exc
+
+
+def discover() -> dict[str, RecipeEntry]:
+    """Every installed recipe by name. Two distributions claiming one name is an error."""
+    found: dict[str, RecipeEntry] = {}
+    for ep in metadata.entry_points(group=GROUP):
+        dist = ep.dist.name if ep.dist else "?"
+        version = ep.dist.version if ep.dist else "?"
+        entry = RecipeEntry(ep.name, ep.value, dist, version, ep)
+        other = found.get(ep.name)
+        if other is not None and other.distribution != dist:
+            raise InputError(f"recipe name {ep.name!r} is claimed by two distributions: "
+                             f"{other.distribution} ({other.value}) and {dist} ({ep.value})")
+        found[ep.name] = entry
+    return dict(sorted(found.items()))
+
+
+def get_recipe(name: str) -> tuple[RecipeEntry, Any]:
+    recipes = discover()
+    if name not in recipes:
+        raise InputError(f"unknown recipe {name!r}; installed: {', '.join(recipes) or 'none'}")
+    entry = recipes[name]
+    return entry, entry.load()

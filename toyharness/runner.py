@@ -1,0 +1,304 @@
+"""The training loop and a run's folder (DESIGN.md, "A run's folder").
+
+Every file is written atomically (temporary name, then rename). metrics.jsonl is rewritten
+whole at each checkpoint and at the end, so after a kill it holds exactly the steps that the
+checkpoint beside it covers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .adamw import HPRow, check_convention
+from .data import load_text_data
+from .engine import GGUFFile, get_engine, write_gguf
+from .engine.gguf_io import GGUFError
+from .errors import CheckFailed, InputError
+from .hookspecs import plugin_manager
+from .options import Options, load_toml, resolve
+from .plugins import get_recipe
+
+GGML_VERSION = "0.25.3"
+
+
+def float_hex(x: float) -> str:
+    """float32 bits as 0x + 8 hex digits."""
+    return "0x%08x" % struct.unpack("<I", struct.pack("<f", np.float32(x)))[0]
+
+
+def atomic_write(path: Path, data: bytes | str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class Run:
+    recipe: str
+    options: Options
+    out_dir: Path
+    engine: Any
+    entry: Any = None
+    metrics: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+
+
+def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
+    pm = plugin_manager(recipe_obj)
+    cls = pm.hook.options()
+    if cls is None:
+        raise InputError("the recipe implements no `options` hook")
+    toml = load_toml(config) if config else {}
+    return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
+
+
+def load_data(pm, options):
+    data = pm.hook.load_data(options=options)
+    if data is None:
+        data = load_text_data(options.data)
+    data.check(options) if hasattr(data, "check") else data.check_fits(options.t_seq)
+    return data
+
+
+def batch_for(data, split: str, index: int, options) -> dict[str, np.ndarray]:
+    if hasattr(data, "step_batch"):
+        return data.step_batch(split, index, options)
+    x, y = data.batch(split, index, options.t_batch, options.t_seq, options.seed)
+    return {"tokens": x, "targets": y}
+
+
+def items_per_batch(data, options) -> int:
+    if hasattr(data, "items_per_batch"):
+        return data.items_per_batch(options)
+    return options.t_batch * options.t_seq
+
+
+def config_toml(run: Run, threads: int) -> str:
+    import tomli_w
+
+    doc = {"recipe": run.recipe, **run.options.to_dict(), "ggml_version": GGML_VERSION,
+           "backend": run.engine.backend, "fingerprint": run.engine.fingerprint(), "threads": threads,
+           "toyharness_version": __version__}
+    return tomli_w.dumps(doc)
+
+
+def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: int | None = None,
+          config: str | None = None, sets: list[str] | None = None, out: str | None = None,
+          save_init: bool = False, save_batches: bool = False, resume: str | None = None,
+          observers: tuple = (), progress: bool = True, write_files: bool = True) -> dict:
+    """Run a recipe; return the summary. Raises InputError (exit 2) or CheckFailed (exit 1)."""
+    resume_dir = Path(resume) if resume else None
+    if resume_dir is not None:
+        if not (resume_dir / "config.toml").is_file() or not (resume_dir / "checkpoint.gguf").is_file():
+            raise InputError(f"--resume {resume_dir}: needs config.toml and checkpoint.gguf there")
+        import tomllib
+
+        saved = tomllib.loads((resume_dir / "config.toml").read_text())
+        if saved.get("recipe") != recipe:
+            raise InputError(f"--resume {resume_dir}: that run is recipe {saved.get('recipe')!r}, not {recipe!r}")
+        config = str(resume_dir / "config.toml")
+    entry, recipe_obj = get_recipe(recipe)
+    options = resolve_options(recipe_obj, config, sets, {"steps": steps})
+    pm = plugin_manager(recipe_obj, *observers)
+    data = load_data(pm, options)
+    engine = get_engine(backend, threads)
+    out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run = Run(recipe, options, out_dir, engine, entry)
+
+    model = pm.hook.realize(engine=engine, options=options, data=data)
+    trainer = model.trainer
+    start = 0
+    if resume_dir is not None:
+        start = load_checkpoint(resume_dir / "checkpoint.gguf", trainer, options)
+        run.metrics = [json.loads(line) for line in (resume_dir / "metrics.jsonl").read_text().splitlines()
+                       if line.strip()][:start] if (resume_dir / "metrics.jsonl").is_file() else []
+
+    # The row's convention must match the graph's before any step runs.
+    first_row = pm.hook.hp(options=options, step=start)
+    if not isinstance(first_row, HPRow):
+        raise InputError(f"recipe {recipe}: the hp hook must return an HPRow (7 floats + convention)")
+    check_convention(first_row, model.convention)
+
+    if write_files:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(out_dir / "config.toml", config_toml(run, engine.threads))
+        if save_init and resume_dir is None:
+            write_gguf(out_dir / "init.gguf", f"toyharness-{recipe}", trainer_params(trainer))
+    pm.hook.run_start(run=run)
+
+    batches_log: dict[str, list] = {}
+    per_batch = items_per_batch(data, options)
+    t_run = time.perf_counter()
+    bar = _Progress(options.steps - start, recipe, enabled=progress)
+    try:
+        for i in range(start, options.steps):
+            batch = batch_for(data, "train", i, options)
+            if save_batches:
+                for k, v in batch.items():
+                    batches_log.setdefault(k, []).append(v)
+            row = pm.hook.hp(options=options, step=i)
+            t0 = time.perf_counter()
+            loss = float(np.float32(pm.hook.step(model=model, batch=batch, hp=row)))
+            ms = (time.perf_counter() - t0) * 1000
+            if not math.isfinite(loss):
+                raise CheckFailed(f"{recipe}: loss is {loss} at step {i}; stopping (lr {row.lr:g})")
+            tps = per_batch / (ms / 1000) if ms > 0 else 0.0
+            run.metrics.append({"step": i, "loss": loss, "loss_hex": float_hex(loss), "lr": row.lr,
+                                "ms": round(ms, 3), "tokens_per_s": round(tps, 1)})
+            pm.hook.step_end(run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps)
+            done = i + 1
+            if (done % options.eval_every == 0) or done == options.steps:
+                ev = evaluate(pm, model, data, options)
+                ev["step"] = i
+                run.evals.append(ev)
+            bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None)
+            if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
+                save_checkpoint(out_dir, trainer, options, done)
+                atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
+    finally:
+        bar.close()
+
+    wall = time.perf_counter() - t_run
+    losses = [m["loss"] for m in run.metrics]
+    summary = {"recipe": recipe, "steps": len(run.metrics), "final_loss": losses[-1] if losses else None,
+               "best_loss": min(losses) if losses else None,
+               "eval_loss": run.evals[-1]["loss"] if run.evals else None, "wall_s": round(wall, 3),
+               "steps_per_s": round((options.steps - start) / wall, 3) if wall > 0 else None,
+               "peak_rss_mb": round(peak_rss_mb(), 1), "backend": engine.backend, "threads": engine.threads}
+    if run.evals and "accuracy" in run.evals[-1]:
+        summary["accuracy"] = run.evals[-1]["accuracy"]
+    if write_files:
+        if save_batches:
+            save_batches_npz(out_dir / "batches.npz", batches_log)
+        pm.hook.export(model=model, options=options, out_dir=out_dir)
+        atomic_write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        plot_loss(out_dir / "loss.png", run)
+    summary["out_dir"] = str(out_dir)
+    pm.hook.run_end(run=run, summary=summary)
+    return summary
+
+
+def evaluate(pm, model, data, options) -> dict:
+    total, correct, count = 0.0, 0, 0
+    for j in range(options.eval_batches):
+        res = pm.hook.evaluate(model=model, batch=batch_for(data, "eval", j, options))
+        total += res["loss"]
+        correct += res.get("correct", 0)
+        count += res.get("count", 0)
+    out = {"loss": total / options.eval_batches}
+    if count:
+        out["accuracy"] = correct / count
+    return out
+
+
+def trainer_params(trainer) -> dict[str, np.ndarray]:
+    return {name: trainer.prog.read(t) for name, t in trainer.prog.params.items()}
+
+
+def save_checkpoint(out_dir: Path, trainer, options: Options, steps_done: int) -> None:
+    meta = {"toyharness.step": steps_done, "toyharness.data_position": steps_done * options.t_batch,
+            "toyharness.seed": options.seed}
+    write_gguf(out_dir / "checkpoint.gguf", "toyharness-checkpoint", trainer.state(), meta)
+
+
+def load_checkpoint(path: Path, trainer, options: Options) -> int:
+    with GGUFFile(path) as f:
+        step = f.require_field("toyharness.step")
+        seed = f.require_field("toyharness.seed")
+        if int(seed) != options.seed:
+            raise GGUFError(f"{path}: checkpoint seed {seed} differs from the run's seed {options.seed}")
+        state = {}
+        for name in trainer.prog.params:
+            for key in (name, f"adamw.m.{name}", f"adamw.v.{name}"):
+                state[key] = f.tensor(key, expect_shape=trainer.prog.params[name].shape).to_numpy()
+    trainer.load_state(state, int(step))
+    return int(step)
+
+
+def save_batches_npz(path: Path, log: dict[str, list]) -> None:
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.stack(v) for k, v in log.items()})
+    atomic_write(path, buf.getvalue())
+
+
+def plot_loss(path: Path, run: Run) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot([m["step"] for m in run.metrics], [m["loss"] for m in run.metrics], lw=1, label="train")
+    if run.evals:
+        ax.plot([e["step"] for e in run.evals], [e["loss"] for e in run.evals], "o-", ms=3, label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(f"{run.recipe}")
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
+
+
+class _Progress:
+    """rich progress bar with loss, tokens/s and ETA; a line every 10% when not a terminal."""
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self._bar = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        if self.console.is_terminal:
+            self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                 TextColumn("eval {task.fields[ev]}"), TimeRemainingColumn(), console=self.console)
+            self._task = self._bar.add_task(label, total=total, loss="-", tps="-", ev="-")
+            self._bar.start()
+
+    def update(self, loss: float, tps: float, ev: float | None) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        ev_s = f"{ev:.4f}" if ev is not None else "-"
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", ev=ev_s)
+        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
+            self.console.print(f"step {self.done}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s  eval {ev_s}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
