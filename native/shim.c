@@ -61,3 +61,14 @@ TH_EXPORT void th_set_log_level(int min_level) {
     th_log_min_level = min_level;
     ggml_log_set(th_log_handler, NULL);
 }
+
+/* ggml's graph allocator treats a node whose data is already set as allocated elsewhere and
+ * plans around it. Graphs that share nodes (train, eval, sampling) must therefore forget the
+ * previous graph's placement before the allocator places them again: clear every tensor of
+ * the compute context (never the persistent ones, which live in another context). */
+TH_EXPORT void th_clear_ctx_alloc(struct ggml_context * ctx) {
+    for (struct ggml_tensor * t = ggml_get_first_tensor(ctx); t != NULL; t = ggml_get_next_tensor(ctx, t)) {
+        t->data = NULL;
+        t->buffer = NULL;
+    }
+}

@@ -62,6 +62,7 @@ ggml_tensor * ggml_softplus(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_sum(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_sum_rows(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_repeat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_repeat_4d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
 ggml_tensor * ggml_scale(ggml_context * ctx, ggml_tensor * a, float s);
 ggml_tensor * ggml_rms_norm(ggml_context * ctx, ggml_tensor * a, float eps);
 ggml_tensor * ggml_mul_mat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
@@ -143,6 +144,7 @@ int th_tensor_flags(const ggml_tensor * t);
 int th_tensor_op(const ggml_tensor * t);
 void th_install_abort_handler(void);
 void th_set_log_level(int min_level);
+void th_clear_ctx_alloc(ggml_context * ctx);
 """
 
 GGML_TYPE_F32 = 0

@@ -90,6 +90,7 @@ class Program:
         self._targets: dict[str, _Targets] = {}
         self._keepalive: list = []              # mmaps and host arrays that back tensors
         self._galloc = lib.ggml_gallocr_new(engine.buffer_type)
+        self._last_graph = None
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
@@ -291,6 +292,14 @@ class Program:
         lib.ggml_set_output(report.ptr)
         return CrossEntropy(train.named(f"{targets}.loss"), report.named(f"{targets}.loss_report"), targets)
 
+    def scalar_loss(self, value: Tensor, name: str = "loss") -> CrossEntropy:
+        """Train on any scalar (tests, custom objectives); it is also what `step` reports."""
+        if value.numel() != 1 or value.type != GGML_TYPE_F32:
+            raise ShapeError(f"scalar_loss: need an f32 scalar, got {value!r}")
+        lib.ggml_set_loss(value.ptr)
+        lib.ggml_set_output(value.ptr)
+        return CrossEntropy(value.named(name), value, name)
+
     # --- graphs ----------------------------------------------------------------------------
     def forward(self, outputs: dict[str, Tensor]) -> ForwardGraph:
         return ForwardGraph(self, outputs)
@@ -299,6 +308,10 @@ class Program:
         return Trainer(self, loss, convention)
 
     def _compute(self, graph) -> None:
+        if graph != self._last_graph:
+            # Shared nodes keep the last graph's placement unless cleared (see the shim).
+            lib.th_clear_ctx_alloc(self._ctx_compute)
+            self._last_graph = graph
         if not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
             raise MemoryError("ggml could not allocate the graph's intermediates")
         status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
@@ -361,7 +374,8 @@ class Trainer:
             raise InputError("the program has no trainable parameters")
         gf = lib.ggml_new_graph_custom(ctx, prog.graph_size, True)
         lib.ggml_build_forward_expand(gf, loss.train.ptr)
-        lib.ggml_build_forward_expand(gf, loss.report.ptr)
+        if loss.report is not loss.train:
+            lib.ggml_build_forward_expand(gf, loss.report.ptr)
         n = lib.ggml_graph_n_nodes(gf)
         # Persistent gradient accumulators for every parameter and for the loss (one left to
         # the graph allocator is overwritten after step 0 and training silently stalls).

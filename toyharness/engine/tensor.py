@@ -158,6 +158,17 @@ class Tensor:
             raise ShapeError(f"repeat: {self.shape} does not repeat into {other.shape}")
         return self._new(lib.ggml_repeat(self._ctx, self.ptr, other.ptr), other.ndim)
 
+    def repeat_heads(self, rep: int) -> Tensor:
+        """(B, Hkv, T, d) -> (B, Hkv*rep, T, d), head h reading head h // rep (llama's GQA)."""
+        if self.ndim != 4:
+            raise ShapeError(f"repeat_heads needs (B, H, T, d), got {self.shape}")
+        if rep == 1:
+            return self
+        b, h, t, d = self.shape
+        flat = self.reshape(b, h, 1, t * d)
+        tiled = flat._new(lib.ggml_repeat_4d(self._ctx, flat.ptr, t * d, rep, h, b), 4)
+        return tiled.reshape(b, h * rep, t, d)
+
     def reshape(self, *shape: int) -> Tensor:
         shape = _shape_arg(shape)
         if -1 in shape:
@@ -227,6 +238,10 @@ class Tensor:
         a_lead, b_lead = self.shape[:-2], other.shape[:-2]
         if any(a % b for a, b in zip(a_lead, b_lead)):
             raise ShapeError(f"bmm: leading axes {b_lead} do not divide {a_lead}")
+        if self.ndim == 4 and a_lead != b_lead:
+            # ggml's mul_mat broadcast gives wrong input gradients (tests/test_engine_ops.py):
+            # repeat the shared heads explicitly instead.
+            other = other.repeat_heads(a_lead[1] // b_lead[1])
         return self._new(lib.ggml_mul_mat(self._ctx, other.ptr, self.ptr))
 
     # --- nn primitives -----------------------------------------------------------------

@@ -1,0 +1,284 @@
+"""Every op and composed block the recipes use: forward against a float64 numpy reference
+(relative error < 1e-5) and backward against central finite differences of that reference
+(relative error < 1e-3)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from toyharness.engine import blocks, get_engine
+
+RNG = np.random.default_rng(1234)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def fd_grad(f, arrays: dict[str, np.ndarray], name: str, h: float = 1e-6) -> np.ndarray:
+    x = arrays[name]
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        old = x[i]
+        x[i] = old + h
+        fp = f(arrays)
+        x[i] = old - h
+        fm = f(arrays)
+        x[i] = old
+        g[i] = (fp - fm) / (2 * h)
+    return g
+
+
+def check(build, ref, inputs: dict[str, np.ndarray], fwd_tol=1e-5, bwd_tol=1e-3, ids: dict | None = None,
+          no_grad: tuple = ()):
+    """build(prog, T) -> Tensor; ref(A) -> ndarray (float64). Inputs are trainable params."""
+    eng = get_engine("cpu")
+    prog = eng.program()
+    inputs = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
+    T = {k: prog.param(k, v.astype(np.float32), trainable=k not in no_grad) for k, v in inputs.items()}
+    for k, (v, upper) in (ids or {}).items():
+        T[k] = prog.constant(k, v)
+    out = build(prog, T)
+    A32 = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
+    A32.update({k: v for k, (v, _) in (ids or {}).items()})
+    expected = ref(A32)
+    assert out.shape == expected.shape, (out.shape, expected.shape)
+    weights = RNG.normal(size=expected.shape)
+    w = prog.constant("loss_weights", weights)
+    loss = prog.scalar_loss((out * w).sum() if out.is_contiguous() else (out.cont() * w).sum())
+    trainer = prog.trainer(loss, "bias_corrected")
+    fg = prog.forward({"out": out if out.is_contiguous() else out.cont()})
+    got = fg.run({})["out"]
+    assert rel_err(got, expected) < fwd_tol, f"forward rel err {rel_err(got, expected):.2e}"
+    trainer.grads_only({})
+    for k in inputs:
+        if k in no_grad:
+            continue
+        g = prog.read(trainer.grad_acc[k])
+        fd = fd_grad(lambda A: float((ref(A) * weights).sum()), A32, k)
+        # absolute floor: some gradients are exactly zero (a key bias under softmax)
+        err = np.linalg.norm(g - fd)
+        assert err <= bwd_tol * np.linalg.norm(fd) + 1e-5, f"grad of {k}: rel err {rel_err(g, fd):.2e}"
+    return got
+
+
+def r(*shape, scale=1.0):
+    return RNG.normal(size=shape) * scale
+
+
+# --- numpy references -----------------------------------------------------------------------
+def np_layer_norm(x, g, b, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+def np_rms_norm(x, eps=1e-5):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
+
+
+def np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def np_rope(x, pos, base=10000.0):
+    """Adjacent pairs (x[2i], x[2i+1]) rotated by pos * base^(-2i/d); x (B, T, H, d)."""
+    d = x.shape[-1]
+    theta = pos[:, None] * base ** (-np.arange(0, d, 2) / d)      # (T, d/2)
+    c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * c - x1 * s
+    out[..., 1::2] = x0 * s + x1 * c
+    return out
+
+
+def np_attention(x, wq, wk, wv, wo, n_head, n_kv, causal, bq=None, bk=None, bv=None, bo=None, pos=None):
+    B, T, D = x.shape
+    hd = D // n_head
+    q = x @ wq.T + (0 if bq is None else bq)
+    k = x @ wk.T + (0 if bk is None else bk)
+    v = x @ wv.T + (0 if bv is None else bv)
+    q, k, v = q.reshape(B, T, n_head, hd), k.reshape(B, T, n_kv, hd), v.reshape(B, T, n_kv, hd)
+    if pos is not None:
+        q, k = np_rope(q, pos), np_rope(k, pos)
+    rep = n_head // n_kv
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    if causal:
+        s = s + np.triu(np.full((T, T), -np.inf), 1)
+    a = np_softmax(s)
+    o = np.einsum("bhqk,bkhd->bqhd", a, v).reshape(B, T, D)
+    return o @ wo.T + (0 if bo is None else bo)
+
+
+# --- elementwise and shape ops ------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["add", "mul", "sub", "div"])
+def test_binary_broadcast(op):
+    npop = {"add": np.add, "mul": np.multiply, "sub": np.subtract, "div": np.divide}[op]
+    pyop = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b, "sub": lambda a, b: a - b,
+            "div": lambda a, b: a / b}[op]
+    b = r(5) if op != "div" else RNG.uniform(0.5, 2.0, 5)
+    check(lambda p, T: pyop(T["a"], T["b"]), lambda A: npop(A["a"], A["b"]), {"a": r(3, 4, 5), "b": b})
+
+
+@pytest.mark.parametrize("name,fn,ref,make", [
+    ("scale", lambda t: t.scale(-0.7), lambda a: -0.7 * a, lambda: r(4, 6)),
+    ("sqr", lambda t: t.sqr(), lambda a: a * a, lambda: r(4, 6)),
+    ("sqrt", lambda t: t.sqrt(), np.sqrt, lambda: RNG.uniform(0.5, 3, (4, 6))),
+    ("log", lambda t: t.log(), np.log, lambda: RNG.uniform(0.5, 3, (4, 6))),
+    ("exp", lambda t: t.exp(), np.exp, lambda: r(4, 6)),
+    ("neg", lambda t: -t, np.negative, lambda: r(4, 6)),
+    ("silu", lambda t: t.silu(), lambda a: a / (1 + np.exp(-a)), lambda: r(4, 6)),
+    ("softplus", lambda t: t.softplus(), lambda a: np.log1p(np.exp(a)), lambda: r(4, 6)),
+    ("sum_rows", lambda t: t.sum_rows(), lambda a: a.sum(-1, keepdims=True), lambda: r(3, 4, 6)),
+    ("mean_rows", lambda t: t.mean_rows(), lambda a: a.mean(-1, keepdims=True), lambda: r(3, 4, 6)),
+    ("reshape", lambda t: t.reshape(6, 4), lambda a: a.reshape(6, 4), lambda: r(4, 6)),
+    ("permute", lambda t: t.permute(0, 2, 1, 3).cont(), lambda a: a.transpose(0, 2, 1, 3), lambda: r(2, 3, 4, 5)),
+    ("transpose", lambda t: t.transpose().cont(), lambda a: np.swapaxes(a, -1, -2), lambda: r(3, 4, 5)),
+    ("rms_norm", lambda t: t.rms_norm(1e-5), np_rms_norm, lambda: r(3, 4, 8)),
+    ("softmax", lambda t: t.softmax(), np_softmax, lambda: r(3, 4, 8)),
+    ("softmax_scaled", lambda t: t.softmax(scale=0.3), lambda a: np_softmax(0.3 * a), lambda: r(3, 4, 8)),
+    ("causal_softmax", lambda t: t.causal_mask().softmax(),
+     lambda a: np_softmax(a + np.triu(np.full((5, 5), -np.inf), 1)), lambda: r(2, 3, 5, 5)),
+    ("gelu_tanh", blocks.gelu_tanh, np_gelu_tanh, lambda: r(4, 6, scale=2.0)),
+])
+def test_unary(name, fn, ref, make):
+    check(lambda p, T: fn(T["a"]), lambda A: ref(A["a"]), {"a": make()})
+
+
+def test_gelu_is_finite_for_large_inputs():
+    """1/(1+exp(-2u)) overflows for large negative x and its backward gives NaN; ours must not."""
+    x = np.array([[-60.0, -30.0, -5.0, 0.0, 5.0, 30.0, 60.0, 1.0]])
+    prog = get_engine("cpu").program()
+    t = prog.param("x", x)
+    loss = prog.scalar_loss(blocks.gelu_tanh(t).sum())
+    tr = prog.trainer(loss, "bias_corrected")
+    tr.grads_only({})
+    g = prog.read(tr.grad_acc["x"])
+    assert np.isfinite(g).all(), g
+    assert abs(g[0, 0]) < 1e-6 and abs(g[0, -2] - 1.0) < 1e-6
+
+
+def test_linear_matmul():
+    check(lambda p, T: blocks.linear(T["x"], T["w"], T["b"]), lambda A: A["x"] @ A["w"].T + A["b"],
+          {"x": r(2, 3, 8), "w": r(5, 8), "b": r(5)})
+
+
+def test_weight_used_only_through_transpose():
+    """A parameter used through a transpose gets a non-contiguous gradient in ggml."""
+    check(lambda p, T: blocks.linear(T["x"], T["wt"].transpose().cont()), lambda A: A["x"] @ A["wt"],
+          {"x": r(4, 6), "wt": r(6, 3)})
+
+
+@pytest.mark.parametrize("kv", [3, 1])
+def test_bmm_with_head_broadcast(kv):
+    check(lambda p, T: T["q"].bmm_t(T["k"]),
+          lambda A: np.einsum("bhqd,bhkd->bhqk", A["q"], np.repeat(A["k"], 3 // kv, axis=1)),
+          {"q": r(2, 3, 4, 5), "k": r(2, kv, 6, 5)})
+
+
+def test_get_rows_embedding():
+    ids = RNG.integers(0, 7, (2, 5)).astype(np.int32)
+    check(lambda p, T: T["emb"].get_rows(T["ids"]), lambda A: A["emb"][A["ids"]], {"emb": r(7, 4)},
+          ids={"ids": (ids, 7)})
+
+
+def test_rope_adjacent_pairs():
+    pos = np.arange(5, dtype=np.int32)
+    check(lambda p, T: T["x"].rope(T["pos"], 8), lambda A: np_rope(A["x"], A["pos"].astype(np.float64)),
+          {"x": r(2, 5, 3, 8)}, ids={"pos": (pos, None)})
+
+
+def test_swiglu():
+    check(lambda p, T: T["g"].swiglu(T["u"]), lambda A: A["g"] / (1 + np.exp(-A["g"])) * A["u"],
+          {"g": r(3, 6), "u": r(3, 6)})
+
+
+# --- composed blocks ----------------------------------------------------------------------------
+def test_layer_norm():
+    check(lambda p, T: blocks.layer_norm(T["x"], T["g"], T["b"]), lambda A: np_layer_norm(A["x"], A["g"], A["b"]),
+          {"x": r(2, 3, 8), "g": r(8), "b": r(8)})
+
+
+def test_rms_norm_block():
+    check(lambda p, T: blocks.rms_norm(T["x"], T["g"]), lambda A: np_rms_norm(A["x"]) * A["g"],
+          {"x": r(2, 3, 8), "g": r(8)})
+
+
+def test_attention_gpt2_style_with_biases():
+    D = 8
+    inputs = {"x": r(2, 4, D), "wq": r(D, D, scale=0.5), "wk": r(D, D, scale=0.5), "wv": r(D, D, scale=0.5),
+              "wo": r(D, D, scale=0.5), "bq": r(D), "bk": r(D), "bv": r(D), "bo": r(D)}
+    check(lambda p, T: blocks.attention(T["x"], T["wq"], T["wk"], T["wv"], T["wo"], 2, bq=T["bq"], bk=T["bk"],
+                                        bv=T["bv"], bo=T["bo"]),
+          lambda A: np_attention(A["x"], A["wq"], A["wk"], A["wv"], A["wo"], 2, 2, True, A["bq"], A["bk"],
+                                 A["bv"], A["bo"]), inputs)
+
+
+def test_attention_gqa_rope_noncausal_free():
+    D, H, KV = 8, 4, 2
+    pos = np.arange(4, dtype=np.int32)
+    inputs = {"x": r(2, 4, D), "wq": r(D, D, scale=0.5), "wk": r(KV * 2, D, scale=0.5),
+              "wv": r(KV * 2, D, scale=0.5), "wo": r(D, D, scale=0.5)}
+    check(lambda p, T: blocks.attention(T["x"], T["wq"], T["wk"], T["wv"], T["wo"], H, KV,
+                                        rope_positions=T["pos"]),
+          lambda A: np_attention(A["x"], A["wq"], A["wk"], A["wv"], A["wo"], H, KV, True,
+                                 pos=A["pos"].astype(np.float64)), inputs, ids={"pos": (pos, None)})
+
+
+def test_attention_non_causal():
+    D = 8
+    inputs = {"x": r(2, 3, D), "wq": r(D, D, scale=0.5), "wk": r(D, D, scale=0.5), "wv": r(D, D, scale=0.5),
+              "wo": r(D, D, scale=0.5)}
+    check(lambda p, T: blocks.attention(T["x"], T["wq"], T["wk"], T["wv"], T["wo"], 2, causal=False),
+          lambda A: np_attention(A["x"], A["wq"], A["wk"], A["wv"], A["wo"], 2, 2, False), inputs)
+
+
+def test_swiglu_mlp():
+    check(lambda p, T: blocks.swiglu_mlp(T["x"], T["g"], T["u"], T["d"]),
+          lambda A: ((A["x"] @ A["g"].T) / (1 + np.exp(-(A["x"] @ A["g"].T))) * (A["x"] @ A["u"].T)) @ A["d"].T,
+          {"x": r(2, 3, 6), "g": r(10, 6), "u": r(10, 6), "d": r(6, 10)})
+
+
+def test_lora_linear_frozen_base():
+    check(lambda p, T: blocks.lora_linear(T["x"], T["w"], T["a"], T["b"], scale=2.0),
+          lambda A: A["x"] @ A["w"].T + 2.0 * (A["x"] @ A["a"].T) @ A["b"].T,
+          {"x": r(3, 6), "w": r(5, 6), "a": r(2, 6), "b": r(5, 2)}, no_grad=("w",))
+
+
+def test_projection_lens():
+    check(lambda p, T: blocks.lens(T["e"], T["p"]), lambda A: A["e"] @ A["p"].T, {"e": r(7, 12), "p": r(4, 12)})
+
+
+def test_cross_entropy_report_and_gradient():
+    """The reported loss matches numpy; the training loss's gradient matches finite differences."""
+    V, N = 6, 5
+    logits = r(N, V)
+    targets = RNG.integers(0, V, N)
+    prog = get_engine("cpu").program()
+    t = prog.param("logits", logits)
+    ce = prog.cross_entropy(t, "targets")
+    tr = prog.trainer(ce, "bias_corrected")
+    loss = tr.grads_only({"targets": targets})
+
+    def ref(L):
+        ls = L - L.max(-1, keepdims=True)
+        ls = ls - np.log(np.exp(ls).sum(-1, keepdims=True))
+        return -ls[np.arange(N), targets].mean()
+
+    L32 = logits.astype(np.float32).astype(np.float64)
+    assert abs(loss - ref(L32)) / ref(L32) < 1e-6
+    g = prog.read(tr.grad_acc["logits"])
+    assert rel_err(g, fd_grad(lambda A: ref(A["l"]), {"l": L32.copy()}, "l")) < 1e-3
