@@ -29,9 +29,9 @@ class GPT2Options(Options):
     adamw_convention: str = choice("bias_corrected", ("bias_corrected", "constant_betas"))
     lr_schedule: str = choice("cosine", ("constant", "cosine"))
     warmup: int = 20
-    steps: int = 600
-    eval_every: int = 100
-    checkpoint_every: int = 200
+    steps: int = 1500
+    eval_every: int = 250
+    checkpoint_every: int = 250
 
 
 class GPT2(LMRecipe):
