@@ -1,0 +1,40 @@
+"""nox sessions: `nox -s tests-cpu` is the default suite (what CI and the README run)."""
+
+import nox
+
+nox.options.sessions = ["tests-cpu"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+@nox.session(name="tests-cpu")
+def tests_cpu(session):
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def goldens(session):
+    """Check every installed recipe against goldens/<fingerprint>/, bit for bit."""
+    session.install("-e", ".[test]")
+    session.run("toyharness", "golden", "check")
+
+
+@nox.session(name="tests-cuda")
+def tests_cuda(session):
+    """cuda tests; they skip, saying why, where no GPU or cuda build is present."""
+    session.env["TOYHARNESS_BACKENDS"] = "cpu,cuda"
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "-m", "cuda", *session.posargs)
+
+
+@nox.session
+def bench(session):
+    """ms/step, items/s and peak RSS per recipe at its default config; writes bench.json."""
+    session.install("-e", ".[test]")
+    session.run("toyharness", "bench", *session.posargs)
+
+
+@nox.session
+def lint(session):
+    session.install("ruff")
+    session.run("ruff", "check", "toyharness", "plugins", "tests", "native", "noxfile.py", "setup.py")

@@ -1,0 +1,98 @@
+"""The command line: exit codes, one-line errors, the run folder, resume bit for bit."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TINY = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2", "--set", "t_seq=16", "--set", "t_batch=2",
+        "--set", "eval_every=4", "--set", "checkpoint_every=4", "--set", "warmup=2"]
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_recipes_lists_distribution_and_version():
+    res = cli("recipes")
+    assert res.returncode == 0
+    lines = {line.split()[0]: line for line in res.stdout.splitlines()}
+    assert "toyharness 0.1.0" in lines["gpt2"] and "toyharness 0.1.0" in lines["llama"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "gpt2", "--set", "n_heads=4"], "unknown option 'n_heads'; allowed:"),
+    (["run", "gpt2", "--set", "t_seq=abc"], "option 't_seq': 'abc' is not a valid int"),
+    (["run", "gpt2", "--set", "adamw_convention=sgd"], "'sgd' is not allowed; allowed: bias_corrected, constant_betas"),
+    (["run", "gpt2", "--set", "data=/no/such/corpus.txt"], "data '/no/such/corpus.txt': no such file or folder"),
+    (["run", "nosuchrecipe"], "unknown recipe 'nosuchrecipe'; installed:"),
+    (["run", "gpt2", "--config", "/no/such.toml"], "config file /no/such.toml not found"),
+])
+def test_input_errors_exit_2_with_one_line(args, message, tmp_path):
+    res = cli(*args, "--out", str(tmp_path / "run"))
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "run").exists(), "a run folder was left behind"
+
+
+def test_unknown_flag_exits_2():
+    assert cli("run", "gpt2", "--bogus").returncode == 2
+
+
+def test_run_writes_the_run_folder(tmp_path):
+    out = tmp_path / "run"
+    res = cli("run", "llama", "--steps", "6", *TINY, "--out", str(out), "--save-init", "--save-batches",
+              "--no-progress")
+    assert res.returncode == 0, res.stderr
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "init.gguf", "batches.npz",
+                 "checkpoint.gguf", "model.gguf"):
+        assert (out / name).is_file(), name
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(6))
+    assert all(m["loss_hex"].startswith("0x") and len(m["loss_hex"]) == 10 for m in lines)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_loss"] > 0 and summary["steps"] == 6
+    assert not list(out.glob(".*.tmp")), "temporary files left behind"
+
+
+def test_nan_loss_stops_with_exit_1(tmp_path):
+    res = cli("run", "gpt2", "--steps", "4", *TINY, "--set", "lr=1e30", "--set", "warmup=0", "--out",
+              str(tmp_path / "r"), "--no-progress")
+    assert res.returncode == 1, res.stderr
+    assert "loss is nan at step" in res.stderr or "loss is inf at step" in res.stderr
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "llama"])
+def test_resume_after_kill_is_bit_identical(tmp_path, recipe):
+    steps = 10
+    full = tmp_path / "full"
+    assert cli("run", recipe, "--steps", str(steps), *TINY, "--out", str(full), "--no-progress").returncode == 0
+    killed = tmp_path / "killed"
+    # Kill the process hard right after step 5 (the checkpoint covers steps 0-3).
+    code = textwrap.dedent(f"""
+        import os
+        from toyharness.hookspecs import hookimpl
+        from toyharness.runner import train
+        class Killer:
+            @hookimpl
+            def step_end(self, run, step, loss, lr, ms, tokens_per_s):
+                if step == 5:
+                    os._exit(137)
+        train({recipe!r}, steps={steps}, sets={[s for s in TINY if s != "--set"]!r}, out={str(killed)!r},
+              observers=(Killer(),), progress=False)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 137, res.stderr
+    assert not (killed / "summary.json").exists()
+    res = cli("run", recipe, "--steps", str(steps), "--resume", str(killed), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    a = [json.loads(x)["loss_hex"] for x in (full / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x)["loss_hex"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert len(a) == len(b) == steps
+    assert a == b

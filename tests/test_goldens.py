@@ -1,0 +1,50 @@
+"""The golden gate: every recipe checked bit for bit, and mutations that must fail it."""
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from toyharness import goldens
+from toyharness.engine import get_engine
+
+ROOT = Path(__file__).resolve().parent.parent / "goldens"
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "llama"])
+def test_recipe_matches_its_golden(recipe, toyharness_golden):
+    toyharness_golden(recipe, root=ROOT)
+
+
+@pytest.fixture(scope="module")
+def stored():
+    path = goldens.path_for("llama", get_engine("cpu").fingerprint(), ROOT)
+    if not path.is_file():
+        pytest.skip(f"no llama golden for this fingerprint at {path}; record with `toyharness golden record llama`")
+    return goldens.load(path)
+
+
+def test_flipped_bit_in_golden_fails_at_that_step(stored):
+    actual = goldens.compute("llama")
+    assert goldens.compare(stored, actual) is None
+    mutated = copy.deepcopy(stored)
+    h = int(mutated["losses"][7]["hex"], 16) ^ 1
+    mutated["losses"][7]["hex"] = "0x%08x" % h
+    m = goldens.compare(mutated, actual)
+    assert m is not None and m.step == 7 and m.later_differing == 0
+    assert "first diverging step 7" in str(m) and "1 ULP apart" in str(m)
+
+
+def test_changed_eps_fails_the_gate(stored):
+    m = goldens.compare(stored, goldens.compute("llama", extra_sets=["eps=1e-6"]))
+    assert m is not None and m.step >= 1, "eps only acts from the first update on"
+
+
+def test_changed_seed_fails_at_step_zero(stored):
+    m = goldens.compare(stored, goldens.compute("llama", extra_sets=["seed=8"]))
+    assert m is not None and m.step == 0
+
+
+def test_ulp_distance():
+    assert goldens.ulp_distance("0x3f800000", "0x3f800001") == 1
+    assert goldens.ulp_distance("0x00000001", "0x80000001") == 2
