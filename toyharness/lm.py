@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .engine import GGUFFile, Program, Tensor, get_engine, write_gguf
-from .errors import GGUFError, InputError
+from .errors import InputError
 from .hookspecs import hookimpl
 
 
@@ -149,11 +149,3 @@ def sample_text(model: LanguageModel, prompt_ids: list[int], n_tokens: int, temp
             nxt = int(rng.choice(len(p), p=p))
         ids.append(nxt)
     return ids[len(prompt_ids) or 1:]
-
-
-def read_params_gguf(path: Path, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    with GGUFFile(path) as f:
-        missing = [n for n in expected if n not in f.names]
-        if missing:
-            raise GGUFError(f"{path}: missing tensors {missing[:5]}")
-        return {n: f.tensor(n, expect_shape=v.shape).to_numpy() for n, v in expected.items()}

@@ -215,8 +215,7 @@ class Program:
                     GGML_TYPE_BF16: np.uint16}.get(t.type)
         if np_dtype is None:
             raise InputError(f"{t.name}: reading {t.dtype} tensors is not supported")
-        src = t if t.is_contiguous() else None
-        if src is None:
+        if not t.is_contiguous():
             raise InputError(f"{t.name}: not contiguous; read a cont() of it")
         out = np.empty(t.shape, dtype=np_dtype)
         lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(out), 0, out.nbytes)
@@ -354,7 +353,7 @@ class ForwardGraph:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.prog.feed(feeds)
         self.prog._compute(self.graph)
-        return {k: self.prog.read(t if t.is_contiguous() else t) for k, t in self.outputs.items()}
+        return {k: self.prog.read(t) for k, t in self.outputs.items()}
 
 
 class Trainer:
@@ -483,9 +482,6 @@ class Trainer:
         out = np.empty(1, dtype=np.float32)
         lib.ggml_backend_tensor_get(self.loss.report.ptr, ffi.from_buffer(out), 0, 4)
         return float(out[0])
-
-    def loss_value_f32(self) -> np.float32:
-        return np.float32(self.loss_value())
 
     def train_loss_value(self) -> float:
         """ggml's own cross_entropy_loss scalar (moves with the thread count)."""
