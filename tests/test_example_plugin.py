@@ -1,0 +1,82 @@
+"""A third-party recipe plugin, installed as its own distribution, works with no change to
+the core: listed, run, and gated by its golden from its own test suite. Broken plugins give
+errors that name the distribution."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGIN = REPO / "plugins" / "example_bigram"
+
+
+def cli(*args, env, cwd=None):
+    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=cwd)
+
+
+def env_with(path: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """pip-install the example plugin into its own folder (a separate distribution)."""
+    target = tmp_path_factory.mktemp("site")
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                          str(PLUGIN)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert list(target.glob("toyharness_example_bigram-0.1.0.dist-info")), list(target.iterdir())
+    return env_with(target)
+
+
+def test_plugin_is_listed_with_its_distribution(installed):
+    res = cli("recipes", env=installed)
+    assert res.returncode == 0, res.stderr
+    lines = {line.split()[0]: line for line in res.stdout.splitlines()}
+    assert "toyharness-example-bigram 0.1.0" in lines["bigram"]
+    assert "toyharness 0.1.0" in lines["gpt2"], "built-ins are still there"
+
+
+def test_plugin_runs(installed, tmp_path):
+    res = cli("run", "bigram", "--steps", "40", "--set", "eval_every=40", "--out", str(tmp_path / "run"),
+              "--no-progress", env=installed)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "run" / "model.gguf").is_file() and (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_plugin_passes_its_golden_from_its_own_suite(installed):
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"], cwd=PLUGIN,
+                         capture_output=True, text=True, timeout=600, env=installed)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "2 passed" in res.stdout and "skipped" not in res.stdout, res.stdout
+
+
+def _fake_dist(site: Path, dist: str, entry: str) -> None:
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[toyharness.recipes]\n{entry}\n")
+
+
+def test_two_plugins_claiming_one_name_is_an_error(tmp_path):
+    _fake_dist(tmp_path, "rival_recipes", "gpt2 = rival_recipes:recipe")
+    res = cli("recipes", env=env_with(tmp_path))
+    assert res.returncode == 2
+    assert "recipe name 'gpt2' is claimed by two distributions" in res.stderr
+    assert "rival_recipes" in res.stderr and "toyharness" in res.stderr
+
+
+def test_plugin_that_fails_to_import_names_its_distribution(tmp_path):
+    _fake_dist(tmp_path, "broken_recipes", "broken = broken_recipes_module:recipe")
+    (tmp_path / "broken_recipes_module.py").write_text("import no_such_module_here\n")
+    res = cli("run", "broken", "--out", str(tmp_path / "run"), env=env_with(tmp_path))
+    assert res.returncode == 2
+    assert "recipe 'broken' from distribution broken_recipes 1.0 failed to import" in res.stderr
+    assert "no_such_module_here" in res.stderr
+    assert not (tmp_path / "run").exists()
