@@ -38,3 +38,20 @@ def bench(session):
 def lint(session):
     session.install("ruff")
     session.run("ruff", "check", "toyharness", "plugins", "tests", "native", "noxfile.py", "setup.py")
+
+
+@nox.session
+def parity(session):
+    """First losses of every recipe against the PyTorch reference (toyharness/reference.py)."""
+    session.install("-e", ".[test]")
+    session.install("torch==2.13.0")  # the CPU build; never another version
+    session.run("pytest", "-q", "-m", "parity", "-rs", *session.posargs)
+
+
+@nox.session
+def llamacpp(session):
+    """llama.cpp from the pinned archive loads our exports (and adapters) and gives our logits."""
+    session.install("-e", ".[test]")
+    tool = session.run("python", "native/build.py", "--llamacpp-tool", silent=True).strip().splitlines()[-1]
+    session.env["TOYHARNESS_LLAMACPP_TOOL"] = tool
+    session.run("pytest", "-q", "-m", "llamacpp", "-rs", *session.posargs)

@@ -4,6 +4,7 @@ Run by the package build (setup.py) and usable by hand:
 
     python native/build.py --out toyharness/_native      # what an install does
     python native/build.py --print-src                    # fetch only; print the ggml folder
+    python native/build.py --llamacpp-tool                # llama.cpp's logits tool, for tests
 
 The pinned source is ggml 0.25.3 as carried in the ``llama-cpp-python==0.3.36`` source archive.
 It is fetched with pip by name and version, checked against its sha256, and only
@@ -39,7 +40,8 @@ PIN_VERSION = "0.3.36"
 PIN_ARCHIVE = "llama_cpp_python-0.3.36.tar.gz"
 PIN_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 GGML_VERSION = "0.25.3"
-ARCHIVE_GGML_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/"
+ARCHIVE_LLAMA_CPP_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+ARCHIVE_GGML_DIR = ARCHIVE_LLAMA_CPP_DIR + "ggml/"
 
 NATIVE_DIR = Path(__file__).resolve().parent
 KNOWN_BACKENDS = ("cpu", "cuda", "metal")
@@ -98,13 +100,13 @@ def fetch_archive(dest: Path) -> Path:
     return archive
 
 
-def extract_ggml(archive: Path, dest: Path) -> None:
-    """Extract only vendor/llama.cpp/ggml, refusing links and paths that leave the folder."""
+def extract_subtree(archive: Path, prefix: str, dest: Path) -> None:
+    """Extract only the members under `prefix`, refusing links and paths that leave the folder."""
     with tarfile.open(archive, "r:gz") as tar:
         for member in tar:
-            if not member.name.startswith(ARCHIVE_GGML_DIR) or not (member.isfile() or member.isdir()):
+            if not member.name.startswith(prefix) or not (member.isfile() or member.isdir()):
                 continue
-            rel = member.name[len(ARCHIVE_GGML_DIR):]
+            rel = member.name[len(prefix):]
             if not rel or rel.startswith("/") or ".." in Path(rel).parts:
                 continue
             target = dest / rel
@@ -116,6 +118,29 @@ def extract_ggml(archive: Path, dest: Path) -> None:
                 shutil.copyfileobj(src, out)
 
 
+def cached_source(name: str, prefix: str) -> Path:
+    """A subtree of the pinned archive, fetched and extracted once into the cache."""
+    root = cache_root()
+    src = root / "src" / f"{name}-{PIN_SHA256[:12]}"
+    if (src / ".complete").is_file():
+        return src
+    with cache_lock(root):
+        if (src / ".complete").is_file():
+            return src
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            tmp = Path(tmp)
+            archive = fetch_archive(tmp / "dl")
+            staging = tmp / "src"
+            extract_subtree(archive, prefix, staging)
+            (staging / ".complete").write_text(f"{PIN_ARCHIVE} {PIN_SHA256}\n")
+            if src.exists():
+                shutil.rmtree(src)
+            src.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(src)
+    log(f"{name} source cached at {src}")
+    return src
+
+
 def ggml_source() -> Path:
     """The ggml source folder: $TOYHARNESS_GGML_SRC, or the cached pinned one (fetched once)."""
     override = os.environ.get("TOYHARNESS_GGML_SRC")
@@ -125,25 +150,32 @@ def ggml_source() -> Path:
             raise BuildError(f"TOYHARNESS_GGML_SRC={override} is not a ggml source folder "
                              "(expected CMakeLists.txt and include/ggml.h)")
         return src
+    return cached_source(f"ggml-{GGML_VERSION}", ARCHIVE_GGML_DIR)
+
+
+def build_llamacpp_tool() -> Path:
+    """llama.cpp from the same archive plus native/llamacpp/th_logits (tests only): return the tool."""
+    src = cached_source(f"llama.cpp-{PIN_PACKAGE}-{PIN_VERSION}", ARCHIVE_LLAMA_CPP_DIR)
     root = cache_root()
-    src = root / "src" / f"ggml-{GGML_VERSION}-{PIN_SHA256[:12]}"
-    if (src / ".complete").is_file():
-        return src
+    bdir = root / "build" / f"llamacpp-tool-{PIN_VERSION}"
+    cmake = find_tool("cmake")
+    if cmake is None:
+        raise BuildError("cmake not found: install it (pip install cmake) or put it on PATH")
     with cache_lock(root):
-        if (src / ".complete").is_file():
-            return src
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            tmp = Path(tmp)
-            archive = fetch_archive(tmp / "dl")
-            staging = tmp / "ggml"
-            extract_ggml(archive, staging)
-            (staging / ".complete").write_text(f"{PIN_ARCHIVE} {PIN_SHA256}\n")
-            if src.exists():
-                shutil.rmtree(src)
-            src.parent.mkdir(parents=True, exist_ok=True)
-            staging.rename(src)
-    log(f"ggml {GGML_VERSION} source cached at {src}")
-    return src
+        t0 = time.perf_counter()
+        if not (bdir / "CMakeCache.txt").is_file():
+            bdir.mkdir(parents=True, exist_ok=True)
+            cfg = [cmake, "-S", str(NATIVE_DIR / "llamacpp"), "-B", str(bdir), f"-DLLAMA_CPP_SRC={src}",
+                   "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON"]
+            ninja = find_tool("ninja")
+            if ninja:
+                cfg += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+            log(f"configuring llama.cpp and th_logits in {bdir}")
+            run(cfg, bdir, quiet=True)
+        run([cmake, "--build", str(bdir), "--target", "th_logits", "--parallel", str(os.cpu_count() or 2)], bdir,
+            quiet=True)
+        log(f"th_logits ready in {time.perf_counter() - t0:.1f}s")
+    return bdir / "th_logits"
 
 
 def requested_backends() -> list[str]:
@@ -287,10 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="copy the built libraries into this folder")
     ap.add_argument("--print-src", action="store_true", help="fetch (if needed) and print the ggml source folder")
+    ap.add_argument("--llamacpp-tool", action="store_true",
+                    help="build llama.cpp's th_logits check tool (tests only) and print its path")
     args = ap.parse_args(argv)
     try:
         if args.print_src:
             print(ggml_source())
+            return 0
+        if args.llamacpp_tool:
+            print(build_llamacpp_tool())
             return 0
         bdir = build()
         if args.out:

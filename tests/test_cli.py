@@ -1,11 +1,9 @@
 """The command line: exit codes, one-line errors, the run folder, resume bit for bit."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 

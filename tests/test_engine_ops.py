@@ -42,7 +42,7 @@ def check(build, ref, inputs: dict[str, np.ndarray], fwd_tol=1e-5, bwd_tol=1e-3,
     prog = eng.program()
     inputs = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
     T = {k: prog.param(k, v.astype(np.float32), trainable=k not in no_grad) for k, v in inputs.items()}
-    for k, (v, upper) in (ids or {}).items():
+    for k, (v, _upper) in (ids or {}).items():
         T[k] = prog.constant(k, v)
     out = build(prog, T)
     A32 = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}

@@ -170,8 +170,8 @@ def test_training_is_bit_identical_run_to_run():
 def test_reported_loss_and_params_do_not_depend_on_thread_count():
     ref_l, ref_p = small_lm_losses(1)
     for threads in (2, 4):
-        l, p = small_lm_losses(threads)
-        assert l.tobytes() == ref_l.tobytes(), f"{threads} threads: {l} vs {ref_l}"
+        losses, p = small_lm_losses(threads)
+        assert losses.tobytes() == ref_l.tobytes(), f"{threads} threads: {losses} vs {ref_l}"
         for k in ref_p:
             assert p[k].tobytes() == ref_p[k].tobytes(), f"{threads} threads: parameter {k} differs"
     get_engine("cpu", 2)

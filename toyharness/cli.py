@@ -187,8 +187,8 @@ def cmd_sample(args) -> int:
     if not isinstance(obj, LMRecipe):
         raise InputError(f"recipe {cfg.get('recipe')!r} is not a language model")
     opts = resolve_options(obj, str(cfg_path), [], {})
-    from .runner import load_data
     from .hookspecs import plugin_manager
+    from .runner import load_data
 
     data = load_data(plugin_manager(obj), opts)
     if not data.byte_level:

@@ -33,17 +33,15 @@ def golden_root() -> Path:
 
 
 def golden_sets_for(recipe: str) -> list[str]:
-    """The fixed config: options the recipe does not have are left out."""
+    """The fixed config: options the recipe does not have are left out; a recipe object may add
+    its own with a ``golden_sets`` list (e.g. sizes only it has)."""
     from .plugins import get_recipe
     from .runner import resolve_options
 
     _, obj = get_recipe(recipe)
     cls = resolve_options(obj, None, [], {}).__class__
     fields = set(cls.__dataclass_fields__)
-    sets = [s for s in GOLDEN_SETS if s.split("=")[0] in fields]
-    if recipe == "llama":
-        sets += ["n_kv_head=1", "d_ff=48"]
-    return sets
+    return [s for s in GOLDEN_SETS if s.split("=")[0] in fields] + list(getattr(obj, "golden_sets", []))
 
 
 def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None) -> dict:

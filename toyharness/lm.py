@@ -106,6 +106,7 @@ class LMRecipe:
     @hookimpl
     def export(self, model, options, out_dir):
         arch, meta = self.gguf_metadata(options, model.vocab)
+        meta = {**meta, **tokenizer_metadata(model.vocab)}
         tensors = self.export_tensors(model.params(), options)
         return [write_gguf(Path(out_dir) / "model.gguf", arch, tensors, meta)]
 
@@ -120,6 +121,33 @@ class LMRecipe:
                 params[name] = f.tensor(name, expect_shape=value.shape).to_numpy()
         return LanguageModel(self, get_engine(backend, threads), options, vocab, params, trainable=False,
                              batch=1, seq=options.t_seq)
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode table: the token text of byte b is entry b."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def tokenizer_metadata(vocab: int) -> dict[str, Any]:
+    """A tokenizer llama.cpp can use. Byte-level models (vocab 256) get GPT-2's byte-level BPE
+    with no merges, so llama.cpp's token ids are the bytes, as ours; other vocabularies are
+    pre-tokenized ids and get llama.cpp's "none" tokenizer. llama.cpp requires the merges key
+    and the gguf writer drops empty arrays, so it holds one inert empty merge."""
+    if vocab != 256:
+        return {"tokenizer.ggml.model": "none"}
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": byte_tokens(), "tokenizer.ggml.token_type": [1] * 256,
+            "tokenizer.ggml.merges": [""], "tokenizer.ggml.bos_token_id": ord("\n"),
+            "tokenizer.ggml.eos_token_id": ord("\n")}
 
 
 def sample_text(model: LanguageModel, prompt_ids: list[int], n_tokens: int, temperature: float, top_k: int,

@@ -8,11 +8,12 @@ Unknown keys and bad values raise `InputError` naming the key and what is allowe
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from .adamw import CONVENTIONS, AdamWRow, Schedule
 from .errors import InputError
@@ -91,7 +92,10 @@ def convert(cls: type[Options], key: str, raw: Any) -> Any:
         elif typ is str:
             value = str(raw)
         elif typing.get_origin(typ) is tuple or typ == tuple[str, ...]:
-            value = tuple(raw) if isinstance(raw, (list, tuple)) else tuple(s.strip() for s in str(raw).split(",") if s.strip())
+            if isinstance(raw, (list, tuple)):
+                value = tuple(raw)
+            else:
+                value = tuple(s.strip() for s in str(raw).split(",") if s.strip())
         else:
             value = raw
     except (TypeError, ValueError):

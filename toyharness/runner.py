@@ -175,6 +175,9 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
                 ev = evaluate(pm, model, data, options)
                 ev["step"] = i
                 run.evals.append(ev)
+                run.metrics[-1]["eval_loss"] = ev["loss"]
+                if "accuracy" in ev:
+                    run.metrics[-1]["accuracy"] = ev["accuracy"]
             bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None)
             if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
                 save_checkpoint(out_dir, trainer, options, done)
@@ -197,21 +200,30 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
         pm.hook.export(model=model, options=options, out_dir=out_dir)
         atomic_write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_loss(out_dir / "loss.png", run)
+        if run.evals and "confusion" in run.evals[-1]:
+            plot_confusion(out_dir / "confusion.png", run.evals[-1]["confusion"], run.recipe)
     summary["out_dir"] = str(out_dir)
     pm.hook.run_end(run=run, summary=summary)
     return summary
 
 
 def evaluate(pm, model, data, options) -> dict:
-    total, correct, count = 0.0, 0, 0
-    for j in range(options.eval_batches):
+    """Mean of the evaluate hook over the held-out batches (the data's own count, else
+    options.eval_batches); classifiers' counts and confusion matrices are summed."""
+    n = data.eval_batches(options) if hasattr(data, "eval_batches") else options.eval_batches
+    total, correct, count, confusion = 0.0, 0, 0, None
+    for j in range(n):
         res = pm.hook.evaluate(model=model, batch=batch_for(data, "eval", j, options))
         total += res["loss"]
         correct += res.get("correct", 0)
         count += res.get("count", 0)
-    out = {"loss": total / options.eval_batches}
+        if "confusion" in res:
+            confusion = res["confusion"] if confusion is None else confusion + res["confusion"]
+    out = {"loss": total / n}
     if count:
         out["accuracy"] = correct / count
+    if confusion is not None:
+        out["confusion"] = confusion
     return out
 
 
@@ -263,6 +275,34 @@ def plot_loss(path: Path, run: Run) -> None:
     ax.set_ylabel("loss (nats)")
     ax.set_title(f"{run.recipe}")
     ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
+
+
+def plot_confusion(path: Path, confusion: np.ndarray, title: str) -> None:
+    """Counts of (true class, predicted class) on the test split at the end of the run."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = confusion.shape[0]
+    fig, ax = plt.subplots(figsize=(4.5, 4), dpi=100)
+    ax.imshow(confusion, cmap="Blues")
+    for (r, c), v in np.ndenumerate(confusion):
+        ax.text(c, r, str(int(v)), ha="center", va="center", fontsize=7,
+                color="white" if v > confusion.max() / 2 else "black")
+    ax.set_xticks(range(k))
+    ax.set_yticks(range(k))
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    acc = np.trace(confusion) / max(confusion.sum(), 1)
+    ax.set_title(f"{title}: test accuracy {acc:.2%}")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

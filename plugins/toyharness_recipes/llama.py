@@ -41,6 +41,7 @@ class LlamaOptions(Options):
 class Llama(LMRecipe):
     name = "llama"
     options_class = LlamaOptions
+    golden_sets = ["n_kv_head=1", "d_ff=48"]
 
     def init_params(self, o: LlamaOptions, vocab: int) -> dict[str, np.ndarray]:
         d, hd = o.d_model, o.d_model // o.n_head
@@ -94,6 +95,27 @@ class Llama(LMRecipe):
             f"{arch}.rope.dimension_count": o.d_model // o.n_head, f"{arch}.vocab_size": vocab,
             "general.name": "toyharness-llama",
         }
+
+    def export_tensors(self, params, o: LlamaOptions):
+        """llama.cpp's `llama` rope pairs adjacent dims, as ours: Q and K go out unchanged. Its
+        `qwen2` rope pairs dim j with j + head_dim/2 (NeoX), so for qkv_bias the rows of Q and
+        K (and their biases) are permuted per head to give the same attention scores."""
+        if not o.qkv_bias:
+            return params
+        out = dict(params)
+        for name, value in params.items():
+            if ".attn_q." in name:
+                out[name] = adjacent_to_neox(value, o.n_head)
+            elif ".attn_k." in name:
+                out[name] = adjacent_to_neox(value, o.n_kv_head)
+        return out
+
+
+def adjacent_to_neox(w: np.ndarray, heads: int) -> np.ndarray:
+    """Rows (heads*hd, ...) reordered per head: [0, 2, 4, ..., 1, 3, 5, ...]."""
+    hd = w.shape[0] // heads
+    rest = w.shape[1:]
+    return np.ascontiguousarray(w.reshape(heads, hd // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape))
 
 
 recipe = Llama()

@@ -111,7 +111,8 @@ class Program:
         if not 0 < len(shape) <= 4 or any(s <= 0 for s in shape):
             raise ShapeError(f"{name}: shape {shape} must have 1 to 4 positive dims")
         ne = list(reversed(shape))
-        fn = (lib.ggml_new_tensor_1d, lib.ggml_new_tensor_2d, lib.ggml_new_tensor_3d, lib.ggml_new_tensor_4d)[len(ne) - 1]
+        fn = (lib.ggml_new_tensor_1d, lib.ggml_new_tensor_2d, lib.ggml_new_tensor_3d,
+              lib.ggml_new_tensor_4d)[len(ne) - 1]
         t = Tensor(self, fn(self._ctx_static, gtype, *ne), len(shape)).named(name)
         self._unallocated += 1
         return t

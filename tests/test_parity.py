@@ -1,0 +1,43 @@
+"""Numerical truth: each recipe's first 8 losses against an independent PyTorch implementation
+(toyharness/reference.py) fed the run's init.gguf and batches.npz. Run by `nox -s parity`,
+which installs torch==2.13.0; without torch these tests skip."""
+
+import numpy as np
+import pytest
+
+from toyharness.runner import train
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: run `nox -s parity` (torch==2.13.0)")
+reference = pytest.importorskip("toyharness.reference")
+
+pytestmark = pytest.mark.parity
+STEPS = 8
+SMALL = ["n_layer=2", "d_model=64", "n_head=4", "t_seq=32", "t_batch=4", "eval_every=100", "checkpoint_every=100",
+         "warmup=2"]
+CASES = {
+    "gpt2": [],
+    "gpt2-untied": ["untied=true"],
+    "llama": [],
+    "llama-gqa-untied-qkv_bias": ["n_kv_head=1", "untied=true", "qkv_bias=true"],
+    "vit_tiny": ["d_ff=96", "t_batch=16", "init_scale=5"],
+}
+
+
+def relative_difference(ours, theirs) -> float:
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    return float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_losses_match_pytorch(case, tmp_path):
+    recipe = case.split("-")[0]
+    out = tmp_path / case
+    sets = [s for s in SMALL if recipe != "vit_tiny" or not s.startswith("t_seq")] + CASES[case]
+    train(recipe, steps=STEPS, sets=sets, out=str(out), save_init=True, save_batches=True,
+          progress=False)
+    ours = [m["loss"] for m in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())]
+    theirs = reference.replay_losses(out, STEPS)
+    diff = relative_difference(ours, theirs)
+    print(f"{case}: largest relative difference over {STEPS} steps {diff:.3g}")
+    assert diff < 2e-4, (ours, theirs)
+    assert ours[-1] < ours[0], "the loss must fall over 8 steps for the comparison to mean something"

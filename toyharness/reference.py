@@ -1,0 +1,168 @@
+"""Independent PyTorch implementations of the recipes' models (eager, float32).
+
+Written from the model descriptions, not from the engine code: they are the numerical truth
+the `parity` nox session checks our first losses against, and the PyTorch side of
+`toyharness bench`. Parameters use the recipes' GGUF names (numpy order, as in init.gguf).
+Needs torch (``pip install torch==2.13.0``); the core never imports this module.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import tomllib
+import torch
+import torch.nn.functional as F
+
+
+# --- blocks ---------------------------------------------------------------------------------
+def layer_norm(x, g, b, eps=1e-5):
+    return F.layer_norm(x, (x.shape[-1],), g, b, eps)
+
+
+def rms_norm(x, g, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+
+
+def rope_adjacent(x, base: float):
+    """x (B, T, H, hd): rotate dims (2i, 2i+1) of position p by p * base^(-2i/hd)."""
+    _, t, _, hd = x.shape
+    inv = base ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]          # (T, hd/2)
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+
+
+def attention(x, P, pre, n_head, n_kv_head=None, causal=True, rope_base=None, q_fn=None):
+    b, t, d = x.shape
+    n_kv_head = n_kv_head or n_head
+    hd = d // n_head
+
+    def proj(name):
+        return F.linear(x, P[f"{pre}{name}.weight"], P.get(f"{pre}{name}.bias"))
+
+    q = (q_fn(x) if q_fn else proj("attn_q")).view(b, t, n_head, hd)
+    k = proj("attn_k").view(b, t, n_kv_head, hd)
+    v = proj("attn_v").view(b, t, n_kv_head, hd)
+    if rope_base is not None:
+        q, k = rope_adjacent(q, rope_base), rope_adjacent(k, rope_base)
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+    if n_kv_head != n_head:
+        k = k.repeat_interleave(n_head // n_kv_head, dim=1)
+        v = v.repeat_interleave(n_head // n_kv_head, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+    return F.linear(out, P[f"{pre}attn_output.weight"], P.get(f"{pre}attn_output.bias"))
+
+
+# --- models -----------------------------------------------------------------------------------
+def gpt2(P, batch, o):
+    tokens = batch["tokens"]
+    h = P["token_embd.weight"][tokens] + P["position_embd.weight"][: tokens.shape[1]]
+    for i in range(o["n_layer"]):
+        b = f"blk.{i}."
+        h = h + attention(layer_norm(h, P[b + "attn_norm.weight"], P[b + "attn_norm.bias"]), P, b, o["n_head"])
+        x = layer_norm(h, P[b + "ffn_norm.weight"], P[b + "ffn_norm.bias"])
+        x = F.gelu(F.linear(x, P[b + "ffn_up.weight"], P[b + "ffn_up.bias"]), approximate="tanh")
+        h = h + F.linear(x, P[b + "ffn_down.weight"], P[b + "ffn_down.bias"])
+    h = layer_norm(h, P["output_norm.weight"], P["output_norm.bias"])
+    return h @ P.get("output.weight", P["token_embd.weight"]).T
+
+
+def llama(P, batch, o, q_fn_for=None):
+    h = P["token_embd.weight"][batch["tokens"]]
+    for i in range(o["n_layer"]):
+        b = f"blk.{i}."
+        x = rms_norm(h, P[b + "attn_norm.weight"])
+        q_fn = q_fn_for(i) if q_fn_for else None
+        h = h + attention(x, P, b, o["n_head"], o["n_kv_head"], rope_base=10000.0, q_fn=q_fn)
+        x = rms_norm(h, P[b + "ffn_norm.weight"])
+        x = F.silu(F.linear(x, P[b + "ffn_gate.weight"])) * F.linear(x, P[b + "ffn_up.weight"])
+        h = h + F.linear(x, P[b + "ffn_down.weight"])
+    h = rms_norm(h, P["output_norm.weight"])
+    return h @ P.get("output.weight", P["token_embd.weight"]).T
+
+
+def vit_tiny(P, batch, o):
+    """A standard ViT: patches, linear embedding, [cls; patches] + positions, pre-LN blocks."""
+    images = batch["images"]
+    b, h, w, c = images.shape
+    p = o["patch"]
+    patches = images.view(b, h // p, p, w // p, p, c).permute(0, 1, 3, 2, 4, 5).reshape(b, -1, p * p * c)
+    x = F.linear(patches, P["patch_embd.weight"], P["patch_embd.bias"])
+    cls = P["cls_token.weight"].reshape(1, 1, -1).expand(b, 1, -1)
+    x = torch.cat([cls, x], dim=1) + P["position_embd.weight"]
+    for i in range(o["n_layer"]):
+        pre = f"blk.{i}."
+        x = x + attention(layer_norm(x, P[pre + "attn_norm.weight"], P[pre + "attn_norm.bias"]), P, pre, o["n_head"],
+                          causal=False)
+        y = layer_norm(x, P[pre + "ffn_norm.weight"], P[pre + "ffn_norm.bias"])
+        y = F.gelu(F.linear(y, P[pre + "ffn_up.weight"], P[pre + "ffn_up.bias"]), approximate="tanh")
+        x = x + F.linear(y, P[pre + "ffn_down.weight"], P[pre + "ffn_down.bias"])
+    x = layer_norm(x, P["output_norm.weight"], P["output_norm.bias"])
+    return F.linear(x[:, 0], P["output.weight"], P["output.bias"])
+
+
+MODELS: dict[str, Callable] = {"gpt2": gpt2, "llama": llama, "vit_tiny": vit_tiny}
+
+
+def lm_loss(logits, batch):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1).long())
+
+
+def class_loss(logits, batch):
+    return F.cross_entropy(logits, batch["labels"].long())
+
+
+LOSSES: dict[str, Callable] = {"gpt2": lm_loss, "llama": lm_loss, "vit_tiny": class_loss}
+
+
+# --- the AdamW row (DESIGN.md), applied as written -------------------------------------------------
+@torch.no_grad()
+def adamw_row_step(params: dict, m: dict, v: dict, row) -> None:
+    lr, b1, b2, eps, wd, s5, s6 = (float(x) for x in row)
+    for name, p in params.items():
+        g = p.grad
+        m[name].mul_(b1).add_(g, alpha=1 - b1)
+        v[name].mul_(b2).addcmul_(g, g, value=1 - b2)
+        p.mul_(1 - lr * wd).sub_(lr * (m[name] * s5) / ((v[name] * s6).sqrt() + eps))
+
+
+# --- parity: replay a run folder --------------------------------------------------------------------
+def replay_losses(run_dir: str | Path, steps: int, trainable: Callable[[str], bool] = lambda n: True,
+                  frozen: dict[str, np.ndarray] | None = None) -> list[float]:
+    """The first `steps` losses of the run in `run_dir` (its config.toml, init.gguf, batches.npz),
+    recomputed in PyTorch with the run's AdamW rows."""
+    from .engine import GGUFFile
+    from .plugins import get_recipe
+    from .runner import resolve_options
+
+    run_dir = Path(run_dir)
+    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    recipe = cfg["recipe"]
+    _, obj = get_recipe(recipe)
+    opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
+    with GGUFFile(run_dir / "init.gguf") as f:
+        init = {n: f.tensor(n).to_numpy() for n in f.names}
+    P = {n: torch.tensor(a, requires_grad=trainable(n)) for n, a in {**(frozen or {}), **init}.items()}
+    train = {n: p for n, p in P.items() if p.requires_grad}
+    m = {n: torch.zeros_like(p) for n, p in train.items()}
+    v = {n: torch.zeros_like(p) for n, p in train.items()}
+    batches = np.load(run_dir / "batches.npz")
+    forward, loss_fn = MODELS[recipe], LOSSES[recipe]
+    losses = []
+    for i in range(steps):
+        batch = {k: torch.from_numpy(np.ascontiguousarray(batches[k][i])) for k in batches.files}
+        for p in train.values():
+            p.grad = None
+        loss = loss_fn(forward(P, batch, cfg), batch)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        adamw_row_step(train, m, v, opts.adamw_row().hp_for_step(i))
+    return losses
