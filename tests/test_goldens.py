@@ -11,7 +11,10 @@ from toyharness.engine import get_engine
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
 
 
-@pytest.mark.parametrize("recipe", ["gpt2", "llama"])
+BUILT_IN = ["gpt2", "llama", "vit_tiny", "warm_start"]
+
+
+@pytest.mark.parametrize("recipe", BUILT_IN)
 def test_recipe_matches_its_golden(recipe, toyharness_golden):
     toyharness_golden(recipe, root=ROOT)
 

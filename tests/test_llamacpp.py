@@ -58,3 +58,22 @@ def test_llama_cpp_logits_match_ours(case, tmp_path):
     err = relative_error(ours, theirs)
     print(f"{case}: relative logits error {err:.3g}")
     assert err < 1e-3
+
+
+@pytest.mark.parametrize("applied", ["adapter", "merged"])
+def test_llama_cpp_applies_our_lora_adapter(llama_base, tmp_path, applied):
+    out = tmp_path / "lora"
+    train("lora", steps=30, sets=["t_seq=32", "t_batch=4", "lr=1e-2", "eval_every=30", "checkpoint_every=30",
+                                  f"base={llama_base}", "targets=q,k,v,o,gate,up,down", "merged=true", "init_scale=5"],
+          out=str(out), progress=False)
+    if applied == "adapter":
+        theirs = llama_cpp_logits(llama_base, PROMPT, tmp_path, lora=(out / "adapter.gguf", 1.0))
+    else:
+        theirs = llama_cpp_logits(out / "model.gguf", PROMPT, tmp_path)
+    ours = our_logits(out, "lora", PROMPT)
+    base = llama_cpp_logits(llama_base, PROMPT, tmp_path)
+    err = relative_error(ours, theirs)
+    print(f"lora {applied}: relative logits error {err:.3g} (the adapter moves them by "
+          f"{relative_error(base, theirs):.3g})")
+    assert err < 1e-3
+    assert relative_error(base, theirs) > 1e-2, "the adapter must change the logits for the check to mean something"

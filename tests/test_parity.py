@@ -41,3 +41,28 @@ def test_first_losses_match_pytorch(case, tmp_path):
     print(f"{case}: largest relative difference over {STEPS} steps {diff:.3g}")
     assert diff < 2e-4, (ours, theirs)
     assert ours[-1] < ours[0], "the loss must fall over 8 steps for the comparison to mean something"
+
+
+@pytest.mark.parametrize("extra", [["targets=q"], ["targets=q,k,v,o,gate,up,down", "rank=4", "alpha=4"]])
+def test_lora_first_losses_match_pytorch(llama_base, tmp_path, extra):
+    out = tmp_path / "lora"
+    train("lora", steps=STEPS, sets=["t_seq=32", "t_batch=4", "warmup=2", "lr=1e-2", "eval_every=100",
+                                     "checkpoint_every=100", f"base={llama_base}", *extra], out=str(out),
+          save_init=True, save_batches=True, progress=False)
+    ours = [m["loss"] for m in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())]
+    theirs = reference.replay_losses(out, STEPS)
+    diff = relative_difference(ours, theirs)
+    print(f"lora {extra}: largest relative difference over {STEPS} steps {diff:.3g}")
+    assert diff < 2e-4, (ours, theirs)
+    assert ours[-1] != ours[0]
+
+
+def test_warm_start_first_losses_match_pytorch(llama_base, tmp_path):
+    out = tmp_path / "ws"
+    train("warm_start", steps=STEPS, sets=SMALL + ["n_kv_head=2", f"donor={llama_base}", "lens=pca"],
+          out=str(out), save_init=True, save_batches=True, progress=False)
+    ours = [m["loss"] for m in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())]
+    theirs = reference.replay_losses(out, STEPS)
+    diff = relative_difference(ours, theirs)
+    print(f"warm_start: largest relative difference over {STEPS} steps {diff:.3g}")
+    assert diff < 2e-4, (ours, theirs)

@@ -119,7 +119,10 @@ def cmd_golden(args) -> int:
     failed = 0
     for name in names:
         if args.action == "record":
-            print(f"recorded {goldens.record(name, args.backend, root)}")
+            try:
+                print(f"recorded {goldens.record(name, args.backend, root)}")
+            except FileNotFoundError as exc:
+                print(f"SKIP {name}: {exc}")
             continue
         try:
             path, mismatch = goldens.check(name, args.backend, root)

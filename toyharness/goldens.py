@@ -41,7 +41,10 @@ def golden_sets_for(recipe: str) -> list[str]:
     _, obj = get_recipe(recipe)
     cls = resolve_options(obj, None, [], {}).__class__
     fields = set(cls.__dataclass_fields__)
-    return [s for s in GOLDEN_SETS if s.split("=")[0] in fields] + list(getattr(obj, "golden_sets", []))
+    extra = getattr(obj, "golden_sets", [])
+    if extra is None:
+        raise FileNotFoundError(f"recipe {recipe} has no golden config (it needs inputs such as a base model)")
+    return [s for s in GOLDEN_SETS if s.split("=")[0] in fields] + list(extra)
 
 
 def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None) -> dict:

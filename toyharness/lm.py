@@ -31,8 +31,7 @@ class LanguageModel:
         self.batch = batch or options.t_batch
         self.seq = seq or options.t_seq
         self.prog: Program = engine.program()
-        self.P: dict[str, Tensor] = {name: self.prog.param(name, value, trainable=trainable)
-                                     for name, value in params.items()}
+        self.P: dict[str, Tensor] = recipe.build_params(self.prog, options, vocab, params, trainable)
         self.tokens = self.prog.input("tokens", (self.batch, self.seq), "i32", upper=vocab)
         self.positions = self.prog.constant("positions", np.arange(self.seq, dtype=np.int32))
         self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
@@ -54,7 +53,8 @@ class LanguageModel:
         return {"loss": self.trainer.eval_loss(batch)}
 
     def params(self) -> dict[str, np.ndarray]:
-        return {name: self.prog.read(t) for name, t in self.P.items()}
+        """Every parameter (trainable, or frozen when loaded for sampling) as numpy, by name."""
+        return {name: self.prog.read(t) for name, t in {**self.prog.params, **self.prog.frozen}.items()}
 
     def next_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits (batch, seq, vocab) of a forward-only graph."""
@@ -82,14 +82,25 @@ class LMRecipe:
     def export_tensors(self, params: dict[str, np.ndarray], options) -> dict[str, np.ndarray]:
         return params
 
+    def build_params(self, prog: Program, options, vocab: int, values: dict[str, np.ndarray],
+                     trainable: bool) -> dict:
+        """The weights `forward` receives, made on `prog` from `values` (init or checkpoint).
+        Recipes with frozen weights (a GGUF base) override this."""
+        return {name: prog.param(name, value, trainable=trainable) for name, value in values.items()}
+
     # --- hooks ---------------------------------------------------------------------------------
     @hookimpl
     def options(self):
         return self.options_class
 
+    def vocab_for(self, options, data_vocab: int) -> int:
+        """The model's vocabulary (the data's, unless a base model fixes it)."""
+        return data_vocab
+
     @hookimpl
     def realize(self, engine, options, data):
-        return LanguageModel(self, engine, options, data.vocab, self.init_params(options, data.vocab))
+        vocab = self.vocab_for(options, data.vocab)
+        return LanguageModel(self, engine, options, vocab, self.init_params(options, vocab))
 
     @hookimpl
     def hp(self, options, step):
@@ -119,6 +130,7 @@ class LMRecipe:
             params = {}
             for name, value in expected.items():
                 params[name] = f.tensor(name, expect_shape=value.shape).to_numpy()
+        vocab = self.vocab_for(options, vocab)
         return LanguageModel(self, get_engine(backend, threads), options, vocab, params, trainable=False,
                              batch=1, seq=options.t_seq)
 

@@ -109,7 +109,25 @@ def vit_tiny(P, batch, o):
     return F.linear(x[:, 0], P["output.weight"], P["output.bias"])
 
 
-MODELS: dict[str, Callable] = {"gpt2": gpt2, "llama": llama, "vit_tiny": vit_tiny}
+def lora(P, batch, o):
+    """The base's weights with W + (alpha/rank) B A on every adapted projection."""
+    scale = o["alpha"] / o["rank"]
+    eff = dict(P)
+    for name in P:
+        if name.endswith(".lora_a"):
+            w = name[: -len(".lora_a")]
+            eff[w] = P[w] + scale * (P[w + ".lora_b"] @ P[name])
+    return llama(eff, batch, o)
+
+
+def warm_start(P, batch, o):
+    eff = dict(P)
+    eff["token_embd.weight"] = P["token_embd.weight"] @ P["lens.weight"].T
+    return llama(eff, batch, o)
+
+
+MODELS: dict[str, Callable] = {"gpt2": gpt2, "llama": llama, "vit_tiny": vit_tiny, "lora": lora,
+                               "warm_start": warm_start}
 
 
 def lm_loss(logits, batch):
@@ -120,7 +138,8 @@ def class_loss(logits, batch):
     return F.cross_entropy(logits, batch["labels"].long())
 
 
-LOSSES: dict[str, Callable] = {"gpt2": lm_loss, "llama": lm_loss, "vit_tiny": class_loss}
+LOSSES: dict[str, Callable] = {"gpt2": lm_loss, "llama": lm_loss, "vit_tiny": class_loss, "lora": lm_loss,
+                               "warm_start": lm_loss}
 
 
 # --- the AdamW row (DESIGN.md), applied as written -------------------------------------------------
@@ -135,10 +154,9 @@ def adamw_row_step(params: dict, m: dict, v: dict, row) -> None:
 
 
 # --- parity: replay a run folder --------------------------------------------------------------------
-def replay_losses(run_dir: str | Path, steps: int, trainable: Callable[[str], bool] = lambda n: True,
-                  frozen: dict[str, np.ndarray] | None = None) -> list[float]:
-    """The first `steps` losses of the run in `run_dir` (its config.toml, init.gguf, batches.npz),
-    recomputed in PyTorch with the run's AdamW rows."""
+def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
+    """The first `steps` losses of the run in `run_dir` (its config.toml, init.gguf, batches.npz,
+    and for lora its base), recomputed in PyTorch with the run's AdamW rows."""
     from .engine import GGUFFile
     from .plugins import get_recipe
     from .runner import resolve_options
@@ -150,7 +168,14 @@ def replay_losses(run_dir: str | Path, steps: int, trainable: Callable[[str], bo
     opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
     with GGUFFile(run_dir / "init.gguf") as f:
         init = {n: f.tensor(n).to_numpy() for n in f.names}
-    P = {n: torch.tensor(a, requires_grad=trainable(n)) for n, a in {**(frozen or {}), **init}.items()}
+    frozen = {}
+    if cfg.get("base"):                      # lora: the frozen base, and its shape for the forward
+        with GGUFFile(cfg["base"]) as f:
+            frozen = {n: f.tensor(n).to_numpy() for n in f.names}
+            arch = f.field("general.architecture")
+            cfg = {**cfg, "n_layer": f.field(f"{arch}.block_count"), "n_head": f.field(f"{arch}.attention.head_count"),
+                   "n_kv_head": f.field(f"{arch}.attention.head_count_kv")}
+    P = {n: torch.tensor(a, requires_grad=n in init) for n, a in {**frozen, **init}.items()}
     train = {n: p for n, p in P.items() if p.requires_grad}
     m = {n: torch.zeros_like(p) for n, p in train.items()}
     v = {n: torch.zeros_like(p) for n, p in train.items()}

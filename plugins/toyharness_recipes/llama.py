@@ -22,6 +22,35 @@ ROPE_BASE = 10000.0
 
 
 @dataclass
+class LlamaShape:
+    """What the forward needs beyond the weights (from options, or from a GGUF's metadata)."""
+
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    rms_eps: float = RMS_EPS
+    rope_base: float = ROPE_BASE
+    rope_neox: bool = False      # llama.cpp's qwen2 files store Q/K for NeoX rope
+
+
+def llama_forward(P: dict, h, positions, s: LlamaShape):
+    """Blocks, final norm and output over embedded tokens `h` (B, T, d). A weight in P may be
+    a `blocks.LoRAWeight`; the output is tied to token_embd.weight unless P has output.weight."""
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
+        h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
+                                 P[b + "attn_output.weight"], s.n_head, s.n_kv_head,
+                                 bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
+                                 bv=P.get(b + "attn_v.bias"), rope_positions=positions, rope_base=s.rope_base,
+                                 rope_neox=s.rope_neox)
+        x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
+        h = h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
+    h = blocks.rms_norm(h, P["output_norm.weight"], s.rms_eps)
+    return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
+
+
+@dataclass
 class LlamaOptions(Options):
     n_layer: int = 2
     d_model: int = 128
@@ -72,18 +101,8 @@ class Llama(LMRecipe):
         return P
 
     def forward(self, P, tokens, positions, o: LlamaOptions):
-        h = P["token_embd.weight"].get_rows(tokens)
-        for i in range(o.n_layer):
-            b = f"blk.{i}."
-            x = blocks.rms_norm(h, P[b + "attn_norm.weight"], RMS_EPS)
-            h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
-                                     P[b + "attn_output.weight"], o.n_head, o.n_kv_head,
-                                     bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
-                                     bv=P.get(b + "attn_v.bias"), rope_positions=positions, rope_base=ROPE_BASE)
-            x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], RMS_EPS)
-            h = h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
-        h = blocks.rms_norm(h, P["output_norm.weight"], RMS_EPS)
-        return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
+        return llama_forward(P, P["token_embd.weight"].get_rows(tokens), positions,
+                             LlamaShape(o.n_layer, o.n_head, o.n_kv_head))
 
     def gguf_metadata(self, o: LlamaOptions, vocab: int):
         arch = "qwen2" if o.qkv_bias else "llama"

@@ -9,6 +9,7 @@ Every block here has a forward and finite-difference test in tests/test_engine_o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..errors import ShapeError
 from .tensor import Tensor
@@ -16,8 +17,25 @@ from .tensor import Tensor
 GELU_C = math.sqrt(2.0 / math.pi)
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+@dataclass
+class LoRAWeight:
+    """A frozen weight with a low-rank adapter: used wherever a weight is, `linear` computes
+    W x + scale * B(A x). Any block built on `linear` takes adapters this way."""
+
+    base: Tensor          # (out, in), frozen
+    a: Tensor             # (rank, in), trainable
+    b: Tensor             # (out, rank), trainable
+    scale: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+
+def linear(x: Tensor, w: Tensor | LoRAWeight, b: Tensor | None = None) -> Tensor:
     """x (..., in) @ w(out, in).T + b(out,), as torch.nn.Linear."""
+    if isinstance(w, LoRAWeight):
+        return lora_linear(x, w.base, w.a, w.b, w.scale, b)
     y = x.matmul_t(w)
     return y + b if b is not None else y
 
@@ -66,12 +84,13 @@ def lens(embeddings: Tensor, projection: Tensor) -> Tensor:
 def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head: int, n_kv_head: int | None = None,
               causal: bool = True, bq: Tensor | None = None, bk: Tensor | None = None, bv: Tensor | None = None,
               bo: Tensor | None = None, rope_positions: Tensor | None = None, rope_base: float = 10000.0,
-              q_fn=None) -> Tensor:
+              rope_neox: bool = False, q_fn=None) -> Tensor:
     """Multi-head self-attention of x (B, T, D), batched over heads (no per-head loop).
 
     Grouped-query heads when n_kv_head < n_head: query heads share key/value heads in
     consecutive groups (llama's repeat_interleave), through mul_mat's broadcast.
-    `q_fn(x)`, when given, replaces the query projection (a LoRA linear, say).
+    `q_fn(x)`, when given, replaces the query projection. RoPE pairs adjacent dims, or dim j
+    with j + hd/2 when `rope_neox` (llama.cpp's qwen2 layout).
     """
     bsz, seq, d_model = x.shape
     n_kv_head = n_kv_head or n_head
@@ -85,8 +104,8 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     k = k.reshape(bsz, seq, n_kv_head, hd)
     v = v.reshape(bsz, seq, n_kv_head, hd)
     if rope_positions is not None:
-        q = q.rope(rope_positions, hd, rope_base)
-        k = k.rope(rope_positions, hd, rope_base)
+        q = q.rope(rope_positions, hd, rope_base, neox=rope_neox)
+        k = k.rope(rope_positions, hd, rope_base, neox=rope_neox)
     q = q.permute(0, 2, 1, 3)                 # (B, H, T, hd)
     k = k.permute(0, 2, 1, 3)                 # (B, Hkv, T, hd)
     vt = v.permute(0, 2, 3, 1).cont()         # (B, Hkv, hd, T)

@@ -26,6 +26,15 @@ FROZEN_TYPES = {GGML_TYPE_F32: "f32", GGML_TYPE_F16: "f16", GGML_TYPE_BF16: "bf1
 
 
 @dataclass
+class TypedValue:
+    """A metadata value with its GGUF type (kept when copying metadata between files)."""
+
+    value: Any
+    vtype: Any
+    subtype: Any = None
+
+
+@dataclass
 class TensorInfo:
     name: str
     shape: tuple[int, ...]      # numpy order
@@ -36,7 +45,14 @@ class TensorInfo:
 
     @property
     def dtype(self) -> str:
-        return FROZEN_TYPES.get(self.ggml_type, f"ggml_type_{self.ggml_type}")
+        if self.ggml_type in FROZEN_TYPES:
+            return FROZEN_TYPES[self.ggml_type]
+        import gguf
+
+        try:
+            return gguf.GGMLQuantizationType(self.ggml_type).name.lower()
+        except ValueError:
+            return f"ggml_type_{self.ggml_type}"
 
     def raw_bytes(self) -> np.ndarray:
         return np.asarray(self.file.mmap[self.offset:self.offset + self.nbytes])
@@ -117,6 +133,16 @@ class GGUFFile:
             return [p.tolist()[0] if hasattr(p, "tolist") else p for p in parts]
         return parts[0].tolist()[0]
 
+    def metadata(self) -> dict[str, TypedValue]:
+        """Every metadata key with its GGUF value type, for copying into another file."""
+        out = {}
+        for key, f in self.reader.fields.items():
+            if key.startswith("GGUF.") or not f.types:
+                continue
+            sub = f.types[-1] if len(f.types) > 1 else None
+            out[key] = TypedValue(f.contents(), f.types[0], sub)
+        return out
+
     def require_field(self, key: str) -> Any:
         value = self.field(key)
         if value is None:
@@ -193,7 +219,9 @@ def write_gguf(path: str | os.PathLike, arch: str, tensors: dict[str, np.ndarray
 
 
 def _add_field(w, key: str, value: Any) -> None:
-    if isinstance(value, bool):
+    if isinstance(value, TypedValue):
+        w.add_key_value(key, value.value, value.vtype, sub_type=value.subtype)
+    elif isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
         if 0 <= value < 2**32:
@@ -208,3 +236,40 @@ def _add_field(w, key: str, value: Any) -> None:
         w.add_array(key, list(value))
     else:
         raise TypeError(f"GGUF metadata {key!r}: unsupported value type {type(value).__name__}")
+
+
+def copy_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, matrix_dtype: str) -> Path:
+    """A copy of a GGUF with every 2-D tensor stored as `matrix_dtype` (f32, f16, bf16, q8_0, or
+    q4_0, which the engine refuses: for error tests); metadata and 1-D tensors kept as they are."""
+    import gguf
+
+    kinds = {"f32": None, "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+    if matrix_dtype not in kinds:
+        raise GGUFError(f"copy_gguf_as: dtype {matrix_dtype!r}; allowed: {', '.join(kinds)}")
+    dst = Path(dst)
+    with GGUFFile(src) as f:
+        arch = f.field("general.architecture")
+        meta = {k: v for k, v in f.metadata().items() if k != "general.architecture"}
+        arrays = {name: f.tensor(name).to_numpy() for name in f.names}
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        for key, value in meta.items():
+            _add_field(w, key, value)
+        for name, a in arrays.items():
+            kind = kinds[matrix_dtype] if a.ndim == 2 else None
+            if kind is None:
+                w.add_tensor(name, a)
+            else:
+                w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dst

@@ -1,0 +1,191 @@
+"""LoRA on a frozen GGUF base: rank-r adapters on chosen projections of a llama-family model.
+
+The base is any llama.cpp `llama` (or, with Q/K/V biases, `qwen2`) GGUF: tied or untied output,
+grouped-query heads, f32/f16/bf16/q8_0 matrices and f32 norm weights; other quantized types are
+refused with an error naming the tensor. The base is frozen and, on cpu, mmap'd and used in
+place, except bf16 matrices: ggml 0.25.3 takes the gradient with respect to a matmul's input
+with out_prod, which has f32, f16 and quantized kernels but aborts on bf16, so those are
+widened to f32 on load (tests/test_lora.py trains through each type).
+
+Adapters: W x + (alpha / rank) * B (A x) on each target (q, k, v, o, gate, up, down). Init:
+A from the seeded xorshift64 Box-Muller stream with standard deviation init_scale/sqrt(d_in),
+B zero, so step 0 sees the base model exactly. Only adapters and their AdamW moments train;
+AdamW row `bias_corrected`, beta2 0.999. Export: `adapter.gguf` in llama.cpp's LoRA adapter
+format, and with `merged=true` a `model.gguf` with the adapters folded into the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from toyharness.engine import GGUFFile, blocks, write_gguf
+from toyharness.engine.gguf_io import GGUFError
+from toyharness.errors import InputError
+from toyharness.hookspecs import hookimpl
+from toyharness.init import normal
+from toyharness.lm import LMRecipe
+from toyharness.options import CONVENTIONS, Options, choice
+from toyharness_recipes.llama import LlamaShape, llama_forward
+
+TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
+           "down": "ffn_down"}
+ARCHS = ("llama", "qwen2")
+MATRIX_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+@dataclass
+class LoRAOptions(Options):
+    base: str = ""
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = choice(("q",), tuple(TARGETS))
+    merged: bool = False
+    t_seq: int = 64
+    t_batch: int = 16
+    lr: float = 2e-3
+    beta2: float = 0.999
+    adamw_convention: str = choice("bias_corrected", CONVENTIONS)
+    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    warmup: int = 10
+    steps: int = 200
+    eval_every: int = 50
+    checkpoint_every: int = 50
+
+
+@dataclass
+class BaseModel:
+    """A validated llama-family GGUF: its shape and the numpy shape of every tensor it must hold."""
+
+    path: Path
+    arch: str
+    shape: LlamaShape
+    d_model: int
+    d_ff: int
+    vocab: int
+    tensors: dict[str, tuple[int, ...]]
+
+    def target_shape(self, layer: int, target: str) -> tuple[int, int]:
+        return self.tensors[f"blk.{layer}.{TARGETS[target]}.weight"]
+
+
+def read_base(path: str) -> BaseModel:
+    """Open and check a base GGUF; every problem names the file, the tensor and expected vs got."""
+    if not path:
+        raise InputError("lora needs a base model: --set base=PATH.gguf (a llama or qwen2 GGUF)")
+    with GGUFFile(path) as f:
+        arch = f.field("general.architecture")
+        if arch not in ARCHS:
+            raise GGUFError(f"{path}: architecture {arch!r}, expected one of {', '.join(ARCHS)}")
+
+        def key(name):
+            return f.require_field(f"{arch}.{name}")
+
+        n_layer, d, n_head = int(key("block_count")), int(key("embedding_length")), int(key("attention.head_count"))
+        n_kv = int(f.field(f"{arch}.attention.head_count_kv", n_head))
+        d_ff = int(key("feed_forward_length"))
+        shape = LlamaShape(n_layer, n_head, n_kv, float(key("attention.layer_norm_rms_epsilon")),
+                           float(f.field(f"{arch}.rope.freq_base", 10000.0)), rope_neox=(arch == "qwen2"))
+        vocab = f.tensor("token_embd.weight").shape[0]
+        kv = n_kv * (d // n_head)
+        want = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
+        for i in range(n_layer):
+            b = f"blk.{i}."
+            want |= {b + "attn_norm.weight": (d,), b + "attn_q.weight": (d, d), b + "attn_k.weight": (kv, d),
+                     b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, d), b + "ffn_norm.weight": (d,),
+                     b + "ffn_gate.weight": (d_ff, d), b + "ffn_up.weight": (d_ff, d), b + "ffn_down.weight": (d, d_ff)}
+            if arch == "qwen2":
+                want |= {b + "attn_q.bias": (d,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
+        if "output.weight" in f.names:
+            want["output.weight"] = (vocab, d)
+        for name, expected in want.items():
+            info = f.tensor(name, expect_shape=expected)
+            allowed = MATRIX_TYPES if len(expected) == 2 else ("f32",)
+            if info.dtype not in allowed:
+                raise GGUFError(f"{path}: tensor {name!r} has type {info.dtype}, expected {' or '.join(allowed)}")
+    return BaseModel(Path(path), arch, shape, d, d_ff, vocab, want)
+
+
+class LoRA(LMRecipe):
+    name = "lora"
+    options_class = LoRAOptions
+    golden_sets = None     # needs a base GGUF: no fixed golden config (the parity session covers it)
+
+    def __init__(self):
+        self._bases: dict[str, BaseModel] = {}
+
+    def base(self, o: LoRAOptions) -> BaseModel:
+        if o.base not in self._bases:
+            self._bases[o.base] = read_base(o.base)
+        return self._bases[o.base]
+
+    def vocab_for(self, o: LoRAOptions, data_vocab: int) -> int:
+        base = self.base(o)
+        if data_vocab > base.vocab:
+            raise InputError(f"lora: the data has token ids up to {data_vocab - 1} but the base {o.base} has "
+                             f"a vocabulary of {base.vocab}")
+        return base.vocab
+
+    def init_params(self, o: LoRAOptions, vocab: int) -> dict[str, np.ndarray]:
+        if o.rank <= 0:
+            raise InputError(f"option 'rank': must be > 0, got {o.rank}")
+        base, P = self.base(o), {}
+        for i in range(base.shape.n_layer):
+            for t in o.targets:
+                out_dim, in_dim = base.target_shape(i, t)
+                name = f"blk.{i}.{TARGETS[t]}.weight"
+                P[name + ".lora_a"] = normal(o.seed, name + ".lora_a", (o.rank, in_dim), o.init_scale / np.sqrt(in_dim))
+                P[name + ".lora_b"] = np.zeros((out_dim, o.rank), np.float32)
+        return P
+
+    def build_params(self, prog, o: LoRAOptions, vocab, values, trainable):
+        base = self.base(o)
+        gguf = GGUFFile(base.path)
+        prog._keepalive.append(gguf)         # mmap'd weights live as long as the program
+        P = {}
+        for name, shape in base.tensors.items():
+            info = gguf.tensor(name, expect_shape=shape)
+            if info.dtype == "bf16":      # no bf16 out_prod in ggml 0.25.3 (see above)
+                P[name] = prog.frozen_array(name, info.to_numpy(), "f32")
+            else:
+                P[name] = prog.frozen_gguf(gguf, name, expect_shape=shape)
+        scale = o.alpha / o.rank
+        for name, value in values.items():
+            P[name] = prog.param(name, value, trainable=trainable)
+        for i in range(base.shape.n_layer):
+            for t in o.targets:
+                name = f"blk.{i}.{TARGETS[t]}.weight"
+                P[name] = blocks.LoRAWeight(P[name], P[name + ".lora_a"], P[name + ".lora_b"], scale)
+        return P
+
+    def forward(self, P, tokens, positions, o: LoRAOptions):
+        return llama_forward(P, P["token_embd.weight"].get_rows(tokens), positions, self.base(o).shape)
+
+    @hookimpl
+    def export(self, model, options, out_dir):
+        o, base = options, self.base(options)
+        adapters = {name: model.prog.read(t) for name, t in model.prog.params.items()}
+        written = [write_gguf(Path(out_dir) / "adapter.gguf", base.arch, adapters,
+                              {"general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": float(o.alpha),
+                               "general.name": "toyharness-lora"})]
+        if o.merged:
+            written.append(write_merged(Path(out_dir) / "model.gguf", base, adapters, o.alpha / o.rank))
+        return written
+
+
+def write_merged(path: Path, base: BaseModel, adapters: dict[str, np.ndarray], scale: float) -> Path:
+    """The base with W + scale * B @ A folded in (f32), its metadata copied."""
+    with GGUFFile(base.path) as f:
+        tensors = {}
+        for name in f.names:
+            w = f.tensor(name).to_numpy()
+            if name + ".lora_a" in adapters:
+                w = w + scale * (adapters[name + ".lora_b"] @ adapters[name + ".lora_a"])
+            tensors[name] = w.astype(np.float32)
+        meta = {k: v for k, v in f.metadata().items() if k != "general.architecture"}
+    return write_gguf(path, base.arch, tensors, meta)
+
+
+recipe = LoRA()

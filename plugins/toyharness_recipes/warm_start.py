@@ -1,0 +1,140 @@
+"""Warm start: a random-init Llama whose token embedding is warmed from a donor GGUF.
+
+The seeds' window, in order: (1) random-init Llama (every weight trains, embeddings too);
+(2) optionally `warm()` the embedding table from the donor; (3) `bake()` the training graph.
+Warming after baking is an error. The embedding is `donor_d_in` wide and a trainable
+projection lens maps it to `d_model`; the output is untied (`output.weight`). `lens`: random
+(the init stream), or pca (its rows start as the top `d_model` principal directions of the
+donor rows). AdamW row `constant_betas`. Export: a plain llama `model.gguf` whose
+token_embd.weight is the embedding seen through the lens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from toyharness.engine import GGUFFile, blocks
+from toyharness.engine.gguf_io import GGUFError
+from toyharness.errors import InputError
+from toyharness.hookspecs import hookimpl
+from toyharness.init import normal
+from toyharness.lm import LanguageModel
+from toyharness.options import choice
+from toyharness_recipes.llama import Llama, LlamaOptions, LlamaShape, llama_forward
+
+
+@dataclass
+class WarmStartOptions(LlamaOptions):
+    donor: str = ""              # a llama GGUF; empty: no warming
+    donor_d_in: int = 64
+    lens: str = choice("random", ("random", "pca"))
+    untied: bool = True
+
+
+def donor_embed_width(path: str) -> int:
+    """The donor's embedding width (`llama.embedding_length`), with every failure named."""
+    with _open_donor(path) as f:
+        width = f.field("llama.embedding_length")
+        if width is None:
+            raise GGUFError(f"donor {path}: no 'llama.embedding_length' key (is it a llama GGUF?)")
+        return int(width)
+
+
+def _open_donor(path: str) -> GGUFFile:
+    try:
+        return GGUFFile(path)
+    except GGUFError as exc:
+        raise GGUFError(f"donor {exc}") from None
+    except OSError as exc:
+        raise GGUFError(f"donor {path}: read failure ({exc})") from None
+
+
+def donor_rows(path: str, vocab: int, d_in: int) -> np.ndarray:
+    """The first `vocab` rows of the donor's token_embd.weight, checked against `d_in`."""
+    width = donor_embed_width(path)
+    if width != d_in:
+        raise GGUFError(f"donor {path}: embedding width mismatch: expected donor_d_in {d_in}, got {width}")
+    with _open_donor(path) as f:
+        if "token_embd.weight" not in f.names:
+            raise GGUFError(f"donor {path}: no tensor 'token_embd.weight'")
+        info = f.tensor("token_embd.weight")
+        if len(info.shape) != 2 or info.shape[1] != d_in:
+            raise GGUFError(f"donor {path}: token_embd.weight has shape {info.shape}, expected (rows, {d_in})")
+        if info.shape[0] < vocab:
+            raise GGUFError(f"donor {path}: vocabulary of {info.shape[0]} rows is smaller than the model's {vocab}")
+        try:
+            return info.to_numpy()[:vocab].astype(np.float32)
+        except (OSError, ValueError) as exc:
+            raise GGUFError(f"donor {path}: read failure on token_embd.weight ({exc})") from None
+
+
+def pca_lens(rows: np.ndarray, d_model: int) -> np.ndarray:
+    """(d_model, d_in): the top principal directions of the centred rows (float64 SVD)."""
+    if d_model > rows.shape[1]:
+        raise InputError(f"lens=pca needs d_model <= donor_d_in, got {d_model} > {rows.shape[1]}")
+    centred = rows.astype(np.float64) - rows.mean(0)
+    _, _, vt = np.linalg.svd(centred, full_matrices=False)
+    vt *= np.sign(vt[:, :1] + (vt[:, :1] == 0))      # a fixed sign per direction: deterministic
+    return vt[:d_model].astype(np.float32)
+
+
+class WarmStartWindow:
+    """init -> warm (optional) -> bake. The parameters can be changed only before bake."""
+
+    def __init__(self, recipe: WarmStart, o: WarmStartOptions, vocab: int):
+        self.recipe, self.options, self.vocab = recipe, o, vocab
+        self.params = recipe.init_params(o, vocab)
+        self.baked = False
+
+    def warm(self) -> None:
+        if self.baked:
+            raise InputError("warm_start: warm() called outside its window: the training graph is already baked")
+        o = self.options
+        rows = donor_rows(o.donor, self.vocab, o.donor_d_in)
+        self.params["token_embd.weight"] = rows
+        if o.lens == "pca":
+            self.params["lens.weight"] = pca_lens(rows, o.d_model)
+
+    def bake(self, engine) -> LanguageModel:
+        self.baked = True
+        return LanguageModel(self.recipe, engine, self.options, self.vocab, self.params)
+
+
+class WarmStart(Llama):
+    name = "warm_start"
+    options_class = WarmStartOptions
+    golden_sets = ["n_kv_head=1", "d_ff=48", "donor_d_in=24"]
+
+    def init_params(self, o: WarmStartOptions, vocab: int) -> dict[str, np.ndarray]:
+        if not o.untied:
+            raise InputError("warm_start: option 'untied' must be true (the embedding is donor_d_in wide)")
+        P = super().init_params(o, vocab)
+        P["token_embd.weight"] = normal(o.seed, "token_embd.weight", (vocab, o.donor_d_in), 0.02 * o.init_scale)
+        P["lens.weight"] = normal(o.seed, "lens.weight", (o.d_model, o.donor_d_in),
+                                  o.init_scale / np.sqrt(o.donor_d_in))
+        return P
+
+    def forward(self, P, tokens, positions, o: WarmStartOptions):
+        h = blocks.lens(P["token_embd.weight"].get_rows(tokens), P["lens.weight"])
+        return llama_forward(P, h, positions, LlamaShape(o.n_layer, o.n_head, o.n_kv_head))
+
+    @hookimpl
+    def realize(self, engine, options, data):
+        window = WarmStartWindow(self, options, self.vocab_for(options, data.vocab))
+        if options.donor:
+            window.warm()
+        return window.bake(engine)
+
+    def export_tensors(self, params, o: WarmStartOptions):
+        out = {k: v for k, v in params.items() if k != "lens.weight"}
+        out["token_embd.weight"] = params["token_embd.weight"] @ params["lens.weight"].T
+        return super().export_tensors(out, o)
+
+    def gguf_metadata(self, o, vocab):
+        arch, meta = super().gguf_metadata(o, vocab)
+        return arch, {**meta, "general.name": "toyharness-warm_start"}
+
+
+recipe = WarmStart()

@@ -1,0 +1,35 @@
+"""Shared fixtures: a small llama base model made by the harness itself (no download)."""
+
+import pytest
+
+from toyharness.runner import train
+
+BASE_SETS = ["n_layer=2", "d_model=64", "n_head=4", "n_kv_head=2", "d_ff=128", "t_seq=32", "t_batch=8",
+             "eval_every=300", "checkpoint_every=300", "lr=1e-2"]
+
+
+@pytest.fixture(scope="session")
+def llama_base(tmp_path_factory):
+    """A short `llama` run on the embedded corpus, exported: the base for LoRA and the donor for
+    warm start."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    train("llama", steps=300, sets=BASE_SETS, out=str(out), progress=False)
+    return out / "model.gguf"
+
+
+@pytest.fixture(scope="session")
+def other_text(tmp_path_factory):
+    """A different slice of English than the embedded corpus: stdlib docstrings."""
+    import argparse
+    import collections
+    import json
+    import logging
+    import pathlib
+    import subprocess
+
+    mods = [argparse, collections, json, logging, pathlib, subprocess]
+    docs = (getattr(getattr(m, n), "__doc__", None) for m in mods for n in sorted(dir(m)))
+    text = "\n\n".join(d for d in docs if isinstance(d, str))
+    path = tmp_path_factory.mktemp("text") / "docstrings.txt"
+    path.write_text(text)
+    return path
