@@ -55,3 +55,10 @@ def llamacpp(session):
     tool = session.run("python", "native/build.py", "--llamacpp-tool", silent=True).strip().splitlines()[-1]
     session.env["TOYHARNESS_LLAMACPP_TOOL"] = tool
     session.run("pytest", "-q", "-m", "llamacpp", "-rs", *session.posargs)
+
+
+@nox.session(name="tests-metal")
+def tests_metal(session):
+    """metal tests (macOS); they skip, saying why, where metal is not built or present."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "-m", "metal", "-rs", *session.posargs)

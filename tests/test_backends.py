@@ -1,0 +1,35 @@
+"""The gpu backends against the cpu goldens. `nox -s tests-cuda` / `tests-metal` run these where
+the backend is built and a device is present; elsewhere they skip and say why."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from toyharness import goldens
+from toyharness._ffi import available_native_backends
+
+ROOT = Path(__file__).resolve().parent.parent / "goldens"
+RECIPES = ["gpt2", "llama", "vit_tiny", "warm_start"]
+
+
+def needs(backend: str):
+    reason = f"the {backend} backend is not built into this install (TOYHARNESS_BACKENDS=cpu,{backend}) or no device"
+    try:
+        present = backend in available_native_backends()
+    except Exception:
+        present = False
+    return [getattr(pytest.mark, backend), pytest.mark.skipif(not present, reason=reason)]
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=needs(b)) for b in ("cuda", "metal")])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_backend_agrees_with_cpu_golden_and_repeats_bit_for_bit(backend, recipe):
+    cpu = goldens.load(goldens.path_for(recipe, "cpu-avx512", ROOT))
+    first, second = goldens.compute(recipe, backend), goldens.compute(recipe, backend)
+    assert goldens.compare(first, second) is None, f"{recipe} on {backend} is not run-to-run deterministic"
+    ours = np.array([x["value"] for x in first["losses"]], np.float64)
+    ref = np.array([x["value"] for x in cpu["losses"]], np.float64)
+    worst = float(np.max(np.abs(ours - ref) / np.abs(ref)))
+    print(f"{recipe} {backend}: largest relative difference to the cpu golden {worst:.3g}")
+    assert worst < 1e-4
