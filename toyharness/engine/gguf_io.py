@@ -195,18 +195,23 @@ def write_gguf(path: str | os.PathLike, arch: str, tensors: dict[str, np.ndarray
     are str, bool, int (stored as uint32, or int64 when negative or large), float (float32),
     or lists of str / numbers.
     """
+    return _write_atomic(Path(path), arch, metadata or {},
+                         [(name, np.ascontiguousarray(array), None) for name, array in tensors.items()])
+
+
+def _write_atomic(path: Path, arch: str, metadata: dict[str, Any], tensors: list[tuple[str, np.ndarray, Any]]) -> Path:
+    """Write (name, data, raw ggml type or None) tensors and metadata to a temporary file, then rename."""
     import gguf
 
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         w = gguf.GGUFWriter(tmp, arch)
-        for key, value in (metadata or {}).items():
+        for key, value in metadata.items():
             _add_field(w, key, value)
-        for name, array in tensors.items():
-            w.add_tensor(name, np.ascontiguousarray(array))
+        for name, data, raw in tensors:
+            w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -252,24 +257,8 @@ def copy_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, matrix_dtype: s
         arch = f.field("general.architecture")
         meta = {k: v for k, v in f.metadata().items() if k != "general.architecture"}
         arrays = {name: f.tensor(name).to_numpy() for name in f.names}
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, arch)
-        for key, value in meta.items():
-            _add_field(w, key, value)
-        for name, a in arrays.items():
-            kind = kinds[matrix_dtype] if a.ndim == 2 else None
-            if kind is None:
-                w.add_tensor(name, a)
-            else:
-                w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dst
+    tensors = []
+    for name, a in arrays.items():
+        kind = kinds[matrix_dtype] if a.ndim == 2 else None
+        tensors.append((name, a if kind is None else gguf.quants.quantize(a, kind), kind))
+    return _write_atomic(dst, arch, meta, tensors)
