@@ -156,25 +156,10 @@ def ggml_source() -> Path:
 def build_llamacpp_tool() -> Path:
     """llama.cpp from the same archive plus native/llamacpp/th_logits (tests only): return the tool."""
     src = cached_source(f"llama.cpp-{PIN_PACKAGE}-{PIN_VERSION}", ARCHIVE_LLAMA_CPP_DIR)
-    root = cache_root()
-    bdir = root / "build" / f"llamacpp-tool-{PIN_VERSION}"
-    cmake = find_tool("cmake")
-    if cmake is None:
-        raise BuildError("cmake not found: install it (pip install cmake) or put it on PATH")
-    with cache_lock(root):
-        t0 = time.perf_counter()
-        if not (bdir / "CMakeCache.txt").is_file():
-            bdir.mkdir(parents=True, exist_ok=True)
-            cfg = [cmake, "-S", str(NATIVE_DIR / "llamacpp"), "-B", str(bdir), f"-DLLAMA_CPP_SRC={src}",
-                   "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON"]
-            ninja = find_tool("ninja")
-            if ninja:
-                cfg += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-            log(f"configuring llama.cpp and th_logits in {bdir}")
-            run(cfg, bdir, quiet=True)
-        run([cmake, "--build", str(bdir), "--target", "th_logits", "--parallel", str(os.cpu_count() or 2)], bdir,
-            quiet=True)
-        log(f"th_logits ready in {time.perf_counter() - t0:.1f}s")
+    bdir = cache_root() / "build" / f"llamacpp-tool-{PIN_VERSION}"
+    cmake_build(NATIVE_DIR / "llamacpp", bdir, [f"-DLLAMA_CPP_SRC={src}", "-DCMAKE_BUILD_TYPE=Release",
+                                                "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON"],
+                "llama.cpp and th_logits", target="th_logits")
     return bdir / "th_logits"
 
 
@@ -226,25 +211,30 @@ def build(backends: list[str] | None = None) -> Path:
     opts = cmake_options(backends)
     key_text = "\n".join([str(src), *opts, platform.machine(), platform.system()])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    root = cache_root()
-    bdir = root / "build" / f"{'-'.join(backends)}-{key}"
+    bdir = cache_root() / "build" / f"{'-'.join(backends)}-{key}"
+    cmake_build(NATIVE_DIR, bdir, [f"-DTOYHARNESS_GGML_SRC={src}", *opts], f"ggml ({', '.join(backends)})")
+    return bdir
+
+
+def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target: str | None = None) -> None:
+    """Configure `source` into `bdir` once (Ninja when found), then build incrementally, under the cache lock."""
     cmake = find_tool("cmake")
     if cmake is None:
         raise BuildError("cmake not found: install it (pip install cmake) or put it on PATH")
+    root = cache_root()
     with cache_lock(root):
         t0 = time.perf_counter()
         if not (bdir / "CMakeCache.txt").is_file():
             bdir.mkdir(parents=True, exist_ok=True)
-            cfg = [cmake, "-S", str(NATIVE_DIR), "-B", str(bdir), f"-DTOYHARNESS_GGML_SRC={src}", *opts]
+            cfg = [cmake, "-S", str(source), "-B", str(bdir), *defines]
             ninja = find_tool("ninja")
             if ninja:
                 cfg += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-            log(f"configuring ggml ({', '.join(backends)}) in {bdir}")
+            log(f"configuring {label} in {bdir}")
             run(cfg, bdir, quiet=True)
-        jobs = str(os.cpu_count() or 2)
-        run([cmake, "--build", str(bdir), "--parallel", jobs], bdir, quiet=True)
-        log(f"native build ready in {time.perf_counter() - t0:.1f}s ({bdir})")
-    return bdir
+        cmd = [cmake, "--build", str(bdir), "--parallel", str(os.cpu_count() or 2)]
+        run(cmd + (["--target", target] if target else []), bdir, quiet=True)
+        log(f"{label} ready in {time.perf_counter() - t0:.1f}s ({bdir})")
 
 
 def run(cmd: list[str], cwd: Path, quiet: bool) -> None:
