@@ -2,6 +2,8 @@
 (toyharness/reference.py) fed the run's init.gguf and batches.npz. Run by `nox -s parity`,
 which installs torch==2.13.0; without torch these tests skip."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -35,7 +37,7 @@ def test_first_losses_match_pytorch(case, tmp_path):
     sets = [s for s in SMALL if recipe != "vit_tiny" or not s.startswith("t_seq")] + CASES[case]
     train(recipe, steps=STEPS, sets=sets, out=str(out), save_init=True, save_batches=True,
           progress=False)
-    ours = [m["loss"] for m in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())]
+    ours = [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     theirs = reference.replay_losses(out, STEPS)
     diff = relative_difference(ours, theirs)
     print(f"{case}: largest relative difference over {STEPS} steps {diff:.3g}")
@@ -49,7 +51,7 @@ def test_lora_first_losses_match_pytorch(llama_base, tmp_path, extra):
     train("lora", steps=STEPS, sets=["t_seq=32", "t_batch=4", "warmup=2", "lr=1e-2", "eval_every=100",
                                      "checkpoint_every=100", f"base={llama_base}", *extra], out=str(out),
           save_init=True, save_batches=True, progress=False)
-    ours = [m["loss"] for m in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())]
+    ours = [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     theirs = reference.replay_losses(out, STEPS)
     diff = relative_difference(ours, theirs)
     print(f"lora {extra}: largest relative difference over {STEPS} steps {diff:.3g}")
@@ -61,7 +63,7 @@ def test_warm_start_first_losses_match_pytorch(llama_base, tmp_path):
     out = tmp_path / "ws"
     train("warm_start", steps=STEPS, sets=SMALL + ["n_kv_head=2", f"donor={llama_base}", "lens=pca"],
           out=str(out), save_init=True, save_batches=True, progress=False)
-    ours = [m["loss"] for m in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())]
+    ours = [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     theirs = reference.replay_losses(out, STEPS)
     diff = relative_difference(ours, theirs)
     print(f"warm_start: largest relative difference over {STEPS} steps {diff:.3g}")
