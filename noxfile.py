@@ -31,6 +31,7 @@ def tests_cuda(session):
 def bench(session):
     """ms/step, items/s and peak RSS per recipe at its default config; writes bench.json."""
     session.install("-e", ".[test]")
+    session.install("torch==2.13.0")  # the PyTorch eager side; the CPU build
     session.run("toyharness", "bench", *session.posargs)
 
 

@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
 
 from toyharness.engine import blocks, get_engine
 
+# TOYHARNESS_TEST_BACKEND=cuda runs the same checks on another backend (scripts/gpu_check.sh).
+BACKEND = os.environ.get("TOYHARNESS_TEST_BACKEND", "cpu")
 RNG = np.random.default_rng(1234)
 
 
@@ -38,7 +41,7 @@ def fd_grad(f, arrays: dict[str, np.ndarray], name: str, h: float = 1e-6) -> np.
 def check(build, ref, inputs: dict[str, np.ndarray], fwd_tol=1e-5, bwd_tol=1e-3, ids: dict | None = None,
           no_grad: tuple = ()):
     """build(prog, T) -> Tensor; ref(A) -> ndarray (float64). Inputs are trainable params."""
-    eng = get_engine("cpu")
+    eng = get_engine(BACKEND)
     prog = eng.program()
     inputs = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
     T = {k: prog.param(k, v.astype(np.float32), trainable=k not in no_grad) for k, v in inputs.items()}
@@ -161,7 +164,7 @@ def test_unary(name, fn, ref, make):
 def test_gelu_is_finite_for_large_inputs():
     """1/(1+exp(-2u)) overflows for large negative x and its backward gives NaN; ours must not."""
     x = np.array([[-60.0, -30.0, -5.0, 0.0, 5.0, 30.0, 60.0, 1.0]])
-    prog = get_engine("cpu").program()
+    prog = get_engine(BACKEND).program()
     t = prog.param("x", x)
     loss = prog.scalar_loss(blocks.gelu_tanh(t).sum())
     tr = prog.trainer(loss, "bias_corrected")
@@ -267,7 +270,7 @@ def test_cross_entropy_report_and_gradient():
     V, N = 6, 5
     logits = r(N, V)
     targets = RNG.integers(0, V, N)
-    prog = get_engine("cpu").program()
+    prog = get_engine(BACKEND).program()
     t = prog.param("logits", logits)
     ce = prog.cross_entropy(t, "targets")
     tr = prog.trainer(ce, "bias_corrected")

@@ -8,6 +8,7 @@ example to use a cuda build made on another machine).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -64,6 +65,7 @@ ggml_tensor * ggml_sum_rows(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_repeat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
 ggml_tensor * ggml_repeat_4d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
 ggml_tensor * ggml_scale(ggml_context * ctx, ggml_tensor * a, float s);
+ggml_tensor * ggml_scale_bias(ggml_context * ctx, ggml_tensor * a, float s, float b);
 ggml_tensor * ggml_rms_norm(ggml_context * ctx, ggml_tensor * a, float eps);
 ggml_tensor * ggml_mul_mat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
 ggml_tensor * ggml_cont(ggml_context * ctx, ggml_tensor * a);
@@ -113,6 +115,7 @@ const char * ggml_backend_dev_name(ggml_backend_dev_t device);
 const char * ggml_backend_dev_description(ggml_backend_dev_t device);
 int ggml_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph);
 void ggml_backend_synchronize(ggml_backend_t backend);
+bool ggml_backend_supports_op(ggml_backend_t backend, const ggml_tensor * op);
 ggml_backend_buffer_t ggml_backend_alloc_ctx_tensors(ggml_context * ctx, ggml_backend_t backend);
 ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size);
 int ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer, ggml_tensor * tensor, void * addr);
@@ -146,6 +149,11 @@ int th_tensor_op(const ggml_tensor * t);
 void th_install_abort_handler(void);
 void th_set_log_level(int min_level);
 void th_clear_ctx_alloc(ggml_context * ctx);
+int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
+double th_node_matmul_flops(const ggml_tensor * t);
+void th_set_sgemm(void * fn);
+int th_blas_rewrite(ggml_cgraph * graph);
+const char * ggml_op_desc(const ggml_tensor * t);
 """
 
 GGML_TYPE_F32 = 0
@@ -161,7 +169,7 @@ GGML_MAX_NAME = 64
 
 NATIVE_DIR = Path(os.environ.get("TOYHARNESS_NATIVE_DIR") or Path(__file__).resolve().parent / "_native")
 
-# Load order matters: each library finds the ones before it already in the process.
+# Loaded in dependency order (each also finds the others through its $ORIGIN rpath).
 _LOAD_ORDER = ("libggml-base.so", "libggml-cpu.so", "libggml-cuda.so", "libggml-metal.so",
                "libggml-blas.so", "libggml.so", "libtoyharness_shim.so")
 
@@ -188,6 +196,9 @@ class _Symbols:
 
 
 def _load():
+    # cuBLAS would run f32 products in TF32 (ggml sets CUBLAS_TF32_TENSOR_OP_MATH): 1e-3
+    # relative error per product, far from the cpu goldens. This keeps them in full FP32.
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     ffi = FFI()
     ffi.cdef(CDEF)
     if not NATIVE_DIR.is_dir():
@@ -198,7 +209,9 @@ def _load():
     found = {p.name.split(".so")[0] + ".so": p for p in NATIVE_DIR.glob("lib*.so*")}
     for name in _LOAD_ORDER:
         if name in found:
-            handles.append(ffi.dlopen(str(found[name]), ffi.RTLD_NOW | ffi.RTLD_GLOBAL))
+            # RTLD_LOCAL: ggml's libgomp must not bind the OpenMP runtime that torch or
+            # scikit-learn bring (mixed versions crash with "free(): invalid pointer").
+            handles.append(ffi.dlopen(str(found[name]), ffi.RTLD_NOW | ffi.RTLD_LOCAL))
     if "libtoyharness_shim.so" not in found:
         raise NativeLibraryMissing(f"libtoyharness_shim.so missing from {NATIVE_DIR}")
     lib = _Symbols(handles)
@@ -208,6 +221,46 @@ def _load():
 
 
 ffi, lib, _handles = _load()
+
+
+class Blas:
+    """OpenBLAS from the scipy-openblas32 wheel, driving the cpu backend's f32 matrix products
+    (see th_blas_rewrite in native/shim.c). Single-threaded: ggml's threads split the work."""
+
+    def __init__(self, package_dir: Path, version: str):
+        path = next((package_dir / "lib").glob("libscipy_openblas*.so*"))
+        # RTLD_LOCAL (ctypes; cffi's dlopen made it global): other OpenBLAS copies in the process
+        # (scipy's) must not bind to this one's symbols: mixed versions crash in free().
+        self.lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        self.lib.scipy_openblas_set_num_threads(1)
+        self.lib.scipy_openblas_get_corename.restype = ctypes.c_char_p
+        self.version = version
+        self.corename = self.lib.scipy_openblas_get_corename().decode()
+        self.sgemm = self.lib.scipy_cblas_sgemm
+        self.sgemm.restype = None
+        self.sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                     ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        lib.th_set_sgemm(ffi.cast("void *", ctypes.cast(self.sgemm, ctypes.c_void_p).value))
+
+    def tag(self) -> str:
+        return f"openblas-{self.corename.lower()}"
+
+
+def _load_blas() -> Blas | None:
+    """TOYHARNESS_BLAS=0 keeps ggml's own matrix products (for comparison)."""
+    if os.environ.get("TOYHARNESS_BLAS", "1") == "0":
+        return None
+    # Found, not imported: the package's __init__ loads the library RTLD_GLOBAL.
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Blas(Path(list(spec.submodule_search_locations)[0]), importlib.metadata.version("scipy-openblas32"))
+
+
+blas = _load_blas()
 
 
 def available_native_backends() -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from .errors import CheckFailed, ToyharnessError
@@ -47,13 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
     g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
 
-    b = sub.add_parser("bench", help="time training steps (ms/step, tokens/s, peak RSS); writes bench.json",
-                       description="Time each recipe's training step at its default config.")
-    b.add_argument("recipes", nargs="*")
-    b.add_argument("--steps", type=int, default=10, help="timed steps after 3 warm-up steps")
-    b.add_argument("--threads", type=int)
+    b = sub.add_parser("bench", help="ms/step, tokens/s, peak RSS beside PyTorch eager; writes bench.json",
+                       description="Time each recipe's training step at its bench config (its defaults) beside an "
+                                   "equivalent PyTorch eager model with AdamW (toyharness/reference.py, needs torch), "
+                                   "in alternating rounds, each side in its own process. Reports medians, the "
+                                   "speedup (PyTorch ms / toyharness ms), matmul GFLOP/s against this machine's "
+                                   "measured FP32 sgemm ceiling, and the host overhead of a step.")
+    b.add_argument("recipes", nargs="*", help="default: every installed recipe with a PyTorch reference")
+    b.add_argument("--steps", type=int, default=20, help="timed steps per side (median; default 20)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (default 3)")
+    b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
     b.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
-    b.add_argument("--out", default="bench.json")
+    b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a bench option")
+    b.add_argument("--out", default="bench.json", help="where to write the results (default bench.json)")
 
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf), forward only.")
@@ -138,37 +144,54 @@ def cmd_golden(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import numpy as np
+    import importlib.util
 
+    from . import bench
     from .engine import get_engine
-    from .hookspecs import plugin_manager
-    from .plugins import discover, get_recipe
-    from .runner import atomic_write, batch_for, items_per_batch, load_data, peak_rss_mb, resolve_options
+    from .engine.backend import default_threads
+    from .errors import InputError
+    from .plugins import discover
+    from .runner import atomic_write
 
+    known = list(discover())
+    unknown = [n for n in args.recipes if n not in known]
+    if unknown:
+        raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
+    if args.steps < 10:
+        raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
+    if importlib.util.find_spec("torch") is None:
+        raise InputError("toyharness bench needs PyTorch for its comparison side: pip install torch")
+    from .reference import MODELS  # fails here, not in a worker, if torch is broken
+
+    names = args.recipes or [n for n in known if n in MODELS]
+    no_ref = [n for n in names if n not in MODELS]
+    if no_ref:
+        raise InputError(f"no PyTorch reference for {', '.join(no_ref)} (toyharness/reference.py has "
+                         f"{', '.join(MODELS)})")
+    threads = args.threads or default_threads()
+    engine = get_engine(args.backend, threads)   # fails early on a backend this build lacks
+    ceiling = bench.matmul_ceiling(threads) if args.backend == "cpu" else None
     results = {}
-    engine = get_engine(args.backend, args.threads)
-    for name in args.recipes or list(discover()):
-        _, obj = get_recipe(name)
-        opts = resolve_options(obj, None, [], {})
-        pm = plugin_manager(obj)
-        data = load_data(pm, opts)
-        model = pm.hook.realize(engine=engine, options=opts, data=data)
-        times = []
-        for i in range(3 + args.steps):
-            batch = batch_for(data, "train", i, opts)
-            row = pm.hook.hp(options=opts, step=i)
-            t0 = time.perf_counter()
-            pm.hook.step(model=model, batch=batch, hp=row)
-            if i >= 3:
-                times.append((time.perf_counter() - t0) * 1000)
-        ms = float(np.median(times))
-        results[name] = {"ms_per_step": round(ms, 3),
-                         "items_per_s": round(items_per_batch(data, opts) / (ms / 1000), 1),
-                         "peak_rss_mb": round(peak_rss_mb(), 1)}
-        print(f"{name:<12} {ms:9.2f} ms/step  {results[name]['items_per_s']:>12,.0f} items/s")
-    doc = {"threads": engine.threads, "backend": engine.backend, "fingerprint": engine.fingerprint(),
-           "steps": args.steps, "recipes": results}
+    hdr = f"{'recipe':<11}{'toyharness':>12}{'PyTorch':>10}{'speedup':>9}{'items/s':>11}{'RSS MB':>8}" \
+          f"{'torch RSS':>10}{'GFLOP/s':>9}{'ceiling':>8}{'host':>7}"
+    print(f"{args.backend}, {threads} threads; ms/step medians over {args.steps} steps per side"
+          + (f"; FP32 sgemm ceiling {ceiling:.0f} GFLOP/s" if ceiling else ""))
+    print(hdr)
+    for name in names:
+        r = bench.bench_recipe(name, args.backend, threads, args.steps, args.warmup, torch_device=args.torch_device,
+                               sets=args.set)
+        doc = results[name] = r.to_json(ceiling)
+        gf = f"{r.gflops:9.1f}" if r.gflops else f"{'-':>9}"
+        ceil = f"{doc['ceiling_pct']:7.0f}%" if "ceiling_pct" in doc else f"{'-':>8}"
+        host = f"{r.host_overhead_pct:6.1f}%" if r.host_overhead_pct is not None else f"{'-':>7}"
+        print(f"{name:<11}{r.ms_per_step:10.2f}ms{r.torch_ms_per_step:8.2f}ms{r.speedup:8.2f}x"
+              f"{doc[r.item + '_per_s']:11,.0f}{r.peak_rss_mb:8.0f}{r.torch_peak_rss_mb:10.0f}{gf}{ceil}{host}")
+    doc = {"backend": args.backend, "threads": threads, "fingerprint": engine.fingerprint(),
+           "steps": args.steps, "warmup": args.warmup,
+           "fp32_ceiling_gflops": None if ceiling is None else round(ceiling, 1),
+           "recipes": results}
     atomic_write(Path(args.out), json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

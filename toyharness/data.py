@@ -2,6 +2,7 @@
 
 - ``default``: the help texts every CPython carries (``pydoc_data.topics``, ~465 kB of
   English), byte-level tokens (vocabulary 256).
+- ``synthetic``: seeded pseudo-English (~70 kB) that is the same under every Python; the goldens use it.
 - a text file, or a folder of text files (sorted by name, joined by newlines): byte-level.
 - ``.bin`` (raw uint16, as nanoGPT writes) or ``.npy`` (uint16 / uint32) token arrays:
   the vocabulary is the largest id + 1.
@@ -26,6 +27,24 @@ def default_corpus_bytes() -> bytes:
     from pydoc_data import topics
 
     return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
+
+
+SYNTHETIC_WORDS = (
+    "the of and to in is that it for as with was on be by at this are from or an which not have one all but can "
+    "their has will each model data train step loss layer weight value table file number order first time small "
+    "test run gate bit byte token text word line page code name").split()
+
+
+def synthetic_corpus_bytes(n_words: int = 12000) -> bytes:
+    """Pseudo-English from a fixed word list and our seeded LCG: the same bytes on every machine
+    and Python version. The goldens train on it; the default corpus (pydoc_data.topics) changes
+    with the Python version."""
+    from .init import lcg_uniform
+
+    u = lcg_uniform(20241121, "synthetic corpus", 2 * n_words)
+    words = np.array(SYNTHETIC_WORDS)[(u[0::2] * len(SYNTHETIC_WORDS)).astype(np.int64)]
+    seps = np.where(u[1::2] < 0.08, ". ", np.where(u[1::2] < 0.12, ", ", " "))
+    return "".join(w + s for w, s in zip(words, seps)).encode("ascii")
 
 
 def encode_bytes(text: str) -> np.ndarray:
@@ -75,6 +94,8 @@ def load_text_data(spec: str = "default") -> TokenData:
     if spec in ("", "default"):
         return TokenData(np.frombuffer(default_corpus_bytes(), np.uint8).astype(np.int32), 256,
                          "pydoc_data.topics", True)
+    if spec == "synthetic":
+        return TokenData(np.frombuffer(synthetic_corpus_bytes(), np.uint8).astype(np.int32), 256, "synthetic", True)
     path = Path(spec).expanduser()
     if not path.exists():
         raise InputError(f"data {spec!r}: no such file or folder")

@@ -12,6 +12,8 @@ Parameters are named with llama.cpp's GGUF names from the start, so checkpoints,
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +118,13 @@ class LMRecipe:
 
     @hookimpl
     def export(self, model, options, out_dir):
-        arch, meta = self.gguf_metadata(options, model.vocab)
-        meta = {**meta, **tokenizer_metadata(model.vocab)}
-        tensors = self.export_tensors(model.params(), options)
-        return [write_gguf(Path(out_dir) / "model.gguf", arch, tensors, meta)]
+        return [self.write_model(Path(out_dir) / "model.gguf", model.params(), options, model.vocab)]
+
+    def write_model(self, path: Path, params: dict[str, np.ndarray], options, vocab: int) -> Path:
+        """A llama.cpp-loadable GGUF of `params` (our names) with the tokenizer metadata."""
+        arch, meta = self.gguf_metadata(options, vocab)
+        meta = {**meta, **tokenizer_metadata(vocab)}
+        return write_gguf(path, arch, self.export_tensors(params, options), meta)
 
     # --- loading a trained model back (sampling) -----------------------------------------------
     def load_for_sampling(self, path: Path, options, vocab: int, backend: str = "cpu",
@@ -189,3 +194,27 @@ def sample_text(model: LanguageModel, prompt_ids: list[int], n_tokens: int, temp
             nxt = int(rng.choice(len(p), p=p))
         ids.append(nxt)
     return ids[len(prompt_ids) or 1:]
+
+
+def cache_root() -> Path:
+    """The per-user cache (native/build.py keeps ggml there too): $TOYHARNESS_CACHE, else
+    $XDG_CACHE_HOME/toyharness, else ~/.cache/toyharness."""
+    if os.environ.get("TOYHARNESS_CACHE"):
+        return Path(os.environ["TOYHARNESS_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toyharness"
+
+
+def seeded_model_file(recipe: str, sets: list[str], vocab: int = 256) -> Path:
+    """A language-model recipe's seeded initial weights at `sets`, exported as its GGUF and kept
+    in the cache: the same bytes on every machine, so a golden or a benchmark can use it as a
+    base model without shipping one."""
+    from .plugins import get_recipe
+    from .runner import resolve_options
+
+    _, obj = get_recipe(recipe)
+    options = resolve_options(obj, None, sets, {})
+    key = hashlib.sha256(repr((recipe, sorted(options.to_dict().items()), vocab)).encode()).hexdigest()[:12]
+    path = cache_root() / "models" / f"{recipe}-init-{key}.gguf"
+    if not path.is_file():
+        obj.write_model(path, obj.init_params(options, vocab), options, vocab)
+    return path

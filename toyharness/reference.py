@@ -8,7 +8,6 @@ Needs torch (``pip install torch==2.13.0``); the core never imports this module.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -30,8 +29,8 @@ def rms_norm(x, g, eps=1e-5):
 def rope_adjacent(x, base: float):
     """x (B, T, H, hd): rotate dims (2i, 2i+1) of position p by p * base^(-2i/hd)."""
     _, t, _, hd = x.shape
-    inv = base ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]          # (T, hd/2)
+    inv = base ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)
+    ang = torch.arange(t, dtype=torch.float32, device=x.device)[:, None] * inv[None, :]          # (T, hd/2)
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
     x0, x1 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
@@ -54,10 +53,7 @@ def attention(x, P, pre, n_head, n_kv_head=None, causal=True, rope_base=None, q_
     if n_kv_head != n_head:
         k = k.repeat_interleave(n_head // n_kv_head, dim=1)
         v = v.repeat_interleave(n_head // n_kv_head, dim=1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-    if causal:
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(b, t, d)
     return F.linear(out, P[f"{pre}attn_output.weight"], P.get(f"{pre}attn_output.bias"))
 
 
@@ -157,24 +153,18 @@ def adamw_row_step(params: dict, m: dict, v: dict, row) -> None:
 def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
     """The first `steps` losses of the run in `run_dir` (its config.toml, init.gguf, batches.npz,
     and for lora its base), recomputed in PyTorch with the run's AdamW rows."""
+    from .bench import reference_config
     from .engine import GGUFFile
     from .plugins import get_recipe
     from .runner import resolve_options
 
     run_dir = Path(run_dir)
-    cfg = tomllib.loads((run_dir / "config.toml").read_text())
-    recipe = cfg["recipe"]
+    recipe = tomllib.loads((run_dir / "config.toml").read_text())["recipe"]
     _, obj = get_recipe(recipe)
     opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
     with GGUFFile(run_dir / "init.gguf") as f:
         init = {n: f.tensor(n).to_numpy() for n in f.names}
-    frozen = {}
-    if cfg.get("base"):                      # lora: the frozen base, and its shape for the forward
-        with GGUFFile(cfg["base"]) as f:
-            frozen = {n: f.tensor(n).to_numpy() for n in f.names}
-            arch = f.field("general.architecture")
-            cfg = {**cfg, "n_layer": f.field(f"{arch}.block_count"), "n_head": f.field(f"{arch}.attention.head_count"),
-                   "n_kv_head": f.field(f"{arch}.attention.head_count_kv")}
+    cfg, frozen = reference_config(opts)    # lora: the frozen base, and its sizes for the forward
     P = {n: torch.tensor(a, requires_grad=n in init) for n, a in {**frozen, **init}.items()}
     train = {n: p for n, p in P.items() if p.requires_grad}
     m = {n: torch.zeros_like(p) for n, p in train.items()}

@@ -26,7 +26,7 @@ from toyharness.engine.gguf_io import GGUFError
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
 from toyharness.init import normal
-from toyharness.lm import LMRecipe
+from toyharness.lm import LMRecipe, seeded_model_file
 from toyharness.options import CONVENTIONS, Options, choice
 from toyharness_recipes.llama import LlamaShape, llama_forward
 
@@ -111,7 +111,17 @@ def read_base(path: str) -> BaseModel:
 class LoRA(LMRecipe):
     name = "lora"
     options_class = LoRAOptions
-    golden_sets = None     # needs a base GGUF: no fixed golden config (the parity session covers it)
+
+    # Golden and bench bases: the llama recipe's seeded init, written once to the cache
+    # (toyharness.lm.seeded_model_file), so the same base bytes exist on every machine.
+    @property
+    def golden_sets(self) -> list[str]:
+        base = seeded_model_file("llama", ["n_layer=1", "d_model=32", "n_head=2", "n_kv_head=1", "d_ff=48", "seed=7"])
+        return [f"base={base}", "targets=q,v,down", "rank=4", "alpha=8"]
+
+    @property
+    def bench_sets(self) -> list[str]:
+        return [f"base={seeded_model_file('llama', [])}"]      # llama's default size
 
     def __init__(self):
         self._bases: dict[str, BaseModel] = {}

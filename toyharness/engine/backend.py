@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .._ffi import available_native_backends, ffi, lib
+from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
 
 KNOWN_BACKENDS = ("cpu", "cuda", "metal")
@@ -53,7 +53,8 @@ class Engine:
         return Program(self, capacity=capacity)
 
     def fingerprint(self) -> str:
-        """What changes float results on this backend: for cpu, the SIMD level of the build."""
+        """What changes float results on this backend: for cpu, the SIMD level of the build and
+        the OpenBLAS kernel that computes the matrix products (none: ggml's own)."""
         if self.is_cpu:
             if lib.ggml_cpu_has_avx512():
                 simd = "avx512"
@@ -67,7 +68,7 @@ class Engine:
                 simd = "neon"
             else:
                 simd = "scalar"
-            return f"cpu-{simd}"
+            return f"cpu-{simd}" + (f"-{blas.tag()}" if blas is not None else "")
         if self.backend == "cuda":
             return f"cuda-{_cuda_arch_tag()}"
         return self.backend

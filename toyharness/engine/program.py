@@ -24,7 +24,7 @@ import numpy as np
 
 from .._ffi import GGML_STATUS_SUCCESS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
 from ..adamw import AdamWRow, HPRow, check_convention
-from ..errors import InputError, ShapeError
+from ..errors import BackendError, InputError, ShapeError
 from .backend import Engine
 from .tensor import Tensor
 
@@ -91,6 +91,8 @@ class Program:
         self._keepalive: list = []              # mmaps and host arrays that back tensors
         self._galloc = lib.ggml_gallocr_new(engine.buffer_type)
         self._last_graph = None
+        self._gemm_rewritten: set = set()
+        self._constants: dict[str, Tensor] = {}
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
@@ -180,6 +182,13 @@ class Program:
         dtype = "i32" if array.dtype.kind in "iu" else "f32"
         t = self.input(name, array.shape, dtype)
         self._pending.append((t, np.ascontiguousarray(array, dtype=np.int32 if dtype == "i32" else np.float32)))
+        return t
+
+    def cached_constant(self, name: str, make) -> Tensor:
+        """`constant(name, make())` made once per program; blocks share it by name."""
+        t = self._constants.get(name)
+        if t is None:
+            t = self._constants[name] = self.constant(name, make())
         return t
 
     def allocate(self) -> None:
@@ -312,11 +321,32 @@ class Program:
             # Shared nodes keep the last graph's placement unless cleared (see the shim).
             lib.th_clear_ctx_alloc(self._ctx_compute)
             self._last_graph = graph
+        if graph not in self._gemm_rewritten:
+            self._check_supported(graph)
+            # On cpu, f32 matrix products go to OpenBLAS (th_blas_rewrite); no backward can be
+            # built through a rewritten node, so a Trainer must come before any compute.
+            if self.engine.is_cpu:
+                lib.th_blas_rewrite(graph)
+            self._gemm_rewritten.add(graph)
         if not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
             raise MemoryError("ggml could not allocate the graph's intermediates")
         status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
         if status != GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    def _check_supported(self, graph) -> None:
+        """ggml aborts on an op its backend lacks: name the op instead, before any compute."""
+        if self.engine.is_cpu:
+            return
+        missing = {}
+        for i in range(lib.ggml_graph_n_nodes(graph)):
+            node = lib.ggml_graph_node(graph, i)
+            if not lib.ggml_backend_supports_op(self.engine.handle, node):
+                op, name = ffi.string(lib.ggml_op_desc(node)).decode(), ffi.string(lib.ggml_get_name(node)).decode()
+                missing.setdefault(op, name)
+        if missing:
+            ops = ", ".join(f"{op} (e.g. node {name!r})" for op, name in missing.items())
+            raise BackendError(f"the {self.engine.backend} backend of this ggml cannot run {ops}")
 
     def compute_buffer_bytes(self) -> int:
         return int(lib.ggml_gallocr_get_buffer_size(self._galloc, 0))
@@ -372,6 +402,9 @@ class Trainer:
         ctx = prog._ctx_compute
         if not prog.params:
             raise InputError("the program has no trainable parameters")
+        if prog._gemm_rewritten:
+            raise InputError("create the Trainer before computing any graph of its program "
+                             "(computed graphs have their matrix products rewritten, which have no backward)")
         gf = lib.ggml_new_graph_custom(ctx, prog.graph_size, True)
         lib.ggml_build_forward_expand(gf, loss.train.ptr)
         if loss.report is not loss.train:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from .._ffi import GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
 from ..errors import ShapeError
 
@@ -101,8 +103,11 @@ class Tensor:
     __rmul__ = __mul__
 
     def __sub__(self, other: Tensor) -> Tensor:
-        # ggml's SUB backward is partial for a broadcast operand: repeat it explicitly.
-        other = other.repeat_like(self) if other.shape != self.shape else other
+        # ggml's SUB backward is partial for a broadcast operand; ADD's is whole, and x + (-y)
+        # is x - y exactly (negation is exact), without materialising a repeat of y.
+        if other.shape != self.shape:
+            self._check_broadcast(other, "sub")
+            return self + other.scale(-1.0)
         self._check_broadcast(other, "sub")
         return self._new(lib.ggml_sub(self._ctx, self.ptr, other.ptr))
 
@@ -118,6 +123,10 @@ class Tensor:
 
     def scale(self, s: float) -> Tensor:
         return self._new(lib.ggml_scale(self._ctx, self.ptr, float(s)))
+
+    def scale_bias(self, s: float, b: float) -> Tensor:
+        """s * x + b in one op (its backward scales the gradient by s)."""
+        return self._new(lib.ggml_scale_bias(self._ctx, self.ptr, float(s), float(b)))
 
     def sqr(self) -> Tensor:
         return self._new(lib.ggml_sqr(self._ctx, self.ptr))
@@ -254,8 +263,13 @@ class Tensor:
         return self._new(lib.ggml_soft_max_ext(self._ctx, self.ptr, ffi.NULL, float(scale), 0.0))
 
     def causal_mask(self) -> Tensor:
-        """-inf above the diagonal of the last two axes (query i sees keys <= i)."""
-        return self._new(lib.ggml_diag_mask_inf(self._ctx, self.ptr, 0))
+        """-inf above the diagonal of the last two axes (query i sees keys <= i), added as a
+        constant (Tq, Tk) mask: the backward of ggml's DIAG_MASK_INF (DIAG_MASK_ZERO) has no
+        cuda kernel in ggml 0.25.3. x + 0 and x + -inf give what the masking op gives."""
+        tq, tk = self.shape[-2:]
+        mask = self.prog.cached_constant(f"causal_mask.{tq}x{tk}",
+                                         lambda: np.triu(np.full((tq, tk), -np.inf, np.float32), 1))
+        return self + mask
 
     def swiglu(self, up: Tensor) -> Tensor:
         """silu(self) * up."""

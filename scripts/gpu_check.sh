@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The cuda backend on a GPU machine (issue 8): build ggml with cuda from the pinned source,
+# record and re-check the cuda goldens (run-to-run bits), hold cuda against the cpu goldens,
+# and time every recipe on cuda, on the cpu with all cores, and in PyTorch eager on both.
+#
+#   scripts/gpu_check.sh OUT_DIR [build] [check] [bench]      (default: all three)
+#
+# Offline machines: put the ggml source in .device/ggml (TOYHARNESS_GGML_SRC) and wheels of
+# missing Python packages in .whl/; both are used when present. Results land in OUT_DIR:
+# gpu_check.log, bench_cuda.json, bench_cpu.json and goldens.tar (goldens/cuda-*/ and the
+# example plugin's).
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [build] [check] [bench]}
+shift
+phases=" ${*:-build check bench} "
+mkdir -p "$out"
+log="$out/gpu_check.log"
+export PYTHONUNBUFFERED=1 TOYHARNESS_BACKENDS=cpu,cuda TOYHARNESS_CUDA_ARCH="${TOYHARNESS_CUDA_ARCH:-90}"
+if [ -d .device/ggml ]; then export TOYHARNESS_GGML_SRC="${TOYHARNESS_GGML_SRC:-$PWD/.device/ggml}"; fi
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+step() { echo "== $* ($(date +%T))" | tee -a "$log"; }
+status=0
+
+if [[ $phases == *" build "* ]]; then
+    step "build (cpu+cuda, sm_$TOYHARNESS_CUDA_ARCH)"
+    nvidia-smi -L 2>&1 | tee -a "$log"
+    start=$(date +%s)
+    python3 -m pip install --no-deps --no-build-isolation --no-index -e . -e plugins/example_bigram >>"$log" 2>&1 \
+        || { echo "build failed" | tee -a "$log"; tail -40 "$log"; exit 1; }
+    echo "build took $(( $(date +%s) - start )) s" | tee -a "$log"
+    python3 -c "from toyharness._ffi import available_native_backends as b; print('backends:', b())" | tee -a "$log"
+fi
+
+if [[ $phases == *" check "* ]]; then
+    step "every op and block on cuda: forward vs float64 numpy, backward vs finite differences"
+    TOYHARNESS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_ops.py 2>&1 | tail -25 \
+        | tee -a "$log" || status=1
+    step "cuda goldens: record, then check (a second run must give the same bits)"
+    toyharness golden record gpt2 llama lora vit_tiny warm_start --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden record bigram --backend cuda --dir plugins/example_bigram/goldens 2>&1 | tee -a "$log" || status=1
+    toyharness golden check gpt2 llama lora vit_tiny warm_start --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden check bigram --backend cuda --dir plugins/example_bigram/goldens 2>&1 | tee -a "$log" || status=1
+    step "tests-cuda: agreement with the cpu goldens, run-to-run bits"
+    python3 -m pytest -q -m cuda -rs -s -p no:cacheprovider tests/test_backends.py 2>&1 | tee -a "$log" || status=1
+    tar cf "$out/goldens.tar" goldens/cuda-* plugins/example_bigram/goldens/cuda-* 2>>"$log"
+fi
+
+if [[ $phases == *" bench "* ]]; then
+    step "bench: cuda (PyTorch on cuda)"
+    toyharness bench --backend cuda --out "$out/bench_cuda.json" 2>&1 | tee -a "$log" || status=1
+    step "bench: cpu, all cores (PyTorch on cpu)"
+    toyharness bench --backend cpu --out "$out/bench_cpu.json" 2>&1 | tee -a "$log" || status=1
+fi
+step "done, status $status"
+exit $status

@@ -1,0 +1,40 @@
+"""`toyharness bench`: bad arguments exit 2 naming the problem; a real side-by-side run writes
+bench.json with both sides' figures (needs torch: skipped, saying so, where it is absent)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "toyharness.cli", "bench", *args], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def test_unknown_recipe_exits_2():
+    res = bench("nosuchrecipe")
+    assert res.returncode == 2
+    assert "unknown recipe(s) nosuchrecipe" in res.stderr + res.stdout
+
+
+def test_too_few_steps_exits_2():
+    res = bench("llama", "--steps", "5")
+    assert res.returncode == 2
+    assert "--steps 5" in res.stderr + res.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (nox -s bench installs it)")
+def test_side_by_side_run_writes_both_sides(tmp_path):
+    out = tmp_path / "bench.json"
+    res = bench("llama", "--steps", "10", "--warmup", "1", "--threads", "2", "--set", "n_layer=1", "--set",
+                "d_model=64", "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(out.read_text())
+    r = doc["recipes"]["llama"]
+    assert r["ms_per_step"] > 0 and r["torch_ms_per_step"] > 0
+    assert r["speedup"] == pytest.approx(r["torch_ms_per_step"] / r["ms_per_step"], rel=1e-2)
+    assert r["timed_steps"] >= 10 and r["config"]["d_model"] == 64
+    assert doc["fp32_ceiling_gflops"] > 0 and 0 < r["ceiling_pct"] < 100

@@ -1,0 +1,314 @@
+"""`toyharness bench`: training steps of each recipe beside an equivalent PyTorch eager model.
+
+Each side runs in its own worker process (so each has its own peak RSS, and one side's
+threads never share a process with the other's). The parent drives them in alternating rounds,
+toyharness then PyTorch, then PyTorch then toyharness, so drift of the machine (clock, other
+load) falls on both sides alike. Both train the same model from the same initial weights on the
+same batches: the recipe's bench config (its defaults, plus a recipe's ``bench_sets``, e.g.
+lora's seeded base), and the PyTorch side is toyharness/reference.py's model of the recipe with
+torch.optim.AdamW (the fastest of its eager implementations available) at the same thread count.
+
+Figures per recipe: median ms/step over the timed steps, items/s (tokens, or images for
+vit_tiny), peak RSS of each worker, the step's matrix-product GFLOP/s (counted from the ggml
+graph: MUL_MAT and OUT_PROD) against the FP32 matmul ceiling measured once with a 2048^3
+sgemm at the same thread count, and the host overhead: the whole step minus the ggml graph
+compute alone, as a share of the step.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+N_BATCHES = 8          # distinct batches cycled through (same ones on both sides)
+# Pause before each block of steps: OpenMP threads of the side that just ran spin-wait for a
+# while after their last parallel region; on 2 cores they would steal the other side's time.
+SETTLE_S = float(os.environ.get("TOYHARNESS_BENCH_SETTLE", "0.3"))
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def reference_config(options) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The PyTorch reference's view of a run's options: the config dict its model functions read
+    (for lora, the base's sizes) and the frozen arrays (for lora, the base's tensors)."""
+    from .engine import GGUFFile
+
+    cfg = options.to_dict()
+    frozen: dict[str, np.ndarray] = {}
+    if cfg.get("base"):
+        with GGUFFile(cfg["base"]) as f:
+            frozen = {n: f.tensor(n).to_numpy() for n in f.names}
+            arch = f.field("general.architecture")
+            cfg.update(n_layer=f.field(f"{arch}.block_count"), n_head=f.field(f"{arch}.attention.head_count"),
+                       n_kv_head=f.field(f"{arch}.attention.head_count_kv"))
+    return cfg, frozen
+
+
+def bench_options(recipe: str, sets: list[str] | None = None):
+    from .plugins import get_recipe
+    from .runner import resolve_options
+
+    _, obj = get_recipe(recipe)
+    return obj, resolve_options(obj, None, list(getattr(obj, "bench_sets", [])) + list(sets or []), {})
+
+
+# --- the toyharness side --------------------------------------------------------------------------
+def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str]) -> None:
+    from ._ffi import lib
+    from .engine import get_engine
+    from .hookspecs import plugin_manager
+    from .runner import batch_for, items_per_batch, load_data
+
+    obj, opts = bench_options(recipe, sets)
+    pm = plugin_manager(obj)
+    data = load_data(pm, opts)
+    engine = get_engine(backend, threads)
+    model = pm.hook.realize(engine=engine, options=opts, data=data)
+    trainer = getattr(model, "trainer", None)
+    flops = None
+    if trainer is not None:
+        g = trainer.gb_opt
+        flops = sum(lib.th_node_matmul_flops(lib.ggml_graph_node(g, i)) for i in range(lib.ggml_graph_n_nodes(g)))
+    batches = [batch_for(data, "train", i, opts) for i in range(N_BATCHES)]
+    if trainer is not None:      # trainable only: a frozen base reaches PyTorch as `frozen`
+        params = {n: trainer.prog.read(t) for n, t in trainer.prog.params.items()}
+    else:
+        params = model.params() if hasattr(model, "params") else {}
+    cfg, frozen = reference_config(opts)
+    conn.send({"items": items_per_batch(data, opts), "flops": flops, "batches": batches, "params": params,
+               "frozen": frozen, "cfg": cfg, "fingerprint": engine.fingerprint(), "options": opts.to_dict()})
+    step = 0
+    while True:
+        cmd, n = conn.recv()
+        if cmd == "steps":
+            times = []
+            for _ in range(n):
+                i = step % N_BATCHES
+                row = pm.hook.hp(options=opts, step=step)
+                t0 = time.perf_counter()
+                pm.hook.step(model=model, batch=batches[i], hp=row)
+                times.append((time.perf_counter() - t0) * 1e3)
+                step += 1
+            conn.send(times)
+        elif cmd == "compute":       # the ggml graph compute alone, alternating with whole steps
+            whole, compute = [], []
+            for _ in range(n if trainer is not None else 0):
+                i = step % N_BATCHES
+                t0 = time.perf_counter()
+                pm.hook.step(model=model, batch=batches[i], hp=pm.hook.hp(options=opts, step=step))
+                t1 = time.perf_counter()
+                trainer.reset_grads()
+                t2 = time.perf_counter()
+                trainer.prog._compute(trainer.gb_opt)
+                lib.ggml_backend_synchronize(engine.handle)
+                t3 = time.perf_counter()
+                whole.append((t1 - t0) * 1e3)
+                compute.append((t3 - t2) * 1e3)
+                step += 1
+            conn.send((whole, compute))
+        else:
+            conn.send({"peak_rss_mb": _peak_rss_mb()})
+            return
+
+
+# --- the PyTorch side ----------------------------------------------------------------------------
+def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import torch
+
+    from . import reference
+
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    P = {n: torch.tensor(a, device=dev, requires_grad=True) for n, a in payload["params"].items()}
+    P.update({n: torch.tensor(a, device=dev) for n, a in payload["frozen"].items()})
+    trainable = [p for p in P.values() if p.requires_grad]
+    opts = payload["options"]
+    kw = {"lr": 1e-3, "betas": (0.9, opts.get("beta2", 0.999)), "eps": 1e-8,
+          "weight_decay": opts.get("weight_decay", 0.0)}
+    # fused (one kernel per step) where this torch has it for the device, else foreach (multi-tensor)
+    try:
+        opt = torch.optim.AdamW(trainable, fused=True, **kw)
+        flavour = "fused"
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(trainable, foreach=True, **kw)
+        flavour = "foreach"
+    forward, loss_fn, cfg = reference.MODELS[recipe], reference.LOSSES[recipe], payload["cfg"]
+    batches = payload["batches"]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def one_step(b: dict) -> float:
+        batch = {k: torch.from_numpy(v).to(dev) for k, v in b.items()}
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(forward(P, batch, cfg), batch)
+        loss.backward()
+        opt.step()
+        return loss.item()            # waits for the device, as toyharness's step does
+
+    conn.send({"ready": True, "optimizer": flavour, "torch": torch.__version__})
+    step = 0
+    while True:
+        cmd, n = conn.recv()
+        if cmd == "steps":
+            times = []
+            for _ in range(n):
+                sync()
+                t0 = time.perf_counter()
+                one_step(batches[step % N_BATCHES])
+                times.append((time.perf_counter() - t0) * 1e3)
+                step += 1
+            conn.send(times)
+        else:
+            peak = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None
+            conn.send({"peak_rss_mb": _peak_rss_mb(), "device_peak_mb": peak})
+            return
+
+
+def _ceiling_worker(conn, threads: int) -> None:
+    """Best GFLOP/s of a 2048^3 FP32 sgemm (OpenBLAS, `threads` threads)."""
+    from ._ffi import blas
+
+    if blas is None:
+        conn.send(None)
+        return
+    n = 2048
+    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).random((n, n), dtype=np.float32)
+    c = np.empty((n, n), dtype=np.float32)
+    blas.lib.scipy_openblas_set_num_threads(threads)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        blas.sgemm(101, 111, 111, n, n, n, 1.0, a.ctypes.data, n, b.ctypes.data, n, 0.0, c.ctypes.data, n)
+        best = min(best, time.perf_counter() - t0)
+    conn.send(2 * n**3 / best / 1e9)
+
+
+# --- the driver ----------------------------------------------------------------------------------
+@dataclass
+class Result:
+    recipe: str
+    ms_per_step: float
+    torch_ms_per_step: float
+    items_per_step: int
+    item: str
+    peak_rss_mb: float
+    torch_peak_rss_mb: float
+    gflops: float | None
+    host_overhead_pct: float | None
+    config: dict
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        return self.torch_ms_per_step / self.ms_per_step
+
+    def to_json(self, ceiling: float | None) -> dict:
+        out = {"ms_per_step": round(self.ms_per_step, 3), "torch_ms_per_step": round(self.torch_ms_per_step, 3),
+               "speedup": round(self.speedup, 3),
+               f"{self.item}_per_s": round(self.items_per_step / self.ms_per_step * 1e3, 1),
+               f"torch_{self.item}_per_s": round(self.items_per_step / self.torch_ms_per_step * 1e3, 1),
+               "peak_rss_mb": round(self.peak_rss_mb, 1), "torch_peak_rss_mb": round(self.torch_peak_rss_mb, 1),
+               "matmul_gflops": None if self.gflops is None else round(self.gflops, 1),
+               "host_overhead_pct": None if self.host_overhead_pct is None else round(self.host_overhead_pct, 2),
+               "config": self.config, **self.extra}
+        if ceiling and self.gflops:
+            out["ceiling_pct"] = round(100 * self.gflops / ceiling, 1)
+        return out
+
+
+def _guarded(conn, target, *args) -> None:
+    """Run a worker; an exception goes back to the parent instead of a silent hang."""
+    try:
+        target(conn, *args)
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the parent
+        conn.send(exc)
+
+
+def _spawn(ctx, target, *args):
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_guarded, args=(child, target, *args), daemon=True)
+    proc.start()
+    return proc, parent
+
+
+def _reply(conn, what: str):
+    if not conn.poll(900):
+        raise TimeoutError(f"bench worker gave no answer to {what}")
+    out = conn.recv()
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
+def _ask(conn, what):
+    conn.send(what)
+    return _reply(conn, str(what))
+
+
+def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int = 20, warmup: int = 3,
+                 round_steps: int = 5, torch_device: str | None = None, sets: list[str] | None = None) -> Result:
+    ctx = mp.get_context("spawn")
+    gproc, g = _spawn(ctx, _ggml_worker, recipe, backend, threads, list(sets or []))
+    try:
+        info = _reply(g, "start")
+        device = torch_device or ("cuda" if backend == "cuda" else "cpu")
+        payload = {k: info[k] for k in ("params", "frozen", "cfg", "batches", "options")}
+        tproc, t = _spawn(ctx, _torch_worker, recipe, device, threads, payload)
+        try:
+            tinfo = _reply(t, "start")
+            _ask(g, ("steps", warmup))
+            _ask(t, ("steps", warmup))
+            ours, theirs = [], []
+            rounds = max(2, -(-steps // round_steps))
+            for r in range(rounds):
+                order = ((g, ours), (t, theirs))
+                for conn, sink in (order if r % 2 == 0 else order[::-1]):
+                    time.sleep(SETTLE_S)
+                    sink += _ask(conn, ("steps", round_steps))
+            whole, compute = _ask(g, ("compute", max(10, steps // 2)))
+            mine, other = _ask(g, ("done", 0)), _ask(t, ("done", 0))
+        finally:
+            tproc.join(30)
+    finally:
+        gproc.join(30)
+    ms = statistics.median(ours)
+    overhead = None
+    if whole:
+        w, c = statistics.median(whole), statistics.median(compute)
+        overhead = 100 * max(0.0, w - c) / w
+    item = "images" if "images" in info["batches"][0] else "tokens"
+    gflops = info["flops"] / (ms / 1e3) / 1e9 if info["flops"] else None
+    extra = {"torch_optimizer": tinfo["optimizer"], "torch_version": tinfo["torch"], "timed_steps": len(ours),
+             "fingerprint": info["fingerprint"]}
+    if other.get("device_peak_mb") is not None:
+        extra["torch_device_peak_mb"] = round(other["device_peak_mb"], 1)
+    return Result(recipe, ms, statistics.median(theirs), info["items"], item, mine["peak_rss_mb"],
+                  other["peak_rss_mb"], gflops, overhead, _short_config(info["options"]), extra)
+
+
+def _short_config(options: dict) -> dict:
+    keep = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "t_seq", "t_batch", "patch", "rank", "targets",
+            "base", "donor_d_in")
+    out = {k: options[k] for k in keep if k in options}
+    if out.get("base"):
+        out["base"] = os.path.basename(out["base"])
+    return out
+
+
+def matmul_ceiling(threads: int) -> float | None:
+    ctx = mp.get_context("spawn")
+    proc, conn = _spawn(ctx, _ceiling_worker, threads)
+    try:
+        return _reply(conn, "ceiling")
+    finally:
+        proc.join(30)
