@@ -87,33 +87,29 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
     conn.send({"items": items_per_batch(data, opts), "flops": flops, "batches": batches, "params": params,
                "frozen": frozen, "cfg": cfg, "fingerprint": engine.fingerprint(), "options": opts.to_dict()})
     step = 0
+
+    def timed_step() -> float:
+        """One training step (the AdamW row made outside the timing); ms."""
+        nonlocal step
+        row = pm.hook.hp(options=opts, step=step)
+        t0 = time.perf_counter()
+        pm.hook.step(model=model, batch=batches[step % N_BATCHES], hp=row)
+        step += 1
+        return (time.perf_counter() - t0) * 1e3
+
     while True:
         cmd, n = conn.recv()
         if cmd == "steps":
-            times = []
-            for _ in range(n):
-                i = step % N_BATCHES
-                row = pm.hook.hp(options=opts, step=step)
-                t0 = time.perf_counter()
-                pm.hook.step(model=model, batch=batches[i], hp=row)
-                times.append((time.perf_counter() - t0) * 1e3)
-                step += 1
-            conn.send(times)
+            conn.send([timed_step() for _ in range(n)])
         elif cmd == "compute":       # the ggml graph compute alone, alternating with whole steps
             whole, compute = [], []
             for _ in range(n if trainer is not None else 0):
-                i = step % N_BATCHES
-                t0 = time.perf_counter()
-                pm.hook.step(model=model, batch=batches[i], hp=pm.hook.hp(options=opts, step=step))
-                t1 = time.perf_counter()
-                trainer.reset_grads()
+                whole.append(timed_step())
                 t2 = time.perf_counter()
+                trainer.reset_grads()
                 trainer.prog._compute(trainer.gb_opt)
                 lib.ggml_backend_synchronize(engine.handle)
-                t3 = time.perf_counter()
-                whole.append((t1 - t0) * 1e3)
-                compute.append((t3 - t2) * 1e3)
-                step += 1
+                compute.append((time.perf_counter() - t2) * 1e3)
             conn.send((whole, compute))
         else:
             conn.send({"peak_rss_mb": _peak_rss_mb()})
