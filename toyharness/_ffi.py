@@ -8,8 +8,10 @@ example to use a cuda build made on another machine).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
 from pathlib import Path
 
 from cffi import FFI
@@ -149,7 +151,6 @@ int th_tensor_op(const ggml_tensor * t);
 void th_install_abort_handler(void);
 void th_set_log_level(int min_level);
 void th_clear_ctx_alloc(ggml_context * ctx);
-int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 double th_node_matmul_flops(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
 int th_blas_rewrite(ggml_cgraph * graph);
@@ -179,10 +180,17 @@ class NativeLibraryMissing(ImportError):
 
 
 class _Symbols:
-    """Looks each symbol up in the loaded libraries in turn and caches the function."""
+    """Looks each symbol up in the loaded libraries in turn and caches the function.
 
-    def __init__(self, handles):
+    Every declared function is looked up once, up front: cffi's first lookup of a symbol holds
+    a non-reentrant lock, and a garbage-collected Program whose __del__ frees ggml memory
+    during that lookup deadlocked the process (seen in the test suite)."""
+
+    def __init__(self, handles, names=()):
         self._handles = handles
+        for name in names:
+            with contextlib.suppress(AttributeError):   # e.g. a backend's symbol this build lacks
+                getattr(self, name)
 
     def __getattr__(self, name):
         for handle in self._handles:
@@ -214,7 +222,7 @@ def _load():
             handles.append(ffi.dlopen(str(found[name]), ffi.RTLD_NOW | ffi.RTLD_LOCAL))
     if "libtoyharness_shim.so" not in found:
         raise NativeLibraryMissing(f"libtoyharness_shim.so missing from {NATIVE_DIR}")
-    lib = _Symbols(handles)
+    lib = _Symbols(handles, re.findall(r"\b(\w+)\s*\(", CDEF))
     lib.th_install_abort_handler()
     lib.th_set_log_level(int(os.environ.get("TOYHARNESS_GGML_LOG", GGML_LOG_LEVEL_WARN)))
     return ffi, lib, handles
