@@ -12,7 +12,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
-#include "ggml-impl.h" /* ggml_graph_view, struct ggml_cgraph: internal but exported by ggml-base */
+#include "ggml-impl.h" /* struct ggml_map_custom2_op_params, for the sgemm custom op */
 
 #define TH_EXPORT __attribute__((visibility("default")))
 
@@ -72,25 +72,6 @@ TH_EXPORT void th_clear_ctx_alloc(struct ggml_context * ctx) {
         t->data = NULL;
         t->buffer = NULL;
     }
-}
-
-/* Per-node timing for `toyharness bench --profile`: computes the graph one node at a time (a
- * view of one node each) and writes each node's wall time in microseconds. Slower than one
- * whole compute (a thread hand-off per node), but it shows where a step's time goes. */
-
-TH_EXPORT int th_graph_profile(ggml_backend_t backend, struct ggml_cgraph * graph, double * us_per_node) {
-    int n = ggml_graph_n_nodes(graph);
-    for (int i = 0; i < n; i++) {
-        struct ggml_cgraph view = ggml_graph_view(graph, i, i + 1);
-        int64_t t0 = ggml_time_us();
-        enum ggml_status status = ggml_backend_graph_compute(backend, &view);
-        ggml_backend_synchronize(backend);
-        us_per_node[i] = (double) (ggml_time_us() - t0);
-        if (status != GGML_STATUS_SUCCESS) {
-            return (int) status;
-        }
-    }
-    return 0;
 }
 
 static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,

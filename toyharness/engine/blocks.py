@@ -68,11 +68,6 @@ def rms_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:
     return x.rms_norm(eps) * gain
 
 
-def sigmoid(z: Tensor) -> Tensor:
-    """exp(-softplus(-z)): finite value and gradient for any z (1/(1+exp(-z)) overflows)."""
-    return (-(-z).softplus()).exp()
-
-
 def gelu_tanh(x: Tensor) -> Tensor:
     """0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3).
 
