@@ -38,3 +38,19 @@ def test_side_by_side_run_writes_both_sides(tmp_path):
     assert r["speedup"] == pytest.approx(r["torch_ms_per_step"] / r["ms_per_step"], rel=1e-2)
     assert r["timed_steps"] >= 10 and r["config"]["d_model"] == 64
     assert doc["fp32_ceiling_gflops"] > 0 and 0 < r["ceiling_pct"] < 100
+
+
+def test_profile_names_ops_and_kernels_without_torch(tmp_path):
+    """--profile times the toyharness step node by node; it needs no PyTorch and writes nothing."""
+    res = bench("--profile", "gpt2", "--threads", "2", "--set", "n_layer=1", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("gpt2: cpu, 2 threads; nodes timed one at a time:")
+    rows = {tuple(line.split()[:2]): line for line in lines[2:] if len(line.split()) == 5}
+    assert ("OPT_STEP_ADAMW", "ggml") in rows
+    from toyharness._ffi import cpu_kernels
+    if cpu_kernels:
+        assert ("OUT_PROD", "toyharness") in rows and ("SOFT_MAX", "toyharness") in rows
+    shares = [float(line.split()[-1].rstrip("%")) for line in lines[2:] if line.rstrip().endswith("%")]
+    assert 99.0 <= sum(shares) <= 101.0, shares
+    assert not list(tmp_path.iterdir())

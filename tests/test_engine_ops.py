@@ -155,6 +155,8 @@ def test_binary_broadcast(op):
     ("softmax_scaled", lambda t: t.softmax(scale=0.3), lambda a: np_softmax(0.3 * a), lambda: r(3, 4, 8)),
     ("causal_softmax", lambda t: t.causal_mask().softmax(),
      lambda a: np_softmax(a + np.triu(np.full((5, 5), -np.inf), 1)), lambda: r(2, 3, 5, 5)),
+    ("causal_softmax_fused", lambda t: t.softmax(scale=0.3, causal=True),
+     lambda a: np_softmax(0.3 * a + np.triu(np.full((5, 5), -np.inf), 1)), lambda: r(2, 3, 5, 5)),
     ("gelu_tanh", blocks.gelu_tanh, np_gelu_tanh, lambda: r(4, 6, scale=2.0)),
 ])
 def test_unary(name, fn, ref, make):

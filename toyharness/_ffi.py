@@ -148,12 +148,15 @@ void * th_tensor_data(const ggml_tensor * t);
 int th_tensor_has_buffer(const ggml_tensor * t);
 int th_tensor_flags(const ggml_tensor * t);
 int th_tensor_op(const ggml_tensor * t);
+int th_tensor_is_host(const ggml_tensor * t);
+void th_zero_tensors(ggml_tensor ** ts, int n);
 void th_install_abort_handler(void);
 void th_set_log_level(int min_level);
 void th_clear_ctx_alloc(ggml_context * ctx);
 double th_node_matmul_flops(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
-int th_blas_rewrite(ggml_cgraph * graph);
+int th_cpu_rewrite(ggml_cgraph * graph);
+int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 const char * ggml_op_desc(const ggml_tensor * t);
 """
 
@@ -233,7 +236,7 @@ ffi, lib, _handles = _load()
 
 class Blas:
     """OpenBLAS from the scipy-openblas32 wheel, driving the cpu backend's f32 matrix products
-    (see th_blas_rewrite in native/shim.c). Single-threaded: ggml's threads split the work."""
+    (see th_gemm_op in native/cpu_kernels.c). Single-threaded: ggml's threads split the work."""
 
     def __init__(self, package_dir: Path, version: str):
         path = next((package_dir / "lib").glob("libscipy_openblas*.so*"))
@@ -254,9 +257,13 @@ class Blas:
         return f"openblas-{self.corename.lower()}"
 
 
+# TOYHARNESS_CPU_KERNELS=0 leaves every cpu node to ggml's own kernels (for comparison): no
+# sgemm, no stand-ins from native/cpu_kernels.c.
+cpu_kernels = os.environ.get("TOYHARNESS_CPU_KERNELS", "1") != "0"
+
+
 def _load_blas() -> Blas | None:
-    """TOYHARNESS_BLAS=0 keeps ggml's own matrix products (for comparison)."""
-    if os.environ.get("TOYHARNESS_BLAS", "1") == "0":
+    if not cpu_kernels:
         return None
     # Found, not imported: the package's __init__ loads the library RTLD_GLOBAL.
     import importlib.metadata

@@ -116,6 +116,59 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
             return
 
 
+# --- where the time goes ---------------------------------------------------------------------
+@dataclass
+class OpTime:
+    op: str            # the ggml op as the graph was built
+    kernel: str        # "ggml", or "toyharness" where native/cpu_kernels.c stands in for it
+    nodes: int
+    ms: float
+
+
+def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: list[str] | None = None,
+                   repeats: int = 5) -> tuple[float, list[OpTime]]:
+    """Time one training step node by node (`toyharness bench --profile`): the step's graph
+    computed one node at a time, `repeats` times, after 3 whole warm-up steps. Returns the sum
+    of the node medians (ms; above a whole step's time, by one thread hand-off per node) and
+    the time per op, largest first."""
+    from ._ffi import ffi, lib
+    from .engine import get_engine
+    from .errors import InputError
+    from .hookspecs import plugin_manager
+    from .runner import batch_for, load_data
+
+    obj, opts = bench_options(recipe, sets)
+    pm = plugin_manager(obj)
+    data = load_data(pm, opts)
+    engine = get_engine(backend, threads)
+    model = pm.hook.realize(engine=engine, options=opts, data=data)
+    trainer = getattr(model, "trainer", None)
+    if trainer is None:
+        raise InputError(f"recipe {recipe}: no ggml training graph to profile")
+    graph = trainer.gb_opt
+    n = lib.ggml_graph_n_nodes(graph)
+    built = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode() for i in range(n)]
+    for step in range(3):             # the first compute also swaps in our cpu kernels
+        pm.hook.step(model=model, batch=batch_for(data, "train", step, opts), hp=pm.hook.hp(options=opts, step=step))
+    runs = np.empty((repeats, n))
+    us = ffi.new("double[]", n)
+    for r in range(repeats):
+        trainer.reset_grads()
+        status = lib.th_graph_profile(engine.handle, graph, us)
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        runs[r] = np.frombuffer(ffi.buffer(us, n * 8), dtype=np.float64)
+    per_node = np.median(runs, axis=0) / 1e3
+    table: dict[tuple[str, str], OpTime] = {}
+    for i in range(n):
+        now = ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
+        kernel = "toyharness" if now.startswith("MAP_CUSTOM") and not built[i].startswith("MAP_CUSTOM") else "ggml"
+        row = table.setdefault((built[i], kernel), OpTime(built[i], kernel, 0, 0.0))
+        row.nodes += 1
+        row.ms += float(per_node[i])
+    return float(per_node.sum()), sorted(table.values(), key=lambda o: -o.ms)
+
+
 # --- the PyTorch side ----------------------------------------------------------------------------
 def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

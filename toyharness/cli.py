@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a bench option")
     b.add_argument("--out", default="bench.json", help="where to write the results (default bench.json)")
+    b.add_argument("--profile", action="store_true",
+                   help="instead: where a toyharness step's time goes, by ggml op (each node timed alone; "
+                        "no PyTorch needed, nothing written)")
 
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf), forward only.")
@@ -159,6 +162,8 @@ def cmd_bench(args) -> int:
         raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
     if args.steps < 10:
         raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
+    if args.profile:
+        return _bench_profile(args, args.recipes or known)
     if importlib.util.find_spec("torch") is None:
         raise InputError("toyharness bench needs PyTorch for its comparison side: pip install torch")
     from .reference import MODELS  # fails here, not in a worker, if torch is broken
@@ -192,6 +197,25 @@ def cmd_bench(args) -> int:
            "recipes": results}
     atomic_write(Path(args.out), json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
+    return 0
+
+
+def _bench_profile(args, names: list[str]) -> int:
+    from . import bench
+    from .engine.backend import default_threads
+
+    threads = args.threads or default_threads()
+    for name in names:
+        total, ops = bench.profile_recipe(name, args.backend, threads, args.set)
+        print(f"{name}: {args.backend}, {threads} threads; nodes timed one at a time: {total:.2f} ms per step")
+        print(f"  {'op':<26}{'kernel':<12}{'nodes':>6}{'ms':>9}{'share':>8}")
+        for o in ops:
+            if o.ms >= 0.005 * total:
+                print(f"  {o.op:<26}{o.kernel:<12}{o.nodes:6d}{o.ms:9.3f}{100 * o.ms / total:7.1f}%")
+        rest = [o for o in ops if o.ms < 0.005 * total]
+        if rest:
+            print(f"  {f'{len(rest)} more ops':<38}{sum(o.nodes for o in rest):6d}{sum(o.ms for o in rest):9.3f}"
+                  f"{100 * sum(o.ms for o in rest) / total:7.1f}%")
     return 0
 
 

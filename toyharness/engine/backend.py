@@ -54,7 +54,8 @@ class Engine:
 
     def fingerprint(self) -> str:
         """What changes float results on this backend: for cpu, the SIMD level of the build and
-        the OpenBLAS kernel that computes the matrix products (none: ggml's own)."""
+        the OpenBLAS kernel that computes the matrix products ("-openblas-<core>", which also
+        means native/cpu_kernels.c's stand-ins are on; none: ggml's own kernels only)."""
         if self.is_cpu:
             if lib.ggml_cpu_has_avx512():
                 simd = "avx512"

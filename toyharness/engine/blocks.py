@@ -127,10 +127,7 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
         k = _rope_heads_first(k, rope_positions, rope_base, rope_neox)
     vt = v.permute(0, 2, 3, 1).cont()         # (B, Hkv, hd, T)
     scores = q.bmm_t(k)                       # (B, H, Tq, Tk)
-    if causal:
-        probs = scores.scale(1.0 / math.sqrt(hd)).causal_mask().softmax()
-    else:
-        probs = scores.softmax(scale=1.0 / math.sqrt(hd))
+    probs = scores.softmax(scale=1.0 / math.sqrt(hd), causal=causal)
     out = probs.bmm_t(vt)                     # (B, H, Tq, hd)
     out = out.permute(0, 2, 1, 3).cont().reshape(bsz, seq, d_model)
     return linear(out, wo, bo)

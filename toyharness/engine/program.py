@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._ffi import GGML_STATUS_SUCCESS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
+from .._ffi import (
+    GGML_STATUS_SUCCESS,
+    GGML_TYPE_BF16,
+    GGML_TYPE_F16,
+    GGML_TYPE_F32,
+    GGML_TYPE_I32,
+    cpu_kernels,
+    ffi,
+    lib,
+)
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
 from .backend import Engine
@@ -61,6 +70,11 @@ class _Targets:
     vocab: int
     onehot: Tensor
     flat_index: Tensor
+    # The one-hot rows are kept between steps and updated where the ids changed (a full
+    # rebuild of rows x vocab floats was most of a step's host time): `mirror` is the tensor's
+    # own memory on a host backend, else a host copy that is uploaded; `ids` the last ids.
+    mirror: np.ndarray | None = None
+    ids: np.ndarray | None = None
 
 
 @dataclass
@@ -269,10 +283,22 @@ class Program:
             raise InputError(f"targets {name!r}: expected integer class ids, got {value.dtype}")
         _check_ids(name, value, tg.vocab)
         flat = value.reshape(-1).astype(np.int64)
-        onehot = np.zeros((flat.size, tg.vocab), dtype=np.float32)
-        onehot[np.arange(flat.size), flat] = 1.0
-        _upload(tg.onehot, onehot)
-        _upload(tg.flat_index, (np.arange(flat.size) * tg.vocab + flat).astype(np.int32))
+        rows = np.arange(flat.size)
+        host = bool(lib.th_tensor_is_host(tg.onehot.ptr))
+        if tg.mirror is None:
+            if host:
+                buf = ffi.buffer(ffi.cast("float *", lib.th_tensor_data(tg.onehot.ptr)), flat.size * tg.vocab * 4)
+                tg.mirror = np.frombuffer(buf, dtype=np.float32).reshape(flat.size, tg.vocab)
+            else:
+                tg.mirror = np.empty((flat.size, tg.vocab), dtype=np.float32)
+            tg.mirror[:] = 0.0
+        elif tg.ids is not None:
+            tg.mirror[rows, tg.ids] = 0.0
+        tg.mirror[rows, flat] = 1.0
+        tg.ids = flat
+        if not host:
+            _upload(tg.onehot, tg.mirror)
+        _upload(tg.flat_index, (rows * tg.vocab + flat).astype(np.int32))
 
     # --- loss ------------------------------------------------------------------------------
     def cross_entropy(self, logits: Tensor, targets: str) -> CrossEntropy:
@@ -323,10 +349,11 @@ class Program:
             self._last_graph = graph
         if graph not in self._gemm_rewritten:
             self._check_supported(graph)
-            # On cpu, f32 matrix products go to OpenBLAS (th_blas_rewrite); no backward can be
-            # built through a rewritten node, so a Trainer must come before any compute.
-            if self.engine.is_cpu:
-                lib.th_blas_rewrite(graph)
+            # On cpu, hot nodes get our kernels (native/cpu_kernels.c: sgemm, copies, SILU_BACK,
+            # LayerNorm centring); no backward can be built through a rewritten node, so a
+            # Trainer must come before any compute.
+            if self.engine.is_cpu and cpu_kernels:
+                lib.th_cpu_rewrite(graph)
             self._gemm_rewritten.add(graph)
         if not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
             raise MemoryError("ggml could not allocate the graph's intermediates")
@@ -355,6 +382,8 @@ class Program:
         return sum(int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers)
 
     def close(self) -> None:
+        for tg in self._targets.values():   # views of the memory freed below
+            tg.mirror = tg.ids = None
         if self._galloc is not None:
             lib.ggml_gallocr_free(self._galloc)
             for b in self._buffers:
@@ -429,10 +458,15 @@ class Trainer:
                 if flags & GGML_FLAG_PARAM:
                     self.grad_acc[name] = Tensor(prog, acc, prog.params[name].ndim)
                     reached.add(name)
+                else:
+                    self._loss_grad = acc
         # ggml only puts leaves with the PARAM flag into the node list.
         unused = [p for p in prog.params if p not in reached]
         if unused:
             raise InputError(f"trainable parameters not used by the loss: {', '.join(unused)}")
+        self._grad_acc_ptrs = ffi.new("ggml_tensor *[]", [t.ptr for t in self.grad_acc.values()])
+        self._one = ffi.new("float *", 1.0)
+        self._loss_out = ffi.new("float[1]")
         self.hp = prog._new_static("adamw.hp", (7,), GGML_TYPE_F32)
         lib.ggml_set_input(self.hp.ptr)
         self.m: dict[str, Tensor] = {}
@@ -470,8 +504,10 @@ class Trainer:
         lib.ggml_graph_reset(self.gb_opt)
 
     def reset_grads(self) -> None:
-        """Zero gradient accumulators only; the moments survive."""
-        lib.ggml_graph_reset(self.gb_grad)
+        """Zero gradient accumulators only (and set the loss gradient to 1); the moments survive.
+        What ggml_graph_reset(gb_grad) does, without its walk over every node of the graph."""
+        lib.th_zero_tensors(self._grad_acc_ptrs, len(self.grad_acc))
+        lib.ggml_backend_tensor_set(self._loss_grad, self._one, 0, 4)
 
     def step(self, feeds: dict[str, np.ndarray], hp: HPRow | AdamWRow | list[float],
              step_index: int | None = None) -> float:
@@ -513,9 +549,8 @@ class Trainer:
         return self.loss_value()
 
     def loss_value(self) -> float:
-        out = np.empty(1, dtype=np.float32)
-        lib.ggml_backend_tensor_get(self.loss.report.ptr, ffi.from_buffer(out), 0, 4)
-        return float(out[0])
+        lib.ggml_backend_tensor_get(self.loss.report.ptr, self._loss_out, 0, 4)
+        return float(self._loss_out[0])
 
     def train_loss_value(self) -> float:
         """ggml's own cross_entropy_loss scalar (moves with the thread count)."""

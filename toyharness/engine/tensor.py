@@ -257,19 +257,24 @@ class Tensor:
     def rms_norm(self, eps: float) -> Tensor:
         return self._new(lib.ggml_rms_norm(self._ctx, self.ptr, float(eps)))
 
-    def softmax(self, scale: float = 1.0) -> Tensor:
-        if scale == 1.0:
+    def softmax(self, scale: float = 1.0, causal: bool = False) -> Tensor:
+        """softmax(scale * self) over the last axis; `causal` adds the causal mask first, in the
+        same op (ggml's soft_max_ext: one pass forward and one backward instead of three)."""
+        if scale == 1.0 and not causal:
             return self._new(lib.ggml_soft_max(self._ctx, self.ptr))
-        return self._new(lib.ggml_soft_max_ext(self._ctx, self.ptr, ffi.NULL, float(scale), 0.0))
+        mask = self._causal_mask_constant() if causal else None
+        return self._new(lib.ggml_soft_max_ext(self._ctx, self.ptr, mask.ptr if mask else ffi.NULL, float(scale), 0.0))
 
     def causal_mask(self) -> Tensor:
         """-inf above the diagonal of the last two axes (query i sees keys <= i), added as a
         constant (Tq, Tk) mask: the backward of ggml's DIAG_MASK_INF (DIAG_MASK_ZERO) has no
         cuda kernel in ggml 0.25.3. x + 0 and x + -inf give what the masking op gives."""
+        return self + self._causal_mask_constant()
+
+    def _causal_mask_constant(self) -> Tensor:
         tq, tk = self.shape[-2:]
-        mask = self.prog.cached_constant(f"causal_mask.{tq}x{tk}",
+        return self.prog.cached_constant(f"causal_mask.{tq}x{tk}",
                                          lambda: np.triu(np.full((tq, tk), -np.inf, np.float32), 1))
-        return self + mask
 
     def swiglu(self, up: Tensor) -> Tensor:
         """silu(self) * up."""

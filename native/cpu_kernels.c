@@ -1,0 +1,518 @@
+/* toyharness cpu kernels: faster stand-ins for the hot nodes of a finished cpu graph.
+ *
+ * For our tiny models ggml 0.25.3's cpu backend is slow in these places (measured with
+ * `toyharness bench --profile`):
+ *   - f32 MUL_MAT and OUT_PROD (OUT_PROD is a plain loop): OpenBLAS sgemm instead;
+ *   - CONT of a permuted tensor (one element at a time): a tiled copy, same bits;
+ *   - SILU_BACK (a scalar expf and a division per element): a vectorisable exp;
+ *   - SOFT_MAX and CROSS_ENTROPY_LOSS (per-row overhead; scalar expf, logf): the same exp;
+ *   - RMS_NORM and RMS_NORM_BACK (row sums in double, one element at a time): vectorised sums;
+ *   - products with LayerNorm's centring constant I - 1/d (blocks.layer_norm), a d-deep dot
+ *     product per element: one pass of row centring instead.
+ * th_cpu_rewrite swaps each such node for a custom op with the same inputs and output. It runs
+ * after the backward graph is built: ggml has no backward for custom ops. Every kernel cuts its
+ * work into tasks fixed by the shapes alone, never by the thread count, so the bits do not
+ * depend on the number of threads.
+ */
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+#include "ggml.h"
+#include "ggml-impl.h" /* struct ggml_map_custom{1,2}_op_params */
+
+#define TH_EXPORT __attribute__((visibility("default")))
+
+/* ---- matrix products through an external sgemm ---------------------------------------------
+ * The binding hands us a CBLAS sgemm (OpenBLAS from the scipy-openblas32 wheel). The work is
+ * cut into fixed tasks (a batch slice times a block of TH_GEMM_ROWS output rows), each one sgemm
+ * call on one thread, so every output element comes from the same call whatever the thread
+ * count. 64 rows measured fastest of 32/64/96/128/256 (gpt2, llama, vit_tiny at 2 threads). */
+enum { TH_ROW_MAJOR = 101, TH_NO_TRANS = 111, TH_TRANS = 112, TH_GEMM_ROWS = 64 };
+typedef void (*th_sgemm_fn)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                            const float * a, int lda, const float * b, int ldb, float beta, float * c, int ldc);
+static th_sgemm_fn th_sgemm = NULL;
+
+TH_EXPORT void th_set_sgemm(void * fn) { th_sgemm = (th_sgemm_fn) fn; }
+
+/* A 2-D slice of t seen as a row-major (ne1 x ne0) matrix `view`: stored either row-major
+ * (nb0 = 4) or as the transpose of a row-major matrix (nb1 = 4). Say which operand of sgemm
+ * is wanted (view or view^T) and get its trans flag and leading dimension. */
+static int th_operand(const struct ggml_tensor * t, int want_transposed, int * trans, int * ld) {
+    const size_t es = sizeof(float);
+    if (t->nb[0] == es && t->nb[1] % es == 0) {
+        int64_t l = t->ne[1] > 1 ? (int64_t) (t->nb[1] / es) : t->ne[0];
+        if (l < t->ne[0]) return 0;
+        *trans = want_transposed ? TH_TRANS : TH_NO_TRANS;
+        *ld = (int) (l > 0 ? l : 1);
+        return 1;
+    }
+    if (t->nb[1] == es && t->nb[0] % es == 0) {
+        int64_t l = t->ne[0] > 1 ? (int64_t) (t->nb[0] / es) : t->ne[1];
+        if (l < t->ne[1]) return 0;
+        *trans = want_transposed ? TH_NO_TRANS : TH_TRANS;
+        *ld = (int) (l > 0 ? l : 1);
+        return 1;
+    }
+    return 0;
+}
+
+/* dst(m, n) as a row-major M x N matrix, M = dst->ne[1], N = dst->ne[0]:
+ *   MUL_MAT  dst = b_view   . a_view^T   (a: N x K, b: M x K)
+ *   OUT_PROD dst = b_view^T . a_view     (a: K x N, b: K x M)
+ * With K = 1 (our bias broadcast: ones(rows, 1) @ b) it is an outer product, written directly:
+ * the same bits as sgemm's 0 + 1 * (x * y), without its zeroing pass and call overhead. */
+static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                       int ith, int nth, void * userdata) {
+    const int out_prod = userdata != NULL;
+    int ta, lda, tb, ldb;
+    th_operand(b, out_prod, &tb, &ldb);
+    th_operand(a, !out_prod, &ta, &lda);
+    const int64_t M = dst->ne[1], N = dst->ne[0];
+    const int64_t K = out_prod ? a->ne[1] : a->ne[0];
+    const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
+    const int64_t blocks = (M + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
+    const int64_t tasks = blocks * dst->ne[2] * dst->ne[3];
+    for (int64_t task = ith; task < tasks; task += nth) {
+        const int64_t blk = task % blocks, i2 = (task / blocks) % dst->ne[2], i3 = task / (blocks * dst->ne[2]);
+        const int64_t m0 = blk * TH_GEMM_ROWS, rows = M - m0 < TH_GEMM_ROWS ? M - m0 : TH_GEMM_ROWS;
+        const char * pa = (const char *) a->data + (i2 / r2) * a->nb[2] + (i3 / r3) * a->nb[3];
+        const char * pb = (const char *) b->data + i2 * b->nb[2] + i3 * b->nb[3];
+        /* the first operand's rows m0.. : along b's ne1 for MUL_MAT, along b's ne0 for OUT_PROD */
+        pb += m0 * (out_prod ? b->nb[0] : b->nb[1]);
+        float * pc = (float *) ((char *) dst->data + m0 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+        const int ldc = (int) (dst->nb[1] / sizeof(float));
+        if (K == 1) {
+            /* element i of the first operand's column, element j of the second's row */
+            const size_t sb = out_prod ? b->nb[0] : b->nb[1], sa = out_prod ? a->nb[0] : a->nb[1];
+            for (int64_t i = 0; i < rows; i++) {
+                const float x = *(const float *) ((const char *) pb + i * sb);
+                float * c = pc + i * ldc;
+                for (int64_t j = 0; j < N; j++) c[j] = x * *(const float *) (pa + j * sa);
+            }
+            continue;
+        }
+        th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) N, (int) K, 1.0f, (const float *) pb, ldb,
+                 (const float *) pa, lda, 0.0f, pc, ldc);
+    }
+}
+
+static int th_gemm_ok(const struct ggml_tensor * t) {
+    if (th_sgemm == NULL || (t->op != GGML_OP_MUL_MAT && t->op != GGML_OP_OUT_PROD)) return 0;
+    const struct ggml_tensor * a = t->src[0], * b = t->src[1];
+    if (t->type != GGML_TYPE_F32 || a->type != GGML_TYPE_F32 || b->type != GGML_TYPE_F32) return 0;
+    if (!ggml_is_contiguous(t) || a->ne[2] == 0 || a->ne[3] == 0) return 0;
+    if (b->ne[2] % a->ne[2] || b->ne[3] % a->ne[3] || t->ne[2] != b->ne[2] || t->ne[3] != b->ne[3]) return 0;
+    if (t->ne[0] > INT32_MAX || t->ne[1] > INT32_MAX || a->ne[0] > INT32_MAX || a->ne[1] > INT32_MAX) return 0;
+    int tr, ld;
+    const int out_prod = t->op == GGML_OP_OUT_PROD;
+    return th_operand(b, out_prod, &tr, &ld) && th_operand(a, !out_prod, &tr, &ld);
+}
+
+/* FLOPs (2 per multiply-add) of a node's matrix product: MUL_MAT and OUT_PROD, also once
+ * rewritten to sgemm; 0 for other ops (the centring stand-in included: it does no product). */
+TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
+    if (t->op == GGML_OP_MAP_CUSTOM2) {
+        struct ggml_map_custom2_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        if (p.fun != th_gemm_op) return 0.0;
+        return 2.0 * (double) ggml_nelements(t) * (double) (p.userdata ? t->src[0]->ne[1] : t->src[0]->ne[0]);
+    }
+    if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[0];
+    if (t->op == GGML_OP_OUT_PROD) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[1];
+    return 0.0;
+}
+
+/* ---- CONT: a tiled strided copy -------------------------------------------------------------
+ * dst is contiguous with src's shape. Tasks are (i3, i2, block of TH_COPY_TILE rows of i1);
+ * within a task, TH_COPY_TILE x TH_COPY_TILE tiles so that both the strided reads and the
+ * contiguous writes stay in cache when src is a transpose. */
+enum { TH_COPY_TILE = 32 };
+
+static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const int64_t ne0 = dst->ne[0], ne1 = dst->ne[1], ne2 = dst->ne[2], ne3 = dst->ne[3];
+    const int64_t blocks = (ne1 + TH_COPY_TILE - 1) / TH_COPY_TILE, tasks = blocks * ne2 * ne3;
+    const size_t s0 = src->nb[0], s1 = src->nb[1];
+    for (int64_t task = ith; task < tasks; task += nth) {
+        const int64_t blk = task % blocks, i2 = (task / blocks) % ne2, i3 = task / (blocks * ne2);
+        const int64_t r0 = blk * TH_COPY_TILE, r1 = r0 + TH_COPY_TILE < ne1 ? r0 + TH_COPY_TILE : ne1;
+        const char * ps = (const char *) src->data + i2 * src->nb[2] + i3 * src->nb[3];
+        float * pd = (float *) ((char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3]);
+        if (s0 == sizeof(float)) {
+            for (int64_t i1 = r0; i1 < r1; i1++) memcpy(pd + i1 * ne0, ps + i1 * s1, ne0 * sizeof(float));
+            continue;
+        }
+        for (int64_t c0 = 0; c0 < ne0; c0 += TH_COPY_TILE) {
+            const int64_t c1 = c0 + TH_COPY_TILE < ne0 ? c0 + TH_COPY_TILE : ne0;
+            for (int64_t i0 = c0; i0 < c1; i0++) {
+                const char * col = ps + i0 * s0;
+                for (int64_t i1 = r0; i1 < r1; i1++) pd[i1 * ne0 + i0] = *(const float *) (col + i1 * s1);
+            }
+        }
+    }
+}
+
+static int th_cont_ok(const struct ggml_tensor * t) {
+    const struct ggml_tensor * s = t->src[0];
+    return t->op == GGML_OP_CONT && t->type == GGML_TYPE_F32 && s->type == GGML_TYPE_F32 &&
+           ggml_are_same_shape(t, s) && ggml_is_contiguous(t) && s->nb[0] % sizeof(float) == 0 &&
+           s->nb[1] % sizeof(float) == 0;
+}
+
+/* ---- SILU_BACK: dx = dy * s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) ------------------------
+ * ggml calls glibc's scalar expf per element. th_expf is branch-free so the loop vectorises:
+ * exp(x) = 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative
+ * error below 2e-7 on that interval); x is clamped so that 2^n stays a normal float, and
+ * below -87 the result is 0. */
+static inline float th_expf(float x0) {
+    const float x = x0 < -87.0f ? -87.0f : (x0 > 88.0f ? 88.0f : x0);
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln2 split hi + lo */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t) n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return x0 < -87.0f ? 0.0f : p * scale; /* exp(-inf) = 0, as a masked softmax needs */
+}
+
+enum { TH_LANES = 16 };      /* partial sums of a row reduction */
+
+/* max of a row (exact in any order, so the compiler may vectorise it: -fopenmp-simd) */
+static float th_row_max(const float * x, int64_t n) {
+    float max = -INFINITY;
+#pragma omp simd reduction(max : max)
+    for (int64_t k = 0; k < n; k++) max = x[k] > max ? x[k] : max;
+    return max;
+}
+
+/* sum of exp(x[k] - shift) over a row: TH_LANES partial sums combined in a fixed order */
+static float th_lane_sum_exp(const float * x, int64_t n, float shift) {
+    float lane[TH_LANES] = {0};
+    int64_t k = 0;
+    for (; k + TH_LANES <= n; k += TH_LANES) {
+        for (int j = 0; j < TH_LANES; j++) lane[j] += th_expf(x[k + j] - shift);
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < TH_LANES; j++) sum += lane[j];
+    for (; k < n; k++) sum += th_expf(x[k] - shift);
+    return sum;
+}
+
+enum { TH_EW_CHUNK = 4096 }; /* elements per task of an elementwise kernel */
+/* rows per task of a row-wise kernel; the op_params slot where a rewritten node keeps its own
+ * parameter (scale, eps): slots 0-5 hold the custom op's */
+enum { TH_ROWS_PER_TASK = 16, TH_PARAM_SLOT = 8 };
+
+/* a = dy, b = x. dst may be dy's buffer (ggml plans SILU_BACK in place): each element is read
+ * before it is written, hence ivdep rather than restrict. */
+static void th_silu_back_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                            int ith, int nth, void * userdata) {
+    (void) userdata;
+    const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
+    const float * dy = (const float *) a->data, * x = (const float *) b->data;
+    float * dx = (float *) dst->data;
+    for (int64_t task = ith; task < tasks; task += nth) {
+        const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
+#pragma GCC ivdep
+        for (int64_t i = i0; i < i1; i++) {
+            const float s = 1.0f / (1.0f + th_expf(-x[i]));
+            dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
+        }
+    }
+}
+
+static int th_silu_back_ok(const struct ggml_tensor * t) {
+    return t->op == GGML_OP_SILU_BACK && t->type == GGML_TYPE_F32 && t->src[0]->type == GGML_TYPE_F32 &&
+           t->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_is_contiguous(t->src[0]) &&
+           ggml_is_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
+}
+
+/* ---- SOFT_MAX: softmax(scale * x + mask) per row ---------------------------------------------
+ * ggml's kernel spends most of its time per row (a 64-wide attention row takes ~60 ns there).
+ * Here: one pass for scale, mask and max, one for exp and the sum (TH_LANES partial sums), one
+ * to normalise. Only the plain form: f32 mask or none, no ALiBi slope, no sinks. */
+static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * mask,
+                           int ith, int nth, void * userdata) {
+    (void) userdata;
+    float scale;
+    memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
+    const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
+    const int64_t tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
+    for (int64_t task = ith; task < tasks; task += nth) {
+        const int64_t r0 = task * TH_ROWS_PER_TASK, r1 = r0 + TH_ROWS_PER_TASK < nr ? r0 + TH_ROWS_PER_TASK : nr;
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
+            const float * xp = (const float *) ((const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3]);
+            float * y = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+            if (mask != NULL) {
+                const float * mp = (const float *) ((const char *) mask->data + i1 * mask->nb[1] +
+                                                    (i2 % mask->ne[2]) * mask->nb[2] + (i3 % mask->ne[3]) * mask->nb[3]);
+                for (int64_t k = 0; k < nc; k++) y[k] = xp[k] * scale + mp[k];
+            } else {
+                for (int64_t k = 0; k < nc; k++) y[k] = xp[k] * scale;
+            }
+            const float max = th_row_max(y, nc);
+            float lane[TH_LANES] = {0};
+            int64_t k = 0;
+            for (; k + TH_LANES <= nc; k += TH_LANES) {
+                for (int j = 0; j < TH_LANES; j++) {
+                    y[k + j] = th_expf(y[k + j] - max);
+                    lane[j] += y[k + j];
+                }
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < TH_LANES; j++) sum += lane[j];
+            for (; k < nc; k++) {
+                y[k] = th_expf(y[k] - max);
+                sum += y[k];
+            }
+            const float inv = 1.0f / sum;
+            for (k = 0; k < nc; k++) y[k] *= inv;
+        }
+    }
+}
+
+static int th_soft_max_ok(const struct ggml_tensor * t) {
+    const struct ggml_tensor * x = t->src[0], * mask = t->src[1];
+    float max_bias;
+    memcpy(&max_bias, (const float *) t->op_params + 1, sizeof(float));
+    if (t->op != GGML_OP_SOFT_MAX || t->type != GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || max_bias != 0.0f ||
+        t->src[2] != NULL || !ggml_are_same_shape(t, x) || x->nb[0] != sizeof(float) || t->nb[0] != sizeof(float)) {
+        return 0;
+    }
+    return mask == NULL || (mask->type == GGML_TYPE_F32 && mask->nb[0] == sizeof(float) && mask->ne[0] == x->ne[0] &&
+                            mask->ne[1] >= x->ne[1] && x->ne[2] % mask->ne[2] == 0 && x->ne[3] % mask->ne[3] == 0);
+}
+
+/* ---- RMS_NORM and RMS_NORM_BACK --------------------------------------------------------------
+ * ggml sums each row in double, one element at a time. Here TH_LANES float partial sums (fixed
+ * order), then ggml's own formulas:
+ *   y  = x / sqrt(mean(x^2) + eps)
+ *   dx = (dz - x * sum(x dz) / (sum(x^2) + eps n)) / sqrt(mean(x^2) + eps)
+ * dst may share its buffer with x (forward) or dz (backward): ggml plans both in place. */
+static float th_lane_dot(const float * a, const float * b, int64_t n) {
+    float lane[TH_LANES] = {0};
+    int64_t k = 0;
+    for (; k + TH_LANES <= n; k += TH_LANES) {
+        for (int j = 0; j < TH_LANES; j++) lane[j] += a[k + j] * b[k + j];
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < TH_LANES; j++) sum += lane[j];
+    for (; k < n; k++) sum += a[k] * b[k];
+    return sum;
+}
+
+/* row r of t (rows counted over ne1, ne2, ne3) */
+static inline char * th_row(const struct ggml_tensor * t, int64_t r) {
+    const int64_t i1 = r % t->ne[1], i2 = (r / t->ne[1]) % t->ne[2], i3 = r / (t->ne[1] * t->ne[2]);
+    return (char *) t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+}
+
+static void th_rms_norm_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
+    (void) userdata;
+    float eps;
+    memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
+    const int64_t n = src->ne[0], nr = ggml_nrows(src), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
+    for (int64_t task = ith; task < tasks; task += nth) {
+        const int64_t r1 = (task + 1) * TH_ROWS_PER_TASK < nr ? (task + 1) * TH_ROWS_PER_TASK : nr;
+        for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
+            const float * x = (const float *) th_row(src, r);
+            float * y = (float *) th_row(dst, r);
+            const float scale = 1.0f / sqrtf(th_lane_dot(x, x, n) / (float) n + eps);
+#pragma GCC ivdep
+            for (int64_t k = 0; k < n; k++) y[k] = x[k] * scale;
+        }
+    }
+}
+
+static void th_rms_norm_back_op(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
+                                int ith, int nth, void * userdata) {
+    (void) userdata;
+    float eps;
+    memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
+    const int64_t n = src->ne[0], nr = ggml_nrows(src), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
+    for (int64_t task = ith; task < tasks; task += nth) {
+        const int64_t r1 = (task + 1) * TH_ROWS_PER_TASK < nr ? (task + 1) * TH_ROWS_PER_TASK : nr;
+        for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
+            const float * dz = (const float *) th_row(grad, r), * x = (const float *) th_row(src, r);
+            float * dx = (float *) th_row(dst, r);
+            const float sum_xx = th_lane_dot(x, x, n), sum_xdz = th_lane_dot(x, dz, n);
+            const float rrms = 1.0f / sqrtf(sum_xx / (float) n + eps);
+            const float scale_x = -sum_xdz / (sum_xx + eps * (float) n);
+#pragma GCC ivdep
+            for (int64_t k = 0; k < n; k++) dx[k] = (dz[k] + x[k] * scale_x) * rrms;
+        }
+    }
+}
+
+static int th_rows_ok(const struct ggml_tensor * t) {  /* f32, rows contiguous */
+    return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float);
+}
+
+static int th_rms_norm_ok(const struct ggml_tensor * t) {
+    return t->op == GGML_OP_RMS_NORM && th_rows_ok(t) && th_rows_ok(t->src[0]) && ggml_are_same_shape(t, t->src[0]);
+}
+
+static int th_rms_norm_back_ok(const struct ggml_tensor * t) {
+    return t->op == GGML_OP_RMS_NORM_BACK && th_rows_ok(t) && th_rows_ok(t->src[0]) && th_rows_ok(t->src[1]) &&
+           ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
+}
+
+/* ---- CROSS_ENTROPY_LOSS: -mean over rows of sum_v t_v log softmax(x)_v ------------------------
+ * ggml's kernel calls scalar expf and logf per element. Only the loss's value is computed here
+ * (its backward, CROSS_ENTROPY_LOSS_BACK, recomputes the softmax itself), in one task: the rows
+ * are summed in order, so the scalar no longer depends on the thread count. */
+static void th_cross_entropy_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                                int ith, int nth, void * userdata) {
+    (void) nth;
+    (void) userdata;
+    if (ith != 0) return;
+    const int64_t nc = a->ne[0], nr = ggml_nrows(a);
+    float total = 0.0f;
+    for (int64_t r = 0; r < nr; r++) {
+        const float * x = (const float *) ((const char *) a->data + r * a->nb[1]);
+        const float * t = (const float *) ((const char *) b->data + r * b->nb[1]);
+        const float max = th_row_max(x, nc);
+        const float log_sum = logf(th_lane_sum_exp(x, nc, max));
+        float lane[TH_LANES] = {0};
+        int64_t k = 0;
+        for (; k + TH_LANES <= nc; k += TH_LANES) {
+            for (int j = 0; j < TH_LANES; j++) lane[j] += t[k + j] * ((x[k + j] - max) - log_sum);
+        }
+        float row = 0.0f;
+        for (int j = 0; j < TH_LANES; j++) row += lane[j];
+        for (; k < nc; k++) row += t[k] * ((x[k] - max) - log_sum);
+        total += row;
+    }
+    *(float *) dst->data = total * (-1.0f / (float) nr);
+}
+
+static int th_cross_entropy_ok(const struct ggml_tensor * t) {
+    const struct ggml_tensor * a = t->src[0], * b = t->src[1];
+    return t->op == GGML_OP_CROSS_ENTROPY_LOSS && t->type == GGML_TYPE_F32 && a->type == GGML_TYPE_F32 &&
+           b->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) && b->nb[0] == sizeof(float) &&
+           ggml_are_same_shape(a, b) && ggml_nrows(a) == a->ne[1] && a->ne[0] > 0;
+}
+
+/* ---- row centring: x @ (I - 1/d), as LayerNorm writes it -------------------------------------
+ * blocks.layer_norm centres with a product by the cached constant "centring.<d>" so that ggml
+ * can differentiate it; the backward is a product by the same (symmetric) matrix. Both become
+ * y = x - mean(x) per row: the row sum in a fixed order, then one subtraction per element.
+ * The operand is read through its strides (the backward's is a transposed view). */
+static void th_centre_op(struct ggml_tensor * dst, const struct ggml_tensor * x, int ith, int nth, void * userdata) {
+    const int out_prod = userdata != NULL;
+    const int64_t rows = dst->ne[1], d = dst->ne[0];
+    /* row i, column k of the operand: along x's ne1 / ne0 for MUL_MAT, ne0 / ne1 for OUT_PROD */
+    const size_t s_row = out_prod ? x->nb[0] : x->nb[1], s_col = out_prod ? x->nb[1] : x->nb[0];
+    const int64_t tasks = (rows + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
+    for (int64_t task = ith; task < tasks; task += nth) {
+        const int64_t r0 = task * TH_GEMM_ROWS, r1 = r0 + TH_GEMM_ROWS < rows ? r0 + TH_GEMM_ROWS : rows;
+        for (int64_t i = r0; i < r1; i++) {
+            const char * row = (const char *) x->data + i * s_row;
+            float * y = (float *) ((char *) dst->data + i * dst->nb[1]);
+            if (s_col == sizeof(float)) {
+                memcpy(y, row, d * sizeof(float));
+            } else {
+                for (int64_t k = 0; k < d; k++) y[k] = *(const float *) (row + k * s_col);
+            }
+            /* TH_LANES partial sums, combined in a fixed order: vectorises, same bits every run */
+            float lane[TH_LANES] = {0};
+            int64_t k = 0;
+            for (; k + TH_LANES <= d; k += TH_LANES) {
+                for (int j = 0; j < TH_LANES; j++) lane[j] += y[k + j];
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < TH_LANES; j++) sum += lane[j];
+            for (; k < d; k++) sum += y[k];
+            const float mean = sum / (float) d;
+            for (k = 0; k < d; k++) y[k] -= mean;
+        }
+    }
+}
+
+/* t is a d x d f32 constant named "centring.<d>" holding exactly I - 1/d (checked, once per
+ * rewrite, so that a user tensor of that name is never mistaken for it). */
+static int th_is_centring(const struct ggml_tensor * t) {
+    const int64_t d = t->ne[0];
+    if (strncmp(t->name, "centring.", 9) != 0 || t->type != GGML_TYPE_F32 || t->ne[1] != d || t->ne[2] != 1 ||
+        t->ne[3] != 1 || t->data == NULL || !ggml_is_contiguous(t) || t->op != GGML_OP_NONE) {
+        return 0;
+    }
+    const float * c = (const float *) t->data;
+    const float off = -(1.0f / (float) d), diag = 1.0f - 1.0f / (float) d;
+    for (int64_t i = 0; i < d; i++) {
+        for (int64_t j = 0; j < d; j++) {
+            if (c[i * d + j] != (i == j ? diag : off)) return 0;
+        }
+    }
+    return 1;
+}
+
+static int th_centre_ok(const struct ggml_tensor * t) {
+    if (t->op != GGML_OP_MUL_MAT && t->op != GGML_OP_OUT_PROD) return 0;
+    const struct ggml_tensor * x = t->src[1];
+    return t->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[2] == 1 &&
+           t->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1 && th_is_centring(t->src[0]);
+}
+
+/* ---- the rewrite ------------------------------------------------------------------------- */
+static void th_set_custom1(struct ggml_tensor * t, ggml_custom1_op_t fun, const struct ggml_tensor * src, void * ud) {
+    struct ggml_map_custom1_op_params p = {fun, GGML_N_TASKS_MAX, ud};
+    memset(t->op_params, 0, sizeof(t->op_params));
+    memcpy(t->op_params, &p, sizeof(p));
+    t->op = GGML_OP_MAP_CUSTOM1;
+    t->src[0] = (struct ggml_tensor *) src;
+    for (int i = 1; i < GGML_MAX_SRC; i++) t->src[i] = NULL;
+}
+
+static void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks) {
+    struct ggml_map_custom2_op_params p = {fun, n_tasks, ud};
+    memset(t->op_params, 0, sizeof(t->op_params));
+    memcpy(t->op_params, &p, sizeof(p));
+    t->op = GGML_OP_MAP_CUSTOM2;
+}
+
+/* Swaps every node that has a kernel here for it; returns how many were swapped. Nodes a
+ * previous call swapped (graphs that share nodes) are custom ops by now and left alone. */
+TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
+    int changed = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (th_centre_ok(t)) {
+            th_set_custom1(t, th_centre_op, t->src[1], t->op == GGML_OP_OUT_PROD ? (void *) 1 : NULL);
+        } else if (th_gemm_ok(t)) {
+            th_set_custom2(t, th_gemm_op, t->op == GGML_OP_OUT_PROD ? (void *) 1 : NULL, GGML_N_TASKS_MAX);
+        } else if (th_cont_ok(t)) {
+            th_set_custom1(t, th_cont_op, t->src[0], NULL);
+        } else if (th_silu_back_ok(t)) {
+            th_set_custom2(t, th_silu_back_op, NULL, GGML_N_TASKS_MAX);
+        } else if (th_soft_max_ok(t)) {
+            float scale;
+            memcpy(&scale, t->op_params, sizeof(float));
+            th_set_custom2(t, th_soft_max_op, NULL, GGML_N_TASKS_MAX);
+            memcpy((float *) t->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
+        } else if (th_rms_norm_ok(t) || th_rms_norm_back_ok(t)) {
+            float eps;
+            memcpy(&eps, t->op_params, sizeof(float));
+            if (t->op == GGML_OP_RMS_NORM) {
+                th_set_custom1(t, th_rms_norm_op, t->src[0], NULL);
+            } else {
+                th_set_custom2(t, th_rms_norm_back_op, NULL, GGML_N_TASKS_MAX);
+            }
+            memcpy((float *) t->op_params + TH_PARAM_SLOT, &eps, sizeof(float));
+        } else if (th_cross_entropy_ok(t)) {
+            th_set_custom2(t, th_cross_entropy_op, NULL, 1);
+        } else {
+            continue;
+        }
+        changed++;
+    }
+    return changed;
+}

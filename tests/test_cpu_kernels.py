@@ -1,0 +1,147 @@
+"""native/cpu_kernels.c: each stand-in replaces the ggml node it is meant to (counted after the
+rewrite), and gives what that node means: a copy bit for bit, SILU_BACK / SOFT_MAX /
+CROSS_ENTROPY_LOSS against float64 numpy, the centring product as x - mean(x). The finite-
+difference checks of tests/test_engine_ops.py run through the same kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toyharness._ffi import blas, cpu_kernels, ffi, lib
+from toyharness.engine import get_engine
+
+pytestmark = pytest.mark.skipif(not cpu_kernels, reason="TOYHARNESS_CPU_KERNELS=0: ggml's own kernels only")
+RNG = np.random.default_rng(7)
+
+
+def custom_ops(graph) -> int:
+    """How many nodes of a computed graph run one of our kernels."""
+    names = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
+             for i in range(lib.ggml_graph_n_nodes(graph))]
+    return sum(n.startswith("MAP_CUSTOM") for n in names)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize("axes", [(0, 2, 1, 3), (0, 2, 3, 1), (3, 1, 2, 0), (1, 0, 3, 2)])
+def test_cont_of_a_permute_is_an_exact_copy(axes):
+    x = RNG.normal(size=(3, 37, 5, 33)).astype(np.float32)   # sizes not multiples of the 32 tile
+    prog = get_engine("cpu", 2).program()
+    t = prog.param("x", x)
+    fg = prog.forward({"y": t.permute(*axes).cont()})
+    got = fg.run({})["y"]
+    assert custom_ops(fg.graph) == 1
+    np.testing.assert_array_equal(got, np.transpose(x, axes))
+
+
+def grad_of(prog, out, name: str, weights: np.ndarray) -> np.ndarray:
+    loss = prog.scalar_loss((out * prog.constant("w", weights)).sum())
+    tr = prog.trainer(loss, "bias_corrected")
+    tr.grads_only({})
+    return tr, prog.read(tr.grad_acc[name])
+
+
+def test_silu_back_matches_the_derivative_including_large_inputs():
+    x = np.concatenate([RNG.normal(size=4000) * 4, [-200.0, -88.5, -87.0, -30.0, 0.0, 30.0, 88.5, 200.0]])
+    x = x.astype(np.float32)
+    dy = RNG.normal(size=x.shape)
+    prog = get_engine("cpu", 2).program()
+    tr, g = grad_of(prog, prog.param("x", x).silu(), "x", dy)
+    assert custom_ops(tr.gb_grad) >= 1
+    xd = x.astype(np.float64)
+    s = 1 / (1 + np.exp(-xd))
+    expected = dy.astype(np.float32).astype(np.float64) * s * (1 + xd * (1 - s))
+    assert np.isfinite(g).all()
+    # float32 cancels in 1 + x (1 - s) near silu's minimum (x ~ -1.28): bound by |dy| there
+    assert (np.abs(g - expected) <= 2e-6 * np.abs(expected) + 2e-7 * np.abs(dy)).all()
+
+
+def test_centring_product_becomes_row_centring_forward_and_backward():
+    d = 24
+    x = RNG.normal(size=(50, d)).astype(np.float32) + 3.0
+    dy = RNG.normal(size=(50, d))
+    prog = get_engine("cpu", 2).program()
+    c = prog.cached_constant(f"centring.{d}", lambda: np.eye(d, dtype=np.float32) - np.float32(1.0 / d))
+    y = prog.param("x", x).matmul_t(c)
+    fg = prog.forward({"y": y})
+    tr, g = grad_of(prog, y, "x", dy)
+    got = fg.run({})["y"]
+    xd = x.astype(np.float64)
+    assert rel_err(got, xd - xd.mean(axis=1, keepdims=True)) < 1e-6
+    dyd = dy.astype(np.float32).astype(np.float64)
+    assert rel_err(g, dyd - dyd.mean(axis=1, keepdims=True)) < 1e-6
+    assert custom_ops(fg.graph) == 1 and custom_ops(tr.gb_grad) >= 2   # forward and backward product
+
+
+def test_a_constant_named_centring_with_other_values_stays_a_product():
+    d = 8
+    w = RNG.normal(size=(d, d)).astype(np.float32)
+    x = RNG.normal(size=(5, d)).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    y = prog.param("x", x).matmul_t(prog.cached_constant(f"centring.{d}", lambda: w))
+    got = prog.forward({"y": y}).run({})["y"]
+    assert rel_err(got, x.astype(np.float64) @ w.T.astype(np.float64)) < 1e-5   # not x - mean(x)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_with_scale_and_mask(causal):
+    s = RNG.normal(size=(2, 3, 40, 40)).astype(np.float32) * 3
+    prog = get_engine("cpu", 2).program()
+    fg = prog.forward({"p": prog.param("s", s).softmax(scale=0.7, causal=causal)})
+    got = fg.run({})["p"]
+    assert custom_ops(fg.graph) == 1
+    z = 0.7 * s.astype(np.float64) + (np.triu(np.full((40, 40), -np.inf), 1) if causal else 0.0)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    expected = e / e.sum(axis=-1, keepdims=True)
+    assert rel_err(got, expected) < 1e-6
+    if causal:
+        assert (got[..., np.triu_indices(40, 1)[0], np.triu_indices(40, 1)[1]] == 0).all()
+
+
+def test_cross_entropy_value_matches_numpy_and_the_thread_invariant_report():
+    vocab, rows = 37, 90
+    logits = (RNG.normal(size=(rows, vocab)) * 4).astype(np.float32)
+    targets = RNG.integers(0, vocab, size=rows)
+    values = []
+    for threads in (1, 2, 3):
+        prog = get_engine("cpu", threads).program()
+        loss = prog.cross_entropy(prog.param("logits", logits), "targets")
+        tr = prog.trainer(loss, "bias_corrected")
+        report = tr.grads_only({"targets": targets})
+        values.append((tr.train_loss_value(), report))
+    z = logits.astype(np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    expected = float(np.mean(lse - z[np.arange(rows), targets]))
+    train, report = values[0]
+    assert abs(train - expected) < 1e-6 * abs(expected) and abs(report - expected) < 1e-6 * abs(expected)
+    assert len({v[0] for v in values}) == 1, f"train loss moved with the thread count: {values}"
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+def test_bias_outer_product_is_exact():
+    """K = 1 products (our bias broadcast) are written as x * y: the same bits as numpy."""
+    a = RNG.normal(size=(70, 1)).astype(np.float32)
+    b = RNG.normal(size=(9, 1)).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    fg = prog.forward({"y": prog.param("a", a).matmul_t(prog.param("b", b))})
+    np.testing.assert_array_equal(fg.run({})["y"], a * b.T)
+
+
+def test_rms_norm_forward_and_backward():
+    x = (RNG.normal(size=(3, 20, 40)) * 2).astype(np.float32)
+    dy = RNG.normal(size=x.shape)
+    prog = get_engine("cpu", 2).program()
+    y = prog.param("x", x).rms_norm(1e-5)
+    fg = prog.forward({"y": y})
+    tr, g = grad_of(prog, y, "x", dy)
+    got = fg.run({})["y"]
+    assert custom_ops(fg.graph) == 1 and custom_ops(tr.gb_grad) >= 2
+    xd, dyd = x.astype(np.float64), dy.astype(np.float32).astype(np.float64)
+    ms = (xd * xd).mean(-1, keepdims=True) + 1e-5
+    assert rel_err(got, xd / np.sqrt(ms)) < 1e-6
+    expected = (dyd - xd * (xd * dyd).sum(-1, keepdims=True) / (x.shape[-1] * ms)) / np.sqrt(ms)
+    assert rel_err(g, expected) < 1e-5
