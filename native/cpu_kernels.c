@@ -315,8 +315,9 @@ static inline char * th_row(const struct ggml_tensor * t, int64_t r) {
     return (char *) t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
 }
 
-static void th_rms_norm_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
-    (void) userdata;
+/* dst = rms_norm(x) when grad is NULL, else its backward applied to grad */
+static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
+                             int ith, int nth) {
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t n = src->ne[0], nr = ggml_nrows(src), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
@@ -325,31 +326,29 @@ static void th_rms_norm_op(struct ggml_tensor * dst, const struct ggml_tensor * 
         for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
             const float * x = (const float *) th_row(src, r);
             float * y = (float *) th_row(dst, r);
-            const float scale = 1.0f / sqrtf(th_lane_dot(x, x, n) / (float) n + eps);
+            const float sum_xx = th_lane_dot(x, x, n), rrms = 1.0f / sqrtf(sum_xx / (float) n + eps);
+            if (grad == NULL) {
 #pragma GCC ivdep
-            for (int64_t k = 0; k < n; k++) y[k] = x[k] * scale;
+                for (int64_t k = 0; k < n; k++) y[k] = x[k] * rrms;
+                continue;
+            }
+            const float * dz = (const float *) th_row(grad, r);
+            const float scale_x = -th_lane_dot(x, dz, n) / (sum_xx + eps * (float) n);
+#pragma GCC ivdep
+            for (int64_t k = 0; k < n; k++) y[k] = (dz[k] + x[k] * scale_x) * rrms;
         }
     }
+}
+
+static void th_rms_norm_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
+    (void) userdata;
+    th_rms_norm_rows(dst, NULL, src, ith, nth);
 }
 
 static void th_rms_norm_back_op(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
                                 int ith, int nth, void * userdata) {
     (void) userdata;
-    float eps;
-    memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
-    const int64_t n = src->ne[0], nr = ggml_nrows(src), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
-    for (int64_t task = ith; task < tasks; task += nth) {
-        const int64_t r1 = (task + 1) * TH_ROWS_PER_TASK < nr ? (task + 1) * TH_ROWS_PER_TASK : nr;
-        for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
-            const float * dz = (const float *) th_row(grad, r), * x = (const float *) th_row(src, r);
-            float * dx = (float *) th_row(dst, r);
-            const float sum_xx = th_lane_dot(x, x, n), sum_xdz = th_lane_dot(x, dz, n);
-            const float rrms = 1.0f / sqrtf(sum_xx / (float) n + eps);
-            const float scale_x = -sum_xdz / (sum_xx + eps * (float) n);
-#pragma GCC ivdep
-            for (int64_t k = 0; k < n; k++) dx[k] = (dz[k] + x[k] * scale_x) * rrms;
-        }
-    }
+    th_rms_norm_rows(dst, grad, src, ith, nth);
 }
 
 static int th_rows_ok(const struct ggml_tensor * t) {  /* f32, rows contiguous */

@@ -61,18 +61,25 @@ def bench_options(recipe: str, sets: list[str] | None = None):
     return obj, resolve_options(obj, None, list(getattr(obj, "bench_sets", [])) + list(sets or []), {})
 
 
-# --- the toyharness side --------------------------------------------------------------------------
-def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str]) -> None:
-    from ._ffi import lib
+def realize_for_bench(recipe: str, backend: str, threads: int, sets: list[str] | None):
+    """The recipe's model at its bench config: (plugin manager, options, data, engine, model)."""
     from .engine import get_engine
     from .hookspecs import plugin_manager
-    from .runner import batch_for, items_per_batch, load_data
+    from .runner import load_data
 
     obj, opts = bench_options(recipe, sets)
     pm = plugin_manager(obj)
     data = load_data(pm, opts)
     engine = get_engine(backend, threads)
-    model = pm.hook.realize(engine=engine, options=opts, data=data)
+    return pm, opts, data, engine, pm.hook.realize(engine=engine, options=opts, data=data)
+
+
+# --- the toyharness side --------------------------------------------------------------------------
+def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str]) -> None:
+    from ._ffi import lib
+    from .runner import batch_for, items_per_batch
+
+    pm, opts, data, engine, model = realize_for_bench(recipe, backend, threads, sets)
     trainer = getattr(model, "trainer", None)
     flops = None
     if trainer is not None:
@@ -132,16 +139,10 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
     of the node medians (ms; above a whole step's time, by one thread hand-off per node) and
     the time per op, largest first."""
     from ._ffi import ffi, lib
-    from .engine import get_engine
     from .errors import InputError
-    from .hookspecs import plugin_manager
-    from .runner import batch_for, load_data
+    from .runner import batch_for
 
-    obj, opts = bench_options(recipe, sets)
-    pm = plugin_manager(obj)
-    data = load_data(pm, opts)
-    engine = get_engine(backend, threads)
-    model = pm.hook.realize(engine=engine, options=opts, data=data)
+    pm, opts, data, engine, model = realize_for_bench(recipe, backend, threads, sets)
     trainer = getattr(model, "trainer", None)
     if trainer is None:
         raise InputError(f"recipe {recipe}: no ggml training graph to profile")
