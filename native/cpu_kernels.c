@@ -109,20 +109,6 @@ static int th_gemm_ok(const struct ggml_tensor * t) {
     return th_operand(b, out_prod, &tr, &ld) && th_operand(a, !out_prod, &tr, &ld);
 }
 
-/* FLOPs (2 per multiply-add) of a node's matrix product: MUL_MAT and OUT_PROD, also once
- * rewritten to sgemm; 0 for other ops (the centring stand-in included: it does no product). */
-TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
-    if (t->op == GGML_OP_MAP_CUSTOM2) {
-        struct ggml_map_custom2_op_params p;
-        memcpy(&p, t->op_params, sizeof(p));
-        if (p.fun != th_gemm_op) return 0.0;
-        return 2.0 * (double) ggml_nelements(t) * (double) (p.userdata ? t->src[0]->ne[1] : t->src[0]->ne[0]);
-    }
-    if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[0];
-    if (t->op == GGML_OP_OUT_PROD) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[1];
-    return 0.0;
-}
-
 /* ---- CONT: a tiled strided copy -------------------------------------------------------------
  * dst is contiguous with src's shape. Tasks are (i3, i2, block of TH_COPY_TILE rows of i1);
  * within a task, TH_COPY_TILE x TH_COPY_TILE tiles so that both the strided reads and the
@@ -459,6 +445,20 @@ static int th_centre_ok(const struct ggml_tensor * t) {
     const struct ggml_tensor * x = t->src[1];
     return t->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[2] == 1 &&
            t->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1 && th_is_centring(t->src[0]);
+}
+
+/* FLOPs (2 per multiply-add) of a node's matrix product: MUL_MAT and OUT_PROD, also once
+ * rewritten to sgemm; 0 for other ops (rewritten centring products included: no product is left). */
+TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
+    if (t->op == GGML_OP_MAP_CUSTOM2) {
+        struct ggml_map_custom2_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        if (p.fun != th_gemm_op) return 0.0;
+        return 2.0 * (double) ggml_nelements(t) * (double) (p.userdata ? t->src[0]->ne[1] : t->src[0]->ne[0]);
+    }
+    if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[0];
+    if (t->op == GGML_OP_OUT_PROD) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[1];
+    return 0.0;
 }
 
 /* ---- the rewrite ------------------------------------------------------------------------- */
