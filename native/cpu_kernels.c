@@ -8,7 +8,10 @@
  *   - SOFT_MAX and CROSS_ENTROPY_LOSS (per-row overhead; scalar expf, logf): the same exp;
  *   - RMS_NORM and RMS_NORM_BACK (row sums in double, one element at a time): vectorised sums;
  *   - products with LayerNorm's centring constant I - 1/d (blocks.layer_norm), a d-deep dot
- *     product per element: one pass of row centring instead.
+ *     product per element: one pass of row centring instead;
+ *   - GELU, composed from 17 nodes forward and backward (ggml has no GELU backward): one node
+ *     each way, through a stand-in node that blocks.gelu_tanh names for this rewrite;
+ *   - a bias added as y + ones @ b (blocks.add_bias): y + b, the product not computed.
  * th_cpu_rewrite swaps each such node for a custom op with the same inputs and output. It runs
  * after the backward graph is built: ggml has no backward for custom ops. Every kernel cuts its
  * work into tasks fixed by the shapes alone, never by the thread count, so the bits do not
@@ -22,6 +25,27 @@
 #include "ggml-impl.h" /* struct ggml_map_custom{1,2}_op_params */
 
 #define TH_EXPORT __attribute__((visibility("default")))
+
+/* ---- tasks ----------------------------------------------------------------------------------
+ * A kernel's work is cut into tasks fixed by the shapes; each thread claims the next unclaimed
+ * task until none is left. A thread that the hypervisor slows, or that wakes late, then takes
+ * fewer tasks instead of holding the others at ggml's barrier after the node; what a task
+ * computes does not depend on which thread runs it, so the bits stay the same. The counters
+ * live in the node's op_params (th_set_custom* zeroes them): the last thread to find no task
+ * left resets them, before ggml's barrier lets anyone reach this node again. Every thread of
+ * the compute calls a custom op (ggml passes nth = its thread count), so the count is exact. */
+enum { TH_NEXT_SLOT = 10, TH_DONE_SLOT = 11 };
+
+static int64_t th_claim_task(struct ggml_tensor * dst, int64_t tasks, int nth) {
+    int32_t * next = &dst->op_params[TH_NEXT_SLOT], * done = &dst->op_params[TH_DONE_SLOT];
+    const int64_t task = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    if (task < tasks) return task;
+    if (__atomic_add_fetch(done, 1, __ATOMIC_ACQ_REL) == nth) {
+        __atomic_store_n(next, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(done, 0, __ATOMIC_RELEASE);
+    }
+    return -1;
+}
 
 /* ---- matrix products through an external sgemm ---------------------------------------------
  * The binding hands us a CBLAS sgemm (OpenBLAS from the scipy-openblas32 wheel). The work is
@@ -73,7 +97,7 @@ static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, c
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t blocks = (M + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
     const int64_t tasks = blocks * dst->ne[2] * dst->ne[3];
-    for (int64_t task = ith; task < tasks; task += nth) {
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
         const int64_t blk = task % blocks, i2 = (task / blocks) % dst->ne[2], i3 = task / (blocks * dst->ne[2]);
         const int64_t m0 = blk * TH_GEMM_ROWS, rows = M - m0 < TH_GEMM_ROWS ? M - m0 : TH_GEMM_ROWS;
         const char * pa = (const char *) a->data + (i2 / r2) * a->nb[2] + (i3 / r3) * a->nb[3];
@@ -120,7 +144,7 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
     const int64_t ne0 = dst->ne[0], ne1 = dst->ne[1], ne2 = dst->ne[2], ne3 = dst->ne[3];
     const int64_t blocks = (ne1 + TH_COPY_TILE - 1) / TH_COPY_TILE, tasks = blocks * ne2 * ne3;
     const size_t s0 = src->nb[0], s1 = src->nb[1];
-    for (int64_t task = ith; task < tasks; task += nth) {
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
         const int64_t blk = task % blocks, i2 = (task / blocks) % ne2, i3 = task / (blocks * ne2);
         const int64_t r0 = blk * TH_COPY_TILE, r1 = r0 + TH_COPY_TILE < ne1 ? r0 + TH_COPY_TILE : ne1;
         const char * ps = (const char *) src->data + i2 * src->nb[2] + i3 * src->nb[3];
@@ -204,7 +228,7 @@ static void th_silu_back_op(struct ggml_tensor * dst, const struct ggml_tensor *
     const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
-    for (int64_t task = ith; task < tasks; task += nth) {
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
         const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
@@ -220,6 +244,72 @@ static int th_silu_back_ok(const struct ggml_tensor * t) {
            ggml_is_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
 }
 
+/* ---- GELU, tanh form: one node forward, one backward ------------------------------------------
+ * ggml 0.25.3 has no GELU backward, so blocks.gelu_tanh composes it from ops that have one: 5
+ * nodes forward and 12 backward over the whole activation. On cpu with these kernels it builds
+ * a stand-in instead, a SILU node named TH_GELU_NAME, whose backward ggml writes as
+ * SILU_BACK(grad, x); the rewrite turns that pair into these two kernels. With
+ * s = sigmoid(2u), 2u = x (k1 + k3 x^2), k1 = 2 sqrt(2/pi), k3 = 0.044715 k1:
+ *   y  = x s                                  (= 0.5 x (1 + tanh u))
+ *   dx = dy (s + x s (1 - s) (k1 + 3 k3 x^2))
+ * Both elementwise: dst may share a buffer with x or dy. */
+static const char TH_GELU_NAME[] = "th.gelu_tanh";
+#define TH_GELU_K1 1.5957691216057308f   /* 2 sqrt(2 / pi) */
+#define TH_GELU_K3 0.0713548162726009f   /* 0.044715 * 2 sqrt(2 / pi) */
+
+static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
+    (void) ith;
+    (void) userdata;
+    const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
+    const float * x = (const float *) src->data;
+    float * y = (float *) dst->data;
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+        const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
+#pragma GCC ivdep
+        for (int64_t i = i0; i < i1; i++) {
+            const float xi = x[i];
+            y[i] = xi / (1.0f + th_expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * xi * xi)));
+        }
+    }
+}
+
+static void th_gelu_back_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                            int ith, int nth, void * userdata) {
+    (void) ith;
+    (void) userdata;
+    const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
+    const float * dy = (const float *) a->data, * x = (const float *) b->data;
+    float * dx = (float *) dst->data;
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+        const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
+#pragma GCC ivdep
+        for (int64_t i = i0; i < i1; i++) {
+            const float xi = x[i], x2 = xi * xi;
+            const float s = 1.0f / (1.0f + th_expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * x2)));
+            dx[i] = dy[i] * (s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * x2));
+        }
+    }
+}
+
+static int th_is_gelu_stand_in(const struct ggml_tensor * t) {
+    return t->op == GGML_OP_UNARY && ggml_get_unary_op(t) == GGML_UNARY_OP_SILU &&
+           strcmp(t->name, TH_GELU_NAME) == 0;
+}
+
+static int th_is_custom(const struct ggml_tensor * t, void * fun) {
+    if (t->op == GGML_OP_MAP_CUSTOM1) {
+        struct ggml_map_custom1_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        return (void *) p.fun == fun;
+    }
+    if (t->op == GGML_OP_MAP_CUSTOM2) {
+        struct ggml_map_custom2_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        return (void *) p.fun == fun;
+    }
+    return 0;
+}
+
 /* ---- SOFT_MAX: softmax(scale * x + mask) per row ---------------------------------------------
  * ggml's kernel spends most of its time per row (a 64-wide attention row takes ~60 ns there).
  * Here: one pass for scale, mask and max, one for exp and the sum (TH_LANES partial sums), one
@@ -231,7 +321,7 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
     const int64_t tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
-    for (int64_t task = ith; task < tasks; task += nth) {
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
         const int64_t r0 = task * TH_ROWS_PER_TASK, r1 = r0 + TH_ROWS_PER_TASK < nr ? r0 + TH_ROWS_PER_TASK : nr;
         for (int64_t r = r0; r < r1; r++) {
             const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
@@ -307,7 +397,7 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t n = src->ne[0], nr = ggml_nrows(src), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
-    for (int64_t task = ith; task < tasks; task += nth) {
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
         const int64_t r1 = (task + 1) * TH_ROWS_PER_TASK < nr ? (task + 1) * TH_ROWS_PER_TASK : nr;
         for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
             const float * x = (const float *) th_row(src, r);
@@ -348,6 +438,32 @@ static int th_rms_norm_ok(const struct ggml_tensor * t) {
 static int th_rms_norm_back_ok(const struct ggml_tensor * t) {
     return t->op == GGML_OP_RMS_NORM_BACK && th_rows_ok(t) && th_rows_ok(t->src[0]) && th_rows_ok(t->src[1]) &&
            ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
+}
+
+/* ---- bias rows: y + ones @ b as y + b ---------------------------------------------------------
+ * blocks.add_bias writes a bias as y + ones(rows, 1) @ b (then its gradient is one product),
+ * the product P named TH_BIAS_ROWS_NAME. P's value is read by that ADD alone (ggml's backward
+ * of the ADD and of P reads gradients and P's inputs, never P), so on cpu the ADD adds b to
+ * each row of y itself and P is not computed (op NONE). The sum is the same bits: P's elements
+ * were 1 * b exactly. Unrewritten, P and the ADD still compute y + b: the rewrite is checked,
+ * and skipped when anything else reads P. */
+static const char TH_BIAS_ROWS_NAME[] = "th.bias_rows";
+
+static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * y, const struct ggml_tensor * b,
+                           int ith, int nth, void * userdata) {
+    (void) ith;
+    (void) userdata;
+    const int64_t n = dst->ne[0], nr = ggml_nrows(dst), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
+    const float * bias = (const float *) b->data;
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+        const int64_t r1 = (task + 1) * TH_ROWS_PER_TASK < nr ? (task + 1) * TH_ROWS_PER_TASK : nr;
+        for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
+            const float * yr = (const float *) th_row(y, r);
+            float * d = (float *) th_row(dst, r);
+#pragma GCC ivdep
+            for (int64_t k = 0; k < n; k++) d[k] = yr[k] + bias[k];
+        }
+    }
 }
 
 /* ---- CROSS_ENTROPY_LOSS: -mean over rows of sum_v t_v log softmax(x)_v ------------------------
@@ -397,7 +513,7 @@ static void th_centre_op(struct ggml_tensor * dst, const struct ggml_tensor * x,
     /* row i, column k of the operand: along x's ne1 / ne0 for MUL_MAT, ne0 / ne1 for OUT_PROD */
     const size_t s_row = out_prod ? x->nb[0] : x->nb[1], s_col = out_prod ? x->nb[1] : x->nb[0];
     const int64_t tasks = (rows + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
-    for (int64_t task = ith; task < tasks; task += nth) {
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
         const int64_t r0 = task * TH_GEMM_ROWS, r1 = r0 + TH_GEMM_ROWS < rows ? r0 + TH_GEMM_ROWS : rows;
         for (int64_t i = r0; i < r1; i++) {
             const char * row = (const char *) x->data + i * s_row;
@@ -478,10 +594,115 @@ static void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void *
     t->op = GGML_OP_MAP_CUSTOM2;
 }
 
-/* Swaps every node that has a kernel here for it; returns how many were swapped. Nodes a
- * previous call swapped (graphs that share nodes) are custom ops by now and left alone. */
-TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
+/* The GELU stand-ins (see th_gelu_op): each SILU named TH_GELU_NAME becomes th_gelu_op, and the
+ * SILU_BACK that ggml built for it (reading its gradient and its input) th_gelu_back_op. A
+ * stand-in left as SILU, or a gradient whose SILU_BACK is not found, would compute silu:
+ * returns -1 then, and the caller must not compute the graph. */
+static int th_rewrite_gelu(struct ggml_cgraph * graph) {
     int changed = 0;
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (th_is_gelu_stand_in(t)) {
+            const struct ggml_tensor * x = t->src[0];
+            if (t->type != GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || !ggml_is_contiguous(t) ||
+                !ggml_is_contiguous(x) || !ggml_are_same_shape(t, x)) {
+                return -1;
+            }
+            th_set_custom1(t, th_gelu_op, x, NULL);
+            changed++;
+        } else if (!th_is_custom(t, (void *) th_gelu_op)) {
+            continue;
+        }
+        const struct ggml_tensor * grad = ggml_graph_get_grad(graph, t);
+        if (grad == NULL) continue;
+        int found = 0;
+        for (int j = i + 1; j < n && !found; j++) {
+            struct ggml_tensor * b = ggml_graph_node(graph, j);
+            if (b->src[0] != grad || b->src[1] != t->src[0]) continue;
+            if (b->op == GGML_OP_SILU_BACK) {
+                if (!ggml_is_contiguous(b) || !ggml_is_contiguous(grad) || !ggml_are_same_shape(b, grad)) return -1;
+                th_set_custom2(b, th_gelu_back_op, NULL, GGML_N_TASKS_MAX);
+                changed++;
+                found = 1;
+            } else {
+                found = th_is_custom(b, (void *) th_gelu_back_op);
+            }
+        }
+        if (!found) return -1;
+    }
+    return changed;
+}
+
+/* The bias-row fusions (see th_add_rows_op). For each P named TH_BIAS_ROWS_NAME: its one reader
+ * must be its ADD, directly or through one RESHAPE. Returns how many were fused, or -1 when a
+ * P fused by an earlier graph is read in this one (it holds no value any more; its ADD reads b).
+ * A fused P (op NONE) that a later graph reaches is one of its leafs, not of its nodes. */
+static int th_bias_rows_readers(struct ggml_cgraph * graph, const struct ggml_tensor * p, struct ggml_tensor ** via,
+                                struct ggml_tensor ** add) {
+    int others = 0;
+    *via = *add = NULL;
+    for (int j = 0; j < ggml_graph_n_nodes(graph); j++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, j);
+        for (int k = 0; k < GGML_MAX_SRC; k++) {
+            if (u->src[k] == NULL) continue;
+            if (u->src[k] == p) {
+                if (u->op == GGML_OP_RESHAPE && *via == NULL) *via = u;
+                else if (*add == NULL) *add = u;
+                else others++;
+            } else if (*via != NULL && u->src[k] == *via) {
+                if (*add == NULL) *add = u;
+                else others++;
+            }
+        }
+    }
+    return others;
+}
+
+static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
+    for (int i = 0; i < graph->n_leafs; i++) {
+        struct ggml_tensor * p = graph->leafs[i], * via, * add;
+        if (strcmp(p->name, TH_BIAS_ROWS_NAME) == 0 && p->op == GGML_OP_NONE &&
+            (th_bias_rows_readers(graph, p, &via, &add) != 0 || add != NULL)) {
+            return -1;
+        }
+    }
+    int changed = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * p = ggml_graph_node(graph, i), * via, * add;
+        if (strcmp(p->name, TH_BIAS_ROWS_NAME) != 0) continue;
+        const int others = th_bias_rows_readers(graph, p, &via, &add);
+        if (p->op == GGML_OP_NONE) {          /* fused already: its ADD reads b now, nothing reads P */
+            if (add != NULL || others != 0) return -1;
+            continue;
+        }
+        if (add == NULL || others != 0 || add->op != GGML_OP_ADD || add->src[1] != (via ? via : p) ||
+            p->op != GGML_OP_MUL_MAT) {
+            continue;
+        }
+        const struct ggml_tensor * b = p->src[0], * ones = p->src[1], * y = add->src[0];
+        if (strncmp(ones->name, "ones.", 5) != 0 || ones->ne[0] != 1 || b->ne[0] != 1 || b->type != GGML_TYPE_F32 ||
+            !ggml_is_contiguous(b) || b->ne[1] != add->ne[0] || add->type != GGML_TYPE_F32 ||
+            y->type != GGML_TYPE_F32 || !ggml_are_same_shape(add, y) || add->nb[0] != sizeof(float) ||
+            y->nb[0] != sizeof(float) || ggml_nrows(add) != p->ne[1]) {
+            continue;
+        }
+        th_set_custom2(add, th_add_rows_op, NULL, GGML_N_TASKS_MAX);
+        add->src[1] = (struct ggml_tensor *) b;
+        p->op = GGML_OP_NONE;
+        changed++;
+    }
+    return changed;
+}
+
+/* Swaps every node that has a kernel here for it; returns how many were swapped, or -1 when a
+ * stand-in cannot be swapped (th_rewrite_gelu) or a fused bias product is read elsewhere
+ * (th_rewrite_bias_rows). Nodes a previous call swapped (graphs that share nodes) are custom
+ * ops by now and left alone. */
+TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
+    const int gelu = th_rewrite_gelu(graph), bias_rows = th_rewrite_bias_rows(graph);
+    if (gelu < 0 || bias_rows < 0) return -1;
+    int changed = gelu + bias_rows;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (th_centre_ok(t)) {

@@ -1,6 +1,7 @@
 """native/cpu_kernels.c: each stand-in replaces the ggml node it is meant to (counted after the
 rewrite), and gives what that node means: a copy bit for bit, SILU_BACK / SOFT_MAX /
-CROSS_ENTROPY_LOSS against float64 numpy, the centring product as x - mean(x). The finite-
+CROSS_ENTROPY_LOSS / the GELU stand-in against float64 numpy, the centring product as x - mean(x),
+a bias added to rows with the bits of the product it replaces. The finite-
 difference checks of tests/test_engine_ops.py run through the same kernels."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from toyharness._ffi import blas, cpu_kernels, ffi, lib
-from toyharness.engine import get_engine
+from toyharness.engine import blocks, get_engine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels, reason="TOYHARNESS_CPU_KERNELS=0: ggml's own kernels only")
 RNG = np.random.default_rng(7)
@@ -145,3 +146,94 @@ def test_rms_norm_forward_and_backward():
     assert rel_err(got, xd / np.sqrt(ms)) < 1e-6
     expected = (dyd - xd * (xd * dyd).sum(-1, keepdims=True) / (x.shape[-1] * ms)) / np.sqrt(ms)
     assert rel_err(g, expected) < 1e-5
+
+
+def gelu_tanh_f64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GELU's tanh form and its derivative, in float64."""
+    c = np.sqrt(2 / np.pi)
+    u = c * (x + 0.044715 * x ** 3)
+    t = np.tanh(u)
+    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+
+
+def gelu_program(x: np.ndarray, dy: np.ndarray, cpu_kernels: bool, forward_first: bool):
+    """GELU of x and the gradient of sum(GELU(x) * dy); `forward_first`: the forward graph is
+    computed (and rewritten) before the backward's graph, whose SILU_BACK must still be paired."""
+    prog = get_engine("cpu", 2).program()
+    prog.cpu_kernels = cpu_kernels
+    y = blocks.gelu_tanh(prog.param("x", x))
+    fg = prog.forward({"y": y})
+    tr = prog.trainer(prog.scalar_loss((y * prog.constant("w", dy)).sum()), "bias_corrected")
+    if forward_first:
+        got = fg.run({})["y"]
+    tr.grads_only({})
+    if not forward_first:
+        got = fg.run({})["y"]
+    return got, prog.read(tr.grad_acc["x"]), fg, tr
+
+
+def test_gelu_stand_in_is_gelu_forward_and_backward():
+    x = np.concatenate([RNG.normal(size=5000) * 3, [-100.0, -12.0, -5.0, 0.0, 5.0, 12.0, 100.0]]).astype(np.float32)
+    dy = RNG.normal(size=x.shape)
+    got, g, fg, tr = gelu_program(x, dy, cpu_kernels=True, forward_first=False)
+    assert custom_ops(fg.graph) == 1                          # one node forward, not five
+    assert custom_ops(tr.gb_grad) >= 2                        # and the SILU_BACK became GELU's derivative
+    y64, d64 = gelu_tanh_f64(x.astype(np.float64))
+    dyd = dy.astype(np.float32).astype(np.float64)
+    assert np.isfinite(got).all() and np.isfinite(g).all()
+    assert (np.abs(got - y64) <= 1e-6 * np.abs(y64) + 1e-7).all()
+    # float32 cancels in s + x s (1 - s) k near GELU's minimum (x ~ -0.75): bound by |dy| there
+    assert (np.abs(g - dyd * d64) <= 2e-6 * np.abs(dyd * d64) + 5e-7 * np.abs(dyd)).all()
+
+
+def test_gelu_stand_in_agrees_with_the_composed_form_and_any_graph_order():
+    x = (RNG.normal(size=(64, 33)) * 2).astype(np.float32)
+    dy = RNG.normal(size=x.shape)
+    fused = gelu_program(x, dy, cpu_kernels=True, forward_first=True)
+    composed = gelu_program(x, dy, cpu_kernels=False, forward_first=True)
+    assert custom_ops(composed[2].graph) == 0
+    assert rel_err(fused[0], composed[0]) < 2e-6 and rel_err(fused[1], composed[1]) < 2e-6
+
+
+def bias_program(cpu_kernels: bool, y: np.ndarray, b: np.ndarray):
+    prog = get_engine("cpu", 2).program()
+    prog.cpu_kernels = cpu_kernels
+    out = blocks.add_bias(prog.param("y", y), prog.param("b", b))
+    return prog.forward({"out": out}), grad_of(prog, out, "b", np.ones_like(y))
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+def test_bias_rows_add_b_to_each_row_with_the_same_bits():
+    y = RNG.normal(size=(3, 50, 24)).astype(np.float32)
+    b = RNG.normal(size=24).astype(np.float32)
+    fg, (tr, g) = bias_program(True, y, b)
+    got = fg.run({})["out"]
+    ops = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(fg.graph, i))).decode()
+           for i in range(lib.ggml_graph_n_nodes(fg.graph))]
+    assert ops.count("MAP_CUSTOM2") == 1 and "MUL_MAT" not in ops      # the product is not computed
+    np.testing.assert_array_equal(got, y + b)
+    fg0, (tr0, g0) = bias_program(False, y, b)
+    np.testing.assert_array_equal(got, fg0.run({})["out"])
+    np.testing.assert_array_equal(g, g0)
+
+
+def test_a_fused_bias_product_read_by_a_later_graph_is_an_error():
+    y = RNG.normal(size=(10, 8)).astype(np.float32)
+    b = RNG.normal(size=8).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    ones = prog.constant("ones.10", np.ones((10, 1), np.float32))
+    rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named("th.bias_rows")
+    np.testing.assert_array_equal(prog.forward({"out": prog.param("y", y) + rows}).run({})["out"], y + b)
+    with pytest.raises(RuntimeError, match="fused node is read"):
+        prog.forward({"rows": rows.scale(2.0)}).run({})
+
+
+def test_a_bias_product_read_elsewhere_in_its_graph_stays_a_product():
+    y = RNG.normal(size=(10, 8)).astype(np.float32)
+    b = RNG.normal(size=8).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    ones = prog.constant("ones.10", np.ones((10, 1), np.float32))
+    rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named("th.bias_rows")
+    out = prog.forward({"out": prog.param("y", y) + rows, "twice": rows.scale(2.0)}).run({})
+    np.testing.assert_array_equal(out["out"], y + b)
+    np.testing.assert_array_equal(out["twice"], np.broadcast_to(2 * b, (10, 8)))

@@ -11,8 +11,8 @@ torch.optim.AdamW (the fastest of its eager implementations available) at the sa
 Figures per recipe: median ms/step over the timed steps, items/s (tokens, or images for
 vit_tiny), peak RSS of each worker, the step's matrix-product GFLOP/s (counted from the ggml
 graph: MUL_MAT and OUT_PROD) against the FP32 matmul ceiling measured once with a 2048^3
-sgemm at the same thread count, and the host overhead: the whole step minus the ggml graph
-compute alone, as a share of the step.
+sgemm at the same thread count, and the host overhead: each timed step minus its ggml graph
+compute (timed inside the step), median over the steps, as a share of the median step.
 """
 
 from __future__ import annotations
@@ -91,29 +91,21 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
                "frozen": frozen, "cfg": cfg, "fingerprint": engine.fingerprint(), "options": opts.to_dict()})
     step = 0
 
-    def timed_step() -> float:
-        """One training step (the AdamW row made outside the timing); ms."""
+    def timed_step() -> tuple[float, float | None]:
+        """One training step (the AdamW row made outside the timing): ms, and the ms of it spent
+        outside the ggml graph compute (None without a ggml trainer)."""
         nonlocal step
         row = pm.hook.hp(options=opts, step=step)
         t0 = time.perf_counter()
         pm.hook.step(model=model, batch=batches[step % N_BATCHES], hp=row)
+        ms = (time.perf_counter() - t0) * 1e3
         step += 1
-        return (time.perf_counter() - t0) * 1e3
+        return ms, (ms - trainer.prog.last_compute_s * 1e3 if trainer is not None else None)
 
     while True:
         cmd, n = conn.recv()
         if cmd == "steps":
             conn.send([timed_step() for _ in range(n)])
-        elif cmd == "compute":       # the ggml graph compute alone, alternating with whole steps
-            whole, compute = [], []
-            for _ in range(n if trainer is not None else 0):
-                whole.append(timed_step())
-                t2 = time.perf_counter()
-                trainer.reset_grads()
-                trainer.prog._compute(trainer.gb_opt)
-                lib.ggml_backend_synchronize(engine.handle)
-                compute.append((time.perf_counter() - t2) * 1e3)
-            conn.send((whole, compute))
         else:
             # Counted after the steps: the first compute swaps in the cpu kernels, and the
             # centring products then no longer multiply.
@@ -130,7 +122,7 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
 @dataclass
 class OpTime:
     op: str            # the ggml op as the graph was built
-    kernel: str        # "ggml", or "toyharness" where native/cpu_kernels.c stands in for it
+    kernel: str        # "ggml"; "toyharness" where native/cpu_kernels.c stands in for it; "fused away"
     nodes: int
     ms: float
 
@@ -166,7 +158,9 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
     table: dict[tuple[str, str], OpTime] = {}
     for i in range(n):
         now = ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
-        kernel = "toyharness" if now.startswith("MAP_CUSTOM") and not built[i].startswith("MAP_CUSTOM") else "ggml"
+        kernel = "ggml"
+        if now != built[i]:  # native/cpu_kernels.c took the node, or folded it into another one
+            kernel = "fused away" if now == "NONE" else "toyharness"
         row = table.setdefault((built[i], kernel), OpTime(built[i], kernel, 0, 0.0))
         row.nodes += 1
         row.ms += float(per_node[i])
@@ -321,24 +315,22 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
             tinfo = _reply(t, "start")
             _ask(g, ("steps", warmup))
             _ask(t, ("steps", warmup))
-            ours, theirs = [], []
+            timed, theirs = [], []
             rounds = max(2, -(-steps // round_steps))
             for r in range(rounds):
-                order = ((g, ours), (t, theirs))
+                order = ((g, timed), (t, theirs))
                 for conn, sink in (order if r % 2 == 0 else order[::-1]):
                     time.sleep(SETTLE_S)
                     sink += _ask(conn, ("steps", round_steps))
-            whole, compute = _ask(g, ("compute", max(10, steps // 2)))
             mine, other = _ask(g, ("done", 0)), _ask(t, ("done", 0))
         finally:
             tproc.join(30)
     finally:
         gproc.join(30)
+    ours = [ms for ms, _ in timed]
     ms = statistics.median(ours)
-    overhead = None
-    if whole:
-        w, c = statistics.median(whole), statistics.median(compute)
-        overhead = 100 * max(0.0, w - c) / w
+    host = [h for _, h in timed if h is not None]
+    overhead = 100 * max(0.0, statistics.median(host)) / ms if host else None
     item = "images" if "images" in info["batches"][0] else "tokens"
     gflops = mine["flops"] / (ms / 1e3) / 1e9 if mine["flops"] else None
     extra = {"torch_optimizer": tinfo["optimizer"], "torch_version": tinfo["torch"], "timed_steps": len(ours),

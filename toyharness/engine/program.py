@@ -18,6 +18,7 @@ sampling) can share nodes safely.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,10 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 class _Input:
     tensor: Tensor
     upper: int | None  # exclusive bound for ids (vocab size), checked before upload
+    # fixed at creation, kept here: a step's feed then makes no ggml call but the upload
+    shape: tuple[int, ...] = ()
+    ids: bool = False
+    nbytes: int = 0
 
 
 @dataclass
@@ -70,6 +75,7 @@ class _Targets:
     vocab: int
     onehot: Tensor
     flat_index: Tensor
+    rows: np.ndarray          # arange(rows), the row of each id
     # The one-hot rows are kept between steps and updated where the ids changed (a full
     # rebuild of rows x vocab floats was most of a step's host time): `mirror` is the tensor's
     # own memory on a host backend, else a host copy that is uploaded; `ids` the last ids.
@@ -107,6 +113,11 @@ class Program:
         self._last_graph = None
         self._gemm_rewritten: set = set()
         self._constants: dict[str, Tensor] = {}
+        # Whether native/cpu_kernels.c stands in for ggml's kernels in this program's graphs
+        # (cpu, unless TOYHARNESS_CPU_KERNELS=0). Blocks may then build stand-in nodes that only
+        # these kernels compute right (blocks.gelu_tanh); set before building any graph.
+        self.cpu_kernels = engine.is_cpu and cpu_kernels
+        self.last_compute_s = 0.0
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
@@ -187,7 +198,7 @@ class Program:
             raise InputError(f"{name}: input dtype {dtype!r}; allowed: f32, i32")
         t = self._new_static(name, shape, DTYPE_NAMES[dtype])
         lib.ggml_set_input(t.ptr)
-        self.inputs[name] = _Input(t, upper)
+        self.inputs[name] = _Input(t, upper, t.shape, t.type == GGML_TYPE_I32, int(lib.ggml_nbytes(t.ptr)))
         return t
 
     def constant(self, name: str, array: np.ndarray) -> Tensor:
@@ -261,19 +272,19 @@ class Program:
 
     def _feed_input(self, name: str, inp: _Input, value) -> None:
         value = np.asarray(value)
-        t = inp.tensor
-        if tuple(value.shape) != t.shape:
-            raise ShapeError(f"input {name!r}: expected shape {t.shape}, got {tuple(value.shape)}")
-        if t.type == GGML_TYPE_I32:
+        if value.shape != inp.shape:
+            raise ShapeError(f"input {name!r}: expected shape {inp.shape}, got {value.shape}")
+        if inp.ids:
             if value.dtype.kind not in "iu":
                 raise InputError(f"input {name!r}: expected integer ids, got {value.dtype}")
             _check_ids(name, value, inp.upper)
-            value = value.astype(np.int32, copy=False)
+            value = np.ascontiguousarray(value, dtype=np.int32)
         else:
-            value = value.astype(np.float32, copy=False)
-            if not np.isfinite(value).all():
+            value = np.ascontiguousarray(value, dtype=np.float32)
+            # min and max carry any NaN, and show an inf: no boolean array per step
+            if value.size and not (math.isfinite(value.min()) and math.isfinite(value.max())):
                 raise InputError(f"input {name!r}: contains NaN or inf")
-        _upload(t, np.ascontiguousarray(value))
+        lib.ggml_backend_tensor_set(inp.tensor.ptr, ffi.from_buffer(value), 0, inp.nbytes)
 
     def _feed_targets(self, name: str, tg: _Targets, value) -> None:
         value = np.asarray(value)
@@ -283,7 +294,7 @@ class Program:
             raise InputError(f"targets {name!r}: expected integer class ids, got {value.dtype}")
         _check_ids(name, value, tg.vocab)
         flat = value.reshape(-1).astype(np.int64)
-        rows = np.arange(flat.size)
+        rows = tg.rows
         host = bool(lib.th_tensor_is_host(tg.onehot.ptr))
         if tg.mirror is None:
             if host:
@@ -318,7 +329,7 @@ class Program:
         flat = self._new_static(f"{targets}.flat", (rows,), GGML_TYPE_I32)
         lib.ggml_set_input(onehot.ptr)
         lib.ggml_set_input(flat.ptr)
-        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat)
+        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat, np.arange(rows))
         logits2 = logits.reshape(rows, vocab)
         train = logits2._new(lib.ggml_cross_entropy_loss(self._ctx_compute, logits2.ptr, onehot.ptr), 0)
         lib.ggml_set_loss(train.ptr)
@@ -343,7 +354,8 @@ class Program:
         return Trainer(self, loss, convention)
 
     def _compute(self, graph) -> None:
-        if graph != self._last_graph:
+        same_graph = graph == self._last_graph
+        if not same_graph:
             # Shared nodes keep the last graph's placement unless cleared (see the shim).
             lib.th_clear_ctx_alloc(self._ctx_compute)
             self._last_graph = graph
@@ -352,12 +364,16 @@ class Program:
             # On cpu, hot nodes get our kernels (native/cpu_kernels.c: sgemm, copies, SILU_BACK,
             # LayerNorm centring); no backward can be built through a rewritten node, so a
             # Trainer must come before any compute.
-            if self.engine.is_cpu and cpu_kernels:
-                lib.th_cpu_rewrite(graph)
+            if self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
+                raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
+                                   "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
             self._gemm_rewritten.add(graph)
-        if not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
+        # Computed again, a graph keeps its placement: no walk over its nodes per step.
+        if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
             raise MemoryError("ggml could not allocate the graph's intermediates")
+        start = time.perf_counter()
         status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
+        self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)
         if status != GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
 
@@ -467,6 +483,7 @@ class Trainer:
         self._grad_acc_ptrs = ffi.new("ggml_tensor *[]", [t.ptr for t in self.grad_acc.values()])
         self._one = ffi.new("float *", 1.0)
         self._loss_out = ffi.new("float[1]")
+        self._hp_row = ffi.new("float[7]")
         self.hp = prog._new_static("adamw.hp", (7,), GGML_TYPE_F32)
         lib.ggml_set_input(self.hp.ptr)
         self.m: dict[str, Tensor] = {}
@@ -521,11 +538,15 @@ class Trainer:
         if isinstance(hp, AdamWRow):
             check_convention(hp, self.convention)
             hp = hp.hp_for_step(self.steps_done if step_index is None else step_index)
-        row = np.asarray(hp, dtype=np.float32)
-        if row.shape != (7,) or not np.isfinite(row).all():
+        try:      # plain floats, no numpy: the host's share of a tiny step counts
+            row = [float(v) for v in hp]
+        except (TypeError, ValueError):
+            row = []
+        if len(row) != 7 or not all(map(math.isfinite, row)):
             raise InputError(f"the AdamW row must be 7 finite floats, got {hp!r}")
         self.prog.feed(feeds)
-        _upload(self.hp, row)
+        self._hp_row[0:7] = row
+        lib.ggml_backend_tensor_set(self.hp.ptr, self._hp_row, 0, 7 * 4)
         if self.needs_full_reset:
             self.reset_full()
             self.needs_full_reset = False

@@ -1,0 +1,84 @@
+"""ms per training step of one recipe in two checkouts, side by side: A/B for a change.
+
+    git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python native/build.py --out toyharness/_native)
+    python scripts/ab_checkouts.py gpt2 /tmp/before . [--rounds 10] [--threads 2]
+
+Each checkout trains the recipe's bench config in its own process (PYTHONPATH = the checkout,
+so each loads its own toyharness and native libraries); the two take turns in rounds of 5
+steps, alternating who goes first, so the machine's drift falls on both alike. Prints the
+median step of each and their ratio (A / B > 1: B is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKER = """
+import json, sys, time
+from toyharness.bench import realize_for_bench
+from toyharness.runner import batch_for
+pm, opts, data, engine, model = realize_for_bench(sys.argv[1], "cpu", int(sys.argv[2]), [])
+batches = [batch_for(data, "train", i, opts) for i in range(8)]
+done = 0
+def step():
+    global done
+    row = pm.hook.hp(options=opts, step=done)
+    t0 = time.perf_counter()
+    pm.hook.step(model=model, batch=batches[done % 8], hp=row)
+    done += 1
+    return (time.perf_counter() - t0) * 1e3
+for _ in range(3):
+    step()
+print("ready", flush=True)
+for line in sys.stdin:
+    print(json.dumps([step() for _ in range(int(line))]), flush=True)
+"""
+
+
+def spawn(checkout: Path, recipe: str, threads: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
+    probe = subprocess.run([sys.executable, "-P", "-c", "import toyharness; print(toyharness.__file__)"], env=env,
+                           capture_output=True, text=True)
+    if not probe.stdout.startswith(str(checkout.resolve())):
+        raise SystemExit(f"{checkout}: python imports toyharness from {probe.stdout.strip() or probe.stderr}")
+    # -P: the working directory must not come first on sys.path (it may be the other checkout)
+    proc = subprocess.Popen([sys.executable, "-P", "-c", WORKER, recipe, str(threads)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    if proc.stdout.readline().strip() != "ready":
+        raise SystemExit(f"{checkout}: the worker did not start (is its native library built?)")
+    return proc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("recipe")
+    ap.add_argument("a", type=Path, help="checkout A (e.g. before the change)")
+    ap.add_argument("b", type=Path, help="checkout B")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    workers = [spawn(args.a, args.recipe, args.threads), spawn(args.b, args.recipe, args.threads)]
+    times: list[list[float]] = [[], []]
+    for r in range(args.rounds):
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+            time.sleep(0.3)      # the other side's OpenMP threads stop spinning first
+            workers[side].stdin.write("5\n")
+            workers[side].stdin.flush()
+            times[side] += json.loads(workers[side].stdout.readline())
+    for w in workers:
+        w.stdin.close()
+        w.wait()
+    a, b = statistics.median(times[0]), statistics.median(times[1])
+    print(f"{args.recipe}, {args.threads} threads, {len(times[0])} steps each: A {a:.2f} ms  B {b:.2f} ms  "
+          f"A/B {a / b:.3f}")
+
+
+if __name__ == "__main__":
+    main()
