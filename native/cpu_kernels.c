@@ -47,6 +47,25 @@ static int64_t th_claim_task(struct ggml_tensor * dst, int64_t tasks, int nth) {
     return -1;
 }
 
+enum { TH_EW_CHUNK = 4096 }; /* elements per task of an elementwise kernel */
+
+/* Rows per task of a row-wise kernel: about TH_EW_CHUNK elements, at least one row. Fixed by the
+ * shape; short rows (a 17-wide attention row) would otherwise make tasks so small that claiming
+ * them costs more than their work. */
+static inline int64_t th_rows_per_task(int64_t row_len) {
+    return row_len >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / (row_len > 0 ? row_len : 1);
+}
+
+/* row r of t (rows counted over ne1, ne2, ne3) */
+static inline char * th_row(const struct ggml_tensor * t, int64_t r) {
+    const int64_t i1 = r % t->ne[1], i2 = (r / t->ne[1]) % t->ne[2], i3 = r / (t->ne[1] * t->ne[2]);
+    return (char *) t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+}
+
+/* the op_params slot where a rewritten node keeps its own parameter (scale, eps); slots 0-5 hold
+ * the custom op's, TH_NEXT_SLOT and TH_DONE_SLOT the task counters */
+enum { TH_PARAM_SLOT = 8 };
+
 /* ---- matrix products through an external sgemm ---------------------------------------------
  * The binding hands us a CBLAS sgemm (OpenBLAS from the scipy-openblas32 wheel). The work is
  * cut into fixed tasks (a batch slice times a block of TH_GEMM_ROWS output rows), each one sgemm
@@ -134,30 +153,49 @@ static int th_gemm_ok(const struct ggml_tensor * t) {
 }
 
 /* ---- CONT: a tiled strided copy -------------------------------------------------------------
- * dst is contiguous with src's shape. Tasks are (i3, i2, block of TH_COPY_TILE rows of i1);
- * within a task, TH_COPY_TILE x TH_COPY_TILE tiles so that both the strided reads and the
- * contiguous writes stay in cache when src is a transpose. */
+ * dst is contiguous with src's shape. When src's rows are contiguous, a row copy; otherwise
+ * TH_COPY_TILE x TH_COPY_TILE tiles, so that both the strided reads and the contiguous writes
+ * stay in cache when src is a transpose. */
 enum { TH_COPY_TILE = 32 };
 
 static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
+    (void) ith;
     (void) userdata;
     const int64_t ne0 = dst->ne[0], ne1 = dst->ne[1], ne2 = dst->ne[2], ne3 = dst->ne[3];
-    const int64_t blocks = (ne1 + TH_COPY_TILE - 1) / TH_COPY_TILE, tasks = blocks * ne2 * ne3;
     const size_t s0 = src->nb[0], s1 = src->nb[1];
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
-        const int64_t blk = task % blocks, i2 = (task / blocks) % ne2, i3 = task / (blocks * ne2);
-        const int64_t r0 = blk * TH_COPY_TILE, r1 = r0 + TH_COPY_TILE < ne1 ? r0 + TH_COPY_TILE : ne1;
-        const char * ps = (const char *) src->data + i2 * src->nb[2] + i3 * src->nb[3];
-        float * pd = (float *) ((char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3]);
-        if (s0 == sizeof(float)) {
-            for (int64_t i1 = r0; i1 < r1; i1++) memcpy(pd + i1 * ne0, ps + i1 * s1, ne0 * sizeof(float));
-            continue;
+    if (s0 == sizeof(float)) {
+        /* rows are contiguous (a permute of the outer axes): tasks of whole rows over i1, i2, i3;
+         * rows are often short (a 16-float attention head), so an inline loop, not a memcpy */
+        const int64_t nr = ne1 * ne2 * ne3, rpt = th_rows_per_task(ne0), tasks = (nr + rpt - 1) / rpt;
+        for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+            const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
+            for (int64_t r = task * rpt; r < r1; r++) {
+                const float * src_row = (const float *) th_row(src, r);
+                float * dst_row = (float *) dst->data + r * ne0;
+                for (int64_t i0 = 0; i0 < ne0; i0++) dst_row[i0] = src_row[i0];
+            }
         }
-        for (int64_t c0 = 0; c0 < ne0; c0 += TH_COPY_TILE) {
-            const int64_t c1 = c0 + TH_COPY_TILE < ne0 ? c0 + TH_COPY_TILE : ne0;
-            for (int64_t i0 = c0; i0 < c1; i0++) {
-                const char * col = ps + i0 * s0;
-                for (int64_t i1 = r0; i1 < r1; i1++) pd[i1 * ne0 + i0] = *(const float *) (col + i1 * s1);
+        return;
+    }
+    /* a task: one block of TH_COPY_TILE rows of i1 in each of `spt` consecutive (i2, i3) slices,
+     * as many slices as make about TH_EW_CHUNK elements (small heads: many slices a task) */
+    const int64_t blocks = (ne1 + TH_COPY_TILE - 1) / TH_COPY_TILE, n23 = ne2 * ne3;
+    const int64_t block_elems = (ne1 < TH_COPY_TILE ? ne1 : TH_COPY_TILE) * ne0;
+    const int64_t spt = block_elems >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / (block_elems > 0 ? block_elems : 1);
+    const int64_t groups = (n23 + spt - 1) / spt, tasks = blocks * groups;
+    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+        const int64_t blk = task % blocks, g0 = (task / blocks) * spt, g1 = g0 + spt < n23 ? g0 + spt : n23;
+        const int64_t r0 = blk * TH_COPY_TILE, r1 = r0 + TH_COPY_TILE < ne1 ? r0 + TH_COPY_TILE : ne1;
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t i2 = g % ne2, i3 = g / ne2;
+            const char * ps = (const char *) src->data + i2 * src->nb[2] + i3 * src->nb[3];
+            float * pd = (float *) ((char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3]);
+            for (int64_t c0 = 0; c0 < ne0; c0 += TH_COPY_TILE) {
+                const int64_t c1 = c0 + TH_COPY_TILE < ne0 ? c0 + TH_COPY_TILE : ne0;
+                for (int64_t i0 = c0; i0 < c1; i0++) {
+                    const char * col = ps + i0 * s0;
+                    for (int64_t i1 = r0; i1 < r1; i1++) pd[i1 * ne0 + i0] = *(const float *) (col + i1 * s1);
+                }
             }
         }
     }
@@ -214,11 +252,6 @@ static float th_lane_sum_exp(const float * x, int64_t n, float shift) {
     for (; k < n; k++) sum += th_expf(x[k] - shift);
     return sum;
 }
-
-enum { TH_EW_CHUNK = 4096 }; /* elements per task of an elementwise kernel */
-/* rows per task of a row-wise kernel; the op_params slot where a rewritten node keeps its own
- * parameter (scale, eps): slots 0-5 hold the custom op's */
-enum { TH_ROWS_PER_TASK = 16, TH_PARAM_SLOT = 8 };
 
 /* a = dy, b = x. dst may be dy's buffer (ggml plans SILU_BACK in place): each element is read
  * before it is written, hence ivdep rather than restrict. */
@@ -320,9 +353,9 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
     float scale;
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
-    const int64_t tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
+    const int64_t rpt = th_rows_per_task(nc), tasks = (nr + rpt - 1) / rpt;
     for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
-        const int64_t r0 = task * TH_ROWS_PER_TASK, r1 = r0 + TH_ROWS_PER_TASK < nr ? r0 + TH_ROWS_PER_TASK : nr;
+        const int64_t r0 = task * rpt, r1 = r0 + rpt < nr ? r0 + rpt : nr;
         for (int64_t r = r0; r < r1; r++) {
             const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
             const float * xp = (const float *) ((const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3]);
@@ -385,21 +418,15 @@ static float th_lane_dot(const float * a, const float * b, int64_t n) {
     return sum;
 }
 
-/* row r of t (rows counted over ne1, ne2, ne3) */
-static inline char * th_row(const struct ggml_tensor * t, int64_t r) {
-    const int64_t i1 = r % t->ne[1], i2 = (r / t->ne[1]) % t->ne[2], i3 = r / (t->ne[1] * t->ne[2]);
-    return (char *) t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
-}
-
 /* dst = rms_norm(x) when grad is NULL, else its backward applied to grad */
 static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
                              int ith, int nth) {
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
-    const int64_t n = src->ne[0], nr = ggml_nrows(src), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
+    const int64_t n = src->ne[0], nr = ggml_nrows(src), rpt = th_rows_per_task(n), tasks = (nr + rpt - 1) / rpt;
     for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
-        const int64_t r1 = (task + 1) * TH_ROWS_PER_TASK < nr ? (task + 1) * TH_ROWS_PER_TASK : nr;
-        for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
+        const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
+        for (int64_t r = task * rpt; r < r1; r++) {
             const float * x = (const float *) th_row(src, r);
             float * y = (float *) th_row(dst, r);
             const float sum_xx = th_lane_dot(x, x, n), rrms = 1.0f / sqrtf(sum_xx / (float) n + eps);
@@ -453,11 +480,11 @@ static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * 
                            int ith, int nth, void * userdata) {
     (void) ith;
     (void) userdata;
-    const int64_t n = dst->ne[0], nr = ggml_nrows(dst), tasks = (nr + TH_ROWS_PER_TASK - 1) / TH_ROWS_PER_TASK;
+    const int64_t n = dst->ne[0], nr = ggml_nrows(dst), rpt = th_rows_per_task(n), tasks = (nr + rpt - 1) / rpt;
     const float * bias = (const float *) b->data;
     for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
-        const int64_t r1 = (task + 1) * TH_ROWS_PER_TASK < nr ? (task + 1) * TH_ROWS_PER_TASK : nr;
-        for (int64_t r = task * TH_ROWS_PER_TASK; r < r1; r++) {
+        const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
+        for (int64_t r = task * rpt; r < r1; r++) {
             const float * yr = (const float *) th_row(y, r);
             float * d = (float *) th_row(dst, r);
 #pragma GCC ivdep
