@@ -27,18 +27,28 @@
 #define TH_EXPORT __attribute__((visibility("default")))
 
 /* ---- tasks ----------------------------------------------------------------------------------
- * A kernel's work is cut into tasks fixed by the shapes; each thread claims the next unclaimed
- * task until none is left. A thread that the hypervisor slows, or that wakes late, then takes
- * fewer tasks instead of holding the others at ggml's barrier after the node; what a task
- * computes does not depend on which thread runs it, so the bits stay the same. The counters
- * live in the node's op_params (th_set_custom* zeroes them): the last thread to find no task
- * left resets them, before ggml's barrier lets anyone reach this node again. Every thread of
- * the compute calls a custom op (ggml passes nth = its thread count), so the count is exact. */
-enum { TH_NEXT_SLOT = 10, TH_DONE_SLOT = 11 };
+ * A kernel's work is cut into tasks fixed by the shapes; what a task computes does not depend
+ * on which thread runs it, so the bits do not depend on how tasks meet threads. Each thread
+ * takes task ith first. Where there are at least TH_CLAIM_ROUNDS tasks per thread, the rest
+ * are claimed one at a time from a counter: a thread that the machine slows, or that wakes
+ * late, then takes fewer tasks instead of holding the others at ggml's barrier after the node.
+ * Fewer tasks are dealt round-robin: claiming costs an atomic on a line all threads share,
+ * more than balancing small nodes saves (measured: 11% of a vit_tiny step at 16 threads).
+ * The counters live in the node's op_params (th_set_custom* zeroes them); the last thread to
+ * find none left resets them, before ggml's barrier lets anyone reach this node again. Every
+ * thread of the compute calls a custom op (ggml passes nth = its thread count).
+ * Use: int64_t claims = 0; for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) */
+enum { TH_NEXT_SLOT = 10, TH_DONE_SLOT = 11, TH_CLAIM_ROUNDS = 4 };
 
-static int64_t th_claim_task(struct ggml_tensor * dst, int64_t tasks, int nth) {
+static int64_t th_next_task(struct ggml_tensor * dst, int64_t tasks, int ith, int nth, int64_t * claims) {
+    const int64_t call = (*claims)++;
+    if (tasks < (int64_t) TH_CLAIM_ROUNDS * nth) {
+        const int64_t task = ith + call * nth;
+        return task < tasks ? task : -1;
+    }
+    if (call == 0) return ith;
     int32_t * next = &dst->op_params[TH_NEXT_SLOT], * done = &dst->op_params[TH_DONE_SLOT];
-    const int64_t task = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    const int64_t task = nth + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
     if (task < tasks) return task;
     if (__atomic_add_fetch(done, 1, __ATOMIC_ACQ_REL) == nth) {
         __atomic_store_n(next, 0, __ATOMIC_RELAXED);
@@ -116,7 +126,8 @@ static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, c
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t blocks = (M + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
     const int64_t tasks = blocks * dst->ne[2] * dst->ne[3];
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t blk = task % blocks, i2 = (task / blocks) % dst->ne[2], i3 = task / (blocks * dst->ne[2]);
         const int64_t m0 = blk * TH_GEMM_ROWS, rows = M - m0 < TH_GEMM_ROWS ? M - m0 : TH_GEMM_ROWS;
         const char * pa = (const char *) a->data + (i2 / r2) * a->nb[2] + (i3 / r3) * a->nb[3];
@@ -159,7 +170,6 @@ static int th_gemm_ok(const struct ggml_tensor * t) {
 enum { TH_COPY_TILE = 32 };
 
 static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
-    (void) ith;
     (void) userdata;
     const int64_t ne0 = dst->ne[0], ne1 = dst->ne[1], ne2 = dst->ne[2], ne3 = dst->ne[3];
     const size_t s0 = src->nb[0], s1 = src->nb[1];
@@ -167,7 +177,8 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
         /* rows are contiguous (a permute of the outer axes): tasks of whole rows over i1, i2, i3;
          * rows are often short (a 16-float attention head), so an inline loop, not a memcpy */
         const int64_t nr = ne1 * ne2 * ne3, rpt = th_rows_per_task(ne0), tasks = (nr + rpt - 1) / rpt;
-        for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+        int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
             const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
             for (int64_t r = task * rpt; r < r1; r++) {
                 const float * src_row = (const float *) th_row(src, r);
@@ -183,7 +194,8 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
     const int64_t block_elems = (ne1 < TH_COPY_TILE ? ne1 : TH_COPY_TILE) * ne0;
     const int64_t spt = block_elems >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / (block_elems > 0 ? block_elems : 1);
     const int64_t groups = (n23 + spt - 1) / spt, tasks = blocks * groups;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t blk = task % blocks, g0 = (task / blocks) * spt, g1 = g0 + spt < n23 ? g0 + spt : n23;
         const int64_t r0 = blk * TH_COPY_TILE, r1 = r0 + TH_COPY_TILE < ne1 ? r0 + TH_COPY_TILE : ne1;
         for (int64_t g = g0; g < g1; g++) {
@@ -261,7 +273,8 @@ static void th_silu_back_op(struct ggml_tensor * dst, const struct ggml_tensor *
     const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
@@ -291,12 +304,12 @@ static const char TH_GELU_NAME[] = "th.gelu_tanh";
 #define TH_GELU_K3 0.0713548162726009f   /* 0.044715 * 2 sqrt(2 / pi) */
 
 static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
-    (void) ith;
     (void) userdata;
     const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
     const float * x = (const float *) src->data;
     float * y = (float *) dst->data;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
@@ -308,12 +321,12 @@ static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
 
 static void th_gelu_back_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
                             int ith, int nth, void * userdata) {
-    (void) ith;
     (void) userdata;
     const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
@@ -354,7 +367,8 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
     const int64_t rpt = th_rows_per_task(nc), tasks = (nr + rpt - 1) / rpt;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t r0 = task * rpt, r1 = r0 + rpt < nr ? r0 + rpt : nr;
         for (int64_t r = r0; r < r1; r++) {
             const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
@@ -424,7 +438,8 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t n = src->ne[0], nr = ggml_nrows(src), rpt = th_rows_per_task(n), tasks = (nr + rpt - 1) / rpt;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
         for (int64_t r = task * rpt; r < r1; r++) {
             const float * x = (const float *) th_row(src, r);
@@ -478,11 +493,11 @@ static const char TH_BIAS_ROWS_NAME[] = "th.bias_rows";
 
 static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * y, const struct ggml_tensor * b,
                            int ith, int nth, void * userdata) {
-    (void) ith;
     (void) userdata;
     const int64_t n = dst->ne[0], nr = ggml_nrows(dst), rpt = th_rows_per_task(n), tasks = (nr + rpt - 1) / rpt;
     const float * bias = (const float *) b->data;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
         for (int64_t r = task * rpt; r < r1; r++) {
             const float * yr = (const float *) th_row(y, r);
@@ -540,7 +555,8 @@ static void th_centre_op(struct ggml_tensor * dst, const struct ggml_tensor * x,
     /* row i, column k of the operand: along x's ne1 / ne0 for MUL_MAT, ne0 / ne1 for OUT_PROD */
     const size_t s_row = out_prod ? x->nb[0] : x->nb[1], s_col = out_prod ? x->nb[1] : x->nb[0];
     const int64_t tasks = (rows + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
-    for (int64_t task; (task = th_claim_task(dst, tasks, nth)) >= 0;) {
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
         const int64_t r0 = task * TH_GEMM_ROWS, r1 = r0 + TH_GEMM_ROWS < rows ? r0 + TH_GEMM_ROWS : rows;
         for (int64_t i = r0; i < r1; i++) {
             const char * row = (const char *) x->data + i * s_row;

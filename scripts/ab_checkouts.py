@@ -43,7 +43,8 @@ for line in sys.stdin:
 
 
 def spawn(checkout: Path, recipe: str, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout.resolve()),
+                                                                    os.environ.get("PYTHONPATH")])))
     probe = subprocess.run([sys.executable, "-P", "-c", "import toyharness; print(toyharness.__file__)"], env=env,
                            capture_output=True, text=True)
     if not probe.stdout.startswith(str(checkout.resolve())):
