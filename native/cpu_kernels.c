@@ -11,7 +11,9 @@
  *     product per element: one pass of row centring instead;
  *   - GELU, composed from 17 nodes forward and backward (ggml has no GELU backward): one node
  *     each way, through a stand-in node that blocks.gelu_tanh names for this rewrite;
- *   - a bias added as y + ones @ b (blocks.add_bias): y + b, the product not computed.
+ *   - a bias added as y + ones @ b (blocks.add_bias): y + b, the product not computed;
+ *   - ROPE and ROPE_BACK (cos and sin of every position's angles once per batch row): the
+ *     table once per position.
  * th_cpu_rewrite swaps each such node for a custom op with the same inputs and output. It runs
  * after the backward graph is built: ggml has no backward for custom ops. Every kernel cuts its
  * work into tasks fixed by the shapes alone, never by the thread count, so the bits do not
@@ -508,6 +510,91 @@ static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * 
     }
 }
 
+/* ---- ROPE and ROPE_BACK: the rotation table once per position --------------------------------
+ * ggml recomputes cos and sin of a position's angles for every (batch, position) row group:
+ * for a batch of B sequences, B times the same table (and cosf, sinf calls cost more than the
+ * rotation). Here a task takes a block of positions, makes each position's table once, and
+ * rotates every batch and head at it. The table and the rotation are ggml's own arithmetic,
+ * operation for operation (ggml_rope_cache_init, rope_yarn without YaRN, rotate_pairs): the
+ * same table, and the same bits where ggml's vectorised rotation has no scalar tail (n_dims a
+ * multiple of 16, as in the recipes' configs; in a tail the compiler may fuse multiply-adds
+ * differently: a last-bit difference). Only the plain forms: NORMAL or NEOX mode, no frequency
+ * factors, ext_factor 0, no offset; ROPE_BACK rotates by minus the angle. */
+enum { TH_ROPE_MAX_DIM = 1024, TH_ROPE_SLOT_DIMS = 6, TH_ROPE_SLOT_MODE = 7, TH_ROPE_SLOT_BASE = 8,
+       TH_ROPE_SLOT_SCALE = 9, TH_ROPE_SLOT_MSCALE = 12, TH_ROPE_SLOT_SIGN = 13 };
+
+static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * pos,
+                       int ith, int nth, void * userdata) {
+    (void) userdata;
+    const int32_t * params = dst->op_params;
+    const int n_dims = params[TH_ROPE_SLOT_DIMS], neox = params[TH_ROPE_SLOT_MODE] == GGML_ROPE_TYPE_NEOX;
+    float freq_base, freq_scale, mscale, sin_sign;
+    memcpy(&freq_base, params + TH_ROPE_SLOT_BASE, sizeof(float));
+    memcpy(&freq_scale, params + TH_ROPE_SLOT_SCALE, sizeof(float));
+    memcpy(&mscale, params + TH_ROPE_SLOT_MSCALE, sizeof(float));
+    memcpy(&sin_sign, params + TH_ROPE_SLOT_SIGN, sizeof(float));
+    const float theta_scale = powf(freq_base, -2.0f / n_dims);
+    const int64_t ne0 = dst->ne[0], ne1 = dst->ne[1], ne2 = dst->ne[2], ne3 = dst->ne[3];
+    const int64_t per_pos = ne0 * ne1 * ne3, ppt = per_pos >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / per_pos;
+    const int64_t tasks = (ne2 + ppt - 1) / ppt;
+    const int32_t * positions = (const int32_t *) pos->data;
+    float cache[TH_ROPE_MAX_DIM];
+    int64_t claims = 0;
+    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
+        const int64_t p1 = (task + 1) * ppt < ne2 ? (task + 1) * ppt : ne2;
+        for (int64_t i2 = task * ppt; i2 < p1; i2++) {
+            float theta = (float) positions[i2];
+            for (int64_t i0 = 0; i0 < ne0; i0 += 2) {
+                const float theta_interp = freq_scale * (theta / 1.0f);
+                cache[i0 + 0] = cosf(theta_interp) * mscale;
+                cache[i0 + 1] = sinf(theta_interp) * mscale;
+                cache[i0 + 1] *= sin_sign;
+                theta *= theta_scale;
+            }
+            for (int64_t i3 = 0; i3 < ne3; i3++) {
+                for (int64_t i1 = 0; i1 < ne1; i1++) {
+                    const float * src = (const float *) ((const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] +
+                                                         i3 * x->nb[3]);
+                    float * out = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+                    const int64_t n_offset = neox ? n_dims / 2 : 1;
+                    for (int64_t i0 = 0; i0 < n_dims; i0 += 2) {
+                        const int64_t ic = neox ? i0 / 2 : i0;
+                        const float cos_theta = cache[i0 + 0], sin_theta = cache[i0 + 1];
+                        const float x0 = src[ic], x1 = src[ic + n_offset];
+                        out[ic] = x0 * cos_theta - x1 * sin_theta;
+                        out[ic + n_offset] = x0 * sin_theta + x1 * cos_theta;
+                    }
+                    for (int64_t i0 = n_dims; i0 < ne0; i0++) out[i0] = src[i0];
+                }
+            }
+        }
+    }
+}
+
+static int th_rope_ok(const struct ggml_tensor * t) {
+    if (t->op != GGML_OP_ROPE && t->op != GGML_OP_ROPE_BACK) return 0;
+    const struct ggml_tensor * x = t->src[0], * pos = t->src[1];
+    const int32_t * params = t->op_params;
+    const int n_dims = params[1], mode = params[2], n_offs = params[15];
+    float ext_factor;
+    memcpy(&ext_factor, params + 7, sizeof(float));
+    return t->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 && pos->type == GGML_TYPE_I32 && t->src[2] == NULL &&
+           (mode == GGML_ROPE_TYPE_NORMAL || mode == GGML_ROPE_TYPE_NEOX) && ext_factor == 0.0f && n_offs == 0 &&
+           n_dims > 0 && n_dims % 2 == 0 && n_dims <= t->ne[0] && t->ne[0] % 2 == 0 && t->ne[0] <= TH_ROPE_MAX_DIM &&
+           ggml_are_same_shape(t, x) && t->nb[0] == sizeof(float) && x->nb[0] == sizeof(float) &&
+           pos->ne[0] == t->ne[2] && ggml_is_contiguous(pos);
+}
+
+/* after th_set_custom2 has cleared op_params: ROPE's own parameters into the free slots */
+static void th_keep_rope_params(struct ggml_tensor * t, const int32_t * rope_params, float sin_sign) {
+    t->op_params[TH_ROPE_SLOT_DIMS] = rope_params[1];
+    t->op_params[TH_ROPE_SLOT_MODE] = rope_params[2];
+    t->op_params[TH_ROPE_SLOT_BASE] = rope_params[5];      /* freq_base */
+    t->op_params[TH_ROPE_SLOT_SCALE] = rope_params[6];     /* freq_scale */
+    t->op_params[TH_ROPE_SLOT_MSCALE] = rope_params[8];    /* attn_factor */
+    memcpy(t->op_params + TH_ROPE_SLOT_SIGN, &sin_sign, sizeof(float));
+}
+
 /* ---- CROSS_ENTROPY_LOSS: -mean over rows of sum_v t_v log softmax(x)_v ------------------------
  * ggml's kernel calls scalar expf and logf per element. Only the loss's value is computed here
  * (its backward, CROSS_ENTROPY_LOSS_BACK, recomputes the softmax itself), in one task: the rows
@@ -770,6 +857,12 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
                 th_set_custom2(t, th_rms_norm_back_op, NULL, GGML_N_TASKS_MAX);
             }
             memcpy((float *) t->op_params + TH_PARAM_SLOT, &eps, sizeof(float));
+        } else if (th_rope_ok(t)) {
+            int32_t rope_params[16];
+            memcpy(rope_params, t->op_params, sizeof(rope_params));
+            const float sin_sign = t->op == GGML_OP_ROPE ? 1.0f : -1.0f;
+            th_set_custom2(t, th_rope_op, NULL, GGML_N_TASKS_MAX);
+            th_keep_rope_params(t, rope_params, sin_sign);
         } else if (th_cross_entropy_ok(t)) {
             th_set_custom2(t, th_cross_entropy_op, NULL, 1);
         } else {

@@ -237,3 +237,47 @@ def test_a_bias_product_read_elsewhere_in_its_graph_stays_a_product():
     out = prog.forward({"out": prog.param("y", y) + rows, "twice": rows.scale(2.0)}).run({})
     np.testing.assert_array_equal(out["out"], y + b)
     np.testing.assert_array_equal(out["twice"], np.broadcast_to(2 * b, (10, 8)))
+
+
+def rope_program(cpu_kernels: bool, x: np.ndarray, dy: np.ndarray, neox: bool, n_dims: int):
+    prog = get_engine("cpu", 2).program()
+    prog.cpu_kernels = cpu_kernels
+    pos = prog.input("pos", (x.shape[1],), "i32")
+    y = prog.param("x", x).rope(pos, n_dims, base=10000.0, neox=neox)
+    fg = prog.forward({"y": y})
+    tr = prog.trainer(prog.scalar_loss((y * prog.constant("w", dy)).sum()), "bias_corrected")
+    positions = {"pos": np.arange(3, 3 + x.shape[1], dtype=np.int32)}
+    tr.grads_only(positions)
+    return fg.run(positions)["y"], prog.read(tr.grad_acc["x"]), fg, tr
+
+
+def rope_f64(x: np.ndarray, positions: np.ndarray, n_dims: int, neox: bool, sign: float = 1.0) -> np.ndarray:
+    """x (B, T, H, hd) rotated by position * 10000^(-2i/n_dims) per pair i (sign -1: backward)."""
+    out = x.astype(np.float64).copy()
+    pairs = n_dims // 2
+    theta = positions[:, None].astype(np.float64) * 10000.0 ** (-2.0 * np.arange(pairs) / n_dims)
+    cos, sin = np.cos(theta)[None, :, None, :], sign * np.sin(theta)[None, :, None, :]
+    first = np.arange(pairs) if neox else 2 * np.arange(pairs)
+    second = first + (pairs if neox else 1)
+    x0, x1 = out[..., first].copy(), out[..., second].copy()
+    out[..., first], out[..., second] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    return out
+
+
+@pytest.mark.parametrize("neox, n_dims", [(False, 16), (True, 16), (False, 12), (True, 14)])
+def test_rope_and_its_backward(neox, n_dims):
+    """The position table made once per position: ggml's table, so where ggml's rotation has no
+    scalar tail (n_dims a multiple of 16) ggml's bits; otherwise within float32 rounding."""
+    x = RNG.normal(size=(3, 29, 4, 16)).astype(np.float32)
+    dy = RNG.normal(size=x.shape).astype(np.float32)
+    y, g, fg, tr = rope_program(True, x, dy, neox, n_dims)
+    assert custom_ops(fg.graph) == 1 and custom_ops(tr.gb_grad) >= 2
+    positions = np.arange(3, 3 + x.shape[1])
+    assert rel_err(y, rope_f64(x, positions, n_dims, neox)) < 1e-6
+    assert rel_err(g, rope_f64(dy, positions, n_dims, neox, sign=-1.0)) < 1e-6
+    np.testing.assert_array_equal(y[..., n_dims:], x[..., n_dims:])     # dims past n_dims pass through
+    if n_dims % 16 == 0:
+        y0, g0, fg0, _ = rope_program(False, x, dy, neox, n_dims)
+        assert custom_ops(fg0.graph) == 0
+        np.testing.assert_array_equal(y, y0)
+        np.testing.assert_array_equal(g, g0)
