@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("toyharness: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:      # e.g. `toyharness bench --profile | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return 141
 
 
 def cmd_recipes(args) -> int:
