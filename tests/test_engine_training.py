@@ -222,6 +222,48 @@ def test_out_of_range_ids_are_rejected():
         tr.step({"x": np.zeros((5, 6)), "targets": np.array([0, 1, 2, 3, 4])}, bias_corrected().hp_for_step(0))
 
 
+def test_bad_feeds_name_the_value_and_write_nothing():
+    prog, w, w0, ce = tiny_program()
+    ids = prog.input("ids", (3,), "i32", upper=10)
+    fg = prog.forward({"x": prog.inputs["x"].tensor.scale(1.0), "ids": ids})
+    good = {"x": np.ones((5, 6)), "ids": np.array([1, 2, 3])}
+    np.testing.assert_array_equal(fg.run(good)["x"], np.ones((5, 6)))
+    x = np.ones((5, 6))
+    x[2, 3] = np.nan
+    with pytest.raises(InputError, match=r"input 'x': contains NaN or inf"):
+        fg.run({"x": x})
+    with pytest.raises(InputError, match=r"input 'x': contains NaN or inf"):
+        fg.run({"x": np.full((5, 6), 1e39)})                   # finite in float64, inf as float32
+    for bad, shown in (([1, -2, 3], -2), ([1, 10, 30], 10)):
+        with pytest.raises(InputError, match=rf"'ids': id {shown} out of range \[0, 10\)"):
+            fg.run({"ids": np.array(bad)})
+    with pytest.raises(InputError, match=r"input 'ids': expected integer ids, got float64"):
+        fg.run({"ids": np.array([1.0, 2.0, 3.0])})
+    with pytest.raises(InputError, match=r"'ids': id 18446744073709551615 out of range"):
+        fg.run({"ids": np.array([1, 2, 2 ** 64 - 1], dtype=np.uint64)})
+    out = fg.run({})                                          # nothing of the rejected feeds was written
+    np.testing.assert_array_equal(out["x"], np.ones((5, 6)))
+    np.testing.assert_array_equal(out["ids"], [1, 2, 3])
+
+
+def test_targets_one_hot_follows_each_feed():
+    """Fed targets replace the last ones (their one-hot rows are cleared), and a rejected feed
+    leaves the last good ones: each step's loss equals a fresh program's on the same batch."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 6))
+    batches = [np.array([0, 1, 2, 3, 0]), np.array([3, 3, 1, 0, 2]), np.array([2, 0, 0, 1, 3])]
+    prog, w, w0, ce = tiny_program()
+    tr = prog.trainer(ce, "bias_corrected")
+    for t in batches:
+        with pytest.raises(InputError, match=r"'targets': id 7 out of range"):
+            tr.eval_loss({"x": x, "targets": np.array([0, 1, 7, 3, 0])})
+        with pytest.raises(InputError, match=r"targets 'targets': expected integer class ids"):
+            tr.eval_loss({"x": x, "targets": t.astype(float)})
+        fresh, _, _, fresh_ce = tiny_program()
+        expected = fresh.trainer(fresh_ce, "bias_corrected").eval_loss({"x": x, "targets": t})
+        assert tr.eval_loss({"x": x, "targets": t}) == expected
+
+
 def test_wrong_size_write_is_rejected():
     prog, w, w0, ce = tiny_program()
     with pytest.raises(ShapeError, match=r"w: expected shape \(4, 6\), got \(4, 5\)"):

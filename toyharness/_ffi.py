@@ -150,6 +150,10 @@ int th_tensor_flags(const ggml_tensor * t);
 int th_tensor_op(const ggml_tensor * t);
 int th_tensor_is_host(const ggml_tensor * t);
 void th_zero_tensors(ggml_tensor ** ts, int n);
+int64_t th_feed_f32(ggml_tensor * t, const float * x, int64_t n);
+int64_t th_feed_ids(ggml_tensor * t, const int64_t * ids, int64_t n, int64_t upper, int32_t * scratch);
+int64_t th_feed_targets(ggml_tensor * onehot, float * mirror, ggml_tensor * flat_index, const int64_t * ids,
+                        int64_t * last, int has_last, int64_t n, int64_t vocab, int32_t * scratch);
 void th_install_abort_handler(void);
 void th_set_log_level(int min_level);
 void th_clear_ctx_alloc(ggml_context * ctx);

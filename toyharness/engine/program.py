@@ -61,10 +61,10 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 class _Input:
     tensor: Tensor
     upper: int | None  # exclusive bound for ids (vocab size), checked before upload
-    # fixed at creation, kept here: a step's feed then makes no ggml call but the upload
+    # fixed at creation, kept here: a step's feed then makes one native call (th_feed_*)
     shape: tuple[int, ...] = ()
     ids: bool = False
-    nbytes: int = 0
+    scratch: np.ndarray | None = None   # ids as i32 on their way to ggml
 
 
 @dataclass
@@ -75,12 +75,14 @@ class _Targets:
     vocab: int
     onehot: Tensor
     flat_index: Tensor
-    rows: np.ndarray          # arange(rows), the row of each id
     # The one-hot rows are kept between steps and updated where the ids changed (a full
     # rebuild of rows x vocab floats was most of a step's host time): `mirror` is the tensor's
-    # own memory on a host backend, else a host copy that is uploaded; `ids` the last ids.
+    # own memory on a host backend, else a host copy that is uploaded; `last` the last ids
+    # (valid once `fed`), `scratch` the flat indices on their way to ggml (th_feed_targets).
     mirror: np.ndarray | None = None
-    ids: np.ndarray | None = None
+    last: np.ndarray | None = None
+    scratch: np.ndarray | None = None
+    fed: bool = False
 
 
 @dataclass
@@ -198,7 +200,8 @@ class Program:
             raise InputError(f"{name}: input dtype {dtype!r}; allowed: f32, i32")
         t = self._new_static(name, shape, DTYPE_NAMES[dtype])
         lib.ggml_set_input(t.ptr)
-        self.inputs[name] = _Input(t, upper, t.shape, t.type == GGML_TYPE_I32, int(lib.ggml_nbytes(t.ptr)))
+        ids = t.type == GGML_TYPE_I32
+        self.inputs[name] = _Input(t, upper, t.shape, ids, np.empty(t.numel(), np.int32) if ids else None)
         return t
 
     def constant(self, name: str, array: np.ndarray) -> Tensor:
@@ -275,41 +278,41 @@ class Program:
         if value.shape != inp.shape:
             raise ShapeError(f"input {name!r}: expected shape {inp.shape}, got {value.shape}")
         if inp.ids:
-            if value.dtype.kind not in "iu":
-                raise InputError(f"input {name!r}: expected integer ids, got {value.dtype}")
-            _check_ids(name, value, inp.upper)
-            value = np.ascontiguousarray(value, dtype=np.int32)
+            ids = _as_ids(f"input {name!r}", value, "integer ids")
+            bad = lib.th_feed_ids(inp.tensor.ptr, ffi.from_buffer("int64_t[]", ids), ids.size,
+                                  inp.upper or 0, ffi.from_buffer("int32_t[]", inp.scratch))
+            if bad >= 0:
+                raise _id_error(name, ids.flat[bad], inp.upper)
+            return
+        if value.dtype == np.float32:
+            x = np.ascontiguousarray(value)
         else:
-            value = np.ascontiguousarray(value, dtype=np.float32)
-            # min and max carry any NaN, and show an inf: no boolean array per step
-            if value.size and not (math.isfinite(value.min()) and math.isfinite(value.max())):
-                raise InputError(f"input {name!r}: contains NaN or inf")
-        lib.ggml_backend_tensor_set(inp.tensor.ptr, ffi.from_buffer(value), 0, inp.nbytes)
+            with np.errstate(over="ignore"):    # a value past float32's range: our error below, not a warning
+                x = np.ascontiguousarray(value, dtype=np.float32)
+        if lib.th_feed_f32(inp.tensor.ptr, ffi.from_buffer("float[]", x), x.size) >= 0:
+            raise InputError(f"input {name!r}: contains NaN or inf")
 
     def _feed_targets(self, name: str, tg: _Targets, value) -> None:
         value = np.asarray(value)
         if tuple(value.shape) != tg.shape:
             raise ShapeError(f"targets {name!r}: expected shape {tg.shape}, got {tuple(value.shape)}")
-        if value.dtype.kind not in "iu":
-            raise InputError(f"targets {name!r}: expected integer class ids, got {value.dtype}")
-        _check_ids(name, value, tg.vocab)
-        flat = value.reshape(-1).astype(np.int64)
-        rows = tg.rows
-        host = bool(lib.th_tensor_is_host(tg.onehot.ptr))
+        ids = _as_ids(f"targets {name!r}", value, "integer class ids").reshape(-1)
+        rows = ids.size
         if tg.mirror is None:
-            if host:
-                buf = ffi.buffer(ffi.cast("float *", lib.th_tensor_data(tg.onehot.ptr)), flat.size * tg.vocab * 4)
-                tg.mirror = np.frombuffer(buf, dtype=np.float32).reshape(flat.size, tg.vocab)
+            if lib.th_tensor_is_host(tg.onehot.ptr):
+                buf = ffi.buffer(ffi.cast("float *", lib.th_tensor_data(tg.onehot.ptr)), rows * tg.vocab * 4)
+                tg.mirror = np.frombuffer(buf, dtype=np.float32).reshape(rows, tg.vocab)
             else:
-                tg.mirror = np.empty((flat.size, tg.vocab), dtype=np.float32)
+                tg.mirror = np.empty((rows, tg.vocab), dtype=np.float32)
             tg.mirror[:] = 0.0
-        elif tg.ids is not None:
-            tg.mirror[rows, tg.ids] = 0.0
-        tg.mirror[rows, flat] = 1.0
-        tg.ids = flat
-        if not host:
-            _upload(tg.onehot, tg.mirror)
-        _upload(tg.flat_index, (rows * tg.vocab + flat).astype(np.int32))
+            tg.last, tg.scratch = np.zeros(rows, np.int64), np.empty(rows, np.int32)
+        bad = lib.th_feed_targets(tg.onehot.ptr, ffi.from_buffer("float[]", tg.mirror, require_writable=True),
+                                  tg.flat_index.ptr, ffi.from_buffer("int64_t[]", ids),
+                                  ffi.from_buffer("int64_t[]", tg.last, require_writable=True), int(tg.fed), rows,
+                                  tg.vocab, ffi.from_buffer("int32_t[]", tg.scratch, require_writable=True))
+        if bad >= 0:
+            raise _id_error(name, ids[bad], tg.vocab)
+        tg.fed = True
 
     # --- loss ------------------------------------------------------------------------------
     def cross_entropy(self, logits: Tensor, targets: str) -> CrossEntropy:
@@ -325,11 +328,13 @@ class Program:
             raise ShapeError(f"cross_entropy: logits must be f32, got {logits!r}")
         vocab = logits.shape[-1]
         rows = math.prod(logits.shape[:-1])
+        if rows * vocab >= 2 ** 31:    # the flat index into the rows' logits is an i32
+            raise ShapeError(f"cross_entropy: {rows} rows x {vocab} classes is too many for i32 indices")
         onehot = self._new_static(f"{targets}.onehot", (rows, vocab), GGML_TYPE_F32)
         flat = self._new_static(f"{targets}.flat", (rows,), GGML_TYPE_I32)
         lib.ggml_set_input(onehot.ptr)
         lib.ggml_set_input(flat.ptr)
-        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat, np.arange(rows))
+        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat)
         logits2 = logits.reshape(rows, vocab)
         train = logits2._new(lib.ggml_cross_entropy_loss(self._ctx_compute, logits2.ptr, onehot.ptr), 0)
         lib.ggml_set_loss(train.ptr)
@@ -607,11 +612,15 @@ def _upload(t: Tensor, data: np.ndarray) -> None:
     lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(data), 0, nbytes)
 
 
-def _check_ids(name: str, value: np.ndarray, upper: int | None) -> None:
-    if value.size == 0:
-        return
-    lo, hi = int(value.min()), int(value.max())
-    if lo < 0 or (upper is not None and hi >= upper):
-        bad = lo if lo < 0 else hi
-        bound = f"[0, {upper})" if upper is not None else ">= 0"
-        raise InputError(f"{name!r}: id {bad} out of range {bound}")
+def _as_ids(what: str, value: np.ndarray, expected: str) -> np.ndarray:
+    """Integer ids as a contiguous int64 array (th_feed_* check their range)."""
+    if value.dtype.kind not in "iu":
+        raise InputError(f"{what}: expected {expected}, got {value.dtype}")
+    if value.dtype == np.uint64 and value.size and value.max() > np.iinfo(np.int64).max:
+        raise InputError(f"{what}: id {value.max()} out of range")
+    return np.ascontiguousarray(value, dtype=np.int64)
+
+
+def _id_error(name: str, bad, upper: int | None) -> InputError:
+    bound = f"[0, {upper})" if upper is not None else f"[0, {2 ** 31})"
+    return InputError(f"{name!r}: id {int(bad)} out of range {bound}")
