@@ -707,6 +707,22 @@ TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
     return 0.0;
 }
 
+/* The name of the kernel here that computes node t (`bench --profile`), or NULL if ggml's own */
+TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
+    static const struct { void * fun; const char * name; } kernels[] = {
+        {(void *) th_gemm_op, "sgemm"},         {(void *) th_cont_op, "copy"},
+        {(void *) th_silu_back_op, "silu_back"}, {(void *) th_gelu_op, "gelu"},
+        {(void *) th_gelu_back_op, "gelu_back"}, {(void *) th_soft_max_op, "softmax"},
+        {(void *) th_rms_norm_op, "rms_norm"},   {(void *) th_rms_norm_back_op, "rms_norm_back"},
+        {(void *) th_add_rows_op, "add_rows"},   {(void *) th_rope_op, "rope"},
+        {(void *) th_cross_entropy_op, "cross_entropy"}, {(void *) th_centre_op, "centre"},
+    };
+    for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
+        if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
+    }
+    return NULL;
+}
+
 /* ---- the rewrite ------------------------------------------------------------------------- */
 static void th_set_custom1(struct ggml_tensor * t, ggml_custom1_op_t fun, const struct ggml_tensor * src, void * ud) {
     struct ggml_map_custom1_op_params p = {fun, GGML_N_TASKS_MAX, ud};

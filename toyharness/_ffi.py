@@ -158,6 +158,7 @@ void th_install_abort_handler(void);
 void th_set_log_level(int min_level);
 void th_clear_ctx_alloc(ggml_context * ctx);
 double th_node_matmul_flops(const ggml_tensor * t);
+const char * th_kernel_name(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
 int th_cpu_rewrite(ggml_cgraph * graph);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);

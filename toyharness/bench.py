@@ -122,7 +122,7 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
 @dataclass
 class OpTime:
     op: str            # the ggml op as the graph was built
-    kernel: str        # "ggml"; "toyharness" where native/cpu_kernels.c stands in for it; "fused away"
+    kernel: str        # "ggml", the native/cpu_kernels.c kernel's name (th_kernel_name), or "fused away"
     nodes: int
     ms: float
 
@@ -157,10 +157,12 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
     per_node = np.median(runs, axis=0) / 1e3
     table: dict[tuple[str, str], OpTime] = {}
     for i in range(n):
-        now = ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
-        kernel = "ggml"
-        if now != built[i]:  # native/cpu_kernels.c took the node, or folded it into another one
-            kernel = "fused away" if now == "NONE" else "toyharness"
+        node = lib.ggml_graph_node(graph, i)
+        now = ffi.string(lib.ggml_op_desc(node)).decode()
+        name = lib.th_kernel_name(node)
+        kernel = ffi.string(name).decode() if name != ffi.NULL else "ggml"
+        if now == "NONE" and built[i] != "NONE":      # folded into another node's kernel
+            kernel = "fused away"
         row = table.setdefault((built[i], kernel), OpTime(built[i], kernel, 0, 0.0))
         row.nodes += 1
         row.ms += float(per_node[i])

@@ -212,10 +212,10 @@ def _bench_profile(args, names: list[str]) -> int:
     for name in names:
         total, ops = bench.profile_recipe(name, args.backend, threads, args.set)
         print(f"{name}: {args.backend}, {threads} threads; nodes timed one at a time: {total:.2f} ms per step")
-        print(f"  {'op':<26}{'kernel':<12}{'nodes':>6}{'ms':>9}{'share':>8}")
+        print(f"  {'op':<26}{'kernel':<14}{'nodes':>6}{'ms':>9}{'share':>8}")
         for o in ops:
             if o.ms >= 0.005 * total:
-                print(f"  {o.op:<26}{o.kernel:<12}{o.nodes:6d}{o.ms:9.3f}{100 * o.ms / total:7.1f}%")
+                print(f"  {o.op:<26}{o.kernel:<14}{o.nodes:6d}{o.ms:9.3f}{100 * o.ms / total:7.1f}%")
         rest = [o for o in ops if o.ms < 0.005 * total]
         if rest:
             print(f"  {f'{len(rest)} more ops':<38}{sum(o.nodes for o in rest):6d}{sum(o.ms for o in rest):9.3f}"
