@@ -222,7 +222,7 @@ def test_a_fused_bias_product_read_by_a_later_graph_is_an_error():
     b = RNG.normal(size=8).astype(np.float32)
     prog = get_engine("cpu", 2).program()
     ones = prog.constant("ones.10", np.ones((10, 1), np.float32))
-    rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named("th.bias_rows")
+    rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named(blocks.BIAS_ROWS)
     np.testing.assert_array_equal(prog.forward({"out": prog.param("y", y) + rows}).run({})["out"], y + b)
     with pytest.raises(RuntimeError, match="fused node is read"):
         prog.forward({"rows": rows.scale(2.0)}).run({})
@@ -233,7 +233,7 @@ def test_a_bias_product_read_elsewhere_in_its_graph_stays_a_product():
     b = RNG.normal(size=8).astype(np.float32)
     prog = get_engine("cpu", 2).program()
     ones = prog.constant("ones.10", np.ones((10, 1), np.float32))
-    rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named("th.bias_rows")
+    rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named(blocks.BIAS_ROWS)
     out = prog.forward({"out": prog.param("y", y) + rows, "twice": rows.scale(2.0)}).run({})
     np.testing.assert_array_equal(out["out"], y + b)
     np.testing.assert_array_equal(out["twice"], np.broadcast_to(2 * b, (10, 8)))

@@ -19,7 +19,9 @@ from ..errors import ShapeError
 from .tensor import Tensor
 
 GELU_C = math.sqrt(2.0 / math.pi)
-GELU_STAND_IN = "th.gelu_tanh"      # TH_GELU_NAME in native/cpu_kernels.c
+# node names that native/cpu_kernels.c's rewrite looks for (TH_GELU_NAME, TH_BIAS_ROWS_NAME)
+GELU_STAND_IN = "th.gelu_tanh"
+BIAS_ROWS = "th.bias_rows"
 
 
 @dataclass
@@ -54,7 +56,7 @@ def add_bias(y: Tensor, b: Tensor) -> Tensor:
     rows = y.numel() // n
     ones = y.prog.cached_constant(f"ones.{rows}", lambda: np.ones((rows, 1), np.float32))
     # named for the cpu rewrite, which adds b to y's rows instead (th_add_rows_op)
-    return y + ones.matmul_t(b.reshape(n, 1)).named("th.bias_rows").reshape(*y.shape)
+    return y + ones.matmul_t(b.reshape(n, 1)).named(BIAS_ROWS).reshape(*y.shape)
 
 
 def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
