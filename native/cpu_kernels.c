@@ -68,6 +68,29 @@ static inline int64_t th_rows_per_task(int64_t row_len) {
     return row_len >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / (row_len > 0 ? row_len : 1);
 }
 
+/* The next chunk [*i0, *i1) of an elementwise kernel over n elements that this thread takes
+ * (TH_EW_CHUNK elements a task); 0 when none is left.
+ * Use: int64_t claims = 0, i0, i1; while (th_next_chunk(dst, n, ith, nth, &claims, &i0, &i1)) ... */
+static int th_next_chunk(struct ggml_tensor * dst, int64_t n, int ith, int nth, int64_t * claims, int64_t * i0,
+                         int64_t * i1) {
+    const int64_t task = th_next_task(dst, (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK, ith, nth, claims);
+    if (task < 0) return 0;
+    *i0 = task * TH_EW_CHUNK;
+    *i1 = *i0 + TH_EW_CHUNK < n ? *i0 + TH_EW_CHUNK : n;
+    return 1;
+}
+
+/* The next block of rows [*r0, *r1) of a row-wise kernel over nr rows of row_len elements that
+ * this thread takes (th_rows_per_task rows a task); 0 when none is left. */
+static int th_next_rows(struct ggml_tensor * dst, int64_t nr, int64_t row_len, int ith, int nth, int64_t * claims,
+                        int64_t * r0, int64_t * r1) {
+    const int64_t rpt = th_rows_per_task(row_len), task = th_next_task(dst, (nr + rpt - 1) / rpt, ith, nth, claims);
+    if (task < 0) return 0;
+    *r0 = task * rpt;
+    *r1 = *r0 + rpt < nr ? *r0 + rpt : nr;
+    return 1;
+}
+
 /* row r of t (rows counted over ne1, ne2, ne3) */
 static inline char * th_row(const struct ggml_tensor * t, int64_t r) {
     const int64_t i1 = r % t->ne[1], i2 = (r / t->ne[1]) % t->ne[2], i3 = r / (t->ne[1] * t->ne[2]);
@@ -178,11 +201,9 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
     if (s0 == sizeof(float)) {
         /* rows are contiguous (a permute of the outer axes): tasks of whole rows over i1, i2, i3;
          * rows are often short (a 16-float attention head), so an inline loop, not a memcpy */
-        const int64_t nr = ne1 * ne2 * ne3, rpt = th_rows_per_task(ne0), tasks = (nr + rpt - 1) / rpt;
-        int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
-            const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
-            for (int64_t r = task * rpt; r < r1; r++) {
+        int64_t claims = 0, r0, r1;
+        while (th_next_rows(dst, ne1 * ne2 * ne3, ne0, ith, nth, &claims, &r0, &r1)) {
+            for (int64_t r = r0; r < r1; r++) {
                 const float * src_row = (const float *) th_row(src, r);
                 float * dst_row = (float *) dst->data + r * ne0;
                 for (int64_t i0 = 0; i0 < ne0; i0++) dst_row[i0] = src_row[i0];
@@ -272,12 +293,10 @@ static float th_lane_sum_exp(const float * x, int64_t n, float shift) {
 static void th_silu_back_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
                             int ith, int nth, void * userdata) {
     (void) userdata;
-    const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
-        const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
+    int64_t claims = 0, i0, i1;
+    while (th_next_chunk(dst, ggml_nelements(dst), ith, nth, &claims, &i0, &i1)) {
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
             const float s = 1.0f / (1.0f + th_expf(-x[i]));
@@ -307,12 +326,10 @@ static const char TH_GELU_NAME[] = "th.gelu_tanh";
 
 static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
     (void) userdata;
-    const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
     const float * x = (const float *) src->data;
     float * y = (float *) dst->data;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
-        const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
+    int64_t claims = 0, i0, i1;
+    while (th_next_chunk(dst, ggml_nelements(dst), ith, nth, &claims, &i0, &i1)) {
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
             const float xi = x[i];
@@ -324,12 +341,10 @@ static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
 static void th_gelu_back_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
                             int ith, int nth, void * userdata) {
     (void) userdata;
-    const int64_t n = ggml_nelements(dst), tasks = (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
-        const int64_t i0 = task * TH_EW_CHUNK, i1 = i0 + TH_EW_CHUNK < n ? i0 + TH_EW_CHUNK : n;
+    int64_t claims = 0, i0, i1;
+    while (th_next_chunk(dst, ggml_nelements(dst), ith, nth, &claims, &i0, &i1)) {
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
             const float xi = x[i], x2 = xi * xi;
@@ -368,10 +383,8 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
     float scale;
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
-    const int64_t rpt = th_rows_per_task(nc), tasks = (nr + rpt - 1) / rpt;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
-        const int64_t r0 = task * rpt, r1 = r0 + rpt < nr ? r0 + rpt : nr;
+    int64_t claims = 0, r0, r1;
+    while (th_next_rows(dst, nr, nc, ith, nth, &claims, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
             const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
             const float * xp = (const float *) ((const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3]);
@@ -439,11 +452,10 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
                              int ith, int nth) {
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
-    const int64_t n = src->ne[0], nr = ggml_nrows(src), rpt = th_rows_per_task(n), tasks = (nr + rpt - 1) / rpt;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
-        const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
-        for (int64_t r = task * rpt; r < r1; r++) {
+    const int64_t n = src->ne[0];
+    int64_t claims = 0, r0, r1;
+    while (th_next_rows(dst, ggml_nrows(src), n, ith, nth, &claims, &r0, &r1)) {
+        for (int64_t r = r0; r < r1; r++) {
             const float * x = (const float *) th_row(src, r);
             float * y = (float *) th_row(dst, r);
             const float sum_xx = th_lane_dot(x, x, n), rrms = 1.0f / sqrtf(sum_xx / (float) n + eps);
@@ -496,12 +508,11 @@ static const char TH_BIAS_ROWS_NAME[] = "th.bias_rows";
 static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * y, const struct ggml_tensor * b,
                            int ith, int nth, void * userdata) {
     (void) userdata;
-    const int64_t n = dst->ne[0], nr = ggml_nrows(dst), rpt = th_rows_per_task(n), tasks = (nr + rpt - 1) / rpt;
+    const int64_t n = dst->ne[0];
     const float * bias = (const float *) b->data;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
-        const int64_t r1 = (task + 1) * rpt < nr ? (task + 1) * rpt : nr;
-        for (int64_t r = task * rpt; r < r1; r++) {
+    int64_t claims = 0, r0, r1;
+    while (th_next_rows(dst, ggml_nrows(dst), n, ith, nth, &claims, &r0, &r1)) {
+        for (int64_t r = r0; r < r1; r++) {
             const float * yr = (const float *) th_row(y, r);
             float * d = (float *) th_row(dst, r);
 #pragma GCC ivdep

@@ -217,24 +217,26 @@ def test_bias_rows_add_b_to_each_row_with_the_same_bits():
     np.testing.assert_array_equal(g, g0)
 
 
-def test_a_fused_bias_product_read_by_a_later_graph_is_an_error():
+def bias_rows_by_hand():
+    """y (10, 8), b (8,) and the named product ones @ b that blocks.add_bias builds."""
     y = RNG.normal(size=(10, 8)).astype(np.float32)
     b = RNG.normal(size=8).astype(np.float32)
     prog = get_engine("cpu", 2).program()
     ones = prog.constant("ones.10", np.ones((10, 1), np.float32))
     rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named(blocks.BIAS_ROWS)
-    np.testing.assert_array_equal(prog.forward({"out": prog.param("y", y) + rows}).run({})["out"], y + b)
+    return prog, prog.param("y", y), rows, y, b
+
+
+def test_a_fused_bias_product_read_by_a_later_graph_is_an_error():
+    prog, yt, rows, y, b = bias_rows_by_hand()
+    np.testing.assert_array_equal(prog.forward({"out": yt + rows}).run({})["out"], y + b)
     with pytest.raises(RuntimeError, match="fused node is read"):
         prog.forward({"rows": rows.scale(2.0)}).run({})
 
 
 def test_a_bias_product_read_elsewhere_in_its_graph_stays_a_product():
-    y = RNG.normal(size=(10, 8)).astype(np.float32)
-    b = RNG.normal(size=8).astype(np.float32)
-    prog = get_engine("cpu", 2).program()
-    ones = prog.constant("ones.10", np.ones((10, 1), np.float32))
-    rows = ones.matmul_t(prog.param("b", b).reshape(8, 1)).named(blocks.BIAS_ROWS)
-    out = prog.forward({"out": prog.param("y", y) + rows, "twice": rows.scale(2.0)}).run({})
+    prog, yt, rows, y, b = bias_rows_by_hand()
+    out = prog.forward({"out": yt + rows, "twice": rows.scale(2.0)}).run({})
     np.testing.assert_array_equal(out["out"], y + b)
     np.testing.assert_array_equal(out["twice"], np.broadcast_to(2 * b, (10, 8)))
 
