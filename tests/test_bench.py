@@ -38,6 +38,20 @@ def test_side_by_side_run_writes_both_sides(tmp_path):
     assert r["speedup"] == pytest.approx(r["torch_ms_per_step"] / r["ms_per_step"], rel=1e-2)
     assert r["timed_steps"] >= 10 and r["config"]["d_model"] == 64
     assert doc["fp32_ceiling_gflops"] > 0 and 0 < r["ceiling_pct"] < 100
+    rounds = r["round_medians_ms"]                 # 10 steps in rounds of 5: 2 rounds a side
+    assert len(rounds["toyharness"]) == len(rounds["pytorch"]) == 2
+    assert min(rounds["toyharness"]) <= r["ms_per_step"] <= max(rounds["toyharness"])
+
+
+def test_drift_names_the_side_whose_rounds_moved():
+    from toyharness.bench import Result
+
+    def result(ours, theirs):
+        return Result("gpt2", 20.0, 25.0, 1024, "tokens", 200.0, 300.0, None, None, {},
+                      {"round_medians_ms": {"toyharness": ours, "pytorch": theirs}})
+
+    assert result([20.0, 21.0, 23.5], [25.0, 26.0, 25.5]).drift() == {}
+    assert result([20.0, 32.0, 21.0], [25.0, 26.0, 25.5]).drift() == {"toyharness": (20.0, 32.0)}
 
 
 def test_profile_names_ops_and_kernels_without_torch(tmp_path):

@@ -13,6 +13,9 @@ vit_tiny), peak RSS of each worker, the step's matrix-product GFLOP/s (counted f
 graph: MUL_MAT and OUT_PROD) against the FP32 matmul ceiling measured once with a 2048^3
 sgemm at the same thread count, and the host overhead: each timed step minus its ggml graph
 compute (timed inside the step), median over the steps, as a share of the median step.
+bench.json also keeps each round's median per side; where a side's rounds differ by more than
+DRIFT, the machine's speed moved during the recipe (a shared VM's slow minutes) and `bench`
+says so: such a run's ratio is worth checking against others.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ N_BATCHES = 8          # distinct batches cycled through (same ones on both side
 # Pause before each block of steps: OpenMP threads of the side that just ran spin-wait for a
 # while after their last parallel region; on 2 cores they would steal the other side's time.
 SETTLE_S = float(os.environ.get("TOYHARNESS_BENCH_SETTLE", "0.3"))
+# Round medians of one side further apart than this, and `bench` says the machine's speed moved.
+DRIFT = 0.2
 
 
 def _peak_rss_mb() -> float:
@@ -257,6 +262,12 @@ class Result:
     config: dict
     extra: dict = field(default_factory=dict)
 
+    def drift(self) -> dict[str, tuple[float, float]]:
+        """Each side's slowest and fastest round median, where they differ by more than
+        DRIFT (the machine's speed moved during this recipe's rounds)."""
+        rounds = self.extra.get("round_medians_ms", {})
+        return {side: (min(v), max(v)) for side, v in rounds.items() if v and max(v) > (1 + DRIFT) * min(v)}
+
     @property
     def speedup(self) -> float:
         return self.torch_ms_per_step / self.ms_per_step
@@ -323,7 +334,10 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
                 order = ((g, timed), (t, theirs))
                 for conn, sink in (order if r % 2 == 0 else order[::-1]):
                     time.sleep(SETTLE_S)
-                    sink += _ask(conn, ("steps", round_steps))
+                    sink.append(_ask(conn, ("steps", round_steps)))
+            by_round = {"toyharness": [statistics.median(ms for ms, _ in rnd) for rnd in timed],
+                        "pytorch": [statistics.median(rnd) for rnd in theirs]}
+            timed, theirs = [x for rnd in timed for x in rnd], [x for rnd in theirs for x in rnd]
             mine, other = _ask(g, ("done", 0)), _ask(t, ("done", 0))
         finally:
             tproc.join(30)
@@ -336,7 +350,8 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
     item = "images" if "images" in info["batches"][0] else "tokens"
     gflops = mine["flops"] / (ms / 1e3) / 1e9 if mine["flops"] else None
     extra = {"torch_optimizer": tinfo["optimizer"], "torch_version": tinfo["torch"], "timed_steps": len(ours),
-             "fingerprint": info["fingerprint"]}
+             "fingerprint": info["fingerprint"],
+             "round_medians_ms": {side: [round(x, 3) for x in v] for side, v in by_round.items()}}
     if other.get("device_peak_mb") is not None:
         extra["torch_device_peak_mb"] = round(other["device_peak_mb"], 1)
     return Result(recipe, ms, statistics.median(theirs), info["items"], item, mine["peak_rss_mb"],

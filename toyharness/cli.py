@@ -195,6 +195,10 @@ def cmd_bench(args) -> int:
         host = f"{r.host_overhead_pct:6.1f}%" if r.host_overhead_pct is not None else f"{'-':>7}"
         print(f"{name:<11}{r.ms_per_step:10.2f}ms{r.torch_ms_per_step:8.2f}ms{r.speedup:8.2f}x"
               f"{doc[r.item + '_per_s']:11,.0f}{r.peak_rss_mb:8.0f}{r.torch_peak_rss_mb:10.0f}{gf}{ceil}{host}")
+        drift = r.drift()
+        if drift:
+            spans = ", ".join(f"{side} rounds {lo:.2f}-{hi:.2f} ms" for side, (lo, hi) in drift.items())
+            print(f"  note: the machine's speed moved during {name} ({spans}); compare several runs")
     doc = {"backend": args.backend, "threads": threads, "fingerprint": engine.fingerprint(),
            "steps": args.steps, "warmup": args.warmup,
            "fp32_ceiling_gflops": None if ceiling is None else round(ceiling, 1),
