@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+# Written out, not toyharness.bench.step_timer: checkout A may predate it.
 WORKER = """
 import json, sys, time
 from toyharness.bench import realize_for_bench

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from toyharness.bench import realize_for_bench
+from toyharness.bench import realize_for_bench, step_timer
 from toyharness.runner import batch_for
 
 
@@ -28,16 +28,7 @@ def main() -> None:
     ap.add_argument("--slow-ms", type=float, default=28.0, help="a 2-thread step above this is a slow round")
     args = ap.parse_args()
     pm, opts, data, engine, model = realize_for_bench(args.recipe, "cpu", 2, [])
-    batches = [batch_for(data, "train", i, opts) for i in range(8)]
-    done = 0
-
-    def step() -> float:
-        nonlocal done
-        row = pm.hook.hp(options=opts, step=done)
-        t0 = time.perf_counter()
-        pm.hook.step(model=model, batch=batches[done % 8], hp=row)
-        done += 1
-        return (time.perf_counter() - t0) * 1e3
+    step = step_timer(pm, opts, model, [batch_for(data, "train", i, opts) for i in range(8)])
 
     def timed(fn) -> float:
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -79,6 +79,22 @@ def realize_for_bench(recipe: str, backend: str, threads: int, sets: list[str] |
     return pm, opts, data, engine, pm.hook.realize(engine=engine, options=opts, data=data)
 
 
+def step_timer(pm, opts, model, batches: list) -> Callable[[], float]:
+    """A function that runs the next training step, cycling through `batches`, and returns its
+    ms (the AdamW row is made outside the timing)."""
+    done = 0
+
+    def timed_step() -> float:
+        nonlocal done
+        row = pm.hook.hp(options=opts, step=done)
+        t0 = time.perf_counter()
+        pm.hook.step(model=model, batch=batches[done % len(batches)], hp=row)
+        done += 1
+        return (time.perf_counter() - t0) * 1e3
+
+    return timed_step
+
+
 # --- the toyharness side --------------------------------------------------------------------------
 def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str]) -> None:
     from ._ffi import lib
@@ -94,17 +110,12 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
     cfg, frozen = reference_config(opts)
     conn.send({"items": items_per_batch(data, opts), "batches": batches, "params": params,
                "frozen": frozen, "cfg": cfg, "fingerprint": engine.fingerprint(), "options": opts.to_dict()})
-    step = 0
+    step = step_timer(pm, opts, model, batches)
 
     def timed_step() -> tuple[float, float | None]:
-        """One training step (the AdamW row made outside the timing): ms, and the ms of it spent
-        outside the ggml graph compute (None without a ggml trainer)."""
-        nonlocal step
-        row = pm.hook.hp(options=opts, step=step)
-        t0 = time.perf_counter()
-        pm.hook.step(model=model, batch=batches[step % N_BATCHES], hp=row)
-        ms = (time.perf_counter() - t0) * 1e3
-        step += 1
+        """One step's ms, and the ms of it spent outside the ggml graph compute (None without a
+        ggml trainer)."""
+        ms = step()
         return ms, (ms - trainer.prog.last_compute_s * 1e3 if trainer is not None else None)
 
     while True:
