@@ -30,50 +30,34 @@
 
 /* ---- tasks ----------------------------------------------------------------------------------
  * A kernel's work is cut into tasks fixed by the shapes; what a task computes does not depend
- * on which thread runs it, so the bits do not depend on how tasks meet threads. Each thread
- * takes task ith first. Where there are at least TH_CLAIM_ROUNDS tasks per thread, the rest
- * are claimed one at a time from a counter: a thread that the machine slows, or that wakes
- * late, then takes fewer tasks instead of holding the others at ggml's barrier after the node.
- * Fewer tasks are dealt round-robin: claiming costs an atomic on a line all threads share,
- * more than balancing small nodes saves (measured: 11% of a vit_tiny step at 16 threads).
- * The counters live in the node's op_params (th_set_custom* zeroes them); the last thread to
- * find none left resets them, before ggml's barrier lets anyone reach this node again. Every
- * thread of the compute calls a custom op (ggml passes nth = its thread count).
- * Use: int64_t claims = 0; for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) */
-enum { TH_NEXT_SLOT = 10, TH_DONE_SLOT = 11, TH_CLAIM_ROUNDS = 4 };
-
-static int64_t th_next_task(struct ggml_tensor * dst, int64_t tasks, int ith, int nth, int64_t * claims) {
-    const int64_t call = (*claims)++;
-    if (tasks < (int64_t) TH_CLAIM_ROUNDS * nth) {
-        const int64_t task = ith + call * nth;
-        return task < tasks ? task : -1;
-    }
-    if (call == 0) return ith;
-    int32_t * next = &dst->op_params[TH_NEXT_SLOT], * done = &dst->op_params[TH_DONE_SLOT];
-    const int64_t task = nth + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-    if (task < tasks) return task;
-    if (__atomic_add_fetch(done, 1, __ATOMIC_ACQ_REL) == nth) {
-        __atomic_store_n(next, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(done, 0, __ATOMIC_RELEASE);
-    }
-    return -1;
+ * on which thread runs it, so the bits do not depend on how tasks meet threads. Thread ith of
+ * nth (ggml calls a custom op on each of its threads) takes one contiguous run of them: the
+ * ith nth-part, as ggml's own kernels split rows. A row (a token, mostly) then stays with the
+ * same thread from node to node, in its cache. That matters on the 2-core VM: at times its two
+ * CPUs sit far apart (a cache line's round trip between them goes from about 55 to 400 ns:
+ * th_cpu_round_trip_ns, printed by scripts/machine_drift.py), and tasks claimed from a shared
+ * counter, which scatter rows over the threads, then made a gpt2 step 1.2x slower.
+ * Use: int64_t taken = 0; for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) */
+static int64_t th_next_task(int64_t tasks, int ith, int nth, int64_t * taken) {
+    const int64_t task = tasks * ith / nth + (*taken)++;
+    return task < tasks * (ith + 1) / nth ? task : -1;
 }
 
 enum { TH_EW_CHUNK = 4096 }; /* elements per task of an elementwise kernel */
 
 /* Rows per task of a row-wise kernel: about TH_EW_CHUNK elements, at least one row. Fixed by the
- * shape; short rows (a 17-wide attention row) would otherwise make tasks so small that claiming
- * them costs more than their work. */
+ * shape; short rows (a 17-wide attention row) would otherwise make tasks so small that their
+ * overhead costs more than their work. */
 static inline int64_t th_rows_per_task(int64_t row_len) {
     return row_len >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / (row_len > 0 ? row_len : 1);
 }
 
 /* The next chunk [*i0, *i1) of an elementwise kernel over n elements that this thread takes
  * (TH_EW_CHUNK elements a task); 0 when none is left.
- * Use: int64_t claims = 0, i0, i1; while (th_next_chunk(dst, n, ith, nth, &claims, &i0, &i1)) ... */
-static int th_next_chunk(struct ggml_tensor * dst, int64_t n, int ith, int nth, int64_t * claims, int64_t * i0,
+ * Use: int64_t taken = 0, i0, i1; while (th_next_chunk(n, ith, nth, &taken, &i0, &i1)) ... */
+static int th_next_chunk(int64_t n, int ith, int nth, int64_t * taken, int64_t * i0,
                          int64_t * i1) {
-    const int64_t task = th_next_task(dst, (n + TH_EW_CHUNK - 1) / TH_EW_CHUNK, ith, nth, claims);
+    const int64_t task = th_next_task((n + TH_EW_CHUNK - 1) / TH_EW_CHUNK, ith, nth, taken);
     if (task < 0) return 0;
     *i0 = task * TH_EW_CHUNK;
     *i1 = *i0 + TH_EW_CHUNK < n ? *i0 + TH_EW_CHUNK : n;
@@ -82,9 +66,9 @@ static int th_next_chunk(struct ggml_tensor * dst, int64_t n, int ith, int nth, 
 
 /* The next block of rows [*r0, *r1) of a row-wise kernel over nr rows of row_len elements that
  * this thread takes (th_rows_per_task rows a task); 0 when none is left. */
-static int th_next_rows(struct ggml_tensor * dst, int64_t nr, int64_t row_len, int ith, int nth, int64_t * claims,
+static int th_next_rows(int64_t nr, int64_t row_len, int ith, int nth, int64_t * taken,
                         int64_t * r0, int64_t * r1) {
-    const int64_t rpt = th_rows_per_task(row_len), task = th_next_task(dst, (nr + rpt - 1) / rpt, ith, nth, claims);
+    const int64_t rpt = th_rows_per_task(row_len), task = th_next_task((nr + rpt - 1) / rpt, ith, nth, taken);
     if (task < 0) return 0;
     *r0 = task * rpt;
     *r1 = *r0 + rpt < nr ? *r0 + rpt : nr;
@@ -98,7 +82,7 @@ static inline char * th_row(const struct ggml_tensor * t, int64_t r) {
 }
 
 /* the op_params slot where a rewritten node keeps its own parameter (scale, eps); slots 0-5 hold
- * the custom op's, TH_NEXT_SLOT and TH_DONE_SLOT the task counters */
+ * the custom op's */
 enum { TH_PARAM_SLOT = 8 };
 
 /* ---- matrix products through an external sgemm ---------------------------------------------
@@ -151,8 +135,8 @@ static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, c
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t blocks = (M + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
     const int64_t tasks = blocks * dst->ne[2] * dst->ne[3];
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
+    int64_t taken = 0;
+    for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
         const int64_t blk = task % blocks, i2 = (task / blocks) % dst->ne[2], i3 = task / (blocks * dst->ne[2]);
         const int64_t m0 = blk * TH_GEMM_ROWS, rows = M - m0 < TH_GEMM_ROWS ? M - m0 : TH_GEMM_ROWS;
         const char * pa = (const char *) a->data + (i2 / r2) * a->nb[2] + (i3 / r3) * a->nb[3];
@@ -201,8 +185,8 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
     if (s0 == sizeof(float)) {
         /* rows are contiguous (a permute of the outer axes): tasks of whole rows over i1, i2, i3;
          * rows are often short (a 16-float attention head), so an inline loop, not a memcpy */
-        int64_t claims = 0, r0, r1;
-        while (th_next_rows(dst, ne1 * ne2 * ne3, ne0, ith, nth, &claims, &r0, &r1)) {
+        int64_t taken = 0, r0, r1;
+        while (th_next_rows(ne1 * ne2 * ne3, ne0, ith, nth, &taken, &r0, &r1)) {
             for (int64_t r = r0; r < r1; r++) {
                 const float * src_row = (const float *) th_row(src, r);
                 float * dst_row = (float *) dst->data + r * ne0;
@@ -217,8 +201,8 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
     const int64_t block_elems = (ne1 < TH_COPY_TILE ? ne1 : TH_COPY_TILE) * ne0;
     const int64_t spt = block_elems >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / (block_elems > 0 ? block_elems : 1);
     const int64_t groups = (n23 + spt - 1) / spt, tasks = blocks * groups;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
+    int64_t taken = 0;
+    for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
         const int64_t blk = task % blocks, g0 = (task / blocks) * spt, g1 = g0 + spt < n23 ? g0 + spt : n23;
         const int64_t r0 = blk * TH_COPY_TILE, r1 = r0 + TH_COPY_TILE < ne1 ? r0 + TH_COPY_TILE : ne1;
         for (int64_t g = g0; g < g1; g++) {
@@ -295,8 +279,8 @@ static void th_silu_back_op(struct ggml_tensor * dst, const struct ggml_tensor *
     (void) userdata;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
-    int64_t claims = 0, i0, i1;
-    while (th_next_chunk(dst, ggml_nelements(dst), ith, nth, &claims, &i0, &i1)) {
+    int64_t taken = 0, i0, i1;
+    while (th_next_chunk(ggml_nelements(dst), ith, nth, &taken, &i0, &i1)) {
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
             const float s = 1.0f / (1.0f + th_expf(-x[i]));
@@ -328,8 +312,8 @@ static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
     (void) userdata;
     const float * x = (const float *) src->data;
     float * y = (float *) dst->data;
-    int64_t claims = 0, i0, i1;
-    while (th_next_chunk(dst, ggml_nelements(dst), ith, nth, &claims, &i0, &i1)) {
+    int64_t taken = 0, i0, i1;
+    while (th_next_chunk(ggml_nelements(dst), ith, nth, &taken, &i0, &i1)) {
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
             const float xi = x[i];
@@ -343,8 +327,8 @@ static void th_gelu_back_op(struct ggml_tensor * dst, const struct ggml_tensor *
     (void) userdata;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
-    int64_t claims = 0, i0, i1;
-    while (th_next_chunk(dst, ggml_nelements(dst), ith, nth, &claims, &i0, &i1)) {
+    int64_t taken = 0, i0, i1;
+    while (th_next_chunk(ggml_nelements(dst), ith, nth, &taken, &i0, &i1)) {
 #pragma GCC ivdep
         for (int64_t i = i0; i < i1; i++) {
             const float xi = x[i], x2 = xi * xi;
@@ -383,8 +367,8 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
     float scale;
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
-    int64_t claims = 0, r0, r1;
-    while (th_next_rows(dst, nr, nc, ith, nth, &claims, &r0, &r1)) {
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(nr, nc, ith, nth, &taken, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
             const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
             const float * xp = (const float *) ((const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3]);
@@ -453,8 +437,8 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t n = src->ne[0];
-    int64_t claims = 0, r0, r1;
-    while (th_next_rows(dst, ggml_nrows(src), n, ith, nth, &claims, &r0, &r1)) {
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(ggml_nrows(src), n, ith, nth, &taken, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
             const float * x = (const float *) th_row(src, r);
             float * y = (float *) th_row(dst, r);
@@ -510,8 +494,8 @@ static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * 
     (void) userdata;
     const int64_t n = dst->ne[0];
     const float * bias = (const float *) b->data;
-    int64_t claims = 0, r0, r1;
-    while (th_next_rows(dst, ggml_nrows(dst), n, ith, nth, &claims, &r0, &r1)) {
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(ggml_nrows(dst), n, ith, nth, &taken, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
             const float * yr = (const float *) th_row(y, r);
             float * d = (float *) th_row(dst, r);
@@ -550,8 +534,8 @@ static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, c
     const int64_t tasks = (ne2 + ppt - 1) / ppt;
     const int32_t * positions = (const int32_t *) pos->data;
     float cache[TH_ROPE_MAX_DIM];
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
+    int64_t taken = 0;
+    for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
         const int64_t p1 = (task + 1) * ppt < ne2 ? (task + 1) * ppt : ne2;
         for (int64_t i2 = task * ppt; i2 < p1; i2++) {
             float theta = (float) positions[i2];
@@ -653,8 +637,8 @@ static void th_centre_op(struct ggml_tensor * dst, const struct ggml_tensor * x,
     /* row i, column k of the operand: along x's ne1 / ne0 for MUL_MAT, ne0 / ne1 for OUT_PROD */
     const size_t s_row = out_prod ? x->nb[0] : x->nb[1], s_col = out_prod ? x->nb[1] : x->nb[0];
     const int64_t tasks = (rows + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
-    int64_t claims = 0;
-    for (int64_t task; (task = th_next_task(dst, tasks, ith, nth, &claims)) >= 0;) {
+    int64_t taken = 0;
+    for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
         const int64_t r0 = task * TH_GEMM_ROWS, r1 = r0 + TH_GEMM_ROWS < rows ? r0 + TH_GEMM_ROWS : rows;
         for (int64_t i = r0; i < r1; i++) {
             const char * row = (const char *) x->data + i * s_row;

@@ -8,10 +8,15 @@
  * - a step's host work in one call each where numpy's per-call cost showed (th_zero_tensors,
  *   th_feed_*).
  */
+#define _GNU_SOURCE /* pthread_setaffinity_np */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -148,3 +153,75 @@ TH_EXPORT int th_graph_profile(ggml_backend_t backend, struct ggml_cgraph * grap
     }
     return 0;
 }
+
+/* ---- how far apart two CPUs are ------------------------------------------------------------
+ * ns for one round trip of a cache line between a thread pinned to cpu_a and one pinned to
+ * cpu_b (the median of 5 runs of `rounds` trips), or -1 where threads cannot be pinned there
+ * (or cpu_a == cpu_b). On the
+ * 2-core VM this is about 55 ns most of the time and about 400 ns in phases when the host puts
+ * its two CPUs far apart; threads that share data then pay for it (native/cpu_kernels.c, tasks). */
+#if defined(__linux__)
+struct th_ping {
+    _Alignas(64) volatile int turn;
+    int cpu, rounds, ok;
+};
+
+static int th_pin_self(int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
+}
+
+static void * th_pong(void * arg) {
+    struct th_ping * p = arg;
+    p->ok = th_pin_self(p->cpu);
+    __atomic_store_n(&p->turn, 2, __ATOMIC_RELEASE);      /* ready */
+    for (int i = 0; i < 5 * p->rounds; i++) {
+        while (__atomic_load_n(&p->turn, __ATOMIC_ACQUIRE) != 1) {}
+        __atomic_store_n(&p->turn, 0, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+static int th_cmp_double(const void * a, const void * b) {
+    const double x = *(const double *) a, y = *(const double *) b;
+    return (x > y) - (x < y);
+}
+
+TH_EXPORT double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds) {
+    struct th_ping p = {.turn = 0, .cpu = cpu_b, .rounds = rounds > 0 ? rounds : 1, .ok = 0};
+    if (cpu_a == cpu_b) return -1.0;   /* two threads on one CPU would take turns, not trips */
+    cpu_set_t before;
+    pthread_t t;
+    if (pthread_getaffinity_np(pthread_self(), sizeof(before), &before) != 0) return -1.0;
+    if (!th_pin_self(cpu_a)) return -1.0;
+    if (pthread_create(&t, NULL, th_pong, &p) != 0) {
+        pthread_setaffinity_np(pthread_self(), sizeof(before), &before);
+        return -1.0;
+    }
+    while (__atomic_load_n(&p.turn, __ATOMIC_ACQUIRE) != 2) {}
+    __atomic_store_n(&p.turn, 0, __ATOMIC_RELEASE);
+    double ns[5];
+    for (int run = 0; run < 5; run++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (int i = 0; i < p.rounds; i++) {
+            __atomic_store_n(&p.turn, 1, __ATOMIC_RELEASE);
+            while (__atomic_load_n(&p.turn, __ATOMIC_ACQUIRE) != 0) {}
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        ns[run] = ((double) (t1.tv_sec - t0.tv_sec) * 1e9 + (double) (t1.tv_nsec - t0.tv_nsec)) / p.rounds;
+    }
+    pthread_join(t, NULL);
+    pthread_setaffinity_np(pthread_self(), sizeof(before), &before);
+    if (!p.ok) return -1.0;
+    qsort(ns, 5, sizeof(double), th_cmp_double);
+    return ns[2];
+}
+#else
+TH_EXPORT double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds) {
+    (void) cpu_a, (void) cpu_b, (void) rounds;
+    return -1.0;
+}
+#endif

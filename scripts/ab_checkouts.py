@@ -2,11 +2,14 @@
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python native/build.py --out toyharness/_native)
     python scripts/ab_checkouts.py gpt2 /tmp/before . [--rounds 10] [--threads 2]
+    python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_POOL=0     # one setting A/B
 
 Each checkout trains the recipe's bench config in its own process (PYTHONPATH = the checkout,
 so each loads its own toyharness and native libraries); the two take turns in rounds of 5
 steps, alternating who goes first, so the machine's drift falls on both alike. Prints the
-median step of each and their ratio (A / B > 1: B is faster).
+median step of each and their ratio (A / B > 1: B is faster), and the same over the slow
+rounds alone: those where A's round took 20% longer than its fastest round (a slow minute of
+a shared VM; see scripts/machine_drift.py).
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ for line in sys.stdin:
 """
 
 
-def spawn(checkout: Path, recipe: str, threads: int) -> subprocess.Popen:
+def spawn(checkout: Path, recipe: str, threads: int, extra_env: dict[str, str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout.resolve()),
-                                                                    os.environ.get("PYTHONPATH")])))
+                                                                    os.environ.get("PYTHONPATH")])), **extra_env)
     probe = subprocess.run([sys.executable, "-P", "-c", "import toyharness; print(toyharness.__file__)"], env=env,
                            capture_output=True, text=True)
     if not probe.stdout.startswith(str(checkout.resolve())):
@@ -65,21 +68,41 @@ def main() -> None:
     ap.add_argument("b", type=Path, help="checkout B")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--env-a", action="append", default=[], metavar="KEY=VALUE", help="set for A's process")
+    ap.add_argument("--env-b", action="append", default=[], metavar="KEY=VALUE", help="set for B's process")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print each round's medians")
     args = ap.parse_args()
-    workers = [spawn(args.a, args.recipe, args.threads), spawn(args.b, args.recipe, args.threads)]
-    times: list[list[float]] = [[], []]
+    envs = [dict(kv.split("=", 1) for kv in args.env_a), dict(kv.split("=", 1) for kv in args.env_b)]
+    workers = [spawn(args.a, args.recipe, args.threads, envs[0]), spawn(args.b, args.recipe, args.threads, envs[1])]
+    rounds: list[list[list[float]]] = []
     for r in range(args.rounds):
+        steps: list[list[float]] = [[], []]
         for side in ((0, 1) if r % 2 == 0 else (1, 0)):
-            time.sleep(0.3)      # the other side's OpenMP threads stop spinning first
+            time.sleep(0.3)      # the other side's idle threads stop spinning first
             workers[side].stdin.write("5\n")
             workers[side].stdin.flush()
-            times[side] += json.loads(workers[side].stdout.readline())
+            steps[side] = json.loads(workers[side].stdout.readline())
+        rounds.append(steps)
+        if args.verbose:
+            print(f"round {r + 1}: A {statistics.median(steps[0]):.2f} ms  B {statistics.median(steps[1]):.2f} ms",
+                  flush=True)
     for w in workers:
         w.stdin.close()
         w.wait()
-    a, b = statistics.median(times[0]), statistics.median(times[1])
-    print(f"{args.recipe}, {args.threads} threads, {len(times[0])} steps each: A {a:.2f} ms  B {b:.2f} ms  "
-          f"A/B {a / b:.3f}")
+
+    def report(label: str, chosen: list[list[list[float]]]) -> None:
+        a = statistics.median(t for r in chosen for t in r[0])
+        b = statistics.median(t for r in chosen for t in r[1])
+        print(f"{args.recipe}, {args.threads} threads, {label}, {5 * len(chosen)} steps each: A {a:.2f} ms  "
+              f"B {b:.2f} ms  A/B {a / b:.3f}")
+
+    report("all rounds", rounds)
+    fastest = min(statistics.median(r[0]) for r in rounds)
+    slow = [r for r in rounds if statistics.median(r[0]) > 1.2 * fastest]
+    if slow:
+        report(f"{len(slow)} slow rounds", slow)
+    else:
+        print("no slow rounds (none of A's rounds took 20% longer than its fastest)")
 
 
 if __name__ == "__main__":

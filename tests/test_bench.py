@@ -3,6 +3,7 @@ bench.json with both sides' figures (needs torch: skipped, saying so, where it i
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -69,3 +70,21 @@ def test_profile_names_ops_and_kernels_without_torch(tmp_path):
     shares = [float(line.split()[-1].rstrip("%")) for line in lines[2:] if line.rstrip().endswith("%")]
     assert 99.0 <= sum(shares) <= 101.0, shares
     assert not list(tmp_path.iterdir())
+
+
+def test_cpu_round_trip_probe_measures_pinned_pairs_and_restores_affinity():
+    """th_cpu_round_trip_ns (scripts/machine_drift.py's "trip"): a pair of distinct CPUs gives a
+    time, a bad pair gives -1, and the caller's own CPU set is left as it was."""
+    from toyharness._ffi import lib
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("pinning threads to CPUs is Linux-only here; the probe returns -1 elsewhere")
+    cpus = sorted(os.sched_getaffinity(0))
+    assert lib.th_cpu_round_trip_ns(cpus[0], cpus[0], 100) == -1.0       # one CPU: no trip to time
+    assert lib.th_cpu_round_trip_ns(cpus[0], 1 << 20, 100) == -1.0       # no such CPU
+    assert sorted(os.sched_getaffinity(0)) == cpus
+    if len(cpus) < 2:
+        pytest.skip("one CPU available: no pair to time")
+    ns = lib.th_cpu_round_trip_ns(cpus[0], cpus[1], 2000)
+    assert 0.0 < ns < 1e6, ns
+    assert sorted(os.sched_getaffinity(0)) == cpus
