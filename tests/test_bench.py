@@ -42,6 +42,8 @@ def test_side_by_side_run_writes_both_sides(tmp_path):
     rounds = r["round_medians_ms"]                 # 10 steps in rounds of 5: 2 rounds a side
     assert len(rounds["toyharness"]) == len(rounds["pytorch"]) == 2
     assert min(rounds["toyharness"]) <= r["ms_per_step"] <= max(rounds["toyharness"])
+    if len(os.sched_getaffinity(0)) >= 2:           # before and after the rounds, both timed
+        assert len(r["cpu_round_trip_ns"]) == 2 and all(ns > 0 for ns in r["cpu_round_trip_ns"])
 
 
 def test_drift_names_the_side_whose_rounds_moved():

@@ -15,7 +15,10 @@ sgemm at the same thread count, and the host overhead: each timed step minus its
 compute (timed inside the step), median over the steps, as a share of the median step.
 bench.json also keeps each round's median per side; where a side's rounds differ by more than
 DRIFT, the machine's speed moved during the recipe (a shared VM's slow minutes) and `bench`
-says so: such a run's ratio is worth checking against others.
+says so: such a run's ratio is worth checking against others. On cpu it also keeps the round
+trip of a cache line between the first two CPUs before and after the recipe's rounds
+(cpu_round_trip_ns): on the 2-core VM it rises from about 90 to about 400 ns in the minutes
+when the host puts the two CPUs far apart, and threads that share data slow down then.
 """
 
 from __future__ import annotations
@@ -93,6 +96,21 @@ def step_timer(pm, opts, model, batches: list) -> Callable[[], float]:
         return (time.perf_counter() - t0) * 1e3
 
     return timed_step
+
+
+def cpu_round_trip_ns() -> float | None:
+    """ns for a cache line's round trip between the first two CPUs this process may use
+    (native/shim.c, th_cpu_round_trip_ns); None with one CPU, or where threads cannot be pinned."""
+    from ._ffi import lib
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return None
+    if len(cpus) < 2:
+        return None
+    ns = lib.th_cpu_round_trip_ns(cpus[0], cpus[1], 20000)
+    return round(ns, 1) if ns > 0 else None
 
 
 # --- the toyharness side --------------------------------------------------------------------------
@@ -337,6 +355,7 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
         tproc, t = _spawn(ctx, _torch_worker, recipe, device, threads, payload)
         try:
             tinfo = _reply(t, "start")
+            trips = [cpu_round_trip_ns()] if backend == "cpu" and threads > 1 else []
             _ask(g, ("steps", warmup))
             _ask(t, ("steps", warmup))
             timed, theirs = [], []
@@ -346,6 +365,8 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
                 for conn, sink in (order if r % 2 == 0 else order[::-1]):
                     time.sleep(SETTLE_S)
                     sink.append(_ask(conn, ("steps", round_steps)))
+            if trips:
+                trips.append(cpu_round_trip_ns())
             by_round = {"toyharness": [statistics.median(ms for ms, _ in rnd) for rnd in timed],
                         "pytorch": [statistics.median(rnd) for rnd in theirs]}
             timed, theirs = [x for rnd in timed for x in rnd], [x for rnd in theirs for x in rnd]
@@ -363,6 +384,8 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
     extra = {"torch_optimizer": tinfo["optimizer"], "torch_version": tinfo["torch"], "timed_steps": len(ours),
              "fingerprint": info["fingerprint"],
              "round_medians_ms": {side: [round(x, 3) for x in v] for side, v in by_round.items()}}
+    if trips and None not in trips:
+        extra["cpu_round_trip_ns"] = trips
     if other.get("device_peak_mb") is not None:
         extra["torch_device_peak_mb"] = round(other["device_peak_mb"], 1)
     return Result(recipe, ms, statistics.median(theirs), info["items"], item, mine["peak_rss_mb"],

@@ -198,6 +198,9 @@ def cmd_bench(args) -> int:
         drift = r.drift()
         if drift:
             spans = ", ".join(f"{side} rounds {lo:.2f}-{hi:.2f} ms" for side, (lo, hi) in drift.items())
+            trips = doc.get("cpu_round_trip_ns")
+            if trips:
+                spans += f"; CPU round trip {trips[0]:.0f} ns before, {trips[1]:.0f} after"
             print(f"  note: the machine's speed moved during {name} ({spans}); compare several runs")
     doc = {"backend": args.backend, "threads": threads, "fingerprint": engine.fingerprint(),
            "steps": args.steps, "warmup": args.warmup,
