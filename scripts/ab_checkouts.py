@@ -2,14 +2,14 @@
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python native/build.py --out toyharness/_native)
     python scripts/ab_checkouts.py gpt2 /tmp/before . [--rounds 10] [--threads 2]
-    python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_POOL=0     # one setting A/B
+    python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_KERNELS=0     # one setting A/B
 
 Each checkout trains the recipe's bench config in its own process (PYTHONPATH = the checkout,
 so each loads its own toyharness and native libraries); the two take turns in rounds of 5
 steps, alternating who goes first, so the machine's drift falls on both alike. Prints the
-median step of each and their ratio (A / B > 1: B is faster), and the same over the slow
-rounds alone: those where A's round took 20% longer than its fastest round (a slow minute of
-a shared VM; see scripts/machine_drift.py).
+median step of each and their ratio (A / B > 1: B is faster), and the same over the rounds
+taken while CPUs 0 and 1 sat far apart: a cache line's round trip between them, timed after
+each round, above twice the run's shortest (the 2-core VM's slow minutes; native/README.md).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from toyharness._ffi import lib
 
 # Written out, not toyharness.bench.step_timer: checkout A may predate it.
 WORKER = """
@@ -75,6 +77,7 @@ def main() -> None:
     envs = [dict(kv.split("=", 1) for kv in args.env_a), dict(kv.split("=", 1) for kv in args.env_b)]
     workers = [spawn(args.a, args.recipe, args.threads, envs[0]), spawn(args.b, args.recipe, args.threads, envs[1])]
     rounds: list[list[list[float]]] = []
+    trips: list[float] = []
     for r in range(args.rounds):
         steps: list[list[float]] = [[], []]
         for side in ((0, 1) if r % 2 == 0 else (1, 0)):
@@ -83,9 +86,10 @@ def main() -> None:
             workers[side].stdin.flush()
             steps[side] = json.loads(workers[side].stdout.readline())
         rounds.append(steps)
+        trips.append(lib.th_cpu_round_trip_ns(0, 1, 20000))
         if args.verbose:
-            print(f"round {r + 1}: A {statistics.median(steps[0]):.2f} ms  B {statistics.median(steps[1]):.2f} ms",
-                  flush=True)
+            print(f"round {r + 1}: A {statistics.median(steps[0]):.2f} ms  B {statistics.median(steps[1]):.2f} ms  "
+                  f"CPU round trip {trips[-1]:.0f} ns", flush=True)
     for w in workers:
         w.stdin.close()
         w.wait()
@@ -97,12 +101,11 @@ def main() -> None:
               f"B {b:.2f} ms  A/B {a / b:.3f}")
 
     report("all rounds", rounds)
-    fastest = min(statistics.median(r[0]) for r in rounds)
-    slow = [r for r in rounds if statistics.median(r[0]) > 1.2 * fastest]
-    if slow:
-        report(f"{len(slow)} slow rounds", slow)
-    else:
-        print("no slow rounds (none of A's rounds took 20% longer than its fastest)")
+    if min(trips) > 0:       # -1: no two CPUs to pin threads to
+        far = [r for r, ns in zip(rounds, trips) if ns > 2 * min(trips)]
+        if far:
+            report(f"{len(far)} rounds with the CPUs far apart", far)
+        print(f"CPU 0-1 round trip after each round: {min(trips):.0f}-{max(trips):.0f} ns")
 
 
 if __name__ == "__main__":
