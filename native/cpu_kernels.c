@@ -13,7 +13,8 @@
  *     each way, through a stand-in node that blocks.gelu_tanh names for this rewrite;
  *   - a bias added as y + ones @ b (blocks.add_bias): y + b, the product not computed;
  *   - ROPE and ROPE_BACK (cos and sin of every position's angles once per batch row): the
- *     table once per position.
+ *     table once per position;
+ *   - OPT_STEP_ADAMW (a scalar loop): the same arithmetic, vectorised.
  * th_cpu_rewrite swaps each such node for a custom op with the same inputs and output. It runs
  * after the backward graph is built: ggml has no backward for custom ops. Every kernel cuts its
  * work into tasks fixed by the shapes alone, never by the thread count, so the bits do not
@@ -25,55 +26,9 @@
 
 #include "ggml.h"
 #include "ggml-impl.h" /* struct ggml_map_custom{1,2}_op_params */
+#include "cpu_kernels.h"
 
 #define TH_EXPORT __attribute__((visibility("default")))
-
-/* ---- tasks ----------------------------------------------------------------------------------
- * A kernel's work is cut into tasks fixed by the shapes; what a task computes does not depend
- * on which thread runs it, so the bits do not depend on how tasks meet threads. Thread ith of
- * nth (ggml calls a custom op on each of its threads) takes one contiguous run of them: the
- * ith nth-part, as ggml's own kernels split rows. A row (a token, mostly) then stays with the
- * same thread from node to node, in its cache. That matters on the 2-core VM: at times its two
- * CPUs sit far apart (a cache line's round trip between them goes from about 55 to 400 ns:
- * th_cpu_round_trip_ns, printed by scripts/machine_drift.py), and tasks claimed from a shared
- * counter, which scatter rows over the threads, then made a gpt2 step 1.2x slower.
- * Use: int64_t taken = 0; for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) */
-static int64_t th_next_task(int64_t tasks, int ith, int nth, int64_t * taken) {
-    const int64_t task = tasks * ith / nth + (*taken)++;
-    return task < tasks * (ith + 1) / nth ? task : -1;
-}
-
-enum { TH_EW_CHUNK = 4096 }; /* elements per task of an elementwise kernel */
-
-/* Rows per task of a row-wise kernel: about TH_EW_CHUNK elements, at least one row. Fixed by the
- * shape; short rows (a 17-wide attention row) would otherwise make tasks so small that their
- * overhead costs more than their work. */
-static inline int64_t th_rows_per_task(int64_t row_len) {
-    return row_len >= TH_EW_CHUNK ? 1 : TH_EW_CHUNK / (row_len > 0 ? row_len : 1);
-}
-
-/* The next chunk [*i0, *i1) of an elementwise kernel over n elements that this thread takes
- * (TH_EW_CHUNK elements a task); 0 when none is left.
- * Use: int64_t taken = 0, i0, i1; while (th_next_chunk(n, ith, nth, &taken, &i0, &i1)) ... */
-static int th_next_chunk(int64_t n, int ith, int nth, int64_t * taken, int64_t * i0,
-                         int64_t * i1) {
-    const int64_t task = th_next_task((n + TH_EW_CHUNK - 1) / TH_EW_CHUNK, ith, nth, taken);
-    if (task < 0) return 0;
-    *i0 = task * TH_EW_CHUNK;
-    *i1 = *i0 + TH_EW_CHUNK < n ? *i0 + TH_EW_CHUNK : n;
-    return 1;
-}
-
-/* The next block of rows [*r0, *r1) of a row-wise kernel over nr rows of row_len elements that
- * this thread takes (th_rows_per_task rows a task); 0 when none is left. */
-static int th_next_rows(int64_t nr, int64_t row_len, int ith, int nth, int64_t * taken,
-                        int64_t * r0, int64_t * r1) {
-    const int64_t rpt = th_rows_per_task(row_len), task = th_next_task((nr + rpt - 1) / rpt, ith, nth, taken);
-    if (task < 0) return 0;
-    *r0 = task * rpt;
-    *r1 = *r0 + rpt < nr ? *r0 + rpt : nr;
-    return 1;
-}
 
 /* row r of t (rows counted over ne1, ne2, ne3) */
 static inline char * th_row(const struct ggml_tensor * t, int64_t r) {
@@ -351,6 +306,11 @@ static int th_is_custom(const struct ggml_tensor * t, void * fun) {
     }
     if (t->op == GGML_OP_MAP_CUSTOM2) {
         struct ggml_map_custom2_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        return (void *) p.fun == fun;
+    }
+    if (t->op == GGML_OP_CUSTOM) {
+        struct ggml_custom_op_params p;
         memcpy(&p, t->op_params, sizeof(p));
         return (void *) p.fun == fun;
     }
@@ -711,6 +671,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_rms_norm_op, "rms_norm"},   {(void *) th_rms_norm_back_op, "rms_norm_back"},
         {(void *) th_add_rows_op, "add_rows"},   {(void *) th_rope_op, "rope"},
         {(void *) th_cross_entropy_op, "cross_entropy"}, {(void *) th_centre_op, "centre"},
+        {(void *) th_adamw_op, "adamw"},
     };
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
@@ -733,6 +694,14 @@ static void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void *
     memset(t->op_params, 0, sizeof(t->op_params));
     memcpy(t->op_params, &p, sizeof(p));
     t->op = GGML_OP_MAP_CUSTOM2;
+}
+
+/* a custom op of any number of srcs (GGML_OP_CUSTOM): the node keeps its srcs */
+static void th_set_custom(struct ggml_tensor * t, ggml_custom_op_t fun) {
+    struct ggml_custom_op_params p = {fun, GGML_N_TASKS_MAX, NULL};
+    memset(t->op_params, 0, sizeof(t->op_params));
+    memcpy(t->op_params, &p, sizeof(p));
+    t->op = GGML_OP_CUSTOM;
 }
 
 /* The GELU stand-ins (see th_gelu_op): each SILU named TH_GELU_NAME becomes th_gelu_op, and the
@@ -876,6 +845,8 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
             th_keep_rope_params(t, rope_params, sin_sign);
         } else if (th_cross_entropy_ok(t)) {
             th_set_custom2(t, th_cross_entropy_op, NULL, 1);
+        } else if (th_adamw_ok(t)) {
+            th_set_custom(t, th_adamw_op);
         } else {
             continue;
         }

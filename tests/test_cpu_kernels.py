@@ -283,3 +283,41 @@ def test_rope_and_its_backward(neox, n_dims):
         assert custom_ops(fg0.graph) == 0
         np.testing.assert_array_equal(y, y0)
         np.testing.assert_array_equal(g, g0)
+
+
+def adamw_program(cpu_kernels: bool, w: np.ndarray, c: np.ndarray):
+    """w trained on loss = sum(w * c): the gradient is c, fed to the AdamW node as is."""
+    prog = get_engine("cpu", 2).program()
+    prog.cpu_kernels = cpu_kernels
+    wt = prog.param("w", w)
+    return prog, wt, prog.trainer(prog.scalar_loss((wt * prog.constant("c", c)).sum()), "bias_corrected")
+
+
+def test_adamw_kernel_gives_ggml_adamw_bits():
+    """th_adamw_op (native/cpu_adamw.c) against ggml's own OPT_STEP_ADAMW, bit for bit: weights
+    and both moments after each of 5 steps, with weight decay, a moving learning rate, gradients
+    from 1e-30 to 1e4 (and exact zeros) and a size with a scalar tail after the vector loop."""
+    from toyharness.adamw import HPRow, bias_corrected
+
+    n = 4096 + 4 * 16 + 7
+    w = RNG.normal(size=(n,)).astype(np.float32)
+    c = (RNG.normal(size=n) * 10.0 ** RNG.uniform(-30, 4, size=n)).astype(np.float32)
+    c[::97] = 0.0
+    row = bias_corrected(lr=3e-2, weight_decay=0.1)
+    runs = []
+    for kernels in (True, False):
+        prog, wt, tr = adamw_program(kernels, w, c)
+        states = []
+        for step in range(5):
+            hp = row.hp_for_step(step)
+            tr.step({}, HPRow([hp.lr / (step + 1), *hp[1:]], hp.convention))
+            states.append([prog.read(t).tobytes() for t in (wt, tr.m["w"], tr.v["w"])])
+        names = {ffi.string(lib.th_kernel_name(lib.ggml_graph_node(tr.gb_opt, i))).decode()
+                 for i in range(lib.ggml_graph_n_nodes(tr.gb_opt))
+                 if lib.th_kernel_name(lib.ggml_graph_node(tr.gb_opt, i)) != ffi.NULL}
+        assert ("adamw" in names) == kernels
+        runs.append(states)
+    assert not np.array_equal(np.frombuffer(runs[0][4][0], np.float32), w)   # it trained
+    for step, (ours, ggml) in enumerate(zip(*runs)):
+        for what, a, b in zip(("w", "m", "v"), ours, ggml):
+            assert a == b, f"step {step}: {what} differs from ggml's AdamW"

@@ -522,8 +522,12 @@ class Trainer:
         return int(lib.ggml_graph_n_nodes(self.gb_opt))
 
     def reset_full(self) -> None:
-        """Zero every gradient accumulator and both AdamW moments; loss gradient = 1."""
-        lib.ggml_graph_reset(self.gb_opt)
+        """Zero every gradient accumulator and both AdamW moments; loss gradient = 1.
+        What ggml_graph_reset(gb_opt) does, by name: it finds the moments through the graph's
+        OPT_STEP_ADAMW nodes, which the cpu rewrite turns into custom ops."""
+        moments = [t.ptr for t in (*self.m.values(), *self.v.values())]
+        lib.th_zero_tensors(ffi.new("ggml_tensor *[]", moments), len(moments))
+        self.reset_grads()
 
     def reset_grads(self) -> None:
         """Zero gradient accumulators only (and set the loss gradient to 1); the moments survive.
