@@ -13,7 +13,7 @@
  * nth (ggml calls a custom op on each of its threads) takes one contiguous run of them: the
  * ith nth-part, as ggml's own kernels split rows. A row (a token, mostly) then stays with the
  * same thread from node to node, in its cache. That matters on the 2-core VM: at times its two
- * CPUs sit far apart (a cache line's round trip between them goes from about 55 to 400 ns:
+ * CPUs sit far apart (a cache line's round trip between them goes from about 90 to 400 ns:
  * th_cpu_round_trip_ns, printed by scripts/machine_drift.py), and tasks claimed from a shared
  * counter, which scatter rows over the threads, then made a gpt2 step 1.2x slower.
  * Use: int64_t taken = 0; for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) */
@@ -34,8 +34,7 @@ static inline int64_t th_rows_per_task(int64_t row_len) {
 /* The next chunk [*i0, *i1) of an elementwise kernel over n elements that this thread takes
  * (TH_EW_CHUNK elements a task); 0 when none is left.
  * Use: int64_t taken = 0, i0, i1; while (th_next_chunk(n, ith, nth, &taken, &i0, &i1)) ... */
-static inline int th_next_chunk(int64_t n, int ith, int nth, int64_t * taken, int64_t * i0,
-                         int64_t * i1) {
+static inline int th_next_chunk(int64_t n, int ith, int nth, int64_t * taken, int64_t * i0, int64_t * i1) {
     const int64_t task = th_next_task((n + TH_EW_CHUNK - 1) / TH_EW_CHUNK, ith, nth, taken);
     if (task < 0) return 0;
     *i0 = task * TH_EW_CHUNK;
@@ -45,8 +44,8 @@ static inline int th_next_chunk(int64_t n, int ith, int nth, int64_t * taken, in
 
 /* The next block of rows [*r0, *r1) of a row-wise kernel over nr rows of row_len elements that
  * this thread takes (th_rows_per_task rows a task); 0 when none is left. */
-static inline int th_next_rows(int64_t nr, int64_t row_len, int ith, int nth, int64_t * taken,
-                        int64_t * r0, int64_t * r1) {
+static inline int th_next_rows(int64_t nr, int64_t row_len, int ith, int nth, int64_t * taken, int64_t * r0,
+                               int64_t * r1) {
     const int64_t rpt = th_rows_per_task(row_len), task = th_next_task((nr + rpt - 1) / rpt, ith, nth, taken);
     if (task < 0) return 0;
     *r0 = task * rpt;

@@ -158,7 +158,7 @@ TH_EXPORT int th_graph_profile(ggml_backend_t backend, struct ggml_cgraph * grap
  * ns for one round trip of a cache line between a thread pinned to cpu_a and one pinned to
  * cpu_b (the median of 5 runs of `rounds` trips), or -1 where threads cannot be pinned there
  * (or cpu_a == cpu_b). On the
- * 2-core VM this is about 55 ns most of the time and about 400 ns in phases when the host puts
+ * 2-core VM this is about 90 ns most of the time and about 400 ns in phases when the host puts
  * its two CPUs far apart; threads that share data then pay for it (native/cpu_kernels.c, tasks). */
 #if defined(__linux__)
 struct th_ping {
