@@ -185,6 +185,10 @@ def cmake_options(backends: list[str]) -> list[str]:
     ]
     if "cuda" in backends:
         opts.append("-DCMAKE_CUDA_ARCHITECTURES=" + os.environ.get("TOYHARNESS_CUDA_ARCH", "90"))
+        # A training step computes the same graph again: replayed as one CUDA graph, its hundreds
+        # of small kernels skip a launch each (off by default outside llama.cpp's own build;
+        # GGML_CUDA_DISABLE_GRAPHS=1 turns it off at run time).
+        opts.append("-DGGML_CUDA_GRAPHS=ON")
     if platform.system() == "Darwin":
         opts.append("-DGGML_METAL=" + ("ON" if "metal" in backends or "cuda" not in backends else "OFF"))
     return opts
