@@ -122,6 +122,7 @@ ggml_backend_buffer_t ggml_backend_alloc_ctx_tensors(ggml_context * ctx, ggml_ba
 ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size);
 int ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer, ggml_tensor * tensor, void * addr);
 void ggml_backend_buffer_free(ggml_backend_buffer_t buffer);
+void ggml_backend_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value);
 size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer);
 void ggml_backend_tensor_set(ggml_tensor * tensor, const void * data, size_t offset, size_t size);
 void ggml_backend_tensor_get(const ggml_tensor * tensor, void * data, size_t offset, size_t size);
