@@ -220,25 +220,113 @@ def build(backends: list[str] | None = None) -> Path:
     return bdir
 
 
+# A build folder in the cache outlives the install that made it. It must never depend on what a
+# finished install owned: pip's isolated build environment (its cmake and ninja are deleted when
+# pip exits) or the clone it was built from (another clone, or another version, builds next).
+# So each build copies the clone's native sources into the folder first and configures from that
+# copy, and a build folder whose recorded tools are gone is configured again with today's tools
+# (ninja then rebuilds nothing whose compile command is unchanged).
+STAMP = "toyharness-configured.txt"
+
+
 def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target: str | None = None) -> None:
-    """Configure `source` into `bdir` once (Ninja when found), then build incrementally, under the cache lock."""
+    """Configure `source` into `bdir` (Ninja when found) when needed, then build incrementally,
+    under the cache lock. A build folder left broken (an interrupted configure or build) is
+    detected and built again from scratch, saying so."""
     cmake = find_tool("cmake")
     if cmake is None:
         raise BuildError("cmake not found: install it (pip install cmake) or put it on PATH")
-    root = cache_root()
-    with cache_lock(root):
+    ninja = find_tool("ninja")
+    with cache_lock(cache_root()):
         t0 = time.perf_counter()
-        if not (bdir / "CMakeCache.txt").is_file():
-            bdir.mkdir(parents=True, exist_ok=True)
-            cfg = [cmake, "-S", str(source), "-B", str(bdir), *defines]
-            ninja = find_tool("ninja")
-            if ninja:
-                cfg += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-            log(f"configuring {label} in {bdir}")
-            run(cfg, bdir, quiet=True)
+        fresh = configure_if_needed(cmake, ninja, source, bdir, defines, label)
         cmd = [cmake, "--build", str(bdir), "--parallel", str(os.cpu_count() or 2)]
-        run(cmd + (["--target", target] if target else []), bdir, quiet=True)
+        cmd += ["--target", target] if target else []
+        try:
+            run(cmd, bdir, quiet=True)
+        except BuildError as exc:
+            if fresh or f"{bdir / 'source'}/" in str(exc) and ": error:" in str(exc):
+                raise  # a fresh folder, or a compile error in our own sources: nothing cached to blame
+            log(f"the cached build in {bdir} failed ({last_line(str(exc))}); building it again from scratch")
+            shutil.rmtree(bdir)
+            configure_if_needed(cmake, ninja, source, bdir, defines, label)
+            run(cmd, bdir, quiet=True)
         log(f"{label} ready in {time.perf_counter() - t0:.1f}s ({bdir})")
+
+
+def configure_if_needed(cmake: str, ninja: str | None, source: Path, bdir: Path, defines: list[str],
+                        label: str) -> bool:
+    """Copy `source` into `bdir`/source, then configure it unless `bdir` holds a finished
+    configuration of that copy whose tools still exist. Returns True when the folder was
+    configured from nothing (so a build failure after it is a real one)."""
+    staged = bdir / "source"
+    cache_file = bdir / "CMakeCache.txt"
+    if cache_file.is_file() and not (bdir / STAMP).is_file():
+        log(f"the cached build in {bdir} has no record of a finished configure (interrupted, or made by an "
+            "older toyharness); building it again from scratch")
+        shutil.rmtree(bdir)
+    elif cache_file.is_file():
+        cached = cmake_cache_values(cache_file)
+        tools = [cached[k] for k in ("CMAKE_COMMAND", "CMAKE_MAKE_PROGRAM") if k in cached]
+        gone = [tool for tool in tools if not Path(tool).exists()]
+        home = cached.get("CMAKE_HOME_DIRECTORY")
+        if home and Path(home) != staged:
+            why = f"was configured from another source folder ({home})"
+        elif gone:
+            why = f"names tools that no longer exist ({', '.join(gone)})"
+        else:
+            sync_tree(source, staged)
+            return False
+        log(f"the cached build in {bdir} {why}; configuring it again (compiled objects are kept)")
+        if home and Path(home) != staged:
+            cache_file.unlink()  # cmake refuses to move a configured folder to another source
+        (bdir / STAMP).unlink()
+    sync_tree(source, staged)
+    fresh = not (bdir / "build.ninja").is_file() and not (bdir / "Makefile").is_file()
+    cfg = [cmake, "-S", str(staged), "-B", str(bdir), *defines]
+    if ninja:
+        cfg += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+    log(f"configuring {label} in {bdir}")
+    run(cfg, bdir, quiet=True)
+    (bdir / STAMP).write_text(" ".join(cfg) + "\n")
+    return fresh
+
+
+def cmake_cache_values(cache_file: Path) -> dict[str, str]:
+    """NAME -> value of a CMakeCache.txt (NAME:TYPE=value lines)."""
+    values = {}
+    for line in cache_file.read_text(errors="replace").splitlines():
+        if line.startswith(("#", "//")) or "=" not in line:
+            continue
+        name, _, value = line.partition("=")
+        values[name.split(":")[0]] = value
+    return values
+
+
+def sync_tree(source: Path, dest: Path) -> None:
+    """Make `dest` a copy of `source`, rewriting only files whose bytes differ (so their mtimes,
+    and with them incremental builds, survive) and removing files `source` no longer has."""
+    wanted = set()
+    for path in source.rglob("*"):
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        rel = path.relative_to(source)
+        wanted.add(rel)
+        target = dest / rel
+        data = path.read_bytes()
+        if target.is_file() and target.read_bytes() == data:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    if dest.is_dir():
+        for path in dest.rglob("*"):
+            if path.is_file() and path.relative_to(dest) not in wanted:
+                path.unlink()
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else text
 
 
 def run(cmd: list[str], cwd: Path, quiet: bool) -> None:
