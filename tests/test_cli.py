@@ -44,7 +44,7 @@ def test_unknown_flag_exits_2():
 
 
 def test_run_writes_the_run_folder(tmp_path):
-    out = tmp_path / "run"
+    out = tmp_path / ("a-folder-name-wider-than-the-summary-table-" * 3) / "run"
     res = cli("run", "llama", "--steps", "6", *TINY, "--out", str(out), "--save-init", "--save-batches",
               "--no-progress")
     assert res.returncode == 0, res.stderr
@@ -57,6 +57,8 @@ def test_run_writes_the_run_folder(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_loss"] > 0 and summary["steps"] == 6
     assert not list(out.glob(".*.tmp")), "temporary files left behind"
+    # The summary names the run folder whole, on one line, however wide the path.
+    assert f"run folder: {out}" in res.stdout.splitlines(), res.stdout
 
 
 def test_nan_loss_stops_with_exit_1(tmp_path):

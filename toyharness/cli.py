@@ -114,13 +114,17 @@ def _print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{summary['recipe']} — {summary['out_dir']}", show_header=False)
+    t = Table(title=summary["recipe"], show_header=False)
     for k in ("steps", "final_loss", "best_loss", "eval_loss", "accuracy", "wall_s", "steps_per_s", "peak_rss_mb",
               "backend", "threads"):
         if k in summary and summary[k] is not None:
             v = summary[k]
             t.add_row(k, f"{v:.4f}" if isinstance(v, float) and k.endswith(("loss", "accuracy")) else str(v))
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    # The path on a line of its own, never wrapped: a table title wraps it over several lines,
+    # and people copy it into the next command.
+    console.print(f"run folder: {summary['out_dir']}", soft_wrap=True, highlight=False)
 
 
 def cmd_golden(args) -> int:
