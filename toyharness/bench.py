@@ -79,6 +79,7 @@ def realize_for_bench(recipe: str, backend: str, threads: int, sets: list[str] |
     pm = plugin_manager(obj)
     data = load_data(pm, opts)
     engine = get_engine(backend, threads)
+    engine.set_portable(opts.portable)
     return pm, opts, data, engine, pm.hook.realize(engine=engine, options=opts, data=data)
 
 
