@@ -81,11 +81,15 @@ static inline float tp_binary(int kind, float a, float b) {
     }
 }
 
+/* element k of a row whose elements are `stride` bytes apart */
+#define TP_AT(row, k, stride) (*(const float *) ((const char *) (row) + (k) * (stride)))
+
 static void tp_elementwise(struct ggml_tensor * dst, int kind, int ith, int nth) {
     const struct ggml_tensor * a = dst->src[0], * b = dst->src[1];
     const int unary = b == NULL;
     const float s = unary ? tp_param(dst, 0) : 0.0f, bias = unary ? tp_param(dst, 1) : 0.0f;
     const int64_t n = dst->ne[0];
+    const size_t sa = a->nb[0], sb = unary ? 0 : b->nb[0];
     int64_t taken = 0, r0, r1;
     while (th_next_rows(ggml_nrows(dst), n, ith, nth, &taken, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
@@ -93,15 +97,19 @@ static void tp_elementwise(struct ggml_tensor * dst, int kind, int ith, int nth)
             float * y = tp_row(dst, r);
             const float * x = tp_row(a, r);
             if (unary) {
-                for (int64_t k = 0; k < n; k++) y[k] = tp_unary(kind, x[k], s, bias);
+                if (sa == sizeof(float)) {
+                    for (int64_t k = 0; k < n; k++) y[k] = tp_unary(kind, x[k], s, bias);
+                } else {
+                    for (int64_t k = 0; k < n; k++) y[k] = tp_unary(kind, TP_AT(x, k, sa), s, bias);
+                }
                 continue;
             }
             const float * z = (const float *) ((const char *) b->data + (i1 % b->ne[1]) * b->nb[1] +
                                                (i2 % b->ne[2]) * b->nb[2] + (i3 % b->ne[3]) * b->nb[3]);
-            if (b->ne[0] == n) {
+            if (b->ne[0] == n && sa == sizeof(float) && sb == sizeof(float)) {
                 for (int64_t k = 0; k < n; k++) y[k] = tp_binary(kind, x[k], z[k]);
             } else {
-                for (int64_t k = 0; k < n; k++) y[k] = tp_binary(kind, x[k], z[k % b->ne[0]]);
+                for (int64_t k = 0; k < n; k++) y[k] = tp_binary(kind, TP_AT(x, k, sa), TP_AT(z, k % b->ne[0], sb));
             }
         }
     }
@@ -393,6 +401,15 @@ static int tp_pass_through(const struct ggml_tensor * t) {
     }
 }
 
+/* dst f32 with contiguous rows, its srcs f32 with any strides (elementwise kernels) */
+static int tp_f32_srcs(const struct ggml_tensor * t) {
+    if (!tp_f32_rows(t)) return 0;
+    for (int k = 0; k < GGML_MAX_SRC && t->src[k] != NULL; k++) {
+        if (t->src[k]->type != GGML_TYPE_F32) return 0;
+    }
+    return 1;
+}
+
 static int tp_all_f32_rows(const struct ggml_tensor * t) {
     if (!tp_f32_rows(t)) return 0;
     for (int k = 0; k < GGML_MAX_SRC && t->src[k] != NULL; k++) {
@@ -415,13 +432,13 @@ static int tp_kind_of(const struct ggml_tensor * t) {
                    t->ne[2] % a->ne[2] == 0 && t->ne[3] % a->ne[3] == 0 && t->ne[2] == b->ne[2] &&
                    t->ne[3] == b->ne[3] ? (t->op == GGML_OP_MUL_MAT ? TP_MUL_MAT : TP_OUT_PROD) : 0;
         case GGML_OP_ADD: case GGML_OP_SUB: case GGML_OP_MUL: case GGML_OP_DIV:
-            if (!tp_all_f32_rows(t) || !ggml_are_same_shape(t, a) || !ggml_can_repeat(b, a)) return 0;
+            if (!tp_f32_srcs(t) || !ggml_are_same_shape(t, a) || !ggml_can_repeat(b, a)) return 0;
             return t->op == GGML_OP_ADD ? TP_ADD : t->op == GGML_OP_SUB ? TP_SUB : t->op == GGML_OP_MUL ? TP_MUL : TP_DIV;
         case GGML_OP_SCALE: case GGML_OP_SQR: case GGML_OP_SQRT: case GGML_OP_LOG:
-            if (!tp_all_f32_rows(t) || !ggml_are_same_shape(t, a)) return 0;
+            if (!tp_f32_srcs(t) || !ggml_are_same_shape(t, a)) return 0;
             return t->op == GGML_OP_SCALE ? TP_SCALE : t->op == GGML_OP_SQR ? TP_SQR : t->op == GGML_OP_SQRT ? TP_SQRT : TP_LOG;
         case GGML_OP_UNARY:
-            if (!tp_all_f32_rows(t) || !ggml_are_same_shape(t, a)) return 0;
+            if (!tp_f32_srcs(t) || !ggml_are_same_shape(t, a)) return 0;
             switch (ggml_get_unary_op(t)) {
                 case GGML_UNARY_OP_SILU: return TP_SILU;
                 case GGML_UNARY_OP_NEG: return TP_NEG;
@@ -430,10 +447,10 @@ static int tp_kind_of(const struct ggml_tensor * t) {
                 default: return 0;
             }
         case GGML_OP_SILU_BACK:
-            return tp_all_f32_rows(t) && ggml_are_same_shape(t, a) && ggml_are_same_shape(t, b) ? TP_SILU_BACK : 0;
+            return tp_f32_srcs(t) && ggml_are_same_shape(t, a) && ggml_are_same_shape(t, b) ? TP_SILU_BACK : 0;
         case GGML_OP_GLU:  /* split swiglu, not swapped: silu(a) * b */
             return ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && b != NULL && t->op_params[1] == 0 &&
-                   tp_all_f32_rows(t) && ggml_are_same_shape(t, a) && ggml_are_same_shape(t, b) ? TP_SWIGLU : 0;
+                   tp_f32_srcs(t) && ggml_are_same_shape(t, a) && ggml_are_same_shape(t, b) ? TP_SWIGLU : 0;
         case GGML_OP_SOFT_MAX: {
             float max_bias;
             memcpy(&max_bias, (const float *) t->op_params + 1, sizeof(float));
