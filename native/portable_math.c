@@ -77,17 +77,19 @@ float tp_logf(float x) {
     return ef * TP_LN2_HI + (log_m + ef * TP_LN2_LO);
 }
 
-/* sin and cos in double: k = round(x 2/pi), r = x - k pi/2 with pi/2 split in two (the first
- * part has 33 bits: k pi/2_hi is exact for |k| < 2^20, beyond that still deterministic, less
- * accurate), Taylor polynomials on |r| <= pi/4 (error below 3e-14), the quadrant from k. */
+/* sin and cos in double: k = round(x 2/pi), r = x - k pi/2 with pi/2 split in three (fdlibm's
+ * 33-bit parts), Taylor polynomials on |r| <= pi/4 (error below 3e-14), the quadrant from k.
+ * Defined for |x| < 2^23 (beyond, a float angle's spacing is a radian or more: both are NaN, as
+ * for inf and NaN), so k always converts to an integer the same way on every CPU. */
 void tp_sincosf(float xf, float * sin_out, float * cos_out) {
     const double x = xf;
-    if (!(x - x == 0.0)) {  /* inf or nan */
+    if (!(x > -8388608.0 && x < 8388608.0)) {  /* also inf and nan */
         *sin_out = *cos_out = NAN;
         return;
     }
     const double k = (x * 0.63661977236758134308 + 6755399441055744.0) - 6755399441055744.0;
-    const double r = (x - k * 1.57079632673412561417e+00) - k * 6.07710050650619224932e-11;
+    const double r = ((x - k * 1.57079632673412561417e+00) - k * 6.07710050630396597660e-11) -
+                     k * 2.02226624879595063154e-21;
     const double r2 = r * r;
     double ps = -1.0 / 6227020800.0;
     ps = ps * r2 + 1.0 / 39916800.0;
