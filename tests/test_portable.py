@@ -167,3 +167,26 @@ def test_no_golden_in_either_mode_names_both(tmp_path):
 def test_recipe_matches_its_portable_golden(recipe, toyharness_golden):
     """The gate that holds on any CPU."""
     assert toyharness_golden(recipe, root=ROOT, mode="portable").parent.name == PORTABLE_FINGERPRINT
+
+
+# --- the SIMD build option (the AVX2 and no-SIMD builds of the proof) ---------------------------------
+def test_simd_build_option_sets_ggmls_switches(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("native_build", ROOT.parent / "native" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    monkeypatch.delenv("TOYHARNESS_SIMD", raising=False)
+    native = build.cmake_options(["cpu"])
+    assert "-DGGML_NATIVE=ON" in native and not any(o.startswith("-DTOYHARNESS_SIMD") for o in native)
+    monkeypatch.setenv("TOYHARNESS_SIMD", "avx2")
+    avx2 = build.cmake_options(["cpu"])
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF",
+            "-DTOYHARNESS_SIMD=avx2"} <= set(avx2)
+    monkeypatch.setenv("TOYHARNESS_SIMD", "none")
+    none = build.cmake_options(["cpu"])
+    assert "-DGGML_AVX=OFF" in none and "-DGGML_SSE42=OFF" in none
+    assert not [o for o in none if o.startswith(("-DGGML_AVX", "-DGGML_FMA", "-DGGML_F16C")) and o.endswith("=ON")]
+    monkeypatch.setenv("TOYHARNESS_SIMD", "sse9")
+    with pytest.raises(build.BuildError, match="TOYHARNESS_SIMD: unknown level 'sse9'; known: native, avx2, none"):
+        build.cmake_options(["cpu"])
