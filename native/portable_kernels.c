@@ -175,15 +175,8 @@ static void tp_soft_max(struct ggml_tensor * dst, int ith, int nth) {
     while (th_next_rows(ggml_nrows(x), nc, ith, nth, &taken, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
             const int64_t i1 = r % x->ne[1], i2 = (r / x->ne[1]) % x->ne[2], i3 = r / (x->ne[1] * x->ne[2]);
-            const float * xp = tp_row(x, r);
             float * y = tp_row(dst, r);
-            if (mask != NULL) {
-                const float * mp = (const float *) ((const char *) mask->data + i1 * mask->nb[1] +
-                                                    (i2 % mask->ne[2]) * mask->nb[2] + (i3 % mask->ne[3]) * mask->nb[3]);
-                for (int64_t k = 0; k < nc; k++) y[k] = xp[k] * scale + mp[k];
-            } else {
-                for (int64_t k = 0; k < nc; k++) y[k] = xp[k] * scale;
-            }
+            th_softmax_input(y, tp_row(x, r), mask, i1, i2, i3, nc, scale);
             tp_softmax_row(y, y, nc);
         }
     }

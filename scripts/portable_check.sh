@@ -14,13 +14,7 @@ out=${1:?usage: scripts/portable_check.sh OUT_DIR}
 mkdir -p "$out"
 log="$out/portable_check.log"
 export PYTHONUNBUFFERED=1
-if [ -d .device/ggml ]; then export TOYHARNESS_GGML_SRC="${TOYHARNESS_GGML_SRC:-$PWD/.device/ggml}"; fi
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-step() { echo "== $* ($(date +%T))" | tee -a "$log"; }
+. "$(dirname "$0")/offline_env.sh"
 status=0
 
 step "this CPU"
