@@ -27,7 +27,9 @@ static inline float tp_pow2(int32_t k) { return tp_from_bits((uint32_t) (k + 127
 
 /* exp(x) = 2^n p(r): n = round(x / ln2) (the 1.5 * 2^23 trick rounds to nearest), r = x - n ln2
  * in two exact steps, |r| <= ln2 / 2; p the degree-7 Taylor polynomial (relative error below
- * 6e-9 there). 2^n is applied in two halves so that n = 128 and subnormal results stay right. */
+ * 6e-9 there). 2^n is applied in two halves so that n = 128 and subnormal results stay right.
+ * Not cpu_kernels.c's th_expf: that one's bits are the fast goldens' (built with contraction
+ * allowed), and it flushes results below exp(-87) to zero. */
 float tp_expf(float x) {
     if (x != x) return x;
     if (x > 88.7228394f) return INFINITY;
