@@ -63,3 +63,11 @@ def tests_metal(session):
     """metal tests (macOS); they skip, saying why, where metal is not built or present."""
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "-m", "metal", "-rs", *session.posargs)
+
+
+@nox.session(name="portable-cross")
+def portable_cross(session):
+    """The portable math's bits on this CPU at several ISA levels and on aarch64 under qemu-user
+    (needs gcc, gcc-aarch64-linux-gnu and qemu-user: Debian's apt-get install names them)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "-rs", "tests/test_portable_cross.py", *session.posargs)

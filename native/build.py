@@ -17,6 +17,9 @@ Environment:
   TOYHARNESS_BACKENDS=cpu,cuda        backends to build (cpu is always built; metal is
                                       ggml's default on macOS)
   TOYHARNESS_CUDA_ARCH=90             CMAKE_CUDA_ARCHITECTURES for cuda (default 90)
+  TOYHARNESS_SIMD=native|avx2|none    SIMD level of ggml-cpu and our kernels (default native: this
+                                      CPU's; avx2: x86-64 with AVX2 and FMA; none: no SIMD code of
+                                      ggml's, baseline ISA). For proving the portable goldens.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ ARCHIVE_GGML_DIR = ARCHIVE_LLAMA_CPP_DIR + "ggml/"
 
 NATIVE_DIR = Path(__file__).resolve().parent
 KNOWN_BACKENDS = ("cpu", "cuda", "metal")
+# TOYHARNESS_SIMD: ggml's instruction-set switches for each level (GGML_NATIVE builds for this CPU)
+_AVX2_SET = ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C")
+_X86_SIMD = (*_AVX2_SET, "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")
+SIMD_LEVELS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{f}={'ON' if f in _AVX2_SET else 'OFF'}" for f in _X86_SIMD],
+    "none": ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{f}=OFF" for f in _X86_SIMD],
+}
 
 
 class BuildError(RuntimeError):
@@ -174,10 +185,20 @@ def requested_backends() -> list[str]:
     return names
 
 
+def requested_simd() -> str:
+    level = os.environ.get("TOYHARNESS_SIMD", "native").strip().lower() or "native"
+    if level not in SIMD_LEVELS:
+        raise BuildError(f"TOYHARNESS_SIMD: unknown level {level!r}; known: {', '.join(SIMD_LEVELS)}")
+    return level
+
+
 def cmake_options(backends: list[str]) -> list[str]:
+    simd = requested_simd()
     opts = [
         "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON",
+        *SIMD_LEVELS[simd],
+        # (native passes nothing more: the default build keeps its cache key)
+        *([f"-DTOYHARNESS_SIMD={simd}"] if simd != "native" else []),
         "-DGGML_OPENMP=ON",      # without it ggml's spinning barriers make steps 10-1000x slower
         "-DGGML_LLAMAFILE=ON",   # faster f32 mul_mat; each output is summed by one thread
         "-DGGML_BACKEND_DL=OFF",

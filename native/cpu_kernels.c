@@ -333,13 +333,7 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
             const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
             const float * xp = (const float *) ((const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3]);
             float * y = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
-            if (mask != NULL) {
-                const float * mp = (const float *) ((const char *) mask->data + i1 * mask->nb[1] +
-                                                    (i2 % mask->ne[2]) * mask->nb[2] + (i3 % mask->ne[3]) * mask->nb[3]);
-                for (int64_t k = 0; k < nc; k++) y[k] = xp[k] * scale + mp[k];
-            } else {
-                for (int64_t k = 0; k < nc; k++) y[k] = xp[k] * scale;
-            }
+            th_softmax_input(y, xp, mask, i1, i2, i3, nc, scale);
             const float max = th_row_max(y, nc);
             float lane[TH_LANES] = {0};
             int64_t k = 0;

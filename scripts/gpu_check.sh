@@ -16,13 +16,7 @@ phases=" ${*:-build check bench} "
 mkdir -p "$out"
 log="$out/gpu_check.log"
 export PYTHONUNBUFFERED=1 TOYHARNESS_BACKENDS=cpu,cuda TOYHARNESS_CUDA_ARCH="${TOYHARNESS_CUDA_ARCH:-90}"
-if [ -d .device/ggml ]; then export TOYHARNESS_GGML_SRC="${TOYHARNESS_GGML_SRC:-$PWD/.device/ggml}"; fi
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-step() { echo "== $* ($(date +%T))" | tee -a "$log"; }
+. "$(dirname "$0")/offline_env.sh"
 status=0
 
 if [[ $phases == *" build "* ]]; then

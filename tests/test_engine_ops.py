@@ -136,7 +136,7 @@ def test_binary_broadcast(op):
     check(lambda p, T: pyop(T["a"], T["b"]), lambda A: npop(A["a"], A["b"]), {"a": r(3, 4, 5), "b": b})
 
 
-@pytest.mark.parametrize("name,fn,ref,make", [
+UNARY_CASES = [
     ("scale", lambda t: t.scale(-0.7), lambda a: -0.7 * a, lambda: r(4, 6)),
     ("sqr", lambda t: t.sqr(), lambda a: a * a, lambda: r(4, 6)),
     ("sqrt", lambda t: t.sqrt(), np.sqrt, lambda: RNG.uniform(0.5, 3, (4, 6))),
@@ -158,7 +158,10 @@ def test_binary_broadcast(op):
     ("causal_softmax_fused", lambda t: t.softmax(scale=0.3, causal=True),
      lambda a: np_softmax(0.3 * a + np.triu(np.full((5, 5), -np.inf), 1)), lambda: r(2, 3, 5, 5)),
     ("gelu_tanh", blocks.gelu_tanh, np_gelu_tanh, lambda: r(4, 6, scale=2.0)),
-])
+]
+
+
+@pytest.mark.parametrize("name,fn,ref,make", UNARY_CASES)
 def test_unary(name, fn, ref, make):
     check(lambda p, T: fn(T["a"]), lambda A: ref(A["a"]), {"a": make()})
 

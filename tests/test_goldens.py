@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from toyharness import goldens
-from toyharness.engine import get_engine
 
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
 
@@ -21,14 +20,16 @@ def test_recipe_matches_its_golden(recipe, toyharness_golden):
 
 @pytest.fixture(scope="module")
 def stored():
-    path = goldens.path_for("llama", get_engine("cpu").fingerprint(), ROOT)
+    """llama's golden that a check here uses (this fingerprint's, else the portable one), and its mode."""
+    path, portable = goldens.resolve("llama", root=ROOT)
     if not path.is_file():
-        pytest.skip(f"no llama golden for this fingerprint at {path}; record with `toyharness golden record llama`")
-    return goldens.load(path)
+        pytest.skip(f"no llama golden at {path}; record with `toyharness golden record llama`")
+    return goldens.load(path), portable
 
 
 def test_flipped_bit_in_golden_fails_at_that_step(stored):
-    actual = goldens.compute("llama")
+    stored, portable = stored
+    actual = goldens.compute("llama", portable=portable)
     assert goldens.compare(stored, actual) is None
     mutated = copy.deepcopy(stored)
     h = int(mutated["losses"][7]["hex"], 16) ^ 1
@@ -39,12 +40,14 @@ def test_flipped_bit_in_golden_fails_at_that_step(stored):
 
 
 def test_changed_eps_fails_the_gate(stored):
-    m = goldens.compare(stored, goldens.compute("llama", extra_sets=["eps=1e-6"]))
+    stored, portable = stored
+    m = goldens.compare(stored, goldens.compute("llama", extra_sets=["eps=1e-6"], portable=portable))
     assert m is not None and m.step >= 1, "eps only acts from the first update on"
 
 
 def test_changed_seed_fails_at_step_zero(stored):
-    m = goldens.compare(stored, goldens.compute("llama", extra_sets=["seed=8"]))
+    stored, portable = stored
+    m = goldens.compare(stored, goldens.compute("llama", extra_sets=["seed=8"], portable=portable))
     assert m is not None and m.step == 0
 
 

@@ -79,6 +79,7 @@ def realize_for_bench(recipe: str, backend: str, threads: int, sets: list[str] |
     pm = plugin_manager(obj)
     data = load_data(pm, opts)
     engine = get_engine(backend, threads)
+    engine.set_portable(opts.portable)
     return pm, opts, data, engine, pm.hook.realize(engine=engine, options=opts, data=data)
 
 
@@ -194,6 +195,8 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
         node = lib.ggml_graph_node(graph, i)
         now = ffi.string(lib.ggml_op_desc(node)).decode()
         name = lib.th_kernel_name(node)
+        if name == ffi.NULL:
+            name = lib.th_portable_kernel_name(node)
         kernel = ffi.string(name).decode() if name != ffi.NULL else "ggml"
         if now == "NONE" and built[i] != "NONE":      # folded into another node's kernel
             kernel = "fused away"

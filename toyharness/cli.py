@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("recipes", nargs="*", help="default: every installed recipe")
     g.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
     g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
+    g.add_argument("--mode", default="auto", choices=["auto", "fast", "portable"],
+                   help="fast: goldens/<this build's fingerprint>/; portable: goldens/cpu-portable/, run in the "
+                        "portable mode (the same bits on every CPU); auto (default): fast where that golden "
+                        "exists, else portable")
 
     b = sub.add_parser("bench", help="ms/step, tokens/s, peak RSS beside PyTorch eager; writes bench.json",
                        description="Time each recipe's training step at its bench config (its defaults) beside an "
@@ -137,20 +141,21 @@ def cmd_golden(args) -> int:
     for name in names:
         if args.action == "record":
             try:
-                print(f"recorded {goldens.record(name, args.backend, root)}")
+                print(f"recorded {goldens.record(name, args.backend, root, args.mode)}")
             except FileNotFoundError as exc:
                 print(f"SKIP {name}: {exc}")
             continue
         try:
-            path, mismatch = goldens.check(name, args.backend, root)
+            path, mismatch = goldens.check(name, args.backend, root, args.mode)
         except FileNotFoundError as exc:
             print(f"SKIP {name}: {exc}")
             continue
+        used = goldens.describe(path)
         if mismatch:
             failed += 1
-            print(f"FAIL {mismatch}")
+            print(f"FAIL {mismatch} ({used})")
         else:
-            print(f"ok   {name} ({path})")
+            print(f"ok   {name} ({used})")
     return 1 if failed else 0
 
 

@@ -4,6 +4,13 @@
 version, N, and each step's loss as float32 hex bits plus a readable decimal. A check is
 exact on the bits; a mismatch names the first diverging step, both values, the distance in
 ULPs, and how many later steps differ.
+
+Two modes on cpu. The fast path's goldens hold for one fingerprint (SIMD level and OpenBLAS
+kernel): the bits of its products and sums differ from CPU to CPU. The portable mode
+(`--set portable=true`, native/portable_kernels.c) computes every op with the same float32
+operations on every CPU, so its goldens, `goldens/cpu-portable/`, hold anywhere. A check
+(`mode="auto"`) uses the fast golden of this machine's fingerprint where there is one, else the
+portable one, and says which it used.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import numpy as np
 import yaml
 
 from ._ffi import blas
+from .engine.backend import PORTABLE_FINGERPRINT
 from .errors import InputError
 from .lm import cache_root
 from .runner import GGML_VERSION, atomic_write, float_hex, train
 
 GOLDEN_STEPS = 16
+MODES = ("auto", "fast", "portable")
 # A small fixed config per recipe family: fast, and it exercises every block. t_seq 24, not
 # 16: on cuda, ggml sends f32 products with at most 16 columns to kernels that round to TF32.
 GOLDEN_SETS = ["n_layer=1", "d_model=32", "n_head=2", "t_seq=24", "t_batch=2", "eval_every=1000",
@@ -53,8 +62,9 @@ def golden_sets_for(recipe: str) -> list[str]:
     return [s for s in GOLDEN_SETS if s.split("=")[0] in fields] + text + list(extra)
 
 
-def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None) -> dict:
-    """Run the golden config; return the golden document (not written)."""
+def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None,
+            portable: bool = False) -> dict:
+    """Run the golden config (in the portable mode if asked); return the golden document (not written)."""
     from .engine import get_engine
 
     seen: list[float] = []
@@ -68,12 +78,16 @@ def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra
             self.options = run.options
 
     collector = Collect()
-    sets = golden_sets_for(recipe) + list(extra_sets or [])
-    train(recipe, steps=GOLDEN_STEPS, backend=backend, threads=threads, sets=sets, observers=(collector,),
-          progress=False, write_files=False)
-    fp = get_engine(backend).fingerprint()
+    sets = golden_sets_for(recipe) + (["portable=true"] if portable else []) + list(extra_sets or [])
+    engine = get_engine(backend)
+    try:
+        train(recipe, steps=GOLDEN_STEPS, backend=backend, threads=threads, sets=sets, observers=(collector,),
+              progress=False, write_files=False)
+        fp = engine.fingerprint()
+    finally:
+        engine.set_portable(False)   # the run set it: later programs of this process are fast again
     return {"recipe": recipe, "fingerprint": fp, "ggml_version": GGML_VERSION, "steps": GOLDEN_STEPS,
-            "blas": blas.tag() if blas is not None and backend == "cpu" else None,
+            "blas": blas.tag() if blas is not None and backend == "cpu" and not portable else None,
             "options": _portable(collector.options.to_dict()),
             "losses": [{"step": i, "hex": float_hex(x), "value": float(np.float32(x))} for i, x in enumerate(seen)]}
 
@@ -89,9 +103,30 @@ def path_for(recipe: str, fingerprint: str, root: Path | None = None) -> Path:
     return (root or golden_root()) / fingerprint / f"{recipe}.yml"
 
 
-def record(recipe: str, backend: str = "cpu", root: Path | None = None) -> Path:
-    doc = compute(recipe, backend)
-    path = path_for(recipe, doc["fingerprint"], root)
+def resolve(recipe: str, backend: str = "cpu", root: Path | None = None, mode: str = "auto") -> tuple[Path, bool]:
+    """The golden file a check compares with (or a record writes), and whether it is the portable
+    mode's: "fast" this build's fingerprint; "portable" cpu-portable; "auto" the fast one where it
+    exists, else (cpu) the portable one."""
+    from .engine import get_engine
+
+    if mode not in MODES:
+        raise InputError(f"golden mode {mode!r}; allowed: {', '.join(MODES)}")
+    if mode == "portable" and backend != "cpu":
+        raise InputError(f"the portable golden mode is for the cpu backend, not {backend}")
+    fast = path_for(recipe, get_engine(backend).fast_fingerprint(), root)
+    if mode == "fast" or backend != "cpu" or (mode == "auto" and fast.is_file()):
+        return fast, False
+    return path_for(recipe, PORTABLE_FINGERPRINT, root), True
+
+
+def describe(path: Path) -> str:
+    """Which mode a check of this golden file used, for its report line."""
+    return f"{'portable' if path.parent.name == PORTABLE_FINGERPRINT else 'fast'} mode: {path}"
+
+
+def record(recipe: str, backend: str = "cpu", root: Path | None = None, mode: str = "auto") -> Path:
+    path, portable = resolve(recipe, backend, root, mode)
+    doc = compute(recipe, backend, portable=portable)
     atomic_write(path, yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -148,12 +183,16 @@ def load(path: Path) -> dict:
     return doc
 
 
-def check(recipe: str, backend: str = "cpu", root: Path | None = None) -> tuple[Path, Mismatch | None]:
-    """Compare a fresh run with the stored golden. Missing golden: FileNotFoundError."""
+def check(recipe: str, backend: str = "cpu", root: Path | None = None,
+          mode: str = "auto") -> tuple[Path, Mismatch | None]:
+    """Compare a fresh run with the stored golden that `resolve` picks (its folder names the mode:
+    cpu-portable or the fast fingerprint). Missing golden: FileNotFoundError."""
     from .engine import get_engine
 
-    path = path_for(recipe, get_engine(backend).fingerprint(), root)
+    path, portable = resolve(recipe, backend, root, mode)
     if not path.is_file():
-        raise FileNotFoundError(f"no golden for {recipe} at {path}; record one with "
-                                f"`toyharness golden record {recipe}`")
-    return path, compare(load(path), compute(recipe, backend))
+        also = f" (nor one for {get_engine(backend).fast_fingerprint()})" if portable and mode == "auto" else ""
+        flag = " --mode portable" if portable else ""
+        raise FileNotFoundError(f"no golden for {recipe} at {path}{also}; record one with "
+                                f"`toyharness golden record {recipe}{flag}`")
+    return path, compare(load(path), compute(recipe, backend, portable=portable))

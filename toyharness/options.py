@@ -49,6 +49,8 @@ class Options:
     eval_batches: int = 4
     checkpoint_every: int = 50
     data: str = "default"
+    # the cpu backend's portable golden mode: the same float32 bits on every CPU (slower)
+    portable: bool = False
 
     def adamw_row(self, total_steps: int | None = None) -> AdamWRow:
         schedule = Schedule(self.lr_schedule, self.warmup, total_steps or self.steps)

@@ -6,7 +6,10 @@ bit. Third-party plugins call it from their own test suites with their own golde
 
 - a mismatch fails with the first diverging step, both values (hex and decimal), the ULP
   distance and how many later steps differ;
-- a missing golden for this fingerprint skips, saying how to record one;
+- with no golden for this build's fingerprint it checks the portable one
+  (``goldens/cpu-portable/``, the same bits on any CPU), as ``toyharness golden check`` does;
+  ``mode="fast"`` or ``"portable"`` picks one; the test's ``golden_mode`` property says which ran;
+- a missing golden skips, saying how to record one;
 - ``pytest --force-regen`` (pytest-regressions' flag) rewrites the golden instead.
 """
 
@@ -19,23 +22,24 @@ import pytest
 
 @pytest.fixture
 def toyharness_golden(request):
-    def check(recipe: str, root: str | Path | None = None, backend: str = "cpu"):
+    def check(recipe: str, root: str | Path | None = None, backend: str = "cpu", mode: str = "auto"):
         from toyharness import goldens
-        from toyharness.engine import get_engine
 
         root = Path(root) if root else None
-        path = goldens.path_for(recipe, get_engine(backend).fingerprint(), root)
+        path, portable = goldens.resolve(recipe, backend, root, mode)
         force = bool(request.config.getoption("force_regen", default=False))
         if force:
-            written = goldens.record(recipe, backend, root)
+            written = goldens.record(recipe, backend, root, mode)
             pytest.fail(f"golden for {recipe} rewritten at {written} (--force-regen): review and commit it",
                         pytrace=False)
         if not path.is_file():
+            flag = " --mode portable" if portable else ""
             pytest.skip(f"no golden for {recipe} on {path.parent.name} at {path}: record one with "
-                        f"`toyharness golden record {recipe}` (or pytest --force-regen)")
-        _, mismatch = goldens.check(recipe, backend, root)
+                        f"`toyharness golden record {recipe}{flag}` (or pytest --force-regen)")
+        request.node.user_properties.append(("golden_mode", goldens.describe(path)))
+        _, mismatch = goldens.check(recipe, backend, root, mode)
         if mismatch is not None:
-            pytest.fail(str(mismatch), pytrace=False)
+            pytest.fail(f"{mismatch} ({goldens.describe(path)})", pytrace=False)
         return path
 
     return check

@@ -126,6 +126,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     pm = plugin_manager(recipe_obj, *observers)
     data = load_data(pm, options)
     engine = get_engine(backend, threads)
+    engine.set_portable(options.portable)   # each run sets it; a program keeps the mode it was made in
     out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = Run(recipe, options, out_dir, engine, entry)
 

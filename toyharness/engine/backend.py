@@ -8,6 +8,7 @@ from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
 
 KNOWN_BACKENDS = ("cpu", "cuda", "metal")
+PORTABLE_FINGERPRINT = "cpu-portable"   # the same bits on every CPU (Engine.set_portable)
 _SERVICES: dict[str, Engine] = {}
 
 
@@ -35,6 +36,15 @@ class Engine:
         self.buffer_type = lib.ggml_backend_get_default_buffer_type(handle)
         self.threads = 0
         self.set_threads(threads)
+        self.portable = False
+
+    def set_portable(self, portable: bool) -> None:
+        """The cpu backend's portable golden mode, for programs made from now on: every node is
+        computed by native/portable_kernels.c, the same float32 operations on every CPU (no
+        OpenBLAS, no SIMD-width-dependent sums, our own exp/log/sin/cos). Fingerprint `cpu-portable`."""
+        if portable and not self.is_cpu:
+            raise BackendError(f"the portable mode is for the cpu backend, not {self.backend}")
+        self.portable = bool(portable)
 
     @property
     def is_cpu(self) -> bool:
@@ -55,7 +65,14 @@ class Engine:
     def fingerprint(self) -> str:
         """What changes float results on this backend: for cpu, the SIMD level of the build and
         the OpenBLAS kernel that computes the matrix products ("-openblas-<core>", which also
-        means native/cpu_kernels.c's stand-ins are on; none: ggml's own kernels only)."""
+        means native/cpu_kernels.c's stand-ins are on; none: ggml's own kernels only); in the
+        portable mode nothing does: `cpu-portable`."""
+        if self.is_cpu and self.portable:
+            return PORTABLE_FINGERPRINT
+        return self.fast_fingerprint()
+
+    def fast_fingerprint(self) -> str:
+        """The fingerprint of this build's fast path, whatever the mode."""
         if self.is_cpu:
             if lib.ggml_cpu_has_avx512():
                 simd = "avx512"

@@ -118,7 +118,11 @@ class Program:
         # Whether native/cpu_kernels.c stands in for ggml's kernels in this program's graphs
         # (cpu, unless TOYHARNESS_CPU_KERNELS=0). Blocks may then build stand-in nodes that only
         # these kernels compute right (blocks.gelu_tanh); set before building any graph.
-        self.cpu_kernels = engine.is_cpu and cpu_kernels
+        # The portable golden mode (Engine.set_portable): every node to native/portable_kernels.c,
+        # and blocks build no stand-ins (they compose GELU, LayerNorm's centring and biases from
+        # plain ops, each of which has a portable kernel).
+        self.portable = engine.is_cpu and engine.portable
+        self.cpu_kernels = engine.is_cpu and cpu_kernels and not self.portable
         self.last_compute_s = 0.0
 
     # --- contexts and persistent tensors -------------------------------------------------
@@ -372,7 +376,12 @@ class Program:
             # On cpu, hot nodes get our kernels (native/cpu_kernels.c: sgemm, copies, SILU_BACK,
             # LayerNorm centring); no backward can be built through a rewritten node, so a
             # Trainer must come before any compute.
-            if self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
+            if self.portable:
+                why = ffi.new("char[256]")
+                if lib.th_portable_rewrite(graph, why, 256) < 0:
+                    raise BackendError(f"portable mode: {ffi.string(why).decode()}; not computed "
+                                       "(native/portable_kernels.c)")
+            elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
             self._gemm_rewritten.add(graph)

@@ -9,7 +9,8 @@ GOLDENS = Path(__file__).resolve().parent.parent / "goldens"
 
 
 def test_bigram_matches_its_golden(toyharness_golden):
-    toyharness_golden("bigram", root=GOLDENS)
+    # the portable mode's golden: the same bits on any CPU, so this gate holds on every CI runner
+    toyharness_golden("bigram", root=GOLDENS, mode="portable")
 
 
 def test_bigram_learns(tmp_path):
