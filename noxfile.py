@@ -63,3 +63,10 @@ def tests_metal(session):
     """metal tests (macOS); they skip, saying why, where metal is not built or present."""
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "-m", "metal", "-rs", *session.posargs)
+
+
+@nox.session
+def ray(session):
+    """Sweeps through a local Ray cluster (2 CPUs, no network): same bits as the local pool."""
+    session.install("-e", ".[test,ray]")
+    session.run("pytest", "-q", "-m", "ray", "-rs", "tests/test_sweep.py", *session.posargs)
