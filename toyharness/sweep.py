@@ -444,25 +444,40 @@ class RayExecutor:
                     ray.init(address=address, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise InputError(f"--ray {address}: cannot connect to a Ray cluster ({exc})") from None
-        cpus = ray.cluster_resources().get("CPU", 0)
-        if self.threads > cpus:
-            raise InputError(f"--threads {self.threads}: the Ray cluster has {cpus:g} CPUs in all")
-        if backend == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        largest = max((n.get("CPU", 0) for n in nodes), default=0)
+        if self.threads > largest:      # Ray would wait for such a node for ever
+            raise InputError(f"--threads {self.threads}: the Ray cluster's largest node has {largest:g} CPUs")
+        if backend == "cuda" and not any(n.get("GPU", 0) >= 1 for n in nodes):
             raise InputError("--backend cuda: the Ray cluster has no GPU")
         self.address = address
+
+    def _capacity(self) -> int:
+        """Points Ray can run at once now (nodes may join): more in flight would only queue, and
+        show as running."""
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        res = self.ray.cluster_resources()
+        n = int(res.get("CPU", 0) // self.threads)
+        if self.backend == "cuda":
+            n = min(n, int(res.get("GPU", 0)))
+        return max(1, n)
 
     def describe(self) -> dict[str, Any]:
         return {"executor": self.name, "address": self.address, "threads": self.threads,
                 "keep_models": self.keep_models}
 
     def run(self, specs: list[dict], tracker: Tracker) -> None:
+        from .runner import atomic_write
+
         ray = self.ray
         task = ray.remote(_ray_point).options(num_cpus=self.threads,
                                               num_gpus=1 if self.backend == "cuda" else 0)
         queue, in_flight = list(specs), {}
         try:
             while queue or in_flight:
-                while queue and (self.max_in_flight is None or len(in_flight) < self.max_in_flight):
+                capacity = self._capacity() if queue else 0
+                while queue and len(in_flight) < capacity:
                     spec = queue.pop(0)
                     in_flight[task.remote(spec, self.keep_models)] = spec
                     tracker.started(spec["index"])
@@ -474,11 +489,8 @@ class RayExecutor:
                     except ray.exceptions.RayError as exc:
                         tracker.finished(spec["index"], Outcome(FAILED, f"Ray: {str(exc).strip().splitlines()[0]}"))
                         continue
-                    out = Path(spec["out"])
-                    from .runner import atomic_write
-
                     for name, data in res["files"].items():
-                        atomic_write(out / name, data)
+                        atomic_write(Path(spec["out"]) / name, data)
                     tracker.finished(spec["index"], Outcome(res["status"], res["message"], res["resumed_from"],
                                                             res["where"]))
         except BaseException:
@@ -496,7 +508,7 @@ class Tracker:
 
     def __init__(self, plan: Plan, records: list[dict], save: Callable[[], None], progress: bool):
         self.plan, self.records, self.save = plan, records, save
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.changed = threading.Event()
         self.t0 = time.perf_counter()
         self.total_steps = {p.index: self.plan.options[p.index]["steps"] for p in plan.points}
@@ -517,12 +529,16 @@ class Tracker:
         return sum(r["status"] == status for r in self.records)
 
     def line(self) -> str:
-        done, running, failed = self._count(DONE), self._count(RUNNING), self._count(FAILED)
-        left = sum(self.total_steps[i] - self.done_steps.get(i, 0) for i in self.total_steps
-                   if self.records[i]["status"] in (PENDING, RUNNING))
-        ran = sum(self.done_steps[i] - self.first_step.get(i, 0) for i in self.done_steps)
+        with self.lock:        # rich's refresh thread calls this too
+            done, running, failed = self._count(DONE), self._count(RUNNING), self._count(FAILED)
+            left = sum(self.total_steps[i] - self.done_steps.get(i, 0) for i in self.total_steps
+                       if self.records[i]["status"] in (PENDING, RUNNING))
+            ran = sum(self.done_steps[i] - self.first_step.get(i, 0) for i in self.done_steps)
         elapsed = time.perf_counter() - self.t0
-        eta = "-" if not ran else time.strftime("%H:%M:%S", time.gmtime(elapsed / ran * left))
+        eta = "-"
+        if ran:
+            s = int(elapsed / ran * left)
+            eta = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
         return (f"sweep {self.plan.recipe}: {done}/{len(self.records)} done, {running} running, "
                 f"{failed} failed, ETA {eta}")
 
@@ -593,7 +609,7 @@ def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
     if not xs:
         return None, None
     mean = sum(xs) / len(xs)
-    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
     return mean, std
 
 
@@ -635,7 +651,8 @@ def print_table(plan: Plan, rows: list[dict], records: list[dict], out_dir: Path
         if r["final_eval_loss_mean"] is None:
             cells += ["-", "-"]
         else:
-            cells += [f"{r['final_eval_loss_mean']:.4f} ± {r['final_eval_loss_std']:.4f}",
+            std = r["final_eval_loss_std"]
+            cells += [f"{r['final_eval_loss_mean']:.4f}" + (f" ± {std:.4f}" if std is not None else ""),
                       f"{r['best_eval_loss_mean']:.4f}"]
         if has_acc:
             cells.append(f"{r['accuracy_mean']:.2%}" if "accuracy_mean" in r else "-")
