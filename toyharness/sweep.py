@@ -119,8 +119,6 @@ def parse_grid(items: list[str], cls) -> dict[str, list[str]]:
             raise InputError(f"--grid: option {key!r} is given twice; list all its values in one --grid")
         if key == "seed":
             raise InputError("--grid: option 'seed' goes in --seeds (N seeds, or a list S1,S2,...)")
-        if key == "steps":
-            raise InputError("--grid: option 'steps' is the sweep's --steps, one for every point")
         values = [v.strip() for v in raw.split(";" if _is_list_option(cls, key) else ",")]
         if not all(values):
             raise InputError(f"--grid {item!r}: option {key!r} has an empty value")
@@ -157,10 +155,10 @@ def make_plan(recipe: str, grid_items: list[str], seeds: str = "1", sets: list[s
     cls = _options_class(recipe)
     sets = list(sets or [])
     grid = parse_grid(grid_items, cls)
-    for item in sets:
-        key = parse_set(item)[0]
+    given = {parse_set(item)[0]: "--set" for item in sets} | ({"steps": "--steps"} if steps is not None else {})
+    for key, flag in given.items():
         if key in grid:
-            raise InputError(f"option {key!r} is both in --grid and --set; keep one")
+            raise InputError(f"option {key!r} is both in --grid and {flag}; keep one")
     if steps is not None and steps < 1:
         raise InputError(f"--steps {steps}: must be >= 1")
     overrides = {"steps": steps} if steps is not None else {}
@@ -396,8 +394,15 @@ class LocalPool:
                 self._stopping = True
                 for f in futures:
                     f.cancel()
-                for proc in list(self._procs.values()):
-                    proc.kill()
+                procs = list(self._procs.values())
+                for proc in procs:      # as if the driver were gone: each stops at its next step's end
+                    proc.stdin.close()
+                deadline = time.monotonic() + 10
+                for proc in procs:
+                    try:
+                        proc.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
                 raise
 
 
@@ -772,6 +777,7 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
                 if rec["status"] == RUNNING:
                     rec["status"], rec["message"] = PENDING, "interrupted"
             save()
+        print(f"toyharness: the sweep stopped; continue it with: toyharness sweep --resume {out_dir}", file=sys.stderr)
         raise
     finally:
         tracker.close()
