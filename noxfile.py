@@ -71,3 +71,10 @@ def portable_cross(session):
     (needs gcc, gcc-aarch64-linux-gnu and qemu-user: Debian's apt-get install names them)."""
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "-rs", "tests/test_portable_cross.py", *session.posargs)
+
+
+@nox.session
+def ray(session):
+    """Sweeps through a local Ray cluster (2 CPUs, no network): same bits as the local pool."""
+    session.install("-e", ".[test,ray]")
+    session.run("pytest", "-q", "-m", "ray", "-rs", "tests/test_sweep.py", *session.posargs)

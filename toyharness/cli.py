@@ -17,6 +17,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"toyharness: error: {message}\n")
 
 
+SWEEP_DESCRIPTION = """\
+Run RECIPE once per point: each combination of the --grid values, with each seed.
+A point is an ordinary run, with its run folder under DIR/points/ and the same losses,
+bit for bit, as `toyharness run` with its options. Every point's options are checked
+before anything runs. Writes DIR/sweep.json (grid, seeds, each point's options, status,
+final and best eval loss) and DIR/sweep.png (loss per configuration: mean over seeds,
+band min-max), and prints the configurations sorted by mean final eval loss.
+Exit 1 if a point failed (the others go on).
+
+examples:
+  toyharness sweep llama --grid lr=1e-3,3e-3 --grid d_model=64,128 --seeds 3 --steps 200
+  toyharness sweep lora --grid 'targets=q,v;q,k,v,o' --set base=runs/base/model.gguf
+  toyharness sweep --resume sweeps/llama-20260101-120000        # after a stop or a kill
+  toyharness sweep llama --grid lr=1e-3,3e-3 --threads 4 --ray HEAD:6379   # on a Ray cluster
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -69,6 +86,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: where a toyharness step's time goes, by ggml op (each node timed alone; "
                         "no PyTorch needed, nothing written)")
 
+    w = sub.add_parser("sweep", help="run a recipe over a grid of options and seeds (local pool or Ray)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=SWEEP_DESCRIPTION)
+    w.add_argument("recipe", nargs="?", help="the recipe (not needed with --resume)")
+    w.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="an option and its values (repeatable: the grid is every combination); a list-valued "
+                        "option separates its values with ';' (targets=q,v;q,k,v)")
+    w.add_argument("--seeds", metavar="N|S1,S2",
+                   help="N seeds counting up from the options' seed, or a list (default 1: the options' seed)")
+    w.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one option for every point (repeatable)")
+    w.add_argument("--steps", type=int, help="training steps of every point (default: the recipe's)")
+    w.add_argument("--backend", choices=["cpu", "cuda", "metal"], help="default cpu")
+    w.add_argument("--workers", type=int, help="points at a time (default: cores / threads; with --ray: no limit)")
+    w.add_argument("--threads", type=int,
+                   help="threads per point (default 1, or cores / workers); workers x threads <= cores")
+    w.add_argument("--ray", metavar="auto|ADDRESS",
+                   help="run each point as a Ray task: auto (this machine's cluster), HOST:PORT, ray://HOST:PORT "
+                        "or local; needs pip install \"toyharness[ray]\"")
+    w.add_argument("--keep-models", action="store_true",
+                   help="with --ray: bring model and checkpoint files back too (default: they stay on the worker)")
+    w.add_argument("--out", metavar="DIR", help="the sweep's folder (default: sweeps/RECIPE-TIMESTAMP)")
+    w.add_argument("--resume", metavar="DIR",
+                   help="continue the sweep in DIR: finished points are kept, interrupted ones go on from their "
+                        "checkpoints bit for bit, failed ones run again")
+    w.add_argument("--no-progress", action="store_true", help="no live progress line")
+
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf), forward only.")
     s.add_argument("run_dir")
@@ -84,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
-                "sample": cmd_sample}[args.command](args)
+                "sample": cmd_sample, "sweep": cmd_sweep}[args.command](args)
     except ToyharnessError as exc:
         print(f"toyharness: {'check failed' if isinstance(exc, CheckFailed) else 'error'}: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -237,6 +281,12 @@ def _bench_profile(args, names: list[str]) -> int:
             print(f"  {f'{len(rest)} more ops':<38}{sum(o.nodes for o in rest):6d}{sum(o.ms for o in rest):9.3f}"
                   f"{100 * sum(o.ms for o in rest) / total:7.1f}%")
     return 0
+
+
+def cmd_sweep(args) -> int:
+    from . import sweep
+
+    return sweep.main(args)
 
 
 def cmd_sample(args) -> int:
