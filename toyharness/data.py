@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import load_npy
 from .errors import InputError
 
 EVAL_FRACTION = 0.1
@@ -110,10 +111,7 @@ def load_text_data(spec: str = "default") -> TokenData:
             raise InputError(f"data {spec!r}: a .bin token file holds uint16 ids, but its size is odd")
         return _id_data(np.fromfile(path, dtype=np.uint16), str(path))
     if path.suffix == ".npy":
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except Exception as exc:
-            raise InputError(f"data {spec!r}: not a readable .npy file ({exc})") from None
+        arr = load_npy(path, "data")
         if arr.dtype not in (np.uint16, np.uint32) or arr.ndim != 1:
             raise InputError(f"data {spec!r}: expected a 1-D uint16 or uint32 token array, got {arr.dtype} "
                              f"with shape {arr.shape}")

@@ -17,9 +17,10 @@ import numpy as np
 import yaml
 
 from ._ffi import blas
+from .atomic import atomic_write
 from .errors import InputError
 from .lm import cache_root
-from .runner import GGML_VERSION, atomic_write, float_hex, train
+from .runner import GGML_VERSION, float_hex, train
 
 GOLDEN_STEPS = 16
 # A small fixed config per recipe family: fast, and it exercises every block. t_seq 24, not

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import load_npz
 from .errors import InputError
 
 SPLIT_SEED = 20241121
@@ -91,10 +92,7 @@ def load_image_data(spec: str = "default") -> ImageData:
         raise InputError(f"data {spec!r}: no such file")
     if path.suffix != ".npz":
         raise InputError(f"data {spec!r}: image data is an .npz with 'images' and 'labels'")
-    try:
-        arrays = dict(np.load(path, allow_pickle=False))
-    except Exception as exc:
-        raise InputError(f"data {spec!r}: not a readable .npz file ({exc})") from None
+    arrays = load_npz(path, "data")
     for key in ("images", "labels"):
         if key not in arrays:
             raise InputError(f"data {spec!r}: no {key!r} array (found: {', '.join(arrays) or 'none'})")
