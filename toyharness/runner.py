@@ -177,7 +177,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     losses = [m["loss"] for m in run.metrics]
     summary = {"recipe": recipe, "steps": len(run.metrics), "final_loss": losses[-1] if losses else None,
                "best_loss": min(losses) if losses else None,
-               "eval_loss": run.evals[-1]["loss"] if run.evals else None, "wall_s": round(wall, 3),
+               "eval_loss": last_eval_loss(run), "wall_s": round(wall, 3),
                "steps_per_s": round((options.steps - start) / wall, 3) if wall > 0 else None,
                "peak_rss_mb": round(peak_rss_mb(), 1), "backend": engine.backend, "threads": engine.threads}
     if run.evals and "accuracy" in run.evals[-1]:
@@ -193,6 +193,14 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     summary["out_dir"] = str(out_dir)
     pm.hook.run_end(run=run, summary=summary)
     return summary
+
+
+def last_eval_loss(run: Run) -> float | None:
+    """This invocation's last evaluation, else (a run resumed after its last step, killed in the
+    export) the last one its metrics.jsonl records."""
+    if run.evals:
+        return run.evals[-1]["loss"]
+    return next((m["eval_loss"] for m in reversed(run.metrics) if "eval_loss" in m), None)
 
 
 def evaluate(pm, model, data, options) -> dict:

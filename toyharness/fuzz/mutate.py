@@ -104,8 +104,9 @@ def gguf_truncate_at_boundary(data: bytes, rng, layout) -> bytes:
 
 def gguf_hostile_number(data: bytes, rng, layout) -> bytes:
     """A count, length, dimension, offset or version replaced by an extreme value."""
-    f = _pick(rng, _fields_of(data, layout, ("version", "n_tensors", "n_kv", "str_len", "array_count", "n_dims",
-                                             "dim", "tensor_offset")))
+    f = _pick(rng, [p for p in _fields_of(data, layout, ("version", "n_tensors", "n_kv", "str_len", "array_count",
+                                                         "n_dims", "dim", "tensor_offset", "value"))
+                    if p.size in (4, 8)])     # metadata values too: layer counts, sizes, steps
     size = len(data)
     pool = HOSTILE_U32 if f.size == 4 else HOSTILE_U64 + [size, size + 1, size - 1, size // 2]
     if f.kind == "tensor_offset":
