@@ -84,6 +84,13 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
         pos += n
         return bytes(buf[pos - n:pos])
 
+    def utf8_string(what: str) -> str:
+        raw = string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            fail(f"{what} is not UTF-8 ({raw[:40]!r})")
+
     def strings(count: int, key: str) -> None:
         """An array of strings (a vocabulary: 10^5 of them), in a tight loop."""
         nonlocal pos
@@ -139,11 +146,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
         fail(f"truncated or corrupt: {n_kv} metadata entries cannot fit in the {size - pos} bytes left")
     alignment = 32
     for _ in range(n_kv):
-        raw_key = string("a metadata key")
-        try:
-            key = raw_key.decode("utf-8")
-        except UnicodeDecodeError:
-            fail(f"a metadata key is not UTF-8 ({raw_key[:40]!r})")
+        key = utf8_string("a metadata key")
         vtype = take("value_type", "<I")
         v = value(vtype, key)
         if key == "general.alignment":
@@ -155,11 +158,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
     blocks = _block_sizes()
     tensors = []
     for _ in range(n_tensors):
-        raw_name = string("a tensor name")
-        try:
-            tname = raw_name.decode("utf-8")
-        except UnicodeDecodeError:
-            fail(f"a tensor name is not UTF-8 ({raw_name[:40]!r})")
+        tname = utf8_string("a tensor name")
         n_dims = take("n_dims", "<I")
         if not 1 <= n_dims <= MAX_DIMS:
             fail(f"tensor {tname!r}: {n_dims} dimensions; ggml takes 1 to {MAX_DIMS}")
