@@ -22,6 +22,9 @@ from .arrays import load_npy
 from .errors import InputError
 
 EVAL_FRACTION = 0.1
+# Token ids size the embedding table: a damaged file's huge id must not size the model.
+# The largest real vocabularies are ~2.6e5.
+MAX_VOCAB = 2**24
 
 
 def default_corpus_bytes() -> bytes:
@@ -128,6 +131,7 @@ def _bytes_data(raw: bytes, source: str) -> TokenData:
 def _id_data(ids: np.ndarray, source: str) -> TokenData:
     if ids.size == 0:
         raise InputError(f"data {source!r}: no tokens")
-    if int(ids.max()) >= 2**31:
-        raise InputError(f"data {source!r}: token id {int(ids.max())} too large")
+    if int(ids.max()) >= MAX_VOCAB:
+        raise InputError(f"data {source!r}: token id {int(ids.max())} too large (ids are below {MAX_VOCAB}; "
+                         f"the vocabulary, and so the model, is sized by the largest)")
     return TokenData(ids.astype(np.int32), int(ids.max()) + 1, source, False)

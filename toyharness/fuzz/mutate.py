@@ -204,8 +204,35 @@ def _npy_body(npy: bytes) -> bytes:
     return npy[(10 if npy[6:7] == b"\x01" else 12) + hlen:]
 
 
+HOSTILE_DTYPES = ["<U4", "<c8", "?", "<f2", "<f8", ">i4", "<i8", "<u8", "|V4", "|S3", [("a", "<i4")]]
+
+
+def hostile_array(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A well-formed array of the wrong kind: another dtype, a zero-sized or extra dimension,
+    extreme values (the largest ids, inf, nan)."""
+    dtype = np.dtype(_pick(rng, HOSTILE_DTYPES))
+    shape = _pick(rng, [shape, (0, *shape[1:]), shape[:1] + (0,) + shape[2:], (), shape[:1], (*shape, 1, 2),
+                        tuple(max(1, s // 2) for s in shape)])
+    a = np.zeros(shape, dtype)
+    if a.size and dtype.kind in "iu":
+        a.flat[int(rng.integers(a.size))] = _pick(rng, [np.iinfo(dtype).max, np.iinfo(dtype).min, 2**31 - 1])
+    elif a.size and dtype.kind in "fc":
+        a.flat[int(rng.integers(a.size))] = _pick(rng, [np.inf, -np.inf, np.nan, 1e30])
+    return a
+
+
 def mutate_npy(npy: bytes, rng: np.random.Generator) -> bytes:
-    """A .npy with a hostile header (size, dtype, order), a body of the wrong length, or byte damage."""
+    """A .npy with a hostile header (size, dtype, order), a well-formed array of the wrong kind,
+    a body of the wrong length, or byte damage."""
+    r = rng.random()
+    if r < 0.2 and npy.startswith(b"\x93NUMPY"):
+        try:
+            shape = np.lib.format.read_array_header_1_0(io.BytesIO(npy[8:]))[0] if npy[6] == 1 else (4, 4)
+        except Exception:     # a header already damaged by an earlier mutation
+            shape = (4, 4)
+        buf = io.BytesIO()
+        np.save(buf, hostile_array(tuple(min(int(s), 64) for s in shape), rng))
+        return buf.getvalue()
     r = rng.random()
     if r < 0.4 and npy.startswith(b"\x93NUMPY"):
         body = _npy_body(npy)
