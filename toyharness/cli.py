@@ -207,11 +207,11 @@ def cmd_bench(args) -> int:
     import importlib.util
 
     from . import bench
+    from .atomic import atomic_write
     from .engine import get_engine
     from .engine.backend import default_threads
     from .errors import InputError
     from .plugins import discover
-    from .runner import atomic_write
 
     known = list(discover())
     unknown = [n for n in args.recipes if n not in known]
@@ -290,11 +290,10 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    import tomllib
-
     from .data import decode_bytes
     from .errors import InputError
     from .lm import LMRecipe, sample_text
+    from .options import read_toml
     from .plugins import get_recipe
     from .runner import resolve_options
 
@@ -302,7 +301,7 @@ def cmd_sample(args) -> int:
     cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
     if not cfg_path.is_file() or not ckpt.is_file():
         raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
-    cfg = tomllib.loads(cfg_path.read_text())
+    cfg = read_toml(cfg_path)
     _, obj = get_recipe(cfg.get("recipe", "?"))
     if not isinstance(obj, LMRecipe):
         raise InputError(f"recipe {cfg.get('recipe')!r} is not a language model")

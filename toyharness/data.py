@@ -18,9 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import load_npy
 from .errors import InputError
 
 EVAL_FRACTION = 0.1
+# Token ids size the embedding table: a damaged file's huge id must not size the model.
+# The largest real vocabularies are ~2.6e5.
+MAX_VOCAB = 2**24
 
 
 def default_corpus_bytes() -> bytes:
@@ -110,10 +114,7 @@ def load_text_data(spec: str = "default") -> TokenData:
             raise InputError(f"data {spec!r}: a .bin token file holds uint16 ids, but its size is odd")
         return _id_data(np.fromfile(path, dtype=np.uint16), str(path))
     if path.suffix == ".npy":
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except Exception as exc:
-            raise InputError(f"data {spec!r}: not a readable .npy file ({exc})") from None
+        arr = load_npy(path, "data")
         if arr.dtype not in (np.uint16, np.uint32) or arr.ndim != 1:
             raise InputError(f"data {spec!r}: expected a 1-D uint16 or uint32 token array, got {arr.dtype} "
                              f"with shape {arr.shape}")
@@ -130,6 +131,7 @@ def _bytes_data(raw: bytes, source: str) -> TokenData:
 def _id_data(ids: np.ndarray, source: str) -> TokenData:
     if ids.size == 0:
         raise InputError(f"data {source!r}: no tokens")
-    if int(ids.max()) >= 2**31:
-        raise InputError(f"data {source!r}: token id {int(ids.max())} too large")
+    if int(ids.max()) >= MAX_VOCAB:
+        raise InputError(f"data {source!r}: token id {int(ids.max())} too large (ids are below {MAX_VOCAB}; "
+                         f"the vocabulary, and so the model, is sized by the largest)")
     return TokenData(ids.astype(np.int32), int(ids.max()) + 1, source, False)

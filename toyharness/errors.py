@@ -29,3 +29,15 @@ class CheckFailed(ToyharnessError):
     """A check that ran and failed (golden mismatch, NaN loss). Exit 1."""
 
     exit_code = 1
+
+
+class WriteError(ToyharnessError):
+    """A file that could not be written (disk full, quota, read-only folder, ...). Exit 1.
+    Nothing is left under the final name; the previous file of that name, if any, is intact."""
+
+    exit_code = 1
+
+    def __init__(self, path, cause: BaseException | str):
+        reason = cause if isinstance(cause, str) else (getattr(cause, "strerror", None) or str(cause))
+        super().__init__(f"cannot write {path}: {reason}")
+        self.path = path

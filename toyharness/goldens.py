@@ -24,10 +24,11 @@ import numpy as np
 import yaml
 
 from ._ffi import blas
+from .atomic import atomic_write
 from .engine.backend import PORTABLE_FINGERPRINT
 from .errors import InputError
 from .lm import cache_root
-from .runner import GGML_VERSION, atomic_write, float_hex, train
+from .runner import GGML_VERSION, float_hex, train
 
 GOLDEN_STEPS = 16
 MODES = ("auto", "fast", "portable")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import load_npz
 from .errors import InputError
 
 SPLIT_SEED = 20241121
@@ -91,10 +92,7 @@ def load_image_data(spec: str = "default") -> ImageData:
         raise InputError(f"data {spec!r}: no such file")
     if path.suffix != ".npz":
         raise InputError(f"data {spec!r}: image data is an .npz with 'images' and 'labels'")
-    try:
-        arrays = dict(np.load(path, allow_pickle=False))
-    except Exception as exc:
-        raise InputError(f"data {spec!r}: not a readable .npz file ({exc})") from None
+    arrays = load_npz(path, "data")
     for key in ("images", "labels"):
         if key not in arrays:
             raise InputError(f"data {spec!r}: no {key!r} array (found: {', '.join(arrays) or 'none'})")
@@ -114,7 +112,13 @@ def _digits() -> tuple[np.ndarray, np.ndarray, str]:
     return d.images, d.target, "sklearn.datasets.load_digits"
 
 
+# Class ids index the classifier's output rows: a larger id would size the model by a number.
+MAX_CLASSES = 2**16
+
+
 def _check_pair(images: np.ndarray, labels: np.ndarray, source: str, what: str) -> np.ndarray:
+    if images.dtype.kind not in "biuf":
+        raise InputError(f"data {source}: {what}images are {images.dtype}; expected integer or float pixels")
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4:
@@ -125,8 +129,11 @@ def _check_pair(images: np.ndarray, labels: np.ndarray, source: str, what: str) 
     if len(labels) != len(images):
         raise InputError(f"data {source}: {len(images)} {what}images (shape {images.shape}) but {len(labels)} "
                          f"{what}labels (shape {labels.shape})")
-    if len(labels) and labels.min() < 0:
-        raise InputError(f"data {source}: {what}label {int(labels.min())} out of range (class ids are >= 0)")
+    if 0 in images.shape[1:]:
+        raise InputError(f"data {source}: {what}images have shape {images.shape}: no pixels")
+    if len(labels) and (labels.min() < 0 or labels.max() >= MAX_CLASSES):
+        bad = int(labels.min()) if labels.min() < 0 else int(labels.max())
+        raise InputError(f"data {source}: {what}label {bad} out of range (class ids are 0 to {MAX_CLASSES - 1})")
     if not np.isfinite(images.astype(np.float32)).all():
         raise InputError(f"data {source}: {what}images contain NaN or inf")
     return images

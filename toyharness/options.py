@@ -18,6 +18,10 @@ import tomllib
 from .adamw import CONVENTIONS, AdamWRow, Schedule
 from .errors import InputError
 
+# Sizes, counts and seeds beyond this are typos or hostile input (ggml's dims and our int32 ids
+# cannot use them); refusing them here keeps a config from sizing an allocation.
+MAX_INT = 2**31 - 1
+
 
 def choice(default: Any, choices: tuple) -> Any:
     return field(default=default, metadata={"choices": choices})
@@ -92,6 +96,8 @@ def convert(cls: type[Options], key: str, raw: Any) -> Any:
                 raise ValueError
             value = float(raw)
         elif typ is str:
+            if isinstance(raw, (list, dict, tuple)):
+                raise ValueError
             value = str(raw)
         elif typing.get_origin(typ) is tuple or typ == tuple[str, ...]:
             if isinstance(raw, (list, tuple)):
@@ -100,9 +106,11 @@ def convert(cls: type[Options], key: str, raw: Any) -> Any:
                 value = tuple(s.strip() for s in str(raw).split(",") if s.strip())
         else:
             value = raw
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         kind = getattr(typ, "__name__", str(typ))
         raise InputError(f"option {key!r}: {raw!r} is not a valid {kind}") from None
+    if typ is int and abs(value) > MAX_INT:
+        raise InputError(f"option {key!r}: {raw!r} is out of range (at most {MAX_INT} in size)")
     if choices is not None:
         items = value if isinstance(value, tuple) else (value,)
         bad = [v for v in items if v not in choices]
@@ -118,47 +126,87 @@ def parse_set(item: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a dict; every failure an InputError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"config file {path} not found")
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"config file {path}: not valid TOML ({exc})") from None
+            return tomllib.load(fh)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        reason = " ".join(str(exc).split())[:160]
+        raise InputError(f"config file {path}: not valid TOML ({reason})") from None
+    except OSError as exc:
+        raise InputError(f"config file {path}: cannot read ({exc.strerror or exc})") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The options in a TOML file (a run folder's bookkeeping keys dropped), tagged with the file
+    so `resolve` can name it in an error about one of its values."""
+    path = Path(path)
+    data = read_toml(path)
     # config.toml of a run folder holds extra bookkeeping keys: not options.
     for extra in ("recipe", "ggml_version", "backend", "fingerprint", "threads", "toyharness_version"):
         data.pop(extra, None)
-    return data
+    return TomlOptions(data, source=str(path))
+
+
+class TomlOptions(dict):
+    """Option values read from a file, with the file's name for error messages."""
+
+    def __init__(self, values: dict[str, Any], source: str):
+        super().__init__(values)
+        self.source = source
 
 
 def resolve(cls: type[Options], toml: dict[str, Any] | None = None, sets: list[str] | None = None,
             overrides: dict[str, Any] | None = None) -> Options:
     """Recipe defaults <- TOML <- --set <- overrides (CLI flags such as --steps)."""
     values: dict[str, Any] = {}
+    source = getattr(toml, "source", None)
+    from_file: set[str] = set()
     for key, raw in (toml or {}).items():
-        values[key] = convert(cls, key, raw)
+        try:
+            values[key] = convert(cls, key, raw)
+        except InputError as exc:
+            raise InputError(f"config file {source}: {exc}" if source else str(exc)) from None
+        from_file.add(key)
     for item in sets or []:
         key, raw = parse_set(item)
         values[key] = convert(cls, key, raw)
+        from_file.discard(key)
     for key, raw in (overrides or {}).items():
         values[key] = convert(cls, key, raw)
+        from_file.discard(key)
     opts = cls(**values)
-    validate(opts)
+    try:
+        validate(opts)
+    except InputError as exc:
+        if source and getattr(exc, "key", None) in from_file:
+            raise InputError(f"config file {source}: {exc}") from None
+        raise
     return opts
+
+
+def _invalid(key: str, message: str) -> InputError:
+    exc = InputError(message)
+    exc.key = key
+    return exc
 
 
 def validate(opts: Options) -> None:
     positive = ["t_seq", "t_batch", "steps", "eval_every", "eval_batches", "checkpoint_every"]
     for key in positive:
         if getattr(opts, key) <= 0:
-            raise InputError(f"option {key!r}: must be > 0, got {getattr(opts, key)}")
+            raise _invalid(key, f"option {key!r}: must be > 0, got {getattr(opts, key)}")
     for key in ("lr", "eps"):
         if not getattr(opts, key) > 0:
-            raise InputError(f"option {key!r}: must be > 0, got {getattr(opts, key)}")
+            raise _invalid(key, f"option {key!r}: must be > 0, got {getattr(opts, key)}")
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(opts, key) < 1:
-            raise InputError(f"option {key!r}: must be in [0, 1), got {getattr(opts, key)}")
-    if opts.warmup < 0 or opts.weight_decay < 0 or opts.init_scale <= 0:
-        raise InputError("options 'warmup' and 'weight_decay' must be >= 0 and 'init_scale' > 0")
+            raise _invalid(key, f"option {key!r}: must be in [0, 1), got {getattr(opts, key)}")
+    for key, bad in (("warmup", opts.warmup < 0), ("weight_decay", not opts.weight_decay >= 0),
+                     ("init_scale", not opts.init_scale > 0)):
+        if bad:
+            raise _invalid(key, "options 'warmup' and 'weight_decay' must be >= 0 and 'init_scale' > 0")

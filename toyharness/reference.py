@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import tomllib
 import torch
 import torch.nn.functional as F
 
@@ -155,11 +154,12 @@ def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
     and for lora its base), recomputed in PyTorch with the run's AdamW rows."""
     from .bench import reference_config
     from .engine import GGUFFile
+    from .options import read_toml
     from .plugins import get_recipe
-    from .runner import resolve_options
+    from .runner import read_batches_npz, resolve_options
 
     run_dir = Path(run_dir)
-    recipe = tomllib.loads((run_dir / "config.toml").read_text())["recipe"]
+    recipe = read_toml(run_dir / "config.toml")["recipe"]
     _, obj = get_recipe(recipe)
     opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
     with GGUFFile(run_dir / "init.gguf") as f:
@@ -169,11 +169,11 @@ def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
     train = {n: p for n, p in P.items() if p.requires_grad}
     m = {n: torch.zeros_like(p) for n, p in train.items()}
     v = {n: torch.zeros_like(p) for n, p in train.items()}
-    batches = np.load(run_dir / "batches.npz")
+    batches = read_batches_npz(run_dir / "batches.npz")
     forward, loss_fn = MODELS[recipe], LOSSES[recipe]
     losses = []
     for i in range(steps):
-        batch = {k: torch.from_numpy(np.ascontiguousarray(batches[k][i])) for k in batches.files}
+        batch = {k: torch.from_numpy(np.ascontiguousarray(batches[k][i])) for k in batches}
         for p in train.values():
             p.grad = None
         loss = loss_fn(forward(P, batch, cfg), batch)

@@ -1,18 +1,18 @@
 """The training loop and a run's folder (DESIGN.md, "A run's folder").
 
-Every file is written atomically (temporary name, then rename). metrics.jsonl is rewritten
-whole at each checkpoint and at the end, so after a kill it holds exactly the steps that the
-checkpoint beside it covers.
+Every file is written atomically (temporary name, then rename; toyharness/atomic.py), and a
+write that fails (disk full, quota, read-only folder) is one `WriteError` naming the file, exit 1.
+At each checkpoint metrics.jsonl is rewritten whole *before* checkpoint.gguf, so after a kill or a
+failed write at any moment it holds at least the steps the checkpoint beside it covers, and
+--resume keeps exactly those.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import struct
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +22,14 @@ import numpy as np
 
 from . import __version__
 from .adamw import HPRow, check_convention
+from .arrays import load_npz
+from .atomic import atomic_write
 from .data import load_text_data
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
-from .errors import CheckFailed, InputError
+from .errors import CheckFailed, InputError, WriteError
 from .hookspecs import plugin_manager
-from .options import Options, load_toml, resolve
+from .options import Options, load_toml, read_toml, resolve
 from .plugins import get_recipe
 
 GGML_VERSION = "0.25.3"
@@ -36,20 +38,6 @@ GGML_VERSION = "0.25.3"
 def float_hex(x: float) -> str:
     """float32 bits as 0x + 8 hex digits."""
     return "0x%08x" % struct.unpack("<I", struct.pack("<f", np.float32(x)))[0]
-
-
-def atomic_write(path: Path, data: bytes | str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def peak_rss_mb() -> float:
@@ -115,9 +103,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     if resume_dir is not None:
         if not (resume_dir / "config.toml").is_file() or not (resume_dir / "checkpoint.gguf").is_file():
             raise InputError(f"--resume {resume_dir}: needs config.toml and checkpoint.gguf there")
-        import tomllib
-
-        saved = tomllib.loads((resume_dir / "config.toml").read_text())
+        saved = read_toml(resume_dir / "config.toml")
         if saved.get("recipe") != recipe:
             raise InputError(f"--resume {resume_dir}: that run is recipe {saved.get('recipe')!r}, not {recipe!r}")
         config = str(resume_dir / "config.toml")
@@ -135,8 +121,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     start = 0
     if resume_dir is not None:
         start = load_checkpoint(resume_dir / "checkpoint.gguf", trainer, options)
-        run.metrics = [json.loads(line) for line in (resume_dir / "metrics.jsonl").read_text().splitlines()
-                       if line.strip()][:start] if (resume_dir / "metrics.jsonl").is_file() else []
+        run.metrics = read_metrics(resume_dir / "metrics.jsonl", start)
 
     # The row's convention must match the graph's before any step runs.
     first_row = pm.hook.hp(options=options, step=start)
@@ -145,7 +130,10 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     check_convention(first_row, model.convention)
 
     if write_files:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise WriteError(out_dir, exc) from None
         atomic_write(out_dir / "config.toml", config_toml(run, engine.threads))
         if save_init and resume_dir is None:
             write_gguf(out_dir / "init.gguf", f"toyharness-{recipe}", trainer_params(trainer))
@@ -181,8 +169,8 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
                     run.metrics[-1]["accuracy"] = ev["accuracy"]
             bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None)
             if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
-                save_checkpoint(out_dir, trainer, options, done)
                 atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
+                save_checkpoint(out_dir, trainer, options, done)
     finally:
         bar.close()
 
@@ -190,7 +178,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     losses = [m["loss"] for m in run.metrics]
     summary = {"recipe": recipe, "steps": len(run.metrics), "final_loss": losses[-1] if losses else None,
                "best_loss": min(losses) if losses else None,
-               "eval_loss": run.evals[-1]["loss"] if run.evals else None, "wall_s": round(wall, 3),
+               "eval_loss": last_eval_loss(run), "wall_s": round(wall, 3),
                "steps_per_s": round((options.steps - start) / wall, 3) if wall > 0 else None,
                "peak_rss_mb": round(peak_rss_mb(), 1), "backend": engine.backend, "threads": engine.threads}
     if run.evals and "accuracy" in run.evals[-1]:
@@ -206,6 +194,14 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     summary["out_dir"] = str(out_dir)
     pm.hook.run_end(run=run, summary=summary)
     return summary
+
+
+def last_eval_loss(run: Run) -> float | None:
+    """This invocation's last evaluation, else (a run resumed after its last step, killed in the
+    export) the last one its metrics.jsonl records."""
+    if run.evals:
+        return run.evals[-1]["loss"]
+    return next((m["eval_loss"] for m in reversed(run.metrics) if "eval_loss" in m), None)
 
 
 def evaluate(pm, model, data, options) -> dict:
@@ -239,17 +235,54 @@ def save_checkpoint(out_dir: Path, trainer, options: Options, steps_done: int) -
 
 
 def load_checkpoint(path: Path, trainer, options: Options) -> int:
+    shapes = {name: t.shape for name, t in trainer.prog.params.items()}
+    step, state = read_checkpoint(path, shapes, options.seed, options.steps)
+    trainer.load_state(state, step)
+    return step
+
+
+def read_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]], seed: int,
+                    steps: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+    """(steps done, {name, adamw.m.name, adamw.v.name: float32 array}) from a checkpoint whose
+    parameters have `shapes`; the step and seed checked against the run's."""
     with GGUFFile(path) as f:
         step = f.require_field("toyharness.step")
-        seed = f.require_field("toyharness.seed")
-        if int(seed) != options.seed:
-            raise GGUFError(f"{path}: checkpoint seed {seed} differs from the run's seed {options.seed}")
+        saved_seed = f.require_field("toyharness.seed")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (steps is not None and step > steps):
+            raise GGUFError(f"{path}: checkpoint step {step!r} is not a step count in [0, {steps}]")
+        if not isinstance(saved_seed, int) or saved_seed != seed:
+            raise GGUFError(f"{path}: checkpoint seed {saved_seed!r} differs from the run's seed {seed}")
         state = {}
-        for name in trainer.prog.params:
+        for name, shape in shapes.items():
             for key in (name, f"adamw.m.{name}", f"adamw.v.{name}"):
-                state[key] = f.tensor(key, expect_shape=trainer.prog.params[name].shape).to_numpy()
-    trainer.load_state(state, int(step))
-    return int(step)
+                state[key] = f.tensor(key, expect_shape=shape).to_numpy()
+    return step, state
+
+
+def read_metrics(path: Path, steps: int) -> list[dict]:
+    """The first `steps` lines of a run's metrics.jsonl, each checked: a JSON object for step i
+    with a finite loss. A missing file, or fewer lines than the checkpoint covers, is an error:
+    the resumed run's metrics would have a hole."""
+    if steps == 0:
+        return []
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc}); resuming at step {steps} needs "
+                         f"the metrics of steps 0-{steps - 1}") from None
+    out = []
+    for n, line in enumerate(raw.split(b"\n")[:steps], 1):
+        try:
+            m = json.loads(line)
+        except (ValueError, RecursionError) as exc:     # JSONDecodeError, bad UTF-8
+            raise InputError(f"{path}:{n}: not a JSON line ({' '.join(str(exc).split())[:120]})") from None
+        if not isinstance(m, dict) or m.get("step") != n - 1 or isinstance(m.get("step"), bool) or \
+                not isinstance(m.get("loss"), (int, float)) or not math.isfinite(m["loss"]):
+            raise InputError(f"{path}:{n}: expected a metrics line for step {n - 1} with a finite loss")
+        out.append(m)
+    if len(out) < steps:
+        raise InputError(f"{path}: {len(out)} lines, but the checkpoint covers {steps} steps")
+    return out
 
 
 def save_batches_npz(path: Path, log: dict[str, list]) -> None:
@@ -258,6 +291,28 @@ def save_batches_npz(path: Path, log: dict[str, list]) -> None:
     buf = io.BytesIO()
     np.savez(buf, **{k: np.stack(v) for k, v in log.items()})
     atomic_write(path, buf.getvalue())
+
+
+BATCH_DTYPES = {"tokens": "i", "targets": "i", "labels": "i", "cls_index": "i", "images": "f", "mask": "f"}
+
+
+def read_batches_npz(path: Path) -> dict[str, np.ndarray]:
+    """A run's batches.npz: known arrays only, of the right kind, all with one row per step."""
+    arrays = load_npz(path, "batches")
+    if not arrays:
+        raise InputError(f"batches {path}: holds no arrays")
+    steps = None
+    for name, a in arrays.items():
+        kind = BATCH_DTYPES.get(name)
+        if kind is None:
+            raise InputError(f"batches {path}: unknown array {name!r}; expected some of {', '.join(BATCH_DTYPES)}")
+        if a.dtype.kind != kind or a.dtype.itemsize != 4 or a.ndim < 2:
+            raise InputError(f"batches {path}: {name!r} is {a.dtype} with shape {a.shape}; expected "
+                             f"{'int32' if kind == 'i' else 'float32'} [steps, batch, ...]")
+        if steps is not None and a.shape[0] != steps:
+            raise InputError(f"batches {path}: {name!r} has {a.shape[0]} steps, the others {steps}")
+        steps = a.shape[0]
+    return arrays
 
 
 def plot_loss(path: Path, run: Run) -> None:

@@ -80,14 +80,21 @@ def read_base(path: str) -> BaseModel:
         if arch not in ARCHS:
             raise GGUFError(f"{path}: architecture {arch!r}, expected one of {', '.join(ARCHS)}")
 
-        def key(name):
-            return f.require_field(f"{arch}.{name}")
+        def key(name, kind=int, default=None):
+            value = f.require_field(f"{arch}.{name}") if default is None else f.field(f"{arch}.{name}", default)
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or \
+                    (kind is int and value <= 0):
+                raise GGUFError(f"{path}: metadata {arch}.{name} is {value!r}, expected a positive {kind.__name__}")
+            return kind(value)
 
-        n_layer, d, n_head = int(key("block_count")), int(key("embedding_length")), int(key("attention.head_count"))
-        n_kv = int(f.field(f"{arch}.attention.head_count_kv", n_head))
-        d_ff = int(key("feed_forward_length"))
-        shape = LlamaShape(n_layer, n_head, n_kv, float(key("attention.layer_norm_rms_epsilon")),
-                           float(f.field(f"{arch}.rope.freq_base", 10000.0)), rope_neox=(arch == "qwen2"))
+        n_layer, d, n_head = key("block_count"), key("embedding_length"), key("attention.head_count")
+        n_kv, d_ff = key("attention.head_count_kv", default=n_head), key("feed_forward_length")
+        # Each layer has 9 tensors: a count beyond the file's is damage, not a model to loop over.
+        if n_layer > len(f.names) or d % n_head or n_head % n_kv:
+            raise GGUFError(f"{path}: inconsistent sizes: {n_layer} layers in {len(f.names)} tensors, width {d}, "
+                            f"{n_head} heads, {n_kv} kv heads")
+        shape = LlamaShape(n_layer, n_head, n_kv, key("attention.layer_norm_rms_epsilon", float),
+                           key("rope.freq_base", float, 10000.0), rope_neox=(arch == "qwen2"))
         vocab = f.tensor("token_embd.weight").shape[0]
         kv = n_kv * (d // n_head)
         want = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}

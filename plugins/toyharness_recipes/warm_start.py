@@ -39,7 +39,9 @@ def donor_embed_width(path: str) -> int:
         width = f.field("llama.embedding_length")
         if width is None:
             raise GGUFError(f"donor {path}: no 'llama.embedding_length' key (is it a llama GGUF?)")
-        return int(width)
+        if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
+            raise GGUFError(f"donor {path}: 'llama.embedding_length' is {width!r}, expected a positive int")
+        return width
 
 
 def _open_donor(path: str) -> GGUFFile:

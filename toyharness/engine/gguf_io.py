@@ -8,7 +8,6 @@ asked for. Errors are `GGUFError`s that name the file, the tensor, and expected 
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._ffi import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q8_0, ffi, lib
+from ..atomic import atomic_path
 from ..errors import GGUFError
+from .gguf_layout import check_file
 from .tensor import Tensor
 
 if TYPE_CHECKING:
@@ -86,12 +87,11 @@ class GGUFFile:
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: file not found")
         size = self.path.stat().st_size
-        with open(self.path, "rb") as fh:
-            magic = fh.read(4)
-        if magic != b"GGUF":
-            raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        check_file(self.path)   # every count, length and offset within the file before gguf-py loops over them
         try:
             self.reader = gguf.GGUFReader(self.path, "r")
+        except MemoryError:     # an allocation sized by a number in the file: a bug to fix, not hide
+            raise
         except Exception as exc:  # the reader raises ValueError, IndexError, KeyError... on damage
             raise GGUFError(f"{self.path}: truncated or corrupt GGUF header ({type(exc).__name__}: {exc})") from exc
         self.mmap = self.reader.data
@@ -126,12 +126,18 @@ class GGUFFile:
             return default
         parts = [f.parts[i] for i in f.data]
         if len(f.types) and f.types[0].name == "STRING" and len(f.types) == 1:
-            return bytes(parts[0]).decode("utf-8")
+            return self._text(key, parts[0])
         if f.types and f.types[0].name == "ARRAY":
             if len(f.types) > 1 and f.types[1].name == "STRING":
-                return [bytes(p).decode("utf-8") for p in parts]
+                return [self._text(key, p) for p in parts]
             return [p.tolist()[0] if hasattr(p, "tolist") else p for p in parts]
         return parts[0].tolist()[0]
+
+    def _text(self, key: str, raw) -> str:
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise GGUFError(f"{self.path}: metadata {key!r} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
     def metadata(self) -> dict[str, TypedValue]:
         """Every metadata key with its GGUF value type, for copying into another file."""
@@ -140,7 +146,10 @@ class GGUFFile:
             if key.startswith("GGUF.") or not f.types:
                 continue
             sub = f.types[-1] if len(f.types) > 1 else None
-            out[key] = TypedValue(f.contents(), f.types[0], sub)
+            try:
+                out[key] = TypedValue(f.contents(), f.types[0], sub)
+            except UnicodeDecodeError as exc:
+                raise GGUFError(f"{self.path}: metadata {key!r} is not UTF-8 ({exc.reason})") from None
         return out
 
     def require_field(self, key: str) -> Any:
@@ -203,23 +212,18 @@ def _write_atomic(path: Path, arch: str, metadata: dict[str, Any], tensors: list
     """Write (name, data, raw ggml type or None) tensors and metadata to a temporary file, then rename."""
     import gguf
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:      # a failed write (disk full...) is one WriteError naming `path`
         w = gguf.GGUFWriter(tmp, arch)
-        for key, value in metadata.items():
-            _add_field(w, key, value)
-        for name, data, raw in tensors:
-            w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        try:
+            for key, value in metadata.items():
+                _add_field(w, key, value)
+            for name, data, raw in tensors:
+                w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     return path
 
 
