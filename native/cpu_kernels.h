@@ -53,6 +53,20 @@ static inline int th_next_rows(int64_t nr, int64_t row_len, int ith, int nth, in
     return 1;
 }
 
+/* ---- shared by the kernels' files ------------------------------------------------------------- */
+/* the CBLAS sgemm the binding hands over (th_set_sgemm; NULL without one) */
+enum { TH_ROW_MAJOR = 101, TH_NO_TRANS = 111, TH_TRANS = 112 };
+typedef void (*th_sgemm_fn)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                            const float * a, int lda, const float * b, int ldb, float beta, float * c, int ldc);
+extern th_sgemm_fn th_sgemm;
+
+/* turn node t into a two-source custom op (its op_params cleared first) */
+void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks);
+
+/* frozen_matmul.c: products with a frozen non-f32 weight (f16, bf16, quantized), in f32 */
+int th_rewrite_frozen(struct ggml_cgraph * graph);
+const char * th_frozen_kernel_name(const struct ggml_tensor * t, double * flops);
+
 /* cpu_adamw.c (built with -fno-math-errno, so that its square root vectorises) */
 void th_adamw_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 int th_adamw_ok(const struct ggml_tensor * t);

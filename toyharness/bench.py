@@ -57,7 +57,9 @@ def reference_config(options) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             frozen = {n: f.tensor(n).to_numpy() for n in f.names}
             arch = f.field("general.architecture")
             cfg.update(n_layer=f.field(f"{arch}.block_count"), n_head=f.field(f"{arch}.attention.head_count"),
-                       n_kv_head=f.field(f"{arch}.attention.head_count_kv"))
+                       n_kv_head=f.field(f"{arch}.attention.head_count_kv"),
+                       rope_base=f.field(f"{arch}.rope.freq_base", 10000.0),
+                       rms_eps=f.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
     return cfg, frozen
 
 

@@ -64,8 +64,10 @@ def donor_rows(path: str, vocab: int, d_in: int) -> np.ndarray:
             raise GGUFError(f"donor {path}: token_embd.weight has shape {info.shape}, expected (rows, {d_in})")
         if info.shape[0] < vocab:
             raise GGUFError(f"donor {path}: vocabulary of {info.shape[0]} rows is smaller than the model's {vocab}")
-        try:
-            return info.to_numpy()[:vocab].astype(np.float32)
+        try:      # any frozen type (engine/quant.py), only the rows the model uses dequantized
+            return info.to_numpy(rows=vocab)
+        except GGUFError as exc:
+            raise GGUFError(f"donor {exc}") from None
         except (OSError, ValueError) as exc:
             raise GGUFError(f"donor {path}: read failure on token_embd.weight ({exc})") from None
 
