@@ -41,9 +41,11 @@ def rel_err(got, ref):
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
-def frozen_product(path, name, threads, x, r):
-    """y = x W^T and dL/dx for L = sum(r * y), W the tensor `name` of `path` bound in place."""
-    prog = get_engine("cpu", threads).program()
+def frozen_product(path, name, threads, x, r, backend="cpu", cpu_kernels=True):
+    """y = x W^T and dL/dx for L = sum(r * y), W the tensor `name` of `path` (bound in place on
+    cpu, uploaded in its type elsewhere), and the names of our cpu kernels that ran."""
+    prog = get_engine(backend, threads).program()
+    prog.cpu_kernels = prog.cpu_kernels and cpu_kernels
     f = GGUFFile(path)
     w = prog.frozen_gguf(f, name)
     xp = prog.param("x", x)
@@ -77,6 +79,60 @@ def test_frozen_product_and_input_gradient_match_numpy(bases, dtype):
         assert np.array_equal(y1, y2) and np.array_equal(dx1, dx2), "bits moved with the thread count"
         want = {"sgemm"} if dtype == "f32" else {"frozen_matmul", "frozen_out_prod"}
         assert want <= kernels, kernels
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_without_the_cpu_kernels_the_weight_is_dequantized_in_the_graph(bases, dtype):
+    """The route other backends take (and cpu with TOYHARNESS_CPU_KERNELS=0): a GET_ROWS of all
+    rows dequantizes W into the graph, then f32 products (ggml's own kernels here)."""
+    rng = np.random.default_rng(2)
+    name = "blk.0.ffn_up.weight"
+    with GGUFFile(bases[dtype]) as f:
+        info = f.tensor(name)
+        w = dequantize(info.raw_bytes(), info.ggml_type, info.shape).astype(np.float64)
+    x = rng.standard_normal((21, w.shape[1])).astype(np.float32)
+    r = rng.standard_normal((21, w.shape[0])).astype(np.float32)
+    y, dx, kernels = frozen_product(bases[dtype], name, 2, x, r, cpu_kernels=False)
+    assert not kernels
+    assert rel_err(y, x.astype(np.float64) @ w.T) < 1e-5 and rel_err(dx, r.astype(np.float64) @ w) < 1e-5
+
+
+def needs_cuda():
+    from toyharness._ffi import available_native_backends
+
+    present = "cuda" in available_native_backends()
+    return [pytest.mark.cuda, pytest.mark.skipif(not present, reason="the cuda backend is not built into this "
+                                                 "install (TOYHARNESS_BACKENDS=cpu,cuda) or no device")]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(t, marks=needs_cuda()) for t in FROZEN_NAMES])
+def test_frozen_product_and_input_gradient_on_cuda(bases, dtype):
+    """On cuda the weight is uploaded in its type and dequantized in the graph (GET_ROWS): the
+    same products, the input gradient included (ggml's cuda OUT_PROD takes only f32)."""
+    rng = np.random.default_rng(0)
+    for name in ("blk.0.ffn_down.weight", "token_embd.weight"):
+        with GGUFFile(bases[dtype]) as f:
+            info = f.tensor(name)
+            w = dequantize(info.raw_bytes(), info.ggml_type, info.shape).astype(np.float64)
+        x = rng.standard_normal((37, w.shape[1])).astype(np.float32)
+        r = rng.standard_normal((37, w.shape[0])).astype(np.float32)
+        y, dx, _ = frozen_product(bases[dtype], name, None, x, r, backend="cuda")
+        assert rel_err(y, x.astype(np.float64) @ w.T) < 1e-5, (dtype, name)
+        assert rel_err(dx, r.astype(np.float64) @ w) < 1e-5, (dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(t, marks=needs_cuda()) for t in ("q4_k", "q8_0", "q4_1", "f16")])
+def test_lora_on_a_quantized_base_on_cuda_repeats_and_agrees_with_cpu(bases, dtype):
+    runs = {}
+    for backend in ("cuda", "cuda", "cpu"):
+        rec = Losses()
+        train("lora", steps=6, backend=backend, sets=STEPS + [f"base={bases[dtype]}"], out=None, progress=False,
+              write_files=False, observers=(rec,))
+        runs.setdefault(backend, []).append(rec.losses)
+    assert [np.float32(x).tobytes() for x in runs["cuda"][0]] == [np.float32(x).tobytes() for x in runs["cuda"][1]]
+    cuda, cpu = np.array(runs["cuda"][0], np.float64), np.array(runs["cpu"][0], np.float64)
+    assert float(np.max(np.abs(cuda - cpu) / cpu)) < 1e-4, (cuda, cpu)
+    assert cuda[-1] < cuda[0]
 
 
 def test_ggml_quantize_round_trips_through_gguf_py():

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from toyharness.engine import GGUFFile, blocks, write_gguf
-from toyharness.engine.gguf_io import GGUFError
+from toyharness.engine.gguf_io import GGUFError, cached_copy_as
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
 from toyharness.init import normal
@@ -118,6 +118,14 @@ class LoRA(LMRecipe):
     def golden_sets(self) -> list[str]:
         base = seeded_model_file("llama", ["n_layer=1", "d_model=32", "n_head=2", "n_kv_head=1", "d_ff=48", "seed=7"])
         return [f"base={base}", "targets=q,v,down", "rank=4", "alpha=8"]
+
+    @property
+    def golden_variants(self) -> dict[str, list[str]]:
+        """lora@q4_k, lora@q8_0: the golden config over a quantized base (a seeded llama 256 wide,
+        so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache)."""
+        base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512",
+                                           "seed=7"])
+        return {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
 
     @property
     def bench_sets(self) -> list[str]:

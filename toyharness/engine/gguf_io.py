@@ -345,6 +345,14 @@ def _add_field(w, key: str, value: Any) -> None:
         raise TypeError(f"GGUF metadata {key!r}: unsupported value type {type(value).__name__}")
 
 
+def cached_copy_as(src: str | os.PathLike, matrix_dtype: str) -> Path:
+    """`copy_gguf_as(src, ..., matrix_dtype)` kept beside `src` (a base in the cache, e.g. for a
+    golden over a quantized base): made once, then found by name."""
+    src = Path(src)
+    dst = src.with_name(f"{src.stem}.{matrix_dtype}.gguf")
+    return dst if dst.is_file() else copy_gguf_as(src, dst, matrix_dtype)
+
+
 def copy_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, matrix_dtype: str) -> Path:
     """A copy of a GGUF with every 2-D tensor stored as `matrix_dtype`, quantized by ggml's own
     quantizer (engine/quant.py: any frozen type, and types the engine refuses, for error tests;
