@@ -86,6 +86,8 @@ ggml_tensor * ggml_view_3d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int
 ggml_tensor * ggml_permute(ggml_context * ctx, ggml_tensor * a, int axis0, int axis1, int axis2, int axis3);
 ggml_tensor * ggml_transpose(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_get_rows(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_set_rows(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b, ggml_tensor * c);
+ggml_tensor * ggml_fill_inplace(ggml_context * ctx, ggml_tensor * a, float c);
 ggml_tensor * ggml_diag_mask_inf(ggml_context * ctx, ggml_tensor * a, int n_past);
 ggml_tensor * ggml_soft_max(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_soft_max_ext(ggml_context * ctx, ggml_tensor * a, ggml_tensor * mask, float scale, float max_bias);
