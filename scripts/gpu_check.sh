@@ -15,19 +15,10 @@ shift
 phases=" ${*:-build check bench} "
 mkdir -p "$out"
 log="$out/gpu_check.log"
-export PYTHONUNBUFFERED=1 TOYHARNESS_BACKENDS=cpu,cuda TOYHARNESS_CUDA_ARCH="${TOYHARNESS_CUDA_ARCH:-90}"
-. "$(dirname "$0")/offline_env.sh"
+source "$(dirname "$0")/gpu_env.sh"
 status=0
 
-if [[ $phases == *" build "* ]]; then
-    step "build (cpu+cuda, sm_$TOYHARNESS_CUDA_ARCH)"
-    nvidia-smi -L 2>&1 | tee -a "$log"
-    start=$(date +%s)
-    python3 -m pip install --no-deps --no-build-isolation --no-index -e . -e plugins/example_bigram >>"$log" 2>&1 \
-        || { echo "build failed" | tee -a "$log"; tail -40 "$log"; exit 1; }
-    echo "build took $(( $(date +%s) - start )) s" | tee -a "$log"
-    python3 -c "from toyharness._ffi import available_native_backends as b; print('backends:', b())" | tee -a "$log"
-fi
+if [[ $phases == *" build "* ]]; then build_cuda plugins/example_bigram; fi
 
 if [[ $phases == *" check "* ]]; then
     step "every op and block on cuda: forward vs float64 numpy, backward vs finite differences"

@@ -323,3 +323,29 @@ def test_abort_handler_names_ggml(tmp_path):
                          env={**os.environ, "PYTHONFAULTHANDLER": ""})
     assert res.returncode != 0
     assert "toyharness: ggml aborted the process" in res.stderr and "GGML_ASSERT" in res.stderr
+
+
+def test_one_hot_targets_built_in_the_graph_train_the_same_bits():
+    """cuda builds the one-hot targets in the graph (FILL, SET_ROWS at the flat indices) instead
+    of uploading rows x vocab floats each step: forced here on cpu, every loss, both losses'
+    bits and the trained weights equal the uploaded one-hot's; a bad id is still named."""
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(size=(5, 6)) for _ in range(4)]
+    ys = [rng.integers(0, 4, size=5) for _ in range(4)]
+    runs = []
+    for in_graph in (False, True):
+        eng = get_engine("cpu", 2)
+        prog = eng.program()
+        prog.onehot_in_graph = in_graph
+        w = prog.param("w", np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32))
+        x = prog.input("x", (5, 6))
+        ce = prog.cross_entropy(blocks.linear(x, w), "targets")
+        tr = prog.trainer(ce, "bias_corrected")
+        losses = [(tr.step({"x": a, "targets": b}, bias_corrected().hp_for_step(i)), tr.train_loss_value())
+                  for i, (a, b) in enumerate(zip(xs, ys))]
+        runs.append((losses, prog.read(w)))
+        if in_graph:
+            with pytest.raises(InputError, match=r"id 4 out of range \[0, 4\)"):
+                tr.step({"x": xs[0], "targets": np.array([0, 1, 4, 2, 3])}, bias_corrected().hp_for_step(9))
+    assert runs[0][0] == runs[1][0]
+    assert np.array_equal(runs[0][1], runs[1][1])

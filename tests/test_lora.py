@@ -43,7 +43,8 @@ def test_lora_fine_tune_lowers_the_held_out_loss(llama_base, other_text, tmp_pat
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
 def test_lora_trains_through_every_base_type(llama_base, tmp_path, dtype):
-    """f16 and q8_0 stay mmap'd; bf16 is widened (no bf16 out_prod). Same model up to rounding."""
+    """Every type stays mmap'd in its own type. Same model up to rounding (tests/test_quant.py
+    checks every quantized type against its dequantized weights)."""
     sets = FT + ["targets=q,k,v,o,gate,up,down"]
     ref = train("lora", steps=10, sets=sets + [f"base={llama_base}"], out=str(tmp_path / "f32"), progress=False)
     base = copy_gguf_as(llama_base, tmp_path / f"base-{dtype}.gguf", dtype)
@@ -110,7 +111,7 @@ def write_bad(tmp_path, llama_base, kind):
         path.write_bytes(data[: len(data) // 2])
         return path
     elif kind == "dtype":
-        return copy_gguf_as(llama_base, path, "q4_0")
+        return copy_gguf_as(llama_base, path, "iq4_nl")
     write_gguf(path, arch, arrays, meta)
     return path
 
@@ -120,7 +121,8 @@ def write_bad(tmp_path, llama_base, kind):
     ("arch", "architecture 'gpt2', expected one of llama, qwen2"),
     ("missing", "tensor 'blk.1.ffn_up.weight' not found"),
     ("shape", "tensor 'blk.0.attn_v.weight' has shape (16, 64), expected (32, 64)"),
-    ("dtype", "tensor 'token_embd.weight' has type q4_0, expected f32 or f16 or bf16 or q8_0"),
+    ("dtype", "tensor 'token_embd.weight' has type iq4_nl, which toyharness does not take (supported: f32, f16, "
+              "bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)"),
 ])
 def test_bad_base_exits_2_naming_file_and_tensor(llama_base, tmp_path, kind, message):
     bad = write_bad(tmp_path, llama_base, kind)

@@ -36,6 +36,9 @@ int64_t ggml_nelements(const ggml_tensor * t);
 size_t ggml_nbytes(const ggml_tensor * t);
 size_t ggml_type_size(int type);
 int64_t ggml_blck_size(int type);
+bool ggml_quantize_requires_imatrix(int type);
+size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, int64_t n_per_row,
+                           const float * imatrix);
 bool ggml_is_contiguous(const ggml_tensor * t);
 bool ggml_can_repeat(const ggml_tensor * t0, const ggml_tensor * t1);
 
@@ -83,6 +86,8 @@ ggml_tensor * ggml_view_3d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int
 ggml_tensor * ggml_permute(ggml_context * ctx, ggml_tensor * a, int axis0, int axis1, int axis2, int axis3);
 ggml_tensor * ggml_transpose(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_get_rows(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+ggml_tensor * ggml_set_rows(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b, ggml_tensor * c);
+ggml_tensor * ggml_fill_inplace(ggml_context * ctx, ggml_tensor * a, float c);
 ggml_tensor * ggml_diag_mask_inf(ggml_context * ctx, ggml_tensor * a, int n_past);
 ggml_tensor * ggml_soft_max(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_soft_max_ext(ggml_context * ctx, ggml_tensor * a, ggml_tensor * mask, float scale, float max_bias);
@@ -164,6 +169,9 @@ void th_set_sgemm(void * fn);
 int th_cpu_rewrite(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 const char * th_portable_kernel_name(const ggml_tensor * t);
+
+
+int th_frozen_type_ok(int type);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds);
 const char * ggml_op_desc(const ggml_tensor * t);
@@ -174,6 +182,7 @@ GGML_TYPE_F16 = 1
 GGML_TYPE_Q8_0 = 8
 GGML_TYPE_I32 = 26
 GGML_TYPE_BF16 = 30
+GGML_TYPE_COUNT = 43
 GGML_LOG_LEVEL_WARN = 3
 GGML_STATUS_SUCCESS = 0
 GGML_ROPE_TYPE_NORMAL = 0

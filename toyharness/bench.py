@@ -45,20 +45,32 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def reference_config(options) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def reference_config(options, with_frozen: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The PyTorch reference's view of a run's options: the config dict its model functions read
-    (for lora, the base's sizes) and the frozen arrays (for lora, the base's tensors)."""
+    (for lora, the base's sizes) and the frozen arrays (for lora, the base's tensors, dequantized
+    to f32: `base_arrays`; none without `with_frozen`)."""
     from .engine import GGUFFile
 
     cfg = options.to_dict()
     frozen: dict[str, np.ndarray] = {}
     if cfg.get("base"):
+        frozen = base_arrays(cfg["base"]) if with_frozen else {}
         with GGUFFile(cfg["base"]) as f:
-            frozen = {n: f.tensor(n).to_numpy() for n in f.names}
             arch = f.field("general.architecture")
             cfg.update(n_layer=f.field(f"{arch}.block_count"), n_head=f.field(f"{arch}.attention.head_count"),
-                       n_kv_head=f.field(f"{arch}.attention.head_count_kv"))
+                       n_kv_head=f.field(f"{arch}.attention.head_count_kv"),
+                       rope_base=f.field(f"{arch}.rope.freq_base", 10000.0),
+                       rms_eps=f.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
     return cfg, frozen
+
+
+def base_arrays(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of a base GGUF as f32 numpy, dequantized by gguf-py (engine/quant.py): the
+    PyTorch side's frozen weights."""
+    from .engine import GGUFFile
+
+    with GGUFFile(path) as f:
+        return {n: f.tensor(n).to_numpy() for n in f.names}
 
 
 def bench_options(recipe: str, sets: list[str] | None = None):
@@ -122,13 +134,15 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
     pm, opts, data, engine, model = realize_for_bench(recipe, backend, threads, sets)
     trainer = getattr(model, "trainer", None)
     batches = [batch_for(data, "train", i, opts) for i in range(N_BATCHES)]
-    if trainer is not None:      # trainable only: a frozen base reaches PyTorch as `frozen`
+    if trainer is not None:      # trainable only: a frozen base reaches PyTorch by its path (below)
         params = {n: trainer.prog.read(t) for n, t in trainer.prog.params.items()}
     else:
         params = model.params() if hasattr(model, "params") else {}
-    cfg, frozen = reference_config(opts)
+    # The frozen base reaches PyTorch by its path (the worker dequantizes it): an f32 copy made
+    # here would count in this side's peak RSS, which must show the base staying a mapped file.
+    cfg, _ = reference_config(opts, with_frozen=False)
     conn.send({"items": items_per_batch(data, opts), "batches": batches, "params": params,
-               "frozen": frozen, "cfg": cfg, "fingerprint": engine.fingerprint(), "options": opts.to_dict()})
+               "cfg": cfg, "fingerprint": engine.fingerprint(), "options": opts.to_dict()})
     step = step_timer(pm, opts, model, batches)
 
     def timed_step() -> tuple[float, float | None]:
@@ -163,11 +177,12 @@ class OpTime:
 
 
 def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: list[str] | None = None,
-                   repeats: int = 5) -> tuple[float, list[OpTime]]:
+                   repeats: int = 5) -> tuple[float, list[OpTime], dict[str, float]]:
     """Time one training step node by node (`toyharness bench --profile`): the step's graph
     computed one node at a time, `repeats` times, after 3 whole warm-up steps. Returns the sum
-    of the node medians (ms; above a whole step's time, by one thread hand-off per node) and
-    the time per op, largest first."""
+    of the node medians (ms; above a whole step's time, by one thread hand-off per node), the
+    time per op, largest first, and per phase: the forward graph's nodes, AdamW's, and the rest
+    (the backward)."""
     from ._ffi import ffi, lib
     from .errors import InputError
     from .runner import batch_for
@@ -191,7 +206,11 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
         runs[r] = np.frombuffer(ffi.buffer(us, n * 8), dtype=np.float64)
     per_node = np.median(runs, axis=0) / 1e3
     table: dict[tuple[str, str], OpTime] = {}
+    n_forward = lib.ggml_graph_n_nodes(trainer.gf)     # gb_opt begins with the forward graph's nodes
+    phases = {"forward": 0.0, "backward": 0.0, "adamw": 0.0}
     for i in range(n):
+        phase = "forward" if i < n_forward else "adamw" if built[i] == "OPT_STEP_ADAMW" else "backward"
+        phases[phase] += float(per_node[i])
         node = lib.ggml_graph_node(graph, i)
         now = ffi.string(lib.ggml_op_desc(node)).decode()
         name = lib.th_kernel_name(node)
@@ -203,7 +222,7 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
         row = table.setdefault((built[i], kernel), OpTime(built[i], kernel, 0, 0.0))
         row.nodes += 1
         row.ms += float(per_node[i])
-    return float(per_node.sum()), sorted(table.values(), key=lambda o: -o.ms)
+    return float(per_node.sum()), sorted(table.values(), key=lambda o: -o.ms), phases
 
 
 # --- the PyTorch side ----------------------------------------------------------------------------
@@ -216,7 +235,8 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict) -
     torch.set_num_threads(threads)
     dev = torch.device(device)
     P = {n: torch.tensor(a, device=dev, requires_grad=True) for n, a in payload["params"].items()}
-    P.update({n: torch.tensor(a, device=dev) for n, a in payload["frozen"].items()})
+    if payload["cfg"].get("base"):
+        P.update({n: torch.from_numpy(a).to(dev) for n, a in base_arrays(payload["cfg"]["base"]).items()})
     trainable = [p for p in P.values() if p.requires_grad]
     opts = payload["options"]
     kw = {"lr": 1e-3, "betas": (0.9, opts.get("beta2", 0.999)), "eps": 1e-8,
@@ -354,7 +374,7 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
     try:
         info = _reply(g, "start")
         device = torch_device or ("cuda" if backend == "cuda" else "cpu")
-        payload = {k: info[k] for k in ("params", "frozen", "cfg", "batches", "options")}
+        payload = {k: info[k] for k in ("params", "cfg", "batches", "options")}
         tproc, t = _spawn(ctx, _torch_worker, recipe, device, threads, payload)
         try:
             tinfo = _reply(t, "start")

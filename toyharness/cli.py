@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("golden", help="check or record golden losses",
                        description="Compare each recipe's first 16 losses with goldens/<fingerprint>/, bit for bit.")
     g.add_argument("action", choices=["check", "record"])
-    g.add_argument("recipes", nargs="*", help="default: every installed recipe")
+    g.add_argument("recipes", nargs="*", help="recipes, or RECIPE@VARIANT for a recipe's extra golden config "
+                                              "(e.g. lora@q4_k); default: every installed recipe and its variants")
     g.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
     g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
     g.add_argument("--mode", default="auto", choices=["auto", "fast", "portable"],
@@ -180,7 +181,7 @@ def cmd_golden(args) -> int:
     from .plugins import discover
 
     root = Path(args.dir) if args.dir else None
-    names = args.recipes or list(discover())
+    names = args.recipes or [name for recipe in discover() for name in goldens.golden_names(recipe)]
     failed = 0
     for name in names:
         if args.action == "record":
@@ -270,8 +271,9 @@ def _bench_profile(args, names: list[str]) -> int:
 
     threads = args.threads or default_threads()
     for name in names:
-        total, ops = bench.profile_recipe(name, args.backend, threads, args.set)
+        total, ops, phases = bench.profile_recipe(name, args.backend, threads, args.set)
         print(f"{name}: {args.backend}, {threads} threads; nodes timed one at a time: {total:.2f} ms per step")
+        print("  " + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
         print(f"  {'op':<26}{'kernel':<14}{'nodes':>6}{'ms':>9}{'share':>8}")
         for o in ops:
             if o.ms >= 0.005 * total:

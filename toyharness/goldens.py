@@ -45,13 +45,34 @@ def golden_root() -> Path:
     return Path.cwd() / "goldens"
 
 
-def golden_sets_for(recipe: str) -> list[str]:
+def split_name(name: str) -> tuple[str, str | None]:
+    """A golden's name: a recipe, or ``recipe@variant`` for one of the recipe's extra golden
+    configs (its ``golden_variants``: variant name -> options added to its golden config, e.g.
+    lora over a quantized base, ``lora@q4_k``)."""
+    recipe, _, variant = name.partition("@")
+    return recipe, variant or None
+
+
+def golden_names(recipe: str) -> list[str]:
+    """The recipe's golden, then one per variant it declares."""
+    from .plugins import get_recipe
+
+    _, obj = get_recipe(recipe)
+    return [recipe] + [f"{recipe}@{v}" for v in getattr(obj, "golden_variants", {}) or {}]
+
+
+def golden_sets_for(name: str) -> list[str]:
     """The fixed config: options the recipe does not have are left out; a recipe object may add
-    its own with a ``golden_sets`` list (e.g. sizes only it has)."""
+    its own with a ``golden_sets`` list (e.g. sizes only it has), and a variant's come last."""
     from .plugins import get_recipe
     from .runner import resolve_options
 
+    recipe, variant = split_name(name)
     _, obj = get_recipe(recipe)
+    variants = getattr(obj, "golden_variants", {}) or {}
+    if variant is not None and variant not in variants:
+        raise InputError(f"recipe {recipe} has no golden variant {variant!r}"
+                         + (f" (it has: {', '.join(variants)})" if variants else ""))
     cls = resolve_options(obj, None, [], {}).__class__
     fields = set(cls.__dataclass_fields__)
     extra = getattr(obj, "golden_sets", [])
@@ -60,12 +81,14 @@ def golden_sets_for(recipe: str) -> list[str]:
     # Recipes on the core text loader train on the synthetic corpus: the default one
     # (pydoc_data.topics) differs between Python versions, and goldens must not.
     text = ["data=synthetic"] if "data" in fields and not hasattr(obj, "load_data") else []
-    return [s for s in GOLDEN_SETS if s.split("=")[0] in fields] + text + list(extra)
+    return ([s for s in GOLDEN_SETS if s.split("=")[0] in fields] + text + list(extra)
+            + (list(variants[variant]) if variant else []))
 
 
-def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None,
+def compute(name: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None,
             portable: bool = False) -> dict:
-    """Run the golden config (in the portable mode if asked); return the golden document (not written)."""
+    """Run the golden config of a recipe (or ``recipe@variant``), in the portable mode if asked;
+    return the golden document (not written)."""
     from .engine import get_engine
 
     seen: list[float] = []
@@ -79,15 +102,15 @@ def compute(recipe: str, backend: str = "cpu", threads: int | None = None, extra
             self.options = run.options
 
     collector = Collect()
-    sets = golden_sets_for(recipe) + (["portable=true"] if portable else []) + list(extra_sets or [])
+    sets = golden_sets_for(name) + (["portable=true"] if portable else []) + list(extra_sets or [])
     engine = get_engine(backend)
     try:
-        train(recipe, steps=GOLDEN_STEPS, backend=backend, threads=threads, sets=sets, observers=(collector,),
-              progress=False, write_files=False)
+        train(split_name(name)[0], steps=GOLDEN_STEPS, backend=backend, threads=threads, sets=sets,
+              observers=(collector,), progress=False, write_files=False)
         fp = engine.fingerprint()
     finally:
         engine.set_portable(False)   # the run set it: later programs of this process are fast again
-    return {"recipe": recipe, "fingerprint": fp, "ggml_version": GGML_VERSION, "steps": GOLDEN_STEPS,
+    return {"recipe": name, "fingerprint": fp, "ggml_version": GGML_VERSION, "steps": GOLDEN_STEPS,
             "blas": blas.tag() if blas is not None and backend == "cpu" and not portable else None,
             "options": _portable(collector.options.to_dict()),
             "losses": [{"step": i, "hex": float_hex(x), "value": float(np.float32(x))} for i, x in enumerate(seen)]}

@@ -1,11 +1,11 @@
 """LoRA on a frozen GGUF base: rank-r adapters on chosen projections of a llama-family model.
 
 The base is any llama.cpp `llama` (or, with Q/K/V biases, `qwen2`) GGUF: tied or untied output,
-grouped-query heads, f32/f16/bf16/q8_0 matrices and f32 norm weights; other quantized types are
-refused with an error naming the tensor. The base is frozen and, on cpu, mmap'd and used in
-place, except bf16 matrices: ggml 0.25.3 takes the gradient with respect to a matmul's input
-with out_prod, which has f32, f16 and quantized kernels but aborts on bf16, so those are
-widened to f32 on load (tests/test_lora.py trains through each type).
+grouped-query heads, matrices of any frozen type (engine/quant.py: f32, f16, bf16, q8_0, q4_0,
+q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) and f32 norm weights; other types are refused with an error
+naming the file, the tensor and the type. The base is frozen, kept in its own types and, on cpu,
+mmap'd and used in place; its products compute in f32 from the dequantized weights
+(tests/test_quant.py trains through each type).
 
 Adapters: W x + (alpha / rank) * B (A x) on each target (q, k, v, o, gate, up, down). Init:
 A from the seeded xorshift64 Box-Muller stream with standard deviation init_scale/sqrt(d_in),
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from toyharness.engine import GGUFFile, blocks, write_gguf
-from toyharness.engine.gguf_io import GGUFError
+from toyharness.engine.gguf_io import GGUFError, cached_copy_as
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
 from toyharness.init import normal
@@ -33,7 +33,6 @@ from toyharness_recipes.llama import LlamaShape, llama_forward
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
            "down": "ffn_down"}
 ARCHS = ("llama", "qwen2")
-MATRIX_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 @dataclass
@@ -109,9 +108,10 @@ def read_base(path: str) -> BaseModel:
             want["output.weight"] = (vocab, d)
         for name, expected in want.items():
             info = f.tensor(name, expect_shape=expected)
-            allowed = MATRIX_TYPES if len(expected) == 2 else ("f32",)
-            if info.dtype not in allowed:
-                raise GGUFError(f"{path}: tensor {name!r} has type {info.dtype}, expected {' or '.join(allowed)}")
+            if len(expected) == 2:
+                info.check_frozen()
+            elif info.dtype != "f32":
+                raise GGUFError(f"{path}: tensor {name!r} has type {info.dtype}, expected f32")
     return BaseModel(Path(path), arch, shape, d, d_ff, vocab, want)
 
 
@@ -125,6 +125,14 @@ class LoRA(LMRecipe):
     def golden_sets(self) -> list[str]:
         base = seeded_model_file("llama", ["n_layer=1", "d_model=32", "n_head=2", "n_kv_head=1", "d_ff=48", "seed=7"])
         return [f"base={base}", "targets=q,v,down", "rank=4", "alpha=8"]
+
+    @property
+    def golden_variants(self) -> dict[str, list[str]]:
+        """lora@q4_k, lora@q8_0: the golden config over a quantized base (a seeded llama 256 wide,
+        so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache)."""
+        base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512",
+                                           "seed=7"])
+        return {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
 
     @property
     def bench_sets(self) -> list[str]:
@@ -163,11 +171,7 @@ class LoRA(LMRecipe):
         prog._keepalive.append(gguf)         # mmap'd weights live as long as the program
         P = {}
         for name, shape in base.tensors.items():
-            info = gguf.tensor(name, expect_shape=shape)
-            if info.dtype == "bf16":      # no bf16 out_prod in ggml 0.25.3 (see above)
-                P[name] = prog.frozen_array(name, info.to_numpy(), "f32")
-            else:
-                P[name] = prog.frozen_gguf(gguf, name, expect_shape=shape)
+            P[name] = prog.frozen_gguf(gguf, name, expect_shape=shape)
         scale = o.alpha / o.rank
         for name, value in values.items():
             P[name] = prog.param(name, value, trainable=trainable)

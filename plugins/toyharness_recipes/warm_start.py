@@ -27,7 +27,7 @@ from toyharness_recipes.llama import Llama, LlamaOptions, LlamaShape, llama_forw
 
 @dataclass
 class WarmStartOptions(LlamaOptions):
-    donor: str = ""              # a llama GGUF; empty: no warming
+    donor: str = ""              # a llama GGUF, token_embd of any frozen type (engine/quant.py); empty: no warming
     donor_d_in: int = 64
     lens: str = choice("random", ("random", "pca"))
     untied: bool = True
@@ -54,7 +54,8 @@ def _open_donor(path: str) -> GGUFFile:
 
 
 def donor_rows(path: str, vocab: int, d_in: int) -> np.ndarray:
-    """The first `vocab` rows of the donor's token_embd.weight, checked against `d_in`."""
+    """The first `vocab` rows of the donor's token_embd.weight, checked against `d_in`, as f32:
+    any frozen type (f32, f16, bf16, q8_0 ... q6_k), only those rows dequantized."""
     width = donor_embed_width(path)
     if width != d_in:
         raise GGUFError(f"donor {path}: embedding width mismatch: expected donor_d_in {d_in}, got {width}")
@@ -66,8 +67,10 @@ def donor_rows(path: str, vocab: int, d_in: int) -> np.ndarray:
             raise GGUFError(f"donor {path}: token_embd.weight has shape {info.shape}, expected (rows, {d_in})")
         if info.shape[0] < vocab:
             raise GGUFError(f"donor {path}: vocabulary of {info.shape[0]} rows is smaller than the model's {vocab}")
-        try:
-            return info.to_numpy()[:vocab].astype(np.float32)
+        try:      # any frozen type (engine/quant.py), only the rows the model uses dequantized
+            return info.to_numpy(rows=vocab)
+        except GGUFError as exc:
+            raise GGUFError(f"donor {exc}") from None
         except (OSError, ValueError) as exc:
             raise GGUFError(f"donor {path}: read failure on token_embd.weight ({exc})") from None
 

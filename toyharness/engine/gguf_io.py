@@ -7,23 +7,25 @@ asked for. Errors are `GGUFError`s that name the file, the tensor, and expected 
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._ffi import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q8_0, ffi, lib
+from .._ffi import GGML_TYPE_COUNT, ffi, lib
 from ..atomic import atomic_path
 from ..errors import GGUFError
+from . import quant
 from .gguf_layout import check_file
 from .tensor import Tensor
 
 if TYPE_CHECKING:
     from .program import Program
-
-FROZEN_TYPES = {GGML_TYPE_F32: "f32", GGML_TYPE_F16: "f16", GGML_TYPE_BF16: "bf16", GGML_TYPE_Q8_0: "q8_0"}
 
 
 @dataclass
@@ -46,64 +48,60 @@ class TensorInfo:
 
     @property
     def dtype(self) -> str:
-        if self.ggml_type in FROZEN_TYPES:
-            return FROZEN_TYPES[self.ggml_type]
-        import gguf
-
-        try:
-            return gguf.GGMLQuantizationType(self.ggml_type).name.lower()
-        except ValueError:
-            return f"ggml_type_{self.ggml_type}"
+        return quant.type_name(self.ggml_type)
 
     def raw_bytes(self) -> np.ndarray:
         return np.asarray(self.file.mmap[self.offset:self.offset + self.nbytes])
 
-    def to_numpy(self) -> np.ndarray:
-        """Values as float32 (f32, f16, bf16; q8_0 dequantised)."""
-        raw = self.raw_bytes()
-        if self.ggml_type == GGML_TYPE_F32:
-            return raw.view(np.float32).reshape(self.shape).copy()
-        if self.ggml_type == GGML_TYPE_F16:
-            return raw.view(np.float16).reshape(self.shape).astype(np.float32)
-        if self.ggml_type == GGML_TYPE_BF16:
-            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(self.shape)
-        if self.ggml_type == GGML_TYPE_Q8_0:
-            blocks = raw.reshape(-1, 34)
-            scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-            q = blocks[:, 2:].view(np.int8).astype(np.float32)
-            return (q * scale).reshape(self.shape)
-        raise GGUFError(f"{self.file.path}: tensor {self.name!r} has type {self.dtype}, which toyharness "
-                        f"cannot convert (supported: {', '.join(FROZEN_TYPES.values())})")
+    def check_frozen(self) -> quant.QuantType:
+        """This tensor's type if a frozen weight may have it, else a GGUFError naming the file,
+        the tensor and the type."""
+        return quant.check_frozen(self.file.path, self.name, self.ggml_type, self.shape)
+
+    def to_numpy(self, rows: int | None = None) -> np.ndarray:
+        """Values as float32, dequantized (by gguf-py, independently of the engine) from any
+        frozen type; with `rows`, only the first rows of a 2-D tensor (a donor's vocabulary)."""
+        q = self.check_frozen()
+        if rows is None or len(self.shape) != 2:
+            return quant.dequantize(self.raw_bytes(), self.ggml_type, self.shape)
+        rows = min(rows, self.shape[0])
+        raw = np.asarray(self.file.mmap[self.offset:self.offset + rows * q.row_bytes(self.shape[1])])
+        return quant.dequantize(raw, self.ggml_type, (rows, self.shape[1]))
 
 
 class GGUFFile:
     """An open GGUF file, memory-mapped read-only. Use as a context manager or keep it open
-    for as long as tensors bound in place (cpu) are in use."""
+    for as long as tensors bound in place (cpu) are in use.
+
+    The header is read here, not by gguf-py's GGUFReader: that one turns every element of every
+    metadata array into numpy objects (for a 49152-token vocabulary, 165 MB of memory per open
+    file, more than the quantized weights). Here an array is its place in the file, decoded
+    when asked for (`field`, `metadata`)."""
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: file not found")
-        size = self.path.stat().st_size
-        check_file(self.path)   # every count, length and offset within the file before gguf-py loops over them
+        check_file(self.path)   # every count, length and offset within the file before the header is parsed
+        with open(self.path, "rb") as fh:
+            magic = fh.read(4)
+            if magic != b"GGUF":
+                raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.size = len(self._map)
+        self.mmap = np.frombuffer(self._map, dtype=np.uint8)
         try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except MemoryError:     # an allocation sized by a number in the file: a bug to fix, not hide
-            raise
-        except Exception as exc:  # the reader raises ValueError, IndexError, KeyError... on damage
-            raise GGUFError(f"{self.path}: truncated or corrupt GGUF header ({type(exc).__name__}: {exc})") from exc
-        self.mmap = self.reader.data
-        self.size = size
+            self._fields, infos, data_start = _read_header(self._map)
+        except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:
+            raise GGUFError(f"{self.path}: truncated or corrupt GGUF header ({type(exc).__name__}: {exc})") from None
         self._tensors: dict[str, TensorInfo] = {}
-        for t in self.reader.tensors:
-            shape = tuple(int(s) for s in reversed(list(t.shape)))
-            info = TensorInfo(t.name, shape, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), self)
-            if info.offset + info.nbytes > size:
-                raise GGUFError(f"{self.path}: truncated: tensor {t.name!r} needs bytes "
-                                f"[{info.offset}, {info.offset + info.nbytes}) but the file has {size}")
-            self._tensors[t.name] = info
+        for name, shape, ggml_type, rel_offset in infos:
+            info = TensorInfo(name, shape, ggml_type, data_start + rel_offset,
+                              _tensor_bytes(self.path, name, shape, ggml_type), self)
+            if info.offset + info.nbytes > self.size:
+                raise GGUFError(f"{self.path}: truncated: tensor {name!r} needs bytes "
+                                f"[{info.offset}, {info.offset + info.nbytes}) but the file has {self.size}")
+            self._tensors[name] = info
         self._ctx = None
         self._buffer = None
 
@@ -118,39 +116,26 @@ class GGUFFile:
         return list(self._tensors)
 
     def field(self, key: str, default: Any = None) -> Any:
-        """A metadata value (scalars and strings decoded; arrays as lists)."""
-        f = self.reader.fields.get(key)
-        if f is None:
+        """A metadata value (scalars and strings decoded; arrays as lists; an empty array or a
+        missing key: `default`)."""
+        f = self._fields.get(key)
+        if f is None or (f.vtype == _ARRAY and f.count == 0):
             return default
-        if not f.data:
-            return default
-        parts = [f.parts[i] for i in f.data]
-        if len(f.types) and f.types[0].name == "STRING" and len(f.types) == 1:
-            return self._text(key, parts[0])
-        if f.types and f.types[0].name == "ARRAY":
-            if len(f.types) > 1 and f.types[1].name == "STRING":
-                return [self._text(key, p) for p in parts]
-            return [p.tolist()[0] if hasattr(p, "tolist") else p for p in parts]
-        return parts[0].tolist()[0]
+        return self._decode(key, f)
 
-    def _text(self, key: str, raw) -> str:
+    def _decode(self, key: str, f: _Field) -> Any:
         try:
-            return bytes(raw).decode("utf-8")
+            return _decode(self._map, f)
         except UnicodeDecodeError as exc:
             raise GGUFError(f"{self.path}: metadata {key!r} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
     def metadata(self) -> dict[str, TypedValue]:
         """Every metadata key with its GGUF value type, for copying into another file."""
-        out = {}
-        for key, f in self.reader.fields.items():
-            if key.startswith("GGUF.") or not f.types:
-                continue
-            sub = f.types[-1] if len(f.types) > 1 else None
-            try:
-                out[key] = TypedValue(f.contents(), f.types[0], sub)
-            except UnicodeDecodeError as exc:
-                raise GGUFError(f"{self.path}: metadata {key!r} is not UTF-8 ({exc.reason})") from None
-        return out
+        import gguf
+
+        return {key: TypedValue(self._decode(key, f), gguf.GGUFValueType(f.vtype),
+                                None if f.subtype is None else gguf.GGUFValueType(f.subtype))
+                for key, f in self._fields.items()}
 
     def require_field(self, key: str) -> Any:
         value = self.field(key)
@@ -168,9 +153,7 @@ class GGUFFile:
 
     def bind_in_place(self, prog: Program, info: TensorInfo, name: str) -> Tensor:
         """A ggml tensor whose data is the mmap'd bytes in the file (cpu only, no copy)."""
-        if info.ggml_type not in FROZEN_TYPES:
-            raise GGUFError(f"{self.path}: tensor {info.name!r} has type {info.dtype}; toyharness takes "
-                            f"{', '.join(FROZEN_TYPES.values())}")
+        info.check_frozen()
         if self._ctx is None:
             params = ffi.new("struct ggml_init_params *", {
                 "mem_size": lib.ggml_tensor_overhead() * (len(self._tensors) + 1),
@@ -194,6 +177,124 @@ class GGUFFile:
     def close(self) -> None:
         # Tensors bound in place keep the file open through the program's keepalive list.
         pass
+
+
+# --- the GGUF header (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) -----------------
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_NP_SCALAR = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+              7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+@dataclass
+class _Field:
+    """A metadata value's place in the file: `offset` of the value (of an array's first
+    element), `count` elements (1 for a scalar or a string)."""
+
+    vtype: int
+    subtype: int | None
+    offset: int
+    count: int
+
+
+def _read_header(buf) -> tuple[dict[str, _Field], list[tuple[str, tuple[int, ...], int, int]], int]:
+    """Metadata fields, tensor infos (name, numpy-order shape, ggml type, offset in the data
+    section) and where the data section starts. struct.error / ValueError on damage."""
+    size = len(buf)
+    pos = 4
+
+    def take(fmt: str):
+        nonlocal pos
+        value = struct.unpack_from(fmt, buf, pos)[0]
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        if pos + n > size:
+            raise ValueError(f"a string of {n} bytes at offset {pos} runs past the end")
+        pos += n
+        return bytes(buf[pos - n:pos]).decode("utf-8")
+
+    def skip_value(vtype: int) -> None:
+        nonlocal pos
+        if vtype == _STRING:
+            n = take("<Q")
+            pos += n
+        elif vtype in _SCALAR:
+            pos += struct.calcsize(_SCALAR[vtype])
+        else:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        if pos > size:
+            raise ValueError("a metadata value runs past the end")
+
+    version = take("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version}, expected 2 or 3")
+    n_tensors, n_fields = take("<Q"), take("<Q")
+    if n_tensors > size or n_fields > size:
+        raise ValueError(f"{n_tensors} tensors and {n_fields} metadata keys cannot fit in {size} bytes")
+    fields: dict[str, _Field] = {}
+    for _ in range(n_fields):
+        key, vtype = string(), take("<I")
+        if vtype == _ARRAY:
+            subtype, count = take("<I"), take("<Q")
+            if count > size:
+                raise ValueError(f"metadata {key!r}: an array of {count} elements cannot fit in {size} bytes")
+            start = pos
+            if subtype in _SCALAR:
+                pos += count * struct.calcsize(_SCALAR[subtype])
+                if pos > size:
+                    raise ValueError(f"metadata {key!r} runs past the end")
+            else:
+                for _ in range(count):
+                    skip_value(subtype)
+            fields[key] = _Field(vtype, subtype, start, count)
+        else:
+            start = pos
+            skip_value(vtype)
+            fields[key] = _Field(vtype, None, start, 1)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("<I")
+        if not 1 <= n_dims <= 4:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+        dims = [take("<Q") for _ in range(n_dims)]
+        ggml_type, offset = take("<I"), take("<Q")
+        infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+    alignment = _decode(buf, fields["general.alignment"]) if "general.alignment" in fields else 32
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"general.alignment {alignment!r}")
+    return fields, infos, -(-pos // alignment) * alignment
+
+
+def _decode(buf, f: _Field) -> Any:
+    """A field's value: a Python scalar or str; an array as a list."""
+    if f.vtype == _STRING:
+        (n,) = struct.unpack_from("<Q", buf, f.offset)
+        return bytes(buf[f.offset + 8:f.offset + 8 + n]).decode("utf-8")
+    if f.vtype in _SCALAR:
+        return struct.unpack_from(_SCALAR[f.vtype], buf, f.offset)[0]
+    if f.subtype in _NP_SCALAR:
+        return np.frombuffer(buf, dtype=_NP_SCALAR[f.subtype], count=f.count, offset=f.offset).tolist()
+    out, pos = [], f.offset
+    for _ in range(f.count):
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        out.append(bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8"))
+        pos += 8 + n
+    return out
+
+
+def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], ggml_type: int) -> int:
+    """Bytes of tensor `name` of `shape` (numpy order) and `ggml_type`, or a GGUFError."""
+    if not 0 <= ggml_type < GGML_TYPE_COUNT or lib.ggml_blck_size(ggml_type) <= 0:
+        raise GGUFError(f"{path}: corrupt GGUF header: tensor {name!r} has unknown type {ggml_type}")
+    block, block_bytes = int(lib.ggml_blck_size(ggml_type)), int(lib.ggml_type_size(ggml_type))
+    if shape[-1] % block:
+        raise GGUFError(f"{path}: tensor {name!r} of type {quant.type_name(ggml_type)} has rows of {shape[-1]} "
+                        f"values, not a multiple of its block of {block}")
+    return math.prod(shape[:-1]) * (shape[-1] // block) * block_bytes
 
 
 def write_gguf(path: str | os.PathLike, arch: str, tensors: dict[str, np.ndarray],
@@ -247,15 +348,18 @@ def _add_field(w, key: str, value: Any) -> None:
         raise TypeError(f"GGUF metadata {key!r}: unsupported value type {type(value).__name__}")
 
 
-def copy_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, matrix_dtype: str) -> Path:
-    """A copy of a GGUF with every 2-D tensor stored as `matrix_dtype` (f32, f16, bf16, q8_0, or
-    q4_0, which the engine refuses: for error tests); metadata and 1-D tensors kept as they are."""
-    import gguf
+def cached_copy_as(src: str | os.PathLike, matrix_dtype: str) -> Path:
+    """`copy_gguf_as(src, ..., matrix_dtype)` kept beside `src` (a base in the cache, e.g. for a
+    golden over a quantized base): made once, then found by name."""
+    src = Path(src)
+    dst = src.with_name(f"{src.stem}.{matrix_dtype}.gguf")
+    return dst if dst.is_file() else copy_gguf_as(src, dst, matrix_dtype)
 
-    kinds = {"f32": None, "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
-             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
-    if matrix_dtype not in kinds:
-        raise GGUFError(f"copy_gguf_as: dtype {matrix_dtype!r}; allowed: {', '.join(kinds)}")
+
+def copy_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, matrix_dtype: str) -> Path:
+    """A copy of a GGUF with every 2-D tensor stored as `matrix_dtype`, quantized by ggml's own
+    quantizer (engine/quant.py: any frozen type, and types the engine refuses, for error tests;
+    K-quants need rows of a multiple of 256 values); metadata and 1-D tensors kept as they are."""
     dst = Path(dst)
     with GGUFFile(src) as f:
         arch = f.field("general.architecture")
@@ -263,6 +367,10 @@ def copy_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, matrix_dtype: s
         arrays = {name: f.tensor(name).to_numpy() for name in f.names}
     tensors = []
     for name, a in arrays.items():
-        kind = kinds[matrix_dtype] if a.ndim == 2 else None
-        tensors.append((name, a if kind is None else gguf.quants.quantize(a, kind), kind))
+        if a.ndim != 2 or matrix_dtype == "f32":
+            tensors.append((name, a, None))
+            continue
+        import gguf
+
+        tensors.append((name, quant.quantize(a, matrix_dtype), gguf.GGMLQuantizationType[matrix_dtype.upper()]))
     return _write_atomic(dst, arch, meta, tensors)

@@ -83,6 +83,9 @@ class _Targets:
     last: np.ndarray | None = None
     scratch: np.ndarray | None = None
     fed: bool = False
+    # On a device (Program.onehot_in_graph) the graph itself zeroes the one-hot rows and sets
+    # the ones at the flat indices: only those cross the bus, not rows x vocab floats.
+    in_graph: bool = False
 
 
 @dataclass
@@ -123,6 +126,14 @@ class Program:
         # plain ops, each of which has a portable kernel).
         self.portable = engine.is_cpu and engine.portable
         self.cpu_kernels = engine.is_cpu and cpu_kernels and not self.portable
+
+
+        self.cpu_kernels = engine.is_cpu and cpu_kernels
+        # Whether cross_entropy builds its one-hot targets in the graph (FILL, then SET_ROWS of
+        # ones at the flat indices) instead of uploading them: on cuda a step's upload of
+        # rows x vocab floats (200 MB for 1024 tokens of a 49152-token vocabulary) was 40% of
+        # it. On cpu the one-hot rows are updated in place (th_feed_targets), same values.
+        self.onehot_in_graph = engine.backend == "cuda"
         self.last_compute_s = 0.0
 
     # --- contexts and persistent tensors -------------------------------------------------
@@ -305,6 +316,14 @@ class Program:
             raise ShapeError(f"targets {name!r}: expected shape {tg.shape}, got {tuple(value.shape)}")
         ids = _as_ids(f"targets {name!r}", value, "integer class ids").reshape(-1)
         rows = ids.size
+        if tg.in_graph:
+            bad = np.flatnonzero((ids < 0) | (ids >= tg.vocab))
+            if bad.size:
+                raise _id_error(name, ids[bad[0]], tg.vocab)
+            flat = np.ascontiguousarray(np.arange(rows, dtype=np.int64) * tg.vocab + ids, dtype=np.int32)
+            _upload(tg.flat_index, flat)
+            tg.fed = True
+            return
         if tg.mirror is None:
             if lib.th_tensor_is_host(tg.onehot.ptr):
                 buf = ffi.buffer(ffi.cast("float *", lib.th_tensor_data(tg.onehot.ptr)), rows * tg.vocab * 4)
@@ -341,7 +360,11 @@ class Program:
         flat = self._new_static(f"{targets}.flat", (rows,), GGML_TYPE_I32)
         lib.ggml_set_input(onehot.ptr)
         lib.ggml_set_input(flat.ptr)
-        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat)
+        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat, in_graph=self.onehot_in_graph)
+        if self.onehot_in_graph:     # zeroed, then a one at each row's target, in place
+            ctx, ones = self._ctx_compute, self.cached_constant(f"ones.{rows}", lambda: np.ones((rows, 1), np.float32))
+            cells = onehot._new(lib.ggml_fill_inplace(ctx, onehot.ptr, 0.0)).reshape(rows * vocab, 1)
+            onehot = cells._new(lib.ggml_set_rows(ctx, cells.ptr, ones.ptr, flat.ptr)).reshape(rows, vocab)
         logits2 = logits.reshape(rows, vocab)
         train = logits2._new(lib.ggml_cross_entropy_loss(self._ctx_compute, logits2.ptr, onehot.ptr), 0)
         lib.ggml_set_loss(train.ptr)

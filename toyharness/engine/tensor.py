@@ -15,11 +15,11 @@ import numpy as np
 
 from .._ffi import GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
 from ..errors import ShapeError
+from . import quant
 
 if TYPE_CHECKING:
     from .program import Program
 
-TYPE_NAMES = {0: "f32", 1: "f16", 8: "q8_0", 26: "i32", 30: "bf16"}
 
 
 class Tensor:
@@ -46,7 +46,7 @@ class Tensor:
 
     @property
     def dtype(self) -> str:
-        return TYPE_NAMES.get(self.type, f"ggml_type_{self.type}")
+        return "i32" if self.type == GGML_TYPE_I32 else quant.type_name(self.type)
 
     @property
     def name(self) -> str:
@@ -225,11 +225,22 @@ class Tensor:
 
         Leading axes are flattened into one 2-D product (one fixed summation order for every
         shape; ggml's batched and flattened forms give different bits).
+
+        A frozen `w` of another type than f32 (f16, bf16, quantized) multiplies in f32 from its
+        dequantized values, never with quantized activations (what ggml's own product does): on
+        cpu the kernels of native/frozen_matmul.c take the product and its input gradient; on
+        other backends (and with TOYHARNESS_CPU_KERNELS=0) a GET_ROWS of all its rows
+        dequantizes `w` into the graph first (an f32 copy of `w` in the compute buffer).
         """
         self._same_program(w)
         if w.ndim != 2 or w.shape[1] != self.shape[-1]:
             raise ShapeError(f"linear: weight {w.shape} does not take inputs {self.shape} "
                              f"(need ({'N'}, {self.shape[-1]}))")
+        if w.type != GGML_TYPE_F32:
+            if not lib.th_frozen_type_ok(w.type):
+                raise ShapeError(f"linear: weight {w!r} has a type no frozen product takes")
+            if not self.prog.cpu_kernels:
+                w = w.dequantized()
         lead = self.shape[:-1]
         x2 = self.reshape(-1, self.shape[-1]) if self.ndim != 2 else self
         y = x2._new(lib.ggml_mul_mat(self._ctx, w.ptr, x2.ptr), 2)
@@ -252,6 +263,13 @@ class Tensor:
             # repeat the shared heads explicitly instead.
             other = other.repeat_heads(a_lead[1] // b_lead[1])
         return self._new(lib.ggml_mul_mat(self._ctx, other.ptr, self.ptr))
+
+    def dequantized(self) -> Tensor:
+        """A 2-D weight of any frozen type as an f32 graph node (GET_ROWS of every row: ggml's
+        exact dequantization, on every backend that has GET_ROWS for the type)."""
+        n = self.shape[0]
+        rows = self.prog.cached_constant(f"row_ids.{n}", lambda: np.arange(n, dtype=np.int32))
+        return self._new(lib.ggml_get_rows(self._ctx, self.ptr, rows.ptr), 2)
 
     # --- nn primitives -----------------------------------------------------------------
     def rms_norm(self, eps: float) -> Tensor:
