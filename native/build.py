@@ -154,12 +154,13 @@ def ggml_source() -> Path:
 
 
 def build_llamacpp_tool() -> Path:
-    """llama.cpp from the same archive plus native/llamacpp/th_logits (tests only): return the tool."""
+    """llama.cpp from the same archive plus native/llamacpp/th_logits and th_tokenize (tests only):
+    return th_logits' path (th_tokenize lies beside it)."""
     src = cached_source(f"llama.cpp-{PIN_PACKAGE}-{PIN_VERSION}", ARCHIVE_LLAMA_CPP_DIR)
     bdir = cache_root() / "build" / f"llamacpp-tool-{PIN_VERSION}"
     cmake_build(NATIVE_DIR / "llamacpp", bdir, [f"-DLLAMA_CPP_SRC={src}", "-DCMAKE_BUILD_TYPE=Release",
                                                 "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON"],
-                "llama.cpp and th_logits", target="th_logits")
+                "llama.cpp, th_logits and th_tokenize", targets=("th_logits", "th_tokenize"))
     return bdir / "th_logits"
 
 
@@ -220,7 +221,7 @@ def build(backends: list[str] | None = None) -> Path:
     return bdir
 
 
-def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target: str | None = None) -> None:
+def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, targets: tuple[str, ...] = ()) -> None:
     """Configure `source` into `bdir` once (Ninja when found), then build incrementally, under the cache lock."""
     cmake = find_tool("cmake")
     if cmake is None:
@@ -237,7 +238,7 @@ def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target
             log(f"configuring {label} in {bdir}")
             run(cfg, bdir, quiet=True)
         cmd = [cmake, "--build", str(bdir), "--parallel", str(os.cpu_count() or 2)]
-        run(cmd + (["--target", target] if target else []), bdir, quiet=True)
+        run(cmd + (["--target", *targets] if targets else []), bdir, quiet=True)
         log(f"{label} ready in {time.perf_counter() - t0:.1f}s ({bdir})")
 
 
