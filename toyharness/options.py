@@ -49,6 +49,8 @@ class Options:
     eval_batches: int = 4
     checkpoint_every: int = 50
     data: str = "default"
+    tokenizer: str = ""          # a GGUF whose tokenizer reads the data (language models); empty: bytes
+    mask_prompt: bool = True     # JSONL prompt/completion and chat: the loss counts completions only
 
     def adamw_row(self, total_steps: int | None = None) -> AdamWRow:
         schedule = Schedule(self.lr_schedule, self.warmup, total_steps or self.steps)
