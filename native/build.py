@@ -165,12 +165,13 @@ def ggml_source() -> Path:
 
 
 def build_llamacpp_tool() -> Path:
-    """llama.cpp from the same archive plus native/llamacpp/th_logits (tests only): return the tool."""
+    """llama.cpp from the same archive plus native/llamacpp/th_logits and th_tokenize (tests only):
+    return th_logits' path (th_tokenize lies beside it)."""
     src = cached_source(f"llama.cpp-{PIN_PACKAGE}-{PIN_VERSION}", ARCHIVE_LLAMA_CPP_DIR)
     bdir = cache_root() / "build" / f"llamacpp-tool-{PIN_VERSION}"
     cmake_build(NATIVE_DIR / "llamacpp", bdir, [f"-DLLAMA_CPP_SRC={src}", "-DCMAKE_BUILD_TYPE=Release",
                                                 "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON"],
-                "llama.cpp and th_logits", target="th_logits")
+                "llama.cpp, th_logits and th_tokenize", targets=("th_logits", "th_tokenize"))
     return bdir / "th_logits"
 
 
@@ -250,7 +251,7 @@ def build(backends: list[str] | None = None) -> Path:
 STAMP = "toyharness-configured.txt"
 
 
-def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target: str | None = None) -> None:
+def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, targets: tuple[str, ...] = ()) -> None:
     """Configure `source` into `bdir` (Ninja when found) when needed, then build incrementally,
     under the cache lock. A build folder left broken (an interrupted configure or build) is
     detected and built again from scratch, saying so."""
@@ -262,7 +263,7 @@ def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target
         t0 = time.perf_counter()
         fresh = configure_if_needed(cmake, ninja, source, bdir, defines, label)
         cmd = [cmake, "--build", str(bdir), "--parallel", str(os.cpu_count() or 2)]
-        cmd += ["--target", target] if target else []
+        cmd += ["--target", *targets] if targets else []
         try:
             run(cmd, bdir, quiet=True)
         except BuildError as exc:

@@ -115,9 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-progress", action="store_true", help="no live progress line")
 
     s = sub.add_parser("sample", help="generate text from a trained language model",
-                       description="Sample text from RUN_DIR's model (checkpoint.gguf), forward only.")
+                       description="Sample text from RUN_DIR's model (checkpoint.gguf; for lora, the base plus the "
+                                   "adapters), forward only, through the model's tokenizer (the base's or donor's "
+                                   "GGUF, `tokenizer=`, else bytes); stops at end of sequence or of turn.")
     s.add_argument("run_dir")
     s.add_argument("--prompt", default="")
+    s.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message with the tokenizer's chat template; print the reply")
     s.add_argument("--tokens", type=int, default=200)
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--top-k", type=int, default=40)
@@ -292,9 +296,8 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from .data import decode_bytes
     from .errors import InputError
-    from .lm import LMRecipe, sample_text
+    from .lm import LMRecipe, generate
     from .options import read_toml
     from .plugins import get_recipe
     from .runner import resolve_options
@@ -308,17 +311,30 @@ def cmd_sample(args) -> int:
     if not isinstance(obj, LMRecipe):
         raise InputError(f"recipe {cfg.get('recipe')!r} is not a language model")
     opts = resolve_options(obj, str(cfg_path), [], {})
-    from .hookspecs import plugin_manager
-    from .runner import load_data
+    tok = obj.tokenizer(opts)
+    if tok.byte_level:
+        from .hookspecs import plugin_manager
+        from .runner import load_data
 
-    data = load_data(plugin_manager(obj), opts)
-    if not data.byte_level:
-        raise InputError("sampling text needs a byte-level model (this run used pre-tokenized ids)")
-    model = obj.load_for_sampling(ckpt, opts, data.vocab)
-    prompt = list(args.prompt.encode("utf-8"))
-    out = sample_text(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
-    print(args.prompt + decode_bytes(out))
+        data = load_data(plugin_manager(obj), opts)
+        if not data.byte_level:
+            raise InputError("sampling text needs a tokenizer: this run used pre-tokenized ids and bytes")
+        vocab = data.vocab
+    else:
+        vocab = tok.vocab_size
+    model = obj.load_for_sampling(ckpt, opts, vocab)
+    text = chat_prompt(tok, args.prompt) if args.chat else args.prompt
+    prompt = tok.encode(text, add_special=not args.chat)
+    out = generate(model, [prompt], args.tokens, args.temperature, args.top_k, args.seed, tok.end_ids)[0]
+    print(tok.decode(out) if args.chat else args.prompt + tok.decode(out))
     return 0
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    """`prompt` as one user message, rendered up to the assistant's turn."""
+    from .data.chat import render_chat
+
+    return render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
 if __name__ == "__main__":

@@ -19,16 +19,18 @@ from typing import Any
 
 import numpy as np
 
+from .data import load_lm_data
 from .engine import GGUFFile, Program, Tensor, get_engine, write_gguf
 from .errors import InputError
 from .hookspecs import hookimpl
+from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_tokenizer, read_metadata
 
 
 class LanguageModel:
     """A recipe's forward wrapped with inputs, loss and trainer on one program."""
 
     def __init__(self, recipe: LMRecipe, engine, options, vocab: int, params: dict[str, np.ndarray],
-                 trainable: bool = True, batch: int | None = None, seq: int | None = None):
+                 trainable: bool = True, batch: int | None = None, seq: int | None = None, masked: bool = False):
         self.recipe, self.options, self.vocab = recipe, options, vocab
         self.batch = batch or options.t_batch
         self.seq = seq or options.t_seq
@@ -42,7 +44,9 @@ class LanguageModel:
                              f"expected {(self.batch, self.seq, vocab)}")
         self.convention = options.adamw_convention
         if trainable:
-            self.loss = self.prog.cross_entropy(self.logits, "targets")
+            # data with a loss mask (JSONL examples): the mean over the positions that count
+            self.loss = (self.prog.masked_cross_entropy(self.logits, "targets", "mask") if masked
+                         else self.prog.cross_entropy(self.logits, "targets"))
             self.trainer = self.prog.trainer(self.loss, self.convention)
         else:
             self.trainer = None
@@ -95,6 +99,24 @@ class LMRecipe:
     def options(self):
         return self.options_class
 
+    def tokenizer_file(self, options) -> str:
+        """The GGUF whose tokenizer reads the data (`tokenizer=`; lora: its base, warm_start: its
+        donor); empty for the byte tokenizer."""
+        return getattr(options, "tokenizer", "")
+
+    def tokenizer(self, options) -> ByteTokenizer | GGUFTokenizer:
+        """The tokenizer of `tokenizer_file`, loaded once; bytes for models the harness made (their
+        GGUF holds the byte vocabulary) and for files with no tokenizer."""
+        path = self.tokenizer_file(options)
+        cache = self.__dict__.setdefault("_tokenizers", {})
+        if path not in cache:
+            cache[path] = model_tokenizer(path)
+        return cache[path]
+
+    @hookimpl
+    def load_data(self, options):
+        return load_lm_data(options.data, self.tokenizer(options), options)
+
     def vocab_for(self, options, data_vocab: int) -> int:
         """The model's vocabulary (the data's, unless a base model fixes it)."""
         return data_vocab
@@ -102,7 +124,8 @@ class LMRecipe:
     @hookimpl
     def realize(self, engine, options, data):
         vocab = self.vocab_for(options, data.vocab)
-        return LanguageModel(self, engine, options, vocab, self.init_params(options, vocab))
+        return LanguageModel(self, engine, options, vocab, self.init_params(options, vocab),
+                             masked=getattr(data, "masked", False))
 
     @hookimpl
     def hp(self, options, step):
@@ -123,35 +146,44 @@ class LMRecipe:
     def write_model(self, path: Path, params: dict[str, np.ndarray], options, vocab: int) -> Path:
         """A llama.cpp-loadable GGUF of `params` (our names) with the tokenizer metadata."""
         arch, meta = self.gguf_metadata(options, vocab)
-        meta = {**meta, **tokenizer_metadata(vocab)}
+        tok_file = self.tokenizer_file(options)
+        if tok_file and not self.tokenizer(options).byte_level:     # the vocabulary it was trained on
+            meta = {**meta, **read_metadata(tok_file, prefix="tokenizer.")}
+        else:
+            meta = {**meta, **tokenizer_metadata(vocab)}
         return write_gguf(path, arch, self.export_tensors(params, options), meta)
 
     # --- loading a trained model back (sampling) -----------------------------------------------
-    def load_for_sampling(self, path: Path, options, vocab: int, backend: str = "cpu",
-                          threads: int | None = None) -> LanguageModel:
-        """The model from a run folder's init/checkpoint naming (our parameter names), batch 1."""
-        with GGUFFile(path) as f:
-            expected = self.init_params(options, vocab)
-            params = {}
-            for name, value in expected.items():
-                params[name] = f.tensor(name, expect_shape=value.shape).to_numpy()
+    def load_for_sampling(self, path: Path | None, options, vocab: int, backend: str = "cpu",
+                          threads: int | None = None, batch: int = 1) -> LanguageModel:
+        """The model from a run folder's init/checkpoint naming (our parameter names); `path`
+        None: the seeded init (for lora, the base itself: its B matrices start at zero)."""
+        expected = self.init_params(options, vocab)
+        if path is None:
+            params = expected
+        else:
+            with GGUFFile(path) as f:
+                params = {name: f.tensor(name, expect_shape=value.shape).to_numpy() for name, value in expected.items()}
         vocab = self.vocab_for(options, vocab)
         return LanguageModel(self, get_engine(backend, threads), options, vocab, params, trainable=False,
-                             batch=1, seq=options.t_seq)
+                             batch=batch, seq=options.t_seq)
 
 
 def byte_tokens() -> list[str]:
     """GPT-2's byte-to-unicode table: the token text of byte b is entry b."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
+    return byte_unicode_table()
+
+
+def model_tokenizer(path: str) -> ByteTokenizer | GGUFTokenizer:
+    """`load_tokenizer`, except that a GGUF holding the harness's byte vocabulary (or none) reads
+    as bytes: the ids are the same, and bytes keep the byte path (and its goldens)."""
+    if not path:
+        return ByteTokenizer()
+    meta = read_metadata(path, prefix="tokenizer.ggml.")
+    if meta.get("tokenizer.ggml.model") in (None, "none") or (
+            meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.tokens") == byte_unicode_table()):
+        return ByteTokenizer()
+    return load_tokenizer(path)
 
 
 def tokenizer_metadata(vocab: int) -> dict[str, Any]:
@@ -168,32 +200,53 @@ def tokenizer_metadata(vocab: int) -> dict[str, Any]:
 
 
 def sample_text(model: LanguageModel, prompt_ids: list[int], n_tokens: int, temperature: float, top_k: int,
-                seed: int) -> list[int]:
-    """Autoregressive sampling with a fixed-length causal forward (the prompt left-aligned)."""
+                seed: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
+    """Autoregressive sampling with a fixed-length causal forward (the prompt left-aligned),
+    stopping after a token of `stop_ids` (end of sequence or of turn; not returned)."""
+    return generate(model, [prompt_ids], n_tokens, temperature, top_k, seed, stop_ids)[0]
+
+
+def generate(model: LanguageModel, prompts: list[list[int]], n_tokens: int, temperature: float, top_k: int,
+             seed: int, stop_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+    """`sample_text` for up to `model.batch` prompts at once (one forward per new token)."""
     if temperature < 0:
         raise InputError(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
         raise InputError(f"--top-k must be >= 0, got {top_k}")
+    if len(prompts) > model.batch:
+        raise InputError(f"{len(prompts)} prompts for a model built for {model.batch}")
     rng = np.random.default_rng(seed)
-    ids = list(prompt_ids) or [ord("\n")]
+    seqs = [list(p) or [ord("\n")] for p in prompts]
+    starts = [len(p) or 1 for p in prompts]
+    done = [False] * len(seqs)
     seq = model.seq
     for _ in range(n_tokens):
-        window = ids[-seq:]
-        buf = np.zeros((1, seq), dtype=np.int32)
-        buf[0, :len(window)] = window
-        logits = model.next_logits(buf)[0, len(window) - 1].astype(np.float64)
-        if temperature == 0:
-            nxt = int(np.argmax(logits))
-        else:
-            logits = logits / temperature
-            if 0 < top_k < len(logits):
-                cutoff = np.sort(logits)[-top_k]
-                logits = np.where(logits < cutoff, -np.inf, logits)
-            p = np.exp(logits - logits.max())
-            p /= p.sum()
-            nxt = int(rng.choice(len(p), p=p))
-        ids.append(nxt)
-    return ids[len(prompt_ids) or 1:]
+        buf = np.zeros((model.batch, seq), dtype=np.int32)
+        for r, ids in enumerate(seqs):
+            window = ids[-seq:]
+            buf[r, :len(window)] = window
+        logits_all = model.next_logits(buf)
+        for r, ids in enumerate(seqs):
+            if done[r]:
+                continue
+            logits = logits_all[r, min(len(ids), seq) - 1].astype(np.float64)
+            if temperature == 0:
+                nxt = int(np.argmax(logits))
+            else:
+                logits = logits / temperature
+                if 0 < top_k < len(logits):
+                    cutoff = np.sort(logits)[-top_k]
+                    logits = np.where(logits < cutoff, -np.inf, logits)
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                nxt = int(rng.choice(len(p), p=p))
+            if nxt in stop_ids:
+                done[r] = True
+            else:
+                ids.append(nxt)
+        if all(done):
+            break
+    return [ids[start:] for ids, start in zip(seqs, starts)]
 
 
 def cache_root() -> Path:

@@ -55,6 +55,8 @@ class Options:
     data: str = "default"
     # the cpu backend's portable golden mode: the same float32 bits on every CPU (slower)
     portable: bool = False
+    tokenizer: str = ""          # a GGUF whose tokenizer reads the data (language models); empty: bytes
+    mask_prompt: bool = True     # JSONL prompt/completion and chat: the loss counts completions only
 
     def adamw_row(self, total_steps: int | None = None) -> AdamWRow:
         schedule = Schedule(self.lr_schedule, self.warmup, total_steps or self.steps)

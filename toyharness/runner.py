@@ -13,6 +13,7 @@ import json
 import math
 import resource
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,8 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     options = resolve_options(recipe_obj, config, sets, {"steps": steps})
     pm = plugin_manager(recipe_obj, *observers)
     data = load_data(pm, options)
+    if progress and hasattr(data, "summary"):      # JSONL examples: how many were truncated
+        print(data.summary(), file=sys.stderr)
     engine = get_engine(backend, threads)
     engine.set_portable(options.portable)   # each run sets it; a program keeps the mode it was made in
     out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -183,6 +186,8 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
                "peak_rss_mb": round(peak_rss_mb(), 1), "backend": engine.backend, "threads": engine.threads}
     if run.evals and "accuracy" in run.evals[-1]:
         summary["accuracy"] = run.evals[-1]["accuracy"]
+    if hasattr(data, "truncated"):
+        summary["truncated_examples"] = data.truncated
     if write_files:
         if save_batches:
             save_batches_npz(out_dir / "batches.npz", batches_log)

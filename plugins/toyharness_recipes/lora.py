@@ -146,6 +146,13 @@ class LoRA(LMRecipe):
             self._bases[o.base] = read_base(o.base)
         return self._bases[o.base]
 
+    def tokenizer_file(self, o: LoRAOptions) -> str:
+        """The data is read with the base's own tokenizer (bytes for bases the harness made)."""
+        if o.tokenizer and o.tokenizer != o.base:
+            raise InputError("lora reads its data with the base's tokenizer: leave option 'tokenizer' unset")
+        self.base(o)                   # a missing or bad base is named first
+        return o.base
+
     def vocab_for(self, o: LoRAOptions, data_vocab: int) -> int:
         base = self.base(o)
         if data_vocab > base.vocab:

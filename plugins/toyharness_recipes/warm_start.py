@@ -102,9 +102,9 @@ class WarmStartWindow:
         if o.lens == "pca":
             self.params["lens.weight"] = pca_lens(rows, o.d_model)
 
-    def bake(self, engine) -> LanguageModel:
+    def bake(self, engine, masked: bool = False) -> LanguageModel:
         self.baked = True
-        return LanguageModel(self.recipe, engine, self.options, self.vocab, self.params)
+        return LanguageModel(self.recipe, engine, self.options, self.vocab, self.params, masked=masked)
 
 
 class WarmStart(Llama):
@@ -125,12 +125,19 @@ class WarmStart(Llama):
         h = blocks.lens(P["token_embd.weight"].get_rows(tokens), P["lens.weight"])
         return llama_forward(P, h, positions, LlamaShape(o.n_layer, o.n_head, o.n_kv_head))
 
+    def tokenizer_file(self, o: WarmStartOptions) -> str:
+        """The data is read with the donor's tokenizer, so embedding row i is token i's; the vocabulary
+        is then the donor's (bytes for donors the harness made)."""
+        if o.donor and o.tokenizer and o.tokenizer != o.donor:
+            raise InputError("warm_start reads its data with the donor's tokenizer: leave option 'tokenizer' unset")
+        return o.donor or o.tokenizer
+
     @hookimpl
     def realize(self, engine, options, data):
         window = WarmStartWindow(self, options, self.vocab_for(options, data.vocab))
         if options.donor:
             window.warm()
-        return window.bake(engine)
+        return window.bake(engine, masked=getattr(data, "masked", False))
 
     def export_tensors(self, params, o: WarmStartOptions):
         out = {k: v for k, v in params.items() if k != "lens.weight"}

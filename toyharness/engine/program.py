@@ -341,6 +341,28 @@ class Program:
         tg.fed = True
 
     # --- loss ------------------------------------------------------------------------------
+    def _new_targets(self, logits: Tensor, targets: str, op: str) -> tuple[_Targets, Tensor]:
+        """The one-hot rows and flat indices that class ids fed as `targets` become, and the
+        one-hot tensor the loss reads (on a device, made in the graph from the indices)."""
+        self._check_new_name(targets)
+        if logits.type != GGML_TYPE_F32:
+            raise ShapeError(f"{op}: logits must be f32, got {logits!r}")
+        vocab = logits.shape[-1]
+        rows = math.prod(logits.shape[:-1])
+        if rows * vocab >= 2 ** 31:    # the flat index into the rows' logits is an i32
+            raise ShapeError(f"{op}: {rows} rows x {vocab} classes is too many for i32 indices")
+        onehot = self._new_static(f"{targets}.onehot", (rows, vocab), GGML_TYPE_F32)
+        flat = self._new_static(f"{targets}.flat", (rows,), GGML_TYPE_I32)
+        lib.ggml_set_input(onehot.ptr)
+        lib.ggml_set_input(flat.ptr)
+        tg = self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat,
+                                               in_graph=self.onehot_in_graph)
+        if self.onehot_in_graph:     # zeroed, then a one at each row's target, in place
+            ctx, ones = self._ctx_compute, self.cached_constant(f"ones.{rows}", lambda: np.ones((rows, 1), np.float32))
+            cells = onehot._new(lib.ggml_fill_inplace(ctx, onehot.ptr, 0.0)).reshape(rows * vocab, 1)
+            onehot = cells._new(lib.ggml_set_rows(ctx, cells.ptr, ones.ptr, flat.ptr)).reshape(rows, vocab)
+        return tg, onehot
+
     def cross_entropy(self, logits: Tensor, targets: str) -> CrossEntropy:
         """Mean cross-entropy of `logits` (..., V) against integer targets fed as `targets`.
 
@@ -349,22 +371,8 @@ class Program:
         computed per row (softmax, pick the target, log) and summed by one thread in a fixed
         order: the loss we report, thread-count invariant.
         """
-        self._check_new_name(targets)
-        if logits.type != GGML_TYPE_F32:
-            raise ShapeError(f"cross_entropy: logits must be f32, got {logits!r}")
-        vocab = logits.shape[-1]
-        rows = math.prod(logits.shape[:-1])
-        if rows * vocab >= 2 ** 31:    # the flat index into the rows' logits is an i32
-            raise ShapeError(f"cross_entropy: {rows} rows x {vocab} classes is too many for i32 indices")
-        onehot = self._new_static(f"{targets}.onehot", (rows, vocab), GGML_TYPE_F32)
-        flat = self._new_static(f"{targets}.flat", (rows,), GGML_TYPE_I32)
-        lib.ggml_set_input(onehot.ptr)
-        lib.ggml_set_input(flat.ptr)
-        self._targets[targets] = _Targets(tuple(logits.shape[:-1]), vocab, onehot, flat, in_graph=self.onehot_in_graph)
-        if self.onehot_in_graph:     # zeroed, then a one at each row's target, in place
-            ctx, ones = self._ctx_compute, self.cached_constant(f"ones.{rows}", lambda: np.ones((rows, 1), np.float32))
-            cells = onehot._new(lib.ggml_fill_inplace(ctx, onehot.ptr, 0.0)).reshape(rows * vocab, 1)
-            onehot = cells._new(lib.ggml_set_rows(ctx, cells.ptr, ones.ptr, flat.ptr)).reshape(rows, vocab)
+        tg, onehot = self._new_targets(logits, targets, "cross_entropy")
+        rows, vocab, flat = math.prod(tg.shape), tg.vocab, tg.flat_index
         logits2 = logits.reshape(rows, vocab)
         train = logits2._new(lib.ggml_cross_entropy_loss(self._ctx_compute, logits2.ptr, onehot.ptr), 0)
         lib.ggml_set_loss(train.ptr)
@@ -372,6 +380,32 @@ class Program:
         report = picked.log().sum().scale(-1.0 / rows)
         lib.ggml_set_output(report.ptr)
         return CrossEntropy(train.named(f"{targets}.loss"), report.named(f"{targets}.loss_report"), targets)
+
+    def masked_cross_entropy(self, logits: Tensor, targets: str, mask: str) -> CrossEntropy:
+        """Mean cross-entropy over the positions where the f32 input `mask` (fed by name, shaped
+        as the logits without their last axis) is 1; positions where it is 0 (a prompt, padding)
+        neither count nor get a gradient.
+
+        `train` is ggml's cross_entropy_loss of the logits multiplied by the mask (an uncounted
+        row becomes all zeros: a constant loss, a zero gradient), rescaled from a mean over all rows
+        to a mean over the counted ones. `report`, as in `cross_entropy`, picks each row's target
+        probability, takes log(p * m + (1 - m)) (0 where uncounted, so an underflowed p at padding
+        gives no NaN), and sums in one thread in a fixed order: thread-count invariant.
+        A batch must count at least one position (the data drops examples that count none)."""
+        tg, onehot = self._new_targets(logits, targets, "masked_cross_entropy")
+        rows = math.prod(tg.shape)
+        m = self.input(mask, tg.shape, "f32").reshape(rows, 1)
+        counted = m.sum()
+        logits2 = logits.reshape(rows, tg.vocab)
+        train = logits2._new(lib.ggml_cross_entropy_loss(self._ctx_compute, (logits2 * m).ptr, onehot.ptr), 0)
+        all_rows = self.constant(f"{mask}.rows", np.full(1, rows, np.float32))
+        train = train * (all_rows / counted)
+        lib.ggml_set_loss(train.ptr)
+        picked = logits2.softmax().reshape(rows * tg.vocab, 1).get_rows(tg.flat_index)
+        report = -((picked * m + m.scale_bias(-1.0, 1.0)).log().sum() / counted)
+        lib.ggml_set_output(report.ptr)
+        return CrossEntropy(train.named(f"{targets}.masked_loss"), report.named(f"{targets}.masked_loss_report"),
+                            targets)
 
     def scalar_loss(self, value: Tensor, name: str = "loss") -> CrossEntropy:
         """Train on any scalar (tests, custom objectives); it is also what `step` reports."""

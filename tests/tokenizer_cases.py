@@ -1,0 +1,164 @@
+"""Tricky texts and the two vocabularies whose ids tests/data/tokenizer_agreement.json holds as
+llama.cpp gives them (native/llamacpp/th_tokenize, from the pinned archive):
+
+- `smollm2`: tests/data/smollm2-tokenizer.gguf, SmolLM2-135M-Instruct's metadata only (its
+  tokenizer: gpt2 model, pre-tokenizer smollm, 49152 tokens; no tensors; Apache-2.0);
+- `spm`: a small SentencePiece-style `llama` vocabulary written here (no weights exist for it):
+  control tokens, the 256 byte tokens, one user-defined token, and pieces with distinct scores.
+
+Re-derive the file (the `llamacpp` nox session checks it too):
+    python tests/tokenizer_cases.py TOOL/th_tokenize --write
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+SMOLLM2_VOCAB = DATA / "smollm2-tokenizer.gguf"
+AGREEMENT = DATA / "tokenizer_agreement.json"
+
+TEXTS = [
+    '',
+    ' ',
+    '  ',
+    '\n',
+    '\n\n\n',
+    ' \n \n',
+    '\t\t x',
+    'Hello world',
+    'Hello  world',
+    'Hello   world   ',
+    'hello\n\nworld\n',
+    '   leading and trailing   ',
+    'a\r\nb\rc',
+    'The year 2024 had 365 days; 1234567890.',
+    '3.14159 -42 +7 1e10 0x1F 1,000,000',
+    "I'm sure it's 'quoted' they'll we've you'd I'M IT'S",
+    'caf\xe9 na\xefve \xfcber \xc5ngstr\xf6m',
+    '\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8',
+    '\u4e2d\u6587 \ud55c\uad6d\uc5b4',
+    'emoji \U0001f389\U0001f680 \U0001f468\u200d\U0001f469\u200d\U0001f467 ok',
+    '\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd',
+    '\u0417\u0434\u0440\u0430\u0432\u0441\u0442\u0432\u0443\u0439, \u043c\u0438\u0440!',
+    '\xbd \u2153 \u2460 \u0663\u0664 \xb2\xb3',
+    "def main():\n    return {'a': [1, 2, 3]}\n\n\nif __name__ == '__main__':\n\tmain()\n",
+    'for (int i = 0; i < n; i++) { x[i] += y[i] * 2; } // c++',
+    '<html><body class="x">&amp;</body></html>',
+    '$100 + 50% = ~^|<=>`',
+    '!!!??? ... ---- ____ ****',
+    'a\xa0b\u2009c\u3000d',
+    '<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>',
+    '<|endoftext|><|endoftext|>text<|im_start|>',
+    '<|im_start|',
+    '<s>hello</s> <s> x',
+    '<tool>call</tool>',
+    '<0x41> <unk>',
+    '\u2581already escaped\u2581',
+    'the theme then there',
+    'ZZZ zzz Zz',
+    '\xe9\u0301 combining e\u0301',
+    '\ufeffbom',
+    'tab\tseparated\tvalues\n1\t2\t3',
+]
+
+SPM_PIECES = [
+    '\u2581', 't', 'h', 'e', 'a', 'r', 'n', 'o', 'd', 's', 'w', 'l', '\u2581t', 'he', '\u2581the', '\u2581a',
+    're', '\u2581the\u2581', 'er', '\u2581w', 'or', 'ld', '\u2581wor', '\u2581world', '\u2581h', 'el', 'lo',
+    '\u2581hel', '\u2581hello', 'in', 'an', '\u2581an', 'nd', '\u2581and', 'm', 'i', 'c', 'x', 'z', 'Z', '1',
+    '2', '3', '12', '\u2581\u2581', '\u2581\u2581\u2581\u2581', '\n', '.', ',', "'", '\xe9', 'caf', 'caf\xe9',
+]
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types of the small SentencePiece-style vocabulary (distinct scores)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["<tool>"] + SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [4] + [1] * len(SPM_PIECES)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [0.0] + [-float(i) for i in range(len(SPM_PIECES))]
+    return tokens, scores, types
+
+
+def write_spm_vocab(path: Path) -> Path:
+    """The spm vocabulary as a GGUF llama.cpp loads with vocab_only (a llama's hparams, no tensors)."""
+    import gguf
+
+    tokens, scores, types = spm_vocab()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tokenizer_only(model: Path, out: Path) -> Path:
+    """A copy of `model`'s metadata (tokenizer and hparams), without tensors."""
+    import gguf
+
+    r = gguf.GGUFReader(str(model))
+    w = gguf.GGUFWriter(str(out), r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, f.contents(), f.types[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def llama_cpp_ids(tool: str, vocab: Path, texts: list[str], workdir: Path) -> list[list[int]]:
+    """llama.cpp's ids (add_special and parse_special on) for each text."""
+    blob = workdir / "texts.bin"
+    blob.write_bytes(b"".join(struct.pack("<I", len(t.encode())) + t.encode() for t in texts))
+    res = subprocess.run([tool, str(vocab), str(blob)], capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"th_tokenize failed: {res.stderr[-2000:]}")
+    lines = res.stdout.split("\n")[:len(texts)]
+    return [[int(x) for x in line.split()] for line in lines]
+
+
+def derive(tool: str, workdir: Path) -> dict:
+    spm = write_spm_vocab(workdir / "spm.gguf")
+    return {"texts": TEXTS,
+            "ids": {"smollm2": llama_cpp_ids(tool, SMOLLM2_VOCAB, TEXTS, workdir),
+                    "spm": llama_cpp_ids(tool, spm, TEXTS, workdir)}}
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python tests/tokenizer_cases.py PATH/th_tokenize [--write] [--smollm2-from MODEL.gguf]")
+    if "--smollm2-from" in sys.argv:
+        write_tokenizer_only(Path(sys.argv[sys.argv.index("--smollm2-from") + 1]), SMOLLM2_VOCAB)
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = derive(sys.argv[1], Path(tmp))
+    if "--write" in sys.argv:
+        AGREEMENT.write_text(json.dumps(doc, ensure_ascii=True, indent=1) + "\n")
+        print(f"wrote {AGREEMENT}")
+    else:
+        print(json.dumps(doc)[:2000])
