@@ -113,19 +113,32 @@ class LossHexes:
         summary["loss_hex"] = [m["loss_hex"] for m in run.metrics]
 
 
-def test_a_failing_point_is_shown_and_the_others_go_on(tmp_path):
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the driver's point processes through /proc")
+def test_failing_points_are_shown_and_the_others_go_on(tmp_path):
+    """Point 0's loss turns NaN; point 1's process is killed (as by the kernel's OOM killer, or a
+    ggml abort); point 2 finishes, and the sweep exits 1."""
     out = tmp_path / "s"
-    res = cli("sweep", "llama", "--grid", "lr=1e30,1e-3", "--steps", "4", *SETS, "--set", "d_model=16",
-              "--out", str(out), "--no-progress")
-    assert res.returncode == 1, res.stderr
-    assert "1 of 2 points failed" in res.stderr
-    bad, good = sweep_doc(out)["points"]
-    assert bad["status"] == "failed" and good["status"] == "done"
-    assert "loss is nan at step" in bad["message"] or "loss is inf at step" in bad["message"]
-    assert f"failed {bad['name']}: llama: loss is" in res.stdout
+    driver = subprocess.Popen([sys.executable, "-m", "toyharness.cli", "sweep", "llama", "--grid", "lr=1e30,1e-3,3e-3",
+                               "--steps", "4", *SETS, "--set", "d_model=16", "--workers", "1", "--out", str(out),
+                               "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, second = time.monotonic() + 300, []
+    while not second and driver.poll() is None and time.monotonic() < deadline:
+        second = [k for k in _children(driver.pid) if b'"index": 1,' in Path(f"/proc/{k}/cmdline").read_bytes()]
+        time.sleep(0.01)
+    os.kill(second[0], signal.SIGKILL)
+    stdout, stderr = driver.communicate(timeout=300)
+    assert driver.returncode == 1, stderr
+    assert "2 of 3 points failed" in stderr
+    nan, dead, good = sweep_doc(out)["points"]
+    assert nan["status"] == "failed" and dead["status"] == "failed" and good["status"] == "done"
+    assert "loss is nan at step" in nan["message"] or "loss is inf at step" in nan["message"]
+    assert dead["message"].startswith("the point's process died (SIGKILL)")
+    assert f"failed {nan['name']}: llama: loss is" in stdout
+    assert f"failed {dead['name']}: the point's process died" in stdout
     assert good["final_eval_loss"] > 0 and len(loss_hexes(out / "points" / good["name"])) == 4
     rows = sweep_doc(out)["configs"]
-    assert rows[0]["config"] == {"lr": "1e-3"} and rows[1]["final_eval_loss_mean"] is None
+    assert rows[0]["config"] == {"lr": "3e-3"} and rows[0]["done"] == 1
+    assert [r["final_eval_loss_mean"] for r in rows[1:]] == [None, None]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set one option for every point (repeatable)")
     w.add_argument("--steps", type=int, help="training steps of every point (default: the recipe's)")
     w.add_argument("--backend", choices=["cpu", "cuda", "metal"], help="default cpu")
-    w.add_argument("--workers", type=int, help="points at a time (default: cores / threads; with --ray: no limit)")
+    w.add_argument("--workers", type=int,
+                   help="points at a time (default: cores / threads; with --ray: the cluster's CPUs / threads)")
     w.add_argument("--threads", type=int,
                    help="threads per point (default 1, or cores / workers); workers x threads <= cores")
     w.add_argument("--ray", metavar="auto|ADDRESS",
