@@ -126,9 +126,6 @@ class Program:
         # plain ops, each of which has a portable kernel).
         self.portable = engine.is_cpu and engine.portable
         self.cpu_kernels = engine.is_cpu and cpu_kernels and not self.portable
-
-
-        self.cpu_kernels = engine.is_cpu and cpu_kernels
         # Whether cross_entropy builds its one-hot targets in the graph (FILL, then SET_ROWS of
         # ones at the flat indices) instead of uploading them: on cuda a step's upload of
         # rows x vocab floats (200 MB for 1024 tokens of a 49152-token vocabulary) was 40% of

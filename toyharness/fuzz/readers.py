@@ -92,15 +92,15 @@ def _gguf_seeds(workdir: Path) -> list[bytes]:
 @reader("gguf", ".gguf", mutate_for_seed=gguf_mutator)
 def _gguf(path: Path) -> None:
     """Open, decode every metadata value, and convert every tensor of a supported type."""
-    from ..engine.gguf_io import FROZEN_TYPES, GGUFFile
+    from ..engine.gguf_io import GGUFFile
+    from ..engine.quant import FROZEN_BY_ID
 
     with GGUFFile(path) as f:
-        for key in f.reader.fields:
+        for key in f.metadata():
             f.field(key)
-        f.metadata()
         for name in f.names:
             info = f.tensor(name)
-            info.to_numpy() if info.ggml_type in FROZEN_TYPES else info.raw_bytes()
+            info.to_numpy() if info.ggml_type in FROZEN_BY_ID else info.raw_bytes()
 
 
 _gguf.seeds(_gguf_seeds)
