@@ -73,14 +73,18 @@ def golden_sets_for(name: str) -> list[str]:
     if variant is not None and variant not in variants:
         raise InputError(f"recipe {recipe} has no golden variant {variant!r}"
                          + (f" (it has: {', '.join(variants)})" if variants else ""))
-    cls = resolve_options(obj, None, [], {}).__class__
-    fields = set(cls.__dataclass_fields__)
+    defaults = resolve_options(obj, None, [], {})
+    fields = set(defaults.__class__.__dataclass_fields__)
     extra = getattr(obj, "golden_sets", [])
     if extra is None:
         raise FileNotFoundError(f"recipe {recipe} has no golden config (it needs inputs such as a base model)")
-    # Recipes on the core text loader train on the synthetic corpus: the default one
-    # (pydoc_data.topics) differs between Python versions, and goldens must not.
-    text = ["data=synthetic"] if "data" in fields and not hasattr(obj, "load_data") else []
+    # Recipes on the core text loader (their own, or the language models' shared one) train on
+    # the synthetic corpus: the default one (pydoc_data.topics) differs between Python versions,
+    # and goldens must not.
+    from .lm import LMRecipe
+
+    own_loader = getattr(type(obj), "load_data", None) not in (None, LMRecipe.load_data)
+    text = ["data=synthetic"] if "data" in fields and not own_loader else []
     return ([s for s in GOLDEN_SETS if s.split("=")[0] in fields] + text + list(extra)
             + (list(variants[variant]) if variant else []))
 
