@@ -148,7 +148,8 @@ class LMRecipe:
         arch, meta = self.gguf_metadata(options, vocab)
         tok_file = self.tokenizer_file(options)
         if tok_file and not self.tokenizer(options).byte_level:     # the vocabulary it was trained on
-            meta = {**meta, **read_metadata(tok_file, prefix="tokenizer.")}
+            with GGUFFile(tok_file) as f:      # with their GGUF types, as llama.cpp reads them
+                meta = {**meta, **{k: v for k, v in f.metadata().items() if k.startswith("tokenizer.")}}
         else:
             meta = {**meta, **tokenizer_metadata(vocab)}
         return write_gguf(path, arch, self.export_tensors(params, options), meta)

@@ -261,74 +261,14 @@ def spm_merges(tokens: list[str], scores: list[float] | None) -> list[tuple[str,
     return [(a, b) for _, _, _, a, b in found]
 
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
 def read_metadata(path: str | Path, prefix: str = "") -> dict:
-    """The metadata keys of a GGUF that start with `prefix`, read straight from the header
-    (gguf-py's reader builds an array per string and takes seconds over a 49k-token vocabulary)."""
-    import struct
+    """The metadata keys of a GGUF that start with `prefix`, decoded. GGUFFile reads the header
+    itself and decodes a value only when asked (gguf-py's reader builds an array per string and
+    takes seconds over a 49k-token vocabulary)."""
+    from .engine.gguf_io import GGUFFile
 
-    path = Path(path)
-    try:
-        raw = path.read_bytes() if path.stat().st_size < (1 << 24) else _header_bytes(path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if raw[:4] != b"GGUF":
-        raise InputError(f"{path}: not a GGUF file (magic {raw[:4]!r}, expected b'GGUF')")
-    pos = 24
-    out: dict = {}
-
-    def take(fmt: str):
-        nonlocal pos
-        (v,) = struct.unpack_from(fmt, raw, pos)
-        pos += struct.calcsize(fmt)
-        return v
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        s = raw[pos:pos + n]
-        if len(s) != n:
-            raise struct.error("string past the end")
-        pos += n
-        return s.decode("utf-8", errors="replace")
-
-    def value(kind: int):
-        nonlocal pos
-        if kind == 8:
-            return string()
-        if kind == 9:
-            sub, n = take("<I"), take("<Q")
-            if sub == 8:
-                return [string() for _ in range(n)]
-            if sub not in _SCALARS:
-                raise struct.error(f"array of type {sub}")
-            fmt = _SCALARS[sub]
-            size = struct.calcsize(fmt)
-            items = list(struct.unpack_from(f"<{n}{fmt[1]}", raw, pos))
-            pos += n * size
-            return items
-        if kind not in _SCALARS:
-            raise struct.error(f"value type {kind}")
-        return take(_SCALARS[kind])
-
-    try:
-        n_kv = struct.unpack_from("<Q", raw, 16)[0]
-        for _ in range(n_kv):
-            key = string()
-            v = value(take("<I"))
-            if key.startswith(prefix):
-                out[key] = v
-    except (struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
-        raise InputError(f"{path}: truncated or corrupt GGUF metadata ({exc})") from None
-    return out
-
-
-def _header_bytes(path: Path) -> bytes:
-    """The first 64 MiB of a large GGUF: its metadata (real files' is a few MiB)."""
-    with open(path, "rb") as fh:
-        return fh.read(64 << 20)
+    with GGUFFile(path) as f:
+        return {key: f.field(key) for key in f.keys if key.startswith(prefix)}
 
 
 def load_tokenizer(path: str | Path | None) -> ByteTokenizer | GGUFTokenizer:

@@ -112,6 +112,11 @@ class GGUFFile:
         self.close()
 
     @property
+    def keys(self) -> list[str]:
+        """The metadata keys, in file order."""
+        return list(self._fields)
+
+    @property
     def names(self) -> list[str]:
         return list(self._tensors)
 
