@@ -18,6 +18,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench import SIZES
+
     p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -59,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
     b.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
-    b.add_argument("--size", default="default", choices=["default", "nano", "gpt2-small"],
+    b.add_argument("--size", default="default", choices=list(SIZES),
                    help="model size: default (each recipe's bench config), nano (n_layer 6, d_model 384, n_head 6, "
                         "t_seq 256, t_batch 64: nanoGPT's shakespeare-char) or gpt2-small (n_layer 12, d_model 768, "
                         "n_head 12, t_seq 1024, t_batch 8); applied before --set; without recipes named, the "
