@@ -33,6 +33,11 @@ TH_EXPORT void th_tensor_shape(const struct ggml_tensor * t, int64_t ne[4], size
     }
 }
 
+/* t's i-th source (NULL where it has none) */
+TH_EXPORT struct ggml_tensor * th_tensor_src(const struct ggml_tensor * t, int i) {
+    return i >= 0 && i < GGML_MAX_SRC ? t->src[i] : NULL;
+}
+
 TH_EXPORT void * th_tensor_data(const struct ggml_tensor * t) { return t->data; }
 
 TH_EXPORT int th_tensor_has_buffer(const struct ggml_tensor * t) { return t->buffer != NULL; }

@@ -3,7 +3,11 @@
 # record and re-check the cuda goldens (run-to-run bits), hold cuda against the cpu goldens,
 # and time every recipe on cuda, on the cpu with all cores, and in PyTorch eager on both.
 #
-#   scripts/gpu_check.sh OUT_DIR [build] [check] [bench]      (default: all three)
+#   scripts/gpu_check.sh OUT_DIR [build] [check] [bench] [sizes]      (default: the first three)
+#
+# sizes (issue 21): gpt2 and llama at `bench --size nano` and `--size gpt2-small`, each op's
+# time (bench --profile, in OUT_DIR/profile_<size>.log) and ms/step beside PyTorch
+# (OUT_DIR/bench_<size>.json).
 #
 # Offline machines: put the ggml source in .device/ggml (TOYHARNESS_GGML_SRC) and wheels of
 # missing Python packages in .whl/; both are used when present. Results land in OUT_DIR:
@@ -39,6 +43,16 @@ if [[ $phases == *" bench "* ]]; then
     toyharness bench --backend cuda --out "$out/bench_cuda.json" 2>&1 | tee -a "$log" || status=1
     step "bench: cpu, all cores (PyTorch on cpu)"
     toyharness bench --backend cpu --out "$out/bench_cpu.json" 2>&1 | tee -a "$log" || status=1
+fi
+if [[ $phases == *" sizes "* ]]; then
+    for size in nano gpt2-small; do
+        step "profile: gpt2 and llama at size $size, each node timed alone"
+        toyharness bench --profile gpt2 llama --backend cuda --size "$size" 2>&1 | tee "$out/profile_$size.log" \
+            || status=1
+        step "bench: gpt2 and llama at size $size (PyTorch on cuda)"
+        toyharness bench gpt2 llama --backend cuda --size "$size" --steps 10 --out "$out/bench_$size.json" 2>&1 \
+            | tee -a "$log" || status=1
+    done
 fi
 step "done, status $status"
 exit $status

@@ -46,6 +46,31 @@ def test_side_by_side_run_writes_both_sides(tmp_path):
         assert len(r["cpu_round_trip_ns"]) == 2 and all(ns > 0 for ns in r["cpu_round_trip_ns"])
 
 
+def test_size_presets_lay_under_set_and_pick_the_recipes_that_have_their_options():
+    from toyharness.bench import SIZES, bench_options, fits_size, size_sets
+
+    sets = size_sets("gpt2", "nano", ["t_batch=8"])
+    assert sets == [*SIZES["nano"], "t_batch=8"]                 # --set comes last, and wins
+    _, opts = bench_options("gpt2", sets)
+    assert (opts.n_layer, opts.d_model, opts.n_head, opts.t_seq, opts.t_batch) == (6, 384, 6, 256, 8)
+    _, opts = bench_options("llama", size_sets("llama", "gpt2-small"))
+    assert (opts.n_layer, opts.d_model, opts.n_head, opts.t_seq, opts.t_batch) == (12, 768, 12, 1024, 8)
+    assert size_sets("lora", "default") == []
+    assert fits_size("gpt2", "nano") and fits_size("llama", "gpt2-small") and not fits_size("lora", "nano")
+
+
+def test_size_a_recipe_lacks_the_options_of_exits_2():
+    res = bench("lora", "--size", "nano")
+    assert res.returncode == 2
+    assert "--size nano: recipe lora has no option n_layer, d_model, n_head" in res.stderr
+
+
+def test_unknown_size_exits_2():
+    res = bench("gpt2", "--size", "huge")
+    assert res.returncode == 2
+    assert "--size: invalid choice: 'huge'" in res.stderr
+
+
 def test_drift_names_the_side_whose_rounds_moved():
     from toyharness.bench import Result
 
@@ -69,6 +94,10 @@ def test_profile_names_ops_and_kernels_without_torch(tmp_path):
     if cpu_kernels:       # the kernel of native/cpu_kernels.c that took each op, by name
         assert ("OUT_PROD", "sgemm") in rows and ("SOFT_MAX", "softmax") in rows and ("SILU", "gelu") in rows
         assert ("ADD", "add_rows") in rows                       # a bias, its ones @ b product fused away
+    assert ("OUT_PROD[heads]", "sgemm" if cpu_kernels else "ggml") in rows    # attention's products, apart
+    assert "a node that computes nothing (a view) takes" in res.stdout
+    slowest = lines[lines.index("  slowest nodes (graph index, op, shape in ggml order, ms):") + 1:]
+    assert len(slowest) == 10 and all(line.split()[0].startswith("#") for line in slowest)
     shares = [float(line.split()[-1].rstrip("%")) for line in lines[2:] if line.rstrip().endswith("%")]
     assert 99.0 <= sum(shares) <= 101.0, shares
     assert not list(tmp_path.iterdir())

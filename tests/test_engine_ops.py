@@ -215,14 +215,40 @@ def test_swiglu():
 
 
 # --- composed blocks ----------------------------------------------------------------------------
-def test_layer_norm():
+# gain_product: TOYHARNESS_GAIN_PRODUCT=1, the gain broadcast as ones @ g (blocks.scale_columns)
+@pytest.mark.parametrize("gain_product", ["0", "1"])
+def test_layer_norm(gain_product, monkeypatch):
+    monkeypatch.setenv("TOYHARNESS_GAIN_PRODUCT", gain_product)
     check(lambda p, T: blocks.layer_norm(T["x"], T["g"], T["b"]), lambda A: np_layer_norm(A["x"], A["g"], A["b"]),
           {"x": r(2, 3, 8), "g": r(8), "b": r(8)})
 
 
-def test_rms_norm_block():
+@pytest.mark.parametrize("gain_product", ["0", "1"])
+def test_rms_norm_block(gain_product, monkeypatch):
+    monkeypatch.setenv("TOYHARNESS_GAIN_PRODUCT", gain_product)
     check(lambda p, T: blocks.rms_norm(T["x"], T["g"]), lambda A: np_rms_norm(A["x"]) * A["g"],
           {"x": r(2, 3, 8), "g": r(8)})
+
+
+def test_gain_product_builds_no_repeat_back_and_keeps_the_forward_bits(monkeypatch):
+    """The lever's point: no REPEAT_BACK in the backward (ggml-cuda's is one thread per column),
+    and the forward bit for bit as the broadcast multiply gives it (ones @ g is g exactly)."""
+    from toyharness._ffi import ffi, lib
+
+    x, g = r(4, 5, 16).astype(np.float32), r(16).astype(np.float32)
+    outs, ops = {}, {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TOYHARNESS_GAIN_PRODUCT", flag)
+        prog = get_engine(BACKEND).program()
+        X, G = prog.param("x", x), prog.param("g", g)
+        out = blocks.rms_norm(X, G)
+        trainer = prog.trainer(prog.scalar_loss(out.sum()), "bias_corrected")
+        graph = trainer.gb_opt
+        ops[flag] = {ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
+                     for i in range(lib.ggml_graph_n_nodes(graph))}
+        outs[flag] = prog.forward({"out": out}).run({})["out"]
+    assert "REPEAT_BACK" in ops["0"] and "REPEAT_BACK" not in ops["1"]
+    assert np.array_equal(outs["0"], outs["1"])
 
 
 def test_attention_gpt2_style_with_biases():

@@ -150,6 +150,7 @@ int ggml_cpu_has_llamafile(void);
 
 int th_tensor_type(const ggml_tensor * t);
 void th_tensor_shape(const ggml_tensor * t, int64_t ne[4], size_t nb[4]);
+ggml_tensor * th_tensor_src(const ggml_tensor * t, int i);
 void * th_tensor_data(const ggml_tensor * t);
 int th_tensor_has_buffer(const ggml_tensor * t);
 int th_tensor_flags(const ggml_tensor * t);

@@ -39,6 +39,14 @@ N_BATCHES = 8          # distinct batches cycled through (same ones on both side
 SETTLE_S = float(os.environ.get("TOYHARNESS_BENCH_SETTLE", "0.3"))
 # Round medians of one side further apart than this, and `bench` says the machine's speed moved.
 DRIFT = 0.2
+# Named model sizes (`bench --size`), laid over a recipe's bench config before its --set: the
+# sizes people train small models at (issue 21's table). nano: nanoGPT's shakespeare-char model
+# (on a 2-core cpu, add --set t_batch=8); gpt2-small: GPT-2 small's body, on our byte vocabulary.
+SIZES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "nano": ("n_layer=6", "d_model=384", "n_head=6", "t_seq=256", "t_batch=64"),
+    "gpt2-small": ("n_layer=12", "d_model=768", "n_head=12", "t_seq=1024", "t_batch=8"),
+}
 
 
 def _peak_rss_mb() -> float:
@@ -79,6 +87,25 @@ def bench_options(recipe: str, sets: list[str] | None = None):
 
     _, obj = get_recipe(recipe)
     return obj, resolve_options(obj, None, list(getattr(obj, "bench_sets", [])) + list(sets or []), {})
+
+
+def fits_size(recipe: str, size: str) -> bool:
+    """Whether `recipe`'s options have every option the size preset sets."""
+    _, opts = bench_options(recipe)
+    return all(hasattr(opts, kv.split("=", 1)[0]) for kv in SIZES[size])
+
+
+def size_sets(recipe: str, size: str, sets: list[str] | None = None) -> list[str]:
+    """The --set list for `recipe` at the named size: the preset's, then `sets` (which win)."""
+    from .errors import InputError
+
+    if size not in SIZES:
+        raise InputError(f"--size {size}: unknown size; known: {', '.join(SIZES)}")
+    if not fits_size(recipe, size):
+        _, opts = bench_options(recipe)
+        missing = [kv.split("=", 1)[0] for kv in SIZES[size] if not hasattr(opts, kv.split("=", 1)[0])]
+        raise InputError(f"--size {size}: recipe {recipe} has no option {', '.join(missing)}")
+    return list(SIZES[size]) + list(sets or [])
 
 
 def realize_for_bench(recipe: str, backend: str, threads: int, sets: list[str] | None):
@@ -170,19 +197,71 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
 # --- where the time goes ---------------------------------------------------------------------
 @dataclass
 class OpTime:
-    op: str            # the ggml op as the graph was built
+    op: str            # the ggml op as the graph was built ("[heads]": a product per attention head)
     kernel: str        # "ggml", the native/cpu_kernels.c kernel's name (th_kernel_name), or "fused away"
     nodes: int
     ms: float
 
 
+@dataclass
+class NodeTime:
+    index: int         # the node's place in the training graph
+    op: str
+    shape: tuple[int, ...]   # the node's ne (ggml order, trailing 1s dropped)
+    ms: float
+
+
+@dataclass
+class Profile:
+    total_ms: float    # the sum of the node medians
+    ops: list[OpTime]  # largest first
+    slowest: list[NodeTime]
+    floor_us: float | None   # median time of a node that computes nothing (a view): the per-node
+                             # cost of launching and waiting, already inside each node's time
+    step_ms: float     # a whole step's median (3 steps before the nodes are timed)
+    phases: dict[str, float]   # ms per phase: forward, backward, adamw
+
+
+# Ops that no backend computes (views of another node's memory): their time is the floor.
+_NO_COMPUTE = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"}
+
+
+def _shape(node) -> tuple[int, ...]:
+    from ._ffi import ffi, lib
+
+    ne, nb = ffi.new("int64_t[4]"), ffi.new("size_t[4]")
+    lib.th_tensor_shape(node, ne, nb)
+    dims = list(ne)
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(int(d) for d in dims)
+
+
+def _op_label(node, op: str) -> str:
+    """The op, with "[heads]" on a product batched over heads (attention's scores and its product
+    with V, and their gradients) to set it apart from a weight's product or gradient."""
+    from ._ffi import lib
+
+    if op == "MUL_MAT":
+        weight_side = lib.th_tensor_src(node, 0)
+    elif op == "OUT_PROD":
+        weight_side = node
+    else:
+        return op
+    return op + "[heads]" if len(_shape(weight_side)) > 2 else op
+
+
 def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: list[str] | None = None,
-                   repeats: int = 5) -> tuple[float, list[OpTime], dict[str, float]]:
+                   repeats: int = 5, n_slowest: int = 10) -> Profile:
     """Time one training step node by node (`toyharness bench --profile`): the step's graph
-    computed one node at a time, `repeats` times, after 3 whole warm-up steps. Returns the sum
-    of the node medians (ms; above a whole step's time, by one thread hand-off per node), the
-    time per op, largest first, and per phase: the forward graph's nodes, AdamW's, and the rest
-    (the backward)."""
+    computed one node at a time, `repeats` times, after 6 whole steps (the last 3 timed), each node waited
+    for before the next starts. The sum of the node medians is above a whole step's time by one
+    hand-off per node (cpu: the threads'; cuda: a launch and a wait, with no CUDA graph:
+    profiling turns them off, as a graph per one-node view would only add its capture). The
+    profile splits the time per op, and per phase: the forward graph's nodes, AdamW's, and the
+    rest (the backward)."""
+    if backend == "cuda":
+        os.environ["GGML_CUDA_DISABLE_GRAPHS"] = "1"   # read once, at the first cuda compute
     from ._ffi import ffi, lib
     from .errors import InputError
     from .runner import batch_for
@@ -194,8 +273,11 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
     graph = trainer.gb_opt
     n = lib.ggml_graph_n_nodes(graph)
     built = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode() for i in range(n)]
-    for step in range(3):             # the first compute also swaps in our cpu kernels
+    step_ms = []
+    for step in range(6):             # the first compute also swaps in our cpu kernels
+        t0 = time.perf_counter()
         pm.hook.step(model=model, batch=batch_for(data, "train", step, opts), hp=pm.hook.hp(options=opts, step=step))
+        step_ms.append((time.perf_counter() - t0) * 1e3)
     runs = np.empty((repeats, n))
     us = ffi.new("double[]", n)
     for r in range(repeats):
@@ -208,6 +290,8 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
     table: dict[tuple[str, str], OpTime] = {}
     n_forward = lib.ggml_graph_n_nodes(trainer.gf)     # gb_opt begins with the forward graph's nodes
     phases = {"forward": 0.0, "backward": 0.0, "adamw": 0.0}
+    nodes: list[NodeTime] = []
+    idle = []
     for i in range(n):
         phase = "forward" if i < n_forward else "adamw" if built[i] == "OPT_STEP_ADAMW" else "backward"
         phases[phase] += float(per_node[i])
@@ -219,10 +303,17 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
         kernel = ffi.string(name).decode() if name != ffi.NULL else "ggml"
         if now == "NONE" and built[i] != "NONE":      # folded into another node's kernel
             kernel = "fused away"
-        row = table.setdefault((built[i], kernel), OpTime(built[i], kernel, 0, 0.0))
+        if now in _NO_COMPUTE:
+            idle.append(per_node[i])
+        label = _op_label(node, built[i])
+        row = table.setdefault((label, kernel), OpTime(label, kernel, 0, 0.0))
         row.nodes += 1
         row.ms += float(per_node[i])
-    return float(per_node.sum()), sorted(table.values(), key=lambda o: -o.ms), phases
+        nodes.append(NodeTime(i, label, _shape(node), float(per_node[i])))
+    slowest = sorted(nodes, key=lambda t: -t.ms)[:n_slowest]
+    floor = float(np.median(idle)) * 1e3 if idle else None
+    return Profile(float(per_node.sum()), sorted(table.values(), key=lambda o: -o.ms), slowest, floor,
+                   statistics.median(step_ms[3:]), phases)
 
 
 # --- the PyTorch side ----------------------------------------------------------------------------

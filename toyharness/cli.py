@@ -35,6 +35,8 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench import SIZES
+
     p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -81,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
     b.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
+    b.add_argument("--size", default="default", choices=list(SIZES),
+                   help="model size: default (each recipe's bench config), nano (n_layer 6, d_model 384, n_head 6, "
+                        "t_seq 256, t_batch 64: nanoGPT's shakespeare-char) or gpt2-small (n_layer 12, d_model 768, "
+                        "n_head 12, t_seq 1024, t_batch 8); applied before --set; without recipes named, the "
+                        "recipes that have those options")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a bench option")
     b.add_argument("--out", default="bench.json", help="where to write the results (default bench.json)")
     b.add_argument("--profile", action="store_true",
@@ -225,8 +232,11 @@ def cmd_bench(args) -> int:
         raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
     if args.steps < 10:
         raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
+    if args.size != "default" and not args.recipes:
+        known = [n for n in known if bench.fits_size(n, args.size)]
+    sets = {n: bench.size_sets(n, args.size, args.set) for n in args.recipes or known}
     if args.profile:
-        return _bench_profile(args, args.recipes or known)
+        return _bench_profile(args, args.recipes or known, sets)
     if importlib.util.find_spec("torch") is None:
         raise InputError("toyharness bench needs PyTorch for its comparison side: pip install torch")
     from .reference import MODELS  # fails here, not in a worker, if torch is broken
@@ -242,12 +252,13 @@ def cmd_bench(args) -> int:
     results = {}
     hdr = f"{'recipe':<11}{'toyharness':>12}{'PyTorch':>10}{'speedup':>9}{'items/s':>11}{'RSS MB':>8}" \
           f"{'torch RSS':>10}{'GFLOP/s':>9}{'ceiling':>8}{'host':>7}"
-    print(f"{args.backend}, {threads} threads; ms/step medians over {args.steps} steps per side"
+    size = "" if args.size == "default" else f", size {args.size}"
+    print(f"{args.backend}, {threads} threads{size}; ms/step medians over {args.steps} steps per side"
           + (f"; FP32 sgemm ceiling {ceiling:.0f} GFLOP/s" if ceiling else ""))
     print(hdr)
     for name in names:
         r = bench.bench_recipe(name, args.backend, threads, args.steps, args.warmup, torch_device=args.torch_device,
-                               sets=args.set)
+                               sets=sets[name])
         doc = results[name] = r.to_json(ceiling)
         gf = f"{r.gflops:9.1f}" if r.gflops else f"{'-':>9}"
         ceil = f"{doc['ceiling_pct']:7.0f}%" if "ceiling_pct" in doc else f"{'-':>8}"
@@ -261,7 +272,7 @@ def cmd_bench(args) -> int:
             if trips:
                 spans += f"; CPU round trip {trips[0]:.0f} ns before, {trips[1]:.0f} after"
             print(f"  note: the machine's speed moved during {name} ({spans}); compare several runs")
-    doc = {"backend": args.backend, "threads": threads, "fingerprint": engine.fingerprint(),
+    doc = {"backend": args.backend, "threads": threads, "size": args.size, "fingerprint": engine.fingerprint(),
            "steps": args.steps, "warmup": args.warmup,
            "fp32_ceiling_gflops": None if ceiling is None else round(ceiling, 1),
            "recipes": results}
@@ -270,15 +281,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _bench_profile(args, names: list[str]) -> int:
+def _bench_profile(args, names: list[str], sets: dict[str, list[str]]) -> int:
     from . import bench
     from .engine.backend import default_threads
 
     threads = args.threads or default_threads()
     for name in names:
-        total, ops, phases = bench.profile_recipe(name, args.backend, threads, args.set)
-        print(f"{name}: {args.backend}, {threads} threads; nodes timed one at a time: {total:.2f} ms per step")
-        print("  " + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
+        prof = bench.profile_recipe(name, args.backend, threads, sets[name])
+        total, ops = prof.total_ms, prof.ops
+        size = "" if args.size == "default" else f", size {args.size}"
+        print(f"{name}: {args.backend}, {threads} threads{size}; nodes timed one at a time: {total:.2f} ms per step "
+              f"(a whole step: {prof.step_ms:.2f} ms)")
+        print("  " + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in prof.phases.items()))
         print(f"  {'op':<26}{'kernel':<14}{'nodes':>6}{'ms':>9}{'share':>8}")
         for o in ops:
             if o.ms >= 0.005 * total:
@@ -287,6 +301,13 @@ def _bench_profile(args, names: list[str]) -> int:
         if rest:
             print(f"  {f'{len(rest)} more ops':<38}{sum(o.nodes for o in rest):6d}{sum(o.ms for o in rest):9.3f}"
                   f"{100 * sum(o.ms for o in rest) / total:7.1f}%")
+        if prof.floor_us is not None:
+            n = sum(o.nodes for o in ops)
+            print(f"  a node that computes nothing (a view) takes {prof.floor_us:.1f} us: {n} nodes, "
+                  f"{n * prof.floor_us / 1e3:.2f} ms of the total is that floor")
+        print("  slowest nodes (graph index, op, shape in ggml order, ms):")
+        for t in prof.slowest:
+            print(f"    #{t.index} {t.op} {'x'.join(map(str, t.shape))} {t.ms:.3f}")
     return 0
 
 

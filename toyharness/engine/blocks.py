@@ -10,6 +10,7 @@ Every block here has a forward and finite-difference test in tests/test_engine_o
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,30 @@ def add_bias(y: Tensor, b: Tensor) -> Tensor:
     return y + ones.matmul_t(b.reshape(n, 1)).named(BIAS_ROWS).reshape(*y.shape)
 
 
+def gain_as_product() -> bool:
+    """Whether norm gains are broadcast as a product (TOYHARNESS_GAIN_PRODUCT=1; off by default:
+    it changes the gains' gradient bits, and so the goldens, on every backend).
+
+    A gain's gradient is a sum over every row. ggml-cuda computes that sum (REPEAT_BACK of the
+    broadcast multiply) with one thread per column, d_model threads in all: 5.4 ms per gain at
+    nanoGPT's size on an H100, half of the step. As x * (ones @ g) the sum is one cuBLAS
+    product (the bias trick of `add_bias`); the forward's bits stay the same (ones @ g is g
+    exactly)."""
+    return os.environ.get("TOYHARNESS_GAIN_PRODUCT", "0") == "1"
+
+
+def scale_columns(x: Tensor, gain: Tensor) -> Tensor:
+    """x (..., n) * gain (n,): a norm's gain."""
+    if not gain_as_product():
+        return x * gain
+    n = gain.shape[-1]
+    if x.shape[-1] != n or gain.ndim != 1:
+        raise ShapeError(f"gain {gain.shape} does not fit input {x.shape}")
+    rows = x.numel() // n
+    ones = x.prog.cached_constant(f"ones.{rows}", lambda: np.ones((rows, 1), np.float32))
+    return x * ones.matmul_t(gain.reshape(n, 1)).reshape(*x.shape)
+
+
 def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last axis = rms_norm(x - mean(x)) * g + b (same eps placement).
 
@@ -66,11 +91,11 @@ def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tens
     sum_rows, broadcast and their backward ops (REPEAT, REPEAT_BACK) took 3x longer."""
     d = x.shape[-1]
     centring = x.prog.cached_constant(f"centring.{d}", lambda: np.eye(d, dtype=np.float32) - np.float32(1.0 / d))
-    return add_bias(x.matmul_t(centring).rms_norm(eps) * gain, bias)
+    return add_bias(scale_columns(x.matmul_t(centring).rms_norm(eps), gain), bias)
 
 
 def rms_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:
-    return x.rms_norm(eps) * gain
+    return scale_columns(x.rms_norm(eps), gain)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
