@@ -199,6 +199,8 @@ def worker(plan: dict) -> None:
             proto.write(json.dumps({"begin": index, "reader": r.name}) + "\n")
             t0 = time.perf_counter()
             o = check_one(r, case, plan["time_limit"])
+            if o.failed:        # kept now: the parent reads the line while this process moves on
+                shutil.copyfile(case, workdir / f"failed-{r.name}-{index}{r.suffix}")
             proto.write(json.dumps({"end": index, "reader": r.name, "kind": o.kind, "message": o.message,
                                     "s": time.perf_counter() - t0}) + "\n")
     proto.write(json.dumps({"done": True}) + "\n")
@@ -241,7 +243,7 @@ def _keep(case: Path, reader: str, out_dir: Path | None) -> str:
     if out_dir is None or not case.exists():
         return str(case)
     data = case.read_bytes()
-    dest = out_dir / reader / (hashlib.sha1(data).hexdigest()[:16] + case.suffix)
+    dest = out_dir / reader / (hashlib.sha1(data).hexdigest()[:16] + Path(case.name).suffix)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_bytes(data)
     return str(dest)
@@ -274,8 +276,8 @@ def _run_tasks(tasks: list[list], seed: int, time_limit: float, keep_failures: P
                 stats[msg["reader"]].seconds += msg["s"]
                 if msg["kind"] in FAILURES:
                     suffix = READERS[msg["reader"]].suffix
-                    stats[msg["reader"]].failures[-1].input = _keep(workdir / f"case{suffix}", msg["reader"],
-                                                                     keep_failures)
+                    stats[msg["reader"]].failures[-1].input = _keep(
+                        workdir / f"failed-{msg['reader']}-{msg['end']}{suffix}", msg["reader"], keep_failures)
                 _advance(pending, msg)
                 current = None
             hung = msg is None
