@@ -1,6 +1,7 @@
 """nox sessions: `nox -s tests-cpu` is the default suite (what CI and the README run)."""
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["tests-cpu"]
 nox.options.reuse_existing_virtualenvs = True
@@ -76,7 +77,7 @@ def fuzz(session):
     session.run("python", "-m", "toyharness.fuzz", "--cases", cases, "--corpus", "tests/fuzz_corpus")
     try:
         session.install("-e", ".[fuzz]")
-    except nox.command.CommandFailed:
+    except CommandFailed:
         session.log("atheris does not install here: the seeded campaign above is the fuzzing")
     else:
         readers = session.run("python", "-c", "from toyharness.fuzz import READERS; print(' '.join(READERS))",
