@@ -110,16 +110,18 @@ def _on_alarm(signum, frame):
     raise CaseTimeout()
 
 
-def check_one(reader, path: Path, time_limit: float) -> Outcome:
-    """Read `path` with `reader` in this process and classify what happened."""
+def check_one(reader, path: Path, time_limit: float | None) -> Outcome:
+    """Read `path` with `reader` in this process and classify what happened (with no timer of
+    ours where `time_limit` is None)."""
     from ..errors import ToyharnessError
 
     size = path.stat().st_size
     cap = ALLOC_BASE + ALLOC_PER_BYTE * size
     tracemalloc.start()
     tracemalloc.reset_peak()
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, time_limit)
+    if time_limit:
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, time_limit)
     kind, message = "ok", ""
     try:
         reader.read(path)
@@ -138,7 +140,8 @@ def check_one(reader, path: Path, time_limit: float) -> Outcome:
     except Exception as exc:   # the contract: nothing but the project's own errors
         kind, message = "exception", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        if time_limit:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     if kind in ("ok", "error") and peak > cap:
