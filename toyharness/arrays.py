@@ -42,8 +42,11 @@ def _npy_header(fh, where: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
         reader = {(1, 0): np.lib.format.read_array_header_1_0}.get(version, np.lib.format.read_array_header_2_0)
         shape, fortran_order, dtype = reader(fh, max_header_size=MAX_HEADER_BYTES)
     except (ValueError, TypeError, SyntaxError, UnicodeError, OverflowError, EOFError, KeyError,
-            RecursionError, tokenize.TokenError) as exc:    # numpy parses the header with Python's tokenizer
-        raise InputError(f"{where}: not a readable .npy header ({_one_line(exc)})") from None
+            RecursionError, tokenize.TokenError, MemoryError) as exc:
+        # numpy parses the header with Python's own parser, which says MemoryError ("too complex")
+        # for deep nesting; the header is at most MAX_HEADER_BYTES, so it is no real allocation.
+        reason = _one_line(exc) or ("too deeply nested" if isinstance(exc, MemoryError) else type(exc).__name__)
+        raise InputError(f"{where}: not a readable .npy header ({reason})") from None
     if dtype.itemsize == 0:
         raise InputError(f"{where}: dtype {dtype} has no size")
     if dtype.hasobject:
