@@ -1,6 +1,7 @@
 """nox sessions: `nox -s tests-cpu` is the default suite (what CI and the README run)."""
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["tests-cpu"]
 nox.options.reuse_existing_virtualenvs = True
@@ -101,13 +102,13 @@ def fuzz(session):
     session.run("python", "-m", "toyharness.fuzz", "--cases", cases, "--corpus", "tests/fuzz_corpus")
     try:
         session.install("-e", ".[fuzz]")
-    except nox.command.CommandFailed:
+    except CommandFailed:
         session.log("atheris does not install here: the seeded campaign above is the fuzzing")
     else:
         readers = session.run("python", "-c", "from toyharness.fuzz import READERS; print(' '.join(READERS))",
                               silent=True).split()
-        for name in readers:
-            session.run("python", "-m", "toyharness.fuzz", "--atheris", name, "--runs", "20000",
-                        "--max-seconds", "120", "--keep", "fuzz-failures")
+        for name in readers:   # at most 20000 inputs or 3 minutes per reader (exit 124: time was up)
+            session.run("timeout", "180", "python", "-m", "toyharness.fuzz", "--atheris", name, "--runs", "20000",
+                        "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
     session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill",
                 env={"TOYHARNESS_KILL_TRIALS": "40"})

@@ -77,13 +77,17 @@ def test_a_crashing_reader_is_caught_and_its_input_kept(tmp_path):
     kept, and the campaign goes on with the next case."""
     extra = tmp_path / "aborting_reader.py"
     extra.write_text(ABORTING_READER)
-    stats = run_campaign(["aborts_on_odd"], cases=8, keep_failures=tmp_path / "kept", reader_files=[extra])
+    stats = run_campaign(["aborts_on_odd"], cases=16, keep_failures=tmp_path / "kept", reader_files=[extra])
     s = stats["aborts_on_odd"]
-    assert s.tried == 8 and s.ok + s.errors + len(s.failures) == 8
-    assert s.failures and s.ok, "the seeded bytes should give both odd and even first bytes"
-    for o in s.failures:
-        assert o.kind == "crash" and "SIGABRT" in o.message
-        assert Path(o.input).read_bytes()[0] % 2 == 1
+    assert s.tried == 16 and s.ok + s.errors + len(s.failures) == 16
+    kinds = {o.kind for o in s.failures}
+    assert kinds == {"crash", "exception"} and s.ok, "the seeded bytes should give every kind of first byte"
+    for o in s.failures:         # the input kept is the one that failed, not a later case's
+        first = Path(o.input).read_bytes()[0]
+        if o.kind == "crash":
+            assert "SIGABRT" in o.message and first % 2 == 1
+        else:
+            assert o.message.startswith("KeyError") and first % 4 == 2
 
 
 ABORTING_READER = """
@@ -92,8 +96,11 @@ from toyharness.fuzz.readers import reader
 
 @reader("aborts_on_odd", ".bin", mutate=lambda data, rng: bytes([int(rng.integers(256))]) + data[1:])
 def _aborts(path):
-    if path.read_bytes()[0] % 2:
+    first = path.read_bytes()[0]
+    if first % 2:
         os.abort()
+    if first % 4 == 2:
+        raise KeyError(first)
 
 _aborts.seeds(lambda workdir: [b"\\x00abc"])
 """

@@ -192,11 +192,26 @@ def _wait_for_training(proc: subprocess.Popen, run: Path, since_ns: int, timeout
         time.sleep(0.002)
 
 
+def _kill_at_nth_write(proc: subprocess.Popen, run: Path, before: set[str], nth: int) -> bool:
+    """SIGKILL the moment the `nth` new temporary file is seen in `run`; False if the run ended first."""
+    seen: set[str] = set()
+    while proc.poll() is None:
+        try:
+            names = os.listdir(run)
+        except FileNotFoundError:
+            continue
+        seen |= {n for n in names if n.startswith(".") and n.endswith(".tmp") and n not in before}
+        if len(seen) >= nth:
+            proc.kill()
+            return True
+    return False
+
+
 def _kill_trial(rng: np.random.Generator, run: Path, setup_s: float, train_s: float, kills: int) -> list[str]:
     """Kill the run `kills` times at random moments (resuming after each), then let it finish.
     Most kills land in the training part (steps, checkpoint and metrics writes, the export):
     the moment is drawn after set-up ends, so a loaded machine does not push them all into the
-    imports; some land during set-up."""
+    imports; some land during set-up, and about a third hunt a write (the n-th temporary file)."""
     import time
 
     landed = []
@@ -210,18 +225,25 @@ def _kill_trial(rng: np.random.Generator, run: Path, setup_s: float, train_s: fl
             _, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err
             break
-        if rng.random() < 0.15:
+        mode = rng.random()
+        if mode < 0.15:
             delay = rng.uniform(0, setup_s)
         else:
             _wait_for_training(proc, run, since)
             delay = rng.uniform(0, train_s)
-        try:
-            proc.wait(timeout=float(delay))
-            landed.append("after the run finished")
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            landed.append(_where_killed(run, before))
+        if 0.15 <= mode < 0.5:
+            # Hunt a write: kill as soon as the n-th new temporary file appears (a checkpoint or
+            # metrics write lasts milliseconds; a random moment rarely lands in one).
+            killed = _kill_at_nth_write(proc, run, before, int(rng.integers(1, 7)))
+        else:
+            try:
+                proc.wait(timeout=float(delay))
+                killed = False
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                killed = True
+        proc.wait()
+        landed.append(_where_killed(run, before) if killed else "after the run finished")
         proc.stderr.close()
         if run.exists():
             assert_every_final_file_parses(run)

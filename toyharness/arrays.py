@@ -23,17 +23,30 @@ from .errors import InputError
 MAX_DEFLATE_RATIO = 1100
 
 
+MAX_HEADER_BYTES = 10000    # numpy's own limit, which it applies only after reading that many bytes
+
+
 def _npy_header(fh, where: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
     """(shape, dtype, fortran_order, data bytes) from an open .npy stream positioned at its start."""
+    # numpy reads as many header bytes as the length field says before checking it: check first.
+    head = fh.read(12)
+    if len(head) >= 10 and head[:6] == b"\x93NUMPY":
+        hlen = int.from_bytes(head[8:10] if head[6] == 1 else head[8:12], "little")
+        if hlen > MAX_HEADER_BYTES:
+            raise InputError(f"{where}: a .npy header of {hlen} bytes (at most {MAX_HEADER_BYTES})")
+    fh.seek(0)
     try:
         version = np.lib.format.read_magic(fh)
         if version not in ((1, 0), (2, 0), (3, 0)):
             raise ValueError(f"unknown .npy format version {version}")
         reader = {(1, 0): np.lib.format.read_array_header_1_0}.get(version, np.lib.format.read_array_header_2_0)
-        shape, fortran_order, dtype = reader(fh, max_header_size=10000)
+        shape, fortran_order, dtype = reader(fh, max_header_size=MAX_HEADER_BYTES)
     except (ValueError, TypeError, SyntaxError, UnicodeError, OverflowError, EOFError, KeyError,
-            RecursionError, tokenize.TokenError) as exc:    # numpy parses the header with Python's tokenizer
-        raise InputError(f"{where}: not a readable .npy header ({_one_line(exc)})") from None
+            RecursionError, tokenize.TokenError, MemoryError) as exc:
+        # numpy parses the header with Python's own parser, which says MemoryError ("too complex")
+        # for deep nesting; the header is at most MAX_HEADER_BYTES, so it is no real allocation.
+        reason = _one_line(exc) or ("too deeply nested" if isinstance(exc, MemoryError) else type(exc).__name__)
+        raise InputError(f"{where}: not a readable .npy header ({reason})") from None
     if dtype.itemsize == 0:
         raise InputError(f"{where}: dtype {dtype} has no size")
     if dtype.hasobject:

@@ -1,4 +1,4 @@
-"""toyharness command line. Exit codes: 0 ok, 1 a check failed, 2 usage or input error."""
+"""toyharness command line. Exit codes: 0 ok, 1 a check or a write failed, 2 usage or input error."""
 
 from __future__ import annotations
 

@@ -26,13 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", help="also copy failing inputs here (e.g. tests/fuzz_corpus) and replay it first")
     p.add_argument("--atheris", metavar="READER", help="coverage-guided fuzzing of READER with atheris instead")
     p.add_argument("--runs", type=int, default=100000, help="with --atheris: inputs to try (default 100000)")
-    p.add_argument("--max-seconds", type=int, default=0, help="with --atheris: stop after this long (default: none)")
     args = p.parse_args(argv)
 
     if args.atheris:
         from .coverage_guided import fuzz_with_atheris
 
-        return fuzz_with_atheris(args.atheris, args.runs, args.seed, Path(args.keep), args.max_seconds)
+        return fuzz_with_atheris(args.atheris, args.runs, args.seed, Path(args.keep))
     failed = 0
     if args.corpus and Path(args.corpus).is_dir():
         replayed = replay_corpus(Path(args.corpus), args.time_limit)

@@ -200,8 +200,12 @@ def npy_with_header(header: str, body: bytes, version: int = 1) -> bytes:
 
 
 def _npy_body(npy: bytes) -> bytes:
-    hlen = struct.unpack_from("<H", npy, 8)[0] if npy[6:7] == b"\x01" else struct.unpack_from("<I", npy, 8)[0]
-    return npy[(10 if npy[6:7] == b"\x01" else 12) + hlen:]
+    """The bytes after a .npy header (empty when the header itself is cut)."""
+    v1 = npy[6:7] == b"\x01"
+    if len(npy) < (10 if v1 else 12):
+        return b""
+    hlen = struct.unpack_from("<H", npy, 8)[0] if v1 else struct.unpack_from("<I", npy, 8)[0]
+    return npy[(10 if v1 else 12) + hlen:]
 
 
 HOSTILE_DTYPES = ["<U4", "<c8", "?", "<f2", "<f8", ">i4", "<i8", "<u8", "|V4", "|S3", [("a", "<i4")]]
