@@ -148,6 +148,7 @@ class GGUFTokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> GGUFTokenizer:
         meta = read_metadata(path, prefix="tokenizer.")
+        _check_types(path, meta)
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             raise InputError(f"{path}: no tokenizer (no 'tokenizer.ggml.model' key)")
@@ -259,6 +260,30 @@ def spm_merges(tokens: list[str], scores: list[float] | None) -> list[tuple[str,
                 found.append((-scores[i], vocab[a], vocab[b], a, b))
     found.sort()
     return [(a, b) for _, _, _, a, b in found]
+
+
+# What each tokenizer key must hold: a damaged or foreign file is one error naming the key.
+_KEY_KINDS = {"tokenizer.ggml.model": "str", "tokenizer.ggml.pre": "str", "tokenizer.chat_template": "str",
+              "tokenizer.ggml.tokens": "list[str]", "tokenizer.ggml.merges": "list[str]",
+              "tokenizer.ggml.token_type": "list[int]", "tokenizer.ggml.scores": "list[number]",
+              "tokenizer.ggml.bos_token_id": "int", "tokenizer.ggml.eos_token_id": "int",
+              "tokenizer.ggml.add_bos_token": "bool", "tokenizer.ggml.add_eos_token": "bool",
+              "tokenizer.ggml.add_space_prefix": "bool"}
+
+
+def _check_types(path, meta: dict) -> None:
+    def ok(value, kind: str) -> bool:
+        if kind.startswith("list["):
+            return isinstance(value, list) and all(ok(v, kind[5:-1]) for v in value)
+        if kind == "number":
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind == "int":
+            return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, {"str": str, "bool": (bool, int)}[kind])
+
+    for key, kind in _KEY_KINDS.items():
+        if meta.get(key) is not None and not ok(meta[key], kind):
+            raise InputError(f"{path}: metadata {key!r} should be {kind}, got {type(meta[key]).__name__}")
 
 
 def read_metadata(path: str | Path, prefix: str = "") -> dict:

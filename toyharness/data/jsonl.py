@@ -47,6 +47,8 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{n}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise InputError(f"{path}:{n}: JSON nested too deeply") from None
         if not isinstance(obj, dict):
             raise InputError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
         rows.append((n, obj))

@@ -68,7 +68,8 @@ def reader(name: str, suffix: str, mutate: Mutator = mutate_bytes,
 # --- GGUF: any file, a base, a donor, a resume checkpoint, a model to sample from ---------------
 def _gguf_seed_files(workdir: Path) -> list[Path]:
     """A metadata-rich GGUF with tensors of several kinds, and a tiny llama model stored as
-    f32, f16, bf16, q8_0 and q4_0 (a type the engine refuses: its error path is fuzzed too)."""
+    f32, f16, bf16, q8_0, q4_0, q4_1, q5_1 and (256 wide) q4_k and q2_k (a type the engine
+    refuses: its error path is fuzzed too)."""
     from ..engine.gguf_io import copy_gguf_as, write_gguf
     from ..lm import seeded_model_file
 
@@ -80,8 +81,12 @@ def _gguf_seed_files(workdir: Path) -> list[Path]:
          "x.words": ["a", "bc", "déf"], "x.nums": [1, 2, 3], "x.floats": [0.5, 1.5]})
     base = seeded_model_file("llama", list(TINY_LLAMA))
     files = [rich, base]
-    for dtype in ("f16", "bf16", "q8_0", "q4_0"):
+    for dtype in ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_1"):
         files.append(copy_gguf_as(base, workdir / f"base-{dtype}.gguf", dtype))
+    # K-quants' blocks are 256 values wide; q2_k is a type the engine refuses (its error path)
+    wide = seeded_model_file("llama", [*TINY_LLAMA, "d_model=256", "d_ff=256"])
+    for dtype in ("q4_k", "q2_k"):
+        files.append(copy_gguf_as(wide, workdir / f"base-{dtype}.gguf", dtype))
     return files
 
 
@@ -308,3 +313,78 @@ def _(workdir: Path) -> list[bytes]:
     lines = [{"step": i, "loss": 5.5 - i * 0.1, "loss_hex": "0x40b00000", "lr": 1e-3, "ms": 1.5,
               "tokens_per_s": 100.0} for i in range(6)]
     return ["".join(json.dumps(m) + "\n" for m in lines).encode()]
+
+
+# --- a GGUF's tokenizer, and JSONL examples read through one ---------------------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer_seed_files(workdir: Path) -> list[Path]:
+    """Two small vocabularies as GGUF metadata: byte-level BPE (model gpt2, with merges, special
+    tokens and a chat template) and SentencePiece-style BPE (model llama, byte fallback)."""
+    from ..engine.gguf_io import write_gguf
+    from ..tokenizer import byte_unicode_table
+
+    pieces = ["Ġt", "he", "Ġthe", "Ġa", "in", "er", "Ġw", "or", "ld", "Ġwor", "Ġworld", "12"]
+    merges = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "Ġ w", "o r", "l d", "Ġw or", "Ġwor ld", "1 2"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe_tokens = byte_unicode_table() + pieces + specials
+    bpe = workdir / "bpe.gguf"
+    write_gguf(bpe, "llama", {}, {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": bpe_tokens,
+        "tokenizer.ggml.token_type": [1] * (256 + len(pieces)) + [3] * len(specials),
+        "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 256 + len(pieces) + 1,
+        "tokenizer.ggml.eos_token_id": 256 + len(pieces) + 2, "tokenizer.chat_template": CHAT_TEMPLATE})
+    spm_pieces = ["\u2581", "t", "h", "e", "\u2581t", "he", "\u2581the", "w", "o", "r", "l", "d", "\u2581w", "or"]
+    spm_tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + spm_pieces
+    spm = workdir / "spm.gguf"
+    write_gguf(spm, "llama", {}, {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": spm_tokens,
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(spm_pieces),
+        "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(len(spm_pieces))],
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_bos_token": True})
+    return [bpe, spm]
+
+
+@reader("tokenizer", ".gguf", mutate_for_seed=gguf_mutator)
+def _tokenizer(path: Path) -> None:
+    """A base's, donor's or `tokenizer=` GGUF's tokenizer: built, then encoding and decoding text
+    with special tokens, unicode and digits."""
+    from ..tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    ids = tok.encode("<|im_start|>the world 12 café\n\n  wor<s>ld", add_special=True)
+    tok.decode(ids)
+
+
+@_tokenizer.seeds
+def _(workdir: Path) -> list[bytes]:
+    return [p.read_bytes() for p in _tokenizer_seed_files(workdir)]
+
+
+@functools.lru_cache(maxsize=1)
+def _chat_tokenizer():
+    import tempfile
+
+    from ..tokenizer import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_tokenizer(_tokenizer_seed_files(Path(tmp))[0])
+
+
+@reader("jsonl_data", ".jsonl", mutate=mutate_jsonl)
+def _jsonl_data(path: Path) -> None:
+    """`data=FILE.jsonl`: text, prompt/completion and chat examples through a tokenizer with a
+    chat template, padded or cut to t_seq, with their loss masks."""
+    from ..data import load_jsonl
+
+    load_jsonl(path, _chat_tokenizer(), t_seq=16, mask_prompt=True)
+
+
+@_jsonl_data.seeds
+def _(workdir: Path) -> list[bytes]:
+    lines = [{"text": "the world"}, {"prompt": "12 ", "completion": "twelve"},
+             {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "the world"}]}]
+    return [json.dumps(x).encode() + b"\n" for x in lines] + ["".join(json.dumps(x) + "\n" for x in lines).encode()]
