@@ -6,7 +6,9 @@ pairs, and the acceptance check of issue 18 (held-out exact match of greedy `sam
     python scripts/number_words.py score RUN_DIR DATA.jsonl [--base]
 
 The run's held-out split is the file's last 10% of examples (toyharness.data.jsonl), so `score`
-asks those prompts; `--base` scores the run's base alone (its adapters at their zero init).
+asks those prompts; `--base` scores the run's base alone (its adapters at their zero init) and
+also gives the base's held-out masked loss (the run's own eval_loss, computed the same way, is
+the trained one).
 """
 
 from __future__ import annotations
@@ -51,17 +53,29 @@ def score(run_dir: Path, data: Path, base: bool, batch: int = 8) -> float:
     tok = obj.tokenizer(opts)
     rows = [obj_ for _, obj_ in read_jsonl(data)]
     held = rows[len(rows) - max(1, round(len(rows) * 0.1)):]
+    if base:
+        from toyharness.engine import get_engine
+        from toyharness.hookspecs import plugin_manager
+        from toyharness.lm import LanguageModel
+        from toyharness.runner import evaluate, load_data
+
+        pm = plugin_manager(obj)
+        data = load_data(pm, opts)
+        lm = LanguageModel(obj, get_engine("cpu"), opts, tok.vocab_size, obj.init_params(opts, tok.vocab_size),
+                           masked=True)
+        print(f"base held-out masked loss: {evaluate(pm, lm, data, opts)['loss']:.4f}", flush=True)
+        del lm
     model = obj.load_for_sampling(None if base else run_dir / "checkpoint.gguf", opts, tok.vocab_size, batch=batch)
     hits = 0
     for i in range(0, len(held), batch):
         chunk = held[i:i + batch]
         prompts = [tok.encode(chat_prompt(tok, r["prompt"])) for r in chunk]
-        outs = generate(model, prompts, 16, 0.0, 0, 0, tok.end_ids)
+        outs = generate(model, prompts, 12, 0.0, 0, 0, tok.end_ids)
         for r, out in zip(chunk, outs):
             reply = tok.decode(out).strip()
             hits += reply == r["completion"]
             verdict = "ok" if reply == r["completion"] else "want " + r["completion"]
-            print(f"{r['prompt']!r:>12} -> {reply!r} ({verdict})")
+            print(f"{r['prompt']!r:>12} -> {reply!r} ({verdict})", flush=True)
     print(f"exact match: {hits}/{len(held)} = {hits / len(held):.1%}")
     return hits / len(held)
 
