@@ -6,9 +6,8 @@ pairs, and the acceptance check of issue 18 (held-out exact match of greedy `sam
     python scripts/number_words.py score RUN_DIR DATA.jsonl [--base]
 
 The run's held-out split is the file's last 10% of examples (toyharness.data.jsonl), so `score`
-asks those prompts; `--base` scores the run's base alone (its adapters at their zero init) and
-also gives the base's held-out masked loss (the run's own eval_loss, computed the same way, is
-the trained one).
+asks those prompts, after the held-out masked loss (as the run's eval_loss computes it) of the
+checkpoint; `--base` scores the run's base alone (its adapters at their zero init).
 """
 
 from __future__ import annotations
@@ -53,18 +52,20 @@ def score(run_dir: Path, data: Path, base: bool, batch: int = 8) -> float:
     tok = obj.tokenizer(opts)
     rows = [obj_ for _, obj_ in read_jsonl(data)]
     held = rows[len(rows) - max(1, round(len(rows) * 0.1)):]
-    if base:
-        from toyharness.engine import get_engine
-        from toyharness.hookspecs import plugin_manager
-        from toyharness.lm import LanguageModel
-        from toyharness.runner import evaluate, load_data
+    from toyharness.engine import GGUFFile, get_engine
+    from toyharness.hookspecs import plugin_manager
+    from toyharness.lm import LanguageModel
+    from toyharness.runner import evaluate, load_data
 
-        pm = plugin_manager(obj)
-        data = load_data(pm, opts)
-        lm = LanguageModel(obj, get_engine("cpu"), opts, tok.vocab_size, obj.init_params(opts, tok.vocab_size),
-                           masked=True)
-        print(f"base held-out masked loss: {evaluate(pm, lm, data, opts)['loss']:.4f}", flush=True)
-        del lm
+    params = obj.init_params(opts, tok.vocab_size)     # lora: the adapters, B at zero (the base alone)
+    if not base:
+        with GGUFFile(run_dir / "checkpoint.gguf") as f:
+            params = {n: f.tensor(n, expect_shape=v.shape).to_numpy() for n, v in params.items()}
+    pm = plugin_manager(obj)
+    lm = LanguageModel(obj, get_engine("cpu"), opts, tok.vocab_size, params, masked=True)
+    loss = evaluate(pm, lm, load_data(pm, opts), opts)["loss"]
+    print(f"{'base' if base else 'checkpoint'} held-out masked loss: {loss:.4f}", flush=True)
+    del lm
     model = obj.load_for_sampling(None if base else run_dir / "checkpoint.gguf", opts, tok.vocab_size, batch=batch)
     hits = 0
     for i in range(0, len(held), batch):
