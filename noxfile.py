@@ -62,7 +62,8 @@ def realmodel(session):
 
 @nox.session
 def llamacpp(session):
-    """llama.cpp from the pinned archive loads our exports (and adapters) and gives our logits."""
+    """llama.cpp from the pinned archive loads our exports (and adapters) and gives our logits; its
+    tokenizer gives the ids tests/data/tokenizer_agreement.json holds (and ours)."""
     session.install("-e", ".[test]")
     tool = session.run("python", "native/build.py", "--llamacpp-tool", silent=True).strip().splitlines()[-1]
     session.env["TOYHARNESS_LLAMACPP_TOOL"] = tool

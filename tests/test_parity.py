@@ -59,6 +59,32 @@ def test_lora_first_losses_match_pytorch(llama_base, tmp_path, extra):
     assert ours[-1] != ours[0]
 
 
+def test_lora_prompt_completion_masked_losses_match_pytorch(tmp_path):
+    """LoRA on JSONL prompt/completion pairs over a base with SmolLM2's tokenizer: the loss counts
+    only the answers (batches.npz `mask`); PyTorch replays it with the same mask."""
+    import tokenizer_cases as cases
+
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"n2w {i}", "completion": f"{i} is {i}"}) + "\n"
+                            for i in range(40)))
+    tiny = ["n_layer=2", "d_model=32", "n_head=2", "n_kv_head=1", "d_ff=64", "t_seq=48", "t_batch=4",
+            "eval_every=100", "checkpoint_every=100"]
+    train("llama", steps=1, sets=[*tiny, f"tokenizer={cases.SMOLLM2_VOCAB}", f"data={data}"], out=str(tmp_path / "b"),
+          progress=False)
+    out = tmp_path / "lora"
+    train("lora", steps=STEPS, sets=["t_seq=48", "t_batch=4", "warmup=2", "lr=1e-2", "eval_every=100",
+                                     "checkpoint_every=100", f"base={tmp_path / 'b' / 'model.gguf'}", f"data={data}",
+                                     "targets=q,v,down"], out=str(out), save_init=True, save_batches=True,
+          progress=False)
+    ours = [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    theirs = reference.replay_losses(out, STEPS)
+    diff = relative_difference(ours, theirs)
+    print(f"lora prompt/completion, masked: ours {ours}\n  PyTorch {theirs}\n  largest relative difference {diff:.3g}")
+    assert 0 < np.load(out / "batches.npz")["mask"].mean() < 0.5
+    assert diff < 2e-4, (ours, theirs)
+    assert ours[-1] < ours[0]
+
+
 def test_warm_start_first_losses_match_pytorch(llama_base, tmp_path):
     out = tmp_path / "ws"
     train("warm_start", steps=STEPS, sets=SMALL + ["n_kv_head=2", f"donor={llama_base}", "lens=pca"],

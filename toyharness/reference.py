@@ -128,6 +128,11 @@ MODELS: dict[str, Callable] = {"gpt2": gpt2, "llama": llama, "vit_tiny": vit_tin
 
 
 def lm_loss(logits, batch):
+    if "mask" in batch:     # JSONL examples: the mean over the positions the mask counts
+        per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1).long(),
+                              reduction="none")
+        mask = batch["mask"].reshape(-1).to(per.dtype)
+        return (per * mask).sum() / mask.sum()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1).long())
 
 

@@ -130,6 +130,8 @@ class WarmStart(Llama):
         is then the donor's (bytes for donors the harness made)."""
         if o.donor and o.tokenizer and o.tokenizer != o.donor:
             raise InputError("warm_start reads its data with the donor's tokenizer: leave option 'tokenizer' unset")
+        if o.donor:
+            donor_embed_width(o.donor)       # a missing or bad donor is named as a donor first
         return o.donor or o.tokenizer
 
     @hookimpl

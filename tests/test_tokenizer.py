@@ -1,0 +1,90 @@
+"""The GGUF tokenizer against llama.cpp's ids (tests/data/tokenizer_agreement.json, derived with
+native/llamacpp/th_tokenize; the `llamacpp` session derives them again), decoding, and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import tokenizer_cases as cases
+
+from toyharness.data.chat import render_chat
+from toyharness.errors import InputError
+from toyharness.tokenizer import ByteTokenizer, GGUFTokenizer, load_tokenizer
+
+AGREEMENT = json.loads(cases.AGREEMENT.read_text()) if cases.AGREEMENT.is_file() else None
+needs_file = pytest.mark.skipif(AGREEMENT is None, reason="tests/data/tokenizer_agreement.json not derived yet "
+                                                          "(python tests/tokenizer_cases.py TOOL --write)")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return GGUFTokenizer.from_gguf(cases.SMOLLM2_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    return GGUFTokenizer.from_gguf(cases.write_spm_vocab(tmp_path_factory.mktemp("spm") / "spm.gguf"))
+
+
+@needs_file
+@pytest.mark.parametrize("vocab", ["smollm2", "spm"])
+def test_ids_equal_llama_cpp(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    assert AGREEMENT["texts"] == cases.TEXTS, "texts changed: derive the file again"
+    wrong = [(t, tok.encode(t, add_special=True), want)
+             for t, want in zip(AGREEMENT["texts"], AGREEMENT["ids"][vocab])
+             if tok.encode(t, add_special=True) != want]
+    assert not wrong, f"{len(wrong)} of {len(cases.TEXTS)} texts differ; first: {wrong[0]}"
+
+
+def test_smollm2_decodes_what_it_encodes(smollm2):
+    for text in cases.TEXTS:
+        assert smollm2.decode(smollm2.encode(text), keep_special=True) == text
+
+
+def test_spm_byte_fallback_and_space_prefix(spm):
+    ids = spm.encode("hello w\u00fc", add_special=True)
+    # the highest-scoring pair merges first ("he" outranks "\u2581h"); u-umlaut is no piece: its
+    # two UTF-8 bytes come out as byte tokens
+    assert [spm.tokens[i] for i in ids] == ["<s>", "\u2581", "he", "l", "lo", "\u2581w", "<0xC3>", "<0xBC>"]
+    assert spm.decode(ids) == " hello w\u00fc"
+
+
+def test_special_ids_and_end_of_turn(smollm2):
+    assert smollm2.encode("<|im_start|>") == [1]
+    assert smollm2.eos_id == 2 and 2 in smollm2.end_ids
+    assert not smollm2.add_bos
+
+
+def test_chat_template_renders_as_transformers_does(smollm2):
+    text = render_chat(smollm2, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_byte_tokenizer_is_utf8():
+    tok = load_tokenizer("")
+    assert isinstance(tok, ByteTokenizer)
+    assert tok.encode("h\u00e9") == [104, 0xC3, 0xA9] and tok.decode([104, 0xC3, 0xA9]) == "h\u00e9"
+
+
+def test_bad_files_are_named(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"nope")
+    with pytest.raises(InputError, match="junk.gguf: not a GGUF"):
+        load_tokenizer(junk)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(cases.SMOLLM2_VOCAB.read_bytes()[:100_000])
+    with pytest.raises(InputError, match="cut.gguf: truncated or corrupt"):
+        load_tokenizer(cut)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(not os.environ.get("TOYHARNESS_LLAMACPP_TOOL"), reason="llama.cpp's tools are not built: "
+                                                                          "run `nox -s llamacpp`")
+def test_committed_ids_are_llama_cpps(tmp_path):
+    tool = Path(os.environ["TOYHARNESS_LLAMACPP_TOOL"]).with_name("th_tokenize")
+    assert AGREEMENT == cases.derive(str(tool), tmp_path)
