@@ -65,7 +65,7 @@ def test_bmm_with_head_broadcast(portable, kv):
 
 BLOCKS = [ops.test_gelu_is_finite_for_large_inputs, ops.test_linear_matmul,
           ops.test_weight_used_only_through_transpose, ops.test_get_rows_embedding, ops.test_rope_adjacent_pairs,
-          ops.test_swiglu, ops.test_layer_norm, ops.test_rms_norm_block, ops.test_attention_gpt2_style_with_biases,
+          ops.test_swiglu, ops.test_attention_gpt2_style_with_biases,
           ops.test_attention_gqa_rope_noncausal_free, ops.test_attention_non_causal, ops.test_swiglu_mlp,
           ops.test_lora_linear_frozen_base, ops.test_projection_lens, ops.test_cross_entropy_report_and_gradient]
 
@@ -73,6 +73,13 @@ BLOCKS = [ops.test_gelu_is_finite_for_large_inputs, ops.test_linear_matmul,
 @pytest.mark.parametrize("block_test", BLOCKS, ids=lambda f: f.__name__[len("test_"):])
 def test_block(portable, block_test):
     block_test()
+
+
+@pytest.mark.parametrize("gain_product", ["0", "1"])   # the norms' gain broadcast as ones @ g, or not
+@pytest.mark.parametrize("block_test", [ops.test_layer_norm, ops.test_rms_norm_block],
+                         ids=lambda f: f.__name__[len("test_"):])
+def test_norm_block(portable, block_test, gain_product, monkeypatch):
+    block_test(gain_product, monkeypatch)
 
 
 def test_an_op_without_a_portable_kernel_is_refused_by_name(portable):
