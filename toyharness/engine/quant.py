@@ -16,6 +16,7 @@ a base in another type (`gguf_io.copy_gguf_as`) and for tests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,8 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     """A tensor's stored bytes as float32 of `shape` (numpy order), by gguf-py's dequantizer."""
     import gguf
 
+    if math.prod(shape) == 0:      # an empty tensor: rows of no bytes cannot be reshaped by width
+        return np.zeros(shape, np.float32)
     if ggml_type == FROZEN["f32"].ggml_type:
         return raw.view(np.float32).reshape(shape).copy()
     if ggml_type == FROZEN["f16"].ggml_type:
