@@ -229,17 +229,13 @@ def test_warm_start_takes_a_donor_of_any_type(bases, dtype):
 def write_random_llama(path, layers: int, dtype: str, d: int = 1024, d_ff: int = 2816, vocab: int = 256):
     """A llama GGUF of random weights (std 0.02) with its matrices in `dtype`."""
     import gguf
+    from toyharness_recipes.lora import llama_tensor_shapes
 
     from toyharness.engine.gguf_io import _write_atomic
 
     rng = np.random.default_rng(layers)
     kv = d // 2
-    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
-    for i in range(layers):
-        b = f"blk.{i}."
-        shapes |= {b + "attn_norm.weight": (d,), b + "attn_q.weight": (d, d), b + "attn_k.weight": (kv, d),
-                   b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, d), b + "ffn_norm.weight": (d,),
-                   b + "ffn_gate.weight": (d_ff, d), b + "ffn_up.weight": (d_ff, d), b + "ffn_down.weight": (d, d_ff)}
+    shapes = llama_tensor_shapes(layers, d, kv, d_ff, vocab)
     qtype = gguf.GGMLQuantizationType[dtype.upper()]
     tensors = [(n, np.ones(s, np.float32), None) if len(s) == 1 else
                (n, quantize(rng.standard_normal(s, dtype=np.float32) * 0.02, dtype), qtype) for n, s in shapes.items()]

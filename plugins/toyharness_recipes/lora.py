@@ -70,6 +70,18 @@ class BaseModel:
         return self.tensors[f"blk.{layer}.{TARGETS[target]}.weight"]
 
 
+def llama_tensor_shapes(n_layer: int, d: int, kv: int, d_ff: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    """The numpy shape of every tensor a llama GGUF holds (llama.cpp's names; untied output and
+    qwen2 biases are the caller's), with `kv` the width of K and V."""
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        shapes |= {b + "attn_norm.weight": (d,), b + "attn_q.weight": (d, d), b + "attn_k.weight": (kv, d),
+                   b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, d), b + "ffn_norm.weight": (d,),
+                   b + "ffn_gate.weight": (d_ff, d), b + "ffn_up.weight": (d_ff, d), b + "ffn_down.weight": (d, d_ff)}
+    return shapes
+
+
 def read_base(path: str) -> BaseModel:
     """Open and check a base GGUF; every problem names the file, the tensor and expected vs got."""
     if not path:
@@ -96,12 +108,9 @@ def read_base(path: str) -> BaseModel:
                            key("rope.freq_base", float, 10000.0), rope_neox=(arch == "qwen2"))
         vocab = f.tensor("token_embd.weight").shape[0]
         kv = n_kv * (d // n_head)
-        want = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
+        want = llama_tensor_shapes(n_layer, d, kv, d_ff, vocab)
         for i in range(n_layer):
             b = f"blk.{i}."
-            want |= {b + "attn_norm.weight": (d,), b + "attn_q.weight": (d, d), b + "attn_k.weight": (kv, d),
-                     b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, d), b + "ffn_norm.weight": (d,),
-                     b + "ffn_gate.weight": (d_ff, d), b + "ffn_up.weight": (d_ff, d), b + "ffn_down.weight": (d, d_ff)}
             if arch == "qwen2":
                 want |= {b + "attn_q.bias": (d,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
         if "output.weight" in f.names:
