@@ -56,6 +56,31 @@ TH_EXPORT void th_zero_tensors(struct ggml_tensor ** ts, int n) {
     for (int i = 0; i < n; i++) ggml_backend_tensor_memset(ts[i], 0, 0, ggml_nbytes(ts[i]));
 }
 
+/* ---- column sums as products (cuda) ---------------------------------------------------------
+ * The gradient of a bias or norm gain broadcast over a matrix a (ne [n, R]) is REPEAT_BACK(a)
+ * into ne [n, 1]: the sum of a's R rows. ggml-cuda sums each column on one thread; OUT_PROD(a,
+ * ones), ones of ne [1, R], is the same sum as one cuBLAS product. The Trainer asks which
+ * nodes qualify (R, else 0), makes the ones, then rewrites them. */
+TH_EXPORT int64_t th_column_sum_rows(const struct ggml_tensor * t) {
+    const struct ggml_tensor * a = t->src[0];
+    if (t->op != GGML_OP_REPEAT_BACK || t->type != GGML_TYPE_F32 || a->type != GGML_TYPE_F32) return 0;
+    if (!ggml_is_contiguous(a) || a->ne[2] != 1 || a->ne[3] != 1) return 0;
+    if (t->ne[0] != a->ne[0] || t->ne[1] != 1 || t->ne[2] != 1 || t->ne[3] != 1) return 0;
+    return a->ne[1];
+}
+
+TH_EXPORT int th_column_sum_as_out_prod(struct ggml_tensor * t, struct ggml_tensor * ones) {
+    const int64_t rows = th_column_sum_rows(t);
+    if (rows == 0 || ones->type != GGML_TYPE_F32 || !ggml_is_contiguous(ones) || ones->ne[0] != 1 ||
+        ones->ne[1] != rows || ones->ne[2] != 1 || ones->ne[3] != 1) {
+        return 0;
+    }
+    t->op = GGML_OP_OUT_PROD;
+    t->src[1] = ones;
+    memset(t->op_params, 0, sizeof(t->op_params));
+    return 1;
+}
+
 /* ---- a step's inputs: checked and written in one call each --------------------------------
  * A tiny model's step takes ~10 ms; numpy's per-call overhead on the feed (shape, dtype, range
  * and finiteness checks, the one-hot update) was ~1% of it. Each returns -1, or the index of

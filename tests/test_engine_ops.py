@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from toyharness.engine import blocks, get_engine
+from toyharness.errors import InputError
 
 # TOYHARNESS_TEST_BACKEND=cuda runs the same checks on another backend (scripts/gpu_check.sh).
 BACKEND = os.environ.get("TOYHARNESS_TEST_BACKEND", "cpu")
@@ -215,40 +216,64 @@ def test_swiglu():
 
 
 # --- composed blocks ----------------------------------------------------------------------------
-# gain_product: TOYHARNESS_GAIN_PRODUCT=1, the gain broadcast as ones @ g (blocks.scale_columns)
-@pytest.mark.parametrize("gain_product", ["0", "1"])
-def test_layer_norm(gain_product, monkeypatch):
-    monkeypatch.setenv("TOYHARNESS_GAIN_PRODUCT", gain_product)
+# column_sums: how a bias's or gain's gradient (a sum over rows) is formed: ggml's REPEAT_BACK (cpu's
+# default) or OUT_PROD with a column of ones (cuda's default; TOYHARNESS_COLUMN_SUMS, Program)
+COLUMN_SUMS = ["repeat_back", "product"]
+
+
+@pytest.mark.parametrize("column_sums", COLUMN_SUMS)
+def test_layer_norm(column_sums, monkeypatch):
+    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", column_sums)
     check(lambda p, T: blocks.layer_norm(T["x"], T["g"], T["b"]), lambda A: np_layer_norm(A["x"], A["g"], A["b"]),
           {"x": r(2, 3, 8), "g": r(8), "b": r(8)})
 
 
-@pytest.mark.parametrize("gain_product", ["0", "1"])
-def test_rms_norm_block(gain_product, monkeypatch):
-    monkeypatch.setenv("TOYHARNESS_GAIN_PRODUCT", gain_product)
+@pytest.mark.parametrize("column_sums", COLUMN_SUMS)
+def test_rms_norm_block(column_sums, monkeypatch):
+    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", column_sums)
     check(lambda p, T: blocks.rms_norm(T["x"], T["g"]), lambda A: np_rms_norm(A["x"]) * A["g"],
           {"x": r(2, 3, 8), "g": r(8)})
 
 
-def test_gain_product_builds_no_repeat_back_and_keeps_the_forward_bits(monkeypatch):
-    """The lever's point: no REPEAT_BACK in the backward (ggml-cuda's is one thread per column),
-    and the forward bit for bit as the broadcast multiply gives it (ones @ g is g exactly)."""
+def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(monkeypatch):
+    """The point of the product form: no REPEAT_BACK left in the backward (ggml-cuda's is one
+    thread per column) and the forward bit for bit as before."""
     from toyharness._ffi import ffi, lib
 
-    x, g = r(4, 5, 16).astype(np.float32), r(16).astype(np.float32)
+    x, g, b = r(4, 5, 16).astype(np.float32), r(16).astype(np.float32), r(16).astype(np.float32)
     outs, ops = {}, {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("TOYHARNESS_GAIN_PRODUCT", flag)
+    for mode in COLUMN_SUMS:
+        monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", mode)
         prog = get_engine(BACKEND).program()
-        X, G = prog.param("x", x), prog.param("g", g)
-        out = blocks.rms_norm(X, G)
+        X, G, B = prog.param("x", x), prog.param("g", g), prog.param("b", b)
+        out = blocks.layer_norm(X, G, B)
         trainer = prog.trainer(prog.scalar_loss(out.sum()), "bias_corrected")
         graph = trainer.gb_opt
-        ops[flag] = {ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
-                     for i in range(lib.ggml_graph_n_nodes(graph))}
-        outs[flag] = prog.forward({"out": out}).run({})["out"]
-    assert "REPEAT_BACK" in ops["0"] and "REPEAT_BACK" not in ops["1"]
-    assert np.array_equal(outs["0"], outs["1"])
+        ops[mode] = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
+                     for i in range(lib.ggml_graph_n_nodes(graph))]
+        outs[mode] = prog.forward({"out": out}).run({})["out"]
+    if BACKEND == "cpu":   # cpu's bias is ones @ b, whose gradient is already a product
+        assert ops["repeat_back"].count("REPEAT_BACK") == 1
+    assert "REPEAT_BACK" not in ops["product"]
+    assert np.array_equal(outs["repeat_back"], outs["product"])
+
+
+def test_a_bad_column_sums_choice_is_named(monkeypatch):
+    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", "fast")
+    with pytest.raises(InputError, match="TOYHARNESS_COLUMN_SUMS='fast': use product or repeat_back"):
+        get_engine(BACKEND).program()
+
+
+@pytest.mark.parametrize("column_sums", COLUMN_SUMS)
+def test_attention_gpt2_style_with_biases_and_layer_norm(column_sums, monkeypatch):
+    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", column_sums)
+    D = 8
+    inputs = {"x": r(2, 4, D), "g": r(D), "b": r(D), "wq": r(D, D, scale=0.5), "wk": r(D, D, scale=0.5),
+              "wv": r(D, D, scale=0.5), "wo": r(D, D, scale=0.5), "bq": r(D), "bk": r(D), "bv": r(D), "bo": r(D)}
+    check(lambda p, T: blocks.attention(blocks.layer_norm(T["x"], T["g"], T["b"]), T["wq"], T["wk"], T["wv"],
+                                        T["wo"], 2, bq=T["bq"], bk=T["bk"], bv=T["bv"], bo=T["bo"]),
+          lambda A: np_attention(np_layer_norm(A["x"], A["g"], A["b"]), A["wq"], A["wk"], A["wv"], A["wo"], 2, 2,
+                                 True, A["bq"], A["bk"], A["bv"], A["bo"]), inputs)
 
 
 def test_attention_gpt2_style_with_biases():

@@ -75,11 +75,11 @@ def test_block(portable, block_test):
     block_test()
 
 
-@pytest.mark.parametrize("gain_product", ["0", "1"])   # the norms' gain broadcast as ones @ g, or not
+@pytest.mark.parametrize("column_sums", ops.COLUMN_SUMS)   # a gain's gradient by REPEAT_BACK or a product
 @pytest.mark.parametrize("block_test", [ops.test_layer_norm, ops.test_rms_norm_block],
                          ids=lambda f: f.__name__[len("test_"):])
-def test_norm_block(portable, block_test, gain_product, monkeypatch):
-    block_test(gain_product, monkeypatch)
+def test_norm_block(portable, block_test, column_sums, monkeypatch):
+    block_test(column_sums, monkeypatch)
 
 
 def test_an_op_without_a_portable_kernel_is_refused_by_name(portable):

@@ -172,6 +172,8 @@ int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
+int64_t th_column_sum_rows(const ggml_tensor * t);
+int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
 double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds);
 const char * ggml_op_desc(const ggml_tensor * t);
 """

@@ -10,7 +10,6 @@ Every block here has a forward and finite-difference test in tests/test_engine_o
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,39 +48,30 @@ def linear(x: Tensor, w: Tensor | LoRAWeight, b: Tensor | None = None) -> Tensor
 
 
 def add_bias(y: Tensor, b: Tensor) -> Tensor:
-    """y (..., n) + b (n,), as y + ones (rows, 1) @ b (1, n): the bias gradient is then one
-    matrix product (sgemm) instead of ggml's slow broadcast-sum (REPEAT_BACK)."""
+    """y (..., n) + b (n,). On cpu as y + ones (rows, 1) @ b (1, n): the bias gradient is then one
+    matrix product (sgemm) instead of ggml's slow broadcast-sum (REPEAT_BACK). On cuda a plain
+    broadcast over y as a matrix, whose REPEAT_BACK the Trainer turns into the same product
+    (Program.column_sums_as_products)."""
     n = b.shape[-1]
     if y.shape[-1] != n or b.ndim != 1:
         raise ShapeError(f"bias {b.shape} does not fit output {y.shape}")
+    if y.prog.column_sums_as_products:
+        return (y.reshape(-1, n) + b).reshape(*y.shape)
     rows = y.numel() // n
     ones = y.prog.cached_constant(f"ones.{rows}", lambda: np.ones((rows, 1), np.float32))
     # named for the cpu rewrite, which adds b to y's rows instead (th_add_rows_op)
     return y + ones.matmul_t(b.reshape(n, 1)).named(BIAS_ROWS).reshape(*y.shape)
 
 
-def gain_as_product() -> bool:
-    """Whether norm gains are broadcast as a product (TOYHARNESS_GAIN_PRODUCT=1; off by default:
-    it changes the gains' gradient bits, and so the goldens, on every backend).
-
-    A gain's gradient is a sum over every row. ggml-cuda computes that sum (REPEAT_BACK of the
-    broadcast multiply) with one thread per column, d_model threads in all: 5.4 ms per gain at
-    nanoGPT's size on an H100, half of the step. As x * (ones @ g) the sum is one cuBLAS
-    product (the bias trick of `add_bias`); the forward's bits stay the same (ones @ g is g
-    exactly)."""
-    return os.environ.get("TOYHARNESS_GAIN_PRODUCT", "0") == "1"
-
-
 def scale_columns(x: Tensor, gain: Tensor) -> Tensor:
-    """x (..., n) * gain (n,): a norm's gain."""
-    if not gain_as_product():
-        return x * gain
+    """x (..., n) * gain (n,): a norm's gain. On cuda over x as a matrix (rows, n), so that the
+    gain's gradient is a column sum the Trainer computes as a product (see add_bias)."""
     n = gain.shape[-1]
     if x.shape[-1] != n or gain.ndim != 1:
         raise ShapeError(f"gain {gain.shape} does not fit input {x.shape}")
-    rows = x.numel() // n
-    ones = x.prog.cached_constant(f"ones.{rows}", lambda: np.ones((rows, 1), np.float32))
-    return x * ones.matmul_t(gain.reshape(n, 1)).reshape(*x.shape)
+    if x.prog.column_sums_as_products:
+        return (x.reshape(-1, n) * gain).reshape(*x.shape)
+    return x * gain
 
 
 def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -159,10 +149,16 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     if rope_positions is not None:
         q = _rope_heads_first(q, rope_positions, rope_base, rope_neox)
         k = _rope_heads_first(k, rope_positions, rope_base, rope_neox)
-    vt = v.permute(0, 2, 3, 1).cont()         # (B, Hkv, hd, T)
-    scores = q.bmm_t(k)                       # (B, H, Tq, Tk)
+    rep = n_head // n_kv_head
+    k = k.repeat_heads(rep)                   # (B, H, T, hd)
+    vt = v.permute(0, 2, 3, 1).cont().repeat_heads(rep)   # (B, H, hd, T)
+    # Batch and heads as one axis (B*H): each batched product and its gradients is then one
+    # strided cuBLAS call (ggml-cuda loops over a 4th axis, one call per batch element). On cpu
+    # every head's product is the same sgemm call either way: the bits do not change.
+    heads = bsz * n_head
+    scores = q.reshape(heads, seq, hd).bmm_t(k.reshape(heads, seq, hd))      # (B*H, Tq, Tk)
     probs = scores.softmax(scale=1.0 / math.sqrt(hd), causal=causal)
-    out = probs.bmm_t(vt)                     # (B, H, Tq, hd)
+    out = probs.bmm_t(vt.reshape(heads, hd, seq)).reshape(bsz, n_head, seq, hd)
     out = out.permute(0, 2, 1, 3).cont().reshape(bsz, seq, d_model)
     return linear(out, wo, bo)
 
