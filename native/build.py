@@ -238,8 +238,48 @@ def build(backends: list[str] | None = None) -> Path:
     key_text = "\n".join([str(src), *opts, platform.machine(), platform.system()])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     bdir = cache_root() / "build" / f"{'-'.join(backends)}-{key}"
+    if "cuda" in backends:
+        src = stage_cuda_source(src, bdir / "ggml-source")
     cmake_build(NATIVE_DIR, bdir, [f"-DTOYHARNESS_GGML_SRC={src}", *opts], f"ggml ({', '.join(backends)})")
     return bdir
+
+
+# ggml-cuda has no custom ops. A cuda build compiles a copy of the ggml source in which
+# ggml-cuda.cu hands GGML_OP_CUSTOM nodes that native/cuda_rewrite.c marked to our kernels
+# (native/cuda/, copied into ggml-cuda's folder, whose CMakeLists compiles every *.cu there).
+# Each edit inserts our lines before an anchor that must occur exactly once.
+CUDA_DISPATCH_EDITS = (
+    ('#include "ggml-cuda/common.cuh"\n', '#include "ggml-cuda/th-custom.cuh"\n', "after"),
+    ("        case GGML_OP_LIGHTNING_INDEXER:\n            ggml_cuda_lightning_indexer(ctx, dst);\n",
+     "        case GGML_OP_CUSTOM:  // toyharness (native/cuda/th-custom.cu)\n"
+     "            if (!th_cuda_custom(ctx.stream(), dst)) {\n                return false;\n            }\n"
+     "            break;\n", "before"),
+    ("        case GGML_OP_LIGHTNING_INDEXER:\n            return ggml_cuda_lightning_indexer_supported(",
+     "        case GGML_OP_CUSTOM:  // toyharness (native/cuda/th-custom.cu)\n"
+     "            return th_cuda_custom_supported(op);\n", "before"),
+)
+
+
+def cuda_dispatch_source(text: str) -> str:
+    """ggml-cuda.cu's text with our dispatch edits (BuildError when an anchor is not found once:
+    another ggml version)."""
+    for anchor, lines, where in CUDA_DISPATCH_EDITS:
+        if text.count(anchor) != 1:
+            raise BuildError(f"ggml-cuda.cu: {anchor.splitlines()[-1].strip()!r} found {text.count(anchor)} times, "
+                             "expected once: cannot add toyharness's cuda kernels to this ggml")
+        text = text.replace(anchor, anchor + lines if where == "after" else lines + anchor)
+    return text
+
+
+def stage_cuda_source(src: Path, staged: Path) -> Path:
+    """A copy of the ggml source at `staged` with our cuda kernels in ggml-cuda (incremental:
+    only changed files are rewritten)."""
+    cuda_dir = Path("src") / "ggml-cuda"
+    replace = {cuda_dir / "ggml-cuda.cu": cuda_dispatch_source((src / cuda_dir / "ggml-cuda.cu").read_text()).encode()}
+    for path in [*(NATIVE_DIR / "cuda").glob("*.cu*"), NATIVE_DIR / "custom_ops.h"]:
+        replace[cuda_dir / path.name] = path.read_bytes()
+    sync_tree(src, staged, replace)
+    return staged
 
 
 # A build folder in the cache outlives the install that made it. It must never depend on what a
@@ -325,17 +365,17 @@ def cmake_cache_values(cache_file: Path) -> dict[str, str]:
     return values
 
 
-def sync_tree(source: Path, dest: Path) -> None:
+def sync_tree(source: Path, dest: Path, replace: dict[Path, bytes] | None = None) -> None:
     """Make `dest` a copy of `source`, rewriting only files whose bytes differ (so their mtimes,
-    and with them incremental builds, survive) and removing files `source` no longer has."""
-    wanted = set()
-    for path in source.rglob("*"):
-        if "__pycache__" in path.parts or not path.is_file():
-            continue
-        rel = path.relative_to(source)
-        wanted.add(rel)
+    and with them incremental builds, survive) and removing files `source` no longer has.
+    `replace` gives the bytes of some files (relative paths) instead of source's, or adds them."""
+    replace = replace or {}
+    files = {path.relative_to(source): path for path in source.rglob("*")
+             if "__pycache__" not in path.parts and path.is_file()}
+    wanted = set(files) | set(replace)
+    for rel in wanted:
         target = dest / rel
-        data = path.read_bytes()
+        data = replace[rel] if rel in replace else files[rel].read_bytes()
         if target.is_file() and target.read_bytes() == data:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@
 #include "ggml.h"
 #include "ggml-impl.h" /* struct ggml_map_custom{1,2}_op_params */
 #include "cpu_kernels.h"
+#include "custom_ops.h"
 
 #define TH_EXPORT __attribute__((visibility("default")))
 
@@ -258,8 +259,7 @@ static int th_silu_back_ok(const struct ggml_tensor * t) {
  *   dx = dy (s + x s (1 - s) (k1 + 3 k3 x^2))
  * Both elementwise: dst may share a buffer with x or dy. */
 static const char TH_GELU_NAME[] = "th.gelu_tanh";
-#define TH_GELU_K1 1.5957691216057308f   /* 2 sqrt(2 / pi) */
-#define TH_GELU_K3 0.0713548162726009f   /* 0.044715 * 2 sqrt(2 / pi) */
+/* TH_GELU_K1, TH_GELU_K3: custom_ops.h (the cuda kernels use the same) */
 
 static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
     (void) userdata;
@@ -699,11 +699,12 @@ static void th_set_custom(struct ggml_tensor * t, ggml_custom_op_t fun) {
     t->op = GGML_OP_CUSTOM;
 }
 
-/* The GELU stand-ins (see th_gelu_op): each SILU named TH_GELU_NAME becomes th_gelu_op, and the
- * SILU_BACK that ggml built for it (reading its gradient and its input) th_gelu_back_op. A
- * stand-in left as SILU, or a gradient whose SILU_BACK is not found, would compute silu:
- * returns -1 then, and the caller must not compute the graph. */
-static int th_rewrite_gelu(struct ggml_cgraph * graph) {
+/* The GELU stand-ins (see th_gelu_op): each SILU named TH_GELU_NAME becomes the kernels' forward,
+ * and the SILU_BACK that ggml built for it (reading its gradient and its input) their backward.
+ * A stand-in left as SILU, or a gradient whose SILU_BACK is not found, would compute silu:
+ * returns -1 then, and the caller must not compute the graph. Shared with the cuda rewrite
+ * (cuda_rewrite.c), which sets its own kernels. */
+int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kernels * k) {
     int changed = 0;
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; i++) {
@@ -714,9 +715,9 @@ static int th_rewrite_gelu(struct ggml_cgraph * graph) {
                 !ggml_is_contiguous(x) || !ggml_are_same_shape(t, x)) {
                 return -1;
             }
-            th_set_custom1(t, th_gelu_op, x, NULL);
+            k->set_forward(t);
             changed++;
-        } else if (!th_is_custom(t, (void *) th_gelu_op)) {
+        } else if (!k->is_forward(t)) {
             continue;
         }
         const struct ggml_tensor * grad = ggml_graph_get_grad(graph, t);
@@ -727,16 +728,27 @@ static int th_rewrite_gelu(struct ggml_cgraph * graph) {
             if (b->src[0] != grad || b->src[1] != t->src[0]) continue;
             if (b->op == GGML_OP_SILU_BACK) {
                 if (!ggml_is_contiguous(b) || !ggml_is_contiguous(grad) || !ggml_are_same_shape(b, grad)) return -1;
-                th_set_custom2(b, th_gelu_back_op, NULL, GGML_N_TASKS_MAX);
+                k->set_backward(b);
                 changed++;
                 found = 1;
             } else {
-                found = th_is_custom(b, (void *) th_gelu_back_op);
+                found = k->is_backward(b);
             }
         }
         if (!found) return -1;
     }
     return changed;
+}
+
+static void th_cpu_gelu_forward(struct ggml_tensor * t) { th_set_custom1(t, th_gelu_op, t->src[0], NULL); }
+static void th_cpu_gelu_backward(struct ggml_tensor * b) { th_set_custom2(b, th_gelu_back_op, NULL, GGML_N_TASKS_MAX); }
+static int th_cpu_is_gelu(const struct ggml_tensor * t) { return th_is_custom(t, (void *) th_gelu_op); }
+static int th_cpu_is_gelu_back(const struct ggml_tensor * b) { return th_is_custom(b, (void *) th_gelu_back_op); }
+
+static int th_rewrite_gelu(struct ggml_cgraph * graph) {
+    static const struct th_gelu_kernels cpu = {th_cpu_gelu_forward, th_cpu_gelu_backward, th_cpu_is_gelu,
+                                               th_cpu_is_gelu_back};
+    return th_rewrite_gelu_pairs(graph, &cpu);
 }
 
 /* The bias-row fusions (see th_add_rows_op). For each P named TH_BIAS_ROWS_NAME: its one reader

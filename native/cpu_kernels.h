@@ -75,6 +75,17 @@ extern th_sgemm_fn th_sgemm;
 /* turn node t into a two-source custom op (its op_params cleared first) */
 void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks);
 
+/* GELU's stand-in pairs (blocks.gelu_tanh: a SILU named "th.gelu_tanh" and the SILU_BACK ggml
+ * built for it) handed to a backend's kernels: cpu_kernels.c's, or ggml-cuda's of ours
+ * (cuda_rewrite.c). Returns how many nodes were set, or -1 when a pair cannot be. */
+struct th_gelu_kernels {
+    void (*set_forward)(struct ggml_tensor * t);          /* t: the stand-in SILU, its input t->src[0] */
+    void (*set_backward)(struct ggml_tensor * b);         /* b: its SILU_BACK(gradient, input) */
+    int (*is_forward)(const struct ggml_tensor * t);      /* set already, by an earlier graph */
+    int (*is_backward)(const struct ggml_tensor * b);
+};
+int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kernels * k);
+
 /* frozen_matmul.c: products with a frozen non-f32 weight (f16, bf16, quantized), in f32 */
 int th_rewrite_frozen(struct ggml_cgraph * graph);
 const char * th_frozen_kernel_name(const struct ggml_tensor * t, double * flops);

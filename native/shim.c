@@ -56,11 +56,13 @@ TH_EXPORT void th_zero_tensors(struct ggml_tensor ** ts, int n) {
     for (int i = 0; i < n; i++) ggml_backend_tensor_memset(ts[i], 0, 0, ggml_nbytes(ts[i]));
 }
 
-/* ---- column sums as products (cuda) ---------------------------------------------------------
+/* ---- broadcast sums as faster kernels (cuda) ----------------------------------------------
  * The gradient of a bias or norm gain broadcast over a matrix a (ne [n, R]) is REPEAT_BACK(a)
  * into ne [n, 1]: the sum of a's R rows. ggml-cuda sums each column on one thread; OUT_PROD(a,
  * ones), ones of ne [1, R], is the same sum as one cuBLAS product. The Trainer asks which
- * nodes qualify (R, else 0), makes the ones, then rewrites them. */
+ * nodes qualify (R, else 0), makes the ones, then rewrites them.
+ * The gradient of a row's mean broadcast back over its row (LayerNorm's centring) is REPEAT_BACK
+ * into ne [1, R, ...]: each row's sum, which SUM_ROWS computes with a warp a row. */
 TH_EXPORT int64_t th_column_sum_rows(const struct ggml_tensor * t) {
     const struct ggml_tensor * a = t->src[0];
     if (t->op != GGML_OP_REPEAT_BACK || t->type != GGML_TYPE_F32 || a->type != GGML_TYPE_F32) return 0;
@@ -77,6 +79,21 @@ TH_EXPORT int th_column_sum_as_out_prod(struct ggml_tensor * t, struct ggml_tens
     }
     t->op = GGML_OP_OUT_PROD;
     t->src[1] = ones;
+    memset(t->op_params, 0, sizeof(t->op_params));
+    return 1;
+}
+
+/* 1 if t was a REPEAT_BACK of contiguous f32 rows into one value a row, now a SUM_ROWS */
+TH_EXPORT int th_row_sum_as_sum_rows(struct ggml_tensor * t) {
+    const struct ggml_tensor * a = t->src[0];
+    if (t->op != GGML_OP_REPEAT_BACK || t->type != GGML_TYPE_F32 || a->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(a) || !ggml_is_contiguous(t) || t->ne[0] != 1 || a->ne[0] == 1) {
+        return 0;
+    }
+    for (int i = 1; i < 4; i++) {
+        if (t->ne[i] != a->ne[i]) return 0;
+    }
+    t->op = GGML_OP_SUM_ROWS;
     memset(t->op_params, 0, sizeof(t->op_params));
     return 1;
 }

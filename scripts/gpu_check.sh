@@ -28,10 +28,13 @@ if [[ $phases == *" check "* ]]; then
     step "every op and block on cuda: forward vs float64 numpy, backward vs finite differences"
     TOYHARNESS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_ops.py 2>&1 | tail -25 \
         | tee -a "$log" || status=1
+    step "our kernels inside ggml-cuda (native/cuda): GELU forward and backward against float64"
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tail -15 | tee -a "$log" || status=1
     step "cuda goldens: record, then check (a second run must give the same bits)"
-    toyharness golden record gpt2 llama lora vit_tiny warm_start --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden record gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start --backend cuda 2>&1 \
+        | tee -a "$log" || status=1
     toyharness golden record bigram --backend cuda --dir plugins/example_bigram/goldens 2>&1 | tee -a "$log" || status=1
-    toyharness golden check gpt2 llama lora vit_tiny warm_start --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden check --backend cuda 2>&1 | tee -a "$log" || status=1
     toyharness golden check bigram --backend cuda --dir plugins/example_bigram/goldens 2>&1 | tee -a "$log" || status=1
     step "tests-cuda: agreement with the cpu goldens, run-to-run bits"
     python3 -m pytest -q -m cuda -rs -s -p no:cacheprovider tests/test_backends.py 2>&1 | tee -a "$log" || status=1

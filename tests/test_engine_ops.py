@@ -237,7 +237,8 @@ def test_rms_norm_block(column_sums, monkeypatch):
 
 def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(monkeypatch):
     """The point of the product form: no REPEAT_BACK left in the backward (ggml-cuda's is one
-    thread per column) and the forward bit for bit as before."""
+    thread per column) and a gain's and a bias's forward bit for bit as before. (LayerNorm's
+    centring differs in its last bits: a mean subtracted instead of a product; test_layer_norm.)"""
     from toyharness._ffi import ffi, lib
 
     x, g, b = r(4, 5, 16).astype(np.float32), r(16).astype(np.float32), r(16).astype(np.float32)
@@ -246,7 +247,7 @@ def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(
         monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", mode)
         prog = get_engine(BACKEND).program()
         X, G, B = prog.param("x", x), prog.param("g", g), prog.param("b", b)
-        out = blocks.layer_norm(X, G, B)
+        out = blocks.add_bias(blocks.rms_norm(X, G), B)
         trainer = prog.trainer(prog.scalar_loss(out.sum()), "bias_corrected")
         graph = trainer.gb_opt
         ops[mode] = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
@@ -256,6 +257,19 @@ def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(
         assert ops["repeat_back"].count("REPEAT_BACK") == 1
     assert "REPEAT_BACK" not in ops["product"]
     assert np.array_equal(outs["repeat_back"], outs["product"])
+
+
+def test_layer_norm_with_column_sums_as_products_leaves_no_repeat_back(monkeypatch):
+    """Its centring's gradient (a row sum) becomes SUM_ROWS, its gain's and bias's OUT_PROD."""
+    from toyharness._ffi import ffi, lib
+
+    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", "product")
+    prog = get_engine(BACKEND).program()
+    X, G, B = prog.param("x", r(4, 5, 16)), prog.param("g", r(16)), prog.param("b", r(16))
+    graph = prog.trainer(prog.scalar_loss(blocks.layer_norm(X, G, B).sum()), "bias_corrected").gb_opt
+    ops = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
+           for i in range(lib.ggml_graph_n_nodes(graph))]
+    assert "REPEAT_BACK" not in ops and "SUM_ROWS" in ops and ops.count("OUT_PROD") >= 2
 
 
 def test_a_bad_column_sums_choice_is_named(monkeypatch):

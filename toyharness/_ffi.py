@@ -173,7 +173,11 @@ const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 int64_t th_column_sum_rows(const ggml_tensor * t);
+int th_cuda_rewrite(ggml_cgraph * graph);
+const char * th_cuda_kernel_name(const ggml_tensor * t);
+int th_cuda_kernels_version(void);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
+int th_row_sum_as_sum_rows(ggml_tensor * t);
 double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds);
 const char * ggml_op_desc(const ggml_tensor * t);
 """
@@ -295,6 +299,15 @@ def _load_blas() -> Blas | None:
 
 
 blas = _load_blas()
+
+
+def cuda_kernels_built() -> bool:
+    """Whether the loaded ggml-cuda carries our kernels (native/cuda/th-custom.cu, patched in by
+    native/build.py): a ggml-cuda built otherwise leaves GELU composed from ggml's ops."""
+    try:
+        return lib.th_cuda_kernels_version() >= 1
+    except AttributeError:
+        return False
 
 
 def available_native_backends() -> list[str]:

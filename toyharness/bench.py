@@ -300,6 +300,8 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
         name = lib.th_kernel_name(node)
         if name == ffi.NULL:
             name = lib.th_portable_kernel_name(node)
+        if name == ffi.NULL and trainer.prog.cuda_kernels:
+            name = lib.th_cuda_kernel_name(node)
         kernel = ffi.string(name).decode() if name != ffi.NULL else "ggml"
         if now == "NONE" and built[i] != "NONE":      # folded into another node's kernel
             kernel = "fused away"

@@ -77,11 +77,18 @@ def scale_columns(x: Tensor, gain: Tensor) -> Tensor:
 def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last axis = rms_norm(x - mean(x)) * g + b (same eps placement).
 
-    x - mean(x) is x @ (I - 1/d), one matrix product forward and one backward: ggml's
-    sum_rows, broadcast and their backward ops (REPEAT, REPEAT_BACK) took 3x longer."""
+    On cpu x - mean(x) is x @ (I - 1/d), one matrix product forward and one backward: ggml's
+    sum_rows, broadcast and their backward ops (REPEAT, REPEAT_BACK) took 3x longer. On cuda
+    those ops are memory passes, cheaper than the d x d products (2 d^2 FLOPs per row each
+    way), once the Trainer sums the mean's gradient with SUM_ROWS (Program.column_sums_as_products)."""
     d = x.shape[-1]
-    centring = x.prog.cached_constant(f"centring.{d}", lambda: np.eye(d, dtype=np.float32) - np.float32(1.0 / d))
-    return add_bias(scale_columns(x.matmul_t(centring).rms_norm(eps), gain), bias)
+    if x.prog.column_sums_as_products:
+        rows = x.reshape(-1, d)
+        centred = (rows - rows.mean_rows()).reshape(*x.shape)
+    else:
+        centring = x.prog.cached_constant(f"centring.{d}", lambda: np.eye(d, dtype=np.float32) - np.float32(1.0 / d))
+        centred = x.matmul_t(centring)
+    return add_bias(scale_columns(centred.rms_norm(eps), gain), bias)
 
 
 def rms_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:
@@ -93,10 +100,11 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
     With the cpu kernels, one node each way: a SILU node named "th.gelu_tanh" that the cpu
     rewrite computes as GELU, and its SILU_BACK as GELU's derivative (native/cpu_kernels.c,
-    th_gelu_op). Elsewhere composed as silu(x w) / w with w = 2 sqrt(2/pi) (1 + 0.044715 x^2)
-    = 2u / x: w >= 1.59, so no division by zero and no overflow, and silu, div and scale_bias
-    have a backward (5 nodes forward, 12 backward: 7% of a GPT-2 step on cpu)."""
-    if x.prog.cpu_kernels and x.type == GGML_TYPE_F32 and x.is_contiguous():
+    th_gelu_op); on cuda the same stand-ins go to our kernels inside ggml-cuda
+    (native/cuda_rewrite.c, native/cuda/th-custom.cu). Elsewhere composed as silu(x w) / w with
+    w = 2 sqrt(2/pi) (1 + 0.044715 x^2) = 2u / x: w >= 1.59, so no division by zero and no
+    overflow, and silu, div and scale_bias have a backward (5 nodes forward, 12 backward: 7% of a GPT-2 step on cpu)."""
+    if (x.prog.cpu_kernels or x.prog.cuda_kernels) and x.type == GGML_TYPE_F32 and x.is_contiguous():
         return x.silu().named(GELU_STAND_IN)
     w = x.sqr().scale_bias(2.0 * GELU_C * 0.044715, 2.0 * GELU_C)
     return (x * w).silu() / w

@@ -31,6 +31,7 @@ from .._ffi import (
     GGML_TYPE_F32,
     GGML_TYPE_I32,
     cpu_kernels,
+    cuda_kernels_built,
     ffi,
     lib,
 )
@@ -135,6 +136,9 @@ class Program:
         # plain ops, each of which has a portable kernel).
         self.portable = engine.is_cpu and engine.portable
         self.cpu_kernels = engine.is_cpu and cpu_kernels and not self.portable
+        # Whether our kernels inside ggml-cuda take GELU's stand-ins (native/cuda_rewrite.c;
+        # TOYHARNESS_CPU_KERNELS=0 leaves every node to ggml there too)
+        self.cuda_kernels = engine.backend == "cuda" and cpu_kernels and cuda_kernels_built()
         # Whether cross_entropy builds its one-hot targets in the graph (FILL, then SET_ROWS of
         # ones at the flat indices) instead of uploading them: on cuda a step's upload of
         # rows x vocab floats (200 MB for 1024 tokens of a 49152-token vocabulary) was 40% of
@@ -454,6 +458,9 @@ class Program:
             elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
+            elif self.cuda_kernels and lib.th_cuda_rewrite(graph) < 0:
+                raise RuntimeError("a stand-in node could not take its cuda kernel (native/cuda_rewrite.c, "
+                                   "th_cuda_rewrite): not computed")
             self._gemm_rewritten.add(graph)
         # Computed again, a graph keeps its placement: no walk over its nodes per step.
         if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
@@ -606,7 +613,8 @@ class Trainer:
 
     def _column_sums_as_products(self, graph) -> None:
         """Every REPEAT_BACK that sums the rows of a matrix into one row becomes OUT_PROD(matrix,
-        ones): the same sum as a cuBLAS product (see Program.column_sums_as_products)."""
+        ones): the same sum as a cuBLAS product; one that sums each row into one value becomes
+        SUM_ROWS (see Program.column_sums_as_products, native/shim.c)."""
         prog = self.prog
         found = []
         for i in range(lib.ggml_graph_n_nodes(graph)):
@@ -614,6 +622,8 @@ class Trainer:
             rows = lib.th_column_sum_rows(node)
             if rows > 0:
                 found.append((node, rows))
+            else:
+                lib.th_row_sum_as_sum_rows(node)
         ones = {rows: prog.cached_constant(f"ones.{rows}", lambda rows=rows: np.ones((rows, 1), np.float32))
                 for rows in {rows for _, rows in found}}
         prog.allocate()

@@ -1,0 +1,13 @@
+// toyharness's own cuda kernels inside ggml-cuda (see th-custom.cu). native/build.py copies this
+// folder into the staged ggml-cuda source of a cuda build and has ggml-cuda.cu dispatch
+// GGML_OP_CUSTOM nodes marked by th_cuda_rewrite (native/cuda_rewrite.c) to th_cuda_custom.
+#pragma once
+
+#include "ggml.h"
+
+#include <cuda_runtime.h>
+
+// whether `op` is a node of ours that these kernels can compute
+bool th_cuda_custom_supported(const ggml_tensor * op);
+// compute `dst` on `stream`; false when it is not a node of ours
+bool th_cuda_custom(cudaStream_t stream, ggml_tensor * dst);
