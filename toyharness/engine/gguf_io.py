@@ -21,7 +21,7 @@ from .._ffi import GGML_TYPE_COUNT, ffi, lib
 from ..atomic import atomic_path
 from ..errors import GGUFError
 from . import quant
-from .gguf_layout import check_file
+from .gguf_layout import Field, walk
 from .tensor import Tensor
 
 if TYPE_CHECKING:
@@ -82,26 +82,23 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: file not found")
-        check_file(self.path)   # every count, length and offset within the file before the header is parsed
         with open(self.path, "rb") as fh:
-            magic = fh.read(4)
-            if magic != b"GGUF":
-                raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+            if fh.seek(0, 2) == 0:
+                raise GGUFError(f"{self.path}: empty file, not a GGUF")
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.size = len(self._map)
         self.mmap = np.frombuffer(self._map, dtype=np.uint8)
-        try:
-            self._fields, infos, data_start = _read_header(self._map)
-        except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:
-            raise GGUFError(f"{self.path}: truncated or corrupt GGUF header ({type(exc).__name__}: {exc})") from None
+        # every count, length and offset checked against the file before anything is decoded
+        layout = walk(self._map, self.path, record=False)
+        self._fields = layout.fields
         self._tensors: dict[str, TensorInfo] = {}
-        for name, shape, ggml_type, rel_offset in infos:
-            info = TensorInfo(name, shape, ggml_type, data_start + rel_offset,
-                              _tensor_bytes(self.path, name, shape, ggml_type), self)
+        for t in layout.tensors:
+            info = TensorInfo(t.name, t.shape, t.ggml_type, layout.data_start + t.offset,
+                              _tensor_bytes(self.path, t.name, t.shape, t.ggml_type), self)
             if info.offset + info.nbytes > self.size:
-                raise GGUFError(f"{self.path}: truncated: tensor {name!r} needs bytes "
+                raise GGUFError(f"{self.path}: truncated: tensor {t.name!r} needs bytes "
                                 f"[{info.offset}, {info.offset + info.nbytes}) but the file has {self.size}")
-            self._tensors[name] = info
+            self._tensors[t.name] = info
         self._ctx = None
         self._buffer = None
 
@@ -128,7 +125,7 @@ class GGUFFile:
             return default
         return self._decode(key, f)
 
-    def _decode(self, key: str, f: _Field) -> Any:
+    def _decode(self, key: str, f: Field) -> Any:
         try:
             return _decode(self._map, f)
         except UnicodeDecodeError as exc:
@@ -191,90 +188,7 @@ _NP_SCALAR = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 
               7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
 
-@dataclass
-class _Field:
-    """A metadata value's place in the file: `offset` of the value (of an array's first
-    element), `count` elements (1 for a scalar or a string)."""
-
-    vtype: int
-    subtype: int | None
-    offset: int
-    count: int
-
-
-def _read_header(buf) -> tuple[dict[str, _Field], list[tuple[str, tuple[int, ...], int, int]], int]:
-    """Metadata fields, tensor infos (name, numpy-order shape, ggml type, offset in the data
-    section) and where the data section starts. struct.error / ValueError on damage."""
-    size = len(buf)
-    pos = 4
-
-    def take(fmt: str):
-        nonlocal pos
-        value = struct.unpack_from(fmt, buf, pos)[0]
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        if pos + n > size:
-            raise ValueError(f"a string of {n} bytes at offset {pos} runs past the end")
-        pos += n
-        return bytes(buf[pos - n:pos]).decode("utf-8")
-
-    def skip_value(vtype: int) -> None:
-        nonlocal pos
-        if vtype == _STRING:
-            n = take("<Q")
-            pos += n
-        elif vtype in _SCALAR:
-            pos += struct.calcsize(_SCALAR[vtype])
-        else:
-            raise ValueError(f"unknown metadata value type {vtype}")
-        if pos > size:
-            raise ValueError("a metadata value runs past the end")
-
-    version = take("<I")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version}, expected 2 or 3")
-    n_tensors, n_fields = take("<Q"), take("<Q")
-    if n_tensors > size or n_fields > size:
-        raise ValueError(f"{n_tensors} tensors and {n_fields} metadata keys cannot fit in {size} bytes")
-    fields: dict[str, _Field] = {}
-    for _ in range(n_fields):
-        key, vtype = string(), take("<I")
-        if vtype == _ARRAY:
-            subtype, count = take("<I"), take("<Q")
-            if count > size:
-                raise ValueError(f"metadata {key!r}: an array of {count} elements cannot fit in {size} bytes")
-            start = pos
-            if subtype in _SCALAR:
-                pos += count * struct.calcsize(_SCALAR[subtype])
-                if pos > size:
-                    raise ValueError(f"metadata {key!r} runs past the end")
-            else:
-                for _ in range(count):
-                    skip_value(subtype)
-            fields[key] = _Field(vtype, subtype, start, count)
-        else:
-            start = pos
-            skip_value(vtype)
-            fields[key] = _Field(vtype, None, start, 1)
-    infos = []
-    for _ in range(n_tensors):
-        name, n_dims = string(), take("<I")
-        if not 1 <= n_dims <= 4:
-            raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-        dims = [take("<Q") for _ in range(n_dims)]
-        ggml_type, offset = take("<I"), take("<Q")
-        infos.append((name, tuple(reversed(dims)), ggml_type, offset))
-    alignment = _decode(buf, fields["general.alignment"]) if "general.alignment" in fields else 32
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise ValueError(f"general.alignment {alignment!r}")
-    return fields, infos, -(-pos // alignment) * alignment
-
-
-def _decode(buf, f: _Field) -> Any:
+def _decode(buf, f: Field) -> Any:
     """A field's value: a Python scalar or str; an array as a list."""
     if f.vtype == _STRING:
         (n,) = struct.unpack_from("<Q", buf, f.offset)

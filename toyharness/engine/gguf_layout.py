@@ -7,8 +7,11 @@ type, dimension and offset of the header with `struct`, checks each against the 
 actually left, and raises one `GGUFError` naming the file, the byte offset and what is wrong.
 After it passes, every count gguf-py loops over is bounded by the file's size.
 
-`walk` also returns the parts it saw (kind, start, size): the fuzzer's structure-aware
-mutations (toyharness/fuzz/mutate.py) use them to find every boundary and number.
+`walk` also returns what it read: every metadata value's place (`Field`, decoded only when
+asked for: a 49152-token vocabulary stays bytes in the map) and every tensor's name, shape,
+type and offset, for `GGUFFile`; and, with `record`, the parts it saw (kind, start, size): the
+fuzzer's structure-aware mutations (toyharness/fuzz/mutate.py) use them to find every boundary
+and number.
 """
 
 from __future__ import annotations
@@ -37,11 +40,32 @@ class Part:
     size: int
 
 
+@dataclass(frozen=True)
+class Field:
+    """A metadata value's place in the file: `offset` of the value (of a string's length, of an
+    array's first element), `count` elements (1 for a scalar or a string)."""
+
+    vtype: int
+    subtype: int | None
+    offset: int
+    count: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]      # numpy order (the file stores ggml order)
+    ggml_type: int
+    offset: int                 # from the start of the data section
+
+
 @dataclass
 class Layout:
     parts: list[Part]
     data_start: int
     alignment: int
+    fields: dict[str, Field]
+    tensors: list[TensorEntry]
 
 
 def _block_sizes() -> dict[int, tuple[int, int]]:
@@ -109,6 +133,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
     def value(vtype: int, key: str) -> int | None:
         nonlocal pos
         if vtype == STRING:
+            fields[key] = Field(vtype, None, pos, 1)
             string(f"metadata {key!r}: a string")
             return None
         if vtype == ARRAY:
@@ -116,6 +141,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
             if sub not in SCALAR_SIZES and sub not in (STRING, ARRAY):
                 fail(f"metadata {key!r}: unknown array element type {sub}")
             count = take("array_count", "<Q")
+            fields[key] = Field(vtype, sub, pos, count)
             smallest = SCALAR_SIZES.get(sub, 8)
             if count > (size - pos) // smallest:
                 fail(f"truncated or corrupt: metadata {key!r} is an array of {count} elements, which cannot fit "
@@ -130,6 +156,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
             return None
         if vtype not in SCALAR_SIZES:
             fail(f"metadata {key!r}: unknown value type {vtype}")
+        fields[key] = Field(vtype, None, pos, 1)
         fmt = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[SCALAR_SIZES[vtype]]
         return take("value", fmt)
 
@@ -145,6 +172,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
     if n_kv > (size - pos) // MIN_KV_BYTES:
         fail(f"truncated or corrupt: {n_kv} metadata entries cannot fit in the {size - pos} bytes left")
     alignment = 32
+    fields: dict[str, Field] = {}
     for _ in range(n_kv):
         key = utf8_string("a metadata key")
         vtype = take("value_type", "<I")
@@ -157,6 +185,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
         fail(f"truncated or corrupt: {n_tensors} tensors cannot fit in the {size - pos} bytes left")
     blocks = _block_sizes()
     tensors = []
+    entries: list[TensorEntry] = []
     for _ in range(n_tensors):
         tname = utf8_string("a tensor name")
         n_dims = take("n_dims", "<I")
@@ -176,6 +205,7 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
         if offset % alignment:
             fail(f"tensor {tname!r}: data offset {offset} is not a multiple of the alignment {alignment}")
         tensors.append((tname, offset, n // block * type_size))
+        entries.append(TensorEntry(tname, tuple(reversed(dims)), ttype, offset))
     data_start = -(-pos // alignment) * alignment
     if data_start > size:
         fail("truncated: the file ends before its tensor data")
@@ -192,15 +222,4 @@ def walk(buf, name: str | Path = "<bytes>", record: bool = True) -> Layout:
         if offset < end_prev:
             fail(f"tensor {tname!r}: its data overlaps tensor {name_prev!r}'s")
         end_prev, name_prev = offset + nbytes, tname
-    return Layout(parts, data_start, alignment)
-
-
-def check_file(path: Path) -> Layout:
-    """`walk` over a file, memory-mapped."""
-    import mmap
-
-    with open(path, "rb") as fh:
-        if fh.seek(0, 2) == 0:
-            raise GGUFError(f"{path}: empty file, not a GGUF")
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return walk(mm, path, record=False)
+    return Layout(parts, data_start, alignment, fields, entries)
