@@ -6,6 +6,7 @@
  * has built the backward (a custom op has none in ggml): the same stand-ins as the cpu rewrite.
  *   - GELU: the SILU named "th.gelu_tanh" and its SILU_BACK (blocks.gelu_tanh), one kernel each
  *     way instead of 5 nodes forward and 12 backward over the MLP's widest activation.
+ *   - CONT of a permuted f32 tensor (attention's head permutes), an exact copy at memory speed.
  */
 #include <stdint.h>
 #include <string.h>
@@ -39,10 +40,23 @@ static int th_is_gelu_back(const struct ggml_tensor * b) { return th_marked(b, T
  * be computed: it would compute silu where GELU is meant). */
 TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph) {
     static const struct th_gelu_kernels cuda = {th_gelu_forward, th_gelu_backward, th_is_gelu, th_is_gelu_back};
-    return th_rewrite_gelu_pairs(graph, &cuda);
+    const int gelu = th_rewrite_gelu_pairs(graph, &cuda);
+    if (gelu < 0) return -1;
+    int conts = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        const struct ggml_tensor * src = t->src[0];
+        if (t->op == GGML_OP_CONT && t->type == GGML_TYPE_F32 && src->type == GGML_TYPE_F32 &&
+            ggml_is_contiguous(t) && !ggml_is_contiguous(src) && th_cont_axis(src) >= 0 &&
+            (src->ne[th_cont_axis(src)] + 31) / 32 < 65536) {
+            th_mark(t, TH_CUDA_CONT);
+            conts++;
+        }
+    }
+    return gelu + conts;
 }
 
-/* "gelu" / "gelu_back" for a node marked here (bench --profile), else NULL */
+/* "gelu", "gelu_back" or "cont" for a node marked here (bench --profile), else NULL */
 TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
-    return th_is_gelu(t) ? "gelu" : th_is_gelu_back(t) ? "gelu_back" : NULL;
+    return th_is_gelu(t) ? "gelu" : th_is_gelu_back(t) ? "gelu_back" : th_marked(t, TH_CUDA_CONT) ? "cont" : NULL;
 }

@@ -47,6 +47,19 @@ def test_the_cuda_rewrite_marks_each_gelu_stand_in_and_its_backward():
     assert lib.th_cuda_rewrite(trainer.gb_opt) == 0      # the same nodes, marked already
 
 
+def test_the_cuda_rewrite_takes_conts_of_permutes_and_leaves_plain_ones():
+    prog = get_engine("cpu").program()
+    x = prog.param("x", RNG.normal(size=(2, 3, 4, 5)).astype(np.float32))
+    moved = x.permute(0, 2, 1, 3).cont()           # rows stay contiguous: the row copy
+    transposed = x.permute(0, 1, 3, 2).cont()      # the contiguous axis moves: the tiled copy
+    plain = (x * 2.0).reshape(6, 20).cont()        # a copy of a contiguous tensor: ggml's memcpy
+    graph = prog.forward({"a": moved, "b": transposed, "c": plain}).graph
+    assert lib.th_cuda_rewrite(graph) == 2
+    names = [lib.th_cuda_kernel_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph))]
+    assert [ffi.string(n).decode() for n in names if n != ffi.NULL] == ["cont", "cont"]
+    assert ops_of(graph).count("CONT") == 1
+
+
 def test_the_dispatch_edits_apply_once_to_the_pinned_ggml():
     build = native_build()
     text = (build.ggml_source() / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
@@ -83,3 +96,20 @@ def test_gelu_on_cuda_is_one_kernel_each_way_and_matches_float64(backend):
     assert np.isfinite(got).all() and np.isfinite(g).all()
     assert (np.abs(got - y64) <= 1e-5 * np.abs(y64) + 1e-6).all()
     assert (np.abs(g - dyd * d64) <= 2e-5 * np.abs(dyd * d64) + 2e-6 * np.abs(dyd)).all()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_conts_of_every_permute_on_cuda_are_exact_copies(backend):
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    import itertools
+
+    x = RNG.normal(size=(3, 37, 5, 70)).astype(np.float32)   # odd sizes: partial tiles and rows
+    prog = get_engine(backend).program()
+    X = prog.param("x", x)
+    perms = [p for p in itertools.permutations(range(4)) if p != (0, 1, 2, 3)]
+    graph = prog.forward({str(p): X.permute(*p).cont() for p in perms})
+    got = graph.run({})
+    assert ops_of(graph.graph).count("CUSTOM") == len(perms)
+    for p in perms:
+        assert np.array_equal(got[str(p)], np.transpose(x, p)), p
