@@ -26,6 +26,8 @@ def tests_cuda(session):
     session.env["TOYHARNESS_BACKENDS"] = "cpu,cuda"
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "-m", "cuda", *session.posargs)
+    # every op and block again, on cuda (skips, saying why, without one)
+    session.run("pytest", "-q", "-rs", "tests/test_engine_ops.py", env={"TOYHARNESS_TEST_BACKEND": "cuda"})
 
 
 @nox.session

@@ -10,11 +10,16 @@ import os
 import numpy as np
 import pytest
 
+from toyharness._ffi import available_native_backends
 from toyharness.engine import blocks, get_engine
 from toyharness.errors import InputError
 
-# TOYHARNESS_TEST_BACKEND=cuda runs the same checks on another backend (scripts/gpu_check.sh).
+# TOYHARNESS_TEST_BACKEND=cuda runs the same checks on another backend (scripts/gpu_check.sh,
+# nox -s tests-cuda).
 BACKEND = os.environ.get("TOYHARNESS_TEST_BACKEND", "cpu")
+if BACKEND not in available_native_backends():
+    pytestmark = pytest.mark.skip(reason=f"TOYHARNESS_TEST_BACKEND={BACKEND}: that backend is not built into this "
+                                         "install or has no device")
 RNG = np.random.default_rng(1234)
 
 
