@@ -176,6 +176,7 @@ int th_cpu_rewrite(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);
+int th_portable_dequantize(int type, const void * src, float * dst, int64_t n);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds);
 const char * ggml_op_desc(const ggml_tensor * t);
