@@ -171,7 +171,7 @@ def test_no_golden_in_either_mode_names_both(tmp_path):
         goldens.check("llama", root=tmp_path)
 
 
-@pytest.mark.parametrize("recipe", BUILT_IN)
+@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES)
 def test_recipe_matches_its_portable_golden(recipe, toyharness_golden):
     """The gate that holds on any CPU."""
     assert toyharness_golden(recipe, root=ROOT, mode="portable").parent.name == PORTABLE_FINGERPRINT
