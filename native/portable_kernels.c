@@ -15,7 +15,9 @@
  * added through a K = 1 product. Ops: MUL_MAT, OUT_PROD, ADD, SUB, MUL, DIV, SCALE, SQR, SQRT,
  * LOG, EXP, NEG, RELU, SILU, SILU_BACK, SWIGLU (split), SOFT_MAX, SOFT_MAX_BACK, RMS_NORM,
  * RMS_NORM_BACK, ROPE, ROPE_BACK, SUM, SUM_ROWS, REPEAT_BACK, GET_ROWS_BACK, CROSS_ENTROPY_LOSS,
- * CROSS_ENTROPY_LOSS_BACK, OPT_STEP_ADAMW.
+ * CROSS_ENTROPY_LOSS_BACK, OPT_STEP_ADAMW; and with a frozen weight of another type than f32
+ * (f16, bf16, quantized: a LoRA base), MUL_MAT, OUT_PROD and GET_ROWS through our own
+ * dequantization (portable_quant.c).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -26,8 +28,14 @@
 #include "ggml-impl.h" /* struct ggml_custom_op_params */
 #include "cpu_kernels.h"
 #include "portable_math.h"
+#include "portable_quant.h"
 
 #define TP_EXPORT __attribute__((visibility("default")))
+
+_Static_assert(TP_TYPE_F16 == GGML_TYPE_F16 && TP_TYPE_BF16 == GGML_TYPE_BF16 && TP_TYPE_Q8_0 == GGML_TYPE_Q8_0 &&
+               TP_TYPE_Q4_0 == GGML_TYPE_Q4_0 && TP_TYPE_Q4_1 == GGML_TYPE_Q4_1 && TP_TYPE_Q5_0 == GGML_TYPE_Q5_0 &&
+               TP_TYPE_Q5_1 == GGML_TYPE_Q5_1 && TP_TYPE_Q4_K == GGML_TYPE_Q4_K && TP_TYPE_Q5_K == GGML_TYPE_Q5_K &&
+               TP_TYPE_Q6_K == GGML_TYPE_Q6_K, "portable_quant.h's type values are enum ggml_type's");
 
 /* op_params slots free after struct ggml_custom_op_params (which takes slots 0-5) */
 enum { TP_SLOT = 8 };
@@ -37,6 +45,7 @@ enum tp_kind {
     TP_MUL_MAT = 1, TP_OUT_PROD, TP_ADD, TP_SUB, TP_MUL, TP_DIV, TP_SCALE, TP_SQR, TP_SQRT, TP_LOG, TP_EXP, TP_NEG,
     TP_RELU, TP_SILU, TP_SILU_BACK, TP_SWIGLU, TP_SOFT_MAX, TP_SOFT_MAX_BACK, TP_RMS_NORM, TP_RMS_NORM_BACK, TP_ROPE,
     TP_SUM, TP_SUM_ROWS, TP_REPEAT_BACK, TP_GET_ROWS_BACK, TP_CROSS_ENTROPY, TP_CROSS_ENTROPY_BACK,
+    TP_FROZEN_MUL_MAT, TP_FROZEN_OUT_PROD, TP_FROZEN_GET_ROWS,
 };
 
 static inline float tp_param(const struct ggml_tensor * t, int k) {
@@ -162,6 +171,88 @@ static void tp_matmul(struct ggml_tensor * dst, int out_prod, int ith, int nth) 
         }
     }
     free(buf);
+}
+
+/* ---- products with a frozen weight W of another type than f32 (f16, bf16, quantized) ----------
+ *   forward         MUL_MAT(W, x):   y[m][n]  = tp_dot(x[m], W[n])     over K
+ *   input gradient  OUT_PROD(W, g):  dx[m][k] = tp_dot(dy[m], W[:, k]) over N   (g = dy^T)
+ * W (ne = [K, N]) read through portable_quant.c, never widened whole: a forward task is
+ * TP_FROZEN_ROWS rows of W (the outputs y[:, n0 .. n0 + rows)), a backward task a block of W's
+ * columns as wide as its type's block, at least TP_FROZEN_COLS (the outputs dx[:, k0 .. k0 +
+ * cols)); each dequantizes its part of W once. Tasks split the outputs only, and each output is
+ * one tp_dot in tp_matmul's order: the bits of tp_matmul over the dequantized W (what
+ * tests/test_portable_quant.py checks), whatever the thread count. GET_ROWS (an embedding
+ * table) dequantizes the rows its ids name, one row a task. */
+enum { TP_FROZEN_ROWS = 16, TP_FROZEN_COLS = 32 };
+
+static float * tp_alloc(size_t n) {
+    float * p = malloc(sizeof(float) * (n ? n : 1));
+    if (p == NULL) GGML_ABORT("portable kernels: no memory for %zu floats of a frozen product", n);
+    return p;
+}
+
+static void tp_frozen_mul_mat(struct ggml_tensor * dst, int ith, int nth) {
+    const struct ggml_tensor * w = dst->src[0], * x = dst->src[1];
+    const int64_t K = w->ne[0], N = w->ne[1], M = x->ne[1];
+    const int64_t tiles = (N + TP_FROZEN_ROWS - 1) / TP_FROZEN_ROWS;
+    float * buf = NULL;
+    int64_t taken = 0;
+    for (int64_t tile; (tile = th_next_task(tiles, ith, nth, &taken)) >= 0;) {
+        if (buf == NULL) buf = tp_alloc((size_t) (TP_FROZEN_ROWS * K));
+        const int64_t n0 = tile * TP_FROZEN_ROWS, rows = N - n0 < TP_FROZEN_ROWS ? N - n0 : TP_FROZEN_ROWS;
+        for (int64_t r = 0; r < rows; r++) tp_dequantize(w->type, (const char *) w->data + (n0 + r) * w->nb[1], buf + r * K, K);
+        tp_matmul_nt((const float *) x->data, (int64_t) (x->nb[1] / sizeof(float)), buf, K, (float *) dst->data + n0,
+                     (int64_t) (dst->nb[1] / sizeof(float)), M, rows, K);
+    }
+    free(buf);
+}
+
+static void tp_frozen_out_prod(struct ggml_tensor * dst, int ith, int nth) {
+    const struct ggml_tensor * w = dst->src[0], * g = dst->src[1];
+    const int64_t K = w->ne[0], N = w->ne[1], M = g->ne[0];
+    const int64_t block = tp_quant_block(w->type), cb = (TP_FROZEN_COLS + block - 1) / block * block;
+    const int64_t col_blocks = (K + cb - 1) / cb;
+    /* dy row m (N values) is g's column m: contiguous when g is the transpose of a contiguous dy */
+    const int dy_rows = g->nb[1] == sizeof(float);
+    float * wt = NULL, * seg = NULL, * dy = NULL;
+    int64_t taken = 0;
+    for (int64_t blk; (blk = th_next_task(col_blocks, ith, nth, &taken)) >= 0;) {
+        if (wt == NULL) {
+            wt = tp_alloc((size_t) (cb * N));
+            seg = tp_alloc((size_t) cb);
+            if (!dy_rows) dy = tp_alloc((size_t) N);
+        }
+        const int64_t k0 = blk * cb, cols = K - k0 < cb ? K - k0 : cb;
+        for (int64_t n = 0; n < N; n++) {      /* W[:, k0 .. k0 + cols) as rows of N: wt[j][n] */
+            tp_dequantize(w->type, (const char *) w->data + n * w->nb[1] + (size_t) (k0 / block) * (size_t) tp_quant_block_bytes(w->type),
+                          seg, cols);
+            for (int64_t j = 0; j < cols; j++) wt[j * N + n] = seg[j];
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const char * col = (const char *) g->data + m * g->nb[0];
+            if (!dy_rows) {
+                for (int64_t n = 0; n < N; n++) dy[n] = *(const float *) (col + n * g->nb[1]);
+            }
+            tp_matmul_nt(dy_rows ? (const float *) col : dy, N, wt, N, (float *) ((char *) dst->data + m * dst->nb[1]) + k0,
+                         0, 1, cols, N);
+        }
+    }
+    free(wt);
+    free(seg);
+    free(dy);
+}
+
+static void tp_frozen_get_rows(struct ggml_tensor * dst, int ith, int nth) {
+    const struct ggml_tensor * w = dst->src[0], * ids = dst->src[1];
+    const int64_t K = w->ne[0], N = w->ne[1];
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(ggml_nrows(dst), K, ith, nth, &taken, &r0, &r1)) {
+        for (int64_t r = r0; r < r1; r++) {
+            const int32_t id = ((const int32_t *) ids->data)[r];
+            if (id < 0 || id >= N) GGML_ABORT("portable kernels: row id %d out of range [0, %lld)", id, (long long) N);
+            tp_dequantize(w->type, (const char *) w->data + id * w->nb[1], tp_row(dst, r), K);
+        }
+    }
 }
 
 /* ---- row-wise: softmax, rms_norm, their backward, sums --------------------------------------- */
@@ -362,6 +453,9 @@ static void tp_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int kind = (int) (intptr_t) userdata;
     switch (kind) {
         case TP_MUL_MAT: case TP_OUT_PROD: tp_matmul(dst, kind == TP_OUT_PROD, ith, nth); break;
+        case TP_FROZEN_MUL_MAT: tp_frozen_mul_mat(dst, ith, nth); break;
+        case TP_FROZEN_OUT_PROD: tp_frozen_out_prod(dst, ith, nth); break;
+        case TP_FROZEN_GET_ROWS: tp_frozen_get_rows(dst, ith, nth); break;
         case TP_SOFT_MAX: tp_soft_max(dst, ith, nth); break;
         case TP_SOFT_MAX_BACK: tp_soft_max_back(dst, ith, nth); break;
         case TP_RMS_NORM: case TP_RMS_NORM_BACK: tp_rms_norm(dst, kind == TP_RMS_NORM_BACK, ith, nth); break;
@@ -415,12 +509,42 @@ static int tp_weight_type(const struct ggml_tensor * t) {
     return t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_BF16;
 }
 
+/* a 2-D matrix whose rows are contiguous (nb0 = 4) */
+static int tp_f32_matrix(const struct ggml_tensor * t) {
+    return tp_f32_rows(t) && t->ne[2] == 1 && t->ne[3] == 1 && t->nb[1] % sizeof(float) == 0;
+}
+
+/* W of a frozen product or an embedding's table: another type than f32 that portable_quant.c
+ * reads, 2-D, rows of whole blocks, contiguous */
+static int tp_frozen_weight(const struct ggml_tensor * w) {
+    const int block = tp_quant_block(w->type);
+    return w->type != GGML_TYPE_F32 && block != 0 && w->ne[0] % block == 0 && w->ne[2] == 1 && w->ne[3] == 1 &&
+           ggml_is_contiguous(w);
+}
+
+/* the frozen kernels' forms: MUL_MAT(W, x) with x's rows contiguous; OUT_PROD(W, g) with any f32
+ * g (its columns, dy's rows, contiguous when g is a transposed dy); GET_ROWS(W, ids) of 1-D ids */
+static int tp_frozen_kind(const struct ggml_tensor * t) {
+    const struct ggml_tensor * w = t->src[0], * b = t->src[1];
+    if (!tp_frozen_weight(w) || !tp_f32_matrix(t)) return 0;
+    switch (t->op) {
+        case GGML_OP_MUL_MAT: return tp_f32_matrix(b) ? TP_FROZEN_MUL_MAT : 0;
+        case GGML_OP_OUT_PROD:
+            return b->type == GGML_TYPE_F32 && b->ne[2] == 1 && b->ne[3] == 1 ? TP_FROZEN_OUT_PROD : 0;
+        case GGML_OP_GET_ROWS:
+            return b->type == GGML_TYPE_I32 && ggml_is_contiguous(b) && b->ne[1] == 1 && b->ne[2] == 1 &&
+                   b->ne[3] == 1 && t->ne[1] == b->ne[0] ? TP_FROZEN_GET_ROWS : 0;
+        default: return 0;
+    }
+}
+
 /* The kernel kind for node t, or 0 when none here computes it (the op, or this form of it).
  * Each form is the one the kernel above handles; params are read from t before the rewrite. */
 static int tp_kind_of(const struct ggml_tensor * t) {
     const struct ggml_tensor * a = t->src[0], * b = t->src[1];
     switch (t->op) {
         case GGML_OP_MUL_MAT: case GGML_OP_OUT_PROD:
+            if (tp_frozen_kind(t) != 0) return tp_frozen_kind(t);
             return t->type == GGML_TYPE_F32 && tp_weight_type(a) && tp_weight_type(b) &&
                    t->ne[2] % a->ne[2] == 0 && t->ne[3] % a->ne[3] == 0 && t->ne[2] == b->ne[2] &&
                    t->ne[3] == b->ne[3] ? (t->op == GGML_OP_MUL_MAT ? TP_MUL_MAT : TP_OUT_PROD) : 0;
@@ -485,6 +609,8 @@ static int tp_kind_of(const struct ggml_tensor * t) {
         case GGML_OP_CROSS_ENTROPY_LOSS_BACK:
             return tp_all_f32_rows(t) && ggml_are_same_shape(t, b) && ggml_are_same_shape(t, t->src[2])
                        ? TP_CROSS_ENTROPY_BACK : 0;
+        case GGML_OP_GET_ROWS:     /* of a quantized table (f32, f16, bf16 ones move data: tp_pass_through) */
+            return tp_frozen_kind(t);
         default:
             return 0;
     }

@@ -1,9 +1,11 @@
-/* The portable math's bits, printed: built from portable_math.c alone (no ggml), for this CPU, for
+/* The portable math's bits, printed: built from portable_math.c and portable_quant.c alone (no ggml), for this CPU, for
  * other ISA levels, and cross-compiled for aarch64 and run under qemu (tests/test_portable_cross.py).
  * Every build must print tests/data/portable_selftest.txt exactly: the math functions, the
- * reductions and the matrix product give the same float32 bits on every CPU.
+ * reductions, the matrix product and the dequantization of every frozen type give the same
+ * float32 bits on every CPU.
  *
- *   cc -O3 -ffp-contract=off native/portable_selftest.c native/portable_math.c -o selftest && ./selftest
+ *   cc -O3 -ffp-contract=off native/portable_selftest.c native/portable_math.c native/portable_quant.c \
+ *       -o selftest && ./selftest
  *
  * Inputs come from an integer generator, so they are the same bits everywhere too. A line:
  * `<what> <index> <hex bits>`. */
@@ -11,6 +13,7 @@
 #include <string.h>
 
 #include "portable_math.h"
+#include "portable_quant.h"
 
 static uint32_t tp_state = 12345u;
 
@@ -26,7 +29,49 @@ static void tp_print(const char * what, int i, float v) {
     printf("%s %d 0x%08x\n", what, i, bits);
 }
 
-enum { N_MATH = 160, M = 7, N = 9, K = 37, LONG = 1000 };
+enum { N_MATH = 160, M = 7, N = 9, K = 37, LONG = 1000, QUANT_BLOCKS = 3 };
+
+/* QUANT_BLOCKS blocks of random bytes of each frozen type (256 values of f16 and bf16),
+ * dequantized: one line per type with
+ * a hash (FNV-1a) of all the values' bits and the first 4 values. The f16 scales are kept
+ * finite (a NaN's payload is not portable through a product): the top exponent bit cleared. */
+static void tp_print_dequantized(void) {
+    static const struct { const char * name; int type, f16_at[2]; } types[] = {
+        {"f16", TP_TYPE_F16, {-1, -1}}, {"bf16", TP_TYPE_BF16, {-1, -1}}, {"q8_0", TP_TYPE_Q8_0, {0, -1}},
+        {"q4_0", TP_TYPE_Q4_0, {0, -1}}, {"q4_1", TP_TYPE_Q4_1, {0, 2}}, {"q5_0", TP_TYPE_Q5_0, {0, -1}},
+        {"q5_1", TP_TYPE_Q5_1, {0, 2}}, {"q4_k", TP_TYPE_Q4_K, {0, 2}}, {"q5_k", TP_TYPE_Q5_K, {0, 2}},
+        {"q6_k", TP_TYPE_Q6_K, {208, -1}},
+    };
+    static uint8_t raw[QUANT_BLOCKS * 256];
+    static float y[QUANT_BLOCKS * 256];
+    for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {
+        const int block = tp_quant_block(types[t].type), bytes = tp_quant_block_bytes(types[t].type);
+        const int blocks = block == 1 ? 256 : QUANT_BLOCKS, n = blocks * block;
+        for (int k = 0; k < blocks * bytes; k++) {
+            tp_state = tp_state * 1664525u + 1013904223u;
+            raw[k] = (uint8_t) (tp_state >> 24);
+        }
+        for (int b = 0; b < blocks; b++) {
+            for (int f = 0; f < 2; f++) {
+                if (types[t].f16_at[f] >= 0) raw[b * bytes + types[t].f16_at[f] + 1] &= 0xBF;
+            }
+            if (block == 1) raw[b * bytes + 1] &= 0xBF;       /* f16 and bf16 values themselves */
+        }
+        tp_dequantize(types[t].type, raw, y, n);
+        uint32_t hash = 2166136261u;
+        for (int k = 0; k < n; k++) {
+            uint32_t bits;
+            memcpy(&bits, &y[k], sizeof(bits));
+            for (int j = 0; j < 4; j++) hash = (hash ^ ((bits >> (8 * j)) & 0xFFu)) * 16777619u;
+        }
+        printf("dequantize_%s %d 0x%08x\n", types[t].name, n, hash);
+        for (int k = 0; k < 4; k++) {
+            char what[32];
+            snprintf(what, sizeof(what), "dequantize_%s", types[t].name);
+            tp_print(what, k, y[k]);
+        }
+    }
+}
 
 int main(void) {
     static const float edges[] = {0.0f, -0.0f, 1.0f, -1.0f, 0.5f, 88.72f, 88.73f, -87.3f, -103.9f, -104.0f, 1e-30f,
@@ -66,5 +111,6 @@ int main(void) {
     for (int k = 0; k < M * N; k++) tp_print("matmul", k, mc[k]);
     tp_softmax_row(b, y, 61);
     for (int k = 0; k < 61; k++) tp_print("softmax", k, y[k]);
+    tp_print_dequantized();
     return 0;
 }

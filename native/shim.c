@@ -46,6 +46,9 @@ TH_EXPORT int th_tensor_flags(const struct ggml_tensor * t) { return (int) t->fl
 
 TH_EXPORT int th_tensor_op(const struct ggml_tensor * t) { return (int) t->op; }
 
+/* a graph's leaf count (ggml's API gives its nodes only): Program sizes graphs from it */
+TH_EXPORT int th_graph_n_leafs(const struct ggml_cgraph * graph) { return graph->n_leafs; }
+
 /* whether t's memory is host memory (numpy may then read and write it in place) */
 TH_EXPORT int th_tensor_is_host(const struct ggml_tensor * t) {
     return t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer);

@@ -30,7 +30,7 @@ python3 -c "from toyharness.engine import get_engine; print('fast-path fingerpri
     2>&1 | tee -a "$log"
 
 step "portable goldens, bit for bit"
-toyharness golden check gpt2 llama lora vit_tiny warm_start --mode portable 2>&1 | tee -a "$log"
+toyharness golden check gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start --mode portable 2>&1 | tee -a "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 toyharness golden check bigram --dir plugins/example_bigram/goldens --mode portable 2>&1 | tee -a "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

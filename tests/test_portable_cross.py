@@ -1,6 +1,7 @@
-"""The portable math (native/portable_math.c) gives the same bits on every CPU: its self-test
-(native/portable_selftest.c: exp, log, sin, cos, silu, dot products and sums of every tail
-length, a matrix product, a softmax row) built at several optimisation and ISA levels for this
+"""The portable math (native/portable_math.c, native/portable_quant.c) gives the same bits on every
+CPU: its self-test (native/portable_selftest.c: exp, log, sin, cos, silu, dot products and sums
+of every tail length, a matrix product, a softmax row, random blocks of every frozen type
+dequantized) built at several optimisation and ISA levels for this
 CPU, and cross-compiled for aarch64 and run under qemu-user, must print
 tests/data/portable_selftest.txt exactly. Where no C compiler, cross compiler or qemu is found,
 the test skips, saying which (Debian: apt-get install gcc qemu-user gcc-aarch64-linux-gnu;
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = [REPO / "native" / "portable_selftest.c", REPO / "native" / "portable_math.c"]
+SOURCES = [REPO / "native" / name for name in ("portable_selftest.c", "portable_math.c", "portable_quant.c")]
 EXPECTED = (REPO / "tests" / "data" / "portable_selftest.txt").read_text()
 # what CMakeLists.txt gives the portable kernels: no contraction, no fast-math
 PORTABLE_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]

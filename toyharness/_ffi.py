@@ -30,6 +30,8 @@ struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; };
 
 size_t ggml_tensor_overhead(void);
 size_t ggml_graph_overhead_custom(size_t size, bool grads);
+size_t ggml_used_mem(const ggml_context * ctx);
+size_t ggml_get_mem_size(const ggml_context * ctx);
 ggml_context * ggml_init(struct ggml_init_params params);
 void ggml_free(ggml_context * ctx);
 int64_t ggml_nelements(const ggml_tensor * t);
@@ -101,6 +103,8 @@ ggml_tensor * ggml_opt_step_adamw(ggml_context * ctx, ggml_tensor * a, ggml_tens
 
 ggml_cgraph * ggml_new_graph_custom(ggml_context * ctx, size_t size, bool grads);
 ggml_cgraph * ggml_graph_dup(ggml_context * ctx, ggml_cgraph * cgraph, bool force_grads);
+void ggml_graph_cpy(ggml_cgraph * src, ggml_cgraph * dst);
+int ggml_graph_size(ggml_cgraph * cgraph);
 void ggml_build_forward_expand(ggml_cgraph * cgraph, ggml_tensor * tensor);
 void ggml_build_backward_expand(ggml_context * ctx, ggml_cgraph * cgraph, ggml_tensor ** grad_accs);
 void ggml_graph_reset(ggml_cgraph * cgraph);
@@ -155,6 +159,7 @@ void * th_tensor_data(const ggml_tensor * t);
 int th_tensor_has_buffer(const ggml_tensor * t);
 int th_tensor_flags(const ggml_tensor * t);
 int th_tensor_op(const ggml_tensor * t);
+int th_graph_n_leafs(const ggml_cgraph * graph);
 int th_tensor_is_host(const ggml_tensor * t);
 void th_zero_tensors(ggml_tensor ** ts, int n);
 int64_t th_feed_f32(ggml_tensor * t, const float * x, int64_t n);
@@ -171,6 +176,7 @@ int th_cpu_rewrite(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);
+int th_portable_dequantize(int type, const void * src, float * dst, int64_t n);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 int64_t th_column_sum_rows(const ggml_tensor * t);
 int th_cuda_rewrite(ggml_cgraph * graph);

@@ -43,6 +43,13 @@ from .tensor import Tensor
 GGML_FLAG_PARAM = 4
 GGML_FLAG_LOSS = 8
 
+# The most tensors ggml_build_backward_expand makes for one forward node (ggml_compute_backward,
+# ggml 0.25.3): MUL_MAT's out_prod, view, repeat_back and add for its first operand and transpose,
+# out_prod and add for its second (SET also makes 7, every other op fewer). It bounds the scratch
+# graph in which a backward is built once to count its nodes (Program._backward_size); a graph
+# that overflows aborts the process, so tests/test_graph_size.py holds deep models to it.
+BACKWARD_TENSORS_PER_NODE = 7
+
 NP_TO_GGML = {np.dtype(np.float32): GGML_TYPE_F32, np.dtype(np.float16): GGML_TYPE_F16,
               np.dtype(np.int32): GGML_TYPE_I32}
 DTYPE_NAMES = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16, "bf16": GGML_TYPE_BF16, "i32": GGML_TYPE_I32}
@@ -110,11 +117,15 @@ def column_sums_as_products(backend: str) -> bool:
 class Program:
     def __init__(self, engine: Engine, capacity: int = 1 << 16):
         self.engine = engine
+        # The largest graph (nodes) this program builds; its compute context is reserved for
+        # 2 x capacity tensors and 6 such graphs (address space: only the pages used count).
+        # Each graph is sized to what it holds (_new_graph): ggml touches memory in proportion
+        # to a graph's size, 4.7 MB for a training graph of 65536 nodes.
         self.capacity = capacity
-        self.graph_size = capacity
         self._ctx_static = self._new_ctx(lib.ggml_tensor_overhead() * 8192)
         self._ctx_compute = self._new_ctx(lib.ggml_tensor_overhead() * capacity * 2
-                                          + 6 * lib.ggml_graph_overhead_custom(self.graph_size, True))
+                                          + 6 * lib.ggml_graph_overhead_custom(capacity, True))
+        self._graph_bytes = 0     # of _ctx_compute, taken by graphs (the rest holds tensors)
         self._n_ops = 0
         self._buffers: list = []          # backend buffers of persistent tensors
         self._pending: list[tuple[Tensor, np.ndarray]] = []  # uploads waiting for allocation
@@ -160,6 +171,65 @@ class Program:
         if ctx == ffi.NULL:
             raise MemoryError("ggml_init failed")
         return ctx
+
+    def _reachable_bound(self) -> int:
+        """At least the number of nodes and leafs any graph of this program can have: each is
+        one tensor of its contexts (the compute context's memory less its graphs holds tensors
+        of ggml_tensor_overhead() bytes each) or a frozen tensor mapped from a GGUF file."""
+        overhead = lib.ggml_tensor_overhead()
+        compute = (lib.ggml_used_mem(self._ctx_compute) - self._graph_bytes) // overhead
+        return compute + lib.ggml_used_mem(self._ctx_static) // overhead + len(self.frozen)
+
+    def _check_room(self, nbytes: int, what: str) -> None:
+        """ggml aborts when a context runs out of memory: refuse first, naming the capacity."""
+        if lib.ggml_used_mem(self._ctx_compute) + nbytes > lib.ggml_get_mem_size(self._ctx_compute):
+            raise ShapeError(f"{what} does not fit in this program; create it with "
+                             f"engine.program(capacity=...) larger than {self.capacity}")
+
+    def _new_graph(self, size: int, grads: bool):
+        """A graph for up to `size` nodes and `size` leafs in the compute context."""
+        size = max(int(size), 1)
+        if size > self.capacity:
+            raise ShapeError(f"a graph of {size} nodes is too large for this program; create it with "
+                             f"engine.program(capacity=...) larger than {self.capacity}")
+        nbytes = lib.ggml_graph_overhead_custom(size, grads)
+        self._check_room(nbytes, f"a graph of {size} nodes")
+        graph = lib.ggml_new_graph_custom(self._ctx_compute, size, grads)
+        self._graph_bytes += nbytes
+        return graph
+
+    def _forward_size(self, outputs: list[Tensor]) -> int:
+        """The graph size a forward graph over `outputs` needs (its nodes or its leafs, the
+        larger), counted by building it once in a scratch graph of _reachable_bound() nodes."""
+        bound = self._reachable_bound()
+        scratch = self._new_ctx(lib.ggml_graph_overhead_custom(bound, False))
+        try:
+            graph = lib.ggml_new_graph_custom(scratch, bound, False)
+            for t in outputs:
+                lib.ggml_build_forward_expand(graph, t.ptr)
+            return max(lib.ggml_graph_n_nodes(graph), lib.th_graph_n_leafs(graph))
+        finally:
+            lib.ggml_free(scratch)
+
+    def _backward_size(self, gf, grad_accs) -> tuple[int, int]:
+        """(graph size, new tensors) of gf's backward: ggml_build_backward_expand run once on a
+        copy of gf in a scratch context, freed at once. It only adds tensors of its own, so the
+        same call on the program's graph then makes exactly as many nodes, leafs and tensors.
+        The scratch graph is sized by BACKWARD_TENSORS_PER_NODE; the accumulators are leafs."""
+        n_forward = lib.ggml_graph_n_nodes(gf)
+        made_max = BACKWARD_TENSORS_PER_NODE * n_forward
+        bound = lib.ggml_graph_size(gf) + n_forward + made_max
+        graph_bytes = lib.ggml_graph_overhead_custom(bound, True)
+        scratch = self._new_ctx(graph_bytes + lib.ggml_tensor_overhead() * made_max)
+        try:
+            graph = lib.ggml_new_graph_custom(scratch, bound, True)
+            lib.ggml_graph_cpy(gf, graph)
+            lib.ggml_build_backward_expand(scratch, graph, grad_accs)
+            size = max(lib.ggml_graph_n_nodes(graph), lib.th_graph_n_leafs(graph))
+            made = (lib.ggml_used_mem(scratch) - graph_bytes) // lib.ggml_tensor_overhead()
+        finally:
+            lib.ggml_free(scratch)
+        return size, made
 
     def _count_op(self) -> None:
         self._n_ops += 1
@@ -515,7 +585,7 @@ class ForwardGraph:
 
     def __init__(self, prog: Program, outputs: dict[str, Tensor]):
         self.prog, self.outputs = prog, outputs
-        self.graph = lib.ggml_new_graph_custom(prog._ctx_compute, prog.graph_size, False)
+        self.graph = prog._new_graph(prog._forward_size(list(outputs.values())), False)
         for t in outputs.values():
             lib.ggml_set_output(t.ptr)
             lib.ggml_build_forward_expand(self.graph, t.ptr)
@@ -544,10 +614,10 @@ class Trainer:
         if prog._gemm_rewritten:
             raise InputError("create the Trainer before computing any graph of its program "
                              "(computed graphs have their matrix products rewritten, which have no backward)")
-        gf = lib.ggml_new_graph_custom(ctx, prog.graph_size, True)
-        lib.ggml_build_forward_expand(gf, loss.train.ptr)
-        if loss.report is not loss.train:
-            lib.ggml_build_forward_expand(gf, loss.report.ptr)
+        roots = [loss.train] if loss.report is loss.train else [loss.train, loss.report]
+        gf = prog._new_graph(prog._forward_size(roots), False)
+        for t in roots:
+            lib.ggml_build_forward_expand(gf, t.ptr)
         n = lib.ggml_graph_n_nodes(gf)
         # Persistent gradient accumulators for every parameter and for the loss (one left to
         # the graph allocator is overwritten after step 0 and training silently stalls), in a
@@ -590,11 +660,21 @@ class Trainer:
             self.v[name] = prog._new_static(f"adamw.v.{name}"[:63], p.shape, GGML_TYPE_F32)
         prog.allocate()
 
-        self.gb_grad = lib.ggml_graph_dup(ctx, gf, True)
+        # Each graph sized to what it holds (a copy needs at least its source's size): the
+        # backward's from a count in a scratch context; AdamW adds per parameter at most a cont
+        # and its step (nodes), m and v (leafs), and the row (one leaf).
+        grad_size, made = prog._backward_size(gf, accs)
+        grad_size = max(grad_size, lib.ggml_graph_size(gf))
+        opt_size = grad_size + 2 * len(prog.params) + 1
+        prog._check_room(made * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(grad_size, True)
+                         + lib.ggml_graph_overhead_custom(opt_size, True), "the backward graph")
+        self.gb_grad = prog._new_graph(grad_size, True)
+        lib.ggml_graph_cpy(gf, self.gb_grad)
         lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
         if prog.column_sums_as_products:
             self._column_sums_as_products(self.gb_grad)
-        self.gb_opt = lib.ggml_graph_dup(ctx, self.gb_grad, True)
+        self.gb_opt = prog._new_graph(opt_size, True)
+        lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
         for name, p in prog.params.items():
             grad = lib.ggml_graph_get_grad(self.gb_opt, p.ptr)
             if grad == ffi.NULL:
@@ -604,7 +684,7 @@ class Trainer:
             step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
             lib.ggml_build_forward_expand(self.gb_opt, step)
         self.gf = gf
-        self.eval_graph = lib.ggml_new_graph_custom(ctx, prog.graph_size, False)
+        self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
         if not lib.ggml_gallocr_reserve(prog._galloc, self.gb_opt):
             raise MemoryError("could not reserve memory for the training graph")

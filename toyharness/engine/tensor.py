@@ -228,8 +228,9 @@ class Tensor:
 
         A frozen `w` of another type than f32 (f16, bf16, quantized) multiplies in f32 from its
         dequantized values, never with quantized activations (what ggml's own product does): on
-        cpu the kernels of native/frozen_matmul.c take the product and its input gradient; on
-        other backends (and with TOYHARNESS_CPU_KERNELS=0) a GET_ROWS of all its rows
+        cpu the kernels of native/frozen_matmul.c take the product and its input gradient (in
+        the portable mode, those of native/portable_kernels.c, through our own dequantization);
+        on other backends (and with TOYHARNESS_CPU_KERNELS=0) a GET_ROWS of all its rows
         dequantizes `w` into the graph first (an f32 copy of `w` in the compute buffer).
         """
         self._same_program(w)
@@ -239,7 +240,7 @@ class Tensor:
         if w.type != GGML_TYPE_F32:
             if not lib.th_frozen_type_ok(w.type):
                 raise ShapeError(f"linear: weight {w!r} has a type no frozen product takes")
-            if not self.prog.cpu_kernels:
+            if not (self.prog.cpu_kernels or self.prog.portable):
                 w = w.dequantized()
         lead = self.shape[:-1]
         x2 = self.reshape(-1, self.shape[-1]) if self.ndim != 2 else self
