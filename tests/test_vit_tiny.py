@@ -82,3 +82,19 @@ def test_user_npz_with_color_images_and_its_own_test_split(tmp_path):
               "--no-progress")
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["accuracy"] is not None
+
+
+def test_default_digits_are_read_without_importing_scikit_learn():
+    """scikit-learn's compiled modules bring their own OpenMP runtime, which ended the process when
+    ggml's was loaded first (the GPU host): the digits come from the CSV its package carries."""
+    code = ("import sys; from toyharness._ffi import lib; from toyharness.images import load_image_data; "
+            "d = load_image_data(); print(len(d.train_y) + len(d.test_y), 'sklearn' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["1797", "False"]
+    datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn is not installed: nothing to compare with")
+    from toyharness.images import _digits
+
+    images, labels, _ = _digits()
+    reference = datasets.load_digits()
+    assert np.array_equal(images, reference.images) and np.array_equal(labels, reference.target)

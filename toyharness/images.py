@@ -104,12 +104,20 @@ def load_image_data(spec: str = "default") -> ImageData:
 
 
 def _digits() -> tuple[np.ndarray, np.ndarray, str]:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:
-        raise InputError("the default image data is scikit-learn's digits: pip install scikit-learn") from exc
-    d = load_digits()
-    return d.images, d.target, "sklearn.datasets.load_digits"
+    """scikit-learn's digits (1797 8x8 images, 10 classes), read from the CSV its package carries,
+    as `sklearn.datasets.load_digits` reads it, without importing scikit-learn: its compiled
+    modules bring their own OpenMP runtime, and where ggml's was loaded first that import ended
+    the process ("free(): invalid pointer", seen on the GPU host with torch beside it)."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    csv = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if csv is None or not csv.is_file():
+        raise InputError("the default image data is scikit-learn's digits: pip install scikit-learn")
+    with gzip.open(csv, "rt") as fh:
+        table = np.loadtxt(fh, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int), "scikit-learn's digits.csv.gz"
 
 
 # Class ids index the classifier's output rows: a larger id would size the model by a number.
