@@ -47,7 +47,8 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         const struct ggml_tensor * src = t->src[0];
         if (t->op == GGML_OP_CONT && t->type == GGML_TYPE_F32 && src->type == GGML_TYPE_F32 &&
-            ggml_is_contiguous(t) && !ggml_is_contiguous(src) && th_cont_axis(src) >= 0 &&
+            ggml_is_contiguous(t) && ggml_are_same_shape(t, src) && !ggml_is_contiguous(src) &&
+            th_cont_axis(src) >= 0 &&
             (src->ne[th_cont_axis(src)] + 31) / 32 < 65536) {
             th_mark(t, TH_CUDA_CONT);
             conts++;

@@ -528,9 +528,11 @@ class Program:
             elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
-            elif self.cuda_kernels and lib.th_cuda_rewrite(graph) < 0:
-                raise RuntimeError("a stand-in node could not take its cuda kernel (native/cuda_rewrite.c, "
-                                   "th_cuda_rewrite): not computed")
+            elif self.cuda_kernels:
+                if lib.th_cuda_rewrite(graph) < 0:
+                    raise RuntimeError("a stand-in node could not take its cuda kernel (native/cuda_rewrite.c, "
+                                       "th_cuda_rewrite): not computed")
+                self._check_supported(graph)    # the nodes now ours, as ggml-cuda's dispatch sees them
             self._gemm_rewritten.add(graph)
         # Computed again, a graph keeps its placement: no walk over its nodes per step.
         if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
