@@ -88,3 +88,13 @@ def test_bad_files_are_named(tmp_path):
 def test_committed_ids_are_llama_cpps(tmp_path):
     tool = Path(os.environ["TOYHARNESS_LLAMACPP_TOOL"]).with_name("th_tokenize")
     assert AGREEMENT == cases.derive(str(tool), tmp_path)
+
+
+def test_a_byte_token_that_is_not_0xhh_is_named():
+    """A SentencePiece vocabulary's byte tokens read <0xHH>; another text (found by the fuzzer) was
+    a ValueError from int(..., 16) at decode time."""
+    from toyharness.tokenizer import BYTE, NORMAL
+
+    with pytest.raises(InputError, match=r"tokenizer.ggml.tokens\[1\] is a byte token \(type 6\) but reads 'h', "
+                                         r"not <0xHH>"):
+        GGUFTokenizer("llama", ["<0x41>", "h", "a"], [BYTE, BYTE, NORMAL])

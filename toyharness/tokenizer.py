@@ -16,6 +16,7 @@ holds llama.cpp's ids for tricky texts; the `llamacpp` nox session derives them 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from .errors import InputError
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# a SentencePiece byte token's text: <0x0A>
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after another, each splitting
 # every piece into matches and the gaps between them. Where llama.cpp runs a hand-written matcher
@@ -134,6 +137,10 @@ class GGUFTokenizer:
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
             self._byte_of = {c: b for b, c in enumerate(byte_unicode_table())}
         elif self.model == "llama":
+            for i, (t, kind) in enumerate(zip(self.tokens, self.types)):
+                if kind == BYTE and not _BYTE_TOKEN.fullmatch(t):
+                    raise InputError(f"{self.source}: tokenizer.ggml.tokens[{i}] is a byte token (type 6) but "
+                                     f"reads {t[:40]!r}, not <0xHH>")
             tok = Tokenizer(models.BPE(vocab, spm_merges(self.tokens, self.scores), byte_fallback=True))
         else:
             raise InputError(f"{self.source}: tokenizer model {self.model!r} is not supported; supported: gpt2, llama")
