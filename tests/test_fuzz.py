@@ -199,3 +199,17 @@ def test_toml_value_errors_name_the_config_file(tmp_path):
         with pytest.raises(InputError) as exc:
             resolve_options(obj, str(path), [], {})
         assert f"config file {path}: " in str(exc.value) and message in str(exc.value), str(exc.value)
+
+
+def test_structural_gguf_mutations_of_a_gguf_with_no_fields_fall_back_to_bytes():
+    """atheris fed the mutator a GGUF with no metadata and no tensors: picking a type field from none
+    raised inside the fuzzer (ValueError: high <= 0) and ended its campaign."""
+    from toyharness.fuzz import mutate as m
+
+    empty = b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + bytes(8)     # padded to the alignment, 32
+    layout = walk(empty)
+    rng = np.random.default_rng(0)
+    for mutation in (m.gguf_truncate_at_boundary, m.gguf_hostile_number, m.gguf_wrong_type, m.gguf_tensor_data,
+                     m.gguf_bad_utf8):
+        for _ in range(20):
+            assert isinstance(mutation(empty, rng, layout), bytes)

@@ -104,9 +104,12 @@ def gguf_truncate_at_boundary(data: bytes, rng, layout) -> bytes:
 
 def gguf_hostile_number(data: bytes, rng, layout) -> bytes:
     """A count, length, dimension, offset or version replaced by an extreme value."""
-    f = _pick(rng, [p for p in _fields_of(data, layout, ("version", "n_tensors", "n_kv", "str_len", "array_count",
-                                                         "n_dims", "dim", "tensor_offset", "value"))
-                    if p.size in (4, 8)])     # metadata values too: layer counts, sizes, steps
+    numbers = [p for p in _fields_of(data, layout, ("version", "n_tensors", "n_kv", "str_len", "array_count",
+                                                    "n_dims", "dim", "tensor_offset", "value"))
+               if p.size in (4, 8)]     # metadata values too: layer counts, sizes, steps
+    if not numbers:
+        return flip_bits(data, rng)
+    f = _pick(rng, numbers)
     size = len(data)
     pool = HOSTILE_U32 if f.size == 4 else HOSTILE_U64 + [size, size + 1, size - 1, size // 2]
     if f.kind == "tensor_offset":
@@ -117,7 +120,10 @@ def gguf_hostile_number(data: bytes, rng, layout) -> bytes:
 
 def gguf_wrong_type(data: bytes, rng, layout) -> bytes:
     """A metadata value type, array element type or tensor type replaced by another (or none)."""
-    f = _pick(rng, _fields_of(data, layout, ("value_type", "array_type", "tensor_type")))
+    types = _fields_of(data, layout, ("value_type", "array_type", "tensor_type"))
+    if not types:       # no metadata and no tensors (atheris made such a seed)
+        return flip_bits(data, rng)
+    f = _pick(rng, types)
     pool = list(range(0, 16)) + list(range(16, 42)) + [2**31, 2**32 - 1] if f.kind == "tensor_type" \
         else list(range(0, 14)) + [99, 2**32 - 1]
     return _put(data, f, struct.pack("<I", _pick(rng, pool)))
