@@ -213,3 +213,15 @@ def test_structural_gguf_mutations_of_a_gguf_with_no_fields_fall_back_to_bytes()
                      m.gguf_bad_utf8):
         for _ in range(20):
             assert isinstance(mutation(empty, rng, layout), bytes)
+
+
+def test_the_npy_mutator_survives_a_header_with_negative_dimensions():
+    """atheris made a .npy whose header declares shape (-1, 4): the mutator built its hostile array
+    from that shape and raised inside the fuzzer (negative dimensions)."""
+    from toyharness.fuzz.mutate import mutate_npy
+
+    header = "{'descr': '<u2', 'fortran_order': False, 'shape': (-1, 4), }"
+    header += " " * (63 - len(header)) + "\n"
+    npy = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode() + bytes(32)
+    for seed in range(60):      # the header-derived branch is one in five
+        assert isinstance(mutate_npy(npy, np.random.default_rng(seed)), bytes)

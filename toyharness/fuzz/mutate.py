@@ -241,7 +241,8 @@ def mutate_npy(npy: bytes, rng: np.random.Generator) -> bytes:
         except Exception:     # a header already damaged by an earlier mutation
             shape = (4, 4)
         buf = io.BytesIO()
-        np.save(buf, hostile_array(tuple(min(int(s), 64) for s in shape), rng))
+        # a damaged header may declare negative dimensions: the array made from it must not
+        np.save(buf, hostile_array(tuple(min(max(int(s), 0), 64) for s in shape), rng))
         return buf.getvalue()
     r = rng.random()
     if r < 0.4 and npy.startswith(b"\x93NUMPY"):
