@@ -53,9 +53,14 @@ def _npy_header(fh, where: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
         raise InputError(f"{where}: holds Python objects (dtype {dtype}); only plain numeric arrays are read")
     if any(int(s) < 0 for s in shape):
         raise InputError(f"{where}: negative dimension in shape {shape}")
-    count = 1
+    count, spanned = 1, dtype.itemsize
     for s in shape:
         count *= int(s)
+        spanned *= max(int(s), 1)
+    # numpy refuses a shape whose nonzero dimensions span more than its index type, even when
+    # another dimension is zero and the array is empty: (0, 2**60) holds nothing but cannot be made
+    if spanned >= 2**63:
+        raise InputError(f"{where}: shape {tuple(int(s) for s in shape)} is too large for any array")
     return tuple(int(s) for s in shape), dtype, bool(fortran_order), count * dtype.itemsize
 
 
