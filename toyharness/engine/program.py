@@ -516,7 +516,6 @@ class Program:
             lib.th_clear_ctx_alloc(self._ctx_compute)
             self._last_graph = graph
         if graph not in self._gemm_rewritten:
-            self._check_supported(graph)
             # On cpu, hot nodes get our kernels (native/cpu_kernels.c: sgemm, copies, SILU_BACK,
             # LayerNorm centring); no backward can be built through a rewritten node, so a
             # Trainer must come before any compute.
@@ -528,11 +527,11 @@ class Program:
             elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
-            elif self.cuda_kernels:
-                if lib.th_cuda_rewrite(graph) < 0:
-                    raise RuntimeError("a stand-in node could not take its cuda kernel (native/cuda_rewrite.c, "
-                                       "th_cuda_rewrite): not computed")
-                self._check_supported(graph)    # the nodes now ours, as ggml-cuda's dispatch sees them
+            elif self.cuda_kernels and lib.th_cuda_rewrite(graph) < 0:
+                raise RuntimeError("a stand-in node could not take its cuda kernel (native/cuda_rewrite.c, "
+                                   "th_cuda_rewrite): not computed")
+            # after the rewrites: every node as the backend's dispatch will see it (ours included)
+            self._check_supported(graph)
             self._gemm_rewritten.add(graph)
         # Computed again, a graph keeps its placement: no walk over its nodes per step.
         if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
