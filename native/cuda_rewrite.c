@@ -7,6 +7,16 @@
  *   - GELU: the SILU named "th.gelu_tanh" and its SILU_BACK (blocks.gelu_tanh), one kernel each
  *     way instead of 5 nodes forward and 12 backward over the MLP's widest activation.
  *   - CONT of a permuted f32 tensor (attention's head permutes), an exact copy at memory speed.
+ *   - Attention (blocks.attention), when asked: the nodes ggml's autograd built for
+ *       S = MUL_MAT(k, q), P = SOFT_MAX(S, causal mask or none, scale), O = MUL_MAT(vt, P)
+ *     and for their backward
+ *       dvt = OUT_PROD(P, dO), dP = OUT_PROD(vt, T(dO)), dS = SOFT_MAX_BACK(dP, P),
+ *       dk = OUT_PROD(q, dS), dq = OUT_PROD(k, T(dS))
+ *     become the fused kernels of cuda/th-attention.cu (custom_ops.h has their layouts): P the
+ *     forward (O and L, S then computes nothing), O a copy of it, dP the prep (D, and room for
+ *     dK and dV^T), dS the backward (dS, dK, dV^T), dk and dvt copies; dq stays cuBLAS's
+ *     product of K and dS. dvt moves to just after dS, which now makes its value. A graph whose
+ *     nodes do not have exactly this shape keeps ggml's nodes.
  */
 #include <stdint.h>
 #include <string.h>
@@ -36,12 +46,232 @@ static void th_gelu_backward(struct ggml_tensor * b) { th_mark(b, TH_CUDA_GELU_B
 static int th_is_gelu(const struct ggml_tensor * t) { return th_marked(t, TH_CUDA_GELU); }
 static int th_is_gelu_back(const struct ggml_tensor * b) { return th_marked(b, TH_CUDA_GELU_BACK); }
 
+static void th_set_params(struct ggml_tensor * t, const void * params, size_t size) {
+    memcpy(t->op_params + 2, params, size);
+}
+
+static void th_set_srcs(struct ggml_tensor * t, struct ggml_tensor * s0, struct ggml_tensor * s1,
+                        struct ggml_tensor * s2, struct ggml_tensor * s3, struct ggml_tensor * s4,
+                        struct ggml_tensor * s5) {
+    memset(t->src, 0, sizeof(t->src));
+    t->src[0] = s0, t->src[1] = s1, t->src[2] = s2, t->src[3] = s3, t->src[4] = s4, t->src[5] = s5;
+}
+
+/* a contiguous f32 shape (ne0, ne1), for a node whose readers are all rewritten here */
+static void th_set_rows(struct ggml_tensor * t, int64_t ne0, int64_t ne1) {
+    t->ne[0] = ne0, t->ne[1] = ne1, t->ne[2] = 1, t->ne[3] = 1;
+    t->nb[0] = sizeof(float);
+    for (int i = 1; i < GGML_MAX_DIMS; i++) t->nb[i] = t->nb[i - 1] * t->ne[i - 1];
+}
+
+static int th_f32_contiguous(const struct ggml_tensor * t) { return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t); }
+
+static int th_shape_is(const struct ggml_tensor * t, int64_t ne0, int64_t ne1, int64_t ne2) {
+    return t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == ne2 && t->ne[3] == 1;
+}
+
+/* how many nodes of `graph` read `t`, and the one that does when there is one */
+static int th_readers(struct ggml_cgraph * graph, const struct ggml_tensor * t, struct ggml_tensor ** only) {
+    int n = 0;
+    *only = NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] == t) {
+                n++;
+                *only = u;
+                break;
+            }
+        }
+    }
+    return n;
+}
+
+/* the node OUT_PROD(a, b) of `graph`, b directly or (`transposed`) through a TRANSPOSE view */
+static struct ggml_tensor * th_out_prod(struct ggml_cgraph * graph, const struct ggml_tensor * a,
+                                        const struct ggml_tensor * b, int transposed) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (u->op != GGML_OP_OUT_PROD || u->src[0] != a || u->src[1] == NULL) continue;
+        const struct ggml_tensor * s = u->src[1];
+        if (transposed ? s->op == GGML_OP_TRANSPOSE && s->src[0] == b : s == b) return u;
+    }
+    return NULL;
+}
+
+/* The forward of one attention whose probabilities P (a SOFT_MAX) every reader of which is one
+ * of O, its backward's dvt and dS: P becomes ATTN_FWD, O its copy, S nothing. Returns 3, 0 when
+ * the nodes are not attention's (left to ggml). */
+static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor * p) {
+    struct ggml_tensor * s = p->src[0], * mask = p->src[1], * only;
+    if (s == NULL || s->op != GGML_OP_MUL_MAT || p->src[2] != NULL || th_readers(graph, s, &only) != 1) return 0;
+    struct ggml_tensor * k = s->src[0], * q = s->src[1];
+    const int64_t hd = q->ne[0], T = q->ne[1], heads = q->ne[2];
+    float scale, max_bias;
+    memcpy(&scale, p->op_params, sizeof(float));
+    memcpy(&max_bias, p->op_params + 1, sizeof(float));
+    const int causal = mask != NULL;
+    if (max_bias != 0.0f || !th_attention_head_dim_ok(hd) || T > INT32_MAX / 2 || !th_f32_contiguous(q) ||
+        !th_f32_contiguous(k) || !th_shape_is(k, hd, T, heads) || !th_f32_contiguous(p) ||
+        !th_shape_is(p, T, T, heads) ||
+        (causal && (strncmp(mask->name, "causal_mask.", 12) != 0 || !th_shape_is(mask, T, T, 1)))) {
+        return 0;
+    }
+    struct ggml_tensor * o = NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] != p) continue;
+            if (j == 1 && u->op == GGML_OP_MUL_MAT && o == NULL) {
+                o = u;
+            } else if (!(j == 0 && u->op == GGML_OP_OUT_PROD) && !(j == 1 && u->op == GGML_OP_SOFT_MAX_BACK)) {
+                return 0;          /* P read by a node we do not rewrite: it must stay P */
+            }
+        }
+    }
+    struct ggml_tensor * vt = o != NULL ? o->src[0] : NULL;
+    if (o == NULL || !th_f32_contiguous(vt) || !th_shape_is(vt, T, hd, heads) || !th_f32_contiguous(o) ||
+        !th_shape_is(o, hd, T, heads)) {
+        return 0;
+    }
+    const th_attention_params params = {(int32_t) hd, (int32_t) T, causal, scale};
+    th_mark(p, TH_CUDA_ATTN_FWD);
+    th_set_params(p, &params, sizeof(params));
+    th_set_srcs(p, q, k, vt, NULL, NULL, NULL);
+    th_set_rows(p, th_attention_fwd_floats(hd, T), heads);
+    th_mark(o, TH_CUDA_SLICE);
+    const th_slice_params slice = {th_attention_fwd_floats(hd, T), 0};
+    th_set_params(o, &slice, sizeof(slice));
+    th_set_srcs(o, p, NULL, NULL, NULL, NULL, NULL);
+    s->op = GGML_OP_NONE;
+    th_set_srcs(s, NULL, NULL, NULL, NULL, NULL, NULL);
+    th_set_rows(s, 1, 1);
+    return 3;
+}
+
+/* The backward of the attention whose forward node is `fwd` (ATTN_FWD), where `graph` has it.
+ * Returns the nodes marked, 0 when the graph has no backward of it, -1 when it has one of
+ * another shape (P no longer exists to compute it from). */
+static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor * fwd) {
+    th_attention_params params;
+    memcpy(&params, fwd->op_params + 2, sizeof(params));
+    struct ggml_tensor * q = fwd->src[0], * k = fwd->src[1], * vt = fwd->src[2], * ds = NULL, * only;
+    for (int i = 0; i < ggml_graph_n_nodes(graph) && ds == NULL; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (u->src[1] == fwd && u->op == GGML_OP_SOFT_MAX_BACK) ds = u;
+    }
+    if (ds == NULL) return 0;                       /* no backward here, or marked already */
+    struct ggml_tensor * dp = ds->src[0];
+    if (ds->op != GGML_OP_SOFT_MAX_BACK || dp == NULL || dp->op != GGML_OP_OUT_PROD || dp->src[0] != vt ||
+        dp->src[1] == NULL || dp->src[1]->op != GGML_OP_TRANSPOSE || th_readers(graph, dp, &only) != 1) {
+        return -1;
+    }
+    const int64_t hd = params.hd, T = params.T, heads = q->ne[2];
+    struct ggml_tensor * dout = dp->src[1]->src[0];
+    struct ggml_tensor * dvt = th_out_prod(graph, fwd, dout, 0), * dk = th_out_prod(graph, q, ds, 0);
+    struct ggml_tensor * dq = th_out_prod(graph, k, ds, 1);
+    int ds_readers = th_readers(graph, ds, &only);
+    if (!th_f32_contiguous(dout) || !th_shape_is(dout, hd, T, heads) || !th_f32_contiguous(ds) ||
+        (dvt != NULL && !th_f32_contiguous(dvt)) || (dk != NULL && !th_f32_contiguous(dk)) ||
+        ds_readers != (dk != NULL) + (dq != NULL)) {
+        return -1;
+    }
+    struct ggml_tensor * dout_t = dp->src[1];
+    th_mark(dp, TH_CUDA_ATTN_PREP);
+    th_set_params(dp, &params, sizeof(params));
+    th_set_srcs(dp, dout, fwd, NULL, NULL, NULL, NULL);
+    th_set_rows(dp, th_attention_prep_floats(hd, T), heads);
+    th_mark(ds, TH_CUDA_ATTN_BWD);
+    th_set_params(ds, &params, sizeof(params));
+    th_set_srcs(ds, q, k, vt, dout, fwd, dp);
+    if (th_readers(graph, dout_t, &only) == 0) {
+        /* the transposed view of dO that dP read: a view nothing reads would keep dO allocated
+         * to the graph's end (ggml-alloc frees a source when its views are done) */
+        dout_t->op = GGML_OP_NONE;
+    }
+    int marked = 2;
+    if (dk != NULL) {
+        const th_slice_params slice = {th_attention_prep_floats(hd, T), 0};
+        th_mark(dk, TH_CUDA_SLICE);
+        th_set_params(dk, &slice, sizeof(slice));
+        th_set_srcs(dk, dp, NULL, NULL, NULL, NULL, NULL);
+        marked++;
+    }
+    if (dvt != NULL) {
+        const th_slice_params slice = {th_attention_prep_floats(hd, T), hd * T};
+        th_mark(dvt, TH_CUDA_SLICE);
+        th_set_params(dvt, &slice, sizeof(slice));
+        th_set_srcs(dvt, dp, NULL, NULL, NULL, NULL, NULL);
+        marked++;
+    }
+    return marked;
+}
+
+/* The copies out of an ATTN_PREP node read what its ATTN_BWD node writes, and ggml built dvt
+ * before dP and dS: in each graph (graphs share nodes, not their order) a copy that comes before
+ * the ATTN_BWD node moves to just after it. Returns -1 when it cannot (a node between reads it,
+ * or the graph lacks the ATTN_BWD node). */
+static int th_order_attention_copies(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (!th_marked(t, TH_CUDA_SLICE) || t->src[0] == NULL || !th_marked(t->src[0], TH_CUDA_ATTN_PREP)) continue;
+        int at_bwd = -1;
+        for (int j = 0; j < n && at_bwd < 0; j++) {
+            const struct ggml_tensor * u = ggml_graph_node(graph, j);
+            if (th_marked(u, TH_CUDA_ATTN_BWD) && u->src[5] == t->src[0]) at_bwd = j;
+        }
+        if (at_bwd < 0) return -1;
+        if (at_bwd < i) continue;
+        for (int j = i + 1; j <= at_bwd; j++) {
+            const struct ggml_tensor * u = ggml_graph_node(graph, j);
+            for (int m = 0; m < GGML_MAX_SRC; m++) {
+                if (u->src[m] == t) return -1;
+            }
+        }
+        memmove(graph->nodes + i, graph->nodes + i + 1, sizeof(*graph->nodes) * (size_t) (at_bwd - i));
+        graph->nodes[at_bwd] = t;
+        i--;                                    /* the node now at i is another one */
+    }
+    return 0;
+}
+
+/* Every attention of `graph`: forward and, where the graph has it, backward. Returns the nodes
+ * marked, or -1 (see th_attention_backward). */
+static int th_rewrite_attention(struct ggml_cgraph * graph) {
+    int marked = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (t->op == GGML_OP_SOFT_MAX && t->type == GGML_TYPE_F32) {
+            marked += th_attention_forward(graph, t);
+        }
+        if (th_marked(t, TH_CUDA_ATTN_FWD)) {
+            const int back = th_attention_backward(graph, t);
+            if (back < 0) return -1;
+            marked += back;
+            for (int j = 0; j < ggml_graph_n_nodes(graph); j++) {    /* nothing else reads P */
+                const struct ggml_tensor * u = ggml_graph_node(graph, j);
+                for (int m = 0; m < GGML_MAX_SRC; m++) {
+                    if (u->src[m] == t && !th_marked(u, TH_CUDA_SLICE) && !th_marked(u, TH_CUDA_ATTN_PREP) &&
+                        !th_marked(u, TH_CUDA_ATTN_BWD)) {
+                        return -1;
+                    }
+                }
+            }
+        }
+    }
+    return th_order_attention_copies(graph) < 0 ? -1 : marked;
+}
+
 /* Returns how many nodes were marked, or -1 when a stand-in cannot be (the graph must then not
- * be computed: it would compute silu where GELU is meant). */
-TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph) {
+ * be computed: it would compute silu where GELU is meant), or an attention's backward cannot
+ * follow its fused forward. `attention`: whether to fuse attention. */
+TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     static const struct th_gelu_kernels cuda = {th_gelu_forward, th_gelu_backward, th_is_gelu, th_is_gelu_back};
     const int gelu = th_rewrite_gelu_pairs(graph, &cuda);
     if (gelu < 0) return -1;
+    const int fused = attention ? th_rewrite_attention(graph) : 0;
+    if (fused < 0) return -1;
     int conts = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
@@ -54,10 +284,15 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph) {
             conts++;
         }
     }
-    return gelu + conts;
+    return gelu + fused + conts;
 }
 
-/* "gelu", "gelu_back" or "cont" for a node marked here (bench --profile), else NULL */
+/* the kernel's name for a node marked here (bench --profile), else NULL */
 TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
-    return th_is_gelu(t) ? "gelu" : th_is_gelu_back(t) ? "gelu_back" : th_marked(t, TH_CUDA_CONT) ? "cont" : NULL;
+    static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
+                                   "attention_back", "slice"};
+    for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
+        if (th_marked(t, k)) return names[k];
+    }
+    return NULL;
 }

@@ -1,13 +1,32 @@
 /* What the cpu side (the shim's rewrite, native/cuda_rewrite.c) and our cuda kernels
- * (native/cuda/th-custom.cu, built inside ggml-cuda) agree on: how a GGML_OP_CUSTOM node is
- * marked as ours, which kernel it is, and the GELU constants both sides' formula uses. */
+ * (native/cuda/th-custom.cu and th-attention.cu, built inside ggml-cuda) agree on: how a
+ * GGML_OP_CUSTOM node is marked as ours, which kernel it is, its parameters, the layouts the
+ * attention kernels share, and the GELU constants both sides' formula uses. */
 #pragma once
 
 #include "ggml.h"
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 2
-enum { TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3 };
+#define TH_CUDA_KERNELS_VERSION 3
+enum {
+    TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
+    /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
+     *   ATTN_FWD   srcs q (hd,T,BH), k (hd,T,BH), vt (T,hd,BH); per head O (T x hd) then L (T)
+     *   ATTN_PREP  srcs dO (hd,T,BH), the ATTN_FWD node; per head dK (T x hd), dV^T (hd x T), D (T):
+     *              it computes D, and ATTN_BWD (which reads it) writes dK and dV^T into it
+     *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP; dS (T,T,BH), what SOFT_MAX_BACK gives
+     *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride` */
+    TH_CUDA_ATTN_FWD = 4, TH_CUDA_ATTN_PREP = 5, TH_CUDA_ATTN_BWD = 6, TH_CUDA_SLICE = 7,
+};
+
+/* op_params[2..] of the attention nodes, and of SLICE */
+typedef struct { int32_t hd, T, causal; float scale; } th_attention_params;
+typedef struct { int64_t stride, offset; } th_slice_params;
+
+static inline int th_attention_head_dim_ok(int64_t hd) { return hd == 16 || hd == 32 || hd == 64; }
+/* floats a head in the ATTN_FWD node (O, L) and in the ATTN_PREP node (dK, dV^T, D) */
+static inline int64_t th_attention_fwd_floats(int64_t hd, int64_t T) { return (hd + 1) * T; }
+static inline int64_t th_attention_prep_floats(int64_t hd, int64_t T) { return (2 * hd + 1) * T; }
 
 #define TH_GELU_K1 1.5957691216057308f   /* 2 sqrt(2 / pi) */
 #define TH_GELU_K3 0.0713548162726009f   /* 0.044715 * 2 sqrt(2 / pi) */

@@ -39,12 +39,12 @@ def test_the_cuda_rewrite_marks_each_gelu_stand_in_and_its_backward():
     prog.cpu_kernels = True          # blocks build the stand-in
     y = blocks.gelu_tanh(prog.param("x", RNG.normal(size=(4, 8)).astype(np.float32)))
     trainer = prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected")
-    assert lib.th_cuda_rewrite(trainer.gb_grad) == 2
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2
     names = [lib.th_cuda_kernel_name(lib.ggml_graph_node(trainer.gb_grad, i))
              for i in range(lib.ggml_graph_n_nodes(trainer.gb_grad))]
     assert sorted(ffi.string(n).decode() for n in names if n != ffi.NULL) == ["gelu", "gelu_back"]
     assert "SILU" not in ops_of(trainer.gb_grad) and "SILU_BACK" not in ops_of(trainer.gb_grad)
-    assert lib.th_cuda_rewrite(trainer.gb_opt) == 0      # the same nodes, marked already
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0      # the same nodes, marked already
 
 
 def test_the_cuda_rewrite_takes_conts_of_permutes_and_leaves_plain_ones():
@@ -54,7 +54,7 @@ def test_the_cuda_rewrite_takes_conts_of_permutes_and_leaves_plain_ones():
     transposed = x.permute(0, 1, 3, 2).cont()      # the contiguous axis moves: the tiled copy
     plain = (x * 2.0).reshape(6, 20).cont()        # a copy of a contiguous tensor: ggml's memcpy
     graph = prog.forward({"a": moved, "b": transposed, "c": plain}).graph
-    assert lib.th_cuda_rewrite(graph) == 2
+    assert lib.th_cuda_rewrite(graph, 1) == 2
     names = [lib.th_cuda_kernel_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph))]
     assert [ffi.string(n).decode() for n in names if n != ffi.NULL] == ["cont", "cont"]
     assert ops_of(graph).count("CONT") == 1
@@ -113,3 +113,94 @@ def test_conts_of_every_permute_on_cuda_are_exact_copies(backend):
     assert ops_of(graph.graph).count("CUSTOM") == len(perms)
     for p in perms:
         assert np.array_equal(got[str(p)], np.transpose(x, p)), p
+
+
+def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
+                      causal: bool = True, seed: int = 5):
+    """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
+    rng = np.random.default_rng(seed)
+    kv = d // n_head * (n_kv_head or n_head)
+    prog = get_engine(backend).program()
+    x = prog.param("x", rng.normal(size=(b, t, d)).astype(np.float32))
+    w = {n: prog.param(n, (rng.normal(size=(rows, d)) / np.sqrt(d)).astype(np.float32))
+         for n, rows in (("wq", d), ("wk", kv), ("wv", kv), ("wo", d))}
+    y = blocks.attention(x, w["wq"], w["wk"], w["wv"], w["wo"], n_head, n_kv_head, causal=causal)
+    weights = prog.constant("weights", rng.normal(size=(b, t, d)).astype(np.float32))
+    trainer = prog.trainer(prog.scalar_loss((y * weights).sum()), "bias_corrected")
+    return prog, trainer, prog.forward({"y": y})
+
+
+def kernel_names(graph) -> list[str]:
+    names = (lib.th_cuda_kernel_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph)))
+    return [ffi.string(n).decode() for n in names if n != ffi.NULL]
+
+
+def test_the_cuda_rewrite_fuses_attention_and_orders_its_copies_in_every_graph():
+    """Built on cpu (never computed here): P, O and the backward's dP, dS, dk, dvt become the fused
+    kernels' nodes, S computes nothing, and in each graph dvt's copy follows the backward node."""
+    prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2)
+    assert ops_of(trainer.gb_grad).count("SOFT_MAX") == 1
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 8           # + the 8 head-permute copies
+    assert [n for n in kernel_names(trainer.gb_grad) if n != "cont"] == [
+        "attention", "slice", "attention_prep", "attention_back", "slice", "slice"]
+    ops = ops_of(trainer.gb_grad)
+    assert "SOFT_MAX" not in ops and "SOFT_MAX_BACK" not in ops
+    assert ops.count("OUT_PROD") == 12 - 3          # of attention's 4, dq stays (cuBLAS's product)
+    # gb_opt holds the same nodes in its own order: nothing new to mark, but its copies move
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
+    assert [n for n in kernel_names(trainer.gb_opt) if n != "cont"][-3:] == ["attention_back", "slice", "slice"]
+    assert lib.th_cuda_rewrite(fg.graph, 1) == 0
+
+
+@pytest.mark.parametrize("why, kwargs, flag", [
+    ("a head size the kernels lack (8)", dict(d=16), 1),
+    ("fusion not asked for", dict(d=32), 0),
+])
+def test_the_cuda_rewrite_leaves_attention_to_ggml(why, kwargs, flag):
+    prog, trainer, fg = attention_program("cpu", 2, 8, n_head=2, **kwargs)
+    lib.th_cuda_rewrite(trainer.gb_grad, flag)
+    assert "attention" not in kernel_names(trainer.gb_grad), why
+    assert ops_of(trainer.gb_grad).count("SOFT_MAX_BACK") == 1, why
+
+
+def test_fused_attention_can_be_turned_off_by_name(monkeypatch):
+    from toyharness.errors import InputError
+
+    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", "ggml")
+    assert not get_engine("cpu").program().fused_attention
+    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", "flash")
+    with pytest.raises(InputError, match="TOYHARNESS_CUDA_ATTENTION='flash': use fused or ggml"):
+        get_engine("cpu").program()
+
+
+def attention_values(monkeypatch, how: str, **shape) -> dict[str, np.ndarray]:
+    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", how)
+    prog, trainer, fg = attention_program("cuda", **shape)
+    out = {"y": fg.run({})["y"]}
+    trainer.grads_only({})
+    out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "wq", "wk", "wv", "wo")})
+    kernels = kernel_names(trainer.gb_grad) + kernel_names(fg.graph)
+    assert ("attention_back" in kernels) == (how == "fused")
+    return out
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", [
+    dict(b=2, t=64, d=128, n_head=2),                         # one tile, head size 64
+    dict(b=3, t=200, d=64, n_head=2),                         # partial tiles, head size 32
+    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # grouped-query heads, head size 16
+    dict(b=2, t=37, d=128, n_head=2, causal=False),           # vit's kind: no mask, odd length
+    dict(b=1, t=300, d=128, n_head=2, causal=False),
+])
+def test_fused_attention_on_cuda_matches_ggmls_nodes_and_repeats_its_bits(backend, shape, monkeypatch):
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    fused = attention_values(monkeypatch, "fused", **shape)
+    again = attention_values(monkeypatch, "fused", **shape)
+    ggml = attention_values(monkeypatch, "ggml", **shape)
+    for name, want in ggml.items():
+        got = fused[name]
+        assert np.isfinite(got).all(), name
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 2e-6, (name, err)
+        assert np.array_equal(got, again[name]), name

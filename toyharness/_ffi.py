@@ -179,7 +179,7 @@ int th_frozen_type_ok(int type);
 int th_portable_dequantize(int type, const void * src, float * dst, int64_t n);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 int64_t th_column_sum_rows(const ggml_tensor * t);
-int th_cuda_rewrite(ggml_cgraph * graph);
+int th_cuda_rewrite(ggml_cgraph * graph, int attention);
 const char * th_cuda_kernel_name(const ggml_tensor * t);
 int th_cuda_kernels_version(void);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);

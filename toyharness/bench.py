@@ -237,13 +237,21 @@ def _shape(node) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
+def _key(node) -> int:
+    from ._ffi import ffi
+
+    return int(ffi.cast("uintptr_t", node))
+
+
 def _op_label(node, op: str) -> str:
     """The op, with "[heads]" on a product batched over heads (attention's scores and its product
     with V, and their gradients) to set it apart from a weight's product or gradient."""
-    from ._ffi import lib
+    from ._ffi import ffi, lib
 
     if op == "MUL_MAT":
         weight_side = lib.th_tensor_src(node, 0)
+        if weight_side == ffi.NULL:      # a product the cuda rewrite fused away (attention's scores)
+            return op + "[heads]"
     elif op == "OUT_PROD":
         weight_side = node
     else:
@@ -272,7 +280,9 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
         raise InputError(f"recipe {recipe}: no ggml training graph to profile")
     graph = trainer.gb_opt
     n = lib.ggml_graph_n_nodes(graph)
-    built = [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode() for i in range(n)]
+    # each node's op as built, by node (a rewrite may move nodes: cuda's attention copies)
+    built = {_key(lib.ggml_graph_node(graph, i)): ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
+             for i in range(n)}
     step_ms = []
     for step in range(6):             # the first compute also swaps in our cpu kernels
         t0 = time.perf_counter()
@@ -293,9 +303,10 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
     nodes: list[NodeTime] = []
     idle = []
     for i in range(n):
-        phase = "forward" if i < n_forward else "adamw" if built[i] == "OPT_STEP_ADAMW" else "backward"
-        phases[phase] += float(per_node[i])
         node = lib.ggml_graph_node(graph, i)
+        op = built[_key(node)]
+        phase = "forward" if i < n_forward else "adamw" if op == "OPT_STEP_ADAMW" else "backward"
+        phases[phase] += float(per_node[i])
         now = ffi.string(lib.ggml_op_desc(node)).decode()
         name = lib.th_kernel_name(node)
         if name == ffi.NULL:
@@ -303,11 +314,11 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
         if name == ffi.NULL and trainer.prog.cuda_kernels:
             name = lib.th_cuda_kernel_name(node)
         kernel = ffi.string(name).decode() if name != ffi.NULL else "ggml"
-        if now == "NONE" and built[i] != "NONE":      # folded into another node's kernel
+        if now == "NONE" and op != "NONE":      # folded into another node's kernel
             kernel = "fused away"
         if now in _NO_COMPUTE:
             idle.append(per_node[i])
-        label = _op_label(node, built[i])
+        label = _op_label(node, op)
         row = table.setdefault((label, kernel), OpTime(label, kernel, 0, 0.0))
         row.nodes += 1
         row.ms += float(per_node[i])

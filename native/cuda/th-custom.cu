@@ -133,6 +133,11 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
             return th_f32_contiguous(op) && op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_F32 &&
                    ggml_are_same_shape(op, op->src[0]) && th_cont_axis(op->src[0]) >= 0 &&
                    (op->src[0]->ne[th_cont_axis(op->src[0])] + 31) / 32 < 65536;
+        case TH_CUDA_ATTN_FWD:
+        case TH_CUDA_ATTN_PREP:
+        case TH_CUDA_ATTN_BWD:
+        case TH_CUDA_SLICE:
+            return th_attention_supported(op, th_kernel_of(op));
         default:
             return false;
     }
@@ -154,6 +159,11 @@ bool th_cuda_custom(cudaStream_t stream, ggml_tensor * dst) {
         case TH_CUDA_CONT:
             th_cont(stream, dst);
             return true;
+        case TH_CUDA_ATTN_FWD:
+        case TH_CUDA_ATTN_PREP:
+        case TH_CUDA_ATTN_BWD:
+        case TH_CUDA_SLICE:
+            return th_attention(stream, dst, th_kernel_of(dst));
         default:
             return false;
     }

@@ -11,3 +11,7 @@
 bool th_cuda_custom_supported(const ggml_tensor * op);
 // compute `dst` on `stream`; false when it is not a node of ours
 bool th_cuda_custom(cudaStream_t stream, ggml_tensor * dst);
+
+// the fused attention's nodes (th-attention.cu): ATTN_FWD, ATTN_PREP, ATTN_BWD and SLICE
+bool th_attention_supported(const ggml_tensor * op, int kernel);
+bool th_attention(cudaStream_t stream, ggml_tensor * dst, int kernel);

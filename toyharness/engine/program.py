@@ -114,6 +114,15 @@ def column_sums_as_products(backend: str) -> bool:
     return choice == "product" if choice else backend == "cuda"
 
 
+def fused_attention() -> bool:
+    """Whether the cuda rewrite fuses attention (native/cuda/th-attention.cu): yes unless
+    TOYHARNESS_CUDA_ATTENTION=ggml (ggml's nodes: comparisons, tests)."""
+    choice = os.environ.get("TOYHARNESS_CUDA_ATTENTION", "")
+    if choice not in ("", "fused", "ggml"):
+        raise InputError(f"TOYHARNESS_CUDA_ATTENTION={choice!r}: use fused or ggml")
+    return choice != "ggml"
+
+
 class Program:
     def __init__(self, engine: Engine, capacity: int = 1 << 16):
         self.engine = engine
@@ -162,6 +171,8 @@ class Program:
         # REPEAT_BACK nodes into OUT_PROD(grad, ones) (same sum, one gemv-shaped product).
         # TOYHARNESS_COLUMN_SUMS=product|repeat_back chooses on any backend (tests, comparisons).
         self.column_sums_as_products = column_sums_as_products(engine.backend)
+        # on cuda, attention's nodes become our fused kernels (see fused_attention)
+        self.fused_attention = fused_attention()
         self.last_compute_s = 0.0
 
     # --- contexts and persistent tensors -------------------------------------------------
@@ -527,9 +538,10 @@ class Program:
             elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
-            elif self.cuda_kernels and lib.th_cuda_rewrite(graph) < 0:
-                raise RuntimeError("a stand-in node could not take its cuda kernel (native/cuda_rewrite.c, "
-                                   "th_cuda_rewrite): not computed")
+            elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention) < 0:
+                raise RuntimeError("a stand-in node could not take its cuda kernel, or an attention's backward "
+                                   "could not follow its fused forward (native/cuda_rewrite.c, th_cuda_rewrite): "
+                                   "not computed")
             # after the rewrites: every node as the backend's dispatch will see it (ours included)
             self._check_supported(graph)
             self._gemm_rewritten.add(graph)
