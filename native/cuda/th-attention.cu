@@ -75,6 +75,16 @@ static __device__ __forceinline__ void th_ld_row(const float * p, float (&v)[DN]
     }
 }
 
+// a tile's rows row0 .. row0 + B of x (T rows of HD floats), transposed into smem: t[d][r]
+// (rows at or past T are zeros). Read along d (coalesced), stored along r.
+template <int HD>
+static __device__ __forceinline__ void th_load_transposed(float * t, const float * x, const int row0, const int T) {
+    for (int i = threadIdx.x; i < TH_AT_B * HD; i += TH_AT_THREADS) {
+        const int r = i / HD, d = i % HD;
+        t[d * TH_AT_LD + r] = row0 + r < T ? x[(int64_t) (row0 + r) * HD + d] : 0.0f;
+    }
+}
+
 // the forward: one CTA a (head, query block); the last query blocks (most key blocks) start first
 template <int HD>
 static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_fwd_kernel(const th_attn_args a) {
@@ -90,10 +100,7 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_fwd_kernel(const
     const float * q = a.q + bh * a.q_s;
     const float * k = a.k + bh * a.k_s;
     const float * vt = a.vt + bh * a.vt_s;
-    for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
-        const int r = i / HD, d = i % HD;
-        Qt[d * TH_AT_LD + r] = q0 + r < T ? q[(int64_t) (q0 + r) * HD + d] : 0.0f;
-    }
+    th_load_transposed<HD>(Qt, q, q0, T);
     float m[4], l[4], o[4][DN];
     for (int i = 0; i < 4; i++) {
         m[i] = -INFINITY;
@@ -104,10 +111,7 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_fwd_kernel(const
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_AT_B;
         __syncthreads();
-        for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
-            const int c = i / HD, d = i % HD;
-            Kt[d * TH_AT_LD + c] = k0 + c < T ? k[(int64_t) (k0 + c) * HD + d] : 0.0f;
-        }
+        th_load_transposed<HD>(Kt, k, k0, T);
         for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
             const int d = i / TH_AT_B, c = i % TH_AT_B;
             V[c * LDV + d] = k0 + c < T ? vt[(int64_t) d * T + k0 + c] : 0.0f;
@@ -220,10 +224,7 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(co
     float * scratch = a.scratch + bh * ((int64_t) T * (2 * HD + 1));
     const float * D = scratch + 2 * (int64_t) T * HD;
     float * ds_out = a.out + bh * ((int64_t) T * T);
-    for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
-        const int c = i / HD, d = i % HD;
-        Kt[d * TH_AT_LD + c] = k0 + c < T ? k[(int64_t) (k0 + c) * HD + d] : 0.0f;
-    }
+    th_load_transposed<HD>(Kt, k, k0, T);
     for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
         const int d = i / TH_AT_B, c = i % TH_AT_B;
         Vt[d * TH_AT_LD + c] = k0 + c < T ? vt[(int64_t) d * T + k0 + c] : 0.0f;
