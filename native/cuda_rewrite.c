@@ -17,6 +17,20 @@
  *     dK and dV^T), dS the backward (dS, dK, dV^T), dk and dvt copies; dq stays cuBLAS's
  *     product of K and dS. dvt moves to just after dS, which now makes its value. A graph whose
  *     nodes do not have exactly this shape keeps ggml's nodes.
+ *   - A bias added to a product's rows (blocks.linear: ADD(MUL_MAT(w, x) through reshapes, b)):
+ *     the ADD becomes one node of ours, b broadcast into its rows then cuBLAS's product added
+ *     with beta 1 (the same call as ggml's MUL_MAT otherwise), instead of a product and a pass
+ *     that reads it again; the product's node computes nothing.
+ *   - GET_ROWS_BACK (an embedding's gradient): ggml-cuda's kernel gives each output element a
+ *     thread that reads all R ids from memory (1 ms a step at nanoGPT's size); ours stages them
+ *     in shared memory once per block of 256 threads and sums the same rows in the same order,
+ *     so the bits do not change.
+ *   - LayerNorm (blocks.layer_norm): the RMS_NORM named TH_LAYER_NORM_NAME stands in for the
+ *     normalization of centred rows, and its RMS_NORM_BACK for that one's backward, one kernel
+ *     each way instead of the centring's 3 nodes forward and 4 backward and ggml's RMS_NORM.
+ *     Its gain and bias, ADD(MUL(t, g), b), are one pass; the backward's MUL(dy, g) is formed
+ *     inside LayerNorm's backward, and the gain's gradient, a column sum of MUL(t, dy), is one
+ *     kernel that reads t and dy. A product or MUL folded into a later node computes nothing.
  */
 #include <stdint.h>
 #include <string.h>
@@ -215,7 +229,10 @@ static int th_order_attention_copies(struct ggml_cgraph * graph) {
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
-        if (!th_marked(t, TH_CUDA_SLICE) || t->src[0] == NULL || !th_marked(t->src[0], TH_CUDA_ATTN_PREP)) continue;
+        if (!(th_marked(t, TH_CUDA_SLICE) || th_marked(t, TH_CUDA_SLICE_CONT)) || t->src[0] == NULL ||
+            !th_marked(t->src[0], TH_CUDA_ATTN_PREP)) {
+            continue;
+        }
         int at_bwd = -1;
         for (int j = 0; j < n && at_bwd < 0; j++) {
             const struct ggml_tensor * u = ggml_graph_node(graph, j);
@@ -252,45 +269,257 @@ static int th_rewrite_attention(struct ggml_cgraph * graph) {
             for (int j = 0; j < ggml_graph_n_nodes(graph); j++) {    /* nothing else reads P */
                 const struct ggml_tensor * u = ggml_graph_node(graph, j);
                 for (int m = 0; m < GGML_MAX_SRC; m++) {
-                    if (u->src[m] == t && !th_marked(u, TH_CUDA_SLICE) && !th_marked(u, TH_CUDA_ATTN_PREP) &&
-                        !th_marked(u, TH_CUDA_ATTN_BWD)) {
+                    if (u->src[m] == t && !th_marked(u, TH_CUDA_SLICE) && !th_marked(u, TH_CUDA_SLICE_CONT) &&
+                        !th_marked(u, TH_CUDA_ATTN_PREP) && !th_marked(u, TH_CUDA_ATTN_BWD)) {
                         return -1;
                     }
                 }
             }
         }
     }
-    return th_order_attention_copies(graph) < 0 ? -1 : marked;
+    return marked;
+}
+
+static int th_is_folded(const struct ggml_tensor * t) {
+    return t != NULL && th_marked(t->view_src != NULL ? t->view_src : t, TH_CUDA_FOLDED);
+}
+
+/* 0, or -1 when a node folded into a later one (graphs share nodes: maybe by an earlier graph) is
+ * read in `graph` by a node that is not a view of it (COLUMN_DOT's scratch aside), or is an
+ * output: it holds no value. */
+static int th_check_folded(struct ggml_cgraph * graph) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        const struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if ((u->flags & GGML_TENSOR_FLAG_OUTPUT) && th_is_folded(u)) return -1;
+        if (u->view_src != NULL) continue;
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (th_is_folded(u->src[j]) && !(th_marked(u, TH_CUDA_COLUMN_DOT) && j == 2)) return -1;
+        }
+    }
+    return 0;
+}
+
+/* the node under `t`'s RESHAPE views when each of them, and it, is read by the one above alone
+ * (`reader` reads t), and it has op `op`; else NULL */
+static struct ggml_tensor * th_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                              struct ggml_tensor * t, enum ggml_op op) {
+    struct ggml_tensor * only;
+    while (t != NULL && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == op) return t;
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+/* MUL(t, g) of f32 rows t (n, rows) and a gain g (n): its g, else NULL */
+static struct ggml_tensor * th_gain_of(const struct ggml_tensor * m, int64_t n) {
+    const struct ggml_tensor * t = m->src[0];
+    struct ggml_tensor * g = m->src[1];
+    if (!th_f32_contiguous(m) || t == NULL || !th_f32_contiguous(t) || !ggml_are_same_shape(m, t) || m->ne[0] != n ||
+        g == NULL || !th_f32_contiguous(g) || ggml_nelements(g) != n || g->ne[0] != n) {
+        return NULL;
+    }
+    return g;
+}
+
+static void th_fold(struct ggml_tensor * t, int shrink) {
+    th_mark(t, TH_CUDA_FOLDED);
+    th_set_srcs(t, NULL, NULL, NULL, NULL, NULL, NULL);
+    if (shrink) th_set_rows(t, 1, 1);
+}
+
+/* ADD(y, b) of a bias b (n) over the rows of y = MUL_MAT(w, x) (n, m), y reached through
+ * RESHAPE views only, each node of the way read by the next alone: LINEAR_BIAS and FOLDED.
+ * Returns the nodes marked. */
+static int th_rewrite_linear_biases(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * a = ggml_graph_node(graph, i), * b = a->src[1], * y;
+        if (a->op != GGML_OP_ADD || !th_f32_contiguous(a) || b == NULL || !th_f32_contiguous(b) ||
+            ggml_nelements(b) != b->ne[0] || b->ne[0] != a->ne[0] ||
+            (y = th_under_reshapes(graph, a, a->src[0], GGML_OP_MUL_MAT)) == NULL) {
+            continue;
+        }
+        struct ggml_tensor * w = y->src[0], * x = y->src[1];
+        if (!th_f32_contiguous(y) || !th_f32_contiguous(w) || !th_f32_contiguous(x) || y->ne[2] * y->ne[3] != 1 ||
+            w->ne[2] * w->ne[3] != 1 || x->ne[2] * x->ne[3] != 1 || y->ne[0] != a->ne[0] ||
+            ggml_nelements(y) != ggml_nelements(a) || y->ne[1] > INT32_MAX || w->ne[0] > INT32_MAX) {
+            continue;
+        }
+        th_mark(a, TH_CUDA_LINEAR_BIAS);
+        th_set_srcs(a, w, x, b, NULL, NULL, NULL);
+        th_fold(y, 1);
+        marked += 2;
+    }
+    return marked;
+}
+
+/* The affine part of norms: ADD(MUL(t, g), b) -> AFFINE; LAYER_NORM_BACK(MUL(dy, g), x) reads dy
+ * and g; OUT_PROD(MUL(a, c), ones) -> COLUMN_DOT. Returns the nodes marked. */
+static int th_rewrite_norm_affines(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * m, * g;
+        if (u->op == GGML_OP_ADD && th_f32_contiguous(u) && u->src[1] != NULL && th_f32_contiguous(u->src[1]) &&
+            ggml_nelements(u->src[1]) == u->ne[0] && u->src[1]->ne[0] == u->ne[0] &&
+            (m = th_under_reshapes(graph, u, u->src[0], GGML_OP_MUL)) != NULL && (g = th_gain_of(m, u->ne[0])) &&
+            ggml_nelements(m) == ggml_nelements(u)) {
+            th_mark(u, TH_CUDA_AFFINE);
+            th_set_srcs(u, m->src[0], g, u->src[1], NULL, NULL, NULL);
+            th_fold(m, 1);
+            marked += 2;
+        } else if (th_marked(u, TH_CUDA_LAYER_NORM_BACK) && u->src[2] == NULL &&
+                   (m = th_under_reshapes(graph, u, u->src[0], GGML_OP_MUL)) != NULL && (g = th_gain_of(m, u->ne[0])) &&
+                   ggml_nelements(m) == ggml_nelements(u)) {
+            th_set_srcs(u, m->src[0], u->src[1], g, NULL, NULL, NULL);
+            th_fold(m, 1);
+            marked += 1;
+        } else if (u->op == GGML_OP_OUT_PROD && th_f32_contiguous(u) && u->src[1] != NULL &&
+                   strncmp(u->src[1]->name, "ones.", 5) == 0 && u->src[1]->ne[0] == 1 &&
+                   (m = th_under_reshapes(graph, u, u->src[0], GGML_OP_MUL)) != NULL && th_f32_contiguous(m) &&
+                   m->ne[2] * m->ne[3] == 1 && ggml_nelements(u) == m->ne[0] && u->src[1]->ne[1] == m->ne[1] &&
+                   th_f32_contiguous(m->src[0]) && th_f32_contiguous(m->src[1]) && ggml_are_same_shape(m, m->src[0]) &&
+                   ggml_are_same_shape(m, m->src[1])) {
+            th_mark(u, TH_CUDA_COLUMN_DOT);
+            th_set_srcs(u, m->src[0], m->src[1], m, NULL, NULL, NULL);
+            th_fold(m, 0);                /* its buffer is COLUMN_DOT's scratch */
+            marked += 2;
+        }
+    }
+    return marked;
+}
+
+static float th_eps_of(const struct ggml_tensor * t, int at) {
+    float eps;
+    memcpy(&eps, t->op_params + at, sizeof(eps));
+    return eps;
+}
+
+/* LayerNorm's stand-ins: every RMS_NORM named TH_LAYER_NORM_NAME, and every RMS_NORM_BACK of one.
+ * Returns the nodes marked, or -1 when a stand-in cannot be (it would compute RMSNorm), or when a
+ * plain RMS_NORM of the same rows makes a backward ambiguous. */
+static int th_rewrite_layer_norms(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (t->op != GGML_OP_RMS_NORM || strcmp(t->name, TH_LAYER_NORM_NAME) != 0) continue;
+        if (!th_f32_contiguous(t) || !th_f32_contiguous(t->src[0]) || !ggml_are_same_shape(t, t->src[0])) return -1;
+        const float eps = th_eps_of(t, 0);
+        th_mark(t, TH_CUDA_LAYER_NORM);
+        th_set_params(t, &eps, sizeof(eps));
+        marked++;
+    }
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * b = ggml_graph_node(graph, i);
+        if (b->op != GGML_OP_RMS_NORM_BACK) continue;
+        const struct ggml_tensor * ours = NULL;
+        int plain = 0;
+        for (int j = 0; j < n; j++) {
+            const struct ggml_tensor * f = ggml_graph_node(graph, j);
+            if (f->src[0] != b->src[1]) continue;
+            if (th_marked(f, TH_CUDA_LAYER_NORM) && th_eps_of(f, 2) == th_eps_of(b, 0)) ours = f;
+            if (f->op == GGML_OP_RMS_NORM && th_eps_of(f, 0) == th_eps_of(b, 0)) plain = 1;
+        }
+        if (ours == NULL) continue;                  /* a plain RMS_NORM's backward */
+        if (plain || !th_f32_contiguous(b) || !th_f32_contiguous(b->src[0]) || !ggml_are_same_shape(b, b->src[1])) {
+            return -1;
+        }
+        const float eps = th_eps_of(b, 0);
+        th_mark(b, TH_CUDA_LAYER_NORM_BACK);
+        th_set_params(b, &eps, sizeof(eps));
+        marked++;
+    }
+    return marked;
+}
+
+/* A CONT of a permuted view of a SLICE (attention's O, dK and dV^T: copied out of the fused
+ * kernels' nodes, then permuted back to the projections' layout): one copy, from the sliced node,
+ * and the SLICE computes nothing. Only where the view's strides split into a head's (each below
+ * the slice's floats a head) and the heads' (multiples of it). Returns the nodes marked. */
+static int th_merge_slice_conts(struct ggml_cgraph * graph) {
+    int marked = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i), * view = t->src[0], * x = view, * reader = t, * only;
+        if (!th_marked(t, TH_CUDA_CONT) || view == NULL || view->view_src == NULL || view->view_offs != 0) continue;
+        while (x->view_src != NULL && th_readers(graph, x, &only) == 1 && only == reader) {
+            reader = x;
+            x = x->src[0];
+        }
+        if (x != view->view_src || !th_marked(x, TH_CUDA_SLICE) || th_readers(graph, x, &only) != 1 || only != reader) {
+            continue;
+        }
+        th_slice_params slice;
+        memcpy(&slice, x->op_params + 2, sizeof(slice));
+        const int64_t head = x->ne[0] * x->ne[1];          /* floats a head in the slice */
+        th_slice_cont_params p = {{0, 0, 0, 0}, slice.offset};
+        int64_t within = 0;
+        for (int k = 0; k < GGML_MAX_DIMS; k++) {
+            const int64_t stride = (int64_t) (view->nb[k] / sizeof(float));
+            p.nb[k] = (int64_t) view->nb[k];
+            if (view->ne[k] == 1) continue;
+            if (stride % head == 0) {
+                p.nb[k] = stride / head * slice.stride * (int64_t) sizeof(float);
+            } else {
+                within += (view->ne[k] - 1) * stride;
+            }
+        }
+        if (within >= head) continue;
+        th_mark(t, TH_CUDA_SLICE_CONT);
+        th_set_params(t, &p, sizeof(p));
+        th_set_srcs(t, x->src[0], NULL, NULL, NULL, NULL, NULL);
+        th_fold(x, 1);
+        marked += 2;
+    }
+    return marked;
 }
 
 /* Returns how many nodes were marked, or -1 when a stand-in cannot be (the graph must then not
- * be computed: it would compute silu where GELU is meant), or an attention's backward cannot
- * follow its fused forward. `attention`: whether to fuse attention. */
+ * be computed: it would compute silu where GELU is meant, RMSNorm where LayerNorm is), when an
+ * attention's backward cannot follow its fused forward, or a folded product is read.
+ * `attention`: whether to fuse attention. */
 TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     static const struct th_gelu_kernels cuda = {th_gelu_forward, th_gelu_backward, th_is_gelu, th_is_gelu_back};
     const int gelu = th_rewrite_gelu_pairs(graph, &cuda);
     if (gelu < 0) return -1;
     const int fused = attention ? th_rewrite_attention(graph) : 0;
     if (fused < 0) return -1;
-    int conts = 0;
+    const int norms = th_rewrite_layer_norms(graph);
+    if (norms < 0) return -1;
+    const int biases = th_rewrite_linear_biases(graph);
+    const int affines = th_rewrite_norm_affines(graph);
+    int copies = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         const struct ggml_tensor * src = t->src[0];
-        if (t->op == GGML_OP_CONT && t->type == GGML_TYPE_F32 && src->type == GGML_TYPE_F32 &&
-            ggml_is_contiguous(t) && ggml_are_same_shape(t, src) && !ggml_is_contiguous(src) &&
-            th_cont_axis(src) >= 0 &&
-            (src->ne[th_cont_axis(src)] + 31) / 32 < 65536) {
+        if (t->op == GGML_OP_GET_ROWS_BACK && th_f32_contiguous(t) && th_f32_contiguous(src) && t->src[1] != NULL &&
+            t->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(t->src[1]) && ggml_nrows(src) == src->ne[1] &&
+            t->ne[2] * t->ne[3] == 1 && src->ne[0] == t->ne[0] && ggml_nelements(t->src[1]) == src->ne[1] &&
+            (t->ne[1] + 7) / 8 < 65536) {
+            th_mark(t, TH_CUDA_GET_ROWS_BACK);
+            copies++;
+        } else if (t->op == GGML_OP_CONT && t->type == GGML_TYPE_F32 && src->type == GGML_TYPE_F32 &&
+                   ggml_is_contiguous(t) && ggml_are_same_shape(t, src) && !ggml_is_contiguous(src) &&
+                   th_cont_axis(src) >= 0 && (src->ne[th_cont_axis(src)] + 31) / 32 < 65536) {
             th_mark(t, TH_CUDA_CONT);
-            conts++;
+            copies++;
         }
     }
-    return gelu + fused + conts;
+    copies += th_merge_slice_conts(graph);
+    if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0) return -1;
+    return gelu + fused + norms + biases + affines + copies;
 }
 
 /* the kernel's name for a node marked here (bench --profile), else NULL */
 TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
     static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
-                                   "attention_back", "slice"};
+                                   "attention_back", "slice", "layer_norm", "layer_norm_back",
+                                   "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
+                                   "slice_cont"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

@@ -7,7 +7,7 @@
 #include "ggml.h"
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 3
+#define TH_CUDA_KERNELS_VERSION 4
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -17,7 +17,29 @@ enum {
      *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP; dS (T,T,BH), what SOFT_MAX_BACK gives
      *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride` */
     TH_CUDA_ATTN_FWD = 4, TH_CUDA_ATTN_PREP = 5, TH_CUDA_ATTN_BWD = 6, TH_CUDA_SLICE = 7,
+    /* LayerNorm's normalization (blocks.layer_norm), op_params[2] eps:
+     *   LAYER_NORM       src x (n, rows); t = (x - mean) / sqrt(mean((x - mean)^2) + eps) per row
+     *   LAYER_NORM_BACK  srcs dt, x; dx (what the centring and RMS_NORM_BACK of ggml's nodes give) */
+    TH_CUDA_LAYER_NORM = 8, TH_CUDA_LAYER_NORM_BACK = 9,
+    /* A bias added to a product's rows (blocks.linear):
+     *   LINEAR_BIAS  srcs w (k, n), x (k, m), b (n); y (n, m) = b in every row, plus cuBLAS's product
+     *   FOLDED       the product's own node, which LINEAR_BIAS computes: nothing to do */
+    TH_CUDA_LINEAR_BIAS = 10, TH_CUDA_FOLDED = 11,
+    /* A norm's gain and bias (blocks.scale_columns, add_bias), and their gradients:
+     *   AFFINE      srcs t (n, rows), g (n), b (n); y = t g + b, rounded as MUL then ADD were
+     *   COLUMN_DOT  srcs a, c (n, rows), scratch (n, rows); per column the sum over rows of a c
+     *   LAYER_NORM_BACK takes the gain as src 2 when its dt was MUL(dy, g): dt formed in place */
+    TH_CUDA_AFFINE = 12, TH_CUDA_COLUMN_DOT = 13,
+    /* GET_ROWS_BACK (an embedding's gradient): srcs grad (n, R) f32, ids (R) i32; dst (n, V) */
+    TH_CUDA_GET_ROWS_BACK = 14,
+    /* CONT of a permuted view of a SLICE, reading the sliced node itself (the SLICE computes
+     * nothing): src that node; the view's strides, bytes, and where it starts, floats */
+    TH_CUDA_SLICE_CONT = 15,
 };
+typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
+
+/* the RMS_NORM node that stands in for LayerNorm's normalization on cuda (blocks.layer_norm) */
+#define TH_LAYER_NORM_NAME "th.layer_norm"
 
 /* op_params[2..] of the attention nodes, and of SLICE */
 typedef struct { int32_t hd, T, causal; float scale; } th_attention_params;

@@ -65,9 +65,19 @@ def test_the_dispatch_edits_apply_once_to_the_pinned_ggml():
     text = (build.ggml_source() / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
     edited = build.cuda_dispatch_source(text)
     assert edited.count('#include "ggml-cuda/th-custom.cuh"') == 1
-    assert edited.count("if (!th_cuda_custom(ctx.stream(), dst))") == 1
+    assert edited.count("if (!th_cuda_custom(ctx.stream(), ctx.cublas_handle(), dst))") == 1
     assert edited.count("return th_cuda_custom_supported(op);") == 1
     assert len(edited.splitlines()) == len(text.splitlines()) + 8
+
+
+def test_python_asks_for_the_kernels_version_the_native_side_declares():
+    """A ggml-cuda built before this version lacks stand-ins blocks now build: _ffi must refuse it."""
+    import re
+
+    from toyharness import _ffi
+
+    header = (ROOT / "native" / "custom_ops.h").read_text()
+    assert int(re.search(r"#define TH_CUDA_KERNELS_VERSION (\d+)", header).group(1)) == _ffi.CUDA_KERNELS_VERSION
 
 
 def test_a_ggml_without_the_anchor_is_refused_by_name():
@@ -115,6 +125,173 @@ def test_conts_of_every_permute_on_cuda_are_exact_copies(backend):
         assert np.array_equal(got[str(p)], np.transpose(x, p)), p
 
 
+def layer_norm_program(backend: str, rows: int, d: int, stand_in: bool, seed: int = 8):
+    """LayerNorm of x (rows, d) with gain and bias, its loss a weighted sum of its output:
+    (program, trainer, forward graph, inputs). `stand_in`: as blocks build it for our cuda kernels."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(rows, d)) * 3 + rng.normal(size=(rows, 1)) * 5).astype(np.float32)
+    gain, bias = rng.normal(size=d).astype(np.float32), rng.normal(size=d).astype(np.float32)
+    weights = rng.normal(size=(rows, d)).astype(np.float32)
+    prog = get_engine(backend).program()
+    prog.cuda_kernels = stand_in
+    prog.column_sums_as_products = True           # as on cuda
+    y = blocks.layer_norm(prog.param("x", x), prog.param("gain", gain), prog.param("bias", bias))
+    trainer = prog.trainer(prog.scalar_loss((y * prog.constant("w", weights)).sum()), "bias_corrected")
+    return prog, trainer, prog.forward({"y": y}), (x, gain, bias, weights)
+
+
+def layer_norm_f64(x, gain, bias, dy, eps=1e-5):
+    """LayerNorm and its gradients in float64: y, dx, dgain, dbias."""
+    x, dy = x.astype(np.float64), dy.astype(np.float64)
+    c = x - x.mean(axis=1, keepdims=True)
+    r = 1.0 / np.sqrt((c * c).mean(axis=1, keepdims=True) + eps)
+    t = c * r
+    dt = dy * gain
+    dx = r * (dt - dt.mean(axis=1, keepdims=True) - t * (dt * t).mean(axis=1, keepdims=True))
+    return t * gain + bias, dx, (dy * t).sum(axis=0), dy.sum(axis=0)
+
+
+def test_the_cuda_rewrite_marks_each_layer_norm_stand_in_and_its_backward():
+    """Built on cpu (never computed here): the stand-in RMS_NORM and its RMS_NORM_BACK become our
+    kernels' nodes, no centring nodes are built, and the gain and bias fold in: ADD(MUL(t, g), b)
+    one pass, MUL(dy, g) formed inside the backward, the gain's gradient one COLUMN_DOT."""
+    prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True)
+    assert "SUM_ROWS" not in ops_of(fg.graph)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2
+    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "column_dot", "folded", "folded", "folded",
+                                                      "layer_norm", "layer_norm_back"]
+    ops = ops_of(trainer.gb_grad)
+    assert "RMS_NORM" not in ops and "RMS_NORM_BACK" not in ops
+    assert ops.count("MUL") == 2 and ops.count("OUT_PROD") == 1       # the loss's weights; the bias's column sum
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0      # the same nodes, marked already
+
+
+def test_the_cuda_rewrite_refuses_a_layer_norm_whose_backward_is_ambiguous():
+    """A plain rms_norm of the same rows has a backward node that reads the same input: which
+    one is LayerNorm's cannot be told, so the graph is refused (-1) rather than computed wrong."""
+    prog = get_engine("cpu").program()
+    x = prog.param("x", RNG.normal(size=(4, 8)).astype(np.float32))
+    y = x.rms_norm(1e-5).named(blocks.LAYER_NORM_STAND_IN) + x.rms_norm(1e-5)
+    trainer = prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == -1
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, d", [(300, 384), (7, 100), (33, 1000)])
+def test_layer_norm_on_cuda_is_one_kernel_each_way_matches_float64_and_repeats_its_bits(backend, rows, d):
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    got = []
+    for stand_in in (True, True, False):
+        prog, trainer, fg, (x, gain, bias, dy) = layer_norm_program(backend, rows, d, stand_in)
+        out = {"y": fg.run({})["y"]}
+        trainer.grads_only({})
+        out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "gain", "bias")})
+        assert ("layer_norm_back" in kernel_names(trainer.gb_grad)) == stand_in
+        got.append(out)
+    ours, again, composed = got
+    assert all(np.array_equal(ours[k], again[k]) for k in ours), "bits moved between two runs"
+    want = dict(zip(("y", "x", "gain", "bias"), layer_norm_f64(x, gain, bias, dy)))
+    for k, w in want.items():
+        scale = np.abs(w).max()
+        assert np.abs(ours[k] - w).max() <= 2e-6 * scale, (k, np.abs(ours[k] - w).max() / scale)
+        # ggml's own nodes (centring, RMS_NORM and their backward) are no closer to float64
+        assert np.abs(ours[k] - w).max() <= 2 * np.abs(composed[k] - w).max() + 1e-7 * scale, k
+
+
+def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
+    """Built on cpu (never computed here): ADD(MUL_MAT(w, x) through reshapes, b) becomes one node
+    of ours and the product computes nothing; a product read twice keeps its ADD; a graph that
+    reads a folded product (here as an output) is refused."""
+    prog = get_engine("cpu").program()
+    prog.column_sums_as_products = True          # the broadcast bias blocks build for cuda
+    x = prog.param("x", RNG.normal(size=(2, 5, 8)).astype(np.float32))
+    w, w2 = (prog.param(n, RNG.normal(size=(6, 8)).astype(np.float32)) for n in ("w", "w2"))
+    b, b2 = (prog.param(n, RNG.normal(size=6).astype(np.float32)) for n in ("b", "b2"))
+    y = blocks.linear(x, w, b)
+    raw = x.matmul_t(w2)
+    twice = blocks.add_bias(raw, b2) + raw
+    trainer = prog.trainer(prog.scalar_loss(y.sum() + twice.sum()), "bias_corrected")
+    products = ops_of(trainer.gb_grad).count("MUL_MAT")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2
+    assert kernel_names(trainer.gb_grad) == ["folded", "linear_bias"]
+    assert ops_of(trainer.gb_grad).count("MUL_MAT") == products - 1
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
+    assert lib.th_cuda_rewrite(prog.forward({"y": y}).graph, 1) == 0
+    prog = get_engine("cpu").program()
+    prog.column_sums_as_products = True
+    raw = prog.param("x", RNG.normal(size=(5, 8)).astype(np.float32)).matmul_t(
+        prog.param("w", RNG.normal(size=(6, 8)).astype(np.float32)))
+    biased = blocks.add_bias(raw, prog.param("b", RNG.normal(size=6).astype(np.float32)))
+    assert lib.th_cuda_rewrite(prog.forward({"y": biased}).graph, 1) == 2
+    assert lib.th_cuda_rewrite(prog.forward({"raw": raw}).graph, 1) == -1
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, d_in, d_out", [(300, 64, 96), (7, 40, 24), (1000, 384, 1536)])
+def test_a_bias_folded_into_its_product_on_cuda_matches_float64_and_repeats_its_bits(backend, rows, d_in, d_out):
+    """y = x W^T + b as one node of ours (b written into y's rows, cuBLAS's product added with beta
+    1), and the gradients of x, W and b through it, against float64; two runs, same bits."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    rng = np.random.default_rng(9)
+    x, w = rng.normal(size=(rows, d_in)).astype(np.float32), rng.normal(size=(d_out, d_in)).astype(np.float32)
+    b, dy = rng.normal(size=d_out).astype(np.float32), rng.normal(size=(rows, d_out)).astype(np.float32)
+    runs = []
+    for _ in range(2):
+        prog = get_engine(backend).program()
+        y = blocks.linear(prog.param("x", x), prog.param("w", w), prog.param("b", b))
+        trainer = prog.trainer(prog.scalar_loss((y * prog.constant("dy", dy)).sum()), "bias_corrected")
+        fg = prog.forward({"y": y})
+        out = {"y": fg.run({})["y"]}
+        trainer.grads_only({})
+        out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "w", "b")})
+        assert "linear_bias" in kernel_names(fg.graph) and "linear_bias" in kernel_names(trainer.gb_grad)
+        runs.append(out)
+    assert all(np.array_equal(runs[0][k], runs[1][k]) for k in runs[0]), "bits moved between two runs"
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    want = {"y": x64 @ w64.T + b, "x": dy64 @ w64, "w": dy64.T @ x64, "b": dy64.sum(axis=0)}
+    for k, v in want.items():
+        # float32 sums of d_in (or rows) terms: a relative error of a few 1e-7 of the terms' size
+        bound = 1e-6 * np.sqrt(max(d_in, rows, d_out)) * np.abs(v).max()
+        assert np.abs(runs[0][k] - v).max() <= bound, (k, np.abs(runs[0][k] - v).max() / np.abs(v).max())
+
+
+def embedding_program(backend: str, vocab: int, d: int, ids: np.ndarray, seed: int = 12):
+    """Rows of an embedding table picked by `ids`, the loss a weighted sum: (program, trainer, dy)."""
+    rng = np.random.default_rng(seed)
+    dy = rng.normal(size=(len(ids), d)).astype(np.float32)
+    prog = get_engine(backend).program()
+    rows = prog.param("emb", rng.normal(size=(vocab, d)).astype(np.float32)).get_rows(prog.constant("ids", ids))
+    trainer = prog.trainer(prog.scalar_loss((rows * prog.constant("dy", dy)).sum()), "bias_corrected")
+    return prog, trainer, dy
+
+
+def test_the_cuda_rewrite_takes_every_embedding_gradient():
+    prog, trainer, _ = embedding_program("cpu", 10, 8, np.array([1, 3, 3, 9], np.int32))
+    assert "GET_ROWS_BACK" in ops_of(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 1
+    assert kernel_names(trainer.gb_grad) == ["get_rows_back"] and "GET_ROWS_BACK" not in ops_of(trainer.gb_grad)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("vocab, d, n_ids", [(65, 384, 5000), (1000, 100, 300), (3, 40, 7)])
+def test_embedding_gradients_on_cuda_sum_each_rows_in_order_bit_for_bit(backend, vocab, d, n_ids):
+    """Each table row's gradient is the float32 sum of its ids' rows in the order they come, as
+    ggml's kernel sums them: equal, bit for bit, to that sum taken here in numpy."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    ids = np.random.default_rng(13).integers(0, vocab, n_ids).astype(np.int32)
+    ids[: min(n_ids, 3)] = vocab - 1                   # the last row, and rows no id picks (vocab 1000)
+    prog, trainer, dy = embedding_program(backend, vocab, d, ids)
+    trainer.grads_only({})
+    assert kernel_names(trainer.gb_grad) == ["get_rows_back"]
+    want = np.zeros((vocab, d), np.float32)
+    for r, v in enumerate(ids):
+        want[v] += dy[r]                               # float32, in order
+    assert np.array_equal(prog.read(trainer.grad_acc["emb"]), want)
+
+
 def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
                       causal: bool = True, seed: int = 5):
     """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
@@ -137,18 +314,23 @@ def kernel_names(graph) -> list[str]:
 
 def test_the_cuda_rewrite_fuses_attention_and_orders_its_copies_in_every_graph():
     """Built on cpu (never computed here): P, O and the backward's dP, dS, dk, dvt become the fused
-    kernels' nodes, S computes nothing, and in each graph dvt's copy follows the backward node."""
+    kernels' nodes, S computes nothing; O, dk and dvt are copied out of the fused nodes by the
+    conts that permute them back (their slices fold into those), and in each graph the copies
+    out of the backward's node follow it."""
     prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2)
     assert ops_of(trainer.gb_grad).count("SOFT_MAX") == 1
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 8           # + the 8 head-permute copies
+    # 3 + 4 nodes of attention's, the 8 head-permute copies, 3 of them merged with a slice (2 each)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 8 + 3 * 2
     assert [n for n in kernel_names(trainer.gb_grad) if n != "cont"] == [
-        "attention", "slice", "attention_prep", "attention_back", "slice", "slice"]
+        "attention", "folded", "slice_cont", "folded", "attention_prep", "attention_back", "folded", "slice_cont",
+        "slice_cont"]
     ops = ops_of(trainer.gb_grad)
     assert "SOFT_MAX" not in ops and "SOFT_MAX_BACK" not in ops
     assert ops.count("OUT_PROD") == 12 - 3          # of attention's 4, dq stays (cuBLAS's product)
-    # gb_opt holds the same nodes in its own order: nothing new to mark, but its copies move
+    # gb_opt holds the same nodes in its own order: nothing new to mark, and its copies follow the backward
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
-    assert [n for n in kernel_names(trainer.gb_opt) if n != "cont"][-3:] == ["attention_back", "slice", "slice"]
+    names = [n for n in kernel_names(trainer.gb_opt) if n != "cont"]
+    assert names[-5:] == ["attention_prep", "attention_back", "folded", "slice_cont", "slice_cont"]
     assert lib.th_cuda_rewrite(fg.graph, 1) == 0
 
 

@@ -307,11 +307,16 @@ def _load_blas() -> Blas | None:
 blas = _load_blas()
 
 
+# native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
+CUDA_KERNELS_VERSION = 4
+
+
 def cuda_kernels_built() -> bool:
     """Whether the loaded ggml-cuda carries our kernels (native/cuda/th-custom.cu, patched in by
-    native/build.py): a ggml-cuda built otherwise leaves GELU composed from ggml's ops."""
+    native/build.py), at least those this toyharness builds stand-ins for: a ggml-cuda built
+    otherwise (or earlier) leaves GELU and LayerNorm composed from ggml's ops."""
     try:
-        return lib.th_cuda_kernels_version() >= 1
+        return lib.th_cuda_kernels_version() >= CUDA_KERNELS_VERSION
     except AttributeError:
         return False
 

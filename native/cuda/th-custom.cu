@@ -8,11 +8,34 @@
 //   dx = dy (s + x s (1 - s) (k1 + 3 k3 x^2))
 // Elementwise, so every element's bits are the same run to run.
 //
+// LayerNorm's normalization (blocks.layer_norm), one node each way, a warp a row:
+//   t  = (x - mean) r                           r = 1 / sqrt(mean((x - mean)^2) + eps)
+//   dx = r (dt - t mean(dt t) - (mean(dt) - mean(dt t) mean(t)))
+// the gradient that ggml's RMS_NORM_BACK of the centred rows and the centring's backward give.
+// Each lane sums its elements in order and the warp adds the lanes in a fixed tree: the bits
+// repeat run to run.
+//
+// A norm's gain and bias, y = t g + b, one pass (rounded as MUL then ADD: no fused multiply-add),
+// and the gain's gradient, per column the sum over rows of t dy: a block sums 32 columns of a
+// chunk of rows (each thread its rows in order, then the block's 8 partial sums in order) into
+// scratch, then one thread a column sums the chunks in order: the bits repeat run to run.
+//
+// GET_ROWS_BACK, dst (n, V) row v = the sum of the gradient's rows r with ids[r] = v, in the order
+// of r from 0, as ggml-cuda's kernel sums (the same bits): a thread an output element, as there,
+// but the ids come through shared memory, staged once per block of 256 threads.
+//
+// A bias added to a product's rows (blocks.linear), one node: b written into every row of y,
+// then cuBLAS's product of w and x added to it (beta 1) by the call ggml's MUL_MAT makes. The
+// product's epilogue rounds acc + b once, as the ADD after it did: one pass that writes y
+// instead of a pass that reads y and writes it again.
+//
 // CONT of a permuted f32 tensor (attention's head permutes: 8 a layer), a copy: ggml-cuda's
 // computes each element's place with 64-bit divisions, about 8x below the memory's speed.
 // Here a warp copies a row when the source's rows are contiguous, and a 32 x 32 tile goes
 // through shared memory when the permute moves the contiguous axis (a transpose).
 #include "th-custom.cuh"
+
+#include <cstring>
 
 extern "C" {
 #include "custom_ops.h"
@@ -20,20 +43,258 @@ extern "C" {
 
 #define TH_CUDA_BLOCK 256
 
+static __device__ float th_gelu(const float xi) {
+    return xi / (1.0f + expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * xi * xi)));
+}
+
+static __device__ float th_gelu_back(const float dyi, const float xi) {
+    const float x2 = xi * xi;
+    const float s = 1.0f / (1.0f + expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * x2)));
+    return dyi * (s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * x2));
+}
+
+// a float4 at a time where n is a multiple of 4 and the pointers 16-aligned (vec4), else a float
+template <bool vec4>
 static __global__ void th_gelu_kernel(const float * __restrict__ x, float * __restrict__ y, const int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < n; i += (int64_t) gridDim.x * blockDim.x) {
-        const float xi = x[i];
-        y[i] = xi / (1.0f + expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * xi * xi)));
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
+        if (vec4) {
+            const float4 v = ((const float4 *) x)[i];
+            ((float4 *) y)[i] = make_float4(th_gelu(v.x), th_gelu(v.y), th_gelu(v.z), th_gelu(v.w));
+        } else {
+            y[i] = th_gelu(x[i]);
+        }
     }
 }
 
+template <bool vec4>
 static __global__ void th_gelu_back_kernel(const float * __restrict__ dy, const float * __restrict__ x,
                                            float * __restrict__ dx, const int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < n; i += (int64_t) gridDim.x * blockDim.x) {
-        const float xi = x[i], x2 = xi * xi;
-        const float s = 1.0f / (1.0f + expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * x2)));
-        dx[i] = dy[i] * (s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * x2));
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
+        if (vec4) {
+            const float4 d = ((const float4 *) dy)[i], v = ((const float4 *) x)[i];
+            ((float4 *) dx)[i] = make_float4(th_gelu_back(d.x, v.x), th_gelu_back(d.y, v.y), th_gelu_back(d.z, v.z),
+                                             th_gelu_back(d.w, v.w));
+        } else {
+            dx[i] = th_gelu_back(dy[i], x[i]);
+        }
     }
+}
+
+// the sum over a warp, in lane 0's order, given to every lane
+static __device__ float th_warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+// a row's mean and 1 / sqrt(variance + eps), read from global memory twice
+static __device__ void th_row_moments(const float * __restrict__ x, const int64_t n, const float eps, float * mean,
+                                      float * rstd) {
+    float s = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += 32) s += x[i];
+    const float m = th_warp_sum(s) / (float) n;
+    float v = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += 32) {
+        const float c = x[i] - m;
+        v += c * c;
+    }
+    *mean = m;
+    *rstd = rsqrtf(th_warp_sum(v) / (float) n + eps);
+}
+
+// rows of n floats: a warp a row, blockDim (32, 8)
+static __global__ void th_layer_norm_kernel(const float * __restrict__ x, float * __restrict__ t, const int64_t n,
+                                            const int64_t rows, const float eps) {
+    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
+        const float * xr = x + r * n;
+        float * tr = t + r * n;
+        float mean, rstd;
+        th_row_moments(xr, n, eps, &mean, &rstd);
+        for (int64_t i = threadIdx.x; i < n; i += 32) tr[i] = (xr[i] - mean) * rstd;
+    }
+}
+
+// dt = dy g when `gain` is given (rounded as ggml's MUL of them), else dy
+template <bool gain>
+static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, const float * __restrict__ x,
+                                                 const float * __restrict__ g, float * __restrict__ dx,
+                                                 const int64_t n, const int64_t rows, const float eps) {
+    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
+        const float * xr = x + r * n, * dyr = dy + r * n;
+        float * dxr = dx + r * n;
+        float mean, rstd;
+        th_row_moments(xr, n, eps, &mean, &rstd);
+        float sum_dt = 0.0f, sum_dt_t = 0.0f, sum_t = 0.0f;
+        for (int64_t i = threadIdx.x; i < n; i += 32) {
+            const float ti = (xr[i] - mean) * rstd, dti = gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
+            sum_dt += dti;
+            sum_dt_t += dti * ti;
+            sum_t += ti;
+        }
+        const float mean_dt = th_warp_sum(sum_dt) / (float) n, mean_dt_t = th_warp_sum(sum_dt_t) / (float) n;
+        const float shift = mean_dt - mean_dt_t * (th_warp_sum(sum_t) / (float) n);
+        for (int64_t i = threadIdx.x; i < n; i += 32) {
+            const float ti = (xr[i] - mean) * rstd, dti = gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
+            dxr[i] = rstd * (dti - ti * mean_dt_t - shift);
+        }
+    }
+}
+
+static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool backward) {
+    float eps;
+    memcpy(&eps, (const int32_t *) dst->op_params + 2, sizeof(eps));
+    const int64_t n = dst->ne[0], rows = ggml_nrows(dst);
+    const dim3 block(32, 8);
+    const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
+    if (backward) {
+        const float * dy = (const float *) dst->src[0]->data, * x = (const float *) dst->src[1]->data;
+        if (dst->src[2] != nullptr) {
+            th_layer_norm_back_kernel<true><<<grid, block, 0, stream>>>(dy, x, (const float *) dst->src[2]->data,
+                                                                        (float *) dst->data, n, rows, eps);
+        } else {
+            th_layer_norm_back_kernel<false><<<grid, block, 0, stream>>>(dy, x, nullptr, (float *) dst->data, n,
+                                                                         rows, eps);
+        }
+    } else {
+        th_layer_norm_kernel<<<grid, block, 0, stream>>>((const float *) dst->src[0]->data, (float *) dst->data, n,
+                                                         rows, eps);
+    }
+}
+
+// y (n, m) = t g + b (AFFINE), or b in every row (no t: LINEAR_BIAS's first pass): a warp a row,
+// blockDim (32, 8); float4 at a time when `vec4` (n a multiple of 4, every pointer 16-aligned)
+template <bool with_t, bool vec4>
+static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const float * __restrict__ g,
+                                             const float * __restrict__ b, float * __restrict__ y, const int64_t n,
+                                             const int64_t m) {
+    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < m; r += (int64_t) gridDim.x * blockDim.y) {
+        if (vec4) {
+            const float4 * t4 = (const float4 *) (t + r * n), * g4 = (const float4 *) g, * b4 = (const float4 *) b;
+            float4 * y4 = (float4 *) (y + r * n);
+            for (int64_t i = threadIdx.x; i < n / 4; i += 32) {
+                float4 v = b4[i];
+                if (with_t) {
+                    const float4 ti = t4[i], gi = g4[i];
+                    v = make_float4(__fadd_rn(__fmul_rn(ti.x, gi.x), v.x), __fadd_rn(__fmul_rn(ti.y, gi.y), v.y),
+                                    __fadd_rn(__fmul_rn(ti.z, gi.z), v.z), __fadd_rn(__fmul_rn(ti.w, gi.w), v.w));
+                }
+                y4[i] = v;
+            }
+        } else {
+            for (int64_t i = threadIdx.x; i < n; i += 32) {
+                y[r * n + i] = with_t ? __fadd_rn(__fmul_rn(t[r * n + i], g[i]), b[i]) : b[i];
+            }
+        }
+    }
+}
+
+#define TH_ROWS_BACK_IDS 256  // ids staged at a time (the block's threads)
+
+// a thread an output element (v, col), blockDim (32 columns, 8 rows v); every thread reads the ids
+// from shared memory, staged once per block, where ggml's threads each read them all from memory
+static __global__ void th_get_rows_back_kernel(const float * __restrict__ grad, const int32_t * __restrict__ ids,
+                                               float * __restrict__ dst, const int64_t n, const int64_t R,
+                                               const int64_t V) {
+    __shared__ int32_t staged[TH_ROWS_BACK_IDS];
+    const int64_t col = blockIdx.x * 32 + threadIdx.x, v = (int64_t) blockIdx.y * blockDim.y + threadIdx.y;
+    const int lane_id = threadIdx.y * 32 + threadIdx.x;
+    const bool mine = col < n && v < V;
+    float sum = 0.0f;
+    for (int64_t base = 0; base < R; base += TH_ROWS_BACK_IDS) {
+        __syncthreads();
+        if (base + lane_id < R) staged[lane_id] = ids[base + lane_id];
+        __syncthreads();
+        const int count = R - base < TH_ROWS_BACK_IDS ? (int) (R - base) : TH_ROWS_BACK_IDS;
+        if (!mine) continue;
+        for (int j = 0; j < count; j++) {
+            if (staged[j] == v) sum += grad[(base + j) * n + col];
+        }
+    }
+    if (mine) dst[v * n + col] = sum;
+}
+
+static void th_get_rows_back(cudaStream_t stream, ggml_tensor * dst) {
+    const ggml_tensor * grad = dst->src[0];
+    const int64_t n = dst->ne[0], V = dst->ne[1], R = grad->ne[1];
+    const dim3 block(32, TH_ROWS_BACK_IDS / 32);
+    const dim3 grid((unsigned) ((n + 31) / 32), (unsigned) ((V + block.y - 1) / block.y));
+    th_get_rows_back_kernel<<<grid, block, 0, stream>>>((const float *) grad->data, (const int32_t *) dst->src[1]->data,
+                                                        (float *) dst->data, n, R, V);
+}
+
+static bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
+
+static void th_rows_affine(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
+                           const int64_t n, const int64_t m) {
+    const dim3 block(32, 8);
+    const int grid = (int) ((m + 7) / 8 < 65535 ? (m + 7) / 8 : 65535);
+    const bool vec4 = n % 4 == 0 && th_aligned16(b) && th_aligned16(y) && (t == nullptr || (th_aligned16(t) && th_aligned16(g)));
+    if (t != nullptr && vec4) th_rows_affine_kernel<true, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+    if (t != nullptr && !vec4) th_rows_affine_kernel<true, false><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+    if (t == nullptr && vec4) th_rows_affine_kernel<false, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+    if (t == nullptr && !vec4) th_rows_affine_kernel<false, false><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+}
+
+#define TH_COLUMN_ROWS 64   // rows a block of the column sums' first pass sums at least
+
+// partial[chunk][c] = sum over the chunk's rows of a c: blockDim (32, 8), grid (columns / 32, chunks)
+static __global__ void th_column_dot_kernel(const float * __restrict__ a, const float * __restrict__ c,
+                                            float * __restrict__ partial, const int64_t n, const int64_t m,
+                                            const int64_t chunk) {
+    __shared__ float sums[8][33];
+    const int64_t col = blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * chunk;
+    const int64_t r1 = r0 + chunk < m ? r0 + chunk : m;
+    float s = 0.0f;
+    if (col < n) {
+        for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) s += __fmul_rn(a[r * n + col], c[r * n + col]);
+    }
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < n) {
+        float total = sums[0][threadIdx.x];
+        for (int k = 1; k < 8; k++) total += sums[k][threadIdx.x];
+        partial[blockIdx.y * n + col] = total;
+    }
+}
+
+static __global__ void th_column_total_kernel(const float * __restrict__ partial, float * __restrict__ out,
+                                              const int64_t n, const int chunks) {
+    const int64_t col = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
+    if (col >= n) return;
+    float total = partial[col];
+    for (int k = 1; k < chunks; k++) total += partial[k * n + col];
+    out[col] = total;
+}
+
+static void th_affine(cudaStream_t stream, ggml_tensor * dst) {
+    th_rows_affine(stream, (const float *) dst->src[0]->data, (const float *) dst->src[1]->data,
+                   (const float *) dst->src[2]->data, (float *) dst->data, dst->ne[0], ggml_nrows(dst));
+}
+
+static void th_column_dot(cudaStream_t stream, ggml_tensor * dst) {
+    const ggml_tensor * a = dst->src[0];
+    const int64_t n = a->ne[0], m = ggml_nrows(a);
+    // enough blocks to fill the device, each at least TH_COLUMN_ROWS rows: at most 1024 chunks
+    int64_t chunks = (m + TH_COLUMN_ROWS - 1) / TH_COLUMN_ROWS;
+    chunks = chunks < 1024 ? chunks : 1024;
+    const int64_t chunk = (m + chunks - 1) / chunks;
+    chunks = (m + chunk - 1) / chunk;
+    float * partial = (float *) dst->src[2]->data;      // chunks * n <= m * n floats
+    th_column_dot_kernel<<<dim3((unsigned) ((n + 31) / 32), (unsigned) chunks), dim3(32, 8), 0, stream>>>(
+        (const float *) a->data, (const float *) dst->src[1]->data, partial, n, m, chunk);
+    th_column_total_kernel<<<(unsigned) ((n + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK), TH_CUDA_BLOCK, 0, stream>>>(
+        partial, (float *) dst->data, n, (int) chunks);
+}
+
+static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
+    const ggml_tensor * w = dst->src[0], * x = dst->src[1], * b = dst->src[2];
+    const int64_t n = dst->ne[0], m = ggml_nrows(dst), k = w->ne[0];
+    th_rows_affine(stream, nullptr, nullptr, (const float *) b->data, (float *) dst->data, n, m);
+    const float one = 1.0f;
+    return cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int) n, (int) m, (int) k, &one, (const float *) w->data,
+                       (int) (w->nb[1] / sizeof(float)), (const float *) x->data, (int) (x->nb[1] / sizeof(float)),
+                       &one, (float *) dst->data, (int) n) == CUBLAS_STATUS_SUCCESS;
 }
 
 // rows of ne[0] floats (the source's nb[0] is a float): a warp a row, blockDim (32, 8)
@@ -86,8 +347,8 @@ static __global__ void th_cont_transpose_kernel(const char * __restrict__ src, f
     }
 }
 
-static void th_cont(cudaStream_t stream, ggml_tensor * dst) {
-    const ggml_tensor * src = dst->src[0];
+// dst = a copy of the f32 elements `src` (ne, nb, data) describes, in dst's order
+static void th_cont_of(cudaStream_t stream, const ggml_tensor * src, ggml_tensor * dst) {
     const int c = th_cont_axis(src);
     const dim3 block(32, 8);
     if (c == 0) {
@@ -112,6 +373,20 @@ static void th_cont(cudaStream_t stream, ggml_tensor * dst) {
     th_cont_transpose_kernel<<<grid, block, 0, stream>>>((const char *) src->data, (float *) dst->data, a);
 }
 
+// CONT of a view of a SLICE, from the sliced node (custom_ops.h, TH_CUDA_SLICE_CONT): the view
+// as it lies there, described to the copy by its strides and start
+static ggml_tensor th_slice_cont_source(const ggml_tensor * dst) {
+    th_slice_cont_params p;
+    memcpy(&p, (const int32_t *) dst->op_params + 2, sizeof(p));
+    ggml_tensor view = *dst->src[0];
+    view.data = (float *) dst->src[0]->data + p.offset;
+    for (int i = 0; i < 4; i++) {
+        view.ne[i] = dst->ne[i];
+        view.nb[i] = (size_t) p.nb[i];
+    }
+    return view;
+}
+
 static int th_kernel_of(const ggml_tensor * t) {
     if (t->op != GGML_OP_CUSTOM) return 0;
     const int32_t * p = (const int32_t *) t->op_params;
@@ -133,6 +408,43 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
             return th_f32_contiguous(op) && op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_F32 &&
                    ggml_are_same_shape(op, op->src[0]) && th_cont_axis(op->src[0]) >= 0 &&
                    (op->src[0]->ne[th_cont_axis(op->src[0])] + 31) / 32 < 65536;
+        case TH_CUDA_LAYER_NORM:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_are_same_shape(op, op->src[0]);
+        case TH_CUDA_LINEAR_BIAS: {
+            const ggml_tensor * w = op->src[0], * x = op->src[1], * b = op->src[2];
+            return th_f32_contiguous(op) && th_f32_contiguous(w) && th_f32_contiguous(x) && th_f32_contiguous(b) &&
+                   ggml_nrows(w) == op->ne[0] && w->ne[0] == x->ne[0] && ggml_nrows(x) == ggml_nrows(op) &&
+                   ggml_nelements(b) == op->ne[0] && ggml_nrows(op) <= INT32_MAX && w->ne[0] <= INT32_MAX;
+        }
+        case TH_CUDA_FOLDED:
+            return true;
+        case TH_CUDA_SLICE_CONT: {
+            if (!th_f32_contiguous(op) || op->src[0] == nullptr || op->src[0]->type != GGML_TYPE_F32) return false;
+            const ggml_tensor view = th_slice_cont_source(op);
+            return th_cont_axis(&view) >= 0 && (view.ne[th_cont_axis(&view)] + 31) / 32 < 65536;
+        }
+        case TH_CUDA_GET_ROWS_BACK:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
+                   op->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(op->src[1]) &&
+                   op->src[0]->ne[0] == op->ne[0] && ggml_nrows(op->src[0]) == op->src[0]->ne[1] &&
+                   ggml_nelements(op->src[1]) == op->src[0]->ne[1] && op->ne[2] * op->ne[3] == 1 &&
+                   (op->ne[1] + 7) / 8 < 65536;
+        case TH_CUDA_LAYER_NORM_BACK:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
+                   ggml_nelements(op) == ggml_nelements(op->src[0]) && ggml_are_same_shape(op, op->src[1]) &&
+                   (op->src[2] == nullptr ||
+                    (th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[2]) == op->ne[0]));
+        case TH_CUDA_AFFINE:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
+                   op->src[0]->ne[0] == op->ne[0] && th_f32_contiguous(op->src[1]) &&
+                   ggml_nelements(op->src[1]) == op->ne[0] && th_f32_contiguous(op->src[2]) &&
+                   ggml_nelements(op->src[2]) == op->ne[0];
+        case TH_CUDA_COLUMN_DOT: {
+            const ggml_tensor * a = op->src[0], * c = op->src[1], * scratch = op->src[2];
+            return th_f32_contiguous(op) && th_f32_contiguous(a) && th_f32_contiguous(c) && ggml_are_same_shape(a, c) &&
+                   ggml_nelements(op) == a->ne[0] && scratch != nullptr && scratch->type == GGML_TYPE_F32 &&
+                   ggml_nelements(scratch) >= ggml_nelements(a);
+        }
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:
         case TH_CUDA_ATTN_BWD:
@@ -143,21 +455,57 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
     }
 }
 
-bool th_cuda_custom(cudaStream_t stream, ggml_tensor * dst) {
+bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
     const int64_t n = ggml_nelements(dst);
     const int blocks = (int) ((n + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK < 65535 ? (n + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK
                                                                               : 65535);
+    const int blocks4 = (int) ((n / 4 + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK < 65535 ? (n / 4 + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK
+                                                                                  : 65535);
     switch (th_kernel_of(dst)) {
-        case TH_CUDA_GELU:
-            th_gelu_kernel<<<blocks, TH_CUDA_BLOCK, 0, stream>>>((const float *) dst->src[0]->data,
-                                                                 (float *) dst->data, n);
+        case TH_CUDA_GELU: {
+            const float * x = (const float *) dst->src[0]->data;
+            float * y = (float *) dst->data;
+            if (n % 4 == 0 && th_aligned16(x) && th_aligned16(y)) {
+                th_gelu_kernel<true><<<blocks4, TH_CUDA_BLOCK, 0, stream>>>(x, y, n);
+            } else {
+                th_gelu_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(x, y, n);
+            }
             return true;
-        case TH_CUDA_GELU_BACK:
-            th_gelu_back_kernel<<<blocks, TH_CUDA_BLOCK, 0, stream>>>(
-                (const float *) dst->src[0]->data, (const float *) dst->src[1]->data, (float *) dst->data, n);
+        }
+        case TH_CUDA_GELU_BACK: {
+            const float * dy = (const float *) dst->src[0]->data, * x = (const float *) dst->src[1]->data;
+            float * dx = (float *) dst->data;
+            if (n % 4 == 0 && th_aligned16(dy) && th_aligned16(x) && th_aligned16(dx)) {
+                th_gelu_back_kernel<true><<<blocks4, TH_CUDA_BLOCK, 0, stream>>>(dy, x, dx, n);
+            } else {
+                th_gelu_back_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(dy, x, dx, n);
+            }
             return true;
+        }
         case TH_CUDA_CONT:
-            th_cont(stream, dst);
+            th_cont_of(stream, dst->src[0], dst);
+            return true;
+        case TH_CUDA_SLICE_CONT: {
+            const ggml_tensor view = th_slice_cont_source(dst);
+            th_cont_of(stream, &view, dst);
+            return true;
+        }
+        case TH_CUDA_LAYER_NORM:
+        case TH_CUDA_LAYER_NORM_BACK:
+            th_layer_norm(stream, dst, th_kernel_of(dst) == TH_CUDA_LAYER_NORM_BACK);
+            return true;
+        case TH_CUDA_LINEAR_BIAS:
+            return th_linear_bias(stream, cublas, dst);
+        case TH_CUDA_AFFINE:
+            th_affine(stream, dst);
+            return true;
+        case TH_CUDA_COLUMN_DOT:
+            th_column_dot(stream, dst);
+            return true;
+        case TH_CUDA_GET_ROWS_BACK:
+            th_get_rows_back(stream, dst);
+            return true;
+        case TH_CUDA_FOLDED:
             return true;
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:

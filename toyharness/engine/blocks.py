@@ -22,6 +22,8 @@ GELU_C = math.sqrt(2.0 / math.pi)
 # node names that native/cpu_kernels.c's rewrite looks for (TH_GELU_NAME, TH_BIAS_ROWS_NAME)
 GELU_STAND_IN = "th.gelu_tanh"
 BIAS_ROWS = "th.bias_rows"
+# the RMS_NORM that native/cuda_rewrite.c computes as LayerNorm's normalization (TH_LAYER_NORM_NAME)
+LAYER_NORM_STAND_IN = "th.layer_norm"
 
 
 @dataclass
@@ -80,8 +82,14 @@ def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tens
     On cpu x - mean(x) is x @ (I - 1/d), one matrix product forward and one backward: ggml's
     sum_rows, broadcast and their backward ops (REPEAT, REPEAT_BACK) took 3x longer. On cuda
     those ops are memory passes, cheaper than the d x d products (2 d^2 FLOPs per row each
-    way), once the Trainer sums the mean's gradient with SUM_ROWS (Program.column_sums_as_products)."""
+    way), once the Trainer sums the mean's gradient with SUM_ROWS (Program.column_sums_as_products);
+    with our cuda kernels, centring and normalization are one kernel each way."""
     d = x.shape[-1]
+    if x.prog.cuda_kernels and x.type == GGML_TYPE_F32:
+        # one kernel each way, our cuda kernels' (native/cuda/th-custom.cu): an RMS_NORM named
+        # LAYER_NORM_STAND_IN that the cuda rewrite computes as the normalization of centred rows
+        normed = x.reshape(-1, d).rms_norm(eps).named(LAYER_NORM_STAND_IN).reshape(*x.shape)
+        return add_bias(scale_columns(normed, gain), bias)
     if x.prog.column_sums_as_products:
         rows = x.reshape(-1, d)
         centred = (rows - rows.mean_rows()).reshape(*x.shape)

@@ -171,6 +171,10 @@ class Program:
         # REPEAT_BACK nodes into OUT_PROD(grad, ones) (same sum, one gemv-shaped product).
         # TOYHARNESS_COLUMN_SUMS=product|repeat_back chooses on any backend (tests, comparisons).
         self.column_sums_as_products = column_sums_as_products(engine.backend)
+        # Whether a Trainer keeps each parameter's gradient as the graph output that computes it
+        # (not in an accumulator: see Trainer). Off the cpu, where an accumulator's ADD and clear
+        # are launches a step could do without; the cpu keeps its accumulators (a small share there).
+        self.grads_as_outputs = not engine.is_cpu
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
         self.fused_attention = fused_attention()
         self.last_compute_s = 0.0
@@ -609,11 +613,16 @@ class ForwardGraph:
         return {k: self.prog.read(t) for k, t in self.outputs.items()}
 
 
+_VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
+
+
 class Trainer:
     """Forward, backward and one AdamW step per trainable tensor, fed by a 7-float row.
 
-    Every parameter's gradient goes to a persistent accumulator (contiguous, so AdamW reads it
-    with the right strides even for a parameter used only through a transpose). The first step
+    On cpu every parameter's gradient goes to a persistent accumulator (contiguous, so AdamW reads
+    it with the right strides even for a parameter used only through a transpose); elsewhere it
+    is the (contiguous) node that computes it, a graph output. `grad_acc` holds them by name,
+    valid after a step or `grads_only`. The first step
     after construction does a full reset (gradients and moments); later steps reset gradients
     only, so the moments carry over.
     """
@@ -632,19 +641,25 @@ class Trainer:
         for t in roots:
             lib.ggml_build_forward_expand(gf, t.ptr)
         n = lib.ggml_graph_n_nodes(gf)
-        # Persistent gradient accumulators for every parameter and for the loss (one left to
-        # the graph allocator is overwritten after step 0 and training silently stalls), in a
-        # backend buffer of their own: one clear zeroes them all (on cuda, one memset and one
-        # wait instead of one of each per parameter).
+        # Persistent gradient accumulators for the loss (one left to the graph allocator is
+        # overwritten after step 0 and training silently stalls) and, on cpu, for every
+        # parameter, in a backend buffer of their own: one clear zeroes them all. On other
+        # backends a parameter's gradient is the node that computes it, kept as a graph output:
+        # an accumulator cost an ADD node per parameter and a clear per step (on cuda 16 nodes
+        # a GPT-2 layer), and adding a gradient to zeros changes no bit of it.
         prog.allocate()
         accs = ffi.new("ggml_tensor *[]", n)
         self.grad_acc: dict[str, Tensor] = {}
+        self._grads_direct = prog.grads_as_outputs
         reached = set()
         for i in range(n):
             node = lib.ggml_graph_node(gf, i)
             flags = lib.th_tensor_flags(node)
             if flags & (GGML_FLAG_PARAM | GGML_FLAG_LOSS):
                 name = ffi.string(lib.ggml_get_name(node)).decode()
+                if flags & GGML_FLAG_PARAM and self._grads_direct:
+                    reached.add(name)
+                    continue
                 ne = ffi.new("int64_t[4]")
                 lib.th_tensor_shape(node, ne, ffi.new("size_t[4]"))
                 acc = lib.ggml_new_tensor_4d(prog._ctx_static, GGML_TYPE_F32, *ne)
@@ -674,10 +689,12 @@ class Trainer:
         prog.allocate()
 
         # Each graph sized to what it holds (a copy needs at least its source's size): the
-        # backward's from a count in a scratch context; AdamW adds per parameter at most a cont
-        # and its step (nodes), m and v (leafs), and the row (one leaf).
+        # backward's from a count in a scratch context, plus a cont per parameter where its
+        # gradient is a graph output; AdamW adds per parameter at most a cont and its step
+        # (nodes), m and v (leafs), and the row (one leaf).
         grad_size, made = prog._backward_size(gf, accs)
-        grad_size = max(grad_size, lib.ggml_graph_size(gf))
+        conts = len(prog.params) if self._grads_direct else 0
+        grad_size, made = max(grad_size, lib.ggml_graph_size(gf)) + conts, made + conts
         opt_size = grad_size + 2 * len(prog.params) + 1
         prog._check_room(made * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(grad_size, True)
                          + lib.ggml_graph_overhead_custom(opt_size, True), "the backward graph")
@@ -686,12 +703,28 @@ class Trainer:
         lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
         if prog.column_sums_as_products:
             self._column_sums_as_products(self.gb_grad)
+        grads = {}
+        for name, p in prog.params.items():
+            grad = lib.ggml_graph_get_grad(self.gb_grad, p.ptr)
+            if grad == ffi.NULL:
+                raise InputError(f"parameter {name} gets no gradient from the loss")
+            if self._grads_direct:
+                # kept whole: a RESHAPE's source is kept too (an output view alone would not keep
+                # its source's memory); another view becomes a node of its own
+                root = grad
+                while ffi.string(lib.ggml_op_desc(root)).decode() == "RESHAPE":
+                    lib.ggml_set_output(root)
+                    root = lib.th_tensor_src(root, 0)
+                if not lib.ggml_is_contiguous(root) or ffi.string(lib.ggml_op_desc(root)).decode() in _VIEW_OPS:
+                    grad = root = lib.ggml_cont(ctx, grad)
+                    lib.ggml_build_forward_expand(self.gb_grad, grad)
+                lib.ggml_set_output(root)
+                self.grad_acc[name] = Tensor(prog, grad, p.ndim)
+            grads[name] = grad
         self.gb_opt = prog._new_graph(opt_size, True)
         lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
         for name, p in prog.params.items():
-            grad = lib.ggml_graph_get_grad(self.gb_opt, p.ptr)
-            if grad == ffi.NULL:
-                raise InputError(f"parameter {name} gets no gradient from the loss")
+            grad = grads[name]
             if not lib.ggml_is_contiguous(grad):
                 grad = lib.ggml_cont(ctx, grad)
             step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
@@ -740,7 +773,8 @@ class Trainer:
         """Zero gradient accumulators only (and set the loss gradient to 1); the moments survive.
         What ggml_graph_reset(gb_grad) does, with one clear of the accumulators' own buffer
         instead of a walk over every node of the graph and a memset per accumulator."""
-        lib.ggml_backend_buffer_clear(self._grads_buffer, 0)
+        if not self._grads_direct:      # else the buffer holds the loss gradient alone
+            lib.ggml_backend_buffer_clear(self._grads_buffer, 0)
         lib.ggml_backend_tensor_set(self._loss_grad, self._one, 0, 4)
 
     def step(self, feeds: dict[str, np.ndarray], hp: HPRow | AdamWRow | list[float],
