@@ -252,7 +252,8 @@ CUDA_DISPATCH_EDITS = (
     ('#include "ggml-cuda/common.cuh"\n', '#include "ggml-cuda/th-custom.cuh"\n', "after"),
     ("        case GGML_OP_LIGHTNING_INDEXER:\n            ggml_cuda_lightning_indexer(ctx, dst);\n",
      "        case GGML_OP_CUSTOM:  // toyharness (native/cuda/th-custom.cu)\n"
-     "            if (!th_cuda_custom(ctx.stream(), ctx.cublas_handle(), dst)) {\n                return false;\n            }\n"
+     "            if (!th_cuda_custom(ctx.stream(), ctx.cublas_handle(), dst)) {\n"
+     "                return false;\n            }\n"
      "            break;\n", "before"),
     ("        case GGML_OP_LIGHTNING_INDEXER:\n            return ggml_cuda_lightning_indexer_supported(",
      "        case GGML_OP_CUSTOM:  // toyharness (native/cuda/th-custom.cu)\n"
