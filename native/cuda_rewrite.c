@@ -25,6 +25,8 @@
  *     thread that reads all R ids from memory (1 ms a step at nanoGPT's size); ours stages them
  *     in shared memory once per block of 256 threads and sums the same rows in the same order,
  *     so the bits do not change.
+ *   - ADD of two contiguous tensors of one shape (residuals, gradients that meet): a float4 at a
+ *     time (ggml-cuda's broadcasting kernel computes each element's place).
  *   - LayerNorm (blocks.layer_norm): the RMS_NORM named TH_LAYER_NORM_NAME stands in for the
  *     normalization of centred rows, and its RMS_NORM_BACK for that one's backward, one kernel
  *     each way instead of the centring's 3 nodes forward and 4 backward and ggml's RMS_NORM.
@@ -507,6 +509,10 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
                    th_cont_axis(src) >= 0 && (src->ne[th_cont_axis(src)] + 31) / 32 < 65536) {
             th_mark(t, TH_CUDA_CONT);
             copies++;
+        } else if (t->op == GGML_OP_ADD && th_f32_contiguous(t) && th_f32_contiguous(src) &&
+                   th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, src) && ggml_are_same_shape(t, t->src[1])) {
+            th_mark(t, TH_CUDA_ADD);
+            copies++;
         }
     }
     copies += th_merge_slice_conts(graph);
@@ -519,7 +525,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
     static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
-                                   "slice_cont"};
+                                   "slice_cont", "add"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

@@ -35,6 +35,8 @@ enum {
     /* CONT of a permuted view of a SLICE, reading the sliced node itself (the SLICE computes
      * nothing): src that node; the view's strides, bytes, and where it starts, floats */
     TH_CUDA_SLICE_CONT = 15,
+    /* ADD of two contiguous f32 tensors of one shape */
+    TH_CUDA_ADD = 16,
 };
 typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
 

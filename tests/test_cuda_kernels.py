@@ -37,6 +37,7 @@ def test_the_cuda_rewrite_marks_each_gelu_stand_in_and_its_backward():
     """Built on cpu (never computed here): the pairing the cuda rewrite shares with the cpu one."""
     prog = get_engine("cpu").program()
     prog.cpu_kernels = True          # blocks build the stand-in
+    prog.grads_as_outputs = True     # as on cuda: no accumulator ADDs
     y = blocks.gelu_tanh(prog.param("x", RNG.normal(size=(4, 8)).astype(np.float32)))
     trainer = prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected")
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2
@@ -134,7 +135,7 @@ def layer_norm_program(backend: str, rows: int, d: int, stand_in: bool, seed: in
     weights = rng.normal(size=(rows, d)).astype(np.float32)
     prog = get_engine(backend).program()
     prog.cuda_kernels = stand_in
-    prog.column_sums_as_products = True           # as on cuda
+    prog.column_sums_as_products = prog.grads_as_outputs = True           # as on cuda
     y = blocks.layer_norm(prog.param("x", x), prog.param("gain", gain), prog.param("bias", bias))
     trainer = prog.trainer(prog.scalar_loss((y * prog.constant("w", weights)).sum()), "bias_corrected")
     return prog, trainer, prog.forward({"y": y}), (x, gain, bias, weights)
@@ -205,6 +206,7 @@ def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
     reads a folded product (here as an output) is refused."""
     prog = get_engine("cpu").program()
     prog.column_sums_as_products = True          # the broadcast bias blocks build for cuda
+    prog.grads_as_outputs = True
     x = prog.param("x", RNG.normal(size=(2, 5, 8)).astype(np.float32))
     w, w2 = (prog.param(n, RNG.normal(size=(6, 8)).astype(np.float32)) for n in ("w", "w2"))
     b, b2 = (prog.param(n, RNG.normal(size=6).astype(np.float32)) for n in ("b", "b2"))
@@ -213,8 +215,9 @@ def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
     twice = blocks.add_bias(raw, b2) + raw
     trainer = prog.trainer(prog.scalar_loss(y.sum() + twice.sum()), "bias_corrected")
     products = ops_of(trainer.gb_grad).count("MUL_MAT")
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2
-    assert kernel_names(trainer.gb_grad) == ["folded", "linear_bias"]
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == len(kernel_names(trainer.gb_grad))
+    assert [n for n in kernel_names(trainer.gb_grad) if n != "add"] == ["folded", "linear_bias"]
+    assert "ADD" in ops_of(trainer.gb_grad)                   # twice's: its bias's ADD reads the product
     assert ops_of(trainer.gb_grad).count("MUL_MAT") == products - 1
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
     assert lib.th_cuda_rewrite(prog.forward({"y": y}).graph, 1) == 0
@@ -223,7 +226,7 @@ def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
     raw = prog.param("x", RNG.normal(size=(5, 8)).astype(np.float32)).matmul_t(
         prog.param("w", RNG.normal(size=(6, 8)).astype(np.float32)))
     biased = blocks.add_bias(raw, prog.param("b", RNG.normal(size=6).astype(np.float32)))
-    assert lib.th_cuda_rewrite(prog.forward({"y": biased}).graph, 1) == 2
+    assert lib.th_cuda_rewrite(prog.forward({"y": biased}).graph, 1) == 2     # (no ADD of one shape here)
     assert lib.th_cuda_rewrite(prog.forward({"raw": raw}).graph, 1) == -1
 
 
@@ -262,6 +265,7 @@ def embedding_program(backend: str, vocab: int, d: int, ids: np.ndarray, seed: i
     rng = np.random.default_rng(seed)
     dy = rng.normal(size=(len(ids), d)).astype(np.float32)
     prog = get_engine(backend).program()
+    prog.grads_as_outputs = True
     rows = prog.param("emb", rng.normal(size=(vocab, d)).astype(np.float32)).get_rows(prog.constant("ids", ids))
     trainer = prog.trainer(prog.scalar_loss((rows * prog.constant("dy", dy)).sum()), "bias_corrected")
     return prog, trainer, dy
@@ -292,12 +296,25 @@ def test_embedding_gradients_on_cuda_sum_each_rows_in_order_bit_for_bit(backend,
     assert np.array_equal(prog.read(trainer.grad_acc["emb"]), want)
 
 
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", [(3, 37), (64, 96)])       # a float at a time, and a float4
+def test_adds_of_one_shape_on_cuda_are_ours_and_exact(backend, shape):
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    a, b = RNG.normal(size=shape).astype(np.float32), RNG.normal(size=shape).astype(np.float32)
+    prog = get_engine(backend).program()
+    fg = prog.forward({"y": prog.constant("a", a) + prog.constant("b", b)})
+    assert np.array_equal(fg.run({})["y"], a + b)
+    assert kernel_names(fg.graph) == ["add"]
+
+
 def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
                       causal: bool = True, seed: int = 5):
     """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
     rng = np.random.default_rng(seed)
     kv = d // n_head * (n_kv_head or n_head)
     prog = get_engine(backend).program()
+    prog.grads_as_outputs = True                   # as on cuda (built on cpu for the rewrite's tests)
     x = prog.param("x", rng.normal(size=(b, t, d)).astype(np.float32))
     w = {n: prog.param(n, (rng.normal(size=(rows, d)) / np.sqrt(d)).astype(np.float32))
          for n, rows in (("wq", d), ("wk", kv), ("wv", kv), ("wo", d))}
@@ -319,9 +336,11 @@ def test_the_cuda_rewrite_fuses_attention_and_orders_its_copies_in_every_graph()
     out of the backward's node follow it."""
     prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2)
     assert ops_of(trainer.gb_grad).count("SOFT_MAX") == 1
-    # 3 + 4 nodes of attention's, the 8 head-permute copies, 3 of them merged with a slice (2 each)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 8 + 3 * 2
-    assert [n for n in kernel_names(trainer.gb_grad) if n != "cont"] == [
+    # 3 + 4 nodes of attention's, the 8 head-permute copies, 3 of them merged with a slice (2 each),
+    # and the 2 ADDs where x's gradients from q, k and v meet
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 8 + 3 * 2 + 2
+    assert kernel_names(trainer.gb_grad).count("add") == 2
+    assert [n for n in kernel_names(trainer.gb_grad) if n not in ("cont", "add")] == [
         "attention", "folded", "slice_cont", "folded", "attention_prep", "attention_back", "folded", "slice_cont",
         "slice_cont"]
     ops = ops_of(trainer.gb_grad)
@@ -329,7 +348,7 @@ def test_the_cuda_rewrite_fuses_attention_and_orders_its_copies_in_every_graph()
     assert ops.count("OUT_PROD") == 12 - 3          # of attention's 4, dq stays (cuBLAS's product)
     # gb_opt holds the same nodes in its own order: nothing new to mark, and its copies follow the backward
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
-    names = [n for n in kernel_names(trainer.gb_opt) if n != "cont"]
+    names = [n for n in kernel_names(trainer.gb_opt) if n not in ("cont", "add")]
     assert names[-5:] == ["attention_prep", "attention_back", "folded", "slice_cont", "slice_cont"]
     assert lib.th_cuda_rewrite(fg.graph, 1) == 0
 

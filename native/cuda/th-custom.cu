@@ -192,7 +192,8 @@ static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const
 #define TH_ROWS_BACK_IDS 256  // ids staged at a time (the block's threads)
 
 // a thread an output element (v, col), blockDim (32 columns, 8 rows v); every thread reads the ids
-// from shared memory, staged once per block, where ggml's threads each read them all from memory
+// from shared memory, staged once per block, where ggml's threads each read them all from memory.
+// (A thread summing 4 rows of its column, 4x fewer threads, took 1.11 against 0.61 ms at nano.)
 static __global__ void th_get_rows_back_kernel(const float * __restrict__ grad, const int32_t * __restrict__ ids,
                                                float * __restrict__ dst, const int64_t n, const int64_t R,
                                                const int64_t V) {
@@ -221,6 +222,22 @@ static void th_get_rows_back(cudaStream_t stream, ggml_tensor * dst) {
     const dim3 grid((unsigned) ((n + 31) / 32), (unsigned) ((V + block.y - 1) / block.y));
     th_get_rows_back_kernel<<<grid, block, 0, stream>>>((const float *) grad->data, (const int32_t *) dst->src[1]->data,
                                                         (float *) dst->data, n, R, V);
+}
+
+// a + b of two contiguous f32 tensors of one shape (residuals, gradients that meet): a float4 at a
+// time where every pointer is 16-aligned and n a multiple of 4
+template <bool vec4>
+static __global__ void th_add_kernel(const float * __restrict__ a, const float * __restrict__ b, float * __restrict__ y,
+                                     const int64_t n) {
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
+        if (vec4) {
+            const float4 u = ((const float4 *) a)[i], v = ((const float4 *) b)[i];
+            ((float4 *) y)[i] = make_float4(u.x + v.x, u.y + v.y, u.z + v.z, u.w + v.w);
+        } else {
+            y[i] = a[i] + b[i];
+        }
+    }
 }
 
 static bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
@@ -429,6 +446,9 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    op->src[0]->ne[0] == op->ne[0] && ggml_nrows(op->src[0]) == op->src[0]->ne[1] &&
                    ggml_nelements(op->src[1]) == op->src[0]->ne[1] && op->ne[2] * op->ne[3] == 1 &&
                    (op->ne[1] + 7) / 8 < 65536;
+        case TH_CUDA_ADD:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
+                   ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
         case TH_CUDA_LAYER_NORM_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    ggml_nelements(op) == ggml_nelements(op->src[0]) && ggml_are_same_shape(op, op->src[1]) &&
@@ -505,6 +525,16 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
         case TH_CUDA_GET_ROWS_BACK:
             th_get_rows_back(stream, dst);
             return true;
+        case TH_CUDA_ADD: {
+            const float * a = (const float *) dst->src[0]->data, * b = (const float *) dst->src[1]->data;
+            float * y = (float *) dst->data;
+            if (n % 4 == 0 && th_aligned16(a) && th_aligned16(b) && th_aligned16(y)) {
+                th_add_kernel<true><<<blocks4, TH_CUDA_BLOCK, 0, stream>>>(a, b, y, n);
+            } else {
+                th_add_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(a, b, y, n);
+            }
+            return true;
+        }
         case TH_CUDA_FOLDED:
             return true;
         case TH_CUDA_ATTN_FWD:
