@@ -156,8 +156,9 @@ class Program:
         # plain ops, each of which has a portable kernel).
         self.portable = engine.is_cpu and engine.portable
         self.cpu_kernels = engine.is_cpu and cpu_kernels and not self.portable
-        # Whether our kernels inside ggml-cuda take GELU's stand-ins (native/cuda_rewrite.c;
-        # TOYHARNESS_CPU_KERNELS=0 leaves every node to ggml there too)
+        # Whether our kernels inside ggml-cuda take GELU's and LayerNorm's stand-ins and the
+        # nodes native/cuda_rewrite.c folds (TOYHARNESS_CPU_KERNELS=0 leaves every node to ggml
+        # there too)
         self.cuda_kernels = engine.backend == "cuda" and cpu_kernels and cuda_kernels_built()
         # Whether cross_entropy builds its one-hot targets in the graph (FILL, then SET_ROWS of
         # ones at the flat indices) instead of uploading them: on cuda a step's upload of
