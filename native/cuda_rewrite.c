@@ -494,7 +494,7 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     if (norms < 0) return -1;
     const int biases = th_rewrite_linear_biases(graph);
     const int affines = th_rewrite_norm_affines(graph);
-    int copies = 0;
+    int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         const struct ggml_tensor * src = t->src[0];
@@ -503,21 +503,21 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
             t->ne[2] * t->ne[3] == 1 && src->ne[0] == t->ne[0] && ggml_nelements(t->src[1]) == src->ne[1] &&
             (t->ne[1] + 7) / 8 < 65536) {
             th_mark(t, TH_CUDA_GET_ROWS_BACK);
-            copies++;
+            singles++;
         } else if (t->op == GGML_OP_CONT && t->type == GGML_TYPE_F32 && src->type == GGML_TYPE_F32 &&
                    ggml_is_contiguous(t) && ggml_are_same_shape(t, src) && !ggml_is_contiguous(src) &&
                    th_cont_axis(src) >= 0 && (src->ne[th_cont_axis(src)] + 31) / 32 < 65536) {
             th_mark(t, TH_CUDA_CONT);
-            copies++;
+            singles++;
         } else if (t->op == GGML_OP_ADD && th_f32_contiguous(t) && th_f32_contiguous(src) &&
                    th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, src) && ggml_are_same_shape(t, t->src[1])) {
             th_mark(t, TH_CUDA_ADD);
-            copies++;
+            singles++;
         }
     }
-    copies += th_merge_slice_conts(graph);
+    singles += th_merge_slice_conts(graph);
     if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0) return -1;
-    return gelu + fused + norms + biases + affines + copies;
+    return gelu + fused + norms + biases + affines + singles;
 }
 
 /* the kernel's name for a node marked here (bench --profile), else NULL */

@@ -53,32 +53,50 @@ static __device__ float th_gelu_back(const float dyi, const float xi) {
     return dyi * (s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * x2));
 }
 
-// a float4 at a time where n is a multiple of 4 and the pointers 16-aligned (vec4), else a float
-template <bool vec4>
-static __global__ void th_gelu_kernel(const float * __restrict__ x, float * __restrict__ y, const int64_t n) {
+// y[i] = op(a[i], b[i]) over n floats (b read only by a binary op): GELU, its backward, same-shape
+// ADD. A float4 at a time where n is a multiple of 4 and every pointer 16-aligned (vec4), else a
+// float; elementwise, so every element's bits are the same run to run.
+template <bool vec4, class Op>
+static __global__ void th_map_kernel(const Op op, const float * __restrict__ a, const float * __restrict__ b,
+                                     float * __restrict__ y, const int64_t n) {
     const int64_t step = (int64_t) gridDim.x * blockDim.x;
     for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
         if (vec4) {
-            const float4 v = ((const float4 *) x)[i];
-            ((float4 *) y)[i] = make_float4(th_gelu(v.x), th_gelu(v.y), th_gelu(v.z), th_gelu(v.w));
+            const float4 u = ((const float4 *) a)[i], v = Op::binary ? ((const float4 *) b)[i] : u;
+            ((float4 *) y)[i] = make_float4(op(u.x, v.x), op(u.y, v.y), op(u.z, v.z), op(u.w, v.w));
         } else {
-            y[i] = th_gelu(x[i]);
+            y[i] = op(a[i], Op::binary ? b[i] : 0.0f);
         }
     }
 }
 
-template <bool vec4>
-static __global__ void th_gelu_back_kernel(const float * __restrict__ dy, const float * __restrict__ x,
-                                           float * __restrict__ dx, const int64_t n) {
-    const int64_t step = (int64_t) gridDim.x * blockDim.x;
-    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
-        if (vec4) {
-            const float4 d = ((const float4 *) dy)[i], v = ((const float4 *) x)[i];
-            ((float4 *) dx)[i] = make_float4(th_gelu_back(d.x, v.x), th_gelu_back(d.y, v.y), th_gelu_back(d.z, v.z),
-                                             th_gelu_back(d.w, v.w));
-        } else {
-            dx[i] = th_gelu_back(dy[i], x[i]);
-        }
+struct th_gelu_op {
+    static constexpr bool binary = false;
+    __device__ float operator()(const float x, float) const { return th_gelu(x); }
+};
+struct th_gelu_back_op {
+    static constexpr bool binary = true;
+    __device__ float operator()(const float dy, const float x) const { return th_gelu_back(dy, x); }
+};
+struct th_add_op {
+    static constexpr bool binary = true;
+    __device__ float operator()(const float u, const float v) const { return u + v; }
+};
+
+static bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
+
+template <class Op>
+static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * y) {
+    const int64_t n = ggml_nelements(y);
+    const bool vec4 = n % 4 == 0 && th_aligned16(a->data) && th_aligned16(b->data) && th_aligned16(y->data);
+    const int64_t items = vec4 ? n / 4 : n;
+    const int64_t wanted = (items + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
+    const int blocks = (int) (wanted < 65535 ? wanted : 65535);
+    const float * pa = (const float *) a->data, * pb = (const float *) b->data;
+    if (vec4) {
+        th_map_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, (float *) y->data, n);
+    } else {
+        th_map_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, (float *) y->data, n);
     }
 }
 
@@ -223,24 +241,6 @@ static void th_get_rows_back(cudaStream_t stream, ggml_tensor * dst) {
     th_get_rows_back_kernel<<<grid, block, 0, stream>>>((const float *) grad->data, (const int32_t *) dst->src[1]->data,
                                                         (float *) dst->data, n, R, V);
 }
-
-// a + b of two contiguous f32 tensors of one shape (residuals, gradients that meet): a float4 at a
-// time where every pointer is 16-aligned and n a multiple of 4
-template <bool vec4>
-static __global__ void th_add_kernel(const float * __restrict__ a, const float * __restrict__ b, float * __restrict__ y,
-                                     const int64_t n) {
-    const int64_t step = (int64_t) gridDim.x * blockDim.x;
-    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
-        if (vec4) {
-            const float4 u = ((const float4 *) a)[i], v = ((const float4 *) b)[i];
-            ((float4 *) y)[i] = make_float4(u.x + v.x, u.y + v.y, u.z + v.z, u.w + v.w);
-        } else {
-            y[i] = a[i] + b[i];
-        }
-    }
-}
-
-static bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 
 static void th_rows_affine(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
                            const int64_t n, const int64_t m) {
@@ -476,32 +476,13 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
 }
 
 bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
-    const int64_t n = ggml_nelements(dst);
-    const int blocks = (int) ((n + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK < 65535 ? (n + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK
-                                                                              : 65535);
-    const int blocks4 = (int) ((n / 4 + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK < 65535 ? (n / 4 + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK
-                                                                                  : 65535);
     switch (th_kernel_of(dst)) {
-        case TH_CUDA_GELU: {
-            const float * x = (const float *) dst->src[0]->data;
-            float * y = (float *) dst->data;
-            if (n % 4 == 0 && th_aligned16(x) && th_aligned16(y)) {
-                th_gelu_kernel<true><<<blocks4, TH_CUDA_BLOCK, 0, stream>>>(x, y, n);
-            } else {
-                th_gelu_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(x, y, n);
-            }
+        case TH_CUDA_GELU:
+            th_map(stream, th_gelu_op(), dst->src[0], dst->src[0], dst);
             return true;
-        }
-        case TH_CUDA_GELU_BACK: {
-            const float * dy = (const float *) dst->src[0]->data, * x = (const float *) dst->src[1]->data;
-            float * dx = (float *) dst->data;
-            if (n % 4 == 0 && th_aligned16(dy) && th_aligned16(x) && th_aligned16(dx)) {
-                th_gelu_back_kernel<true><<<blocks4, TH_CUDA_BLOCK, 0, stream>>>(dy, x, dx, n);
-            } else {
-                th_gelu_back_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(dy, x, dx, n);
-            }
+        case TH_CUDA_GELU_BACK:
+            th_map(stream, th_gelu_back_op(), dst->src[0], dst->src[1], dst);
             return true;
-        }
         case TH_CUDA_CONT:
             th_cont_of(stream, dst->src[0], dst);
             return true;
@@ -525,16 +506,9 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
         case TH_CUDA_GET_ROWS_BACK:
             th_get_rows_back(stream, dst);
             return true;
-        case TH_CUDA_ADD: {
-            const float * a = (const float *) dst->src[0]->data, * b = (const float *) dst->src[1]->data;
-            float * y = (float *) dst->data;
-            if (n % 4 == 0 && th_aligned16(a) && th_aligned16(b) && th_aligned16(y)) {
-                th_add_kernel<true><<<blocks4, TH_CUDA_BLOCK, 0, stream>>>(a, b, y, n);
-            } else {
-                th_add_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(a, b, y, n);
-            }
+        case TH_CUDA_ADD:
+            th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);
             return true;
-        }
         case TH_CUDA_FOLDED:
             return true;
         case TH_CUDA_ATTN_FWD:
