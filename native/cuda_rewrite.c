@@ -13,10 +13,16 @@
  *       dvt = OUT_PROD(P, dO), dP = OUT_PROD(vt, T(dO)), dS = SOFT_MAX_BACK(dP, P),
  *       dk = OUT_PROD(q, dS), dq = OUT_PROD(k, T(dS))
  *     become the fused kernels of cuda/th-attention.cu (custom_ops.h has their layouts): P the
- *     forward (O and L, S then computes nothing), O a copy of it, dP the prep (D, and room for
- *     dK and dV^T), dS the backward (dS, dK, dV^T), dk and dvt copies; dq stays cuBLAS's
- *     product of K and dS. dvt moves to just after dS, which now makes its value. A graph whose
- *     nodes do not have exactly this shape keeps ggml's nodes.
+ *     forward (O and L, S then computes nothing), dP the prep (D), dS the backward (dS, dK, dV),
+ *     dq our dQ kernel. The kernels read q, k, v^T and dO through their strides, so the CONTs
+ *     that permuted them out of the projections' layout fold; the CONTs that permute O, dK, dV
+ *     and dQ back become the nodes those kernels write (rooms, moved before their writer in
+ *     every graph), so attention's 8 head-permute copies a layer are gone. A graph whose nodes
+ *     do not have exactly this shape keeps ggml's nodes (or copies, where a CONT is read
+ *     elsewhere).
+ *   - Products added together (an input's gradient from several projections: q, k and v):
+ *     one node, each cuBLAS OUT_PROD call adding into the sum so far (beta 1).
+ *   - A residual's gradient added to LayerNorm's input gradient: added by LayerNorm's backward.
  *   - A bias added to a product's rows (blocks.linear: ADD(MUL_MAT(w, x) through reshapes, b)):
  *     the ADD becomes one node of ours, b broadcast into its rows then cuBLAS's product added
  *     with beta 1 (the same call as ggml's MUL_MAT otherwise), instead of a product and a pass
@@ -103,12 +109,39 @@ static int th_readers(struct ggml_cgraph * graph, const struct ggml_tensor * t, 
     return n;
 }
 
-/* the node OUT_PROD(a, b) of `graph`, b directly or (`transposed`) through a TRANSPOSE view */
+/* a node computed by a later one (which takes its sources): it computes nothing */
+static void th_fold(struct ggml_tensor * t, int shrink) {
+    th_mark(t, TH_CUDA_FOLDED);
+    th_set_srcs(t, NULL, NULL, NULL, NULL, NULL, NULL);
+    if (shrink) th_set_rows(t, 1, 1);
+}
+
+static int th_is_attention_node(const struct ggml_tensor * t) {
+    return th_marked(t, TH_CUDA_ATTN_FWD) || th_marked(t, TH_CUDA_ATTN_PREP) || th_marked(t, TH_CUDA_ATTN_BWD) ||
+           th_marked(t, TH_CUDA_ATTN_DQ);
+}
+
+/* What an attention operand reads: under its RESHAPE views, the view that its CONT copies (a CONT
+ * folded into the attention's nodes keeps that source: th_fold_attention_operands); else t. The
+ * same operand before and after a fold (graphs share nodes: an earlier graph may have folded it). */
+static const struct ggml_tensor * th_operand_source(const struct ggml_tensor * t) {
+    while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
+    if (t != NULL && t->src[0] != NULL &&
+        (t->op == GGML_OP_CONT || th_marked(t, TH_CUDA_CONT) || th_marked(t, TH_CUDA_FOLDED))) {
+        return t->src[0];
+    }
+    return t;
+}
+
+/* the node OUT_PROD(a, b) of `graph` (a as an attention operand), b directly or (`transposed`)
+ * through a TRANSPOSE view */
 static struct ggml_tensor * th_out_prod(struct ggml_cgraph * graph, const struct ggml_tensor * a,
                                         const struct ggml_tensor * b, int transposed) {
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * u = ggml_graph_node(graph, i);
-        if (u->op != GGML_OP_OUT_PROD || u->src[0] != a || u->src[1] == NULL) continue;
+        if (u->op != GGML_OP_OUT_PROD || u->src[1] == NULL || th_operand_source(u->src[0]) != th_operand_source(a)) {
+            continue;
+        }
         const struct ggml_tensor * s = u->src[1];
         if (transposed ? s->op == GGML_OP_TRANSPOSE && s->src[0] == b : s == b) return u;
     }
@@ -165,6 +198,58 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
     return 3;
 }
 
+static void th_set_map(struct ggml_tensor * t, int which, th_attention_map map) {
+    memcpy((char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(map), &map,
+           sizeof(map));
+}
+
+static th_attention_map th_map_of(const struct ggml_tensor * t, int which) {
+    th_attention_map map;
+    memcpy(&map, (const char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(map),
+           sizeof(map));
+    return map;
+}
+
+/* Where `x` (n0, n1, heads), contiguous, reaches a CONT through views alone, each read by the next
+ * alone, and those views only permute its axes (heads split into h then b, each kept whole): that
+ * CONT, with `map` set to the CONT's axes of x's axis 0, axis 1, h and b. Else NULL. */
+static struct ggml_tensor * th_permuted_cont_of(struct ggml_cgraph * graph, struct ggml_tensor * x,
+                                                th_attention_map * map, int64_t n0, int64_t n1, int64_t heads) {
+    struct ggml_tensor * v = x, * c = NULL;
+    for (;;) {
+        if (th_readers(graph, v, &c) != 1) return NULL;
+        if (c->view_src != x || c->view_offs != 0) break;
+        v = c;
+    }
+    if (v == x || c->src[0] != v || !(c->op == GGML_OP_CONT || th_marked(c, TH_CUDA_CONT)) ||
+        !th_f32_contiguous(c) || !ggml_are_same_shape(c, v) || (c->flags & GGML_TENSOR_FLAG_OUTPUT) ||
+        !th_f32_contiguous(x) || ggml_nelements(x) != n0 * n1 * heads) {
+        return NULL;
+    }
+    th_attention_map m = {{-1, -1, -1, -1}};
+    int64_t H = 1;
+    int axes = 0, used = 0;
+    for (int pass = 0; pass < 2; pass++) {           /* the h axis first: its size fixes b's stride */
+        for (int k = 0; k < GGML_MAX_DIMS; k++) {
+            const int64_t ne = v->ne[k], nb = (int64_t) (v->nb[k] / sizeof(float));
+            if (ne == 1) continue;
+            axes += pass == 0;
+            if (pass == 0 && nb == 1 && ne == n0 && m.axis[0] < 0) {
+                m.axis[0] = (int8_t) k, used++;
+            } else if (pass == 0 && nb == n0 && ne == n1 && m.axis[1] < 0) {
+                m.axis[1] = (int8_t) k, used++;
+            } else if (pass == 0 && nb == n0 * n1 && heads % ne == 0 && m.axis[2] < 0) {
+                m.axis[2] = (int8_t) k, H = ne, used++;
+            } else if (pass == 1 && nb == n0 * n1 * H && ne == heads / H && m.axis[3] < 0) {
+                m.axis[3] = (int8_t) k, used++;
+            }
+        }
+    }
+    if (used != axes) return NULL;                   /* an axis split, merged or strided otherwise */
+    *map = m;
+    return c;
+}
+
 /* The backward of the attention whose forward node is `fwd` (ATTN_FWD), where `graph` has it.
  * Returns the nodes marked, 0 when the graph has no backward of it, -1 when it has one of
  * another shape (P no longer exists to compute it from). */
@@ -178,11 +263,12 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
     }
     if (ds == NULL) return 0;                       /* no backward here, or marked already */
     struct ggml_tensor * dp = ds->src[0];
-    if (ds->op != GGML_OP_SOFT_MAX_BACK || dp == NULL || dp->op != GGML_OP_OUT_PROD || dp->src[0] != vt ||
+    if (ds->op != GGML_OP_SOFT_MAX_BACK || dp == NULL || dp->op != GGML_OP_OUT_PROD ||
+        th_operand_source(dp->src[0]) != th_operand_source(vt) ||
         dp->src[1] == NULL || dp->src[1]->op != GGML_OP_TRANSPOSE || th_readers(graph, dp, &only) != 1) {
         return -1;
     }
-    const int64_t hd = params.hd, T = params.T, heads = q->ne[2];
+    const int64_t hd = params.hd, T = params.T, heads = q->ne[2] * q->ne[3];   /* q: maybe a (hd, T, H, B) view */
     struct ggml_tensor * dout = dp->src[1]->src[0];
     struct ggml_tensor * dvt = th_out_prod(graph, fwd, dout, 0), * dk = th_out_prod(graph, q, ds, 0);
     struct ggml_tensor * dq = th_out_prod(graph, k, ds, 1);
@@ -195,7 +281,8 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
     struct ggml_tensor * dout_t = dp->src[1];
     th_mark(dp, TH_CUDA_ATTN_PREP);
     th_set_params(dp, &params, sizeof(params));
-    th_set_srcs(dp, dout, fwd, NULL, NULL, NULL, NULL);
+    th_set_srcs(dp, dout, fwd, fwd->src[3], NULL, NULL, NULL);        /* O's room, if an earlier graph made it */
+    th_set_map(dp, 0, th_map_of(fwd, 0));
     th_set_rows(dp, th_attention_prep_floats(hd, T), heads);
     th_mark(ds, TH_CUDA_ATTN_BWD);
     th_set_params(ds, &params, sizeof(params));
@@ -218,6 +305,26 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         th_mark(dvt, TH_CUDA_SLICE);
         th_set_params(dvt, &slice, sizeof(slice));
         th_set_srcs(dvt, dp, NULL, NULL, NULL, NULL, NULL);
+        marked++;
+    }
+    if (dq != NULL) {
+        /* dQ's own node, (hd, T, BH); or the CONT that permutes it back to the projection's
+         * layout, which then computes it in place of the copy (the product folds) */
+        th_attention_map map = {{0, 1, 2, -1}};
+        struct ggml_tensor * ds_t = dq->src[1];
+        struct ggml_tensor * node = th_permuted_cont_of(graph, dq, &map, hd, T, heads);
+        if (node != NULL) {
+            th_fold(dq, 1);
+            marked++;
+        } else {
+            if (!th_f32_contiguous(dq) || !th_shape_is(dq, hd, T, heads)) return -1;
+            node = dq;
+        }
+        th_mark(node, TH_CUDA_ATTN_DQ);
+        th_set_params(node, &params, sizeof(params));
+        th_set_map(node, 0, map);
+        th_set_srcs(node, ds, k, NULL, NULL, NULL, NULL);
+        if (th_readers(graph, ds_t, &only) == 0) ds_t->op = GGML_OP_NONE;     /* as dO's view above */
         marked++;
     }
     return marked;
@@ -255,6 +362,54 @@ static int th_order_attention_copies(struct ggml_cgraph * graph) {
     return 0;
 }
 
+/* Attention's operands q, k, v^T and dO are CONTs of head-permuted views of the projections
+ * (blocks.attention). Where only attention's nodes read one (and views of it), those nodes read
+ * the view itself, through its strides, and the CONT folds: it keeps the view as its source, for
+ * th_operand_source. An operand's (ne0, ne1) are the CONT's, its heads the CONT's ne2 x ne3.
+ * Returns the CONTs folded. */
+static int th_fold_attention_operands(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int folded = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int m = 0; m < 4 && th_is_attention_node(u); m++) {
+            struct ggml_tensor * c = u->src[m];
+            while (c != NULL && c->op == GGML_OP_RESHAPE) c = c->src[0];
+            if (c == NULL || !(c->op == GGML_OP_CONT || th_marked(c, TH_CUDA_CONT)) || c->src[0] == NULL ||
+                c->src[0]->type != GGML_TYPE_F32 || (c->flags & GGML_TENSOR_FLAG_OUTPUT)) {
+                continue;
+            }
+            struct ggml_tensor * view = c->src[0];
+            int ok = 1;
+            for (int k = 0; k < GGML_MAX_DIMS; k++) ok &= view->nb[k] % sizeof(float) == 0;
+            for (int j = 0; j < n && ok; j++) {
+                const struct ggml_tensor * w = ggml_graph_node(graph, j);
+                if (w->view_src == c) continue;                    /* a view: its readers are checked */
+                for (int k = 0; k < GGML_MAX_SRC; k++) {
+                    const struct ggml_tensor * s = w->src[k];
+                    if (s == NULL || (s != c && s->view_src != c)) continue;
+                    /* a reader of ours, at an operand's place, with the CONT's rows and heads */
+                    ok &= th_is_attention_node(w) && k < 4 && !(th_marked(w, TH_CUDA_ATTN_DQ) && k != 1) &&
+                          !(th_marked(w, TH_CUDA_ATTN_PREP) && k != 0) && s->ne[0] == c->ne[0] &&
+                          s->ne[1] == c->ne[1] && s->ne[2] * s->ne[3] == c->ne[2] * c->ne[3];
+                }
+            }
+            if (!ok) continue;
+            for (int j = 0; j < n; j++) {
+                struct ggml_tensor * w = ggml_graph_node(graph, j);
+                if (!th_is_attention_node(w)) continue;
+                for (int k = 0; k < 4; k++) {
+                    if (w->src[k] != NULL && (w->src[k] == c || w->src[k]->view_src == c)) w->src[k] = view;
+                }
+            }
+            th_fold(c, 1);
+            c->src[0] = view;
+            folded++;
+        }
+    }
+    return folded;
+}
+
 /* Every attention of `graph`: forward and, where the graph has it, backward. Returns the nodes
  * marked, or -1 (see th_attention_backward). */
 static int th_rewrite_attention(struct ggml_cgraph * graph) {
@@ -279,7 +434,7 @@ static int th_rewrite_attention(struct ggml_cgraph * graph) {
             }
         }
     }
-    return marked;
+    return marked + th_fold_attention_operands(graph);
 }
 
 static int th_is_folded(const struct ggml_tensor * t) {
@@ -315,6 +470,105 @@ static struct ggml_tensor * th_under_reshapes(struct ggml_cgraph * graph, struct
     return NULL;
 }
 
+/* th_under_reshapes for a node of ours: the one under `t`'s RESHAPEs marked `kernel`, else NULL */
+static struct ggml_tensor * th_ours_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                   struct ggml_tensor * t, int kernel) {
+    struct ggml_tensor * only;
+    while (t != NULL && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (th_marked(t, kernel)) return t;
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+static int th_is_same_shape_add(const struct ggml_tensor * u) {
+    return (u->op == GGML_OP_ADD || th_marked(u, TH_CUDA_ADD)) && th_f32_contiguous(u) && u->src[0] != NULL &&
+           u->src[1] != NULL && th_f32_contiguous(u->src[0]) && th_f32_contiguous(u->src[1]) &&
+           ggml_nelements(u->src[0]) == ggml_nelements(u) && ggml_nelements(u->src[1]) == ggml_nelements(u);
+}
+
+/* A residual's gradient added to a LayerNorm's input gradient, ADD(r, LAYER_NORM_BACK(...)) in
+ * either order: LayerNorm's backward adds r as it writes (the same one rounding). Returns the
+ * nodes marked. */
+static int th_rewrite_norm_residuals(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * b = NULL;
+        if (!th_is_same_shape_add(u) || u->ne[0] != u->src[0]->ne[0] || u->ne[0] != u->src[1]->ne[0]) continue;
+        int j = 0;
+        for (; j < 2 && b == NULL; j++) b = th_ours_under_reshapes(graph, u, u->src[j], TH_CUDA_LAYER_NORM_BACK);
+        if (b == NULL || b->src[3] != NULL || !th_f32_contiguous(b) || ggml_nelements(b) != ggml_nelements(u)) continue;
+        struct ggml_tensor * r = u->src[2 - j];          /* the other operand (j is one past b's) */
+        memcpy(u->op_params, b->op_params, sizeof(u->op_params));
+        u->op = GGML_OP_CUSTOM;
+        th_set_srcs(u, b->src[0], b->src[1], b->src[2], r, NULL, NULL);
+        th_fold(b, 1);
+        marked += 2;
+    }
+    return marked;
+}
+
+/* OUT_PROD(a, b) of 2-D f32 operands, as ggml-cuda computes it (one cuBLAS call), else NULL */
+static struct ggml_tensor * th_plain_out_prod(struct ggml_tensor * t) {
+    if (t == NULL || t->op != GGML_OP_OUT_PROD || !th_f32_contiguous(t) || (t->flags & GGML_TENSOR_FLAG_OUTPUT) ||
+        t->ne[2] * t->ne[3] != 1) {
+        return NULL;
+    }
+    const struct ggml_tensor * a = t->src[0], * b = t->src[1];
+    if (a == NULL || b == NULL || a->type != GGML_TYPE_F32 || b->type != GGML_TYPE_F32 || a->nb[0] != sizeof(float) ||
+        a->ne[2] * a->ne[3] != 1 || b->ne[2] * b->ne[3] != 1 || a->ne[0] != t->ne[0] || b->ne[0] != t->ne[1] ||
+        a->ne[1] != b->ne[1] || (ggml_is_transposed(b) ? b->nb[1] : b->nb[0]) != sizeof(float) ||
+        t->ne[0] > INT32_MAX || t->ne[1] > INT32_MAX || a->ne[1] > INT32_MAX) {
+        return NULL;
+    }
+    return t;
+}
+
+/* Products added together, ADD(x, y) where each of x and y is an OUT_PROD or (one of them) a
+ * PRODUCT_SUM, through RESHAPEs read by the next alone (the gradient of an input that several
+ * projections read: q, k and v, llama's gate and up): one PRODUCT_SUM of at most 5 products,
+ * cuBLAS adding each product into the sum so far (beta 1): the order and roundings of the ADDs.
+ * Returns the nodes marked. */
+static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * part[2], * pairs[10];
+        if (!th_is_same_shape_add(u)) continue;
+        int sums = 0, count = 0, order[2] = {0, 1};
+        for (int j = 0; j < 2; j++) {
+            part[j] = th_plain_out_prod(th_under_reshapes(graph, u, u->src[j], GGML_OP_OUT_PROD));
+            if (part[j] == NULL) {
+                part[j] = th_ours_under_reshapes(graph, u, u->src[j], TH_CUDA_PRODUCT_SUM);
+                sums += part[j] != NULL;
+                if (part[j] != NULL && j == 1) order[0] = 1, order[1] = 0;    /* the sum so far first */
+            }
+        }
+        if (part[0] == NULL || part[1] == NULL || sums > 1 || part[0]->ne[0] != u->ne[0] || part[1]->ne[0] != u->ne[0] ||
+            ggml_nelements(part[0]) != ggml_nelements(u) || ggml_nelements(part[1]) != ggml_nelements(u)) {
+            continue;
+        }
+        for (int j = 0; j < 2; j++) {
+            struct ggml_tensor * x = part[order[j]];
+            for (int k = 0; k < (th_marked(x, TH_CUDA_PRODUCT_SUM) ? GGML_MAX_SRC : 2) && x->src[k] != NULL; k++) {
+                if (count < 10) pairs[count] = x->src[k];
+                count++;
+            }
+        }
+        if (count > 10) continue;
+        th_mark(u, TH_CUDA_PRODUCT_SUM);
+        memset(u->src, 0, sizeof(u->src));
+        memcpy(u->src, pairs, sizeof(*pairs) * (size_t) count);
+        th_fold(part[0], 1);
+        th_fold(part[1], 1);
+        marked += 3;
+    }
+    return marked;
+}
+
 /* MUL(t, g) of f32 rows t (n, rows) and a gain g (n): its g, else NULL */
 static struct ggml_tensor * th_gain_of(const struct ggml_tensor * m, int64_t n) {
     const struct ggml_tensor * t = m->src[0];
@@ -324,12 +578,6 @@ static struct ggml_tensor * th_gain_of(const struct ggml_tensor * m, int64_t n) 
         return NULL;
     }
     return g;
-}
-
-static void th_fold(struct ggml_tensor * t, int shrink) {
-    th_mark(t, TH_CUDA_FOLDED);
-    th_set_srcs(t, NULL, NULL, NULL, NULL, NULL, NULL);
-    if (shrink) th_set_rows(t, 1, 1);
 }
 
 /* ADD(y, b) of a bias b (n) over the rows of y = MUL_MAT(w, x) (n, m), y reached through
@@ -439,6 +687,80 @@ static int th_rewrite_layer_norms(struct ggml_cgraph * graph) {
     return marked;
 }
 
+/* The CONTs that permute attention's O, dK and dV back to the projections' layout become rooms
+ * that the fused kernels write (ATTN_FWD O, ATTN_BWD dK and dV), instead of copies out of their
+ * nodes; the SLICEs fold. Returns the nodes marked. */
+static int th_attention_rooms(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * x = ggml_graph_node(graph, i), * src = x->src[0], * writer = NULL;
+        if (!th_marked(x, TH_CUDA_SLICE) || src == NULL) continue;
+        th_slice_params slice;
+        th_attention_params ap;
+        memcpy(&slice, x->op_params + 2, sizeof(slice));
+        memcpy(&ap, src->op_params + 2, sizeof(ap));
+        const int64_t hd = ap.hd, T = ap.T;
+        const int dv = th_marked(src, TH_CUDA_ATTN_PREP) && slice.offset == hd * T;
+        if (th_marked(src, TH_CUDA_ATTN_FWD) && slice.offset == 0) {
+            writer = src;
+        } else if (th_marked(src, TH_CUDA_ATTN_PREP) && (slice.offset == 0 || dv)) {
+            for (int j = 0; j < n && writer == NULL; j++) {
+                struct ggml_tensor * u = ggml_graph_node(graph, j);
+                if (th_marked(u, TH_CUDA_ATTN_BWD) && u->src[5] == src) writer = u;
+            }
+        }
+        th_attention_map map;
+        const int64_t n0 = dv ? T : hd, n1 = dv ? hd : T;
+        struct ggml_tensor * room = writer != NULL && x->ne[0] == n0 && x->ne[1] == n1
+                                        ? th_permuted_cont_of(graph, x, &map, n0, n1, ggml_nelements(x) / (hd * T))
+                                        : NULL;
+        if (room == NULL) continue;
+        if (dv) {                                   /* dV^T's axis 0 is t: the map is (d, t, h, b) */
+            const int8_t t_axis = map.axis[0];
+            map.axis[0] = map.axis[1], map.axis[1] = t_axis;
+        }
+        th_mark(room, TH_CUDA_ROOM);
+        th_set_srcs(room, NULL, NULL, NULL, NULL, NULL, NULL);
+        th_fold(x, 1);
+        if (writer == src) {                        /* O: the forward writes it, the prep reads it */
+            writer->src[3] = room;
+            th_set_map(writer, 0, map);
+            for (int j = 0; j < n; j++) {
+                struct ggml_tensor * u = ggml_graph_node(graph, j);
+                if (th_marked(u, TH_CUDA_ATTN_PREP) && u->src[1] == writer) {
+                    u->src[2] = room;
+                    th_set_map(u, 0, map);
+                }
+            }
+        } else {
+            writer->src[6 + dv] = room;
+            th_set_map(writer, dv, map);
+        }
+        marked += 2;
+    }
+    return marked;
+}
+
+/* A room comes before the node that writes it, in every graph (graphs share nodes, not their
+ * order): it computes nothing and reads nothing, so it can move up to just before its writer. */
+static void th_order_rooms(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (!th_marked(t, TH_CUDA_ROOM)) continue;
+        for (int w = 0; w < i; w++) {
+            const struct ggml_tensor * u = ggml_graph_node(graph, w);
+            if ((th_marked(u, TH_CUDA_ATTN_FWD) && u->src[3] == t) ||
+                (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t))) {
+                memmove(graph->nodes + w + 1, graph->nodes + w, sizeof(*graph->nodes) * (size_t) (i - w));
+                graph->nodes[w] = t;
+                break;
+            }
+        }
+    }
+}
+
 /* A CONT of a permuted view of a SLICE (attention's O, dK and dV^T: copied out of the fused
  * kernels' nodes, then permuted back to the projections' layout): one copy, from the sliced node,
  * and the SLICE computes nothing. Only where the view's strides split into a head's (each below
@@ -494,6 +816,7 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     if (norms < 0) return -1;
     const int biases = th_rewrite_linear_biases(graph);
     const int affines = th_rewrite_norm_affines(graph);
+    const int sums = th_rewrite_product_sums(graph), residuals = th_rewrite_norm_residuals(graph);
     int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
@@ -515,9 +838,10 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
             singles++;
         }
     }
-    singles += th_merge_slice_conts(graph);
+    singles += th_attention_rooms(graph) + th_merge_slice_conts(graph);
     if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0) return -1;
-    return gelu + fused + norms + biases + affines + singles;
+    th_order_rooms(graph);
+    return gelu + fused + norms + biases + affines + sums + residuals + singles;
 }
 
 /* the kernel's name for a node marked here (bench --profile), else NULL */
@@ -525,7 +849,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
     static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
-                                   "slice_cont", "add"};
+                                   "slice_cont", "add", "attention_dq", "room", "product_sum"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

@@ -7,19 +7,29 @@
 #include "ggml.h"
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 4
+#define TH_CUDA_KERNELS_VERSION 5
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
-     *   ATTN_FWD   srcs q (hd,T,BH), k (hd,T,BH), vt (T,hd,BH); per head O (T x hd) then L (T)
-     *   ATTN_PREP  srcs dO (hd,T,BH), the ATTN_FWD node; per head dK (T x hd), dV^T (hd x T), D (T):
-     *              it computes D, and ATTN_BWD (which reads it) writes dK and dV^T into it
-     *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP; dS (T,T,BH), what SOFT_MAX_BACK gives
-     *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride` */
+     *   ATTN_FWD   srcs q (hd,T,BH), k (hd,T,BH), vt (T,hd,BH), [O's room]; per head O (T x hd)
+     *              then L (T); O goes to the room when there is one
+     *   ATTN_PREP  srcs dO (hd,T,BH), the ATTN_FWD node, [O's room]; per head dK (T x hd),
+     *              dV^T (hd x T), D (T): it computes D, and ATTN_BWD (which reads it) writes dK
+     *              and dV^T into it, or into their rooms
+     *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP, [dK's room, dV's room]; dS (T,T,BH),
+     *              what SOFT_MAX_BACK gives, in the tiles a causal query sees (the rest unwritten:
+     *              ATTN_DQ alone reads it)
+     *   ATTN_DQ    srcs dS (the ATTN_BWD node), k; dQ = dS K, into its own node through a map
+     *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride`
+     * An operand (q, k, vt, dO) may be a strided (hd,T,H,B) or (T,hd,H,B) view, head b H + h:
+     * the head-permuted projection a folded CONT would have copied. A room (ROOM) is the CONT
+     * that permuted O, dK, dV or dQ back to the projection's layout: the fused node writes it
+     * through a th_attention_map, and the room computes nothing. */
     TH_CUDA_ATTN_FWD = 4, TH_CUDA_ATTN_PREP = 5, TH_CUDA_ATTN_BWD = 6, TH_CUDA_SLICE = 7,
     /* LayerNorm's normalization (blocks.layer_norm), op_params[2] eps:
      *   LAYER_NORM       src x (n, rows); t = (x - mean) / sqrt(mean((x - mean)^2) + eps) per row
-     *   LAYER_NORM_BACK  srcs dt, x; dx (what the centring and RMS_NORM_BACK of ggml's nodes give) */
+     *   LAYER_NORM_BACK  srcs dt, x, [g], [r]; dx (what the centring and RMS_NORM_BACK of ggml's
+     *                    nodes give), plus r when given (a residual's gradient: ADD(r, dx)) */
     TH_CUDA_LAYER_NORM = 8, TH_CUDA_LAYER_NORM_BACK = 9,
     /* A bias added to a product's rows (blocks.linear):
      *   LINEAR_BIAS  srcs w (k, n), x (k, m), b (n); y (n, m) = b in every row, plus cuBLAS's product
@@ -37,6 +47,10 @@ enum {
     TH_CUDA_SLICE_CONT = 15,
     /* ADD of two contiguous f32 tensors of one shape */
     TH_CUDA_ADD = 16,
+    TH_CUDA_ATTN_DQ = 17, TH_CUDA_ROOM = 18,
+    /* The sum of 2-D products, srcs a0, b0, a1, b1, ...: OUT_PROD(a0, b0) + OUT_PROD(a1, b1) + ...,
+     * summed left to right (each product cuBLAS's OUT_PROD call, beta 1 after the first) */
+    TH_CUDA_PRODUCT_SUM = 19,
 };
 typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
 
@@ -46,6 +60,11 @@ typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
 /* op_params[2..] of the attention nodes, and of SLICE */
 typedef struct { int32_t hd, T, causal; float scale; } th_attention_params;
 typedef struct { int64_t stride, offset; } th_slice_params;
+/* Where a head's (d, t) elements go in a room: the room's axis that each of d, t, h and b is
+ * (-1: that axis has one element), head bh = b H + h, H the h axis's elements. op_params after
+ * th_attention_params: ATTN_FWD's and ATTN_PREP's O room, ATTN_BWD's dK then dV rooms, ATTN_DQ's
+ * own node. */
+typedef struct { int8_t axis[4]; } th_attention_map;
 
 static inline int th_attention_head_dim_ok(int64_t hd) { return hd == 16 || hd == 32 || hd == 64; }
 /* floats a head in the ATTN_FWD node (O, L) and in the ATTN_PREP node (dK, dV^T, D) */

@@ -126,9 +126,10 @@ def test_conts_of_every_permute_on_cuda_are_exact_copies(backend):
         assert np.array_equal(got[str(p)], np.transpose(x, p)), p
 
 
-def layer_norm_program(backend: str, rows: int, d: int, stand_in: bool, seed: int = 8):
+def layer_norm_program(backend: str, rows: int, d: int, stand_in: bool, seed: int = 8, residual: bool = False):
     """LayerNorm of x (rows, d) with gain and bias, its loss a weighted sum of its output:
-    (program, trainer, forward graph, inputs). `stand_in`: as blocks build it for our cuda kernels."""
+    (program, trainer, forward graph, inputs). `stand_in`: as blocks build it for our cuda kernels.
+    `residual`: the output is x + LayerNorm(x)."""
     rng = np.random.default_rng(seed)
     x = (rng.normal(size=(rows, d)) * 3 + rng.normal(size=(rows, 1)) * 5).astype(np.float32)
     gain, bias = rng.normal(size=d).astype(np.float32), rng.normal(size=d).astype(np.float32)
@@ -136,7 +137,9 @@ def layer_norm_program(backend: str, rows: int, d: int, stand_in: bool, seed: in
     prog = get_engine(backend).program()
     prog.cuda_kernels = stand_in
     prog.column_sums_as_products = prog.grads_as_outputs = True           # as on cuda
-    y = blocks.layer_norm(prog.param("x", x), prog.param("gain", gain), prog.param("bias", bias))
+    xp = prog.param("x", x)
+    y = blocks.layer_norm(xp, prog.param("gain", gain), prog.param("bias", bias))
+    y = xp + y if residual else y
     trainer = prog.trainer(prog.scalar_loss((y * prog.constant("w", weights)).sum()), "bias_corrected")
     return prog, trainer, prog.forward({"y": y}), (x, gain, bias, weights)
 
@@ -165,6 +168,17 @@ def test_the_cuda_rewrite_marks_each_layer_norm_stand_in_and_its_backward():
     assert "RMS_NORM" not in ops and "RMS_NORM_BACK" not in ops
     assert ops.count("MUL") == 2 and ops.count("OUT_PROD") == 1       # the loss's weights; the bias's column sum
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0      # the same nodes, marked already
+
+
+def test_the_cuda_rewrite_adds_a_residuals_gradient_inside_layer_norms_backward():
+    """x + LayerNorm(x): x's gradient is ADD(dy, LAYER_NORM_BACK(...)); the backward's kernel adds
+    dy as it writes, and the ADD's node computes it (the backward's own node folds)."""
+    prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True, residual=True)
+    # LayerNorm's 7 (see above), the forward's residual ADD, and its gradient's (marked, folding one)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1 + 2
+    names = kernel_names(trainer.gb_grad)
+    assert names.count("layer_norm_back") == 1 and names.count("add") == 1
+    assert ops_of(trainer.gb_grad).count("ADD") == 0
 
 
 def test_the_cuda_rewrite_refuses_a_layer_norm_whose_backward_is_ambiguous():
@@ -200,6 +214,77 @@ def test_layer_norm_on_cuda_is_one_kernel_each_way_matches_float64_and_repeats_i
         assert np.abs(ours[k] - w).max() <= 2 * np.abs(composed[k] - w).max() + 1e-7 * scale, k
 
 
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_a_residuals_gradient_added_in_layer_norms_backward_on_cuda_is_the_adds_bits(backend):
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    dx = {}
+    for residual in (False, True):
+        prog, trainer, fg, (x, gain, bias, dy) = layer_norm_program(backend, 300, 384, True, residual=residual)
+        trainer.grads_only({})
+        dx[residual] = prog.read(trainer.grad_acc["x"])
+        assert kernel_names(trainer.gb_grad).count("add") == residual       # the forward's
+    # the residual's gradient is dy itself: x's gradient is LayerNorm's plus dy, one float32 rounding
+    assert np.array_equal(dx[True], dx[False] + dy)
+
+
+def products_program(backend: str, n_products: int, only: int | None = None, rows: int = 96, d_in: int = 160,
+                     d_out: int = 200, seed: int = 4):
+    """sum over i of (x W_i^T) * c_i (term `only` alone, when given): x's gradient is the sum of
+    n_products OUT_PRODs."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    prog.grads_as_outputs = True
+    x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
+    drawn = [(rng.normal(size=(d_out, d_in)).astype(np.float32), rng.normal(size=(rows, d_out)).astype(np.float32))
+             for _ in range(n_products)]
+    terms = [blocks.linear(x, prog.param(f"w{i}", w)) * prog.constant(f"c{i}", c)
+             for i, (w, c) in enumerate(drawn) if only is None or i == only]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return prog, prog.trainer(prog.scalar_loss(total.sum()), "bias_corrected")
+
+
+def test_the_cuda_rewrite_sums_an_inputs_products_in_one_node():
+    """Built on cpu: x's gradients from 3 projections (ADD(ADD(p0, p1), p2) of OUT_PRODs) are one
+    PRODUCT_SUM; 6 products are more than one node holds (5), so the last ADD stays."""
+    prog, trainer = products_program("cpu", 3)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert kernel_names(trainer.gb_grad).count("product_sum") == 1
+    assert ops_of(trainer.gb_grad).count("OUT_PROD") == 3          # the weights' gradients
+    prog, trainer = products_program("cpu", 6)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert kernel_names(trainer.gb_grad).count("product_sum") == 1 and "add" in kernel_names(trainer.gb_grad)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_products_summed_in_one_node_on_cuda_match_the_adds_and_repeat_their_bits(backend):
+    """Each product alone (ggml's OUT_PROD, beta 0), summed left to right in float32, against the
+    PRODUCT_SUM that adds each into the sum so far (beta 1). Each product is cuBLAS's same bits
+    either way, but where cuBLAS splits the sum over k (this shape) its beta-1 epilogue adds the
+    partial sums and the sum so far in its own order: a rounding of the running sum apart
+    (measured on the H100: 4842 of 15360 elements differ, by at most 7.6e-6 at magnitudes to 100)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    summed = []
+    for _ in range(2):
+        prog, trainer = products_program(backend, 3)
+        trainer.grads_only({})
+        assert "product_sum" in kernel_names(trainer.gb_grad)
+        summed.append(prog.read(trainer.grad_acc["x"]))
+    assert np.array_equal(summed[0], summed[1]), "bits moved between two runs"
+    alone = []
+    for i in range(3):
+        prog_i, trainer_i = products_program(backend, 3, only=i)
+        trainer_i.grads_only({})
+        assert "product_sum" not in kernel_names(trainer_i.gb_grad)
+        alone.append(prog_i.read(trainer_i.grad_acc["x"]))
+    added = (alone[0] + alone[1]) + alone[2]
+    magnitude = np.abs(alone[0]) + np.abs(alone[1]) + np.abs(alone[2])
+    assert (np.abs(summed[0] - added) <= magnitude * 2.0**-22).all()
+
+
 def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
     """Built on cpu (never computed here): ADD(MUL_MAT(w, x) through reshapes, b) becomes one node
     of ours and the product computes nothing; a product read twice keeps its ADD; a graph that
@@ -216,7 +301,9 @@ def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
     trainer = prog.trainer(prog.scalar_loss(y.sum() + twice.sum()), "bias_corrected")
     products = ops_of(trainer.gb_grad).count("MUL_MAT")
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == len(kernel_names(trainer.gb_grad))
-    assert [n for n in kernel_names(trainer.gb_grad) if n != "add"] == ["folded", "linear_bias"]
+    # and x's gradient, its products summed in one node (the parts fold)
+    assert [n for n in kernel_names(trainer.gb_grad) if n != "add"] == [
+        "folded", "linear_bias", "folded", "folded", "product_sum"]
     assert "ADD" in ops_of(trainer.gb_grad)                   # twice's: its bias's ADD reads the product
     assert ops_of(trainer.gb_grad).count("MUL_MAT") == products - 1
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
@@ -330,27 +417,54 @@ def kernel_names(graph) -> list[str]:
 
 
 def test_the_cuda_rewrite_fuses_attention_and_orders_its_copies_in_every_graph():
-    """Built on cpu (never computed here): P, O and the backward's dP, dS, dk, dvt become the fused
-    kernels' nodes, S computes nothing; O, dk and dvt are copied out of the fused nodes by the
-    conts that permute them back (their slices fold into those), and in each graph the copies
-    out of the backward's node follow it."""
+    """Built on cpu (never computed here): P, O and the backward's dP, dS, dk, dvt, dq become the
+    fused kernels' nodes, S computes nothing; q, k, v^T and dO are read in place (their conts
+    fold); dQ is computed by the cont that permuted it back; the conts that permute O, dK and dV
+    back become rooms that the fused kernels write (their slices fold), and in each graph a room
+    comes just before the node that writes it."""
     prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2)
     assert ops_of(trainer.gb_grad).count("SOFT_MAX") == 1
-    # 3 + 4 nodes of attention's, the 8 head-permute copies, 3 of them merged with a slice (2 each),
-    # and the 2 ADDs where x's gradients from q, k and v meet
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 8 + 3 * 2 + 2
-    assert kernel_names(trainer.gb_grad).count("add") == 2
-    assert [n for n in kernel_names(trainer.gb_grad) if n not in ("cont", "add")] == [
-        "attention", "folded", "slice_cont", "folded", "attention_prep", "attention_back", "folded", "slice_cont",
-        "slice_cont"]
+    # 3 + 4 nodes of attention's, dq's product folded into its cont (2), the 4 operand conts
+    # folded, the 3 conts left (marked, then rooms with their slices folded: 1 + 2 each), and x's
+    # gradients from q, k and v: 2 ADDs of products, each marked with its 2 parts folded
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 2 + 4 + 3 * 3 + 2 * 3
+    assert kernel_names(trainer.gb_grad) == [
+        "folded", "folded", "folded", "room", "attention", "folded", "folded", "folded", "attention_prep", "room",
+        "room", "attention_back", "folded", "folded", "attention_dq", "folded", "folded", "folded", "folded",
+        "product_sum"]
     ops = ops_of(trainer.gb_grad)
-    assert "SOFT_MAX" not in ops and "SOFT_MAX_BACK" not in ops
-    assert ops.count("OUT_PROD") == 12 - 3          # of attention's 4, dq stays (cuBLAS's product)
+    assert "SOFT_MAX" not in ops and "SOFT_MAX_BACK" not in ops and "CONT" not in ops
+    assert ops.count("OUT_PROD") == 12 - 4 - 3      # the 4 weights' and wo's input's stay
     # gb_opt holds the same nodes in its own order: nothing new to mark, and its copies follow the backward
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
-    names = [n for n in kernel_names(trainer.gb_opt) if n not in ("cont", "add")]
-    assert names[-5:] == ["attention_prep", "attention_back", "folded", "slice_cont", "slice_cont"]
+    names = [n for n in kernel_names(trainer.gb_opt) if n not in ("folded", "product_sum")]
+    assert names[-5:] == ["attention_prep", "room", "room", "attention_back", "attention_dq"]
     assert lib.th_cuda_rewrite(fg.graph, 1) == 0
+
+
+def test_the_cuda_rewrite_fuses_the_backward_after_a_forward_graph_folded_the_operands():
+    """A forward-only graph rewritten first (an evaluation before the first step) folds q's, k's
+    and v^T's conts; the training graph's backward still finds its products through the folded
+    conts, and reads the same views."""
+    prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2)
+    assert lib.th_cuda_rewrite(fg.graph, 1) == 3 + 3 + 1 + 2
+    assert kernel_names(fg.graph) == ["folded", "folded", "folded", "room", "attention", "folded"]
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 4 + 2 + 1 + 2 * 3 + 2 * 3
+    assert "attention_dq" in kernel_names(trainer.gb_grad)
+    assert "CONT" not in ops_of(trainer.gb_grad) and ops_of(trainer.gb_grad).count("OUT_PROD") == 5
+
+
+def test_the_cuda_rewrite_keeps_conts_that_are_not_a_head_permute_of_one_projection():
+    """Grouped-query heads: k and v^T are REPEATs of the kv heads (nothing to fold), q's and dO's
+    conts fold, dq's cont computes dQ, O's is a room; dk and dv are sliced whole (REPEAT_BACK sums
+    their heads back), and the conts of v's permute and of dv's stay copies."""
+    prog, trainer, fg = attention_program("cpu", 2, 8, 64, 2, n_kv_head=1)
+    # attention's 3 + 4 + 2, 2 folds, 3 conts (O's then a room: 2 more) and 2 product sums (3 each)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 2 + 2 + 3 + 2 + 2 * 3
+    names = kernel_names(trainer.gb_grad)
+    assert names.count("attention_dq") == 1 and names.count("slice") == 2 and names.count("cont") == 2
+    assert names.count("room") == 1
+    assert ops_of(trainer.gb_grad).count("REPEAT_BACK") == 2
 
 
 @pytest.mark.parametrize("why, kwargs, flag", [

@@ -9,11 +9,20 @@
 //   backward (dS's node):  per key block, over the query blocks it sees: P again from Q, K and L,
 //                          dP = dO V^T, dS = scale P (dP - D) (written: what SOFT_MAX_BACK gives),
 //                          dV += P^T dO, dK += dS^T Q (both into the prep node's buffer)
-//   dQ stays ggml's OUT_PROD of K and dS (cuBLAS), and O, dK, dV^T reach their nodes by copies.
+//   dQ       (dq's node):  per query block, dQ = dS K over the key blocks it sees, written in the
+//                          layout its node wants (the projection's (B, T, H, hd) where a CONT
+//                          permuted it back: that CONT is the node)
 //
+// q, k, v^T and dO are read through their strides, and O, dK, dV and dQ written through them
+// (th_opd): where the rewrite folded the CONTs that permuted q, k, v and dO out of the
+// projections' layout, the kernels read the projections in place; where CONTs permuted O, dK, dV
+// and dQ back to it, the kernels write those CONTs' nodes (rooms) directly.
 // Every output element is summed by one thread in a fixed order (no atomics): the bits are the
-// same run to run. Tiles are 64 queries x 64 keys, 256 threads, 4 x 4 outputs per thread; the
-// backward fits two CTAs an SM (102.5 KB of shared memory at head size 64).
+// same run to run. 256 threads a CTA. The forward takes 128 queries against 64 keys at a time,
+// 8 query rows a thread (fewer shared-memory reads a product: 6.03 against 6.31 ms a gpt2-small
+// step), each row over the same key blocks as with 64 queries, so the same bits; the backward and
+// dQ take 64 x 64 tiles, 4 x 4 a thread (dQ with 128 queries was slower: 3.36 against 3.23 ms).
+// The forward and the backward fit two CTAs an SM (102.5 KB of shared memory at head size 64).
 #include "th-custom.cuh"
 
 extern "C" {
@@ -28,16 +37,29 @@ extern "C" {
 #define TH_AT_PAD 4       // smem row padding (keeps float4 alignment, spreads banks)
 #define TH_AT_LD (TH_AT_B + TH_AT_PAD)
 #define TH_AT_THREADS 256
+#define TH_AT_QB 128      // queries a forward CTA
+#define TH_AT_QLD (TH_AT_QB + TH_AT_PAD)
+
+// a head batch's (t, d) elements, floats: head bh starts at p + (bh / H) sb + (bh % H) sh
+struct th_opd {
+    float * p;
+    int64_t st, sd, sh, sb;
+    int H;
+};
+
+static __device__ __forceinline__ float * th_head(const th_opd & o, const int bh) {
+    return o.p + (int64_t) (bh / o.H) * o.sb + (int64_t) (bh % o.H) * o.sh;
+}
 
 struct th_attn_args {
-    const float * q;      // (BH, T, hd), row stride hd
-    const float * k;      // (BH, T, hd)
-    const float * vt;     // (BH, hd, T): V transposed
-    const float * dout;   // (BH, T, hd): dO (backward)
-    const float * fwd;    // the forward node: per head O (T x hd) then L (T)
+    th_opd q, k, v;       // (t, d) of Q, K and V (the node reads V^T: its strides swapped)
+    th_opd dout;          // dO (backward)
+    th_opd o;             // O: where the forward writes it, where the prep reads it
+    th_opd dk, dv, dq;    // where the backward writes dK and dV, the dQ node dQ
+    const float * fwd;    // the forward node: per head O (T x hd, unless O has a room) then L (T)
     float * scratch;      // the prep node: per head dK (T x hd), dV^T (hd x T), D (T)
+    const float * ds;     // the backward node's dS (BH, T, T) (the dQ node)
     float * out;          // the node's own output
-    int64_t q_s, k_s, vt_s, do_s;   // per-head strides, floats
     int T;
     float scale;
     int causal;
@@ -75,109 +97,128 @@ static __device__ __forceinline__ void th_ld_row(const float * p, float (&v)[DN]
     }
 }
 
-// a tile's rows row0 .. row0 + B of x (T rows of HD floats), transposed into smem: t[d][r]
-// (rows at or past T are zeros). Read along d (coalesced), stored along r.
-template <int HD>
-static __device__ __forceinline__ void th_load_transposed(float * t, const float * x, const int row0, const int T) {
-    for (int i = threadIdx.x; i < TH_AT_B * HD; i += TH_AT_THREADS) {
-        const int r = i / HD, d = i % HD;
-        t[d * TH_AT_LD + r] = row0 + r < T ? x[(int64_t) (row0 + r) * HD + d] : 0.0f;
+// a tile's rows row0 .. row0 + B of a head h (its (t, d) elements through o's strides) into smem,
+// as rows (ROWS: rows[r][d], ld ldr) and/or transposed (COLS: cols[d][r], ld TH_AT_LD); rows at or
+// past T are zeros. Read along whichever of t and d is adjacent in memory (coalesced).
+template <int HD, bool ROWS, bool COLS, int NR = TH_AT_B, int LDC = TH_AT_LD>
+static __device__ __forceinline__ void th_load_tile(float * rows, const int ldr, float * cols, const float * h,
+                                                    const th_opd & o, const int row0, const int T) {
+    const bool d_adjacent = o.sd == 1;
+    for (int i = threadIdx.x; i < NR * HD; i += TH_AT_THREADS) {
+        const int r = d_adjacent ? i / HD : i % NR, d = d_adjacent ? i % HD : i / NR;
+        const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
+        if (ROWS) rows[r * ldr + d] = x;
+        if (COLS) cols[d * LDC + r] = x;
     }
 }
 
-// the forward: one CTA a (head, query block); the last query blocks (most key blocks) start first
+// the forward: one CTA a (head, block of 128 queries), 8 query rows x 4 keys a thread; the last
+// query blocks (most key blocks) start first. A warp's 16 query rows see the key blocks up to
+// their own: a causal warp skips the one key block past them (its rows then take exactly the
+// steps of 64-query blocks, so the bits do not depend on the block size).
 template <int HD>
-static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_fwd_kernel(const th_attn_args a) {
+static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_fwd_kernel(const th_attn_args a) {
     constexpr int DN = HD / 16;                  // O columns per thread
+    constexpr int R = TH_AT_QB / 16;             // query rows per thread
     constexpr int LDV = HD + TH_AT_PAD;
     extern __shared__ float sm[];
-    float * Qt = sm;                             // [HD][LD]  Q^T
-    float * Kt = Qt + HD * TH_AT_LD;             // [HD][LD]  K^T
+    float * Qt = sm;                             // [HD][QLD] Q^T
+    float * Kt = Qt + HD * TH_AT_QLD;            // [HD][LD]  K^T
     float * V = Kt + HD * TH_AT_LD;              // [B][LDV]  V, key-major
-    float * Pt = V + TH_AT_B * LDV;              // [B][LD]   P^T, key-major
+    float * Pt = V + TH_AT_B * LDV;              // [B][QLD]  P^T, key-major
     const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
-    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_AT_B, T = a.T;
-    const float * q = a.q + bh * a.q_s;
-    const float * k = a.k + bh * a.k_s;
-    const float * vt = a.vt + bh * a.vt_s;
-    th_load_transposed<HD>(Qt, q, q0, T);
-    float m[4], l[4], o[4][DN];
-    for (int i = 0; i < 4; i++) {
+    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_AT_QB, T = a.T;
+    const int warp_last_row = q0 + 16 * (tid / 32) + 15;
+    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    th_load_tile<HD, false, true, TH_AT_QB, TH_AT_QLD>(nullptr, 0, Qt, q, a.q, q0, T);
+    float m[R], l[R], o[R][DN];
+    for (int i = 0; i < R; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0f;
         for (int j = 0; j < DN; j++) o[i][j] = 0.0f;
     }
-    const int nkb = a.causal ? qb + 1 : (T + TH_AT_B - 1) / TH_AT_B;
+    const int q_end = q0 + TH_AT_QB < T ? q0 + TH_AT_QB : T;
+    const int nkb = ((a.causal ? q_end : T) + TH_AT_B - 1) / TH_AT_B;
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_AT_B;
+        const bool sees = !a.causal || k0 <= warp_last_row;        // the same for a whole warp
         __syncthreads();
-        th_load_transposed<HD>(Kt, k, k0, T);
-        for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
-            const int d = i / TH_AT_B, c = i % TH_AT_B;
-            V[c * LDV + d] = k0 + c < T ? vt[(int64_t) d * T + k0 + c] : 0.0f;
-        }
+        th_load_tile<HD, false, true>(nullptr, 0, Kt, k, a.k, k0, T);
+        th_load_tile<HD, true, false>(V, LDV, nullptr, v, a.v, k0, T);
         __syncthreads();
-        float s[4][4] = {};
-#pragma unroll 8
-        for (int d = 0; d < HD; d++) {
-            const float4 qa = th_ld4(Qt + d * TH_AT_LD + 4 * ty), kb4 = th_ld4(Kt + d * TH_AT_LD + 4 * tx);
-            const float qv[4] = {qa.x, qa.y, qa.z, qa.w}, kv[4] = {kb4.x, kb4.y, kb4.z, kb4.w};
+        float s[R][4];
+        if (sees) {
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < R; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) s[i][j] += qv[i] * kv[j];
-        }
+                for (int j = 0; j < 4; j++) s[i][j] = 0.0f;
+#pragma unroll 4
+            for (int d = 0; d < HD; d++) {
+                const float4 qa = th_ld4(Qt + d * TH_AT_QLD + R * ty), qc = th_ld4(Qt + d * TH_AT_QLD + R * ty + 4);
+                const float4 kb4 = th_ld4(Kt + d * TH_AT_LD + 4 * tx);
+                const float qv[R] = {qa.x, qa.y, qa.z, qa.w, qc.x, qc.y, qc.z, qc.w};
+                const float kv[4] = {kb4.x, kb4.y, kb4.z, kb4.w};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int row = q0 + 4 * ty + i;
-            float mx = -INFINITY;
+                for (int i = 0; i < R; i++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int col = k0 + 4 * tx + j;
-                s[i][j] = col >= T || (a.causal && col > row) ? -INFINITY : s[i][j] * a.scale;
-                mx = fmaxf(mx, s[i][j]);
+                    for (int j = 0; j < 4; j++) s[i][j] += qv[i] * kv[j];
             }
 #pragma unroll
-            for (int w = 1; w < 16; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
-            const float m_new = fmaxf(m[i], mx);
-            const float alpha = m_new == -INFINITY ? 1.0f : expf(m[i] - m_new);
-            float sum = 0.0f;
+            for (int i = 0; i < R; i++) {
+                const int row = q0 + R * ty + i;
+                float mx = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                s[i][j] = s[i][j] == -INFINITY ? 0.0f : expf(s[i][j] - m_new);
-                sum += s[i][j];
+                for (int j = 0; j < 4; j++) {
+                    const int col = k0 + 4 * tx + j;
+                    s[i][j] = col >= T || (a.causal && col > row) ? -INFINITY : s[i][j] * a.scale;
+                    mx = fmaxf(mx, s[i][j]);
+                }
+#pragma unroll
+                for (int w = 1; w < 16; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
+                const float m_new = fmaxf(m[i], mx);
+                const float alpha = m_new == -INFINITY ? 1.0f : expf(m[i] - m_new);
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    s[i][j] = s[i][j] == -INFINITY ? 0.0f : expf(s[i][j] - m_new);
+                    sum += s[i][j];
+                }
+#pragma unroll
+                for (int w = 1; w < 16; w *= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
+                l[i] = l[i] * alpha + sum;
+                m[i] = m_new;
+#pragma unroll
+                for (int j = 0; j < DN; j++) o[i][j] *= alpha;
             }
 #pragma unroll
-            for (int w = 1; w < 16; w *= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
-            l[i] = l[i] * alpha + sum;
-            m[i] = m_new;
-#pragma unroll
-            for (int j = 0; j < DN; j++) o[i][j] *= alpha;
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            *(float4 *) (Pt + (4 * tx + j) * TH_AT_LD + 4 * ty) = make_float4(s[0][j], s[1][j], s[2][j], s[3][j]);
+            for (int j = 0; j < 4; j++) {
+                float * p = Pt + (4 * tx + j) * TH_AT_QLD + R * ty;
+                *(float4 *) p = make_float4(s[0][j], s[1][j], s[2][j], s[3][j]);
+                *(float4 *) (p + 4) = make_float4(s[4][j], s[5][j], s[6][j], s[7][j]);
+            }
         }
         __syncthreads();
-#pragma unroll 8
+        if (!sees) continue;
+#pragma unroll 4
         for (int c = 0; c < TH_AT_B; c++) {
-            const float4 pa = th_ld4(Pt + c * TH_AT_LD + 4 * ty);
-            const float pv[4] = {pa.x, pa.y, pa.z, pa.w};
+            const float4 pa = th_ld4(Pt + c * TH_AT_QLD + R * ty), pc = th_ld4(Pt + c * TH_AT_QLD + R * ty + 4);
+            const float pv[R] = {pa.x, pa.y, pa.z, pa.w, pc.x, pc.y, pc.z, pc.w};
             float vv[DN];
             th_ld_row<DN>(V + c * LDV + tx * DN, vv);
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < R; i++)
 #pragma unroll
                 for (int j = 0; j < DN; j++) o[i][j] += pv[i] * vv[j];
         }
     }
-    float * out = a.out + (int64_t) bh * ((int64_t) T * (HD + 1));
-    for (int i = 0; i < 4; i++) {
-        const int row = q0 + 4 * ty + i;
+    float * out = th_head(a.o, bh);
+    float * L = a.out + (int64_t) bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+    for (int i = 0; i < R; i++) {
+        const int row = q0 + R * ty + i;
         if (row >= T) continue;
         const float inv = 1.0f / l[i];
-        for (int j = 0; j < DN; j++) out[(int64_t) row * HD + tx * DN + j] = o[i][j] * inv;
-        if (tx == 0) out[(int64_t) T * HD + row] = m[i] + logf(l[i]);
+        for (int j = 0; j < DN; j++) out[(int64_t) row * a.o.st + (int64_t) (tx * DN + j) * a.o.sd] = o[i][j] * inv;
+        if (tx == 0) L[row] = m[i] + logf(l[i]);
     }
 }
 
@@ -188,16 +229,16 @@ static __global__ void th_attn_prep_kernel(const th_attn_args a, const int64_t r
     const int lane = threadIdx.x % 32;
     if (r >= rows) return;
     const int64_t bh = r / a.T, t = r % a.T;
-    const float * dout = a.dout + bh * a.do_s + t * HD;
-    const float * o = a.fwd + bh * ((int64_t) a.T * (HD + 1)) + t * HD;
+    const float * dout = th_head(a.dout, (int) bh) + t * a.dout.st;
+    const float * o = th_head(a.o, (int) bh) + t * a.o.st;
     float sum = 0.0f;
-    for (int d = lane; d < HD; d += 32) sum += dout[d] * o[d];
+    for (int d = lane; d < HD; d += 32) sum += dout[d * a.dout.sd] * o[d * a.o.sd];
     for (int w = 16; w > 0; w /= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
     if (lane == 0) a.scratch[bh * ((int64_t) a.T * (2 * HD + 1)) + 2 * (int64_t) a.T * HD + t] = sum;
 }
 
 // the backward: one CTA a (head, key block), over the query blocks that see it (the first key
-// blocks, seen by most, start first)
+// blocks, seen by most, start first). dS is written for those tiles only.
 template <int HD>
 static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(const th_attn_args a) {
     constexpr int DN = HD / 16;
@@ -216,35 +257,21 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(co
     const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
     const int bh = blockIdx.x, kb = blockIdx.y, k0 = kb * TH_AT_B, T = a.T;
     const int nqb = (T + TH_AT_B - 1) / TH_AT_B;
-    const float * q = a.q + bh * a.q_s;
-    const float * k = a.k + bh * a.k_s;
-    const float * vt = a.vt + bh * a.vt_s;
-    const float * dout = a.dout + bh * a.do_s;
+    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    const float * dout = th_head(a.dout, bh);
     const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-    float * scratch = a.scratch + bh * ((int64_t) T * (2 * HD + 1));
-    const float * D = scratch + 2 * (int64_t) T * HD;
+    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
     float * ds_out = a.out + bh * ((int64_t) T * T);
-    th_load_transposed<HD>(Kt, k, k0, T);
-    for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
-        const int d = i / TH_AT_B, c = i % TH_AT_B;
-        Vt[d * TH_AT_LD + c] = k0 + c < T ? vt[(int64_t) d * T + k0 + c] : 0.0f;
-    }
+    th_load_tile<HD, false, true>(nullptr, 0, Kt, k, a.k, k0, T);
+    th_load_tile<HD, false, true>(nullptr, 0, Vt, v, a.v, k0, T);
     float dv[4][DN], dk[4][DN];
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < DN; j++) dv[i][j] = dk[i][j] = 0.0f;
     for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
         const int q0 = qb * TH_AT_B;
         __syncthreads();
-        for (int i = tid; i < TH_AT_B * HD; i += TH_AT_THREADS) {
-            const int r = i / HD, d = i % HD;
-            const bool in = q0 + r < T;
-            const float qv = in ? q[(int64_t) (q0 + r) * HD + d] : 0.0f;
-            const float gv = in ? dout[(int64_t) (q0 + r) * HD + d] : 0.0f;
-            Qt[d * TH_AT_LD + r] = qv;
-            Qn[r * LDN + d] = qv;
-            dOt[d * TH_AT_LD + r] = gv;
-            dOn[r * LDN + d] = gv;
-        }
+        th_load_tile<HD, true, true>(Qn, LDN, Qt, q, a.q, q0, T);
+        th_load_tile<HD, true, true>(dOn, LDN, dOt, dout, a.dout, q0, T);
         if (tid < TH_AT_B) {
             const bool in = q0 + tid < T;
             Lq[tid] = in ? L[q0 + tid] : INFINITY;      // a padded row's P is exp(-inf) = 0
@@ -315,20 +342,79 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(co
                 }
         }
     }
-    if (a.causal) {      // the query rows that never see this key block: their dS is 0
-        const int kw = T - k0 < TH_AT_B ? T - k0 : TH_AT_B;
-        for (int64_t i = tid; i < (int64_t) k0 * kw; i += TH_AT_THREADS) {
-            ds_out[(i / kw) * T + k0 + i % kw] = 0.0f;
-        }
-    }
+    // causal: the tiles above the diagonal are never written; the dQ kernel, dS's only reader, skips them
+    float * dk_out = th_head(a.dk, bh), * dv_out = th_head(a.dv, bh);
     for (int i = 0; i < 4; i++) {
         const int key = k0 + 4 * ty + i;
         if (key >= T) continue;
         for (int j = 0; j < DN; j++) {
-            const int d = tx * DN + j;
-            scratch[(int64_t) key * HD + d] = dk[i][j];
-            scratch[(int64_t) T * HD + (int64_t) d * T + key] = dv[i][j];
+            const int64_t d = tx * DN + j;
+            dk_out[key * a.dk.st + d * a.dk.sd] = dk[i][j];
+            dv_out[key * a.dv.st + d * a.dv.sd] = dv[i][j];
         }
+    }
+}
+
+// dQ = dS K: one CTA a (head, query block), over the key blocks it sees (causal: the diagonal's
+// and those before it, all that the backward wrote), keys in order: the last query blocks (most
+// key blocks) start first. dS tiles stay query-major (float4 along keys), K key-major.
+template <int HD>
+static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const th_attn_args a) {
+    constexpr int DN = HD / 16;
+    constexpr int LDK = HD + TH_AT_PAD;
+    extern __shared__ float sm[];
+    float * S = sm;                              // [B][LD]   dS, query-major
+    float * Kn = S + TH_AT_B * TH_AT_LD;         // [B][LDK]  K, key-major
+    const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_AT_B, T = a.T;
+    const float * ds = a.ds + (int64_t) bh * T * T;
+    const float * k = th_head(a.k, bh);
+    float acc[4][DN];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < DN; j++) acc[i][j] = 0.0f;
+    const int nkb = a.causal ? qb + 1 : nqb;
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * TH_AT_B;
+        __syncthreads();
+        if (T % 4 == 0) {             // then a float4 of keys is all in, or all past T
+            for (int i = tid; i < TH_AT_B * TH_AT_B / 4; i += TH_AT_THREADS) {
+                const int r = i / (TH_AT_B / 4), c = 4 * (i % (TH_AT_B / 4));
+                const bool in = q0 + r < T && k0 + c < T;
+                *(float4 *) (S + r * TH_AT_LD + c) =
+                    in ? th_ld4(ds + (int64_t) (q0 + r) * T + k0 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        } else {
+            for (int i = tid; i < TH_AT_B * TH_AT_B; i += TH_AT_THREADS) {
+                const int r = i / TH_AT_B, c = i % TH_AT_B;
+                S[r * TH_AT_LD + c] = q0 + r < T && k0 + c < T ? ds[(int64_t) (q0 + r) * T + k0 + c] : 0.0f;
+            }
+        }
+        th_load_tile<HD, true, false>(Kn, LDK, nullptr, k, a.k, k0, T);
+        __syncthreads();
+#pragma unroll 2
+        for (int c = 0; c < TH_AT_B; c += 4) {
+            float sv[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float4 x = th_ld4(S + (4 * ty + i) * TH_AT_LD + c);
+                sv[i][0] = x.x, sv[i][1] = x.y, sv[i][2] = x.z, sv[i][3] = x.w;
+            }
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++) {
+                float kv[DN];
+                th_ld_row<DN>(Kn + (c + cc) * LDK + tx * DN, kv);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < DN; j++) acc[i][j] += sv[i][cc] * kv[j];
+            }
+        }
+    }
+    float * dq = th_head(a.dq, bh);
+    for (int i = 0; i < 4; i++) {
+        const int row = q0 + 4 * ty + i;
+        if (row >= T) continue;
+        for (int j = 0; j < DN; j++) dq[(int64_t) row * a.dq.st + (int64_t) (tx * DN + j) * a.dq.sd] = acc[i][j];
     }
 }
 
@@ -341,7 +427,9 @@ static __global__ void th_slice_kernel(const float * __restrict__ src, float * _
     }
 }
 
-static size_t th_fwd_smem(int hd) { return sizeof(float) * (2 * hd * TH_AT_LD + TH_AT_B * (hd + TH_AT_PAD) + TH_AT_B * TH_AT_LD); }
+static size_t th_fwd_smem(int hd) {
+    return sizeof(float) * (hd * TH_AT_QLD + hd * TH_AT_LD + TH_AT_B * (hd + TH_AT_PAD) + TH_AT_B * TH_AT_QLD);
+}
 static size_t th_bwd_smem(int hd) {
     const int rows = hd > TH_AT_B ? hd : TH_AT_B;
     return sizeof(float) * (2 * hd * TH_AT_LD + 2 * rows * TH_AT_LD + 2 * TH_AT_B * (hd + TH_AT_PAD) + 2 * TH_AT_B);
@@ -353,47 +441,150 @@ static th_attention_params th_params_of(const ggml_tensor * t) {
     return ap;
 }
 
-static int64_t th_head_stride(const ggml_tensor * t) { return (int64_t) (t->nb[2] / sizeof(float)); }
+static size_t th_dq_smem(int hd) { return sizeof(float) * (TH_AT_B * TH_AT_LD + TH_AT_B * (hd + TH_AT_PAD)); }
+
+// an operand's (t, d) elements: a (hd, T, H, B) tensor, or with `t_first` a (T, hd, H, B) one (V^T)
+static th_opd th_opd_of(const ggml_tensor * x, const bool t_first) {
+    th_opd o;
+    o.p = (float *) x->data;
+    o.st = (int64_t) (x->nb[t_first ? 0 : 1] / sizeof(float));
+    o.sd = (int64_t) (x->nb[t_first ? 1 : 0] / sizeof(float));
+    o.sh = (int64_t) (x->nb[2] / sizeof(float));
+    o.sb = (int64_t) (x->nb[3] / sizeof(float));
+    o.H = (int) x->ne[2];
+    return o;
+}
+
+// where a fused node's output goes: head bh's (t, d) at p + (bh / H) sb + (bh % H) sh + t st + d sd
+static th_opd th_opd_at(float * p, const int64_t st, const int64_t sd, const int64_t sh, const int64_t heads) {
+    th_opd o;
+    o.p = p, o.st = st, o.sd = sd, o.sh = sh, o.sb = 0, o.H = (int) heads;
+    return o;
+}
+
+static th_attention_map th_map_of(const ggml_tensor * t, const int which) {
+    th_attention_map m;
+    memcpy(&m, (const char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(m),
+           sizeof(m));
+    return m;
+}
+
+// a room's (t, d) elements through its map
+static th_opd th_room_opd(const ggml_tensor * room, const th_attention_map m) {
+    th_opd o;
+    int64_t s[4];
+    for (int i = 0; i < 4; i++) s[i] = m.axis[i] >= 0 ? (int64_t) (room->nb[m.axis[i]] / sizeof(float)) : 0;
+    o.p = (float *) room->data, o.sd = s[0], o.st = s[1], o.sh = s[2], o.sb = s[3];
+    o.H = m.axis[2] >= 0 ? (int) room->ne[m.axis[2]] : 1;
+    return o;
+}
+
+// a contiguous f32 room holding exactly hd x T x heads elements, its map's axes distinct and sized so
+static bool th_room_ok(const ggml_tensor * room, const th_attention_map m, const int64_t hd, const int64_t T,
+                       const int64_t heads) {
+    if (!th_f32_contiguous(room) || ggml_nelements(room) != hd * T * heads) return false;
+    const int64_t want[3] = {hd, T, 0};
+    int64_t h = 1, b = 1;
+    for (int i = 0; i < 4; i++) {
+        const int a = m.axis[i];
+        if (a < -1 || a >= GGML_MAX_DIMS) return false;
+        for (int j = 0; j < i; j++) {
+            if (a >= 0 && m.axis[j] == a) return false;
+        }
+        const int64_t ne = a >= 0 ? room->ne[a] : 1;
+        if (i < 2 && ne != want[i]) return false;
+        if (i == 2) h = ne;
+        if (i == 3) b = ne;
+    }
+    return h * b == heads;
+}
+
+static bool th_opd_ok(const ggml_tensor * x, const int64_t ne0, const int64_t ne1, const int64_t heads) {
+    if (x == nullptr || x->type != GGML_TYPE_F32 || x->ne[0] != ne0 || x->ne[1] != ne1 || x->ne[2] * x->ne[3] != heads) {
+        return false;
+    }
+    for (int i = 0; i < GGML_MAX_DIMS; i++) {
+        if (x->nb[i] % sizeof(float) != 0) return false;
+    }
+    return true;
+}
+
 
 template <int HD>
 static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
     th_attn_args a = {};
     a.T = ap.T, a.scale = ap.scale, a.causal = ap.causal, a.out = (float *) dst->data;
     const int nb = (a.T + TH_AT_B - 1) / TH_AT_B;
+    const int64_t T = ap.T;
     if (kernel == TH_CUDA_ATTN_FWD) {
-        const ggml_tensor * q = dst->src[0], * k = dst->src[1], * vt = dst->src[2];
-        a.q = (const float *) q->data, a.k = (const float *) k->data, a.vt = (const float *) vt->data;
-        a.q_s = th_head_stride(q), a.k_s = th_head_stride(k), a.vt_s = th_head_stride(vt);
+        a.q = th_opd_of(dst->src[0], false), a.k = th_opd_of(dst->src[1], false), a.v = th_opd_of(dst->src[2], true);
+        a.o = dst->src[3] != nullptr ? th_room_opd(dst->src[3], th_map_of(dst, 0))
+                                     : th_opd_at((float *) dst->data, HD, 1, (HD + 1) * T, dst->ne[1]);
         const size_t smem = th_fwd_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_fwd_kernel<HD>, smem);
-        th_attn_fwd_kernel<HD><<<dim3((unsigned) q->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
+        const int nqb = (a.T + TH_AT_QB - 1) / TH_AT_QB;
+        th_attn_fwd_kernel<HD><<<dim3((unsigned) dst->ne[1], (unsigned) nqb), TH_AT_THREADS, smem, stream>>>(a);
     } else if (kernel == TH_CUDA_ATTN_PREP) {
-        const ggml_tensor * dout = dst->src[0], * fwd = dst->src[1];
-        a.dout = (const float *) dout->data, a.do_s = th_head_stride(dout), a.fwd = (const float *) fwd->data;
+        a.dout = th_opd_of(dst->src[0], false), a.fwd = (const float *) dst->src[1]->data;
+        a.o = dst->src[2] != nullptr ? th_room_opd(dst->src[2], th_map_of(dst, 0))
+                                     : th_opd_at((float *) dst->src[1]->data, HD, 1, (HD + 1) * T, dst->ne[1]);
         a.scratch = (float *) dst->data;
-        const int64_t rows = dout->ne[2] * (int64_t) a.T;
+        const int64_t rows = dst->ne[1] * (int64_t) a.T;
         th_attn_prep_kernel<HD><<<(unsigned) ((rows + 7) / 8), 256, 0, stream>>>(a, rows);
-    } else {
-        const ggml_tensor * q = dst->src[0], * k = dst->src[1], * vt = dst->src[2], * dout = dst->src[3];
-        a.q = (const float *) q->data, a.k = (const float *) k->data, a.vt = (const float *) vt->data;
-        a.dout = (const float *) dout->data;
+    } else if (kernel == TH_CUDA_ATTN_BWD) {
+        a.q = th_opd_of(dst->src[0], false), a.k = th_opd_of(dst->src[1], false), a.v = th_opd_of(dst->src[2], true);
+        a.dout = th_opd_of(dst->src[3], false);
         a.fwd = (const float *) dst->src[4]->data;
         a.scratch = (float *) dst->src[5]->data;
-        a.q_s = th_head_stride(q), a.k_s = th_head_stride(k), a.vt_s = th_head_stride(vt), a.do_s = th_head_stride(dout);
+        const int64_t heads = dst->ne[2], per_head = (2 * HD + 1) * T;
+        a.dk = dst->src[6] != nullptr ? th_room_opd(dst->src[6], th_map_of(dst, 0))
+                                      : th_opd_at(a.scratch, HD, 1, per_head, heads);
+        a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_map_of(dst, 1))
+                                      : th_opd_at(a.scratch + T * HD, 1, T, per_head, heads);
         const size_t smem = th_bwd_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_bwd_kernel<HD>, smem);
-        th_attn_bwd_kernel<HD><<<dim3((unsigned) q->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
+        th_attn_bwd_kernel<HD><<<dim3((unsigned) dst->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
+    } else {
+        a.ds = (const float *) dst->src[0]->data, a.k = th_opd_of(dst->src[1], false);
+        a.dq = th_room_opd(dst, th_map_of(dst, 0));
+        const size_t smem = th_dq_smem(HD);
+        TH_SET_SMEM_LIMIT(th_attn_dq_kernel<HD>, smem);
+        th_attn_dq_kernel<HD><<<dim3((unsigned) dst->src[0]->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
     }
 }
 
 bool th_attention_supported(const ggml_tensor * op, const int kernel) {
     if (op->type != GGML_TYPE_F32 || !ggml_is_contiguous(op)) return false;
-    for (int i = 0; i < GGML_MAX_SRC && op->src[i] != nullptr; i++) {
-        if (op->src[i]->type != GGML_TYPE_F32 || op->src[i]->nb[0] != sizeof(float)) return false;
+    if (kernel == TH_CUDA_SLICE) {
+        return op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_F32 && ggml_is_contiguous(op->src[0]);
     }
-    if (kernel == TH_CUDA_SLICE) return op->src[0] != nullptr && ggml_is_contiguous(op->src[0]);
     const th_attention_params ap = th_params_of(op);
-    return th_attention_head_dim_ok(ap.hd) && ap.T > 0;
+    if (!th_attention_head_dim_ok(ap.hd) || ap.T <= 0) return false;
+    const int64_t hd = ap.hd, T = ap.T;
+    const ggml_tensor * const * s = op->src;
+    switch (kernel) {
+        case TH_CUDA_ATTN_FWD:
+            return op->ne[0] == th_attention_fwd_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
+                   th_opd_ok(s[1], hd, T, op->ne[1]) && th_opd_ok(s[2], T, hd, op->ne[1]) &&
+                   (s[3] == nullptr || th_room_ok(s[3], th_map_of(op, 0), hd, T, op->ne[1]));
+        case TH_CUDA_ATTN_PREP:
+            return op->ne[0] == th_attention_prep_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
+                   th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1] &&
+                   (s[2] == nullptr || th_room_ok(s[2], th_map_of(op, 0), hd, T, op->ne[1]));
+        case TH_CUDA_ATTN_BWD:
+            return op->ne[0] == T && op->ne[1] == T && th_opd_ok(s[0], hd, T, op->ne[2]) &&
+                   th_opd_ok(s[1], hd, T, op->ne[2]) && th_opd_ok(s[2], T, hd, op->ne[2]) &&
+                   th_opd_ok(s[3], hd, T, op->ne[2]) && th_f32_contiguous(s[4]) && th_f32_contiguous(s[5]) &&
+                   ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * op->ne[2] &&
+                   ggml_nelements(s[5]) == th_attention_prep_floats(hd, T) * op->ne[2] &&
+                   (s[6] == nullptr || th_room_ok(s[6], th_map_of(op, 0), hd, T, op->ne[2])) &&
+                   (s[7] == nullptr || th_room_ok(s[7], th_map_of(op, 1), hd, T, op->ne[2]));
+        case TH_CUDA_ATTN_DQ:
+            return th_f32_contiguous(s[0]) && s[0]->ne[0] == T && s[0]->ne[1] == T &&
+                   th_opd_ok(s[1], hd, T, s[0]->ne[2]) && th_room_ok(op, th_map_of(op, 0), hd, T, s[0]->ne[2]);
+        default:
+            return false;
+    }
 }
 
 bool th_attention(cudaStream_t stream, ggml_tensor * dst, const int kernel) {

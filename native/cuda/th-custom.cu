@@ -133,11 +133,13 @@ static __global__ void th_layer_norm_kernel(const float * __restrict__ x, float 
     }
 }
 
-// dt = dy g when `gain` is given (rounded as ggml's MUL of them), else dy
+// dt = dy g when `gain` is given (rounded as ggml's MUL of them), else dy; plus r (a residual's
+// gradient) when given, rounded as the ADD it stands for
 template <bool gain>
 static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, const float * __restrict__ x,
-                                                 const float * __restrict__ g, float * __restrict__ dx,
-                                                 const int64_t n, const int64_t rows, const float eps) {
+                                                 const float * __restrict__ g, const float * __restrict__ r_add,
+                                                 float * __restrict__ dx, const int64_t n, const int64_t rows,
+                                                 const float eps) {
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
         const float * xr = x + r * n, * dyr = dy + r * n;
         float * dxr = dx + r * n;
@@ -154,7 +156,8 @@ static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, 
         const float shift = mean_dt - mean_dt_t * (th_warp_sum(sum_t) / (float) n);
         for (int64_t i = threadIdx.x; i < n; i += 32) {
             const float ti = (xr[i] - mean) * rstd, dti = gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
-            dxr[i] = rstd * (dti - ti * mean_dt_t - shift);
+            const float dxi = rstd * (dti - ti * mean_dt_t - shift);
+            dxr[i] = r_add != nullptr ? __fadd_rn(dxi, r_add[r * n + i]) : dxi;
         }
     }
 }
@@ -167,11 +170,12 @@ static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool bac
     const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
     if (backward) {
         const float * dy = (const float *) dst->src[0]->data, * x = (const float *) dst->src[1]->data;
+        const float * r = dst->src[3] != nullptr ? (const float *) dst->src[3]->data : nullptr;
         if (dst->src[2] != nullptr) {
-            th_layer_norm_back_kernel<true><<<grid, block, 0, stream>>>(dy, x, (const float *) dst->src[2]->data,
+            th_layer_norm_back_kernel<true><<<grid, block, 0, stream>>>(dy, x, (const float *) dst->src[2]->data, r,
                                                                         (float *) dst->data, n, rows, eps);
         } else {
-            th_layer_norm_back_kernel<false><<<grid, block, 0, stream>>>(dy, x, nullptr, (float *) dst->data, n,
+            th_layer_norm_back_kernel<false><<<grid, block, 0, stream>>>(dy, x, nullptr, r, (float *) dst->data, n,
                                                                          rows, eps);
         }
     } else {
@@ -304,6 +308,41 @@ static void th_column_dot(cudaStream_t stream, ggml_tensor * dst) {
         partial, (float *) dst->data, n, (int) chunks);
 }
 
+// OUT_PROD(a, b) of 2-D operands (dst's rows, contiguous) added into dst (beta 1) or written
+// (beta 0): ggml-cuda's call
+static bool th_out_prod_into(cublasHandle_t cublas, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * dst,
+                             const float beta) {
+    const bool b_t = ggml_is_transposed(b);
+    const float one = 1.0f;
+    return cublasSgemm(cublas, CUBLAS_OP_N, b_t ? CUBLAS_OP_N : CUBLAS_OP_T, (int) dst->ne[0], (int) ggml_nrows(dst),
+                       (int) a->ne[1], &one, (const float *) a->data, (int) (a->nb[1] / sizeof(float)),
+                       (const float *) b->data, (int) ((b_t ? b->nb[0] : b->nb[1]) / sizeof(float)), &beta,
+                       (float *) dst->data, (int) dst->ne[0]) == CUBLAS_STATUS_SUCCESS;
+}
+
+static bool th_product_sum(cublasHandle_t cublas, ggml_tensor * dst) {
+    for (int k = 0; k + 1 < GGML_MAX_SRC && dst->src[k] != nullptr; k += 2) {
+        if (!th_out_prod_into(cublas, dst->src[k], dst->src[k + 1], dst, k == 0 ? 0.0f : 1.0f)) return false;
+    }
+    return true;
+}
+
+static bool th_product_sum_supported(const ggml_tensor * op) {
+    if (!th_f32_contiguous(op) || op->src[0] == nullptr || op->ne[0] > INT32_MAX || ggml_nrows(op) > INT32_MAX) {
+        return false;
+    }
+    for (int k = 0; k + 1 < GGML_MAX_SRC && op->src[k] != nullptr; k += 2) {
+        const ggml_tensor * a = op->src[k], * b = op->src[k + 1];
+        if (b == nullptr || a->type != GGML_TYPE_F32 || b->type != GGML_TYPE_F32 || a->nb[0] != sizeof(float) ||
+            a->ne[2] * a->ne[3] != 1 || b->ne[2] * b->ne[3] != 1 || a->ne[0] != op->ne[0] || b->ne[0] != ggml_nrows(op) ||
+            a->ne[1] != b->ne[1] || a->ne[1] > INT32_MAX ||
+            (ggml_is_transposed(b) ? b->nb[1] : b->nb[0]) != sizeof(float)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
     const ggml_tensor * w = dst->src[0], * x = dst->src[1], * b = dst->src[2];
     const int64_t n = dst->ne[0], m = ggml_nrows(dst), k = w->ne[0];
@@ -410,10 +449,6 @@ static int th_kernel_of(const ggml_tensor * t) {
     return p[0] == TH_CUDA_MAGIC ? p[1] : 0;
 }
 
-static bool th_f32_contiguous(const ggml_tensor * t) {
-    return t != nullptr && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
-}
-
 bool th_cuda_custom_supported(const ggml_tensor * op) {
     switch (th_kernel_of(op)) {
         case TH_CUDA_GELU:
@@ -434,6 +469,7 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    ggml_nelements(b) == op->ne[0] && ggml_nrows(op) <= INT32_MAX && w->ne[0] <= INT32_MAX;
         }
         case TH_CUDA_FOLDED:
+        case TH_CUDA_ROOM:
             return true;
         case TH_CUDA_SLICE_CONT: {
             if (!th_f32_contiguous(op) || op->src[0] == nullptr || op->src[0]->type != GGML_TYPE_F32) return false;
@@ -451,9 +487,14 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
         case TH_CUDA_LAYER_NORM_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
-                   ggml_nelements(op) == ggml_nelements(op->src[0]) && ggml_are_same_shape(op, op->src[1]) &&
+                   ggml_nelements(op) == ggml_nelements(op->src[0]) && ggml_nelements(op) == ggml_nelements(op->src[1]) &&
+                   op->ne[0] == op->src[1]->ne[0] &&
                    (op->src[2] == nullptr ||
-                    (th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[2]) == op->ne[0]));
+                    (th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[2]) == op->ne[0])) &&
+                   (op->src[3] == nullptr ||
+                    (th_f32_contiguous(op->src[3]) && ggml_nelements(op->src[3]) == ggml_nelements(op)));
+        case TH_CUDA_PRODUCT_SUM:
+            return th_product_sum_supported(op);
         case TH_CUDA_AFFINE:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
                    op->src[0]->ne[0] == op->ne[0] && th_f32_contiguous(op->src[1]) &&
@@ -468,6 +509,7 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:
         case TH_CUDA_ATTN_BWD:
+        case TH_CUDA_ATTN_DQ:
         case TH_CUDA_SLICE:
             return th_attention_supported(op, th_kernel_of(op));
         default:
@@ -497,6 +539,8 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_LINEAR_BIAS:
             return th_linear_bias(stream, cublas, dst);
+        case TH_CUDA_PRODUCT_SUM:
+            return th_product_sum(cublas, dst);
         case TH_CUDA_AFFINE:
             th_affine(stream, dst);
             return true;
@@ -510,10 +554,12 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);
             return true;
         case TH_CUDA_FOLDED:
+        case TH_CUDA_ROOM:
             return true;
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:
         case TH_CUDA_ATTN_BWD:
+        case TH_CUDA_ATTN_DQ:
         case TH_CUDA_SLICE:
             return th_attention(stream, dst, th_kernel_of(dst));
         default:

@@ -8,11 +8,15 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+static inline bool th_f32_contiguous(const ggml_tensor * t) {
+    return t != nullptr && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
+}
+
 // whether `op` is a node of ours that these kernels can compute
 bool th_cuda_custom_supported(const ggml_tensor * op);
 // compute `dst` on `stream` (products with `cublas`, ggml's handle); false when it is not a node of ours
 bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst);
 
-// the fused attention's nodes (th-attention.cu): ATTN_FWD, ATTN_PREP, ATTN_BWD and SLICE
+// the fused attention's nodes (th-attention.cu): ATTN_FWD, ATTN_PREP, ATTN_BWD, ATTN_DQ and SLICE
 bool th_attention_supported(const ggml_tensor * op, int kernel);
 bool th_attention(cudaStream_t stream, ggml_tensor * dst, int kernel);
