@@ -15,9 +15,10 @@
  *     become the fused kernels of cuda/th-attention.cu (custom_ops.h has their layouts): P the
  *     forward (O and L, S then computes nothing), dP the prep (D), dS the backward (dS, dK, dV),
  *     dq our dQ kernel. The kernels read q, k, v^T and dO through their strides, so the CONTs
- *     that permuted them out of the projections' layout fold; the CONTs that permute O, dK, dV
- *     and dQ back become the nodes those kernels write (rooms, moved before their writer in
- *     every graph), so attention's 8 head-permute copies a layer are gone. A graph whose nodes
+ *     that permuted them out of the projections' layout fold; the CONTs that permute dK, dV and
+ *     dQ back become the nodes those kernels write (dK's and dV's are rooms, moved before their
+ *     writer in every graph), and O's copies straight out of the forward's node: 1 of attention's
+ *     8 head-permute copies a layer is left. A graph whose nodes
  *     do not have exactly this shape keeps ggml's nodes (or copies, where a CONT is read
  *     elsewhere).
  *   - Products added together (an input's gradient from several projections: q, k and v):
@@ -281,8 +282,7 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
     struct ggml_tensor * dout_t = dp->src[1];
     th_mark(dp, TH_CUDA_ATTN_PREP);
     th_set_params(dp, &params, sizeof(params));
-    th_set_srcs(dp, dout, fwd, fwd->src[3], NULL, NULL, NULL);        /* O's room, if an earlier graph made it */
-    th_set_map(dp, 0, th_map_of(fwd, 0));
+    th_set_srcs(dp, dout, fwd, NULL, NULL, NULL, NULL);
     th_set_rows(dp, th_attention_prep_floats(hd, T), heads);
     th_mark(ds, TH_CUDA_ATTN_BWD);
     th_set_params(ds, &params, sizeof(params));
@@ -388,6 +388,7 @@ static int th_fold_attention_operands(struct ggml_cgraph * graph) {
                 for (int k = 0; k < GGML_MAX_SRC; k++) {
                     const struct ggml_tensor * s = w->src[k];
                     if (s == NULL || (s != c && s->view_src != c)) continue;
+                    ok &= s == c || (s->op == GGML_OP_RESHAPE && s->view_offs == 0);     /* not a permute */
                     /* a reader of ours, at an operand's place, with the CONT's rows and heads */
                     ok &= th_is_attention_node(w) && k < 4 && !(th_marked(w, TH_CUDA_ATTN_DQ) && k != 1) &&
                           !(th_marked(w, TH_CUDA_ATTN_PREP) && k != 0) && s->ne[0] == c->ne[0] &&
@@ -625,7 +626,7 @@ static int th_rewrite_norm_affines(struct ggml_cgraph * graph) {
         } else if (th_marked(u, TH_CUDA_LAYER_NORM_BACK) && u->src[2] == NULL &&
                    (m = th_under_reshapes(graph, u, u->src[0], GGML_OP_MUL)) != NULL && (g = th_gain_of(m, u->ne[0])) &&
                    ggml_nelements(m) == ggml_nelements(u)) {
-            th_set_srcs(u, m->src[0], u->src[1], g, NULL, NULL, NULL);
+            th_set_srcs(u, m->src[0], u->src[1], g, u->src[3], NULL, NULL);     /* keeps a residual */
             th_fold(m, 1);
             marked += 1;
         } else if (u->op == GGML_OP_OUT_PROD && th_f32_contiguous(u) && u->src[1] != NULL &&
@@ -687,9 +688,12 @@ static int th_rewrite_layer_norms(struct ggml_cgraph * graph) {
     return marked;
 }
 
-/* The CONTs that permute attention's O, dK and dV back to the projections' layout become rooms
- * that the fused kernels write (ATTN_FWD O, ATTN_BWD dK and dV), instead of copies out of their
- * nodes; the SLICEs fold. Returns the nodes marked. */
+/* The CONTs that permute attention's dK and dV back to the projections' layout become rooms that
+ * the backward kernel writes, instead of copies out of the prep node; the SLICEs fold. A room has
+ * no sources, so a graph reaches its writer only through the room's other readers: rooms are for
+ * the backward's outputs alone (a backward graph is always built before the first rewrite). O
+ * stays a copy out of the forward's node (SLICE_CONT), so a forward graph built after a rewrite
+ * still reaches the forward. Returns the nodes marked. */
 static int th_attention_rooms(struct ggml_cgraph * graph) {
     const int n = ggml_graph_n_nodes(graph);
     int marked = 0;
@@ -702,9 +706,7 @@ static int th_attention_rooms(struct ggml_cgraph * graph) {
         memcpy(&ap, src->op_params + 2, sizeof(ap));
         const int64_t hd = ap.hd, T = ap.T;
         const int dv = th_marked(src, TH_CUDA_ATTN_PREP) && slice.offset == hd * T;
-        if (th_marked(src, TH_CUDA_ATTN_FWD) && slice.offset == 0) {
-            writer = src;
-        } else if (th_marked(src, TH_CUDA_ATTN_PREP) && (slice.offset == 0 || dv)) {
+        if (th_marked(src, TH_CUDA_ATTN_PREP) && (slice.offset == 0 || dv)) {
             for (int j = 0; j < n && writer == NULL; j++) {
                 struct ggml_tensor * u = ggml_graph_node(graph, j);
                 if (th_marked(u, TH_CUDA_ATTN_BWD) && u->src[5] == src) writer = u;
@@ -723,42 +725,33 @@ static int th_attention_rooms(struct ggml_cgraph * graph) {
         th_mark(room, TH_CUDA_ROOM);
         th_set_srcs(room, NULL, NULL, NULL, NULL, NULL, NULL);
         th_fold(x, 1);
-        if (writer == src) {                        /* O: the forward writes it, the prep reads it */
-            writer->src[3] = room;
-            th_set_map(writer, 0, map);
-            for (int j = 0; j < n; j++) {
-                struct ggml_tensor * u = ggml_graph_node(graph, j);
-                if (th_marked(u, TH_CUDA_ATTN_PREP) && u->src[1] == writer) {
-                    u->src[2] = room;
-                    th_set_map(u, 0, map);
-                }
-            }
-        } else {
-            writer->src[6 + dv] = room;
-            th_set_map(writer, dv, map);
-        }
+        writer->src[6 + dv] = room;
+        th_set_map(writer, dv, map);
         marked += 2;
     }
     return marked;
 }
 
 /* A room comes before the node that writes it, in every graph (graphs share nodes, not their
- * order): it computes nothing and reads nothing, so it can move up to just before its writer. */
-static void th_order_rooms(struct ggml_cgraph * graph) {
+ * order): it computes nothing and reads nothing, so it can move up to just before its writer.
+ * Returns -1 when a graph holds a room but not its writer (it would read what nothing wrote). */
+static int th_order_rooms(struct ggml_cgraph * graph) {
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (!th_marked(t, TH_CUDA_ROOM)) continue;
-        for (int w = 0; w < i; w++) {
+        int w = 0;
+        for (; w < n; w++) {
             const struct ggml_tensor * u = ggml_graph_node(graph, w);
-            if ((th_marked(u, TH_CUDA_ATTN_FWD) && u->src[3] == t) ||
-                (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t))) {
-                memmove(graph->nodes + w + 1, graph->nodes + w, sizeof(*graph->nodes) * (size_t) (i - w));
-                graph->nodes[w] = t;
-                break;
-            }
+            if (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t)) break;
+        }
+        if (w == n) return -1;
+        if (w < i) {
+            memmove(graph->nodes + w + 1, graph->nodes + w, sizeof(*graph->nodes) * (size_t) (i - w));
+            graph->nodes[w] = t;
         }
     }
+    return 0;
 }
 
 /* A CONT of a permuted view of a SLICE (attention's O, dK and dV^T: copied out of the fused
@@ -839,8 +832,7 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
         }
     }
     singles += th_attention_rooms(graph) + th_merge_slice_conts(graph);
-    if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0) return -1;
-    th_order_rooms(graph);
+    if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0 || th_order_rooms(graph) < 0) return -1;
     return gelu + fused + norms + biases + affines + sums + residuals + singles;
 }
 

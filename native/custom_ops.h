@@ -11,9 +11,8 @@
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
-     *   ATTN_FWD   srcs q (hd,T,BH), k (hd,T,BH), vt (T,hd,BH), [O's room]; per head O (T x hd)
-     *              then L (T); O goes to the room when there is one
-     *   ATTN_PREP  srcs dO (hd,T,BH), the ATTN_FWD node, [O's room]; per head dK (T x hd),
+     *   ATTN_FWD   srcs q (hd,T,BH), k (hd,T,BH), vt (T,hd,BH); per head O (T x hd) then L (T)
+     *   ATTN_PREP  srcs dO (hd,T,BH), the ATTN_FWD node; per head dK (T x hd),
      *              dV^T (hd x T), D (T): it computes D, and ATTN_BWD (which reads it) writes dK
      *              and dV^T into it, or into their rooms
      *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP, [dK's room, dV's room]; dS (T,T,BH),
@@ -23,8 +22,9 @@ enum {
      *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride`
      * An operand (q, k, vt, dO) may be a strided (hd,T,H,B) or (T,hd,H,B) view, head b H + h:
      * the head-permuted projection a folded CONT would have copied. A room (ROOM) is the CONT
-     * that permuted O, dK, dV or dQ back to the projection's layout: the fused node writes it
-     * through a th_attention_map, and the room computes nothing. */
+     * that permuted dK or dV back to the projection's layout: ATTN_BWD writes it through a
+     * th_attention_map, and the room computes nothing (ATTN_DQ writes its own node, that CONT's
+     * for dQ, through one). */
     TH_CUDA_ATTN_FWD = 4, TH_CUDA_ATTN_PREP = 5, TH_CUDA_ATTN_BWD = 6, TH_CUDA_SLICE = 7,
     /* LayerNorm's normalization (blocks.layer_norm), op_params[2] eps:
      *   LAYER_NORM       src x (n, rows); t = (x - mean) / sqrt(mean((x - mean)^2) + eps) per row
@@ -62,8 +62,7 @@ typedef struct { int32_t hd, T, causal; float scale; } th_attention_params;
 typedef struct { int64_t stride, offset; } th_slice_params;
 /* Where a head's (d, t) elements go in a room: the room's axis that each of d, t, h and b is
  * (-1: that axis has one element), head bh = b H + h, H the h axis's elements. op_params after
- * th_attention_params: ATTN_FWD's and ATTN_PREP's O room, ATTN_BWD's dK then dV rooms, ATTN_DQ's
- * own node. */
+ * th_attention_params: ATTN_BWD's dK then dV rooms, ATTN_DQ's own node. */
 typedef struct { int8_t axis[4]; } th_attention_map;
 
 static inline int th_attention_head_dim_ok(int64_t hd) { return hd == 16 || hd == 32 || hd == 64; }

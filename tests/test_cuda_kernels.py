@@ -419,19 +419,19 @@ def kernel_names(graph) -> list[str]:
 def test_the_cuda_rewrite_fuses_attention_and_orders_its_copies_in_every_graph():
     """Built on cpu (never computed here): P, O and the backward's dP, dS, dk, dvt, dq become the
     fused kernels' nodes, S computes nothing; q, k, v^T and dO are read in place (their conts
-    fold); dQ is computed by the cont that permuted it back; the conts that permute O, dK and dV
-    back become rooms that the fused kernels write (their slices fold), and in each graph a room
-    comes just before the node that writes it."""
+    fold); dQ is computed by the cont that permuted it back; the conts that permute dK and dV
+    back become rooms that the backward writes (their slices fold), and in each graph a room
+    comes just before the node that writes it; O's cont copies out of the forward's node."""
     prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2)
     assert ops_of(trainer.gb_grad).count("SOFT_MAX") == 1
     # 3 + 4 nodes of attention's, dq's product folded into its cont (2), the 4 operand conts
-    # folded, the 3 conts left (marked, then rooms with their slices folded: 1 + 2 each), and x's
-    # gradients from q, k and v: 2 ADDs of products, each marked with its 2 parts folded
+    # folded, the 3 conts left (marked, then a room or a slice_cont with the slice folded: 1 + 2
+    # each), and x's gradients from q, k and v: 2 ADDs of products, each marked with its 2 parts folded
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 2 + 4 + 3 * 3 + 2 * 3
     assert kernel_names(trainer.gb_grad) == [
-        "folded", "folded", "folded", "room", "attention", "folded", "folded", "folded", "attention_prep", "room",
-        "room", "attention_back", "folded", "folded", "attention_dq", "folded", "folded", "folded", "folded",
-        "product_sum"]
+        "folded", "folded", "folded", "attention", "folded", "slice_cont", "folded", "folded", "attention_prep",
+        "room", "room", "attention_back", "folded", "folded", "attention_dq", "folded", "folded", "folded",
+        "folded", "product_sum"]
     ops = ops_of(trainer.gb_grad)
     assert "SOFT_MAX" not in ops and "SOFT_MAX_BACK" not in ops and "CONT" not in ops
     assert ops.count("OUT_PROD") == 12 - 4 - 3      # the 4 weights' and wo's input's stay
@@ -448,22 +448,45 @@ def test_the_cuda_rewrite_fuses_the_backward_after_a_forward_graph_folded_the_op
     conts, and reads the same views."""
     prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2)
     assert lib.th_cuda_rewrite(fg.graph, 1) == 3 + 3 + 1 + 2
-    assert kernel_names(fg.graph) == ["folded", "folded", "folded", "room", "attention", "folded"]
+    assert kernel_names(fg.graph) == ["folded", "folded", "folded", "attention", "folded", "slice_cont"]
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 4 + 2 + 1 + 2 * 3 + 2 * 3
     assert "attention_dq" in kernel_names(trainer.gb_grad)
     assert "CONT" not in ops_of(trainer.gb_grad) and ops_of(trainer.gb_grad).count("OUT_PROD") == 5
 
 
+def test_a_forward_graph_built_after_the_rewrite_still_reaches_the_fused_forward():
+    """Sampling after training: a forward graph built after the training graph was rewritten
+    reaches the fused forward through O's copy (O is not a room: a room has no sources). A graph
+    that held a room without its writer would be refused, not computed."""
+    prog, trainer, early = attention_program("cpu", 2, 8, 32, 2)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+    late = prog.forward({"y": early.outputs["y"]})
+    assert lib.th_cuda_rewrite(late.graph, 1) == 0          # every node marked already
+    # the folded nodes are no one's sources any more: the late graph holds just what computes
+    assert kernel_names(late.graph) == ["attention", "slice_cont"]
+    assert ops_of(late.graph).count("MUL_MAT") == 4                  # q, k, v and the output's
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_a_forward_graph_built_after_a_step_on_cuda_gives_the_early_graphs_values(backend):
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    prog, trainer, early = attention_program(backend, 2, 130, 128, 2)
+    trainer.grads_only({})
+    late = prog.forward({"y": early.outputs["y"]})
+    assert np.array_equal(late.run({})["y"], early.run({})["y"])
+
+
 def test_the_cuda_rewrite_keeps_conts_that_are_not_a_head_permute_of_one_projection():
     """Grouped-query heads: k and v^T are REPEATs of the kv heads (nothing to fold), q's and dO's
-    conts fold, dq's cont computes dQ, O's is a room; dk and dv are sliced whole (REPEAT_BACK sums
-    their heads back), and the conts of v's permute and of dv's stay copies."""
+    conts fold, dq's cont computes dQ; dk and dv are sliced whole (REPEAT_BACK sums their heads
+    back), and the conts of v's permute and of dv's stay copies."""
     prog, trainer, fg = attention_program("cpu", 2, 8, 64, 2, n_kv_head=1)
-    # attention's 3 + 4 + 2, 2 folds, 3 conts (O's then a room: 2 more) and 2 product sums (3 each)
+    # attention's 3 + 4 + 2, 2 folds, 3 conts (O's then a slice_cont: 2 more) and 2 product sums (3 each)
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 3 + 4 + 2 + 2 + 3 + 2 + 2 * 3
     names = kernel_names(trainer.gb_grad)
     assert names.count("attention_dq") == 1 and names.count("slice") == 2 and names.count("cont") == 2
-    assert names.count("room") == 1
+    assert names.count("room") == 0 and names.count("slice_cont") == 1
     assert ops_of(trainer.gb_grad).count("REPEAT_BACK") == 2
 
 

@@ -13,10 +13,10 @@
 //                          layout its node wants (the projection's (B, T, H, hd) where a CONT
 //                          permuted it back: that CONT is the node)
 //
-// q, k, v^T and dO are read through their strides, and O, dK, dV and dQ written through them
+// q, k, v^T and dO are read through their strides, and dK, dV and dQ written through them
 // (th_opd): where the rewrite folded the CONTs that permuted q, k, v and dO out of the
-// projections' layout, the kernels read the projections in place; where CONTs permuted O, dK, dV
-// and dQ back to it, the kernels write those CONTs' nodes (rooms) directly.
+// projections' layout, the kernels read the projections in place; where CONTs permuted dK, dV
+// and dQ back to it, the kernels write those CONTs' nodes directly (dK's and dV's are rooms).
 // Every output element is summed by one thread in a fixed order (no atomics): the bits are the
 // same run to run. 256 threads a CTA. The forward takes 128 queries against 64 keys at a time,
 // 8 query rows a thread (fewer shared-memory reads a product: 6.03 against 6.31 ms a gpt2-small
@@ -54,9 +54,9 @@ static __device__ __forceinline__ float * th_head(const th_opd & o, const int bh
 struct th_attn_args {
     th_opd q, k, v;       // (t, d) of Q, K and V (the node reads V^T: its strides swapped)
     th_opd dout;          // dO (backward)
-    th_opd o;             // O: where the forward writes it, where the prep reads it
+    th_opd o;             // O in the forward's node: where the forward writes it, the prep reads it
     th_opd dk, dv, dq;    // where the backward writes dK and dV, the dQ node dQ
-    const float * fwd;    // the forward node: per head O (T x hd, unless O has a room) then L (T)
+    const float * fwd;    // the forward node: per head O (T x hd) then L (T)
     float * scratch;      // the prep node: per head dK (T x hd), dV^T (hd x T), D (T)
     const float * ds;     // the backward node's dS (BH, T, T) (the dQ node)
     float * out;          // the node's own output
@@ -518,16 +518,14 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
     const int64_t T = ap.T;
     if (kernel == TH_CUDA_ATTN_FWD) {
         a.q = th_opd_of(dst->src[0], false), a.k = th_opd_of(dst->src[1], false), a.v = th_opd_of(dst->src[2], true);
-        a.o = dst->src[3] != nullptr ? th_room_opd(dst->src[3], th_map_of(dst, 0))
-                                     : th_opd_at((float *) dst->data, HD, 1, (HD + 1) * T, dst->ne[1]);
+        a.o = th_opd_at((float *) dst->data, HD, 1, (HD + 1) * T, dst->ne[1]);
         const size_t smem = th_fwd_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_fwd_kernel<HD>, smem);
         const int nqb = (a.T + TH_AT_QB - 1) / TH_AT_QB;
         th_attn_fwd_kernel<HD><<<dim3((unsigned) dst->ne[1], (unsigned) nqb), TH_AT_THREADS, smem, stream>>>(a);
     } else if (kernel == TH_CUDA_ATTN_PREP) {
         a.dout = th_opd_of(dst->src[0], false), a.fwd = (const float *) dst->src[1]->data;
-        a.o = dst->src[2] != nullptr ? th_room_opd(dst->src[2], th_map_of(dst, 0))
-                                     : th_opd_at((float *) dst->src[1]->data, HD, 1, (HD + 1) * T, dst->ne[1]);
+        a.o = th_opd_at((float *) dst->src[1]->data, HD, 1, (HD + 1) * T, dst->ne[1]);
         a.scratch = (float *) dst->data;
         const int64_t rows = dst->ne[1] * (int64_t) a.T;
         th_attn_prep_kernel<HD><<<(unsigned) ((rows + 7) / 8), 256, 0, stream>>>(a, rows);
@@ -565,12 +563,10 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
     switch (kernel) {
         case TH_CUDA_ATTN_FWD:
             return op->ne[0] == th_attention_fwd_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
-                   th_opd_ok(s[1], hd, T, op->ne[1]) && th_opd_ok(s[2], T, hd, op->ne[1]) &&
-                   (s[3] == nullptr || th_room_ok(s[3], th_map_of(op, 0), hd, T, op->ne[1]));
+                   th_opd_ok(s[1], hd, T, op->ne[1]) && th_opd_ok(s[2], T, hd, op->ne[1]);
         case TH_CUDA_ATTN_PREP:
             return op->ne[0] == th_attention_prep_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
-                   th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1] &&
-                   (s[2] == nullptr || th_room_ok(s[2], th_map_of(op, 0), hd, T, op->ne[1]));
+                   th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1];
         case TH_CUDA_ATTN_BWD:
             return op->ne[0] == T && op->ne[1] == T && th_opd_ok(s[0], hd, T, op->ne[2]) &&
                    th_opd_ok(s[1], hd, T, op->ne[2]) && th_opd_ok(s[2], T, hd, op->ne[2]) &&

@@ -544,8 +544,9 @@ class Program:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
             elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention) < 0:
-                raise RuntimeError("a stand-in node could not take its cuda kernel, or an attention's backward "
-                                   "could not follow its fused forward (native/cuda_rewrite.c, th_cuda_rewrite): "
+                raise RuntimeError("a stand-in node could not take its cuda kernel, an attention's backward "
+                                   "could not follow its fused forward, or the graph holds a node another one "
+                                   "writes but not that one (native/cuda_rewrite.c, th_cuda_rewrite): "
                                    "not computed")
             # after the rewrites: every node as the backend's dispatch will see it (ours included)
             self._check_supported(graph)
