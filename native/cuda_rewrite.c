@@ -199,18 +199,6 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
     return 3;
 }
 
-static void th_set_map(struct ggml_tensor * t, int which, th_attention_map map) {
-    memcpy((char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(map), &map,
-           sizeof(map));
-}
-
-static th_attention_map th_map_of(const struct ggml_tensor * t, int which) {
-    th_attention_map map;
-    memcpy(&map, (const char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(map),
-           sizeof(map));
-    return map;
-}
-
 /* Where `x` (n0, n1, heads), contiguous, reaches a CONT through views alone, each read by the next
  * alone, and those views only permute its axes (heads split into h then b, each kept whole): that
  * CONT, with `map` set to the CONT's axes of x's axis 0, axis 1, h and b. Else NULL. */
@@ -322,7 +310,7 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         }
         th_mark(node, TH_CUDA_ATTN_DQ);
         th_set_params(node, &params, sizeof(params));
-        th_set_map(node, 0, map);
+        th_attention_map_set(node, 0, map);
         th_set_srcs(node, ds, k, NULL, NULL, NULL, NULL);
         if (th_readers(graph, ds_t, &only) == 0) ds_t->op = GGML_OP_NONE;     /* as dO's view above */
         marked++;
@@ -474,14 +462,8 @@ static struct ggml_tensor * th_under_reshapes(struct ggml_cgraph * graph, struct
 /* th_under_reshapes for a node of ours: the one under `t`'s RESHAPEs marked `kernel`, else NULL */
 static struct ggml_tensor * th_ours_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
                                                    struct ggml_tensor * t, int kernel) {
-    struct ggml_tensor * only;
-    while (t != NULL && th_readers(graph, t, &only) == 1 && only == reader) {
-        if (th_marked(t, kernel)) return t;
-        if (t->op != GGML_OP_RESHAPE) return NULL;
-        reader = t;
-        t = t->src[0];
-    }
-    return NULL;
+    struct ggml_tensor * u = th_under_reshapes(graph, reader, t, GGML_OP_CUSTOM);
+    return u != NULL && th_marked(u, kernel) ? u : NULL;
 }
 
 static int th_is_same_shape_add(const struct ggml_tensor * u) {
@@ -726,7 +708,7 @@ static int th_attention_rooms(struct ggml_cgraph * graph) {
         th_set_srcs(room, NULL, NULL, NULL, NULL, NULL, NULL);
         th_fold(x, 1);
         writer->src[6 + dv] = room;
-        th_set_map(writer, dv, map);
+        th_attention_map_set(writer, dv, map);
         marked += 2;
     }
     return marked;

@@ -6,6 +6,8 @@
 
 #include "ggml.h"
 
+#include <string.h>
+
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
 #define TH_CUDA_KERNELS_VERSION 5
 enum {
@@ -64,6 +66,16 @@ typedef struct { int64_t stride, offset; } th_slice_params;
  * (-1: that axis has one element), head bh = b H + h, H the h axis's elements. op_params after
  * th_attention_params: ATTN_BWD's dK then dV rooms, ATTN_DQ's own node. */
 typedef struct { int8_t axis[4]; } th_attention_map;
+static inline th_attention_map th_attention_map_of(const struct ggml_tensor * t, int which) {
+    th_attention_map map;
+    memcpy(&map, (const char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(map),
+           sizeof(map));
+    return map;
+}
+static inline void th_attention_map_set(struct ggml_tensor * t, int which, th_attention_map map) {
+    memcpy((char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(map), &map,
+           sizeof(map));
+}
 
 static inline int th_attention_head_dim_ok(int64_t hd) { return hd == 16 || hd == 32 || hd == 64; }
 /* floats a head in the ATTN_FWD node (O, L) and in the ATTN_PREP node (dK, dV^T, D) */

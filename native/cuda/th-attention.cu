@@ -462,13 +462,6 @@ static th_opd th_opd_at(float * p, const int64_t st, const int64_t sd, const int
     return o;
 }
 
-static th_attention_map th_map_of(const ggml_tensor * t, const int which) {
-    th_attention_map m;
-    memcpy(&m, (const char *) t->op_params + 2 * sizeof(int32_t) + sizeof(th_attention_params) + which * sizeof(m),
-           sizeof(m));
-    return m;
-}
-
 // a room's (t, d) elements through its map
 static th_opd th_room_opd(const ggml_tensor * room, const th_attention_map m) {
     th_opd o;
@@ -535,16 +528,16 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.fwd = (const float *) dst->src[4]->data;
         a.scratch = (float *) dst->src[5]->data;
         const int64_t heads = dst->ne[2], per_head = (2 * HD + 1) * T;
-        a.dk = dst->src[6] != nullptr ? th_room_opd(dst->src[6], th_map_of(dst, 0))
+        a.dk = dst->src[6] != nullptr ? th_room_opd(dst->src[6], th_attention_map_of(dst, 0))
                                       : th_opd_at(a.scratch, HD, 1, per_head, heads);
-        a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_map_of(dst, 1))
+        a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
                                       : th_opd_at(a.scratch + T * HD, 1, T, per_head, heads);
         const size_t smem = th_bwd_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_bwd_kernel<HD>, smem);
         th_attn_bwd_kernel<HD><<<dim3((unsigned) dst->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
     } else {
         a.ds = (const float *) dst->src[0]->data, a.k = th_opd_of(dst->src[1], false);
-        a.dq = th_room_opd(dst, th_map_of(dst, 0));
+        a.dq = th_room_opd(dst, th_attention_map_of(dst, 0));
         const size_t smem = th_dq_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_dq_kernel<HD>, smem);
         th_attn_dq_kernel<HD><<<dim3((unsigned) dst->src[0]->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
@@ -573,11 +566,11 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
                    th_opd_ok(s[3], hd, T, op->ne[2]) && th_f32_contiguous(s[4]) && th_f32_contiguous(s[5]) &&
                    ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * op->ne[2] &&
                    ggml_nelements(s[5]) == th_attention_prep_floats(hd, T) * op->ne[2] &&
-                   (s[6] == nullptr || th_room_ok(s[6], th_map_of(op, 0), hd, T, op->ne[2])) &&
-                   (s[7] == nullptr || th_room_ok(s[7], th_map_of(op, 1), hd, T, op->ne[2]));
+                   (s[6] == nullptr || th_room_ok(s[6], th_attention_map_of(op, 0), hd, T, op->ne[2])) &&
+                   (s[7] == nullptr || th_room_ok(s[7], th_attention_map_of(op, 1), hd, T, op->ne[2]));
         case TH_CUDA_ATTN_DQ:
             return th_f32_contiguous(s[0]) && s[0]->ne[0] == T && s[0]->ne[1] == T &&
-                   th_opd_ok(s[1], hd, T, s[0]->ne[2]) && th_room_ok(op, th_map_of(op, 0), hd, T, s[0]->ne[2]);
+                   th_opd_ok(s[1], hd, T, s[0]->ne[2]) && th_room_ok(op, th_attention_map_of(op, 0), hd, T, s[0]->ne[2]);
         default:
             return false;
     }
