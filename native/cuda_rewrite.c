@@ -25,13 +25,17 @@
  *     one node, each cuBLAS OUT_PROD call adding into the sum so far (beta 1).
  *   - A residual's gradient added to LayerNorm's input gradient: added by LayerNorm's backward.
  *   - A bias added to a product's rows (blocks.linear: ADD(MUL_MAT(w, x) through reshapes, b)):
- *     the ADD becomes one node of ours, b broadcast into its rows then cuBLAS's product added
- *     with beta 1 (the same call as ggml's MUL_MAT otherwise), instead of a product and a pass
- *     that reads it again; the product's node computes nothing.
+ *     the ADD becomes one node of ours, cuBLASLt's product with b added in its epilogue (b
+ *     broadcast into its rows then cuBLAS's product added with beta 1 where cuBLASLt has no
+ *     algorithm for the shape), instead of a product and a pass that reads it again; the
+ *     product's node computes nothing.
  *   - GET_ROWS_BACK (an embedding's gradient): ggml-cuda's kernel gives each output element a
  *     thread that reads all R ids from memory (1 ms a step at nanoGPT's size); ours stages them
- *     in shared memory once per block of 256 threads and sums the same rows in the same order,
- *     so the bits do not change.
+ *     in shared memory once per block of 256 threads, a warp compares 32 at once, and it sums
+ *     the same rows in the same order, so the bits do not change.
+ *   - AdamW: a run of consecutive OPT_STEP_ADAMW nodes (one a parameter, at the end of a
+ *     training graph) is one multi-tensor kernel of ggml's formula, a few launches where ggml's
+ *     takes one a parameter (196 at GPT-2 small, most of them biases and gains of 768 floats).
  *   - ADD of two contiguous tensors of one shape (residuals, gradients that meet): a float4 at a
  *     time (ggml-cuda's broadcasting kernel computes each element's place).
  *   - LayerNorm (blocks.layer_norm): the RMS_NORM named TH_LAYER_NORM_NAME stands in for the
@@ -777,9 +781,75 @@ static int th_merge_slice_conts(struct ggml_cgraph * graph) {
     return marked;
 }
 
+/* an OPT_STEP_ADAMW node that the multi-tensor kernel takes, with `row` its hyperparameters */
+static int th_adamw_takes(const struct ggml_tensor * t, const struct ggml_tensor * row) {
+    if (t->op != GGML_OP_OPT_STEP_ADAMW || t->src[4] != row || !th_f32_contiguous(row) || ggml_nelements(row) != 7) {
+        return 0;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (!th_f32_contiguous(t->src[i]) || !ggml_are_same_shape(t->src[0], t->src[i])) return 0;
+    }
+    return 1;
+}
+
+/* Runs of two or more consecutive AdamW steps sharing a row become one multi-tensor AdamW (the
+ * run's last node computes it). Consecutive: between the first and the last nothing else is
+ * computed or allocated (a step's node is a view of its parameter), so every gradient the run
+ * reads is still in place when the last node runs. */
+static int th_rewrite_adamw_runs(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n;) {
+        const struct ggml_tensor * first = ggml_graph_node(graph, i);
+        if (!th_adamw_takes(first, first->src[4])) {
+            i++;
+            continue;
+        }
+        int end = i + 1;
+        while (end < n && th_adamw_takes(ggml_graph_node(graph, end), first->src[4])) end++;
+        if (end - i >= 2) {
+            th_adamw_link link = {NULL, ggml_graph_node(graph, end - 1)};
+            for (int k = i; k < end; k++) {
+                struct ggml_tensor * t = ggml_graph_node(graph, k);
+                th_mark(t, TH_CUDA_ADAMW);
+                th_set_params(t, &link, sizeof(link));
+                link.prev = t;
+                marked++;
+            }
+        }
+        i = end;
+    }
+    return marked;
+}
+
+/* every AdamW node of a run (marked by any graph) sits in this graph with its whole run before
+ * the run's last node, which computes them all: else -1 (a step would be skipped, or would read
+ * a gradient this graph does not hold) */
+static int th_check_adamw_runs(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; i++) {
+        const struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (!th_marked(t, TH_CUDA_ADAMW)) continue;
+        const struct ggml_tensor * last = th_adamw_link_of(t).last;
+        int at = -1;
+        for (int j = i; j < n && at < 0; j++) {
+            if (ggml_graph_node(graph, j) == last) at = j;
+        }
+        if (at < 0) return -1;
+        if (t != last) continue;
+        int start = i;
+        for (const struct ggml_tensor * u = th_adamw_link_of(t).prev; u != NULL; u = th_adamw_link_of(u).prev) {
+            while (start > 0 && ggml_graph_node(graph, start) != u) start--;
+            if (ggml_graph_node(graph, start) != u || !th_marked(u, TH_CUDA_ADAMW)) return -1;
+        }
+    }
+    return 0;
+}
+
 /* Returns how many nodes were marked, or -1 when a stand-in cannot be (the graph must then not
  * be computed: it would compute silu where GELU is meant, RMSNorm where LayerNorm is), when an
- * attention's backward cannot follow its fused forward, or a folded product is read.
+ * attention's backward cannot follow its fused forward, a folded product is read, or a node
+ * that another one computes (a room, an AdamW step of a run) is here without that one.
  * `attention`: whether to fuse attention. */
 TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     static const struct th_gelu_kernels cuda = {th_gelu_forward, th_gelu_backward, th_is_gelu, th_is_gelu_back};
@@ -814,8 +884,12 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
         }
     }
     singles += th_attention_rooms(graph) + th_merge_slice_conts(graph);
-    if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0 || th_order_rooms(graph) < 0) return -1;
-    return gelu + fused + norms + biases + affines + sums + residuals + singles;
+    const int adamw = th_rewrite_adamw_runs(graph);
+    if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0 || th_order_rooms(graph) < 0 ||
+        th_check_adamw_runs(graph) < 0) {
+        return -1;
+    }
+    return gelu + fused + norms + biases + affines + sums + residuals + singles + adamw;
 }
 
 /* the kernel's name for a node marked here (bench --profile), else NULL */
@@ -823,7 +897,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
     static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
-                                   "slice_cont", "add", "attention_dq", "room", "product_sum"};
+                                   "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

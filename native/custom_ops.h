@@ -9,7 +9,7 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 5
+#define TH_CUDA_KERNELS_VERSION 6
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -34,7 +34,8 @@ enum {
      *                    nodes give), plus r when given (a residual's gradient: ADD(r, dx)) */
     TH_CUDA_LAYER_NORM = 8, TH_CUDA_LAYER_NORM_BACK = 9,
     /* A bias added to a product's rows (blocks.linear):
-     *   LINEAR_BIAS  srcs w (k, n), x (k, m), b (n); y (n, m) = b in every row, plus cuBLAS's product
+     *   LINEAR_BIAS  srcs w (k, n), x (k, m), b (n); y (n, m) = x w^T + b, b added in the product's
+     *                epilogue (cuBLASLt)
      *   FOLDED       the product's own node, which LINEAR_BIAS computes: nothing to do */
     TH_CUDA_LINEAR_BIAS = 10, TH_CUDA_FOLDED = 11,
     /* A norm's gain and bias (blocks.scale_columns, add_bias), and their gradients:
@@ -53,7 +54,18 @@ enum {
     /* The sum of 2-D products, srcs a0, b0, a1, b1, ...: OUT_PROD(a0, b0) + OUT_PROD(a1, b1) + ...,
      * summed left to right (each product cuBLAS's OUT_PROD call, beta 1 after the first) */
     TH_CUDA_PRODUCT_SUM = 19,
+    /* AdamW over a run of consecutive OPT_STEP_ADAMW nodes of one row: each node keeps ggml's
+     * srcs (x, g, m, v, the row) and a th_adamw_link in op_params[2..]; the run's last node
+     * computes every node of the run (in a few launches, where ggml launches one a parameter),
+     * walking back through `prev`; the others compute nothing */
+    TH_CUDA_ADAMW = 20,
 };
+typedef struct { struct ggml_tensor * prev, * last; } th_adamw_link;
+static inline th_adamw_link th_adamw_link_of(const struct ggml_tensor * t) {
+    th_adamw_link link;
+    memcpy(&link, (const char *) t->op_params + 2 * sizeof(int32_t), sizeof(link));
+    return link;
+}
 typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
 
 /* the RMS_NORM node that stands in for LayerNorm's normalization on cuda (blocks.layer_norm) */

@@ -167,7 +167,8 @@ def test_the_cuda_rewrite_marks_each_layer_norm_stand_in_and_its_backward():
     ops = ops_of(trainer.gb_grad)
     assert "RMS_NORM" not in ops and "RMS_NORM_BACK" not in ops
     assert ops.count("MUL") == 2 and ops.count("OUT_PROD") == 1       # the loss's weights; the bias's column sum
-    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0      # the same nodes, marked already
+    # the same nodes, marked already, and AdamW's steps (one a parameter): one run
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == len(prog.params) >= 2
 
 
 def test_the_cuda_rewrite_adds_a_residuals_gradient_inside_layer_norms_backward():
@@ -306,7 +307,7 @@ def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
         "folded", "linear_bias", "folded", "folded", "product_sum"]
     assert "ADD" in ops_of(trainer.gb_grad)                   # twice's: its bias's ADD reads the product
     assert ops_of(trainer.gb_grad).count("MUL_MAT") == products - 1
-    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == len(prog.params)      # AdamW's run
     assert lib.th_cuda_rewrite(prog.forward({"y": y}).graph, 1) == 0
     prog = get_engine("cpu").program()
     prog.column_sums_as_products = True
@@ -320,8 +321,8 @@ def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("rows, d_in, d_out", [(300, 64, 96), (7, 40, 24), (1000, 384, 1536)])
 def test_a_bias_folded_into_its_product_on_cuda_matches_float64_and_repeats_its_bits(backend, rows, d_in, d_out):
-    """y = x W^T + b as one node of ours (b written into y's rows, cuBLAS's product added with beta
-    1), and the gradients of x, W and b through it, against float64; two runs, same bits."""
+    """y = x W^T + b as one node of ours (cuBLASLt's product, b added in its epilogue), and the
+    gradients of x, W and b through it, against float64; two runs, same bits."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     rng = np.random.default_rng(9)
@@ -395,6 +396,66 @@ def test_adds_of_one_shape_on_cuda_are_ours_and_exact(backend, shape):
     assert kernel_names(fg.graph) == ["add"]
 
 
+ADAMW_SHAPES = [(1,), (3,), (5, 7), (768,), (64, 100), (4099,)]     # a float at a time, float4s, both
+
+
+def adamw_program(backend: str, shapes: list[tuple[int, ...]], seed: int = 17):
+    """Parameters of `shapes`, the loss sum_i sum(p_i * c_i): each gradient is its constant c_i."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    prog.grads_as_outputs = True                   # as on cuda (built on cpu for the rewrite's tests)
+    total = None
+    for i, shape in enumerate(shapes):
+        term = (prog.param(f"p{i}", rng.normal(size=shape).astype(np.float32))
+                * prog.constant(f"c{i}", rng.normal(size=shape).astype(np.float32))).sum()
+        total = term if total is None else total + term
+    return prog, prog.trainer(prog.scalar_loss(total), "bias_corrected")
+
+
+def test_the_cuda_rewrite_takes_a_run_of_adamw_steps_as_one_and_refuses_a_part_of_it():
+    """Built on cpu (never computed here): the AdamW steps at the end of the training graph, one a
+    parameter, are one run (its last node computes it); a lone step stays ggml's; a graph that
+    holds a step of the run but not the run's last node is refused."""
+    prog, trainer = adamw_program("cpu", ADAMW_SHAPES)
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == len(kernel_names(trainer.gb_opt))
+    assert kernel_names(trainer.gb_opt).count("adamw") == len(ADAMW_SHAPES)       # (and the loss's adds)
+    assert "OPT_STEP_ADAMW" not in ops_of(trainer.gb_opt)
+    nodes = [lib.ggml_graph_node(trainer.gb_opt, i) for i in range(lib.ggml_graph_n_nodes(trainer.gb_opt))]
+    first = next(t for t in nodes if lib.th_cuda_kernel_name(t) != ffi.NULL
+                 and ffi.string(lib.th_cuda_kernel_name(t)).decode() == "adamw")
+    part = prog._new_graph(lib.ggml_graph_size(trainer.gb_opt), True)
+    lib.ggml_build_forward_expand(part, first)
+    assert lib.th_cuda_rewrite(part, 1) == -1
+    prog, trainer = adamw_program("cpu", [(4, 4)])
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0 and "OPT_STEP_ADAMW" in ops_of(trainer.gb_opt)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
+    """Three steps of the run's kernel (ours: 4 floats a thread, float4s where they fit) against
+    each parameter alone in a program of its own, whose lone step is ggml-cuda's OPT_STEP_ADAMW."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    rows = [[1e-2, 0.9, 0.999, 1e-8, 0.1, 1 / (1 - 0.9**k), 1 / (1 - 0.999**k)] for k in (1, 2, 3)]
+    prog, trainer = adamw_program(backend, ADAMW_SHAPES)
+    for row in rows:
+        trainer.step({}, row)
+    assert kernel_names(trainer.gb_opt).count("adamw") == len(ADAMW_SHAPES)
+    for i, shape in enumerate(ADAMW_SHAPES):
+        # adamw_program's draws, then only parameter i in a program of its own
+        alone = get_engine(backend).program()
+        rng = np.random.default_rng(17)
+        drawn = [(rng.normal(size=s).astype(np.float32), rng.normal(size=s).astype(np.float32)) for s in ADAMW_SHAPES]
+        p = alone.param("p", drawn[i][0])
+        alone_trainer = alone.trainer(alone.scalar_loss((p * alone.constant("c", drawn[i][1])).sum()), "bias_corrected")
+        for row in rows:
+            alone_trainer.step({}, row)
+        assert "adamw" not in kernel_names(alone_trainer.gb_opt)
+        ours, ggmls = prog.read(prog.params[f"p{i}"]), alone.read(p)
+        assert np.array_equal(ours, ggmls), (shape, np.abs(ours - ggmls).max())
+        assert not np.array_equal(ours, drawn[i][0])                   # it did step
+
+
 def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
                       causal: bool = True, seed: int = 5):
     """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
@@ -435,9 +496,10 @@ def test_the_cuda_rewrite_fuses_attention_and_orders_its_copies_in_every_graph()
     ops = ops_of(trainer.gb_grad)
     assert "SOFT_MAX" not in ops and "SOFT_MAX_BACK" not in ops and "CONT" not in ops
     assert ops.count("OUT_PROD") == 12 - 4 - 3      # the 4 weights' and wo's input's stay
-    # gb_opt holds the same nodes in its own order: nothing new to mark, and its copies follow the backward
-    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0
-    names = [n for n in kernel_names(trainer.gb_opt) if n not in ("folded", "product_sum")]
+    # gb_opt holds the same nodes in its own order: nothing new to mark but AdamW's run (one a
+    # parameter), and its copies follow the backward
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == len(prog.params)
+    names = [n for n in kernel_names(trainer.gb_opt) if n not in ("folded", "product_sum", "adamw")]
     assert names[-5:] == ["attention_prep", "room", "room", "attention_back", "attention_dq"]
     assert lib.th_cuda_rewrite(fg.graph, 1) == 0
 

@@ -22,12 +22,14 @@
 //
 // GET_ROWS_BACK, dst (n, V) row v = the sum of the gradient's rows r with ids[r] = v, in the order
 // of r from 0, as ggml-cuda's kernel sums (the same bits): a thread an output element, as there,
-// but the ids come through shared memory, staged once per block of 256 threads.
+// but the ids come through shared memory, staged once per block of 256 threads, and a warp
+// compares 32 of them at once.
 //
-// A bias added to a product's rows (blocks.linear), one node: b written into every row of y,
-// then cuBLAS's product of w and x added to it (beta 1) by the call ggml's MUL_MAT makes. The
-// product's epilogue rounds acc + b once, as the ADD after it did: one pass that writes y
-// instead of a pass that reads y and writes it again.
+// A bias added to a product's rows (blocks.linear), one node: cuBLASLt's product of w and x with
+// b added in its epilogue (acc + b rounded once, as the ADD after ggml's MUL_MAT rounded it; the
+// algorithm cuBLASLt picks for a shape may sum k in another order than cuBLAS's, a few goldens
+// moved 1 ulp). Where cuBLASLt has no algorithm, b is written into every row and cuBLAS's
+// product added to it (beta 1). Either way y is written once, not written then read again.
 //
 // CONT of a permuted f32 tensor (attention's head permutes: 8 a layer), a copy: ggml-cuda's
 // computes each element's place with 64-bit divisions, about 8x below the memory's speed.
@@ -36,6 +38,7 @@
 #include "th-custom.cuh"
 
 #include <cstring>
+#include <mutex>
 
 extern "C" {
 #include "custom_ops.h"
@@ -83,7 +86,6 @@ struct th_add_op {
     __device__ float operator()(const float u, const float v) const { return u + v; }
 };
 
-static bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 
 template <class Op>
 static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * y) {
@@ -213,28 +215,37 @@ static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const
 
 #define TH_ROWS_BACK_IDS 256  // ids staged at a time (the block's threads)
 
-// a thread an output element (v, col), blockDim (32 columns, 8 rows v); every thread reads the ids
-// from shared memory, staged once per block, where ggml's threads each read them all from memory.
-// (A thread summing 4 rows of its column, 4x fewer threads, took 1.11 against 0.61 ms at nano.)
+// a thread an output element (v, col), blockDim (32 columns, 8 rows v): a warp is one row v. The
+// block stages the ids in shared memory; a warp compares 32 of them at once (a lane each) and
+// sums the rows that hold v in the order of the ids, as ggml's kernel does (the same bits),
+// where ggml's threads each read every id from memory. Comparing a lane an id took 0.87 ms of a
+// gpt2-small step, mostly wpe's 1024 rows each scanning 8192 ids; comparing 32 at once, see
+// native/README.md. (A thread summing 4 rows of its column, 4x fewer threads, took 1.11 against
+// 0.61 ms at nano.)
 static __global__ void th_get_rows_back_kernel(const float * __restrict__ grad, const int32_t * __restrict__ ids,
                                                float * __restrict__ dst, const int64_t n, const int64_t R,
                                                const int64_t V) {
     __shared__ int32_t staged[TH_ROWS_BACK_IDS];
     const int64_t col = blockIdx.x * 32 + threadIdx.x, v = (int64_t) blockIdx.y * blockDim.y + threadIdx.y;
     const int lane_id = threadIdx.y * 32 + threadIdx.x;
-    const bool mine = col < n && v < V;
     float sum = 0.0f;
     for (int64_t base = 0; base < R; base += TH_ROWS_BACK_IDS) {
         __syncthreads();
         if (base + lane_id < R) staged[lane_id] = ids[base + lane_id];
         __syncthreads();
         const int count = R - base < TH_ROWS_BACK_IDS ? (int) (R - base) : TH_ROWS_BACK_IDS;
-        if (!mine) continue;
-        for (int j = 0; j < count; j++) {
-            if (staged[j] == v) sum += grad[(base + j) * n + col];
+        if (v >= V) continue;                       // the same for the whole warp
+        for (int j0 = 0; j0 < count; j0 += 32) {
+            const int j = j0 + (int) threadIdx.x;
+            unsigned hits = __ballot_sync(0xffffffffu, j < count && staged[j] == v);
+            while (hits != 0) {                     // the ids that are v, in order
+                const int hit = j0 + __ffs(hits) - 1;
+                hits &= hits - 1;
+                if (col < n) sum += grad[(base + hit) * n + col];
+            }
         }
     }
-    if (mine) dst[v * n + col] = sum;
+    if (col < n && v < V) dst[v * n + col] = sum;
 }
 
 static void th_get_rows_back(cudaStream_t stream, ggml_tensor * dst) {
@@ -343,14 +354,80 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
     return true;
 }
 
+// LINEAR_BIAS through cuBLASLt: y = x w^T with b added in the product's epilogue (acc + b rounded
+// once, as the ADD after ggml's MUL_MAT rounds it). The descriptors and the algorithm cuBLASLt's
+// heuristic picks for a shape are kept (a step asks for the same few shapes each time); no
+// workspace, so no split of k. ggml's cuBLAS handle is a cuBLASLt handle too (cuBLAS's documentation).
+struct th_lt_bias_plan {
+    int device;
+    int64_t n, m, k, lda, ldb;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+};
+
+static std::mutex th_lt_mutex;
+static th_lt_bias_plan th_lt_plans[32];
+static int th_lt_plan_count = 0;
+
+static const th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t n, const int64_t m,
+                                                   const int64_t k, const int64_t lda, const int64_t ldb) {
+    int device = 0;
+    cudaGetDevice(&device);
+    for (int i = 0; i < th_lt_plan_count; i++) {
+        const th_lt_bias_plan & p = th_lt_plans[i];
+        if (p.device == device && p.n == n && p.m == m && p.k == k && p.lda == lda && p.ldb == ldb) return &p;
+    }
+    if (th_lt_plan_count == (int) (sizeof(th_lt_plans) / sizeof(th_lt_plans[0]))) return nullptr;
+    th_lt_bias_plan p = {device, n, m, k, lda, ldb};
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const size_t no_workspace = 0;
+    cublasLtMatmulPreference_t pref = nullptr;
+    cublasLtMatmulHeuristicResult_t found = {};
+    int count = 0;
+    bool ok = cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)) ==
+                   CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p.a, CUDA_R_32F, (uint64_t) k, (uint64_t) n, lda) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p.b, CUDA_R_32F, (uint64_t) k, (uint64_t) m, ldb) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, (uint64_t) n, (uint64_t) m, n) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_workspace,
+                                                    sizeof(no_workspace)) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.c, p.c, pref, 1, &found, &count) ==
+                   CUBLAS_STATUS_SUCCESS && count > 0;
+    if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+    if (!ok) return nullptr;   // (a handful of descriptors leak: the plain path takes this shape)
+    p.algo = found.algo;
+    th_lt_plans[th_lt_plan_count] = p;
+    return &th_lt_plans[th_lt_plan_count++];
+}
+
 static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
     const ggml_tensor * w = dst->src[0], * x = dst->src[1], * b = dst->src[2];
     const int64_t n = dst->ne[0], m = ggml_nrows(dst), k = w->ne[0];
+    const int64_t lda = (int64_t) (w->nb[1] / sizeof(float)), ldb = (int64_t) (x->nb[1] / sizeof(float));
+    const float one = 1.0f, zero = 0.0f;
+    {
+        std::lock_guard<std::mutex> lock(th_lt_mutex);      // the plans, and the bias pointer set on one
+        const cublasLtHandle_t lt = (cublasLtHandle_t) cublas;
+        const th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, lda, ldb);
+        const void * bias = b->data;
+        if (p != nullptr &&
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)) ==
+                CUBLAS_STATUS_SUCCESS) {
+            return cublasLtMatmul(lt, p->op, &one, w->data, p->a, x->data, p->b, &zero, dst->data, p->c, dst->data, p->c,
+                                  &p->algo, nullptr, 0, stream) == CUBLAS_STATUS_SUCCESS;
+        }
+    }
+    // b in every row, then cuBLAS adds the product to it (beta 1: the call ggml's MUL_MAT makes)
     th_rows_affine(stream, nullptr, nullptr, (const float *) b->data, (float *) dst->data, n, m);
-    const float one = 1.0f;
     return cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int) n, (int) m, (int) k, &one, (const float *) w->data,
-                       (int) (w->nb[1] / sizeof(float)), (const float *) x->data, (int) (x->nb[1] / sizeof(float)),
-                       &one, (float *) dst->data, (int) n) == CUBLAS_STATUS_SUCCESS;
+                       (int) lda, (const float *) x->data, (int) ldb, &one, (float *) dst->data, (int) n) ==
+           CUBLAS_STATUS_SUCCESS;
 }
 
 // rows of ne[0] floats (the source's nb[0] is a float): a warp a row, blockDim (32, 8)
@@ -506,6 +583,8 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    ggml_nelements(op) == a->ne[0] && scratch != nullptr && scratch->type == GGML_TYPE_F32 &&
                    ggml_nelements(scratch) >= ggml_nelements(a);
         }
+        case TH_CUDA_ADAMW:
+            return th_adamw_supported(op);
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:
         case TH_CUDA_ATTN_BWD:
@@ -555,6 +634,9 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_FOLDED:
         case TH_CUDA_ROOM:
+            return true;
+        case TH_CUDA_ADAMW:
+            th_adamw(stream, dst);
             return true;
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:

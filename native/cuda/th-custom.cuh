@@ -5,8 +5,12 @@
 
 #include "ggml.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <cstdint>
+
+static inline bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 
 static inline bool th_f32_contiguous(const ggml_tensor * t) {
     return t != nullptr && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
@@ -20,3 +24,7 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
 // the fused attention's nodes (th-attention.cu): ATTN_FWD, ATTN_PREP, ATTN_BWD, ATTN_DQ and SLICE
 bool th_attention_supported(const ggml_tensor * op, int kernel);
 bool th_attention(cudaStream_t stream, ggml_tensor * dst, int kernel);
+
+// AdamW over a run of parameters (th-adamw.cu): the run's last node computes it, the others nothing
+bool th_adamw_supported(const ggml_tensor * op);
+void th_adamw(cudaStream_t stream, ggml_tensor * dst);
