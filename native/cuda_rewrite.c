@@ -822,25 +822,25 @@ static int th_rewrite_adamw_runs(struct ggml_cgraph * graph) {
     return marked;
 }
 
-/* every AdamW node of a run (marked by any graph) sits in this graph with its whole run before
- * the run's last node, which computes them all: else -1 (a step would be skipped, or would read
- * a gradient this graph does not hold) */
+/* every AdamW node of a run (marked by any graph) sits in this graph, its whole run consecutive
+ * and ending at the run's last node, which computes them all: else -1 (a step would be skipped,
+ * or would read a gradient whose memory another node took in between) */
 static int th_check_adamw_runs(struct ggml_cgraph * graph) {
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; i++) {
         const struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (!th_marked(t, TH_CUDA_ADAMW)) continue;
         const struct ggml_tensor * last = th_adamw_link_of(t).last;
-        int at = -1;
-        for (int j = i; j < n && at < 0; j++) {
-            if (ggml_graph_node(graph, j) == last) at = j;
-        }
-        if (at < 0) return -1;
+        int found = 0;
+        for (int j = i; j < n && !found; j++) found = ggml_graph_node(graph, j) == last;
+        if (!found) return -1;
         if (t != last) continue;
-        int start = i;
+        int at = i;
         for (const struct ggml_tensor * u = th_adamw_link_of(t).prev; u != NULL; u = th_adamw_link_of(u).prev) {
-            while (start > 0 && ggml_graph_node(graph, start) != u) start--;
-            if (ggml_graph_node(graph, start) != u || !th_marked(u, TH_CUDA_ADAMW)) return -1;
+            if (--at < 0 || ggml_graph_node(graph, at) != u || !th_marked(u, TH_CUDA_ADAMW) ||
+                th_adamw_link_of(u).last != last) {
+                return -1;
+            }
         }
     }
     return 0;

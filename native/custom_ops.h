@@ -35,7 +35,8 @@ enum {
     TH_CUDA_LAYER_NORM = 8, TH_CUDA_LAYER_NORM_BACK = 9,
     /* A bias added to a product's rows (blocks.linear):
      *   LINEAR_BIAS  srcs w (k, n), x (k, m), b (n); y (n, m) = x w^T + b, b added in the product's
-     *                epilogue (cuBLASLt)
+     *                epilogue (cuBLASLt), or (no algorithm, or an operand not 16-byte aligned) b
+     *                written into every row and cuBLAS's product added to it
      *   FOLDED       the product's own node, which LINEAR_BIAS computes: nothing to do */
     TH_CUDA_LINEAR_BIAS = 10, TH_CUDA_FOLDED = 11,
     /* A norm's gain and bias (blocks.scale_columns, add_bias), and their gradients:

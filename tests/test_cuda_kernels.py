@@ -329,6 +329,7 @@ def test_a_bias_folded_into_its_product_on_cuda_matches_float64_and_repeats_its_
     x, w = rng.normal(size=(rows, d_in)).astype(np.float32), rng.normal(size=(d_out, d_in)).astype(np.float32)
     b, dy = rng.normal(size=d_out).astype(np.float32), rng.normal(size=(rows, d_out)).astype(np.float32)
     runs = []
+    calls = linear_bias_calls()
     for _ in range(2):
         prog = get_engine(backend).program()
         y = blocks.linear(prog.param("x", x), prog.param("w", w), prog.param("b", b))
@@ -339,6 +340,8 @@ def test_a_bias_folded_into_its_product_on_cuda_matches_float64_and_repeats_its_
         out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "w", "b")})
         assert "linear_bias" in kernel_names(fg.graph) and "linear_bias" in kernel_names(trainer.gb_grad)
         runs.append(out)
+    lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
+    assert lt >= 4 and plain == 0          # a forward graph and a backward's, two runs: all cuBLASLt's
     assert all(np.array_equal(runs[0][k], runs[1][k]) for k in runs[0]), "bits moved between two runs"
     x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
     want = {"y": x64 @ w64.T + b, "x": dy64 @ w64, "w": dy64.T @ x64, "b": dy64.sum(axis=0)}
@@ -346,6 +349,35 @@ def test_a_bias_folded_into_its_product_on_cuda_matches_float64_and_repeats_its_
         # float32 sums of d_in (or rows) terms: a relative error of a few 1e-7 of the terms' size
         bound = 1e-6 * np.sqrt(max(d_in, rows, d_out)) * np.abs(v).max()
         assert np.abs(runs[0][k] - v).max() <= bound, (k, np.abs(runs[0][k] - v).max() / np.abs(v).max())
+
+
+def linear_bias_calls() -> tuple[int, int]:
+    """LINEAR_BIAS nodes computed so far in this process: (by cuBLASLt, by the plain path)."""
+    lt, plain = ffi.new("int64_t *"), ffi.new("int64_t *")
+    lib.th_cuda_linear_bias_calls(lt, plain)
+    return lt[0], plain[0]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_a_bias_on_rows_cublaslt_cannot_take_goes_the_plain_way_and_matches_float64(backend):
+    """x a view that starts 41 floats into its tensor (not 16-byte aligned, which the cuBLASLt
+    plans declare): b written into the rows, cuBLAS's product added (beta 1); the same values."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    rng = np.random.default_rng(10)
+    rows, d_in, d_out = 50, 41, 24
+    x, w = rng.normal(size=(rows + 1, d_in)).astype(np.float32), rng.normal(size=(d_out, d_in)).astype(np.float32)
+    b = rng.normal(size=d_out).astype(np.float32)
+    calls = linear_bias_calls()
+    prog = get_engine(backend).program()
+    fg = prog.forward({"y": blocks.linear(prog.constant("x", x).view_rows(1, rows), prog.param("w", w),
+                                          prog.param("b", b))})
+    y = fg.run({})["y"]
+    assert "linear_bias" in kernel_names(fg.graph)
+    lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
+    assert lt == 0 and plain >= 1
+    want = x[1:].astype(np.float64) @ w.astype(np.float64).T + b
+    assert np.abs(y - want).max() <= 1e-6 * np.sqrt(d_in) * np.abs(want).max()
 
 
 def embedding_program(backend: str, vocab: int, d: int, ids: np.ndarray, seed: int = 12):
@@ -397,6 +429,7 @@ def test_adds_of_one_shape_on_cuda_are_ours_and_exact(backend, shape):
 
 
 ADAMW_SHAPES = [(1,), (3,), (5, 7), (768,), (64, 100), (4099,)]     # a float at a time, float4s, both
+ADAMW_MANY = ADAMW_SHAPES + [(n,) for n in range(5, 39)]             # 40 parameters: two launches of a run
 
 
 def adamw_program(backend: str, shapes: list[tuple[int, ...]], seed: int = 17):
@@ -423,29 +456,32 @@ def test_the_cuda_rewrite_takes_a_run_of_adamw_steps_as_one_and_refuses_a_part_o
     nodes = [lib.ggml_graph_node(trainer.gb_opt, i) for i in range(lib.ggml_graph_n_nodes(trainer.gb_opt))]
     first = next(t for t in nodes if lib.th_cuda_kernel_name(t) != ffi.NULL
                  and ffi.string(lib.th_cuda_kernel_name(t)).decode() == "adamw")
-    part = prog._new_graph(lib.ggml_graph_size(trainer.gb_opt), True)
-    lib.ggml_build_forward_expand(part, first)
-    assert lib.th_cuda_rewrite(part, 1) == -1
+    last = [t for t in nodes if lib.th_cuda_kernel_name(t) != ffi.NULL][-1]
+    for alone in (first, last):          # a step without its run's last node; the last without its run
+        part = prog._new_graph(lib.ggml_graph_size(trainer.gb_opt), True)
+        lib.ggml_build_forward_expand(part, alone)
+        assert lib.th_cuda_rewrite(part, 1) == -1
     prog, trainer = adamw_program("cpu", [(4, 4)])
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0 and "OPT_STEP_ADAMW" in ops_of(trainer.gb_opt)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
-    """Three steps of the run's kernel (ours: 4 floats a thread, float4s where they fit) against
-    each parameter alone in a program of its own, whose lone step is ggml-cuda's OPT_STEP_ADAMW."""
+    """Three steps of the run's kernel (ours: 4 floats a thread, float4s where they fit, 32
+    parameters a launch) for 40 parameters, against each parameter alone in a program of its own,
+    whose lone step is ggml-cuda's OPT_STEP_ADAMW."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     rows = [[1e-2, 0.9, 0.999, 1e-8, 0.1, 1 / (1 - 0.9**k), 1 / (1 - 0.999**k)] for k in (1, 2, 3)]
-    prog, trainer = adamw_program(backend, ADAMW_SHAPES)
+    prog, trainer = adamw_program(backend, ADAMW_MANY)
     for row in rows:
         trainer.step({}, row)
-    assert kernel_names(trainer.gb_opt).count("adamw") == len(ADAMW_SHAPES)
-    for i, shape in enumerate(ADAMW_SHAPES):
+    assert kernel_names(trainer.gb_opt).count("adamw") == len(ADAMW_MANY)
+    for i, shape in enumerate(ADAMW_MANY):
         # adamw_program's draws, then only parameter i in a program of its own
         alone = get_engine(backend).program()
         rng = np.random.default_rng(17)
-        drawn = [(rng.normal(size=s).astype(np.float32), rng.normal(size=s).astype(np.float32)) for s in ADAMW_SHAPES]
+        drawn = [(rng.normal(size=s).astype(np.float32), rng.normal(size=s).astype(np.float32)) for s in ADAMW_MANY]
         p = alone.param("p", drawn[i][0])
         alone_trainer = alone.trainer(alone.scalar_loss((p * alone.constant("c", drawn[i][1])).sum()), "bias_corrected")
         for row in rows:

@@ -182,6 +182,7 @@ int64_t th_column_sum_rows(const ggml_tensor * t);
 int th_cuda_rewrite(ggml_cgraph * graph, int attention);
 const char * th_cuda_kernel_name(const ggml_tensor * t);
 int th_cuda_kernels_version(void);
+void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
 int th_row_sum_as_sum_rows(ggml_tensor * t);
 double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds);

@@ -28,8 +28,8 @@
 // A bias added to a product's rows (blocks.linear), one node: cuBLASLt's product of w and x with
 // b added in its epilogue (acc + b rounded once, as the ADD after ggml's MUL_MAT rounded it; the
 // algorithm cuBLASLt picks for a shape may sum k in another order than cuBLAS's, a few goldens
-// moved 1 ulp). Where cuBLASLt has no algorithm, b is written into every row and cuBLAS's
-// product added to it (beta 1). Either way y is written once, not written then read again.
+// moved 1 ulp), y written once. Where cuBLASLt has no algorithm for the shape, or an operand is
+// not 16-byte aligned, b is written into every row and cuBLAS's product added to it (beta 1).
 //
 // CONT of a permuted f32 tensor (attention's head permutes: 8 a layer), a copy: ggml-cuda's
 // computes each element's place with 64-bit divisions, about 8x below the memory's speed.
@@ -39,6 +39,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 extern "C" {
 #include "custom_ops.h"
@@ -186,7 +187,7 @@ static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool bac
     }
 }
 
-// y (n, m) = t g + b (AFFINE), or b in every row (no t: LINEAR_BIAS's first pass): a warp a row,
+// y (n, m) = t g + b (AFFINE), or b in every row (no t: LINEAR_BIAS's plain path): a warp a row,
 // blockDim (32, 8); float4 at a time when `vec4` (n a multiple of 4, every pointer 16-aligned)
 template <bool with_t, bool vec4>
 static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const float * __restrict__ g,
@@ -356,54 +357,78 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
 
 // LINEAR_BIAS through cuBLASLt: y = x w^T with b added in the product's epilogue (acc + b rounded
 // once, as the ADD after ggml's MUL_MAT rounds it). The descriptors and the algorithm cuBLASLt's
-// heuristic picks for a shape are kept (a step asks for the same few shapes each time); no
-// workspace, so no split of k. ggml's cuBLAS handle is a cuBLASLt handle too (cuBLAS's documentation).
+// heuristic picks are kept a (device, shape), found or not (a step asks for the same few shapes
+// each time, and the answer depends on nothing else): the same shape takes the same path, so the
+// same bits, whatever ran before in the process. Operands are declared 16-byte aligned (ggml-cuda
+// places tensors 128 bytes apart; a view that is not takes the plain path), no workspace and no
+// reduction scheme: k is never split. ggml's cuBLAS handle is a cuBLASLt handle too (cuBLAS's
+// documentation).
 struct th_lt_bias_plan {
     int device;
     int64_t n, m, k, lda, ldb;
+    bool found;                                  // cuBLASLt has an algorithm for it
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
 };
 
 static std::mutex th_lt_mutex;
-static th_lt_bias_plan th_lt_plans[32];
-static int th_lt_plan_count = 0;
+static std::vector<th_lt_bias_plan *> th_lt_plans;      // kept for the process (a few a model)
+static int64_t th_lt_bias_calls[2];                      // LINEAR_BIAS computed by: cuBLASLt, the plain path
 
-static const th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t n, const int64_t m,
-                                                   const int64_t k, const int64_t lda, const int64_t ldb) {
+extern "C" __attribute__((visibility("default"))) void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain) {
+    std::lock_guard<std::mutex> lock(th_lt_mutex);
+    *lt = th_lt_bias_calls[0], *plain = th_lt_bias_calls[1];
+}
+
+static th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t n, const int64_t m, const int64_t k,
+                                             const int64_t lda, const int64_t ldb) {
     int device = 0;
     cudaGetDevice(&device);
-    for (int i = 0; i < th_lt_plan_count; i++) {
-        const th_lt_bias_plan & p = th_lt_plans[i];
-        if (p.device == device && p.n == n && p.m == m && p.k == k && p.lda == lda && p.ldb == ldb) return &p;
+    for (th_lt_bias_plan * p : th_lt_plans) {
+        if (p->device == device && p->n == n && p->m == m && p->k == k && p->lda == lda && p->ldb == ldb) return p;
     }
-    if (th_lt_plan_count == (int) (sizeof(th_lt_plans) / sizeof(th_lt_plans[0]))) return nullptr;
-    th_lt_bias_plan p = {device, n, m, k, lda, ldb};
+    th_lt_bias_plan * p = new th_lt_bias_plan{device, n, m, k, lda, ldb, false, nullptr, nullptr, nullptr, nullptr, {}};
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     const size_t no_workspace = 0;
+    const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE, aligned = 16;
     cublasLtMatmulPreference_t pref = nullptr;
     cublasLtMatmulHeuristicResult_t found = {};
     int count = 0;
-    bool ok = cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)) ==
+    bool ok = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)) ==
                    CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatrixLayoutCreate(&p.a, CUDA_R_32F, (uint64_t) k, (uint64_t) n, lda) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatrixLayoutCreate(&p.b, CUDA_R_32F, (uint64_t) k, (uint64_t) m, ldb) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, (uint64_t) n, (uint64_t) m, n) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, (uint64_t) k, (uint64_t) n, lda) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p->b, CUDA_R_32F, (uint64_t) k, (uint64_t) m, ldb) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t) n, (uint64_t) m, n) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
+    const cublasLtMatmulPreferenceAttributes_t alignments[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (const cublasLtMatmulPreferenceAttributes_t attr : alignments) {
+        ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, attr, &aligned, sizeof(aligned)) == CUBLAS_STATUS_SUCCESS;
+    }
     ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_workspace,
                                                     sizeof(no_workspace)) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.c, p.c, pref, 1, &found, &count) ==
+    ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
+                                                    sizeof(no_reduction)) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulAlgoGetHeuristic(lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &found, &count) ==
                    CUBLAS_STATUS_SUCCESS && count > 0;
     if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
-    if (!ok) return nullptr;   // (a handful of descriptors leak: the plain path takes this shape)
-    p.algo = found.algo;
-    th_lt_plans[th_lt_plan_count] = p;
-    return &th_lt_plans[th_lt_plan_count++];
+    if (ok) {
+        p->found = true, p->algo = found.algo;
+    } else {                                     // remembered as the plain path's
+        if (p->op != nullptr) cublasLtMatmulDescDestroy(p->op);
+        for (cublasLtMatrixLayout_t l : {p->a, p->b, p->c}) {
+            if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
+        }
+        p->op = nullptr, p->a = p->b = p->c = nullptr;
+    }
+    th_lt_plans.push_back(p);
+    return p;
 }
 
 static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
@@ -413,17 +438,23 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
     const float one = 1.0f, zero = 0.0f;
     {
         std::lock_guard<std::mutex> lock(th_lt_mutex);      // the plans, and the bias pointer set on one
-        const cublasLtHandle_t lt = (cublasLtHandle_t) cublas;
-        const th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, lda, ldb);
-        const void * bias = b->data;
-        if (p != nullptr &&
-            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)) ==
-                CUBLAS_STATUS_SUCCESS) {
-            return cublasLtMatmul(lt, p->op, &one, w->data, p->a, x->data, p->b, &zero, dst->data, p->c, dst->data, p->c,
-                                  &p->algo, nullptr, 0, stream) == CUBLAS_STATUS_SUCCESS;
+        if (th_aligned16(w->data) && th_aligned16(x->data) && th_aligned16(b->data) && th_aligned16(dst->data)) {
+            const cublasLtHandle_t lt = (cublasLtHandle_t) cublas;
+            th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, lda, ldb);
+            const void * bias = b->data;
+            if (p->found &&
+                cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)) ==
+                    CUBLAS_STATUS_SUCCESS &&
+                cublasLtMatmul(lt, p->op, &one, w->data, p->a, x->data, p->b, &zero, dst->data, p->c, dst->data, p->c,
+                               &p->algo, nullptr, 0, stream) == CUBLAS_STATUS_SUCCESS) {
+                th_lt_bias_calls[0]++;
+                return true;
+            }
         }
+        th_lt_bias_calls[1]++;
     }
-    // b in every row, then cuBLAS adds the product to it (beta 1: the call ggml's MUL_MAT makes)
+    // the plain path: b in every row, then cuBLAS adds the product to it (beta 1: the call ggml's
+    // MUL_MAT makes), y written, read and written again
     th_rows_affine(stream, nullptr, nullptr, (const float *) b->data, (float *) dst->data, n, m);
     return cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int) n, (int) m, (int) k, &one, (const float *) w->data,
                        (int) lda, (const float *) x->data, (int) ldb, &one, (float *) dst->data, (int) n) ==
