@@ -118,7 +118,7 @@ def write_bad(tmp_path, llama_base, kind):
 
 @pytest.mark.parametrize("kind,message", [
     ("truncated", "truncated"),
-    ("arch", "architecture 'gpt2', expected one of llama, qwen2"),
+    ("arch", "architecture 'gpt2' is not supported as a base; supported: llama, qwen2, qwen3, gemma3, phi3"),
     ("missing", "tensor 'blk.1.ffn_up.weight' not found"),
     ("shape", "tensor 'blk.0.attn_v.weight' has shape (16, 64), expected (32, 64)"),
     ("dtype", "tensor 'token_embd.weight' has type iq4_nl, which toyharness does not take (supported: f32, f16, "

@@ -229,13 +229,11 @@ def test_warm_start_takes_a_donor_of_any_type(bases, dtype):
 def write_random_llama(path, layers: int, dtype: str, d: int = 1024, d_ff: int = 2816, vocab: int = 256):
     """A llama GGUF of random weights (std 0.02) with its matrices in `dtype`."""
     import gguf
-    from toyharness_recipes.lora import llama_tensor_shapes
-
+    from toyharness.architectures import LLAMA, example_shape
     from toyharness.engine.gguf_io import _write_atomic
 
     rng = np.random.default_rng(layers)
-    kv = d // 2
-    shapes = llama_tensor_shapes(layers, d, kv, d_ff, vocab)
+    shapes = LLAMA.tensor_shapes(example_shape("llama", layers, d, 8, 4, d_ff=d_ff, vocab=vocab), [])
     qtype = gguf.GGMLQuantizationType[dtype.upper()]
     tensors = [(n, np.ones(s, np.float32), None) if len(s) == 1 else
                (n, quantize(rng.standard_normal(s, dtype=np.float32) * 0.02, dtype), qtype) for n, s in shapes.items()]

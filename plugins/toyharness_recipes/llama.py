@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toyharness.engine import blocks
+from toyharness.architectures import DecoderShape, Layer
+from toyharness.architectures.llama import llama_forward  # noqa: F401 (warm_start's too)
 from toyharness.init import normal
 from toyharness.lm import LMRecipe
 from toyharness.options import Options, choice
@@ -21,33 +22,13 @@ RMS_EPS = 1e-5
 ROPE_BASE = 10000.0
 
 
-@dataclass
-class LlamaShape:
-    """What the forward needs beyond the weights (from options, or from a GGUF's metadata)."""
-
-    n_layer: int
-    n_head: int
-    n_kv_head: int
-    rms_eps: float = RMS_EPS
-    rope_base: float = ROPE_BASE
-    rope_neox: bool = False      # llama.cpp's qwen2 files store Q/K for NeoX rope
-
-
-def llama_forward(P: dict, h, positions, s: LlamaShape):
-    """Blocks, final norm and output over embedded tokens `h` (B, T, d). A weight in P may be
-    a `blocks.LoRAWeight`; the output is tied to token_embd.weight unless P has output.weight."""
-    for i in range(s.n_layer):
-        b = f"blk.{i}."
-        x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
-        h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
-                                 P[b + "attn_output.weight"], s.n_head, s.n_kv_head,
-                                 bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
-                                 bv=P.get(b + "attn_v.bias"), rope_positions=positions, rope_base=s.rope_base,
-                                 rope_neox=s.rope_neox)
-        x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
-        h = h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
-    h = blocks.rms_norm(h, P["output_norm.weight"], s.rms_eps)
-    return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
+def llama_shape(n_layer: int, d_model: int, n_head: int, n_kv_head: int, d_ff: int, vocab: int,
+                qkv_bias: bool = False) -> DecoderShape:
+    """The shape of a llama the recipe trains from scratch (rope on whole heads, adjacent pairs;
+    its qwen2 export permutes Q and K for NeoX rope, see export_tensors)."""
+    hd = d_model // n_head
+    return DecoderShape("qwen2" if qkv_bias else "llama", n_layer, d_model, n_head, n_kv_head, hd, d_ff, vocab,
+                        RMS_EPS, [Layer(ROPE_BASE) for _ in range(n_layer)], hd, rope_neox=False)
 
 
 @dataclass
@@ -102,7 +83,7 @@ class Llama(LMRecipe):
 
     def forward(self, P, tokens, positions, o: LlamaOptions):
         return llama_forward(P, P["token_embd.weight"].get_rows(tokens), positions,
-                             LlamaShape(o.n_layer, o.n_head, o.n_kv_head))
+                             llama_shape(o.n_layer, o.d_model, o.n_head, o.n_kv_head, o.d_ff, P["token_embd.weight"].shape[0]))
 
     def gguf_metadata(self, o: LlamaOptions, vocab: int):
         arch = "qwen2" if o.qkv_bias else "llama"

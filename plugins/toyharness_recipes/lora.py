@@ -21,18 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
+from toyharness.architectures import ALL_TARGETS, ModelFile, read_model
 from toyharness.engine import GGUFFile, blocks, write_gguf
-from toyharness.engine.gguf_io import GGUFError, cached_copy_as
+from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
 from toyharness.init import normal
 from toyharness.lm import LMRecipe, seeded_model_file
 from toyharness.options import CONVENTIONS, Options, choice
-from toyharness_recipes.llama import LlamaShape, llama_forward
-
-TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
-           "down": "ffn_down"}
-ARCHS = ("llama", "qwen2")
 
 
 @dataclass
@@ -40,7 +36,7 @@ class LoRAOptions(Options):
     base: str = ""
     rank: int = 8
     alpha: float = 16.0
-    targets: tuple[str, ...] = choice(("q",), tuple(TARGETS))
+    targets: tuple[str, ...] = choice(("q",), ALL_TARGETS)
     merged: bool = False
     t_seq: int = 64
     t_batch: int = 16
@@ -54,74 +50,12 @@ class LoRAOptions(Options):
     checkpoint_every: int = 50
 
 
-@dataclass
-class BaseModel:
-    """A validated llama-family GGUF: its shape and the numpy shape of every tensor it must hold."""
-
-    path: Path
-    arch: str
-    shape: LlamaShape
-    d_model: int
-    d_ff: int
-    vocab: int
-    tensors: dict[str, tuple[int, ...]]
-
-    def target_shape(self, layer: int, target: str) -> tuple[int, int]:
-        return self.tensors[f"blk.{layer}.{TARGETS[target]}.weight"]
-
-
-def llama_tensor_shapes(n_layer: int, d: int, kv: int, d_ff: int, vocab: int) -> dict[str, tuple[int, ...]]:
-    """The numpy shape of every tensor a llama GGUF holds (llama.cpp's names; untied output and
-    qwen2 biases are the caller's), with `kv` the width of K and V."""
-    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
-    for i in range(n_layer):
-        b = f"blk.{i}."
-        shapes |= {b + "attn_norm.weight": (d,), b + "attn_q.weight": (d, d), b + "attn_k.weight": (kv, d),
-                   b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, d), b + "ffn_norm.weight": (d,),
-                   b + "ffn_gate.weight": (d_ff, d), b + "ffn_up.weight": (d_ff, d), b + "ffn_down.weight": (d, d_ff)}
-    return shapes
-
-
-def read_base(path: str) -> BaseModel:
-    """Open and check a base GGUF; every problem names the file, the tensor and expected vs got."""
+def read_base(path: str) -> ModelFile:
+    """Open and check a base GGUF of any architecture of toyharness.architectures; every problem
+    names the file and the key or tensor."""
     if not path:
-        raise InputError("lora needs a base model: --set base=PATH.gguf (a llama or qwen2 GGUF)")
-    with GGUFFile(path) as f:
-        arch = f.field("general.architecture")
-        if arch not in ARCHS:
-            raise GGUFError(f"{path}: architecture {arch!r}, expected one of {', '.join(ARCHS)}")
-
-        def key(name, kind=int, default=None):
-            value = f.require_field(f"{arch}.{name}") if default is None else f.field(f"{arch}.{name}", default)
-            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or \
-                    (kind is int and value <= 0):
-                raise GGUFError(f"{path}: metadata {arch}.{name} is {value!r}, expected a positive {kind.__name__}")
-            return kind(value)
-
-        n_layer, d, n_head = key("block_count"), key("embedding_length"), key("attention.head_count")
-        n_kv, d_ff = key("attention.head_count_kv", default=n_head), key("feed_forward_length")
-        # Each layer has 9 tensors: a count beyond the file's is damage, not a model to loop over.
-        if n_layer > len(f.names) or d % n_head or n_head % n_kv:
-            raise GGUFError(f"{path}: inconsistent sizes: {n_layer} layers in {len(f.names)} tensors, width {d}, "
-                            f"{n_head} heads, {n_kv} kv heads")
-        shape = LlamaShape(n_layer, n_head, n_kv, key("attention.layer_norm_rms_epsilon", float),
-                           key("rope.freq_base", float, 10000.0), rope_neox=(arch == "qwen2"))
-        vocab = f.tensor("token_embd.weight").shape[0]
-        kv = n_kv * (d // n_head)
-        want = llama_tensor_shapes(n_layer, d, kv, d_ff, vocab)
-        for i in range(n_layer):
-            b = f"blk.{i}."
-            if arch == "qwen2":
-                want |= {b + "attn_q.bias": (d,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
-        if "output.weight" in f.names:
-            want["output.weight"] = (vocab, d)
-        for name, expected in want.items():
-            info = f.tensor(name, expect_shape=expected)
-            if len(expected) == 2:
-                info.check_frozen()
-            elif info.dtype != "f32":
-                raise GGUFError(f"{path}: tensor {name!r} has type {info.dtype}, expected f32")
-    return BaseModel(Path(path), arch, shape, d, d_ff, vocab, want)
+        raise InputError("lora needs a base model: --set base=PATH.gguf (a llama, qwen2, qwen3, gemma3 or phi3 GGUF)")
+    return read_model(path, "base")
 
 
 class LoRA(LMRecipe):
@@ -148,12 +82,15 @@ class LoRA(LMRecipe):
         return [f"base={seeded_model_file('llama', [])}"]      # llama's default size
 
     def __init__(self):
-        self._bases: dict[str, BaseModel] = {}
+        self._bases: dict[str, ModelFile] = {}
 
-    def base(self, o: LoRAOptions) -> BaseModel:
+    def base(self, o: LoRAOptions) -> ModelFile:
         if o.base not in self._bases:
             self._bases[o.base] = read_base(o.base)
-        return self._bases[o.base]
+        base = self._bases[o.base]
+        if base.shape.max_seq and o.t_seq > base.shape.max_seq:
+            raise InputError(f"option 't_seq': {o.t_seq} is longer than {base.shape.max_seq}: {base.shape.max_seq_why}")
+        return base
 
     def tokenizer_file(self, o: LoRAOptions) -> str:
         """The data is read with the base's own tokenizer (bytes for bases the harness made)."""
@@ -164,10 +101,10 @@ class LoRA(LMRecipe):
 
     def vocab_for(self, o: LoRAOptions, data_vocab: int) -> int:
         base = self.base(o)
-        if data_vocab > base.vocab:
+        if data_vocab > base.shape.vocab:
             raise InputError(f"lora: the data has token ids up to {data_vocab - 1} but the base {o.base} has "
-                             f"a vocabulary of {base.vocab}")
-        return base.vocab
+                             f"a vocabulary of {base.shape.vocab}")
+        return base.shape.vocab
 
     def init_params(self, o: LoRAOptions, vocab: int) -> dict[str, np.ndarray]:
         if o.rank <= 0:
@@ -175,8 +112,8 @@ class LoRA(LMRecipe):
         base, P = self.base(o), {}
         for i in range(base.shape.n_layer):
             for t in o.targets:
-                out_dim, in_dim = base.target_shape(i, t)
-                name = f"blk.{i}.{TARGETS[t]}.weight"
+                name = base.target_tensor(i, t)
+                out_dim, in_dim = base.tensors[name]
                 P[name + ".lora_a"] = normal(o.seed, name + ".lora_a", (o.rank, in_dim), o.init_scale / np.sqrt(in_dim))
                 P[name + ".lora_b"] = np.zeros((out_dim, o.rank), np.float32)
         return P
@@ -193,18 +130,19 @@ class LoRA(LMRecipe):
             P[name] = prog.param(name, value, trainable=trainable)
         for i in range(base.shape.n_layer):
             for t in o.targets:
-                name = f"blk.{i}.{TARGETS[t]}.weight"
+                name = base.target_tensor(i, t)
                 P[name] = blocks.LoRAWeight(P[name], P[name + ".lora_a"], P[name + ".lora_b"], scale)
         return P
 
     def forward(self, P, tokens, positions, o: LoRAOptions):
-        return llama_forward(P, P["token_embd.weight"].get_rows(tokens), positions, self.base(o).shape)
+        base = self.base(o)
+        return base.arch.forward(P, P["token_embd.weight"].get_rows(tokens), positions, base.shape)
 
     @hookimpl
     def export(self, model, options, out_dir):
         o, base = options, self.base(options)
         adapters = {name: model.prog.read(t) for name, t in model.prog.params.items()}
-        written = [write_gguf(Path(out_dir) / "adapter.gguf", base.arch, adapters,
+        written = [write_gguf(Path(out_dir) / "adapter.gguf", base.arch.name, adapters,
                               {"general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": float(o.alpha),
                                "general.name": "toyharness-lora"})]
         if o.merged:
@@ -212,7 +150,7 @@ class LoRA(LMRecipe):
         return written
 
 
-def write_merged(path: Path, base: BaseModel, adapters: dict[str, np.ndarray], scale: float) -> Path:
+def write_merged(path: Path, base: ModelFile, adapters: dict[str, np.ndarray], scale: float) -> Path:
     """The base with W + scale * B @ A folded in (f32), its metadata copied."""
     with GGUFFile(base.path) as f:
         tensors = {}
@@ -222,7 +160,7 @@ def write_merged(path: Path, base: BaseModel, adapters: dict[str, np.ndarray], s
                 w = w + scale * (adapters[name + ".lora_b"] @ adapters[name + ".lora_a"])
             tensors[name] = w.astype(np.float32)
         meta = {k: v for k, v in f.metadata().items() if k != "general.architecture"}
-    return write_gguf(path, base.arch, tensors, meta)
+    return write_gguf(path, base.arch.name, tensors, meta)
 
 
 recipe = LoRA()

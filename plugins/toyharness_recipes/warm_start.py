@@ -22,7 +22,7 @@ from toyharness.hookspecs import hookimpl
 from toyharness.init import normal
 from toyharness.lm import LanguageModel
 from toyharness.options import choice
-from toyharness_recipes.llama import Llama, LlamaOptions, LlamaShape, llama_forward
+from toyharness_recipes.llama import Llama, LlamaOptions, llama_forward, llama_shape
 
 
 @dataclass
@@ -123,7 +123,8 @@ class WarmStart(Llama):
 
     def forward(self, P, tokens, positions, o: WarmStartOptions):
         h = blocks.lens(P["token_embd.weight"].get_rows(tokens), P["lens.weight"])
-        return llama_forward(P, h, positions, LlamaShape(o.n_layer, o.n_head, o.n_kv_head))
+        return llama_forward(P, h, positions, llama_shape(o.n_layer, o.d_model, o.n_head, o.n_kv_head, o.d_ff,
+                                                          P["token_embd.weight"].shape[0]))
 
     def tokenizer_file(self, o: WarmStartOptions) -> str:
         """The data is read with the donor's tokenizer, so embedding row i is token i's; the vocabulary

@@ -122,6 +122,21 @@ def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tenso
     return linear(linear(x, w_gate).swiglu(linear(x, w_up)), w_down)
 
 
+def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """gelu_tanh(x W_gate) * (x W_up), then W_down: Gemma's feed-forward."""
+    return linear(gelu_tanh(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def fused_swiglu_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    """silu(gate) * up with gate and up the two halves of one fused product (gate first): Phi-3's
+    `ffn_up`, (2 d_ff, D)."""
+    d_ff = w_gate_up.shape[0] // 2
+    y = linear(x, w_gate_up)
+    lead = y.shape[:-1]
+    y = y.reshape(-1, 2 * d_ff)
+    return linear(y.view_columns(0, d_ff).swiglu(y.view_columns(d_ff, d_ff)).reshape(*lead, d_ff), w_down)
+
+
 def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Tensor, w_proj: Tensor, b_proj: Tensor) -> Tensor:
     return linear(gelu_tanh(linear(x, w_fc, b_fc)), w_proj, b_proj)
 
@@ -138,33 +153,65 @@ def lens(embeddings: Tensor, projection: Tensor) -> Tensor:
     return linear(embeddings, projection)
 
 
+@dataclass
+class Rope:
+    """A layer's rotary embedding: what ggml's ROPE takes besides the tensor (Tensor.rope)."""
+
+    positions: Tensor
+    base: float = 10000.0
+    neox: bool = False                  # pair dim j with j + dims/2 (llama.cpp's NEOX layout)
+    dims: int | None = None             # rotated dims per head; None: the whole head
+    freq_scale: float = 1.0             # linear scaling: 1 / factor
+    freq_factors: Tensor | None = None  # Llama 3's rope_freqs.weight, Phi-3's rope factors
+
+
 def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head: int, n_kv_head: int | None = None,
               causal: bool = True, bq: Tensor | None = None, bk: Tensor | None = None, bv: Tensor | None = None,
               bo: Tensor | None = None, rope_positions: Tensor | None = None, rope_base: float = 10000.0,
-              rope_neox: bool = False, q_fn=None) -> Tensor:
+              rope_neox: bool = False, q_fn=None, *, rope: Rope | None = None, head_dim: int | None = None,
+              wqkv: Tensor | LoRAWeight | None = None, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+              norm_eps: float = 1e-6, window: int | None = None, scale: float | None = None) -> Tensor:
     """Multi-head self-attention of x (B, T, D), batched over heads (no per-head loop).
 
     Grouped-query heads when n_kv_head < n_head: query heads share key/value heads in
     consecutive groups (llama's repeat_interleave), through mul_mat's broadcast.
     `q_fn(x)`, when given, replaces the query projection. RoPE pairs adjacent dims, or dim j
-    with j + hd/2 when `rope_neox` (llama.cpp's qwen2 layout).
+    with j + hd/2 when `rope_neox` (llama.cpp's qwen2 layout); `rope` gives the whole rotation
+    instead (partial dims, scaling, frequency factors).
+
+    What the newer architectures add: `head_dim` (heads need not split D: qwen3, gemma3),
+    `wqkv` (one fused q|k|v projection: phi3), `q_norm`/`k_norm` (RMSNorm of each head's q and
+    k before the rotation, gain (hd,): qwen3, gemma3), `window` (sliding-window attention:
+    gemma3's local layers) and `scale` (the scores' scale, default 1/sqrt(hd)).
     """
     bsz, seq, d_model = x.shape
     n_kv_head = n_kv_head or n_head
-    if d_model % n_head or n_head % n_kv_head:
+    if head_dim is None and d_model % n_head or n_head % n_kv_head:
         raise ShapeError(f"attention: d_model {d_model}, n_head {n_head}, n_kv_head {n_kv_head} do not divide")
-    hd = d_model // n_head
-    q = q_fn(x) if q_fn is not None else linear(x, wq, bq)
-    k = linear(x, wk, bk)
-    v = linear(x, wv, bv)
+    hd = head_dim or d_model // n_head
+    if wqkv is not None:
+        qkv = linear(x, wqkv).reshape(bsz * seq, (n_head + 2 * n_kv_head) * hd)
+        q = qkv.view_columns(0, n_head * hd)
+        k = qkv.view_columns(n_head * hd, n_kv_head * hd)
+        v = qkv.view_columns((n_head + n_kv_head) * hd, n_kv_head * hd)
+    else:
+        q = q_fn(x) if q_fn is not None else linear(x, wq, bq)
+        k = linear(x, wk, bk)
+        v = linear(x, wv, bv)
     q = q.reshape(bsz, seq, n_head, hd)
     k = k.reshape(bsz, seq, n_kv_head, hd)
     v = v.reshape(bsz, seq, n_kv_head, hd)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, norm_eps)
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, norm_eps)
     q = q.permute(0, 2, 1, 3)                 # (B, H, T, hd)
     k = k.permute(0, 2, 1, 3)                 # (B, Hkv, T, hd)
-    if rope_positions is not None:
-        q = _rope_heads_first(q, rope_positions, rope_base, rope_neox)
-        k = _rope_heads_first(k, rope_positions, rope_base, rope_neox)
+    if rope is None and rope_positions is not None:
+        rope = Rope(rope_positions, rope_base, rope_neox)
+    if rope is not None:
+        q = _rope_heads_first(q, rope)
+        k = _rope_heads_first(k, rope)
     rep = n_head // n_kv_head
     k = k.repeat_heads(rep)                   # (B, H, T, hd)
     vt = v.permute(0, 2, 3, 1).cont().repeat_heads(rep)   # (B, H, hd, T)
@@ -173,15 +220,17 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     # every head's product is the same sgemm call either way: the bits do not change.
     heads = bsz * n_head
     scores = q.reshape(heads, seq, hd).bmm_t(k.reshape(heads, seq, hd))      # (B*H, Tq, Tk)
-    probs = scores.softmax(scale=1.0 / math.sqrt(hd), causal=causal)
+    probs = scores.softmax(scale=1.0 / math.sqrt(hd) if scale is None else scale, causal=causal, window=window)
     out = probs.bmm_t(vt.reshape(heads, hd, seq)).reshape(bsz, n_head, seq, hd)
-    out = out.permute(0, 2, 1, 3).cont().reshape(bsz, seq, d_model)
+    out = out.permute(0, 2, 1, 3).cont().reshape(bsz, seq, n_head * hd)
     return linear(out, wo, bo)
 
 
-def _rope_heads_first(x: Tensor, positions: Tensor, base: float, neox: bool) -> Tensor:
+def _rope_heads_first(x: Tensor, rope: Rope) -> Tensor:
     """RoPE of (B, H, T, hd) with tokens on ggml's third axis, where ROPE reads positions. Roped
     after the permute (not before) so that ROPE_BACK receives a contiguous gradient: the cuda
     backend of ggml 0.25.3 has no ROPE_BACK for the permuted one."""
     b, h, t, d = x.shape
-    return x.cont().reshape(b * h, t, 1, d).rope(positions, d, base, neox=neox).reshape(b, h, t, d)
+    return x.cont().reshape(b * h, t, 1, d).rope(rope.positions, rope.dims or d, rope.base, neox=rope.neox,
+                                                 freq_scale=rope.freq_scale,
+                                                 freq_factors=rope.freq_factors).reshape(b, h, t, d)

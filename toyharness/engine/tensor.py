@@ -219,6 +219,17 @@ class Tensor:
         nb1 = cols * 4
         return self._new(lib.ggml_view_2d(self._ctx, self.ptr, cols, count, nb1, start * nb1))
 
+    def view_columns(self, start: int, count: int) -> Tensor:
+        """Columns ``[start, start+count)`` of a contiguous 2-D tensor (numpy ``x[:, start:start+count]``),
+        made contiguous: how a fused projection's output (phi3's qkv, its gate and up) is split."""
+        if self.ndim != 2 or not self.is_contiguous():
+            raise ShapeError(f"view_columns needs a contiguous 2-D tensor, got {self!r}")
+        rows, cols = self.shape
+        if not (0 <= start and count > 0 and start + count <= cols):
+            raise ShapeError(f"view_columns: columns [{start}, {start + count}) outside {cols}")
+        view = self._new(lib.ggml_view_2d(self._ctx, self.ptr, count, rows, cols * 4, start * 4))
+        return view.cont()
+
     # --- linear algebra ----------------------------------------------------------------
     def matmul_t(self, w: Tensor) -> Tensor:
         """``self @ w.T`` over the last axis: self (..., K), w (N, K) -> (..., N).
@@ -276,13 +287,29 @@ class Tensor:
     def rms_norm(self, eps: float) -> Tensor:
         return self._new(lib.ggml_rms_norm(self._ctx, self.ptr, float(eps)))
 
-    def softmax(self, scale: float = 1.0, causal: bool = False) -> Tensor:
+    def softmax(self, scale: float = 1.0, causal: bool = False, window: int | None = None) -> Tensor:
         """softmax(scale * self) over the last axis; `causal` adds the causal mask first, in the
-        same op (ggml's soft_max_ext: one pass forward and one backward instead of three)."""
+        same op (ggml's soft_max_ext: one pass forward and one backward instead of three).
+        `window` (with `causal`): query i sees keys j with i - window < j <= i only (sliding-window
+        attention, as llama.cpp's LLAMA_SWA_TYPE_STANDARD masks p1 - p0 >= n_swa); a window that
+        covers every key is the plain causal mask."""
+        if window is not None and not causal:
+            raise ShapeError("softmax: a sliding window needs the causal mask")
         if scale == 1.0 and not causal:
             return self._new(lib.ggml_soft_max(self._ctx, self.ptr))
-        mask = self._causal_mask_constant() if causal else None
+        if window is not None and window < self.shape[-1]:
+            mask = self._window_mask_constant(window)
+        else:
+            mask = self._causal_mask_constant() if causal else None
         return self._new(lib.ggml_soft_max_ext(self._ctx, self.ptr, mask.ptr if mask else ffi.NULL, float(scale), 0.0))
+
+    def _window_mask_constant(self, window: int) -> Tensor:
+        tq, tk = self.shape[-2:]
+
+        def make():
+            i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
+            return np.where((j <= i) & (i - j < window), 0.0, -np.inf).astype(np.float32)
+        return self.prog.cached_constant(f"window_mask.{tq}x{tk}.{window}", make)
 
     def causal_mask(self) -> Tensor:
         """-inf above the diagonal of the last two axes (query i sees keys <= i), added as a
@@ -302,17 +329,26 @@ class Tensor:
             raise ShapeError(f"swiglu: gate {self.shape} and up {up.shape} differ")
         return self._new(lib.ggml_swiglu_split(self._ctx, self.ptr, up.ptr))
 
-    def rope(self, positions: Tensor, n_dims: int, base: float = 10000.0, neox: bool = False) -> Tensor:
+    def rope(self, positions: Tensor, n_dims: int, base: float = 10000.0, neox: bool = False,
+             freq_scale: float = 1.0, freq_factors: Tensor | None = None) -> Tensor:
         """Rotary embedding of a (B, T, H, hd) tensor; positions is an i32 input of shape (T,).
 
-        Default mode rotates adjacent pairs (llama.cpp's ``llama`` layout).
+        Default mode rotates adjacent pairs (llama.cpp's ``llama`` layout). The first `n_dims`
+        dims rotate (the rest pass through); pair i turns by position * freq_scale *
+        base^(-2i/n_dims) / freq_factors[i] (linear rope scaling: freq_scale = 1/factor; Llama 3's
+        scaling: llama.cpp's `rope_freqs.weight` as freq_factors, an f32 (n_dims/2,) tensor).
         """
         if self.ndim != 4 or positions.type != GGML_TYPE_I32 or positions.shape != (self.shape[1],):
             raise ShapeError(f"rope: need x (B, T, H, hd) and i32 positions (T,), got {self.shape}, "
                              f"{positions!r}")
+        if n_dims <= 0 or n_dims % 2 or n_dims > self.shape[-1]:
+            raise ShapeError(f"rope: {n_dims} rotated dims do not fit a head of {self.shape[-1]}")
+        if freq_factors is not None and (freq_factors.type != GGML_TYPE_F32 or freq_factors.shape != (n_dims // 2,)):
+            raise ShapeError(f"rope: frequency factors {freq_factors!r}, expected f32 ({n_dims // 2},)")
         mode = 2 if neox else 0
-        return self._new(lib.ggml_rope_ext(self._ctx, self.ptr, positions.ptr, ffi.NULL, n_dims, mode,
-                                           0, float(base), 1.0, 0.0, 1.0, 0.0, 0.0))
+        factors = freq_factors.ptr if freq_factors is not None else ffi.NULL
+        return self._new(lib.ggml_rope_ext(self._ctx, self.ptr, positions.ptr, factors, n_dims, mode,
+                                           0, float(base), float(freq_scale), 0.0, 1.0, 0.0, 0.0))
 
     def get_rows(self, ids: Tensor) -> Tensor:
         """Embedding lookup: table (V, D) and i32 ids of any shape -> ids.shape + (D,)."""
