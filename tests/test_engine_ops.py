@@ -362,3 +362,110 @@ def test_cross_entropy_report_and_gradient():
     assert abs(loss - ref(L32)) / ref(L32) < 1e-6
     g = prog.read(tr.grad_acc["logits"])
     assert rel_err(g, fd_grad(lambda A: ref(A["l"]), {"l": L32.copy()}, "l")) < 1e-3
+
+
+# --- what the newer architectures add (toyharness/architectures: qwen3, gemma3, phi3, llama3 rope) -----
+def np_rope_ext(x, pos, base, neox, dims, freq_scale=1.0, factors=None):
+    """ggml's ROPE with rotated `dims` of each head, NeoX or adjacent pairs, linear scaling and
+    frequency factors: pair i turns by pos * freq_scale * base^(-2i/dims) / factors[i]."""
+    theta = pos[:, None] * freq_scale * base ** (-np.arange(0, dims, 2) / dims)
+    if factors is not None:
+        theta = theta / factors[None, :]
+    c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
+    out = x.copy()
+    i0, i1 = (np.arange(dims // 2), np.arange(dims // 2) + dims // 2) if neox else (np.arange(0, dims, 2),
+                                                                                   np.arange(1, dims, 2))
+    x0, x1 = x[..., i0], x[..., i1]
+    out[..., i0] = x0 * c - x1 * s
+    out[..., i1] = x0 * s + x1 * c
+    return out
+
+
+def np_attention_ext(x, wq, wk, wv, wo, H, KV, hd, pos, base=10000.0, neox=True, dims=None, freq_scale=1.0,
+                     factors=None, q_norm=None, k_norm=None, window=None, scale=None, wqkv=None, eps=1e-6):
+    B, T, _ = x.shape
+    if wqkv is not None:
+        wq, wk, wv = wqkv[:H * hd], wqkv[H * hd:(H + KV) * hd], wqkv[(H + KV) * hd:]
+    q, k, v = (x @ wq.T).reshape(B, T, H, hd), (x @ wk.T).reshape(B, T, KV, hd), (x @ wv.T).reshape(B, T, KV, hd)
+    if q_norm is not None:
+        q = np_rms_norm(q, eps) * q_norm
+        k = np_rms_norm(k, eps) * k_norm
+    q = np_rope_ext(q, pos, base, neox, dims or hd, freq_scale, factors)
+    k = np_rope_ext(k, pos, base, neox, dims or hd, freq_scale, factors)
+    k, v = np.repeat(k, H // KV, axis=2), np.repeat(v, H // KV, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(hd) if scale is None else scale)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    visible = (j <= i) & ((i - j < window) if window else True)
+    s = np.where(visible, s, -np.inf)
+    o = np.einsum("bhqk,bkhd->bqhd", np_softmax(s), v).reshape(B, T, H * hd)
+    return o @ wo.T
+
+
+POS6 = np.arange(6, dtype=np.int32)
+
+
+@pytest.mark.parametrize("neox,rot,freq_scale,ff", [(False, 4, 1.0, np.array([1.0, 8.0], np.float32)),
+                                                     (True, 4, 0.25, None), (True, 2, 1.0, None)])
+def test_attention_llama3_rope_factors_linear_scale_partial_neox(neox, rot, freq_scale, ff):
+    """Llama 3's rope_freqs (factors), linear scaling and Phi-4's partial NeoX rotation."""
+    D, H, KV, hd = 16, 4, 2, 4
+    inputs = {"x": r(2, 6, D), "wq": r(H * hd, D, scale=0.5), "wk": r(KV * hd, D, scale=0.5),
+              "wv": r(KV * hd, D, scale=0.5), "wo": r(D, H * hd, scale=0.5)}
+    ids = {"pos": (POS6, None)} | ({"ff": (ff, None)} if ff is not None else {})
+    check(lambda p, T: blocks.attention(
+              T["x"], T["wq"], T["wk"], T["wv"], T["wo"], H, KV, head_dim=hd,
+              rope=blocks.Rope(T["pos"], 100.0, neox, rot, freq_scale, T.get("ff"))),
+          lambda A: np_attention_ext(A["x"], A["wq"], A["wk"], A["wv"], A["wo"], H, KV, hd,
+                                     A["pos"].astype(np.float64), 100.0, neox, rot, freq_scale,
+                                     None if ff is None else ff.astype(np.float64)), inputs, ids=ids)
+
+
+def test_attention_qk_norm_head_dim_window_and_scale():
+    """qwen3/gemma3: heads wider than D / H, RMSNorm of each head's q and k, gemma3's sliding
+    window (keys i - window < j <= i) and its own query scale."""
+    D, H, KV, hd = 8, 2, 1, 8
+    inputs = {"x": r(2, 6, D), "wq": r(H * hd, D, scale=0.5), "wk": r(KV * hd, D, scale=0.5),
+              "wv": r(KV * hd, D, scale=0.5), "wo": r(D, H * hd, scale=0.5), "qn": 1 + r(hd, scale=0.3),
+              "kn": 1 + r(hd, scale=0.3)}
+    for w in (2, 6):
+        check(lambda p, T, window=w: blocks.attention(
+                  T["x"], T["wq"], T["wk"], T["wv"], T["wo"], H, KV, head_dim=hd, q_norm=T["qn"], k_norm=T["kn"],
+                  rope=blocks.Rope(T["pos"], 10000.0, True), window=window, scale=0.3),
+              lambda A, window=w: np_attention_ext(A["x"], A["wq"], A["wk"], A["wv"], A["wo"], H, KV, hd,
+                                                   A["pos"].astype(np.float64), q_norm=A["qn"], k_norm=A["kn"],
+                                         window=window, scale=0.3), inputs, ids={"pos": (POS6, None)})
+
+
+def test_attention_fused_qkv():
+    """phi3: q|k|v rows of one projection, split after the product."""
+    D, H, KV, hd = 8, 4, 2, 2
+    inputs = {"x": r(2, 6, D), "wqkv": r((H + 2 * KV) * hd, D, scale=0.5), "wo": r(D, H * hd, scale=0.5)}
+    check(lambda p, T: blocks.attention(T["x"], None, None, None, T["wo"], H, KV, head_dim=hd, wqkv=T["wqkv"],
+                                        rope=blocks.Rope(T["pos"], 10000.0, True)),
+          lambda A: np_attention_ext(A["x"], None, None, None, A["wo"], H, KV, hd, A["pos"].astype(np.float64),
+                                     wqkv=A["wqkv"]), inputs, ids={"pos": (POS6, None)})
+
+
+def test_geglu_mlp():
+    check(lambda p, T: blocks.geglu_mlp(T["x"], T["g"], T["u"], T["d"]),
+          lambda A: (np_gelu_tanh(A["x"] @ A["g"].T) * (A["x"] @ A["u"].T)) @ A["d"].T,
+          {"x": r(2, 3, 6), "g": r(10, 6, scale=0.5), "u": r(10, 6, scale=0.5), "d": r(6, 10, scale=0.5)})
+
+
+def test_fused_swiglu_mlp():
+    def ref(A):
+        y = A["x"] @ A["gu"].T
+        gate, up = y[..., :10], y[..., 10:]
+        return (gate / (1 + np.exp(-gate)) * up) @ A["d"].T
+    check(lambda p, T: blocks.fused_swiglu_mlp(T["x"], T["gu"], T["d"]), ref,
+          {"x": r(2, 3, 6), "gu": r(20, 6, scale=0.5), "d": r(6, 10, scale=0.5)})
+
+
+def test_rope_refuses_what_it_cannot_rotate():
+    prog = get_engine(BACKEND).program()
+    x = prog.param("x", np.zeros((1, 4, 2, 6), np.float32))
+    pos = prog.constant("pos", np.arange(4, dtype=np.int32))
+    with pytest.raises(InputError, match="rope: 8 rotated dims do not fit a head of 6"):
+        x.rope(pos, 8)
+    with pytest.raises(InputError, match=r"rope: frequency factors .* expected f32 \(3,\)"):
+        x.rope(pos, 6, freq_factors=prog.constant("ff", np.ones(2, np.float32)))

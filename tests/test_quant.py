@@ -229,6 +229,7 @@ def test_warm_start_takes_a_donor_of_any_type(bases, dtype):
 def write_random_llama(path, layers: int, dtype: str, d: int = 1024, d_ff: int = 2816, vocab: int = 256):
     """A llama GGUF of random weights (std 0.02) with its matrices in `dtype`."""
     import gguf
+
     from toyharness.architectures import LLAMA, example_shape
     from toyharness.engine.gguf_io import _write_atomic
 

@@ -82,8 +82,9 @@ class Llama(LMRecipe):
         return P
 
     def forward(self, P, tokens, positions, o: LlamaOptions):
-        return llama_forward(P, P["token_embd.weight"].get_rows(tokens), positions,
-                             llama_shape(o.n_layer, o.d_model, o.n_head, o.n_kv_head, o.d_ff, P["token_embd.weight"].shape[0]))
+        embed = P["token_embd.weight"]
+        return llama_forward(P, embed.get_rows(tokens), positions,
+                             llama_shape(o.n_layer, o.d_model, o.n_head, o.n_kv_head, o.d_ff, embed.shape[0]))
 
     def gguf_metadata(self, o: LlamaOptions, vocab: int):
         arch = "qwen2" if o.qkv_bias else "llama"

@@ -34,8 +34,8 @@ Architecture = Llama          # every architecture is a Llama subclass with its 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, GEMMA3, PHI3)}
 ALL_TARGETS = tuple(dict.fromkeys(t for a in ARCHITECTURES.values() for t in a.targets))
 
-__all__ = ["ARCHITECTURES", "ALL_TARGETS", "Architecture", "DecoderShape", "GEMMA3", "LLAMA", "Layer", "ModelFile", "PHI3",
-           "QWEN2", "QWEN3", "example_shape", "llama3_rope_factors", "read_model", "write_example"]
+__all__ = ["ARCHITECTURES", "ALL_TARGETS", "Architecture", "DecoderShape", "GEMMA3", "LLAMA", "Layer", "ModelFile",
+           "PHI3", "QWEN2", "QWEN3", "example_shape", "llama3_rope_factors", "read_model", "write_example"]
 
 
 @dataclass
@@ -126,12 +126,13 @@ def example_tensors(s: DecoderShape, seed: int = 7, std: float = 0.1) -> dict[st
 
 
 def write_example(path: str | Path, s: DecoderShape, seed: int = 7, std: float = 0.1,
-                  tensors: dict[str, np.ndarray] | None = None) -> Path:
+                  tensors: dict[str, np.ndarray] | None = None, extra_meta: dict | None = None) -> Path:
     """A GGUF of architecture `s.arch` laid out as llama.cpp's converter writes it, with the byte
     tokenizer (ids 0-255): a model of that architecture the tests and benchmarks can make."""
     from ..engine import write_gguf
     from ..lm import tokenizer_metadata
 
     arch = ARCHITECTURES[s.arch]
-    meta = {**arch.metadata(s), **tokenizer_metadata(s.vocab), "general.name": f"toyharness-example-{s.arch}"}
+    meta = {**arch.metadata(s), **tokenizer_metadata(s.vocab), "general.name": f"toyharness-example-{s.arch}",
+            **(extra_meta or {})}
     return write_gguf(path, s.arch, tensors or example_tensors(s, seed, std), meta)

@@ -13,17 +13,18 @@ import math
 import numpy as np
 
 from ..engine import blocks
+from ..engine.gguf_io import GGUFError
 from .spec import DecoderShape, Layer, ModelKeys, rope_scale
 
 
-def read_common(keys: ModelKeys, vocab: int, names: list[str], neox: bool, default_eps: float | None = None) -> DecoderShape:
+def read_common(keys: ModelKeys, vocab: int, names: list[str], neox: bool,
+                default_eps: float | None = None) -> DecoderShape:
     """The keys every llama-like file has; head size from `attention.key_length` (qwen3, gemma3)
     where present, else width / heads."""
     n_layer, d = keys.int("block_count"), keys.int("embedding_length")
     n_head = keys.int("attention.head_count")
     n_kv = keys.int("attention.head_count_kv", n_head)
     head_dim = keys.int("attention.key_length", d // n_head if d % n_head == 0 else 0)
-    from ..engine.gguf_io import GGUFError
     if head_dim == 0:
         raise GGUFError(f"{keys.path}: width {d} does not split into {n_head} heads and no attention.key_length")
     keys.equal("attention.value_length", head_dim, "values must be as wide as keys")
@@ -139,7 +140,6 @@ class Llama:
     def read_shape(self, keys: ModelKeys, vocab: int, names: list[str]) -> DecoderShape:
         s = read_common(keys, vocab, names, self.rope_neox)
         if s.rope_dims != s.head_dim:
-            from ..engine.gguf_io import GGUFError
             raise GGUFError(f"{keys.path}: llama rotates whole heads: rope.dimension_count {s.rope_dims}, "
                             f"head size {s.head_dim}")
         return s
@@ -177,7 +177,8 @@ class Qwen2(Llama):
         shapes = tensor_shapes(s, names)
         for i in range(s.n_layer):
             b = f"blk.{i}."
-            shapes |= {b + "attn_q.bias": (s.q_width,), b + "attn_k.bias": (s.kv_width,), b + "attn_v.bias": (s.kv_width,)}
+            shapes |= {b + "attn_q.bias": (s.q_width,), b + "attn_k.bias": (s.kv_width,),
+                       b + "attn_v.bias": (s.kv_width,)}
         return shapes
 
     def hf_config(self, s: DecoderShape) -> dict:
