@@ -57,6 +57,7 @@ class Gemma3(Llama):
     name = "gemma3"
     rope_neox = True
     hf_class = "Gemma3ForCausalLM"
+    hf_config_class = "Gemma3TextConfig"
 
     def read_shape(self, keys: ModelKeys, vocab: int, names: list[str]) -> DecoderShape:
         s = read_common(keys, vocab, names, self.rope_neox, default_eps=1e-6)
@@ -99,6 +100,14 @@ class Gemma3(Llama):
         meta |= {f"{s.arch}.attention.key_length": s.head_dim, f"{s.arch}.attention.value_length": s.head_dim}
         return meta
 
+    hf_layer_names = {**Llama.hf_layer_names, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+    def hf_weights(self, tensors, s):
+        """transformers' Gemma3RMSNorm multiplies by 1 + w: the converter's folded 1 comes off."""
+        out = super().hf_weights(tensors, s)
+        return {k: v - 1.0 if k.endswith("norm.weight") else v for k, v in out.items()}
+
     def hf_config(self, s: DecoderShape) -> dict:
         local = [lay for lay in s.layers if lay.window is not None]
         glob = next(lay for lay in s.layers if lay.window is None)
@@ -108,8 +117,8 @@ class Gemma3(Llama):
                    rope_local_base_freq=local[0].rope_base if local else 10000.0,
                    sliding_window=local[0].window if local else 4096,
                    layer_types=["sliding_attention" if lay.window else "full_attention" for lay in s.layers],
-                   query_pre_attn_scalar=(1.0 / s.attn_scale) ** 2, hidden_activation="gelu_pytorch_tanh",
-                   tie_word_embeddings=True, attention_bias=False, max_position_embeddings=8192,
+                   query_pre_attn_scalar=round((1.0 / s.attn_scale) ** 2), hidden_activation="gelu_pytorch_tanh",
+                   tie_word_embeddings=True, attention_bias=False, max_position_embeddings=8192, pad_token_id=0,
                    final_logit_softcapping=None, attn_logit_softcapping=None)
         if glob.rope_scale != 1.0:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": 1.0 / glob.rope_scale}

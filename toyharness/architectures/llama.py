@@ -136,6 +136,7 @@ class Llama:
     targets = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate",
                "up": "ffn_up", "down": "ffn_down"}
     hf_class = "LlamaForCausalLM"
+    hf_config_class = "LlamaConfig"
 
     def read_shape(self, keys: ModelKeys, vocab: int, names: list[str]) -> DecoderShape:
         s = read_common(keys, vocab, names, self.rope_neox)
@@ -152,6 +153,38 @@ class Llama:
 
     def metadata(self, s: DecoderShape) -> dict:
         return common_metadata(s)
+
+    # llama.cpp's tensor names -> transformers' (per layer, then global)
+    hf_layer_names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                      "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",
+                      "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                      "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                      "ffn_down": "mlp.down_proj"}
+    hf_global_names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                       "output.weight": "lm_head.weight"}
+
+    def hf_name(self, name: str) -> str | None:
+        """transformers' name of a llama.cpp tensor (None: transformers computes it, as rope_freqs)."""
+        if name in self.hf_global_names:
+            return self.hf_global_names[name]
+        if not name.startswith("blk."):
+            return None
+        _, layer, stem, kind = name.split(".", 3)
+        return f"model.layers.{layer}.{self.hf_layer_names[stem]}.{kind}"
+
+    def hf_weights(self, tensors: dict[str, np.ndarray], s: DecoderShape) -> dict[str, np.ndarray]:
+        """The file's tensors as transformers' state dict. llama.cpp's converter permutes a `llama`
+        file's Q and K rows for adjacent-pair rope; this undoes it (NeoX files store them as is)."""
+        out = {}
+        for name, value in tensors.items():
+            hf = self.hf_name(name)
+            if hf is None:
+                continue
+            if not self.rope_neox and (".attn_q." in name or ".attn_k." in name):
+                heads = s.n_head if ".attn_q." in name else s.n_kv_head
+                value = value.reshape(heads, s.head_dim // 2, 2, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)
+            out[hf] = value
+        return out
 
     def hf_config(self, s: DecoderShape) -> dict:
         """transformers' config of the same model (its counterpart in the parity tests)."""
@@ -172,6 +205,7 @@ class Qwen2(Llama):
     name = "qwen2"
     rope_neox = True
     hf_class = "Qwen2ForCausalLM"
+    hf_config_class = "Qwen2Config"
 
     def tensor_shapes(self, s: DecoderShape, names: list[str]) -> dict[str, tuple[int, ...]]:
         shapes = tensor_shapes(s, names)

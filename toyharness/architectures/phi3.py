@@ -35,6 +35,7 @@ class Phi3(Llama):
     rope_neox = True
     targets = {"qkv": "attn_qkv", "o": "attn_output", "up": "ffn_up", "down": "ffn_down"}
     hf_class = "Phi3ForCausalLM"
+    hf_config_class = "Phi3Config"
 
     def read_shape(self, keys: ModelKeys, vocab: int, names: list[str]) -> DecoderShape:
         for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
@@ -60,6 +61,8 @@ class Phi3(Llama):
         if s.max_seq:
             meta[f"{s.arch}.attention.sliding_window"] = s.max_seq
         return meta
+
+    hf_layer_names = {**Llama.hf_layer_names, "ffn_up": "mlp.gate_up_proj"}
 
     def hf_config(self, s: DecoderShape) -> dict:
         cfg = super().hf_config(s)

@@ -26,6 +26,7 @@ class Qwen3(Llama):
     name = "qwen3"
     rope_neox = True
     hf_class = "Qwen3ForCausalLM"
+    hf_config_class = "Qwen3Config"
 
     def read_shape(self, keys, vocab, names) -> DecoderShape:
         from .llama import read_common
