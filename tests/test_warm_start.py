@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from toyharness_recipes.warm_start import WarmStartWindow, donor_embed_width, pca_lens
 
+from toyharness.architectures import example_shape, read_model, write_example
 from toyharness.engine import GGUFFile, get_engine
 from toyharness.engine.gguf_io import write_gguf
 from toyharness.errors import InputError
@@ -58,11 +59,12 @@ def donor(tmp_path, kind, llama_base):
         path.write_text("hello")
     elif kind == "no_width":
         write_gguf(path, "llama", {"token_embd.weight": np.zeros((256, 64), np.float32)})
+    elif kind == "unread_key":
+        return write_example(path, example_shape("qwen3"), extra_meta={"qwen3.expert_count": 8})
     elif kind == "no_embd":
         write_gguf(path, "llama", {"x.weight": np.zeros((4, 64), np.float32)}, {"llama.embedding_length": 64})
     elif kind == "small_vocab":
-        write_gguf(path, "llama", {"token_embd.weight": np.zeros((100, 64), np.float32)},
-                   {"llama.embedding_length": 64})
+        return write_example(path, example_shape("llama", vocab=100))
     elif kind == "width":
         return llama_base
     return path
@@ -71,9 +73,11 @@ def donor(tmp_path, kind, llama_base):
 @pytest.mark.parametrize("kind,d_in,message", [
     ("missing", 64, "nope.gguf: file not found"),
     ("not_gguf", 64, "not a GGUF file"),
-    ("no_width", 64, "no 'llama.embedding_length' key"),
+    ("no_width", 64, "missing metadata key 'llama.block_count'"),
+    ("unread_key", 64, "metadata key 'qwen3.expert_count' is not used by toyharness's qwen3 forward and may change "
+                       "the model: refused as a donor"),
     ("width", 48, "embedding width mismatch: expected donor_d_in 48, got 64"),
-    ("no_embd", 64, "no tensor 'token_embd.weight'"),
+    ("no_embd", 64, "tensor 'token_embd.weight' not found"),
     ("small_vocab", 64, "vocabulary of 100 rows is smaller than the model's 256"),
 ])
 def test_donor_failures_are_named(llama_base, tmp_path, kind, d_in, message):
@@ -83,3 +87,22 @@ def test_donor_failures_are_named(llama_base, tmp_path, kind, d_in, message):
     assert res.returncode == 2, res.stderr
     assert "donor" in res.stderr and message in res.stderr, res.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3"])
+def test_donors_of_every_architecture_warm_the_embedding_as_their_forward_sees_it(tmp_path, arch):
+    """A donor of any architecture lora takes; gemma3's rows come scaled by sqrt(d_model), as its
+    forward scales them."""
+    kw = {"gemma3": dict(head_dim=32, n_head=2, n_kv_head=1), "phi3": dict(rope_dims=12)}.get(arch, {})
+    path = write_example(tmp_path / f"{arch}.gguf", example_shape(arch, **kw))
+    obj, o = options(f"donor={path}", "donor_d_in=64")
+    window = WarmStartWindow(obj, o, 256)
+    window.warm()
+    with GGUFFile(path) as f:
+        rows = f.tensor("token_embd.weight").to_numpy()
+    scale = read_model(path).shape.embed_scale
+    assert scale == (8.0 if arch == "gemma3" else 1.0)
+    np.testing.assert_array_equal(window.params["token_embd.weight"], (rows * np.float32(scale)).astype(np.float32))
+    res = cli("run", "warm_start", "--steps", "3", *[x for s in SMALL for x in ("--set", s)], "--set", f"donor={path}",
+              "--set", "donor_d_in=64", "--out", str(tmp_path / "r"), "--no-progress")
+    assert res.returncode == 0, res.stderr

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from toyharness.architectures import ModelFile, read_model
 from toyharness.engine import GGUFFile, blocks
 from toyharness.engine.gguf_io import GGUFError
 from toyharness.errors import InputError
@@ -27,52 +28,48 @@ from toyharness_recipes.llama import Llama, LlamaOptions, llama_forward, llama_s
 
 @dataclass
 class WarmStartOptions(LlamaOptions):
-    donor: str = ""              # a llama GGUF, token_embd of any frozen type (engine/quant.py); empty: no warming
+    donor: str = ""              # a GGUF of any architecture lora takes, token_embd of any frozen type; empty: none
     donor_d_in: int = 64
     lens: str = choice("random", ("random", "pca"))
     untied: bool = True
 
 
-def donor_embed_width(path: str) -> int:
-    """The donor's embedding width (`llama.embedding_length`), with every failure named."""
-    with _open_donor(path) as f:
-        width = f.field("llama.embedding_length")
-        if width is None:
-            raise GGUFError(f"donor {path}: no 'llama.embedding_length' key (is it a llama GGUF?)")
-        if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
-            raise GGUFError(f"donor {path}: 'llama.embedding_length' is {width!r}, expected a positive int")
-        return width
-
-
-def _open_donor(path: str) -> GGUFFile:
+def read_donor(path: str) -> ModelFile:
+    """The donor checked as a model of its architecture (toyharness.architectures: every key and
+    tensor read or known not to change its forward), every failure named as the donor's."""
     try:
-        return GGUFFile(path)
+        return read_model(path, "donor")
     except GGUFError as exc:
         raise GGUFError(f"donor {exc}") from None
     except OSError as exc:
         raise GGUFError(f"donor {path}: read failure ({exc})") from None
 
 
+def donor_embed_width(path: str) -> int:
+    """The donor's embedding width (its architecture's `embedding_length`)."""
+    return read_donor(path).shape.d_model
+
+
 def donor_rows(path: str, vocab: int, d_in: int) -> np.ndarray:
-    """The first `vocab` rows of the donor's token_embd.weight, checked against `d_in`, as f32:
-    any frozen type (f32, f16, bf16, q8_0 ... q6_k), only those rows dequantized."""
-    width = donor_embed_width(path)
+    """The first `vocab` rows of the donor's token_embd.weight as its own forward sees them (times
+    its architecture's embedding scale: gemma3's sqrt(d_model), else 1), as f32: any frozen type
+    (f32, f16, bf16, q8_0 ... q6_k), only those rows dequantized."""
+    donor = read_donor(path)
+    width = donor.shape.d_model
     if width != d_in:
         raise GGUFError(f"donor {path}: embedding width mismatch: expected donor_d_in {d_in}, got {width}")
-    with _open_donor(path) as f:
-        if "token_embd.weight" not in f.names:
-            raise GGUFError(f"donor {path}: no tensor 'token_embd.weight'")
-        info = f.tensor("token_embd.weight")
-        if len(info.shape) != 2 or info.shape[1] != d_in:
-            raise GGUFError(f"donor {path}: token_embd.weight has shape {info.shape}, expected (rows, {d_in})")
-        if info.shape[0] < vocab:
-            raise GGUFError(f"donor {path}: vocabulary of {info.shape[0]} rows is smaller than the model's {vocab}")
+    if donor.shape.vocab < vocab:
+        raise GGUFError(f"donor {path}: vocabulary of {donor.shape.vocab} rows is smaller than the model's {vocab}")
+    with GGUFFile(path) as f:
         try:      # any frozen type (engine/quant.py), only the rows the model uses dequantized
-            return info.to_numpy(rows=vocab)
+            rows = f.tensor("token_embd.weight").to_numpy(rows=vocab)
         except GGUFError as exc:
             raise GGUFError(f"donor {exc}") from None
         except (OSError, ValueError) as exc:
             raise GGUFError(f"donor {path}: read failure on token_embd.weight ({exc})") from None
+    if donor.shape.embed_scale != 1.0:
+        rows = (rows * np.float32(donor.shape.embed_scale)).astype(np.float32)
+    return rows
 
 
 def pca_lens(rows: np.ndarray, d_model: int) -> np.ndarray:
