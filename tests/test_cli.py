@@ -21,6 +21,8 @@ def test_recipes_lists_distribution_and_version():
     assert res.returncode == 0
     lines = {line.split()[0]: line for line in res.stdout.splitlines()}
     assert "toyharness 0.1.0" in lines["gpt2"] and "toyharness 0.1.0" in lines["llama"]
+    assert res.stdout.splitlines()[-1].startswith("lora bases and warm_start donors: GGUFs of architecture llama, "
+                                                  "qwen2, qwen3, gemma3, phi3")
 
 
 @pytest.mark.parametrize("args,message", [

@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    sub.add_parser("recipes", help="list installed recipes (name, distribution, version)",
-                   description="List every recipe found through the toyharness.recipes entry points.")
+    sub.add_parser("recipes", help="list installed recipes (name, distribution, version) and base architectures",
+                   description="List every recipe found through the toyharness.recipes entry points, and the "
+                               "GGUF architectures lora and warm_start take as a base or donor.")
 
     r = sub.add_parser("run", help="train a recipe and write a run folder",
                        description="Train RECIPE and write its run folder (config.toml, metrics.jsonl, "
@@ -156,8 +157,12 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_recipes(args) -> int:
     from .plugins import discover
 
+    from .architectures import ARCHITECTURES
+
     for name, e in discover().items():
         print(f"{name:<14} {e.distribution} {e.version}  ({e.value})")
+    print(f"lora bases and warm_start donors: GGUFs of architecture {', '.join(ARCHITECTURES)} "
+          f"(README, \"Architectures\")")
     return 0
 
 
