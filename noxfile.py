@@ -5,6 +5,9 @@ from nox.command import CommandFailed
 
 nox.options.sessions = ["tests-cpu"]
 nox.options.reuse_existing_virtualenvs = True
+# transformers' model of each base architecture (toyharness/architectures/hf.py): the parity
+# sessions' numerical truth and the PyTorch side of lora's bench; pinned as torch is
+TRANSFORMERS = "transformers==5.23.0"
 
 
 @nox.session(name="tests-cpu")
@@ -34,7 +37,7 @@ def tests_cuda(session):
 def bench(session):
     """ms/step, items/s and peak RSS per recipe at its default config; writes bench.json."""
     session.install("-e", ".[test]")
-    session.install("torch==2.13.0")  # the PyTorch eager side; the CPU build
+    session.install("torch==2.13.0", TRANSFORMERS)  # the PyTorch eager side (CPU build); lora's over any architecture
     session.run("toyharness", "bench", *session.posargs)
 
 
@@ -46,9 +49,10 @@ def lint(session):
 
 @nox.session
 def parity(session):
-    """First losses of every recipe against the PyTorch reference (toyharness/reference.py)."""
+    """First losses of every recipe against the PyTorch reference (toyharness/reference.py), and of
+    LoRA over each base architecture against transformers' model of it (tests/test_arch_parity.py)."""
     session.install("-e", ".[test]")
-    session.install("torch==2.13.0")  # the CPU build; never another version
+    session.install("torch==2.13.0", TRANSFORMERS)  # the CPU build; never another version
     session.run("pytest", "-q", "-m", "parity", "-rs", *session.posargs)
 
 

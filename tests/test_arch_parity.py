@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from toyharness.architectures import ARCHITECTURES, example_shape, read_model, write_example
+from toyharness.architectures import ARCHITECTURES, example_shape, write_example
 from toyharness.engine import GGUFFile
 from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.runner import train
@@ -41,20 +41,8 @@ QUANTIZED = {"qwen3@q8_0": ("qwen3", "q8_0"), "gemma3@q5_0": ("gemma3", "q5_0"),
              "gemma3-256@q6_k": ("gemma3-256", "q6_k")}
 
 
-class LoRALinear(torch.nn.Module):
-    """y = W x (+ b) + scale * B (A x): the adapter as the recipe defines it."""
-
-    def __init__(self, base: torch.nn.Linear, a: np.ndarray, b: np.ndarray, scale: float):
-        super().__init__()
-        self.base, self.scale = base, scale
-        self.a = torch.nn.Parameter(torch.tensor(a))
-        self.b = torch.nn.Parameter(torch.tensor(b))
-
-    def forward(self, x):
-        return self.base(x) + self.scale * torch.nn.functional.linear(torch.nn.functional.linear(x, self.a), self.b)
-
-
 def transformers_replay(run_dir, base_path, hf_overrides: dict) -> list[float]:
+    from toyharness.architectures.hf import add_lora, hf_model
     from toyharness.options import read_toml
     from toyharness.plugins import get_recipe
     from toyharness.reference import adamw_row_step, lm_loss
@@ -63,45 +51,19 @@ def transformers_replay(run_dir, base_path, hf_overrides: dict) -> list[float]:
     _, recipe = get_recipe("lora")
     opts = resolve_options(recipe, str(run_dir / "config.toml"), [], {})
     assert read_toml(run_dir / "config.toml")["recipe"] == "lora"
-    model_file = read_model(base_path)
-    arch, s = model_file.arch, model_file.shape
-    with GGUFFile(base_path) as f:
-        weights = {n: f.tensor(n).to_numpy() for n in f.names}        # dequantized by gguf-py
-    cfg = getattr(transformers, arch.hf_config_class)(**(arch.hf_config(s) | hf_overrides))
-    cfg._attn_implementation = "eager"
-    model = getattr(transformers, arch.hf_class)(cfg).float().eval()
-    state = {k: torch.tensor(v) for k, v in arch.hf_weights(weights, s).items()}
-    if "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in m or "inv_freq" in m for m in missing), (missing, unexpected)
+    model = hf_model(base_path, hf_overrides)
     with GGUFFile(run_dir / "init.gguf") as f:
         init = {n: f.tensor(n).to_numpy() for n in f.names}
-    train_params = {}
-    for name in init:
-        if not name.endswith(".lora_a"):
-            continue
-        w = name[: -len(".lora_a")]
-        module_path = arch.hf_name(w).rsplit(".", 1)[0]
-        parent_path, attr = module_path.rsplit(".", 1)
-        parent = model.get_submodule(parent_path)
-        wrapped = LoRALinear(getattr(parent, attr), init[name], init[w + ".lora_b"], opts.alpha / opts.rank)
-        setattr(parent, attr, wrapped)
-        train_params[name], train_params[w + ".lora_b"] = wrapped.a, wrapped.b
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in train_params.values():
-        p.requires_grad_(True)
+    train_params = add_lora(model, base_path, init, opts.alpha / opts.rank)
     m = {n: torch.zeros_like(p) for n, p in train_params.items()}
     v = {n: torch.zeros_like(p) for n, p in train_params.items()}
     batches = read_batches_npz(run_dir / "batches.npz")
     losses = []
     for i in range(STEPS):
-        batch = {k: torch.from_numpy(np.ascontiguousarray(batches[k][i])) for k in batches}
+        batch = {k: torch.from_numpy(np.array(batches[k][i])) for k in batches}
         for p in train_params.values():
             p.grad = None
-        logits = model(input_ids=batch["tokens"].long()).logits
-        loss = lm_loss(logits, batch)
+        loss = lm_loss(model(input_ids=batch["tokens"].long()).logits, batch)
         loss.backward()
         losses.append(float(loss.detach()))
         adamw_row_step(train_params, m, v, opts.adamw_row().hp_for_step(i))

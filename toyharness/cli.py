@@ -155,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_recipes(args) -> int:
-    from .plugins import discover
-
     from .architectures import ARCHITECTURES
+    from .plugins import discover
 
     for name, e in discover().items():
         print(f"{name:<14} {e.distribution} {e.version}  ({e.value})")
