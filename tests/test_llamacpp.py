@@ -94,22 +94,34 @@ ARCH_QUANTIZED = {"qwen3@q8_0": ("qwen3", "q8_0"), "phi3@q4_0": ("phi3", "q4_0")
                   "gemma3-256@q4_k": ("gemma3-256", "q4_k")}
 
 
-def arch_base(tmp_path, case: str) -> Path:
+def arch_base(tmp_path, case: str) -> tuple[Path, Path]:
+    """The case's base file, and a copy of it dequantized to f32 (the same file for f32 cases)."""
     from toyharness.architectures import example_shape, write_example
-    from toyharness.engine.gguf_io import cached_copy_as
+    from toyharness.engine.gguf_io import cached_copy_as, copy_gguf_as
 
     name, dtype = ARCH_QUANTIZED.get(case, (case, None))
     base = write_example(tmp_path / f"{name}.gguf", example_shape(**ARCH_CASES[name]), std=0.2)
-    return cached_copy_as(base, dtype) if dtype else base
+    if not dtype:
+        return base, base
+    quantized = cached_copy_as(base, dtype)
+    return quantized, copy_gguf_as(quantized, tmp_path / "dequantized.gguf", "f32")
+
+
+# llama.cpp's cpu GELU reads an f16 table (GGML_GELU_FP16 in ggml-cpu/vec.h): gemma3's GeGLU carries
+# that rounding (our gemma3 matches transformers' to 2e-6: tests/test_arch_parity.py).
+ARCH_TOLERANCE = {"gemma3": 1e-3, "gemma3-256": 1e-3}
 
 
 @pytest.mark.parametrize("case", [*ARCH_CASES, *ARCH_QUANTIZED])
 def test_llama_cpp_gives_our_logits_for_each_architecture_and_our_adapter(tmp_path, case):
     """(b) of issue 31: llama.cpp's logits on a file of each architecture, and on the file plus our
-    adapter.gguf after 20 LoRA steps on every target, within 1e-4 of ours."""
+    adapter.gguf after 20 LoRA steps on every target, within 1e-4 of ours (1e-3 for gemma3: see
+    ARCH_TOLERANCE). Over a quantized file, llama.cpp's products quantize the activations to 8 bits
+    (ours never do), so its logits there are held within 5e-2, and those on the file dequantized to
+    f32 within the f32 tolerance: ours over the quantized file are llama.cpp's over its exact values."""
     from toyharness.architectures import read_model
 
-    base = arch_base(tmp_path, case)
+    base, exact = arch_base(tmp_path, case)
     targets = ",".join(read_model(base).arch.targets)
     out = tmp_path / "lora"
     train("lora", steps=20, sets=["t_seq=32", "t_batch=4", "lr=1e-2", "eval_every=20", "checkpoint_every=20",
@@ -120,11 +132,18 @@ def test_llama_cpp_gives_our_logits_for_each_architecture_and_our_adapter(tmp_pa
     buf[0, :len(PROMPT)] = PROMPT
     ours_base = obj.load_for_sampling(None, opts, 256).next_logits(buf)[0, :len(PROMPT)]
     ours_adapted = our_logits(out, "lora", PROMPT)
-    theirs_base = llama_cpp_logits(base, PROMPT, tmp_path)
-    theirs_adapted = llama_cpp_logits(base, PROMPT, tmp_path, lora=(out / "adapter.gguf", 1.0))
-    err_base, err_adapted = relative_error(ours_base, theirs_base), relative_error(ours_adapted, theirs_adapted)
-    moved = relative_error(theirs_base, theirs_adapted)
-    print(f"{case}: relative logits error {err_base:.3g} (base), {err_adapted:.3g} (base + adapter; the adapter "
-          f"moves them by {moved:.3g})")
-    assert err_base < 1e-4 and err_adapted < 1e-4
-    assert moved > 1e-2, "the adapter must change the logits for the check to mean something"
+    adapter = (out / "adapter.gguf", 1.0)
+    tol = ARCH_TOLERANCE.get(ARCH_QUANTIZED.get(case, (case,))[0], 1e-4)
+    errors = {}
+    for label, path in {"": exact, " (llama.cpp on the quantized file)": base}.items():
+        theirs_base = llama_cpp_logits(path, PROMPT, tmp_path)
+        theirs_adapted = llama_cpp_logits(path, PROMPT, tmp_path, lora=adapter)
+        errors[label] = (relative_error(ours_base, theirs_base), relative_error(ours_adapted, theirs_adapted))
+        moved = relative_error(theirs_base, theirs_adapted)
+        print(f"{case}{label}: relative logits error {errors[label][0]:.3g} (base), {errors[label][1]:.3g} "
+              f"(base + adapter; the adapter moves them by {moved:.3g})")
+        assert moved > 1e-2, "the adapter must change the logits for the check to mean something"
+        if path == exact == base:
+            break
+    assert max(errors[""]) < tol, errors
+    assert max(errors.get(" (llama.cpp on the quantized file)", (0, 0))) < 5e-2, errors

@@ -133,6 +133,6 @@ def write_example(path: str | Path, s: DecoderShape, seed: int = 7, std: float =
     from ..lm import tokenizer_metadata
 
     arch = ARCHITECTURES[s.arch]
-    meta = {**arch.metadata(s), **tokenizer_metadata(s.vocab), "general.name": f"toyharness-example-{s.arch}",
+    meta = {**arch.metadata(s), **tokenizer_metadata(s.vocab), "general.name": "toyharness-example",  # llama.cpp keys vocab rules on names ("phi3")
             **(extra_meta or {})}
     return write_gguf(path, s.arch, tensors or example_tensors(s, seed, std), meta)
