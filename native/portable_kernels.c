@@ -15,8 +15,8 @@
  * added through a K = 1 product. Ops: MUL_MAT, OUT_PROD, ADD, SUB, MUL, DIV, SCALE, SQR, SQRT,
  * LOG, EXP, NEG, RELU, SILU, SILU_BACK, SWIGLU (split), SOFT_MAX, SOFT_MAX_BACK, RMS_NORM,
  * RMS_NORM_BACK, ROPE, ROPE_BACK, SUM, SUM_ROWS, REPEAT_BACK, GET_ROWS_BACK, CROSS_ENTROPY_LOSS,
- * CROSS_ENTROPY_LOSS_BACK, OPT_STEP_ADAMW; and with a frozen weight of another type than f32
- * (f16, bf16, quantized: a LoRA base), MUL_MAT, OUT_PROD and GET_ROWS through our own
+ * CROSS_ENTROPY_LOSS_BACK, ACC (a VIEW's backward), OPT_STEP_ADAMW; and with a frozen weight of
+ * another type than f32 (f16, bf16, quantized: a LoRA base), MUL_MAT, OUT_PROD and GET_ROWS through our own
  * dequantization (portable_quant.c).
  */
 #include <stdint.h>
@@ -45,7 +45,7 @@ enum tp_kind {
     TP_MUL_MAT = 1, TP_OUT_PROD, TP_ADD, TP_SUB, TP_MUL, TP_DIV, TP_SCALE, TP_SQR, TP_SQRT, TP_LOG, TP_EXP, TP_NEG,
     TP_RELU, TP_SILU, TP_SILU_BACK, TP_SWIGLU, TP_SOFT_MAX, TP_SOFT_MAX_BACK, TP_RMS_NORM, TP_RMS_NORM_BACK, TP_ROPE,
     TP_SUM, TP_SUM_ROWS, TP_REPEAT_BACK, TP_GET_ROWS_BACK, TP_CROSS_ENTROPY, TP_CROSS_ENTROPY_BACK,
-    TP_FROZEN_MUL_MAT, TP_FROZEN_OUT_PROD, TP_FROZEN_GET_ROWS,
+    TP_FROZEN_MUL_MAT, TP_FROZEN_OUT_PROD, TP_FROZEN_GET_ROWS, TP_ACC,
 };
 
 static inline float tp_param(const struct ggml_tensor * t, int k) {
@@ -372,7 +372,8 @@ static void tp_get_rows_back(struct ggml_tensor * dst, int ith) {
 /* ---- ROPE and ROPE_BACK: our own angles, sin and cos ------------------------------------------
  * theta_i = p freq_scale theta_scale^i, theta_scale = exp(log(base) (-2 / n_dims)) (tp_expf and
  * tp_logf, not powf), multiplied up in order as ggml does; NORMAL mode rotates pairs (i, i + 1),
- * NEOX (i, i + n_dims / 2); ROPE_BACK rotates by minus the angle. One task per position. */
+ * NEOX (i, i + n_dims / 2); ROPE_BACK rotates by minus the angle; frequency factors divide the
+ * angles. One task per position. */
 enum { TP_ROPE_MAX_DIM = 1024 };
 
 static void tp_rope(struct ggml_tensor * dst, int ith, int nth) {
@@ -381,6 +382,8 @@ static void tp_rope(struct ggml_tensor * dst, int ith, int nth) {
     const float freq_base = tp_param(dst, 2), freq_scale = tp_param(dst, 3), mscale = tp_param(dst, 4);
     const float sin_sign = tp_param(dst, 5);
     const float theta_scale = tp_expf(tp_logf(freq_base) * (-2.0f / (float) n_dims));
+    /* frequency factors (Llama 3's rope_freqs): pair i turns by freq_scale * (theta / ff[i]), as ggml */
+    const float * ff = dst->src[2] ? (const float *) dst->src[2]->data : NULL;
     const int64_t ne0 = dst->ne[0], ne1 = dst->ne[1], ne2 = dst->ne[2], ne3 = dst->ne[3];
     float cos_t[TP_ROPE_MAX_DIM / 2], sin_t[TP_ROPE_MAX_DIM / 2];
     int64_t taken = 0;
@@ -388,7 +391,7 @@ static void tp_rope(struct ggml_tensor * dst, int ith, int nth) {
         float theta = (float) ((const int32_t *) pos->data)[i2];
         for (int i = 0; i < n_dims / 2; i++) {
             float s, c;
-            tp_sincosf(freq_scale * theta, &s, &c);
+            tp_sincosf(freq_scale * (ff ? theta / ff[i] : theta), &s, &c);
             cos_t[i] = c * mscale;
             sin_t[i] = s * mscale * sin_sign;
             theta = theta * theta_scale;
@@ -405,6 +408,26 @@ static void tp_rope(struct ggml_tensor * dst, int ith, int nth) {
                     out[ic + n_offset] = x0 * sin_t[i] + x1 * cos_t[i];
                 }
                 for (int64_t i0 = n_dims; i0 < ne0; i0++) out[i0] = src[i0];
+            }
+        }
+    }
+}
+
+/* ---- ACC: a copied, then b added into a strided view of it --------------------------------------
+ * The backward of a VIEW (the columns of a fused projection: phi3's q|k|v and gate|up). Each
+ * element is one add of one value: no order to fix. One task. */
+static void tp_acc(struct ggml_tensor * dst, int ith) {
+    if (ith != 0) return;
+    const struct ggml_tensor * a = dst->src[0], * b = dst->src[1];
+    const size_t nb1 = (size_t) dst->op_params[TP_SLOT + 0], nb2 = (size_t) dst->op_params[TP_SLOT + 1];
+    const size_t nb3 = (size_t) dst->op_params[TP_SLOT + 2], offset = (size_t) dst->op_params[TP_SLOT + 3];
+    if (dst->data != a->data) memcpy(dst->data, a->data, ggml_nbytes(dst));
+    for (int64_t i3 = 0; i3 < b->ne[3]; i3++) {
+        for (int64_t i2 = 0; i2 < b->ne[2]; i2++) {
+            for (int64_t i1 = 0; i1 < b->ne[1]; i1++) {
+                const float * src = (const float *) ((const char *) b->data + i1 * b->nb[1] + i2 * b->nb[2] + i3 * b->nb[3]);
+                float * d = (float *) ((char *) dst->data + offset + i1 * nb1 + i2 * nb2 + i3 * nb3);
+                for (int64_t i0 = 0; i0 < b->ne[0]; i0++) d[i0] += src[i0];
             }
         }
     }
@@ -465,6 +488,7 @@ static void tp_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
         case TP_ROPE: tp_rope(dst, ith, nth); break;
         case TP_CROSS_ENTROPY: tp_cross_entropy(dst, ith); break;
         case TP_CROSS_ENTROPY_BACK: tp_cross_entropy_back(dst, ith, nth); break;
+        case TP_ACC: tp_acc(dst, ith); break;
         default: tp_elementwise(dst, kind, ith, nth); break;
     }
 }
@@ -599,11 +623,17 @@ static int tp_kind_of(const struct ggml_tensor * t) {
             const int32_t * p = t->op_params;
             float ext_factor;
             memcpy(&ext_factor, p + 7, sizeof(float));
-            return tp_f32_rows(t) && tp_f32_rows(a) && b->type == GGML_TYPE_I32 && t->src[2] == NULL &&
+            const struct ggml_tensor * ff = t->src[2];
+            return tp_f32_rows(t) && tp_f32_rows(a) && b->type == GGML_TYPE_I32 &&
+                   (ff == NULL || (ff->type == GGML_TYPE_F32 && ggml_is_contiguous(ff) && ff->ne[0] >= p[1] / 2)) &&
                    (p[2] == GGML_ROPE_TYPE_NORMAL || p[2] == GGML_ROPE_TYPE_NEOX) && ext_factor == 0.0f &&
                    p[15] == 0 && p[1] > 0 && p[1] % 2 == 0 && p[1] <= t->ne[0] && t->ne[0] <= TP_ROPE_MAX_DIM &&
                    ggml_are_same_shape(t, a) && b->ne[0] == t->ne[2] && ggml_is_contiguous(b) ? TP_ROPE : 0;
         }
+        case GGML_OP_ACC:
+            return t->type == GGML_TYPE_F32 && a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 &&
+                   ggml_is_contiguous(t) && ggml_is_contiguous(a) && ggml_are_same_shape(t, a) &&
+                   b->nb[0] == sizeof(float) ? TP_ACC : 0;
         case GGML_OP_CROSS_ENTROPY_LOSS:
             return tp_all_f32_rows(t) && ggml_are_same_shape(a, b) && a->ne[0] > 0 ? TP_CROSS_ENTROPY : 0;
         case GGML_OP_CROSS_ENTROPY_LOSS_BACK:
@@ -635,6 +665,7 @@ static void tp_set_custom(struct ggml_tensor * t, ggml_custom_op_t fun, int kind
         case TP_SOFT_MAX: case TP_SOFT_MAX_BACK: case TP_RMS_NORM: case TP_RMS_NORM_BACK:
             t->op_params[TP_SLOT] = old[0];  /* scale, eps */
             break;
+        case TP_ACC: memcpy(t->op_params + TP_SLOT, old, 4 * sizeof(int32_t)); break;  /* nb1, nb2, nb3, offset */
         case TP_ROPE: {
             const float sin_sign = t->op == GGML_OP_ROPE ? 1.0f : -1.0f;
             t->op_params[TP_SLOT + 0] = old[1];  /* n_dims */
@@ -674,7 +705,8 @@ TP_EXPORT int th_portable_rewrite(struct ggml_cgraph * graph, char * why, size_t
             tp_set_custom(t, th_adamw_op, 0, GGML_N_TASKS_MAX);
         } else {
             const int kind = tp_kind_of(t);
-            const int one_task = kind == TP_CROSS_ENTROPY || kind == TP_GET_ROWS_BACK || kind == TP_SUM;
+            const int one_task = kind == TP_CROSS_ENTROPY || kind == TP_GET_ROWS_BACK || kind == TP_SUM ||
+                                 kind == TP_ACC;
             tp_set_custom(t, tp_op, kind, one_task ? 1 : GGML_N_TASKS_MAX);
         }
         changed++;

@@ -24,6 +24,7 @@ from toyharness.errors import BackendError
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
 BUILT_IN = ["gpt2", "llama", "lora", "vit_tiny", "warm_start"]
 QUANTIZED_BASES = ["lora@q4_k", "lora@q8_0"]     # lora over a quantized base (tests/test_portable_quant.py)
+ARCH_BASES = ["lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]   # over each base architecture
 # ggml ops that may stay ggml's in the portable mode: they move data and compute nothing
 DATA_MOVES = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CONT", "CPY", "DUP", "REPEAT", "GET_ROWS"}
 
@@ -76,6 +77,23 @@ def test_block(portable, block_test):
     block_test()
 
 
+# what the base architectures add (toyharness/architectures): Llama 3's frequency table, linear
+# scaling and partial NeoX rope; q/k norms, head size and the sliding window; fused projections; GeGLU
+ARCH_BLOCKS = [ops.test_attention_qk_norm_head_dim_window_and_scale, ops.test_attention_fused_qkv,
+               ops.test_geglu_mlp, ops.test_fused_swiglu_mlp]
+
+
+@pytest.mark.parametrize("block_test", ARCH_BLOCKS, ids=lambda f: f.__name__[len("test_"):])
+def test_architecture_block(portable, block_test):
+    block_test()
+
+
+@pytest.mark.parametrize("neox,rot,freq_scale,ff", [(False, 4, 1.0, ops.np.array([1.0, 8.0], ops.np.float32)),
+                                                     (True, 4, 0.25, None), (True, 2, 1.0, None)])
+def test_scaled_rope(portable, neox, rot, freq_scale, ff):
+    ops.test_attention_llama3_rope_factors_linear_scale_partial_neox(neox, rot, freq_scale, ff)
+
+
 @pytest.mark.parametrize("column_sums", ops.COLUMN_SUMS)   # a gain's gradient by REPEAT_BACK or a product
 @pytest.mark.parametrize("block_test", [ops.test_layer_norm, ops.test_rms_norm_block],
                          ids=lambda f: f.__name__[len("test_"):])
@@ -103,7 +121,7 @@ def test_the_mode_has_its_fingerprint_and_is_cpu_only():
 
 
 # --- the golden graphs ---------------------------------------------------------------------------
-@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES)
+@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES + ARCH_BASES)
 def test_every_node_of_a_golden_graph_is_portable_or_moves_data(recipe):
     from toyharness.bench import realize_for_bench
     from toyharness.runner import batch_for
@@ -171,7 +189,7 @@ def test_no_golden_in_either_mode_names_both(tmp_path):
         goldens.check("llama", root=tmp_path)
 
 
-@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES)
+@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES + ARCH_BASES)
 def test_recipe_matches_its_portable_golden(recipe, toyharness_golden):
     """The gate that holds on any CPU."""
     assert toyharness_golden(recipe, root=ROOT, mode="portable").parent.name == PORTABLE_FINGERPRINT

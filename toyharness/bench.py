@@ -72,6 +72,15 @@ def reference_config(options, with_frozen: bool = True) -> tuple[dict[str, Any],
     return cfg, frozen
 
 
+def plain_llama(base: str) -> bool:
+    """A `llama` base without rope scaling: toyharness/reference.py's llama is its PyTorch model;
+    any other architecture's is transformers' (toyharness/architectures/hf.py)."""
+    from .architectures import read_model
+
+    s = read_model(base).shape
+    return s.arch == "llama" and s.rope_factors is None and all(lay.rope_scale == 1.0 for lay in s.layers)
+
+
 def base_arrays(path: str) -> dict[str, np.ndarray]:
     """Every tensor of a base GGUF as f32 numpy, dequantized by gguf-py (engine/quant.py): the
     PyTorch side's frozen weights."""
@@ -338,10 +347,24 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict) -
 
     torch.set_num_threads(threads)
     dev = torch.device(device)
-    P = {n: torch.tensor(a, device=dev, requires_grad=True) for n, a in payload["params"].items()}
-    if payload["cfg"].get("base"):
-        P.update({n: torch.from_numpy(a).to(dev) for n, a in base_arrays(payload["cfg"]["base"]).items()})
-    trainable = [p for p in P.values() if p.requires_grad]
+    base = payload["cfg"].get("base")
+    forward, loss_fn, cfg = reference.MODELS[recipe], reference.LOSSES[recipe], payload["cfg"]
+    if base and not plain_llama(base):
+        # a base of another architecture (or with rope scaling): transformers' model of it, with the
+        # adapters wrapped in (toyharness/architectures/hf.py)
+        from .architectures.hf import add_lora, hf_model
+
+        model = hf_model(base).to(dev)
+        adapters = add_lora(model, base, payload["params"], payload["options"]["alpha"] / payload["options"]["rank"])
+        trainable, P = list(adapters.values()), {}
+
+        def forward(P, batch, cfg):      # noqa: F811 (the reference's own for every other case)
+            return model(input_ids=batch["tokens"].long()).logits
+    else:
+        P = {n: torch.tensor(a, device=dev, requires_grad=True) for n, a in payload["params"].items()}
+        if base:
+            P.update({n: torch.from_numpy(a).to(dev) for n, a in base_arrays(base).items()})
+        trainable = [p for p in P.values() if p.requires_grad]
     opts = payload["options"]
     kw = {"lr": 1e-3, "betas": (0.9, opts.get("beta2", 0.999)), "eps": 1e-8,
           "weight_decay": opts.get("weight_decay", 0.0)}
@@ -352,7 +375,6 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict) -
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW(trainable, foreach=True, **kw)
         flavour = "foreach"
-    forward, loss_fn, cfg = reference.MODELS[recipe], reference.LOSSES[recipe], payload["cfg"]
     batches = payload["batches"]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 

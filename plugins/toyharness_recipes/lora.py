@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toyharness.architectures import ALL_TARGETS, ModelFile, read_model
+from toyharness.architectures import ALL_TARGETS, ARCHITECTURES, ModelFile, example_file, read_model
 from toyharness.engine import GGUFFile, blocks, write_gguf
 from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.errors import InputError
@@ -29,6 +29,17 @@ from toyharness.hookspecs import hookimpl
 from toyharness.init import normal
 from toyharness.lm import LMRecipe, seeded_model_file
 from toyharness.options import CONVENTIONS, Options, choice
+
+
+# lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
+ARCH_GOLDEN_BASES = {
+    "llama3": dict(arch="llama", n_layer=1, d_model=32, n_head=2, n_kv_head=1, d_ff=48, rope_factors=True,
+                   rope_base=500000.0),
+    "qwen3": dict(arch="qwen3", n_layer=1, d_model=32, n_head=2, n_kv_head=1, head_dim=32, d_ff=48),
+    "gemma3": dict(arch="gemma3", n_layer=6, d_model=32, n_head=2, n_kv_head=1, head_dim=32, d_ff=48, window=4,
+                   rope_base=1e6),
+    "phi3": dict(arch="phi3", n_layer=1, d_model=32, n_head=2, n_kv_head=1, d_ff=48, rope_dims=8, window=64),
+}
 
 
 @dataclass
@@ -75,7 +86,12 @@ class LoRA(LMRecipe):
         so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache)."""
         base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512",
                                            "seed=7"])
-        return {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
+        variants = {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
+        # one per base architecture (toyharness/architectures), small and seeded; each its own targets
+        for name, shape in ARCH_GOLDEN_BASES.items():
+            arch = ARCHITECTURES[shape["arch"]]
+            variants[name] = [f"base={example_file(**shape)}", f"targets={','.join(arch.targets)}"]
+        return variants
 
     @property
     def bench_sets(self) -> list[str]:

@@ -35,7 +35,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN
 ALL_TARGETS = tuple(dict.fromkeys(t for a in ARCHITECTURES.values() for t in a.targets))
 
 __all__ = ["ARCHITECTURES", "ALL_TARGETS", "Architecture", "DecoderShape", "GEMMA3", "LLAMA", "Layer", "ModelFile",
-           "PHI3", "QWEN2", "QWEN3", "example_shape", "llama3_rope_factors", "read_model", "write_example"]
+           "PHI3", "QWEN2", "QWEN3", "example_file", "example_shape", "llama3_rope_factors", "read_model", "write_example"]
 
 
 @dataclass
@@ -133,6 +133,21 @@ def write_example(path: str | Path, s: DecoderShape, seed: int = 7, std: float =
     from ..lm import tokenizer_metadata
 
     arch = ARCHITECTURES[s.arch]
-    meta = {**arch.metadata(s), **tokenizer_metadata(s.vocab), "general.name": "toyharness-example",  # llama.cpp keys vocab rules on names ("phi3")
+    # a name without the architecture's: llama.cpp picks vocabulary rules by name ("phi3": Phi-3's tokens)
+    meta = {**arch.metadata(s), **tokenizer_metadata(s.vocab), "general.name": "toyharness-example",
             **(extra_meta or {})}
     return write_gguf(path, s.arch, tensors or example_tensors(s, seed, std), meta)
+
+
+def example_file(seed: int = 7, **shape_args) -> Path:
+    """`write_example` of `example_shape(**shape_args)` kept in the cache (as lm.seeded_model_file):
+    the same bytes on every machine, so that goldens and benchmarks can use it as a base."""
+    import hashlib
+
+    from ..lm import cache_root
+
+    key = hashlib.sha256(repr((sorted(shape_args.items()), seed)).encode()).hexdigest()[:12]
+    path = cache_root() / "models" / f"example-{shape_args.get('arch', 'llama')}-{key}.gguf"
+    if not path.is_file():
+        write_example(path, example_shape(**shape_args), seed)
+    return path
