@@ -30,7 +30,6 @@ from toyharness.init import normal
 from toyharness.lm import LMRecipe, seeded_model_file
 from toyharness.options import CONVENTIONS, Options, choice
 
-
 # lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
 ARCH_GOLDEN_BASES = {
     "llama3": dict(arch="llama", n_layer=1, d_model=32, n_head=2, n_kv_head=1, d_ff=48, rope_factors=True,
