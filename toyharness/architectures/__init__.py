@@ -35,7 +35,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN
 ALL_TARGETS = tuple(dict.fromkeys(t for a in ARCHITECTURES.values() for t in a.targets))
 
 __all__ = ["ARCHITECTURES", "ALL_TARGETS", "Architecture", "DecoderShape", "GEMMA3", "LLAMA", "Layer", "ModelFile",
-           "PHI3", "QWEN2", "QWEN3", "example_file", "example_shape", "llama3_rope_factors", "read_model", "write_example"]
+           "PHI3", "QWEN2", "QWEN3", "example_file", "example_shape", "llama3_rope_factors", "read_model",
+           "write_example"]
 
 
 @dataclass
