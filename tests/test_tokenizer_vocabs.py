@@ -222,3 +222,15 @@ def test_mask_prompt_counts_exactly_the_assistant_turns(family, vocabs, vocab_di
         return
     end = {"qwen2": "<|im_end|>\n", "gemma-4": "<turn|>\n", "gemma3": "<end_of_turn>\n"}[name]
     assert counted == f"Hello{end}4{end}"
+
+
+def test_an_ambiguous_fim_token_is_refused_by_name():
+    """Two normal tokens that could each be the FIM prefix, and no key naming one: llama.cpp makes
+    whichever its hash map yields first a control token, so the ids would depend on that order."""
+    tokens = ["<unk>", "<s>", "</s>", "<PRE>", "<fim_prefix>", "a"]
+    with pytest.raises(InputError, match=r"tokens \['<fim_prefix>', '<PRE>'\] could each be the fim_pre token "
+                                         r"and the file names none \(tokenizer.ggml.fim_pre_token_id\)"):
+        GGUFTokenizer("llama", tokens, [2, 3, 3, 1, 1, 1])
+    # named by the file: llama.cpp looks for none by text and leaves both tokens as they are
+    named = GGUFTokenizer("llama", tokens, [2, 3, 3, 1, 1, 1], special_ids={"fim_pre": 3})
+    assert not named.attrs[3] & A_CONTROL and not named.attrs[4] & A_CONTROL

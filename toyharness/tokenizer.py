@@ -368,8 +368,10 @@ def _llama_cpp_attributes(tok: GGUFTokenizer) -> tuple[list[int], frozenset[int]
         if kind in specials:
             continue
         found = [vocab[t] for t in texts if t in vocab]
-        if len(found) > 1 and not all(attrs[i] & A_CONTROL for i in found):
-            # llama.cpp takes the first its hash map yields: not a rule we can reproduce
+        if kind not in ("eot", "eom") and len(found) > 1 and not all(attrs[i] & A_CONTROL for i in found):
+            # llama.cpp takes the first its hash map yields and makes only that one a control
+            # token: not a rule we can reproduce (an eot or eom text is an end of generation,
+            # made a control token below, whichever is taken)
             raise InputError(f"{tok.source}: tokens {[tok.tokens[i] for i in found]} could each be the "
                              f"{kind} token and the file names none (tokenizer.ggml.{kind}_token_id)")
         if found:
