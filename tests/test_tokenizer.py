@@ -42,11 +42,14 @@ def _vocab(name: str, request, tmp_path_factory) -> GGUFTokenizer:
     except (RuntimeError, OSError) as exc:
         pytest.skip(f"llama.cpp's models folder of the pinned archive could not be fetched: {exc}")
     out = tmp_path_factory.mktemp(name) / f"{name}.gguf"
+    for variant, base, pre in cases.PRE_VARIANTS:
+        if name == variant:
+            return GGUFTokenizer.from_gguf(cases.write_pre_variant(folder / f"ggml-vocab-{base}.gguf", pre, out))
     return GGUFTokenizer.from_gguf(cases.padded_copy(folder / f"ggml-vocab-{name}.gguf", out))
 
 
 @needs_file
-@pytest.mark.parametrize("vocab", ["smollm2", "spm", "gemma3", *cases.VOCABS])
+@pytest.mark.parametrize("vocab", ["smollm2", "spm", "gemma3", *cases.VOCABS, *(v[0] for v in cases.PRE_VARIANTS)])
 def test_ids_equal_llama_cpp(vocab, request, tmp_path_factory):
     """add_special and parse_special on, as data and prompts are encoded."""
     tok = _vocab(vocab, request, tmp_path_factory)

@@ -11,7 +11,8 @@ llama.cpp gives them (native/llamacpp/th_tokenize, from the pinned archive):
   runs of spaces and newlines as pieces). No package we may fetch ships Gemma 3's own 262,144-token
   vocabulary; this one exercises its rules;
 - llama.cpp's own vocabularies from the pinned archive's models folder (`VOCABS`: phi-3, qwen2,
-  qwen35, llama-spm, llama-bpe, gpt-2, gemma-4), fetched once into the cache by native/build.py.
+  qwen35, llama-spm, llama-bpe, gpt-2, gemma-4), fetched once into the cache by native/build.py;
+- `PRE_VARIANTS`: one of those with another pre-tokenizer written in (gpt-4o: Phi-4-mini's).
 
 Re-derive the file (the `llamacpp` nox session checks it too):
     python tests/tokenizer_cases.py TOOL/th_tokenize --write
@@ -82,6 +83,9 @@ TEXTS = [
     '<bos><|turn>user\nhi<turn|>\n<|tool_response>x</s>',
     '</s> <s> <unk>  <|endoftext|>  x',
     '\n\n\n\n a \n\n b',
+    # letter case inside words (GPT-4o's pre-tokenizer splits there; non-ASCII lowercase counts as upper)
+    'HELLOworld \xc9clair \xc9COLE\xe9tudiant na\xefveT\xc9ST',
+    "ABCdef aBC Abc's ABC'S x'Ll 1234567",
 ]
 
 SPM_PIECES = [
@@ -215,6 +219,26 @@ def padded_copy(vocab: Path, out: Path) -> Path:
     return out
 
 
+# vocabularies of another pre-tokenizer: (name, llama.cpp vocabulary it is made from, the pre)
+PRE_VARIANTS = (("gpt-4o", "llama-bpe", "gpt-4o"),)   # Phi-4-mini's and Llama 4's pre-tokenizer
+
+
+def write_pre_variant(vocab: Path, pre: str, out: Path) -> Path:
+    """A copy of a vocabulary-only GGUF with another `tokenizer.ggml.pre` (and the padding of
+    padded_copy): llama.cpp's ids for it check our regexes for that pre-tokenizer. A vocab-only
+    file has no tensor offsets to move, so the string is swapped in place."""
+    import struct as st
+
+    data = vocab.read_bytes()
+    key = b"tokenizer.ggml.pre"
+    head = st.pack("<Q", len(key)) + key + st.pack("<I", 8)
+    at = data.index(head) + len(head)
+    n = st.unpack_from("<Q", data, at)[0]
+    data = data[:at] + st.pack("<Q", len(pre.encode())) + pre.encode() + data[at + 8 + n:]
+    out.write_bytes(data + b"\0" * (-len(data) % 32))
+    return out
+
+
 def expected_cases(vocab: Path) -> list[tuple[str, list[int]]]:
     """llama.cpp's own cases for a ggml-vocab file: its .inp texts (split as llama.cpp's
     tests/test-tokenizer-0.cpp splits them) with the .out ids (add_special and parse_special off)."""
@@ -234,6 +258,9 @@ def derive(tool: str, workdir: Path) -> dict:
     folder = vocab_folder()
     for name in VOCABS:
         ids[name] = llama_cpp_ids(tool, folder / f"ggml-vocab-{name}.gguf", TEXTS, workdir)
+    for name, base, pre in PRE_VARIANTS:
+        variant = write_pre_variant(folder / f"ggml-vocab-{base}.gguf", pre, workdir / f"{name}.gguf")
+        ids[name] = llama_cpp_ids(tool, variant, TEXTS, workdir)
     return {"texts": TEXTS, "ids": ids}
 
 

@@ -54,6 +54,12 @@ _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\
 # Qwen3.5's: combining marks (\p{M}) stay with the letters they follow
 _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
            r"|\s+(?!\S)|\s+")
+# GPT-4o's (o200k; Phi-4-mini's, Llama 4's) as llama.cpp writes it: "(?=[\p{L}])([^a-z])" is any
+# letter but a-z, so a lowercase non-ASCII letter counts as upper case, as in llama.cpp
+_UPPER, _LOWER = r"(?=[\p{L}])(?:[^a-z])", r"(?=[\p{L}])(?:[^A-Z])"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?(?:" + _UPPER + r")*(?:" + _LOWER + r")+" + _CONTRACTIONS + r"?"
+          r"|[^\r\n\p{L}\p{N}]?(?:" + _UPPER + r")+(?:" + _LOWER + r")*" + _CONTRACTIONS + r"?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     # our name: (regexes, ignore_merges, add_bos by default)
     "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"), False, False),
@@ -62,6 +68,7 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "smollm": ((r"\p{N}", _GPT2), False, False),
     "qwen2": ((_QWEN2,), False, False),
     "qwen35": ((_QWEN35,), False, False),
+    "gpt4o": ((_GPT4O,), False, False),
 }
 # `tokenizer.ggml.pre` values as llama.cpp spells them (src/llama-vocab.cpp), and our regexes for
 # each; any other value is refused by name, as llama.cpp refuses it
@@ -73,6 +80,7 @@ PRE_ALIASES = {
     "exaone": "smollm", "minerva-7b": "smollm",
     "qwen2": "qwen2", "stablelm2": "qwen2", "deepseek-r1-qwen": "qwen2", "hunyuan": "qwen2",
     "qwen35": "qwen35",
+    "gpt-4o": "gpt4o", "llama4": "gpt4o", "kanana2": "gpt4o", "talkie": "gpt4o",
 }
 # llama.cpp's texts of end-of-generation tokens (made control tokens whatever the file's type)
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
