@@ -5,10 +5,13 @@ Run by the package build (setup.py) and usable by hand:
     python native/build.py --out toyharness/_native      # what an install does
     python native/build.py --print-src                    # fetch only; print the ggml folder
     python native/build.py --llamacpp-tool                # llama.cpp's logits tool, for tests
+    python native/build.py --print-vocab                  # fetch only; print llama.cpp's models folder
 
 The pinned source is ggml 0.25.3 as carried in the ``llama-cpp-python==0.3.36`` source archive.
 It is fetched with pip by name and version, checked against its sha256, and only
-``vendor/llama.cpp/ggml`` is extracted. Source and build folders are cached outside the clone
+``vendor/llama.cpp/ggml`` is extracted (and, from the same download, ``vendor/llama.cpp/models``:
+llama.cpp's vocabulary-only GGUFs with its expected tokenizations and its chat templates, which the
+tokenizer tests read). Source and build folders are cached outside the clone
 (``$TOYHARNESS_CACHE``, else ``$XDG_CACHE_HOME/toyharness``, else ``~/.cache/toyharness``), so a
 second install neither fetches nor recompiles.
 
@@ -45,6 +48,8 @@ PIN_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 GGML_VERSION = "0.25.3"
 ARCHIVE_LLAMA_CPP_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 ARCHIVE_GGML_DIR = ARCHIVE_LLAMA_CPP_DIR + "ggml/"
+ARCHIVE_MODELS_DIR = ARCHIVE_LLAMA_CPP_DIR + "models/"
+VOCAB_CACHE_NAME = f"llama.cpp-models-{PIN_VERSION}"
 
 NATIVE_DIR = Path(__file__).resolve().parent
 KNOWN_BACKENDS = ("cpu", "cuda", "metal")
@@ -129,10 +134,29 @@ def extract_subtree(archive: Path, prefix: str, dest: Path) -> None:
                 shutil.copyfileobj(src, out)
 
 
+def _cache_dir(name: str) -> Path:
+    return cache_root() / "src" / f"{name}-{PIN_SHA256[:12]}"
+
+
+def _extract_cached(archive: Path, name: str, prefix: str, tmp: Path) -> Path:
+    src = _cache_dir(name)
+    staging = tmp / f"src-{name}"
+    extract_subtree(archive, prefix, staging)
+    (staging / ".complete").write_text(f"{PIN_ARCHIVE} {PIN_SHA256}\n")
+    if src.exists():
+        shutil.rmtree(src)
+    src.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(src)
+    log(f"{name} cached at {src}")
+    return src
+
+
 def cached_source(name: str, prefix: str) -> Path:
-    """A subtree of the pinned archive, fetched and extracted once into the cache."""
+    """A subtree of the pinned archive, fetched and extracted once into the cache. The same
+    download also fills llama.cpp's models folder (vocabularies for the tokenizer tests, 75 MB
+    on disk) when it is not cached yet, so the tests never fetch the archive a second time."""
     root = cache_root()
-    src = root / "src" / f"{name}-{PIN_SHA256[:12]}"
+    src = _cache_dir(name)
     if (src / ".complete").is_file():
         return src
     with cache_lock(root):
@@ -141,15 +165,20 @@ def cached_source(name: str, prefix: str) -> Path:
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             tmp = Path(tmp)
             archive = fetch_archive(tmp / "dl")
-            staging = tmp / "src"
-            extract_subtree(archive, prefix, staging)
-            (staging / ".complete").write_text(f"{PIN_ARCHIVE} {PIN_SHA256}\n")
-            if src.exists():
-                shutil.rmtree(src)
-            src.parent.mkdir(parents=True, exist_ok=True)
-            staging.rename(src)
-    log(f"{name} source cached at {src}")
+            _extract_cached(archive, name, prefix, tmp)
+            if name != VOCAB_CACHE_NAME and not (_cache_dir(VOCAB_CACHE_NAME) / ".complete").is_file():
+                _extract_cached(archive, VOCAB_CACHE_NAME, ARCHIVE_MODELS_DIR, tmp)
     return src
+
+
+def vocab_source() -> Path:
+    """llama.cpp's models folder from the pinned archive: ggml-vocab-*.gguf (vocabulary only) with
+    .gguf.inp/.gguf.out (texts and llama.cpp's ids for them) and templates/*.jinja. Taken from
+    the cached llama.cpp tree when the llamacpp tool's build already extracted it."""
+    whole = _cache_dir(f"llama.cpp-{PIN_PACKAGE}-{PIN_VERSION}")
+    if (whole / ".complete").is_file() and (whole / "models").is_dir():
+        return whole / "models"
+    return cached_source(VOCAB_CACHE_NAME, ARCHIVE_MODELS_DIR)
 
 
 def ggml_source() -> Path:
@@ -466,8 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--print-src", action="store_true", help="fetch (if needed) and print the ggml source folder")
     ap.add_argument("--llamacpp-tool", action="store_true",
                     help="build llama.cpp's th_logits check tool (tests only) and print its path")
+    ap.add_argument("--print-vocab", action="store_true",
+                    help="fetch (if needed) and print llama.cpp's models folder (vocabularies, templates)")
     args = ap.parse_args(argv)
     try:
+        if args.print_vocab:
+            print(vocab_source())
+            return 0
         if args.print_src:
             print(ggml_source())
             return 0

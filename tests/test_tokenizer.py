@@ -29,15 +29,46 @@ def spm(tmp_path_factory):
     return GGUFTokenizer.from_gguf(cases.write_spm_vocab(tmp_path_factory.mktemp("spm") / "spm.gguf"))
 
 
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return GGUFTokenizer.from_gguf(cases.write_gemma3_vocab(tmp_path_factory.mktemp("gemma3") / "gemma3.gguf"))
+
+
+def _vocab(name: str, request, tmp_path_factory) -> GGUFTokenizer:
+    if name in ("smollm2", "spm", "gemma3"):
+        return request.getfixturevalue(name)
+    try:
+        folder = cases.vocab_folder()
+    except (RuntimeError, OSError) as exc:
+        pytest.skip(f"llama.cpp's models folder of the pinned archive could not be fetched: {exc}")
+    out = tmp_path_factory.mktemp(name) / f"{name}.gguf"
+    for variant, base, pre in cases.PRE_VARIANTS:
+        if name == variant:
+            return GGUFTokenizer.from_gguf(cases.write_pre_variant(folder / f"ggml-vocab-{base}.gguf", pre, out))
+    return GGUFTokenizer.from_gguf(cases.padded_copy(folder / f"ggml-vocab-{name}.gguf", out))
+
+
 @needs_file
-@pytest.mark.parametrize("vocab", ["smollm2", "spm"])
-def test_ids_equal_llama_cpp(vocab, request):
-    tok = request.getfixturevalue(vocab)
+@pytest.mark.parametrize("vocab", ["smollm2", "spm", "gemma3", *cases.VOCABS, *(v[0] for v in cases.PRE_VARIANTS)])
+def test_ids_equal_llama_cpp(vocab, request, tmp_path_factory):
+    """add_special and parse_special on, as data and prompts are encoded."""
+    tok = _vocab(vocab, request, tmp_path_factory)
     assert AGREEMENT["texts"] == cases.TEXTS, "texts changed: derive the file again"
     wrong = [(t, tok.encode(t, add_special=True), want)
              for t, want in zip(AGREEMENT["texts"], AGREEMENT["ids"][vocab])
              if tok.encode(t, add_special=True) != want]
+    print(f"{vocab}: {len(cases.TEXTS) - len(wrong)}/{len(cases.TEXTS)} texts agree with llama.cpp")
     assert not wrong, f"{len(wrong)} of {len(cases.TEXTS)} texts differ; first: {wrong[0]}"
+
+
+def test_gemma3_has_no_space_prefix_and_falls_back_to_bytes(gemma3):
+    """Gemma 3's file says add_space_prefix false: no U+2581 before the text or after a special
+    token; characters that are no piece come out as their UTF-8 bytes; BOS added, no EOS."""
+    ids = gemma3.encode("<start_of_turn>user\nHello w\u00fc", add_special=True)
+    assert [gemma3.tokens[i] for i in ids] == ["<bos>", "<start_of_turn>", "user", "\n", "Hello", "\u2581w",
+                                               "<0xC3>", "<0xBC>"]
+    assert gemma3.decode(ids) == "user\nHello w\u00fc"
+    assert {gemma3.tokens[i] for i in gemma3.end_ids} == {"<eos>", "<end_of_turn>"}
 
 
 def test_smollm2_decodes_what_it_encodes(smollm2):

@@ -4,7 +4,15 @@ llama.cpp gives them (native/llamacpp/th_tokenize, from the pinned archive):
 - `smollm2`: tests/data/smollm2-tokenizer.gguf, SmolLM2-135M-Instruct's metadata only (its
   tokenizer: gpt2 model, pre-tokenizer smollm, 49152 tokens; no tensors; Apache-2.0);
 - `spm`: a small SentencePiece-style `llama` vocabulary written here (no weights exist for it):
-  control tokens, the 256 byte tokens, one user-defined token, and pieces with distinct scores.
+  control tokens, the 256 byte tokens, one user-defined token, and pieces with distinct scores;
+- `gemma3`: a small vocabulary laid out as llama.cpp's converter writes Gemma 3's (model `llama`,
+  add_space_prefix false, add_bos true, <pad> <eos> <bos> <unk> <mask> at 0-4, the 256 byte tokens,
+  <start_of_turn>/<end_of_turn> control, an <unusedN> control token, an image marker user-defined,
+  runs of spaces and newlines as pieces). No package we may fetch ships Gemma 3's own 262,144-token
+  vocabulary; this one exercises its rules;
+- llama.cpp's own vocabularies from the pinned archive's models folder (`VOCABS`: phi-3, qwen2,
+  qwen35, llama-spm, llama-bpe, gpt-2, gemma-4), fetched once into the cache by native/build.py;
+- `PRE_VARIANTS`: one of those with another pre-tokenizer written in (gpt-4o: Phi-4-mini's).
 
 Re-derive the file (the `llamacpp` nox session checks it too):
     python tests/tokenizer_cases.py TOOL/th_tokenize --write
@@ -64,6 +72,20 @@ TEXTS = [
     '\xe9\u0301 combining e\u0301',
     '\ufeffbom',
     'tab\tseparated\tvalues\n1\t2\t3',
+    # chat markup of the families: special tokens and the whitespace beside them
+    '<|user|>\nHi <|end|>\n<|assistant|>  ok</s> x',
+    '<|system|> s <|end|>\n<|user|>\t q<|end|>',
+    '<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n',
+    '<bos><start_of_turn>user\n  two  spaces<end_of_turn>\n',
+    '<start_of_image> <unused0>\n\n\n<mask>',
+    '<|im_start|>  x <|im_end|>\n\n',
+    '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>',
+    '<bos><|turn>user\nhi<turn|>\n<|tool_response>x</s>',
+    '</s> <s> <unk>  <|endoftext|>  x',
+    '\n\n\n\n a \n\n b',
+    # letter case inside words (GPT-4o's pre-tokenizer splits there; non-ASCII lowercase counts as upper)
+    'HELLOworld \xc9clair \xc9COLE\xe9tudiant na\xefveT\xc9ST',
+    "ABCdef aBC Abc's ABC'S x'Ll 1234567",
 ]
 
 SPM_PIECES = [
@@ -82,11 +104,41 @@ def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+GEMMA3_PIECES = [
+    '\u2581', '\u2581\u2581', '\u2581\u2581\u2581\u2581', '\n', '\n\n', '\n\n\n', 't', 'h', 'e', 'a', 'o', 'r', 'n',
+    's', 'w', 'l', 'd', 'i', 'u', 'm', 'H', 'T', 'he', 'th', 'the', '\u2581the', '\u2581t', 'er', 'or', 'ld', '\u2581w',
+    '\u2581wor', '\u2581world', 'el', 'lo', 'Hel', 'Hello', 'us', 'user', 'mod', 'model', 'in', 'an', '\u2581a',
+    '\u2581an', 'and', '\u2581and', '.', ',', '!', '?', "'", '1', '2', '3', '12', '\xe9', 'caf', 'caf\xe9',
+]
+
+
+def gemma3_vocab() -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types laid out as Gemma 3's GGUF has them (see the module docstring)."""
+    head = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<unused0>",
+            "<start_of_image>"]
+    head_types = [3, 3, 3, 2, 3, 3, 3, 3, 4]
+    tokens = head + [f"<0x{b:02X}>" for b in range(256)] + GEMMA3_PIECES
+    types = head_types + [6] * 256 + [1] * len(GEMMA3_PIECES)
+    scores = [0.0] * (len(head) + 256) + [-float(i) for i in range(len(GEMMA3_PIECES))]
+    return tokens, scores, types
+
+
+def write_gemma3_vocab(path: Path) -> Path:
+    """The gemma3 vocabulary as a GGUF llama.cpp loads with vocab_only (a llama's hparams)."""
+    tokens, scores, types = gemma3_vocab()
+    return _write_vocab(path, tokens, scores, types, bos=2, eos=1, unk=3, pad=0, add_space_prefix=False)
+
+
 def write_spm_vocab(path: Path) -> Path:
     """The spm vocabulary as a GGUF llama.cpp loads with vocab_only (a llama's hparams, no tensors)."""
+    tokens, scores, types = spm_vocab()
+    return _write_vocab(path, tokens, scores, types, bos=1, eos=2, unk=0)
+
+
+def _write_vocab(path: Path, tokens, scores, types, bos: int, eos: int, unk: int, pad: int | None = None,
+                 add_space_prefix: bool | None = None) -> Path:
     import gguf
 
-    tokens, scores, types = spm_vocab()
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(64)
@@ -98,9 +150,13 @@ def write_spm_vocab(path: Path) -> Path:
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_unk_token_id(unk)
+    if pad is not None:
+        w.add_pad_token_id(pad)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.write_header_to_file()
@@ -141,11 +197,71 @@ def llama_cpp_ids(tool: str, vocab: Path, texts: list[str], workdir: Path) -> li
     return [[int(x) for x in line.split()] for line in lines]
 
 
+VOCABS = ("phi-3", "qwen2", "qwen35", "llama-spm", "llama-bpe", "gpt-2", "gemma-4")
+
+
+def vocab_folder() -> Path:
+    """llama.cpp's models folder from the pinned archive (native/build.py fetches it once into the
+    cache; the build's own fetch of the archive already extracts it)."""
+    res = subprocess.run([sys.executable, str(DATA.parent.parent / "native" / "build.py"), "--print-vocab"],
+                         capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"native/build.py --print-vocab failed: {res.stderr[-1000:]}")
+    return Path(res.stdout.strip().splitlines()[-1])
+
+
+def padded_copy(vocab: Path, out: Path) -> Path:
+    """llama.cpp's vocab-only files end right after their metadata; toyharness' GGUF reader wants
+    the data section's alignment padding (32 bytes) even with no tensors, so tests read a copy
+    with the padding added (the metadata unchanged)."""
+    data = vocab.read_bytes()
+    out.write_bytes(data + b"\0" * (-len(data) % 32))
+    return out
+
+
+# vocabularies of another pre-tokenizer: (name, llama.cpp vocabulary it is made from, the pre)
+PRE_VARIANTS = (("gpt-4o", "llama-bpe", "gpt-4o"),)   # Phi-4-mini's and Llama 4's pre-tokenizer
+
+
+def write_pre_variant(vocab: Path, pre: str, out: Path) -> Path:
+    """A copy of a vocabulary-only GGUF with another `tokenizer.ggml.pre` (and the padding of
+    padded_copy): llama.cpp's ids for it check our regexes for that pre-tokenizer. A vocab-only
+    file has no tensor offsets to move, so the string is swapped in place."""
+    import struct as st
+
+    data = vocab.read_bytes()
+    key = b"tokenizer.ggml.pre"
+    head = st.pack("<Q", len(key)) + key + st.pack("<I", 8)
+    at = data.index(head) + len(head)
+    n = st.unpack_from("<Q", data, at)[0]
+    data = data[:at] + st.pack("<Q", len(pre.encode())) + pre.encode() + data[at + 8 + n:]
+    out.write_bytes(data + b"\0" * (-len(data) % 32))
+    return out
+
+
+def expected_cases(vocab: Path) -> list[tuple[str, list[int]]]:
+    """llama.cpp's own cases for a ggml-vocab file: its .inp texts (split as llama.cpp's
+    tests/test-tokenizer-0.cpp splits them) with the .out ids (add_special and parse_special off)."""
+    texts = Path(f"{vocab}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    lines = Path(f"{vocab}.out").read_text(encoding="utf-8").split("\n")
+    if len(lines) < len(texts):
+        raise RuntimeError(f"{vocab}: {len(texts)} texts but {len(lines)} lines of ids")
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
+
+
 def derive(tool: str, workdir: Path) -> dict:
     spm = write_spm_vocab(workdir / "spm.gguf")
-    return {"texts": TEXTS,
-            "ids": {"smollm2": llama_cpp_ids(tool, SMOLLM2_VOCAB, TEXTS, workdir),
-                    "spm": llama_cpp_ids(tool, spm, TEXTS, workdir)}}
+    gemma3 = write_gemma3_vocab(workdir / "gemma3.gguf")
+    ids = {"smollm2": llama_cpp_ids(tool, SMOLLM2_VOCAB, TEXTS, workdir),
+           "spm": llama_cpp_ids(tool, spm, TEXTS, workdir),
+           "gemma3": llama_cpp_ids(tool, gemma3, TEXTS, workdir)}
+    folder = vocab_folder()
+    for name in VOCABS:
+        ids[name] = llama_cpp_ids(tool, folder / f"ggml-vocab-{name}.gguf", TEXTS, workdir)
+    for name, base, pre in PRE_VARIANTS:
+        variant = write_pre_variant(folder / f"ggml-vocab-{base}.gguf", pre, workdir / f"{name}.gguf")
+        ids[name] = llama_cpp_ids(tool, variant, TEXTS, workdir)
+    return {"texts": TEXTS, "ids": ids}
 
 
 if __name__ == "__main__":
