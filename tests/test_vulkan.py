@@ -66,6 +66,15 @@ def test_every_op_and_block_on_vulkan_against_float64_numpy(vulkan_native):
 
 
 @needs_lavapipe
+def test_graphs_lowered_for_metal_on_vulkan(vulkan_native):
+    """tests/test_metal_lowering.py on vulkan: the lowered graphs within 1e-6 of vulkan's goldens."""
+    rc, out = child_pytest(vulkan_native, ["tests/test_metal_lowering.py", "-s"], {"TOYHARNESS_TEST_BACKEND": "vulkan"})
+    print(out[-3000:])
+    got = counts(out)
+    assert rc == 0 and got.get("passed", 0) >= 20 and not got.get("skipped"), out[-6000:]
+
+
+@needs_lavapipe
 def test_every_recipe_on_vulkan_near_the_cpu_golden_repeatable_and_on_its_own_golden(vulkan_native):
     """Each golden config (lora over q4_k and q8_0 included): 16 losses within 1e-5 relative of
     the cpu golden, the same bits twice, and bit for bit goldens/vulkan-<device>/ where recorded

@@ -42,6 +42,10 @@ bool ggml_quantize_requires_imatrix(int type);
 size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, int64_t n_per_row,
                            const float * imatrix);
 bool ggml_is_contiguous(const ggml_tensor * t);
+bool ggml_is_contiguous_1(const ggml_tensor * t);
+bool ggml_is_contiguous_rows(const ggml_tensor * t);
+bool ggml_is_transposed(const ggml_tensor * t);
+bool ggml_are_same_shape(const ggml_tensor * t0, const ggml_tensor * t1);
 bool ggml_can_repeat(const ggml_tensor * t0, const ggml_tensor * t1);
 
 ggml_tensor * ggml_new_tensor_1d(ggml_context * ctx, int type, int64_t ne0);

@@ -222,9 +222,9 @@ def repeat_back_by_sum_rows(lo: Lowering, node):
 
 
 def get_rows_back_onehot(lo: Lowering, node):
-    g, ids, table = src(node, 0), src(node, 1), src(node, 2)
+    g, ids = src(node, 0), src(node, 1)    # the table's shape is the node's own
     _f32(g)
-    vocab = shape(table)[1]
+    vocab = shape(node)[1]
     if vocab > MAX_ONEHOT_VOCAB:
         raise Unlowerable(f"vocabulary {vocab} > {MAX_ONEHOT_VOCAB}")
     eye = lo.constant(f"lowering.eye.{vocab}", lambda: np.eye(vocab, dtype=np.float32))
