@@ -5,10 +5,13 @@
 # device's vulkan goldens recorded, and `bench` at the default and nano sizes beside PyTorch on
 # cuda and our cuda backend.
 #
-#   scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR
+#   [VULKAN_CHECK_BACKENDS=cpu,vulkan] scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR [GL_DEBS_DIR]
 #
 # DEBS_DIR holds Debian 12's packages for the build and the loader (apt-get download libvulkan1
 # libvulkan-dev glslc libshaderc1 spirv-headers); they are unpacked into /opt/vk, not into /.
+# GL_DEBS_DIR: the GL dispatch libraries NVIDIA's Vulkan driver loads (apt-get download libglvnd0
+# libegl1 libgl1 libglx0 libopengl0 libgles2), unpacked into / as the device notes say.
+# VULKAN_CHECK_BACKENDS=cpu,vulkan skips the cuda build and bench.
 # Offline machines: the ggml source in .device/ggml and wheels in .whl/, as gpu_check.sh.
 set -uo pipefail
 out=${1:?usage: scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR}
@@ -16,8 +19,12 @@ debs=${2:?usage: scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR}
 mkdir -p "$out"
 log="$out/vulkan_gpu_check.log"
 source "$(dirname "$0")/gpu_env.sh"
-export TOYHARNESS_BACKENDS=cpu,cuda,vulkan
+export TOYHARNESS_BACKENDS=${VULKAN_CHECK_BACKENDS:-cpu,cuda,vulkan}
 status=0
+if [ -n "${3:-}" ]; then
+    for f in "$3"/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+fi
 
 step "unpack the Vulkan loader, headers, SPIR-V headers and glslc into /opt/vk"
 for f in "$debs"/*.deb; do dpkg -x "$f" /opt/vk; done
@@ -28,7 +35,11 @@ if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f /usr/local/nvidia/share/vulkan/icd.d/nv
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
 build_cuda
-python3 -c "
+ls /usr/local/nvidia/share/vulkan/icd.d /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1 | tee -a "$log"
+ls "$(python3 -c 'import toyharness, os; print(os.path.dirname(toyharness.__file__))')/_native" | tee -a "$log"
+TOYHARNESS_GGML_LOG=2 python3 -c "
+from toyharness._ffi import ffi, lib
+print([ffi.string(lib.ggml_backend_dev_description(lib.ggml_backend_dev_get(i))).decode() for i in range(lib.ggml_backend_dev_count())])
 from toyharness.engine import get_engine
 e = get_engine('vulkan'); print('vulkan device:', e.device_description(), '->', e.fingerprint())" 2>&1 | tee -a "$log"
 
@@ -48,9 +59,11 @@ for size in default nano; do
     step "bench at size $size: vulkan (PyTorch on cuda)"
     toyharness bench gpt2 llama --backend vulkan --torch-device cuda --size "$size" --steps 10 \
         --out "$out/bench_vulkan_$size.json" 2>&1 | tee -a "$log" || status=1
-    step "bench at size $size: cuda (PyTorch on cuda)"
-    toyharness bench gpt2 llama --backend cuda --size "$size" --steps 10 --out "$out/bench_cuda_$size.json" 2>&1 \
-        | tee -a "$log" || status=1
+    if [[ $TOYHARNESS_BACKENDS == *cuda* ]]; then
+        step "bench at size $size: cuda (PyTorch on cuda)"
+        toyharness bench gpt2 llama --backend cuda --size "$size" --steps 10 --out "$out/bench_cuda_$size.json" \
+            2>&1 | tee -a "$log" || status=1
+    fi
 done
 step "done, status $status"
 exit $status
