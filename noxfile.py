@@ -33,6 +33,17 @@ def tests_cuda(session):
     session.run("pytest", "-q", "-rs", "tests/test_engine_ops.py", env={"TOYHARNESS_TEST_BACKEND": "cuda"})
 
 
+@nox.session(name="tests-vulkan")
+def tests_vulkan(session):
+    """vulkan tests on the first Vulkan GPU, or on Mesa's lavapipe with GGML_VK_VISIBLE_DEVICES=0
+    (needs `apt-get install -y glslc libvulkan-dev spirv-headers mesa-vulkan-drivers`); they skip,
+    saying why, where the backend has no device."""
+    session.env["TOYHARNESS_BACKENDS"] = "cpu,vulkan"
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "-rs", "-m", "vulkan", "tests/test_backends.py", *session.posargs)
+    session.run("pytest", "-q", "-rs", "tests/test_engine_ops.py", env={"TOYHARNESS_TEST_BACKEND": "vulkan"})
+
+
 @nox.session
 def bench(session):
     """ms/step, items/s and peak RSS per recipe at its default config; writes bench.json."""

@@ -17,8 +17,8 @@ second install neither fetches nor recompiles.
 
 Environment:
   TOYHARNESS_GGML_SRC=/path/to/ggml   build that ggml folder instead of fetching
-  TOYHARNESS_BACKENDS=cpu,cuda        backends to build (cpu is always built; metal is
-                                      ggml's default on macOS)
+  TOYHARNESS_BACKENDS=cpu,cuda        backends to build: cuda, vulkan (cpu is always built; metal
+                                      is ggml's default on macOS)
   TOYHARNESS_CUDA_ARCH=90             CMAKE_CUDA_ARCHITECTURES for cuda (default 90)
   TOYHARNESS_SIMD=native|avx2|none    SIMD level of ggml-cpu and our kernels (default native: this
                                       CPU's; avx2: x86-64 with AVX2 and FMA; none: no SIMD code of
@@ -52,7 +52,7 @@ ARCHIVE_MODELS_DIR = ARCHIVE_LLAMA_CPP_DIR + "models/"
 VOCAB_CACHE_NAME = f"llama.cpp-models-{PIN_VERSION}"
 
 NATIVE_DIR = Path(__file__).resolve().parent
-KNOWN_BACKENDS = ("cpu", "cuda", "metal")
+KNOWN_BACKENDS = ("cpu", "cuda", "vulkan", "metal")
 # TOYHARNESS_SIMD: ggml's instruction-set switches for each level (GGML_NATIVE builds for this CPU)
 _AVX2_SET = ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C")
 _X86_SIMD = (*_AVX2_SET, "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")
@@ -233,6 +233,7 @@ def cmake_options(backends: list[str]) -> list[str]:
         "-DGGML_LLAMAFILE=ON",   # faster f32 mul_mat; each output is summed by one thread
         "-DGGML_BACKEND_DL=OFF",
         "-DGGML_CUDA=" + ("ON" if "cuda" in backends else "OFF"),
+        *(["-DGGML_VULKAN=ON"] if "vulkan" in backends else []),  # (absent otherwise: cache keys kept)
     ]
     if "cuda" in backends:
         opts.append("-DCMAKE_CUDA_ARCHITECTURES=" + os.environ.get("TOYHARNESS_CUDA_ARCH", "90"))
@@ -267,8 +268,8 @@ def build(backends: list[str] | None = None) -> Path:
     key_text = "\n".join([str(src), *opts, platform.machine(), platform.system()])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     bdir = cache_root() / "build" / f"{'-'.join(backends)}-{key}"
-    if "cuda" in backends:
-        src = stage_cuda_source(src, bdir / "ggml-source")
+    if "cuda" in backends or "vulkan" in backends:
+        src = stage_backend_sources(src, bdir / "ggml-source", backends)
     cmake_build(NATIVE_DIR, bdir, [f"-DTOYHARNESS_GGML_SRC={src}", *opts], f"ggml ({', '.join(backends)})")
     return bdir
 
@@ -301,15 +302,51 @@ def cuda_dispatch_source(text: str) -> str:
     return text
 
 
-def stage_cuda_source(src: Path, staged: Path) -> Path:
-    """A copy of the ggml source at `staged` with our cuda kernels in ggml-cuda (incremental:
-    only changed files are rewritten)."""
-    cuda_dir = Path("src") / "ggml-cuda"
-    replace = {cuda_dir / "ggml-cuda.cu": cuda_dispatch_source((src / cuda_dir / "ggml-cuda.cu").read_text()).encode()}
-    for path in [*(NATIVE_DIR / "cuda").glob("*.cu*"), NATIVE_DIR / "custom_ops.h"]:
-        replace[cuda_dir / path.name] = path.read_bytes()
+def stage_backend_sources(src: Path, staged: Path, backends: list[str]) -> Path:
+    """A copy of the ggml source at `staged` with our edits for the requested backends: our cuda
+    kernels in ggml-cuda; ggml-vulkan buildable with Vulkan headers older than 1.3.261
+    (incremental: only changed files are rewritten)."""
+    replace: dict[Path, bytes] = {}
+    if "cuda" in backends:
+        cuda_dir = Path("src") / "ggml-cuda"
+        dispatch = cuda_dispatch_source((src / cuda_dir / "ggml-cuda.cu").read_text())
+        replace[cuda_dir / "ggml-cuda.cu"] = dispatch.encode()
+        for path in [*(NATIVE_DIR / "cuda").glob("*.cu*"), NATIVE_DIR / "custom_ops.h"]:
+            replace[cuda_dir / path.name] = path.read_bytes()
+    if "vulkan" in backends:
+        vk_file = Path("src") / "ggml-vulkan" / "ggml-vulkan.cpp"
+        replace[vk_file] = vulkan_instance_source((src / vk_file).read_text()).encode()
     sync_tree(src, staged, replace)
     return staged
+
+
+# ggml_vk_instance_init passes the validation layer's settings (vk::LayerSettingEXT, Vulkan
+# headers >= 1.3.261) to vkCreateInstance. They are used only with GGML_VULKAN_VALIDATE, which we
+# never build (ggml_vk_instance_layer_settings_available() is then always false, and the layer
+# list and extension list it guards stay empty), so the staged copy creates the instance without
+# them: the same instance, buildable with Debian 12's headers (1.3.239).
+VULKAN_LAYER_SETTINGS_BLOCK = (
+    "    VkBool32 enable_best_practice = layer_settings;\n"
+    "    std::vector<vk::LayerSettingEXT> settings = {\n",
+    "    vk::InstanceCreateInfo instance_create_info(vk::InstanceCreateFlags{}, &app_info, layers, "
+    "extensions, &layer_setting_info);\n",
+)
+VULKAN_INSTANCE_CREATE = ("    vk::InstanceCreateInfo instance_create_info(vk::InstanceCreateFlags{}, &app_info, "
+                          "layers, extensions);  // toyharness: no layer settings (native/build.py)\n")
+
+
+def vulkan_instance_source(text: str) -> str:
+    """ggml-vulkan.cpp's text without the layer-settings block (BuildError when its first or last
+    line is not found exactly once: another ggml version)."""
+    first, last = VULKAN_LAYER_SETTINGS_BLOCK
+    for line in (first, last):
+        if text.count(line) != 1:
+            raise BuildError(f"ggml-vulkan.cpp: {line.strip()!r} found {text.count(line)} times, expected once: "
+                             "cannot stage ggml-vulkan for Vulkan headers older than 1.3.261 in this ggml")
+    start, end = text.index(first), text.index(last) + len(last)
+    if start >= end:
+        raise BuildError("ggml-vulkan.cpp: the layer-settings block is not where this ggml had it")
+    return text[:start] + VULKAN_INSTANCE_CREATE + text[end:]
 
 
 # A build folder in the cache outlives the install that made it. It must never depend on what a
@@ -340,10 +377,22 @@ def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target
             if fresh or f"{bdir / 'source'}/" in str(exc) and ": error:" in str(exc):
                 raise  # a fresh folder, or a compile error in our own sources: nothing cached to blame
             log(f"the cached build in {bdir} failed ({last_line(str(exc))}); building it again from scratch")
-            shutil.rmtree(bdir)
+            clear_build_folder(bdir)
             configure_if_needed(cmake, ninja, source, bdir, defines, label)
             run(cmd, bdir, quiet=True)
         log(f"{label} ready in {time.perf_counter() - t0:.1f}s ({bdir})")
+
+
+def clear_build_folder(bdir: Path) -> None:
+    """Empty a build folder for a build from scratch, keeping the staged ggml source
+    (`ggml-source`, written before the build by stage_backend_sources)."""
+    for path in bdir.iterdir() if bdir.is_dir() else ():
+        if path.name == "ggml-source":
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def configure_if_needed(cmake: str, ninja: str | None, source: Path, bdir: Path, defines: list[str],
@@ -356,7 +405,7 @@ def configure_if_needed(cmake: str, ninja: str | None, source: Path, bdir: Path,
     if cache_file.is_file() and not (bdir / STAMP).is_file():
         log(f"the cached build in {bdir} has no record of a finished configure (interrupted, or made by an "
             "older toyharness); building it again from scratch")
-        shutil.rmtree(bdir)
+        clear_build_folder(bdir)
     elif cache_file.is_file():
         cached = cmake_cache_values(cache_file)
         tools = [cached[k] for k in ("CMAKE_COMMAND", "CMAKE_MAKE_PROGRAM") if k in cached]
@@ -428,7 +477,7 @@ def run(cmd: list[str], cwd: Path, quiet: bool) -> None:
         raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
 
 
-LIB_NAMES = ("ggml-base", "ggml-cpu", "ggml-cuda", "ggml-metal", "ggml-blas", "ggml", "toyharness_shim")
+LIB_NAMES = ("ggml-base", "ggml-cpu", "ggml-cuda", "ggml-vulkan", "ggml-metal", "ggml-blas", "ggml", "toyharness_shim")
 
 
 def built_libraries(bdir: Path) -> dict[str, Path]:

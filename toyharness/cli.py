@@ -10,6 +10,9 @@ from pathlib import Path
 
 from .errors import CheckFailed, ToyharnessError
 
+# toyharness.engine.backend.KNOWN_BACKENDS, without loading the native libraries for --help
+BACKENDS = ("cpu", "cuda", "vulkan", "metal")
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse exits 2 too; keep its one-line style
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "summary.json, loss.png, checkpoint.gguf, model.gguf).")
     r.add_argument("recipe")
     r.add_argument("--steps", type=int, help="number of training steps (default: the recipe's)")
-    r.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
+    r.add_argument("--backend", default="cpu", choices=BACKENDS)
     r.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
     r.add_argument("--config", help="TOML file of options")
     r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -65,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("action", choices=["check", "record"])
     g.add_argument("recipes", nargs="*", help="recipes, or RECIPE@VARIANT for a recipe's extra golden config "
                                               "(e.g. lora@q4_k); default: every installed recipe and its variants")
-    g.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
+    g.add_argument("--backend", default="cpu", choices=BACKENDS)
     g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
     g.add_argument("--mode", default="auto", choices=["auto", "fast", "portable"],
                    help="fast: goldens/<this build's fingerprint>/; portable: goldens/cpu-portable/, run in the "
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=20, help="timed steps per side (median; default 20)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (default 3)")
     b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
-    b.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
+    b.add_argument("--backend", default="cpu", choices=BACKENDS)
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
     b.add_argument("--size", default="default", choices=list(SIZES),
                    help="model size: default (each recipe's bench config), nano (n_layer 6, d_model 384, n_head 6, "
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="set one option for every point (repeatable)")
     w.add_argument("--steps", type=int, help="training steps of every point (default: the recipe's)")
-    w.add_argument("--backend", choices=["cpu", "cuda", "metal"], help="default cpu")
+    w.add_argument("--backend", choices=BACKENDS, help="default cpu")
     w.add_argument("--workers", type=int,
                    help="points at a time (default: cores / threads; with --ray: the cluster's CPUs / threads)")
     w.add_argument("--threads", type=int,

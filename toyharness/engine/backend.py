@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import platform
+import re
 
 from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
 
-KNOWN_BACKENDS = ("cpu", "cuda", "metal")
+KNOWN_BACKENDS = ("cpu", "cuda", "vulkan", "metal")
 PORTABLE_FINGERPRINT = "cpu-portable"   # the same bits on every CPU (Engine.set_portable)
 _SERVICES: dict[str, Engine] = {}
 
@@ -28,7 +30,7 @@ class Engine:
         if backend == "cpu":
             handle = lib.ggml_backend_cpu_init()
         else:
-            handle = lib.ggml_backend_init_by_name(backend.upper().encode() + (b"0" if backend == "cuda" else b""),
+            handle = lib.ggml_backend_init_by_name(backend.upper().encode() + (b"" if backend == "metal" else b"0"),
                                                    ffi.NULL)
         if handle == ffi.NULL:
             raise BackendError(f"backend {backend!r} failed to initialise (no device?)")
@@ -89,10 +91,23 @@ class Engine:
             return f"cpu-{simd}" + (f"-{blas.tag()}" if blas is not None else "")
         if self.backend == "cuda":
             return f"cuda-{_cuda_arch_tag()}"
+        if self.backend == "vulkan":
+            return f"vulkan-{_device_slug(self.device_description())}"
         return self.backend
 
     def description(self) -> str:
         return ffi.string(lib.ggml_backend_name(self.handle)).decode()
+
+    def device_description(self) -> str:
+        """The device's own name (for vulkan the driver's: "llvmpipe (LLVM 15.0.6, 256 bits)",
+        "NVIDIA H100 80GB HBM3")."""
+        return ffi.string(lib.ggml_backend_dev_description(lib.ggml_backend_get_device(self.handle))).decode()
+
+
+def _device_slug(text: str) -> str:
+    """A device description as a fingerprint part: lower case, runs of other characters as one '-'
+    (llvmpipe's names its LLVM version and vector width, both of which change float results)."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
 
 
 def _cuda_arch_tag() -> str:
@@ -105,6 +120,8 @@ def get_engine(backend: str = "cpu", threads: int | None = None) -> Engine:
     backend = backend.lower()
     if backend not in KNOWN_BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; allowed: {', '.join(KNOWN_BACKENDS)}")
+    if backend == "metal" and platform.system() != "Darwin":
+        raise BackendError(f"the metal backend needs macOS (Apple's Metal API); this is {platform.system()}")
     if backend not in available_native_backends():
         raise BackendError(f"backend {backend!r} is not in this build (built: "
                            f"{', '.join(available_native_backends())}); rebuild with "

@@ -38,6 +38,7 @@ from .._ffi import (
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
 from .backend import Engine
+from .lowering import Lowering, declares_for, lowering_target
 from .tensor import Tensor
 
 GGML_FLAG_PARAM = 4
@@ -123,6 +124,9 @@ def fused_attention() -> bool:
     return choice != "ggml"
 
 
+_KEPT_DEVICE_MEMORY: list = []   # see Program.close
+
+
 class Program:
     def __init__(self, engine: Engine, capacity: int = 1 << 16):
         self.engine = engine
@@ -160,6 +164,15 @@ class Program:
         # nodes native/cuda_rewrite.c folds (TOYHARNESS_CPU_KERNELS=0 leaves every node to ggml
         # there too)
         self.cuda_kernels = engine.backend == "cuda" and cpu_kernels and cuda_kernels_built()
+        # The lowering (engine/lowering.py): nodes the backend does not declare become ops it does.
+        # TOYHARNESS_LOWERING=metal adds the pinned ggml-metal's declarations: the graphs are then
+        # built as on a device (no cpu stand-ins or custom nodes) and hold only ops metal declares.
+        self.lowering_target = lowering_target()
+        if self.lowering_target:
+            if self.portable:
+                raise BackendError("TOYHARNESS_LOWERING is not for the portable mode (its kernels are custom nodes)")
+            self.cpu_kernels = self.cuda_kernels = False
+        self.lowering = Lowering(self, declares_for(engine, self.lowering_target))
         # Whether cross_entropy builds its one-hot targets in the graph (FILL, then SET_ROWS of
         # ones at the flat indices) instead of uploading them: on cuda a step's upload of
         # rows x vocab floats (200 MB for 1024 tokens of a 49152-token vocabulary) was 40% of
@@ -560,19 +573,34 @@ class Program:
         if status != GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
 
+    def _lowered(self, graph, grads: bool):
+        """`graph`, or where it holds nodes the backend does not declare and the lowering can
+        rewrite, a larger copy of it with them rewritten (the program's `lowering.lowered` says which)."""
+        if self.engine.is_cpu and not self.lowering_target:
+            return graph      # ggml-cpu declares every op our graphs hold
+        needed = self.lowering.needed(graph)
+        if not needed:
+            return graph
+        bigger = self._new_graph(lib.ggml_graph_size(graph) + 64 * needed, grads)
+        lib.ggml_graph_cpy(graph, bigger)
+        self.lowering.lower(bigger)
+        return bigger
+
     def _check_supported(self, graph) -> None:
-        """ggml aborts on an op its backend lacks: name the op instead, before any compute."""
-        if self.engine.is_cpu:
+        """ggml aborts on an op its backend lacks: name the op instead, before any compute
+        (with TOYHARNESS_LOWERING=metal, the ops ggml-metal lacks too)."""
+        if self.engine.is_cpu and not self.lowering_target:
             return
         missing = {}
         for i in range(lib.ggml_graph_n_nodes(graph)):
             node = lib.ggml_graph_node(graph, i)
-            if not lib.ggml_backend_supports_op(self.engine.handle, node):
+            if not self.lowering.declares(node):
                 op, name = ffi.string(lib.ggml_op_desc(node)).decode(), ffi.string(lib.ggml_get_name(node)).decode()
                 missing.setdefault(op, name)
         if missing:
             ops = ", ".join(f"{op} (e.g. node {name!r})" for op, name in missing.items())
-            raise BackendError(f"the {self.engine.backend} backend of this ggml cannot run {ops}")
+            where = f" (lowered for {self.lowering_target})" if self.lowering_target else ""
+            raise BackendError(f"the {self.engine.backend} backend of this ggml{where} cannot run {ops}")
 
     def compute_buffer_bytes(self) -> int:
         return int(lib.ggml_gallocr_get_buffer_size(self._galloc, 0))
@@ -584,9 +612,17 @@ class Program:
         for tg in self._targets.values():   # views of the memory freed below
             tg.mirror = tg.ids = None
         if self._galloc is not None:
-            lib.ggml_gallocr_free(self._galloc)
-            for b in self._buffers:
-                lib.ggml_backend_buffer_free(b)
+            lib.ggml_backend_synchronize(self.engine.handle)
+            if self.engine.backend == "vulkan":
+                # With ggml-vulkan on lavapipe, a freed buffer (the program's or its allocator's,
+                # even after a synchronize) crashed lavapipe's worker threads in a later graph of
+                # another program (tests/test_engine_ops.py, 1 run in 2): its device memory is
+                # kept until the process ends (a run has one program; tests make many small ones).
+                _KEPT_DEVICE_MEMORY.append((self._galloc, self._buffers))
+            else:
+                lib.ggml_gallocr_free(self._galloc)
+                for b in self._buffers:
+                    lib.ggml_backend_buffer_free(b)
             lib.ggml_free(self._ctx_compute)
             lib.ggml_free(self._ctx_static)
             self._galloc = None
@@ -608,6 +644,7 @@ class ForwardGraph:
         for t in outputs.values():
             lib.ggml_set_output(t.ptr)
             lib.ggml_build_forward_expand(self.graph, t.ptr)
+        self.graph = prog._lowered(self.graph, False)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.prog.feed(feeds)
@@ -705,6 +742,13 @@ class Trainer:
         lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
         if prog.column_sums_as_products:
             self._column_sums_as_products(self.gb_grad)
+        lowered = prog._lowered(self.gb_grad, True)
+        if lowered != self.gb_grad:
+            # nodes of gf were rewritten in place: gf again, with the nodes they now read
+            self.gb_grad, gf = lowered, prog._new_graph(prog._forward_size(roots), False)
+            for t in roots:
+                lib.ggml_build_forward_expand(gf, t.ptr)
+            opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
         grads = {}
         for name, p in prog.params.items():
             grad = lib.ggml_graph_get_grad(self.gb_grad, p.ptr)
@@ -734,6 +778,7 @@ class Trainer:
         self.gf = gf
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
+        self.eval_graph = prog._lowered(self.eval_graph, False)
         if not lib.ggml_gallocr_reserve(prog._galloc, self.gb_opt):
             raise MemoryError("could not reserve memory for the training graph")
         self.needs_full_reset = True
