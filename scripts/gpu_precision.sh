@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_precision.sh OUT_DIR [build] [check] [goldens] [agree600] [bench-fp32] [bench-tf32] [bench-bf16]
 #
-# Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
+# BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
 # in each precision), bench_<precision>_<size>.json.
 set -uo pipefail
@@ -67,7 +67,7 @@ fi
 
 for precision in fp32 tf32 bf16; do
     [[ $phases == *" bench-$precision "* ]] || continue
-    for size in nano gpt2-small; do
+    for size in ${BENCH_SIZES:-nano gpt2-small}; do
         step "bench: gpt2 and llama at size $size, precision $precision (PyTorch on cuda, same precision)"
         toyharness bench gpt2 llama --backend cuda --size "$size" --precision "$precision" --steps 10 \
             --out "$out/bench_${precision}_${size}.json" 2>&1 | tee -a "$log" || status=1
