@@ -102,7 +102,8 @@ def golden_sets_for(name: str) -> list[str]:
     own_loader = getattr(type(obj), "load_data", None) not in (None, LMRecipe.load_data)
     text = ["data=synthetic"] if "data" in fields and not own_loader else []
     return ([s for s in GOLDEN_SETS if s.split("=")[0] in fields] + text + list(extra)
-            + (list(variants[variant]) if variant else []) + ([] if precision == "fp32" else [f"precision={precision}"]))
+            + (list(variants[variant]) if variant else [])
+            + ([] if precision == "fp32" else [f"precision={precision}"]))
 
 
 def compute(name: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None,
