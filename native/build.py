@@ -278,8 +278,14 @@ def build(backends: list[str] | None = None) -> Path:
 # ggml-cuda.cu hands GGML_OP_CUSTOM nodes that native/cuda_rewrite.c marked to our kernels
 # (native/cuda/, copied into ggml-cuda's folder, whose CMakeLists compiles every *.cu there).
 # Each edit inserts our lines before an anchor that must occur exactly once.
+PRECISION_WRAP = '#define TH_PRECISION_WRAP_CUBLAS\n#include "ggml-cuda/th-precision.cuh"\n'
 CUDA_DISPATCH_EDITS = (
     ('#include "ggml-cuda/common.cuh"\n', '#include "ggml-cuda/th-custom.cuh"\n', "after"),
+    # the precision of each node's products (issue 32): cuBLAS's f32 calls through our wrappers,
+    # and the node's stamp made current before it computes (cuda/th-precision.cuh)
+    ('#include "ggml-cuda/common.cuh"\n', PRECISION_WRAP, "after"),
+    ("static bool ggml_cuda_compute_forward(ggml_backend_cuda_context & ctx, struct ggml_tensor * dst) {\n",
+     "    if (th_calls_cublas(dst)) th_cuda_precision_before(ctx.cublas_handle(), dst);  // toyharness\n", "after"),
     ("        case GGML_OP_LIGHTNING_INDEXER:\n            ggml_cuda_lightning_indexer(ctx, dst);\n",
      "        case GGML_OP_CUSTOM:  // toyharness (native/cuda/th-custom.cu)\n"
      "            if (!th_cuda_custom(ctx.stream(), ctx.cublas_handle(), dst)) {\n"
@@ -291,12 +297,16 @@ CUDA_DISPATCH_EDITS = (
 )
 
 
-def cuda_dispatch_source(text: str) -> str:
+# out-prod.cu's cuBLAS calls (OUT_PROD, the weights' gradients) take the node's precision too
+CUDA_OUT_PROD_EDITS = (('#include "out-prod.cuh"\n', PRECISION_WRAP.replace("ggml-cuda/", ""), "after"),)
+
+
+def cuda_dispatch_source(text: str, edits: tuple = CUDA_DISPATCH_EDITS, name: str = "ggml-cuda.cu") -> str:
     """ggml-cuda.cu's text with our dispatch edits (BuildError when an anchor is not found once:
-    another ggml version)."""
-    for anchor, lines, where in CUDA_DISPATCH_EDITS:
+    another ggml version); `edits` and `name` for another file of ggml-cuda."""
+    for anchor, lines, where in edits:
         if text.count(anchor) != 1:
-            raise BuildError(f"ggml-cuda.cu: {anchor.splitlines()[-1].strip()!r} found {text.count(anchor)} times, "
+            raise BuildError(f"{name}: {anchor.splitlines()[-1].strip()!r} found {text.count(anchor)} times, "
                              "expected once: cannot add toyharness's cuda kernels to this ggml")
         text = text.replace(anchor, anchor + lines if where == "after" else lines + anchor)
     return text
@@ -304,13 +314,15 @@ def cuda_dispatch_source(text: str) -> str:
 
 def stage_backend_sources(src: Path, staged: Path, backends: list[str]) -> Path:
     """A copy of the ggml source at `staged` with our edits for the requested backends: our cuda
-    kernels in ggml-cuda; ggml-vulkan buildable with Vulkan headers older than 1.3.261
-    (incremental: only changed files are rewritten)."""
+    kernels and precision dispatch in ggml-cuda; ggml-vulkan buildable with Vulkan headers older
+    than 1.3.261 (incremental: only changed files are rewritten)."""
     replace: dict[Path, bytes] = {}
     if "cuda" in backends:
         cuda_dir = Path("src") / "ggml-cuda"
         dispatch = cuda_dispatch_source((src / cuda_dir / "ggml-cuda.cu").read_text())
         replace[cuda_dir / "ggml-cuda.cu"] = dispatch.encode()
+        replace[cuda_dir / "out-prod.cu"] = cuda_dispatch_source((src / cuda_dir / "out-prod.cu").read_text(),
+                                                                 CUDA_OUT_PROD_EDITS, "out-prod.cu").encode()
         for path in [*(NATIVE_DIR / "cuda").glob("*.cu*"), NATIVE_DIR / "custom_ops.h"]:
             replace[cuda_dir / path.name] = path.read_bytes()
     if "vulkan" in backends:

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 6
+#define TH_CUDA_KERNELS_VERSION 7   /* 7: the precision stamp below (issue 32) */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -106,4 +106,23 @@ static inline int th_cont_axis(const struct ggml_tensor * src) {
         if (src->ne[c] > 1 && src->nb[c] == sizeof(float)) return c;
     }
     return -1;
+}
+
+/* The precision of a program's products (issue 32; Options.precision): th_cuda_mark_precision
+ * (native/cuda_precision.c) stamps it into the last op_params slot of every MUL_MAT, OUT_PROD and
+ * node of ours, after th_cuda_rewrite; native/cuda/th-precision.cu reads it before the node runs
+ * and sets the cuBLAS math mode and compute type of its products. No stamp: fp32. The stamp is in
+ * the node, so ggml-cuda's CUDA graph of a program in one precision is never replayed for a graph
+ * of another (its update check compares whole nodes). None of our nodes' parameters reach it. */
+enum { TH_PRECISION_FP32 = 0, TH_PRECISION_TF32 = 1, TH_PRECISION_BF16 = 2 };
+#define TH_PRECISION_SLOT (GGML_MAX_OP_PARAMS / (int) sizeof(int32_t) - 1)
+#define TH_PRECISION_TAG 0x70720000      /* "pr" in the high half, the precision in the low */
+static inline int th_precision_of(const struct ggml_tensor * t) {
+    int32_t v;
+    memcpy(&v, (const char *) t->op_params + TH_PRECISION_SLOT * sizeof(int32_t), sizeof(v));
+    return (v & ~0xffff) == TH_PRECISION_TAG ? (v & 0xffff) : TH_PRECISION_FP32;
+}
+static inline void th_precision_set(struct ggml_tensor * t, int precision) {
+    const int32_t v = precision == TH_PRECISION_FP32 ? 0 : TH_PRECISION_TAG | precision;
+    memcpy((char *) t->op_params + TH_PRECISION_SLOT * sizeof(int32_t), &v, sizeof(v));
 }

@@ -129,8 +129,8 @@ CHATS = {
     "phi-3": ("phi-3", None, CONV[1:],
               "<s><|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>\n<|user|>\n2+2?<|end|>\n<|assistant|>\n4<|end|>\n"),
     "phi-3.5": ("phi-3", "microsoft-Phi-3.5-mini-instruct.jinja", CONV,
-                "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>\n<|user|>\n2+2?<|end|>\n"
-                "<|assistant|>\n4<|end|>\n<|endoftext|>"),
+                "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>\n"
+                "<|user|>\n2+2?<|end|>\n<|assistant|>\n4<|end|>\n<|endoftext|>"),
     "qwen2": ("qwen2", None, CONV,
               "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello"
               "<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"),

@@ -188,6 +188,8 @@ int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_pe
 int64_t th_column_sum_rows(const ggml_tensor * t);
 int th_cuda_rewrite(ggml_cgraph * graph, int attention);
 const char * th_cuda_kernel_name(const ggml_tensor * t);
+int th_cuda_mark_precision(ggml_cgraph * graph, int precision);
+int th_cuda_precision_of(const ggml_tensor * t);
 int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
@@ -248,9 +250,6 @@ class _Symbols:
 
 
 def _load():
-    # cuBLAS would run f32 products in TF32 (ggml sets CUBLAS_TF32_TENSOR_OP_MATH): 1e-3
-    # relative error per product, far from the cpu goldens. This keeps them in full FP32.
-    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     # ggml-vulkan rounds f32 operands of products to f16 on devices with f16 arithmetic (lavapipe
     # included: 3e-4 relative error in a product, 1e-5 in a gpt2 golden's losses); it reads this
     # when it creates a device, and with it set the products are f32 (1.7e-7 from the cpu goldens).
@@ -324,7 +323,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 6
+CUDA_KERNELS_VERSION = 7
 
 
 def cuda_kernels_built() -> bool:
@@ -349,3 +348,11 @@ def available_native_backends() -> list[str]:
         if dev_name.startswith("metal") and "metal" not in names:
             names.append("metal")
     return names
+
+
+# ggml creates its cuBLAS handle in TF32 mode (CUBLAS_TF32_TENSOR_OP_MATH): 1e-3 relative error per
+# product, far from the cpu goldens. Our dispatch sets each product node's math mode from its
+# program's precision (native/cuda/th-precision.cu: fp32 unless the program asked for tf32 or
+# bf16). A ggml-cuda built without it keeps the old guard, which turns TF32 off for the process.
+if "cuda" in available_native_backends() and not cuda_kernels_built():
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")

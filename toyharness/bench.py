@@ -49,6 +49,25 @@ SIZES: dict[str, tuple[str, ...]] = {
 }
 
 
+# PyTorch's side at each precision (`bench --precision`, issue 32): the modes its workers run, the
+# first the one `speedup` compares with. tf32: TF32 matrix products, eager; bf16: bf16 autocast,
+# with torch.compile (nanoGPT's defaults) and eager, both reported.
+TORCH_MODES: dict[str, tuple[str, ...]] = {"fp32": ("eager",), "tf32": ("eager",), "bf16": ("compile", "eager")}
+
+
+def torch_precision_setup(torch, precision: str):
+    """Set PyTorch up for `precision`; returns the context each forward runs in (autocast for bf16)."""
+    import contextlib
+
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    if precision == "bf16":
+        return lambda dev: torch.autocast(dev.type, dtype=torch.bfloat16)
+    return lambda dev: contextlib.nullcontext()
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -128,6 +147,7 @@ def realize_for_bench(recipe: str, backend: str, threads: int, sets: list[str] |
     data = load_data(pm, opts)
     engine = get_engine(backend, threads)
     engine.set_portable(opts.portable)
+    engine.set_precision(opts.precision)
     return pm, opts, data, engine, pm.hook.realize(engine=engine, options=opts, data=data)
 
 
@@ -339,13 +359,14 @@ def profile_recipe(recipe: str, backend: str = "cpu", threads: int = 2, sets: li
 
 
 # --- the PyTorch side ----------------------------------------------------------------------------
-def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict) -> None:
+def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict, mode: str = "eager") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
 
     from . import reference
 
     torch.set_num_threads(threads)
+    autocast = torch_precision_setup(torch, payload["options"].get("precision", "fp32"))
     dev = torch.device(device)
     base = payload["cfg"].get("base")
     forward, loss_fn, cfg = reference.MODELS[recipe], reference.LOSSES[recipe], payload["cfg"]
@@ -378,15 +399,23 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict) -
     batches = payload["batches"]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    def model_loss(P, batch):
+        with autocast(dev):
+            return loss_fn(forward(P, batch, cfg), batch)
+
+    # compile: the forward and loss (and so their backward), as nanoGPT compiles its model;
+    # the optimizer step stays the fused AdamW
+    model_loss = torch.compile(model_loss) if mode == "compile" else model_loss
+
     def one_step(b: dict) -> float:
         batch = {k: torch.from_numpy(v).to(dev) for k, v in b.items()}
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(P, batch, cfg), batch)
+        loss = model_loss(P, batch)
         loss.backward()
         opt.step()
         return loss.item()            # waits for the device, as toyharness's step does
 
-    conn.send({"ready": True, "optimizer": flavour, "torch": torch.__version__})
+    conn.send({"ready": True, "optimizer": flavour, "torch": torch.__version__, "mode": mode})
     step = 0
     while True:
         cmd, n = conn.recv()
@@ -495,33 +524,46 @@ def _ask(conn, what):
 
 def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int = 20, warmup: int = 3,
                  round_steps: int = 5, torch_device: str | None = None, sets: list[str] | None = None) -> Result:
+    """One recipe side by side: toyharness and PyTorch at the options' precision (one PyTorch worker
+    per TORCH_MODES entry: for bf16, torch.compile and eager), in alternating rounds."""
     ctx = mp.get_context("spawn")
     gproc, g = _spawn(ctx, _ggml_worker, recipe, backend, threads, list(sets or []))
+    procs = []
     try:
         info = _reply(g, "start")
         device = torch_device or ("cuda" if backend == "cuda" else "cpu")
         payload = {k: info[k] for k in ("params", "cfg", "batches", "options")}
-        tproc, t = _spawn(ctx, _torch_worker, recipe, device, threads, payload)
+        modes = TORCH_MODES[info["options"].get("precision", "fp32")]
+        sides = [g]
+        for mode in modes:
+            proc, conn = _spawn(ctx, _torch_worker, recipe, device, threads, payload, mode)
+            procs.append(proc)
+            sides.append(conn)
         try:
-            tinfo = _reply(t, "start")
+            tinfo = [_reply(t, "start") for t in sides[1:]][0]
             trips = [cpu_round_trip_ns()] if backend == "cpu" and threads > 1 else []
-            _ask(g, ("steps", warmup))
-            _ask(t, ("steps", warmup))
-            timed, theirs = [], []
+            for conn in sides:
+                _ask(conn, ("steps", warmup))
+            sinks: list[list] = [[] for _ in sides]
             rounds = max(2, -(-steps // round_steps))
             for r in range(rounds):
-                order = ((g, timed), (t, theirs))
-                for conn, sink in (order if r % 2 == 0 else order[::-1]):
+                order = list(range(len(sides)))
+                for i in (order if r % 2 == 0 else order[::-1]):
                     time.sleep(SETTLE_S)
-                    sink.append(_ask(conn, ("steps", round_steps)))
+                    sinks[i].append(_ask(sides[i], ("steps", round_steps)))
             if trips:
                 trips.append(cpu_round_trip_ns())
+            timed, theirs = sinks[0], sinks[1:]
+            names = ["pytorch"] + [f"pytorch_{mode}" for mode in modes[1:]]
             by_round = {"toyharness": [statistics.median(ms for ms, _ in rnd) for rnd in timed],
-                        "pytorch": [statistics.median(rnd) for rnd in theirs]}
-            timed, theirs = [x for rnd in timed for x in rnd], [x for rnd in theirs for x in rnd]
-            mine, other = _ask(g, ("done", 0)), _ask(t, ("done", 0))
+                        **{name: [statistics.median(rnd) for rnd in t] for name, t in zip(names, theirs)}}
+            timed = [x for rnd in timed for x in rnd]
+            theirs = [[x for rnd in t for x in rnd] for t in theirs]
+            mine = _ask(g, ("done", 0))
+            others = [_ask(t, ("done", 0)) for t in sides[1:]]
         finally:
-            tproc.join(30)
+            for proc in procs:
+                proc.join(30)
     finally:
         gproc.join(30)
     ours = [ms for ms, _ in timed]
@@ -531,14 +573,18 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
     item = "images" if "images" in info["batches"][0] else "tokens"
     gflops = mine["flops"] / (ms / 1e3) / 1e9 if mine["flops"] else None
     extra = {"torch_optimizer": tinfo["optimizer"], "torch_version": tinfo["torch"], "timed_steps": len(ours),
-             "fingerprint": info["fingerprint"],
+             "fingerprint": info["fingerprint"], "precision": info["options"].get("precision", "fp32"),
+             "torch_mode": modes[0],
              "round_medians_ms": {side: [round(x, 3) for x in v] for side, v in by_round.items()}}
+    for mode, t in zip(modes[1:], theirs[1:]):     # bf16: PyTorch eager beside torch.compile
+        extra[f"torch_{mode}_ms_per_step"] = round(statistics.median(t), 3)
+        extra[f"speedup_vs_torch_{mode}"] = round(statistics.median(t) / ms, 3)
     if trips and None not in trips:
         extra["cpu_round_trip_ns"] = trips
-    if other.get("device_peak_mb") is not None:
-        extra["torch_device_peak_mb"] = round(other["device_peak_mb"], 1)
-    return Result(recipe, ms, statistics.median(theirs), info["items"], item, mine["peak_rss_mb"],
-                  other["peak_rss_mb"], gflops, overhead, _short_config(info["options"]), extra)
+    if others[0].get("device_peak_mb") is not None:
+        extra["torch_device_peak_mb"] = round(others[0]["device_peak_mb"], 1)
+    return Result(recipe, ms, statistics.median(theirs[0]), info["items"], item, mine["peak_rss_mb"],
+                  others[0]["peak_rss_mb"], gflops, overhead, _short_config(info["options"]), extra)
 
 
 def _short_config(options: dict) -> dict:

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "n_head 12, t_seq 1024, t_batch 8); applied before --set; without recipes named, the "
                         "recipes that have those options")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a bench option")
+    b.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"],
+                   help="the matrix products' precision on both sides (cuda): fp32 (default; PyTorch eager with "
+                        "TF32 off), tf32 (PyTorch eager with TF32 on), bf16 (PyTorch bf16 autocast with "
+                        "torch.compile, and eager: both reported)")
     b.add_argument("--out", default="bench.json", help="where to write the results (default bench.json)")
     b.add_argument("--profile", action="store_true",
                    help="instead: where a toyharness step's time goes, by ggml op (each node timed alone; "
@@ -200,7 +204,7 @@ def cmd_golden(args) -> int:
     from .plugins import discover
 
     root = Path(args.dir) if args.dir else None
-    names = args.recipes or [name for recipe in discover() for name in goldens.golden_names(recipe)]
+    names = args.recipes or [name for recipe in discover() for name in goldens.golden_names(recipe, args.backend)]
     failed = 0
     for name in names:
         if args.action == "record":
@@ -229,7 +233,7 @@ def cmd_bench(args) -> int:
     from . import bench
     from .atomic import atomic_write
     from .engine import get_engine
-    from .engine.backend import default_threads
+    from .engine.backend import check_precision, default_threads
     from .errors import InputError
     from .plugins import discover
 
@@ -241,7 +245,12 @@ def cmd_bench(args) -> int:
         raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
     if args.size != "default" and not args.recipes:
         known = [n for n in known if bench.fits_size(n, args.size)]
-    sets = {n: bench.size_sets(n, args.size, args.set) for n in args.recipes or known}
+    if any(item.split("=", 1)[0].strip() == "precision" for item in args.set):
+        raise InputError("--set precision=...: use --precision, which sets PyTorch's side too")
+    get_engine(args.backend)    # fails early on a backend this build lacks
+    check_precision(args.backend, args.precision)
+    sets = {n: bench.size_sets(n, args.size, args.set + [f"precision={args.precision}"])
+            for n in args.recipes or known}
     if args.profile:
         return _bench_profile(args, args.recipes or known, sets)
     if importlib.util.find_spec("torch") is None:
@@ -260,7 +269,11 @@ def cmd_bench(args) -> int:
     hdr = f"{'recipe':<11}{'toyharness':>12}{'PyTorch':>10}{'speedup':>9}{'items/s':>11}{'RSS MB':>8}" \
           f"{'torch RSS':>10}{'GFLOP/s':>9}{'ceiling':>8}{'host':>7}"
     size = "" if args.size == "default" else f", size {args.size}"
-    print(f"{args.backend}, {threads} threads{size}; ms/step medians over {args.steps} steps per side"
+    modes = bench.TORCH_MODES[args.precision]
+    torch_side = " and ".join(f"PyTorch {m}" for m in modes) + ("" if args.precision == "fp32" else " (the first "
+                                                                  "is PyTorch's column)")
+    print(f"{args.backend}, {threads} threads{size}, precision {args.precision} ({torch_side}); "
+          f"ms/step medians over {args.steps} steps per side"
           + (f"; FP32 sgemm ceiling {ceiling:.0f} GFLOP/s" if ceiling else ""))
     print(hdr)
     for name in names:
@@ -272,6 +285,9 @@ def cmd_bench(args) -> int:
         host = f"{r.host_overhead_pct:6.1f}%" if r.host_overhead_pct is not None else f"{'-':>7}"
         print(f"{name:<11}{r.ms_per_step:10.2f}ms{r.torch_ms_per_step:8.2f}ms{r.speedup:8.2f}x"
               f"{doc[r.item + '_per_s']:11,.0f}{r.peak_rss_mb:8.0f}{r.torch_peak_rss_mb:10.0f}{gf}{ceil}{host}")
+        for mode in modes[1:]:
+            print(f"  PyTorch {mode}: {doc[f'torch_{mode}_ms_per_step']:.2f} ms, "
+                  f"speedup {doc[f'speedup_vs_torch_{mode}']:.2f}x")
         drift = r.drift()
         if drift:
             spans = ", ".join(f"{side} rounds {lo:.2f}-{hi:.2f} ms" for side, (lo, hi) in drift.items())
@@ -279,7 +295,8 @@ def cmd_bench(args) -> int:
             if trips:
                 spans += f"; CPU round trip {trips[0]:.0f} ns before, {trips[1]:.0f} after"
             print(f"  note: the machine's speed moved during {name} ({spans}); compare several runs")
-    doc = {"backend": args.backend, "threads": threads, "size": args.size, "fingerprint": engine.fingerprint(),
+    doc = {"backend": args.backend, "threads": threads, "size": args.size, "precision": args.precision,
+           "torch_modes": list(modes), "fingerprint": engine.fingerprint(),
            "steps": args.steps, "warmup": args.warmup,
            "fp32_ceiling_gflops": None if ceiling is None else round(ceiling, 1),
            "recipes": results}

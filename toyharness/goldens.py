@@ -45,20 +45,35 @@ def golden_root() -> Path:
     return Path.cwd() / "goldens"
 
 
+# A precision other than fp32 is a golden variant of every recipe (DESIGN.md, "Goldens"):
+# ``gpt2@tf32``, ``lora@q4_k@bf16``; the backends that compute it (cuda) list them.
+PRECISION_VARIANTS = ("tf32", "bf16")
+
+
 def split_name(name: str) -> tuple[str, str | None]:
     """A golden's name: a recipe, or ``recipe@variant`` for one of the recipe's extra golden
     configs (its ``golden_variants``: variant name -> options added to its golden config, e.g.
-    lora over a quantized base, ``lora@q4_k``)."""
+    lora over a quantized base, ``lora@q4_k``), either followed by ``@tf32`` or ``@bf16`` for a
+    precision (`split_precision`)."""
     recipe, _, variant = name.partition("@")
     return recipe, variant or None
 
 
-def golden_names(recipe: str) -> list[str]:
-    """The recipe's golden, then one per variant it declares."""
+def split_precision(name: str) -> tuple[str, str]:
+    """``gpt2@tf32`` -> (``gpt2``, ``tf32``); a name without a precision variant is fp32's."""
+    base, _, last = name.rpartition("@")
+    return (base, last) if base and last in PRECISION_VARIANTS else (name, "fp32")
+
+
+def golden_names(recipe: str, backend: str = "cpu") -> list[str]:
+    """The recipe's golden, then one per variant it declares; on cuda each again per precision."""
     from .plugins import get_recipe
 
     _, obj = get_recipe(recipe)
-    return [recipe] + [f"{recipe}@{v}" for v in getattr(obj, "golden_variants", {}) or {}]
+    names = [recipe] + [f"{recipe}@{v}" for v in getattr(obj, "golden_variants", {}) or {}]
+    if backend == "cuda":
+        names += [f"{n}@{p}" for p in PRECISION_VARIANTS for n in names]
+    return names
 
 
 def golden_sets_for(name: str) -> list[str]:
@@ -67,6 +82,7 @@ def golden_sets_for(name: str) -> list[str]:
     from .plugins import get_recipe
     from .runner import resolve_options
 
+    name, precision = split_precision(name)
     recipe, variant = split_name(name)
     _, obj = get_recipe(recipe)
     variants = getattr(obj, "golden_variants", {}) or {}
@@ -86,7 +102,8 @@ def golden_sets_for(name: str) -> list[str]:
     own_loader = getattr(type(obj), "load_data", None) not in (None, LMRecipe.load_data)
     text = ["data=synthetic"] if "data" in fields and not own_loader else []
     return ([s for s in GOLDEN_SETS if s.split("=")[0] in fields] + text + list(extra)
-            + (list(variants[variant]) if variant else []))
+            + (list(variants[variant]) if variant else [])
+            + ([] if precision == "fp32" else [f"precision={precision}"]))
 
 
 def compute(name: str, backend: str = "cpu", threads: int | None = None, extra_sets: list[str] | None = None,
@@ -114,6 +131,7 @@ def compute(name: str, backend: str = "cpu", threads: int | None = None, extra_s
         fp = engine.fingerprint()
     finally:
         engine.set_portable(False)   # the run set it: later programs of this process are fast again
+        engine.set_precision("fp32")   # likewise, and in fp32
     return {"recipe": name, "fingerprint": fp, "ggml_version": GGML_VERSION, "steps": GOLDEN_STEPS,
             "blas": blas.tag() if blas is not None and backend == "cpu" and not portable else None,
             "options": _portable(collector.options.to_dict()),

@@ -18,6 +18,10 @@ import tomllib
 from .adamw import CONVENTIONS, AdamWRow, Schedule
 from .errors import InputError
 
+# The precisions a run's matrix products can take (DESIGN.md, "Precision"; engine/backend.py says
+# which backend computes which).
+PRECISIONS = ("fp32", "tf32", "bf16")
+
 # Sizes, counts and seeds beyond this are typos or hostile input (ggml's dims and our int32 ids
 # cannot use them); refusing them here keeps a config from sizing an allocation.
 MAX_INT = 2**31 - 1
@@ -55,6 +59,9 @@ class Options:
     data: str = "default"
     # the cpu backend's portable golden mode: the same float32 bits on every CPU (slower)
     portable: bool = False
+    # the matrix products' precision (cuda): fp32, tf32 (TF32 tensor cores), bf16 (bf16 inputs);
+    # weights, AdamW and every reduction stay fp32 (engine/backend.py, Engine.set_precision)
+    precision: str = choice("fp32", PRECISIONS)
     tokenizer: str = ""          # a GGUF whose tokenizer reads the data (language models); empty: bytes
     mask_prompt: bool = True     # JSONL prompt/completion and chat: the loss counts completions only
 

@@ -116,6 +116,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
         print(data.summary(), file=sys.stderr)
     engine = get_engine(backend, threads)
     engine.set_portable(options.portable)   # each run sets it; a program keeps the mode it was made in
+    engine.set_precision(options.precision)
     out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = Run(recipe, options, out_dir, engine, entry)
 

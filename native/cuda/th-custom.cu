@@ -36,6 +36,7 @@
 // Here a warp copies a row when the source's rows are contiguous, and a 32 x 32 tile goes
 // through shared memory when the permute moves the contiguous axis (a transpose).
 #include "th-custom.cuh"
+#include "th-precision.cuh"
 
 #include <cstring>
 #include <mutex>
@@ -326,10 +327,10 @@ static bool th_out_prod_into(cublasHandle_t cublas, const ggml_tensor * a, const
                              const float beta) {
     const bool b_t = ggml_is_transposed(b);
     const float one = 1.0f;
-    return cublasSgemm(cublas, CUBLAS_OP_N, b_t ? CUBLAS_OP_N : CUBLAS_OP_T, (int) dst->ne[0], (int) ggml_nrows(dst),
-                       (int) a->ne[1], &one, (const float *) a->data, (int) (a->nb[1] / sizeof(float)),
-                       (const float *) b->data, (int) ((b_t ? b->nb[0] : b->nb[1]) / sizeof(float)), &beta,
-                       (float *) dst->data, (int) dst->ne[0]) == CUBLAS_STATUS_SUCCESS;
+    return th_cublas_sgemm(cublas, CUBLAS_OP_N, b_t ? CUBLAS_OP_N : CUBLAS_OP_T, (int) dst->ne[0], (int) ggml_nrows(dst),
+                           (int) a->ne[1], &one, (const float *) a->data, (int) (a->nb[1] / sizeof(float)),
+                           (const float *) b->data, (int) ((b_t ? b->nb[0] : b->nb[1]) / sizeof(float)), &beta,
+                           (float *) dst->data, (int) dst->ne[0]) == CUBLAS_STATUS_SUCCESS;
 }
 
 static bool th_product_sum(cublasHandle_t cublas, ggml_tensor * dst) {
@@ -362,9 +363,9 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
 // same bits, whatever ran before in the process. Operands are declared 16-byte aligned (ggml-cuda
 // places tensors 128 bytes apart; a view that is not takes the plain path), no workspace and no
 // reduction scheme: k is never split. ggml's cuBLAS handle is a cuBLASLt handle too (cuBLAS's
-// documentation).
+// documentation). A plan is also the precision's (th-precision.cuh): its compute type.
 struct th_lt_bias_plan {
-    int device;
+    int device, precision;
     int64_t n, m, k, lda, ldb;
     bool found;                                  // cuBLASLt has an algorithm for it
     cublasLtMatmulDesc_t op;
@@ -385,10 +386,16 @@ static th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t 
                                              const int64_t lda, const int64_t ldb) {
     int device = 0;
     cudaGetDevice(&device);
+    const int precision = th_cuda_precision_now();
     for (th_lt_bias_plan * p : th_lt_plans) {
-        if (p->device == device && p->n == n && p->m == m && p->k == k && p->lda == lda && p->ldb == ldb) return p;
+        if (p->device == device && p->precision == precision && p->n == n && p->m == m && p->k == k && p->lda == lda &&
+            p->ldb == ldb) {
+            return p;
+        }
     }
-    th_lt_bias_plan * p = new th_lt_bias_plan{device, n, m, k, lda, ldb, false, nullptr, nullptr, nullptr, nullptr, {}};
+    th_lt_bias_plan * p =
+        new th_lt_bias_plan{device, precision, n, m, k, lda, ldb, false, nullptr, nullptr, nullptr, nullptr, {}};
+    const cublasComputeType_t compute = precision == TH_PRECISION_TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     const size_t no_workspace = 0;
@@ -396,7 +403,7 @@ static th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t 
     cublasLtMatmulPreference_t pref = nullptr;
     cublasLtMatmulHeuristicResult_t found = {};
     int count = 0;
-    bool ok = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
+    bool ok = cublasLtMatmulDescCreate(&p->op, compute, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)) ==
@@ -438,7 +445,9 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
     const float one = 1.0f, zero = 0.0f;
     {
         std::lock_guard<std::mutex> lock(th_lt_mutex);      // the plans, and the bias pointer set on one
-        if (th_aligned16(w->data) && th_aligned16(x->data) && th_aligned16(b->data) && th_aligned16(dst->data)) {
+        // bf16: the plain path, whose product converts its operands (th-precision.cu)
+        if (th_cuda_precision_now() != TH_PRECISION_BF16 && th_aligned16(w->data) && th_aligned16(x->data) &&
+            th_aligned16(b->data) && th_aligned16(dst->data)) {
             const cublasLtHandle_t lt = (cublasLtHandle_t) cublas;
             th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, lda, ldb);
             const void * bias = b->data;
@@ -456,9 +465,9 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
     // the plain path: b in every row, then cuBLAS adds the product to it (beta 1: the call ggml's
     // MUL_MAT makes), y written, read and written again
     th_rows_affine(stream, nullptr, nullptr, (const float *) b->data, (float *) dst->data, n, m);
-    return cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int) n, (int) m, (int) k, &one, (const float *) w->data,
-                       (int) lda, (const float *) x->data, (int) ldb, &one, (float *) dst->data, (int) n) ==
-           CUBLAS_STATUS_SUCCESS;
+    return th_cublas_sgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int) n, (int) m, (int) k, &one,
+                           (const float *) w->data, (int) lda, (const float *) x->data, (int) ldb, &one,
+                           (float *) dst->data, (int) n) == CUBLAS_STATUS_SUCCESS;
 }
 
 // rows of ne[0] floats (the source's nb[0] is a float): a warp a row, blockDim (32, 8)

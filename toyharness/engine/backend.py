@@ -39,6 +39,7 @@ class Engine:
         self.threads = 0
         self.set_threads(threads)
         self.portable = False
+        self.precision = "fp32"
 
     def set_portable(self, portable: bool) -> None:
         """The cpu backend's portable golden mode, for programs made from now on: every node is
@@ -47,6 +48,12 @@ class Engine:
         if portable and not self.is_cpu:
             raise BackendError(f"the portable mode is for the cpu backend, not {self.backend}")
         self.portable = bool(portable)
+
+    def set_precision(self, precision: str) -> None:
+        """The precision of the matrix products of programs made from now on (Options.precision;
+        check_precision says which backend takes which)."""
+        check_precision(self.backend, precision)
+        self.precision = precision
 
     @property
     def is_cpu(self) -> bool:
@@ -108,6 +115,27 @@ def _device_slug(text: str) -> str:
     """A device description as a fingerprint part: lower case, runs of other characters as one '-'
     (llvmpipe's names its LLVM version and vector width, both of which change float results)."""
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+def check_precision(backend: str, precision: str) -> None:
+    """fp32 on every backend; tf32 and bf16 on cuda with toyharness's kernels
+    (native/cuda/th-precision.cu). Anything else is refused with the reason, before a program is built."""
+    from .._ffi import cuda_kernels_built
+    from ..options import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise BackendError(f"precision {precision!r} is not known; allowed: {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        return
+    if backend != "cuda":
+        raise BackendError(f"precision {precision} is for the cuda backend: the {backend} backend computes every "
+                           "matrix product in fp32 (its kernels have no TF32 or bf16 path); use precision=fp32")
+    if not cuda_kernels_built():
+        raise BackendError(f"precision {precision}: this ggml-cuda was built without toyharness's precision "
+                           "dispatch (native/cuda/th-precision.cu): reinstall (pip install -e .)")
+    if precision == "tf32" and os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        raise BackendError("precision tf32: NVIDIA_TF32_OVERRIDE=0 in the environment turns TF32 off in cuBLAS; "
+                           "unset it")
 
 
 def _cuda_arch_tag() -> str:

@@ -53,6 +53,8 @@ BACKWARD_TENSORS_PER_NODE = 7
 
 NP_TO_GGML = {np.dtype(np.float32): GGML_TYPE_F32, np.dtype(np.float16): GGML_TYPE_F16,
               np.dtype(np.int32): GGML_TYPE_I32}
+# native/custom_ops.h's TH_PRECISION_*
+PRECISION_CODES = {"fp32": 0, "tf32": 1, "bf16": 2}
 DTYPE_NAMES = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16, "bf16": GGML_TYPE_BF16, "i32": GGML_TYPE_I32}
 
 
@@ -191,6 +193,9 @@ class Program:
         self.grads_as_outputs = not engine.is_cpu
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
         self.fused_attention = fused_attention()
+        # the precision of this program's matrix products (Engine.set_precision): on cuda each
+        # product node is stamped with it after the rewrite (native/cuda_precision.c)
+        self.precision = engine.precision
         self.last_compute_s = 0.0
 
     # --- contexts and persistent tensors -------------------------------------------------
@@ -561,6 +566,8 @@ class Program:
                                    "could not follow its fused forward, or the graph holds a node another one "
                                    "writes but not that one (native/cuda_rewrite.c, th_cuda_rewrite): "
                                    "not computed")
+            if self.precision != "fp32" and lib.th_cuda_mark_precision(graph, PRECISION_CODES[self.precision]) < 0:
+                raise BackendError(f"precision {self.precision}: not known to native/cuda_precision.c")
             # after the rewrites: every node as the backend's dispatch will see it (ours included)
             self._check_supported(graph)
             self._gemm_rewritten.add(graph)

@@ -1,0 +1,67 @@
+// The precision of a node's matrix products inside ggml-cuda (issue 32; Options.precision).
+// native/build.py includes this header into ggml-cuda.cu and out-prod.cu with
+// TH_PRECISION_WRAP_CUBLAS defined, after their cuBLAS includes: their f32 cuBLAS calls then go
+// through the wrappers of th-precision.cu, and ggml-cuda.cu calls th_cuda_precision_before for
+// every node before computing it.
+//   fp32  the math mode CUBLAS_DEFAULT_MATH (ggml creates its handle in TF32 mode): full fp32
+//   tf32  CUBLAS_TF32_TENSOR_OP_MATH, and CUBLAS_COMPUTE_32F_FAST_TF32 for the Ex calls: inputs
+//         rounded to TF32 (10 mantissa bits) on tensor cores, fp32 accumulation
+//   bf16  every f32 product's operands converted to bf16 (round to nearest even, 8 significant
+//         bits) and multiplied on tensor cores with fp32 accumulation and fp32 output
+//         (CUDA_R_16BF in, CUBLAS_COMPUTE_32F); CUBLAS_COMPUTE_32F_FAST_16BF on the fp32 operands
+//         only allows that, and cuBLAS took TF32 kernels for it
+// Each is one cuBLAS algorithm per shape and handle, no atomics: the bits repeat run to run.
+#pragma once
+
+#include "ggml.h"
+
+#include <cublas_v2.h>
+
+// whether `node` may call cuBLAS (a product of ggml's, or a node of ours)
+static inline bool th_calls_cublas(const ggml_tensor * node) {
+    return node->op == GGML_OP_MUL_MAT || node->op == GGML_OP_OUT_PROD || node->op == GGML_OP_MUL_MAT_ID ||
+           node->op == GGML_OP_CUSTOM;
+}
+
+// before `node` computes: its precision becomes the current one, and the handle's math mode
+// follows it (only for nodes that may call cuBLAS)
+void th_cuda_precision_before(cublasHandle_t cublas, const ggml_tensor * node);
+// the precision of the node computing now (TH_PRECISION_*)
+int th_cuda_precision_now(void);
+
+cublasStatus_t th_cublas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                               const float * alpha, const float * a, int lda, const float * b, int ldb,
+                               const float * beta, float * c, int ldc);
+cublasStatus_t th_cublas_sgemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                       int k, const float * alpha, const float * const a[], int lda,
+                                       const float * const b[], int ldb, const float * beta, float * const c[],
+                                       int ldc, int count);
+cublasStatus_t th_cublas_sgemm_strided_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                               int n, int k, const float * alpha, const float * a, int lda,
+                                               long long sa, const float * b, int ldb, long long sb,
+                                               const float * beta, float * c, int ldc, long long sc, int count);
+cublasStatus_t th_cublas_gemm_ex(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                                 const void * alpha, const void * a, cudaDataType at, int lda, const void * b,
+                                 cudaDataType bt, int ldb, const void * beta, void * c, cudaDataType ct, int ldc,
+                                 cublasComputeType_t compute, cublasGemmAlgo_t algo);
+cublasStatus_t th_cublas_gemm_batched_ex(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                         int k, const void * alpha, const void * const a[], cudaDataType at, int lda,
+                                         const void * const b[], cudaDataType bt, int ldb, const void * beta,
+                                         void * const c[], cudaDataType ct, int ldc, int count,
+                                         cublasComputeType_t compute, cublasGemmAlgo_t algo);
+cublasStatus_t th_cublas_gemm_strided_batched_ex(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                                 int n, int k, const void * alpha, const void * a, cudaDataType at,
+                                                 int lda, long long sa, const void * b, cudaDataType bt, int ldb,
+                                                 long long sb, const void * beta, void * c, cudaDataType ct, int ldc,
+                                                 long long sc, int count, cublasComputeType_t compute,
+                                                 cublasGemmAlgo_t algo);
+
+#ifdef TH_PRECISION_WRAP_CUBLAS
+#undef cublasSgemm
+#define cublasSgemm th_cublas_sgemm
+#define cublasSgemmBatched th_cublas_sgemm_batched
+#define cublasSgemmStridedBatched th_cublas_sgemm_strided_batched
+#define cublasGemmEx th_cublas_gemm_ex
+#define cublasGemmBatchedEx th_cublas_gemm_batched_ex
+#define cublasGemmStridedBatchedEx th_cublas_gemm_strided_batched_ex
+#endif

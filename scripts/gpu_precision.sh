@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Precision on the GPU machine (issue 32): build ggml-cuda with our precision dispatch, check what
+# tf32 and bf16 compute (tests/test_precision.py), that every fp32 cuda golden keeps its bits,
+# record the @tf32 and @bf16 goldens and check them again (run-to-run bits), and time gpt2 and
+# llama at nano and gpt2-small beside PyTorch at the same precision.
+#
+#   scripts/gpu_precision.sh OUT_DIR [build] [check] [goldens] [agree600] [bench-fp32] [bench-tf32] [bench-bf16]
+#
+# BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
+# pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
+# in each precision), bench_<precision>_<size>.json.
+set -uo pipefail
+out=${1:?usage: scripts/gpu_precision.sh OUT_DIR [phases...]}
+shift
+phases=" ${*:-build check goldens bench-tf32} "
+mkdir -p "$out"
+log="$out/precision.log"
+source "$(dirname "$0")/gpu_env.sh"
+status=0
+PRECISION_RECIPES=(gpt2 llama lora vit_tiny warm_start)
+
+if [[ $phases == *" build "* ]]; then build_cuda; fi
+
+if [[ $phases == *" check "* ]]; then
+    step "precision: the products' rounding, run-to-run bits, agreement with fp32"
+    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py tests/test_cuda_kernels.py \
+        >"$out/pytest.log" 2>&1 || status=1
+    grep -E "^(tf32|bf16|fp32|gpt2|llama)|largest|passed|failed|FAILED|ERROR" "$out/pytest.log" | tee -a "$log"
+    step "every fp32 cuda golden keeps its bits"
+    toyharness golden check gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start --backend cuda 2>&1 \
+        | tee -a "$log" || status=1
+fi
+
+if [[ $phases == *" goldens "* ]]; then
+    names=()
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
+    step "precision goldens: record, then check (a second run must give the same bits)"
+    toyharness golden record "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    tar cf "$out/goldens.tar" goldens/cuda-*/*@tf32.yml goldens/cuda-*/*@bf16.yml 2>>"$log"
+fi
+
+if [[ $phases == *" agree600 "* ]]; then
+    step "600 steps of the default gpt2 and llama runs in each precision: eval loss against fp32's"
+    for recipe in gpt2 llama; do
+        for precision in fp32 tf32 bf16; do
+            toyharness run "$recipe" --backend cuda --steps 600 --set precision="$precision" \
+                --out "/tmp/agree/$recipe-$precision" --no-progress >>"$log" 2>&1 || status=1
+        done
+    done
+    python3 - "$out/agree600.json" <<'PY' 2>&1 | tee -a "$log" || status=1
+import json, sys
+out = {}
+for recipe in ("gpt2", "llama"):
+    runs = {p: json.load(open(f"/tmp/agree/{recipe}-{p}/summary.json")) for p in ("fp32", "tf32", "bf16")}
+    ref = runs["fp32"]["eval_loss"]
+    for p, s in runs.items():
+        rel = abs(s["eval_loss"] - ref) / abs(ref)
+        out[f"{recipe}@{p}"] = {"eval_loss": s["eval_loss"], "final_loss": s["final_loss"], "wall_s": s["wall_s"],
+                                "rel_to_fp32": rel}
+        print(f"{recipe} {p}: eval loss {s['eval_loss']:.5f} after 600 steps, {100 * rel:.3f}% from fp32's; "
+              f"{s['wall_s']:.1f} s")
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+sys.exit(0 if all(v["rel_to_fp32"] < 0.01 for v in out.values()) else 1)
+PY
+fi
+
+for precision in fp32 tf32 bf16; do
+    [[ $phases == *" bench-$precision "* ]] || continue
+    for size in ${BENCH_SIZES:-nano gpt2-small}; do
+        step "bench: gpt2 and llama at size $size, precision $precision (PyTorch on cuda, same precision)"
+        toyharness bench gpt2 llama --backend cuda --size "$size" --precision "$precision" --steps 10 \
+            --out "$out/bench_${precision}_${size}.json" 2>&1 | tee -a "$log" || status=1
+    done
+done
+step "done, status $status"
+exit $status

@@ -1,0 +1,188 @@
+"""`precision = fp32 | tf32 | bf16` (issue 32): the option, its refusal where a backend has no such
+path, the goldens' precision variants, the stamp that carries it to the cuda dispatch
+(native/cuda_precision.c, native/cuda/th-precision.cu), and on a GPU what it computes: products
+rounded as TF32 or bf16 and summed in fp32, run-to-run bits, and the losses' agreement with fp32.
+
+The cuda tests skip, saying why, where no cuda build or GPU is present (`nox -s tests-cuda`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_backends import needs
+from test_cuda_kernels import native_build
+
+from toyharness import goldens
+from toyharness._ffi import ffi, lib
+from toyharness.engine import get_engine
+from toyharness.engine.program import PRECISION_CODES
+from toyharness.errors import BackendError, InputError
+from toyharness.options import Options, convert
+
+ROOT = Path(__file__).resolve().parents[1]
+RNG = np.random.default_rng(32)
+# Unit roundoff of an input rounded to nearest: TF32 keeps 10 of fp32's 23 mantissa bits, bf16 7.
+UNIT_ROUNDOFF = {"tf32": 2.0**-11, "bf16": 2.0**-8}
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True)
+
+
+def test_precision_defaults_to_fp32_and_is_written_to_the_run_folder(tmp_path):
+    assert Options().precision == "fp32"
+    res = cli("run", "gpt2", "--steps", "1", "--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2",
+              "--set", "t_seq=16", "--set", "t_batch=2", "--out", str(tmp_path / "run"), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    assert 'precision = "fp32"' in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_an_unknown_precision_is_refused_by_name():
+    with pytest.raises(InputError, match=r"option 'precision': 'fp16' is not allowed; allowed: fp32, tf32, bf16"):
+        convert(Options, "precision", "fp16")
+    res = cli("run", "gpt2", "--steps", "1", "--set", "precision=fp8")
+    assert res.returncode == 2
+    assert "option 'precision': 'fp8' is not allowed" in res.stderr
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_the_cpu_backend_refuses_tf32_and_bf16_in_one_line_saying_why(precision):
+    res = cli("run", "gpt2", "--steps", "1", "--set", f"precision={precision}", "--backend", "cpu")
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines == [f"toyharness: error: precision {precision} is for the cuda backend: the cpu backend computes "
+                     "every matrix product in fp32 (its kernels have no TF32 or bf16 path); use precision=fp32"]
+    with pytest.raises(BackendError, match="is for the cuda backend"):
+        get_engine("cpu").set_precision(precision)
+    assert get_engine("cpu").precision == "fp32"
+
+
+def test_bench_takes_precision_by_its_own_flag_and_refuses_it_on_cpu():
+    res = cli("bench", "gpt2", "--precision", "tf32", "--steps", "10")
+    assert res.returncode == 2 and "precision tf32 is for the cuda backend" in res.stderr
+    res = cli("bench", "gpt2", "--set", "precision=bf16", "--steps", "10")
+    assert res.returncode == 2 and "--set precision=...: use --precision" in res.stderr
+
+
+def test_a_precision_is_a_golden_variant_of_every_recipe_on_cuda():
+    assert goldens.split_precision("gpt2@tf32") == ("gpt2", "tf32")
+    assert goldens.split_precision("lora@q4_k@bf16") == ("lora@q4_k", "bf16")
+    assert goldens.split_precision("lora@q4_k") == ("lora@q4_k", "fp32")
+    assert goldens.golden_sets_for("gpt2@tf32") == goldens.golden_sets_for("gpt2") + ["precision=tf32"]
+    assert goldens.golden_sets_for("lora@q4_k@bf16") == goldens.golden_sets_for("lora@q4_k") + ["precision=bf16"]
+    assert "gpt2@tf32" not in goldens.golden_names("gpt2")
+    assert {"gpt2@tf32", "gpt2@bf16"} <= set(goldens.golden_names("gpt2", "cuda"))
+    assert "lora@q4_k@tf32" in goldens.golden_names("lora", "cuda")
+
+
+def test_the_stamp_marks_every_product_and_nothing_else():
+    """Built on cpu, never computed: the products of a small training graph carry the precision
+    in the slot th-precision.cu reads; fp32 clears it; an unknown code is refused."""
+    prog = get_engine("cpu").program()
+    w = prog.param("w", RNG.normal(size=(8, 16)).astype(np.float32))
+    x = prog.constant("x", RNG.normal(size=(4, 16)).astype(np.float32))
+    trainer = prog.trainer(prog.scalar_loss(x.matmul_t(w).sum()), "bias_corrected")
+    graph = trainer.gb_grad
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    ops = [ffi.string(lib.ggml_op_desc(n)).decode() for n in nodes]
+    products = sum(op in ("MUL_MAT", "OUT_PROD") for op in ops)
+    assert products >= 2                                     # the forward and w's gradient at least
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["tf32"]) == products
+    assert [lib.th_cuda_precision_of(n) for n in nodes] == [1 if op in ("MUL_MAT", "OUT_PROD") else 0 for op in ops]
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"]) == products
+    assert {lib.th_cuda_precision_of(n) for n, op in zip(nodes, ops) if op == "MUL_MAT"} == {2}
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["fp32"]) == products
+    assert {lib.th_cuda_precision_of(n) for n in nodes} == {0}
+    assert lib.th_cuda_mark_precision(graph, 7) == -1
+
+
+def test_the_precision_edits_apply_once_to_the_pinned_ggml():
+    build = native_build()
+    cuda = build.ggml_source() / "src" / "ggml-cuda"
+    edited = build.cuda_dispatch_source((cuda / "ggml-cuda.cu").read_text())
+    assert edited.count('#include "ggml-cuda/th-precision.cuh"') == 1
+    assert edited.count("if (th_calls_cublas(dst)) th_cuda_precision_before(ctx.cublas_handle(), dst);") == 1
+    # the hook is the first line of the node's dispatch
+    head = edited.split("static bool ggml_cuda_compute_forward(ggml_backend_cuda_context & ctx, "
+                        "struct ggml_tensor * dst) {\n", 1)[1]
+    assert head.startswith("    if (th_calls_cublas(dst))")
+    out_prod = build.cuda_dispatch_source((cuda / "out-prod.cu").read_text(), build.CUDA_OUT_PROD_EDITS,
+                                          "out-prod.cu")
+    assert out_prod.count('#define TH_PRECISION_WRAP_CUBLAS\n#include "th-precision.cuh"') == 1
+    with pytest.raises(build.BuildError, match=r"out-prod.cu: '#include \"out-prod.cuh\"' found 0 times"):
+        build.cuda_dispatch_source("int x;\n", build.CUDA_OUT_PROD_EDITS, "out-prod.cu")
+
+
+# --- on a GPU ------------------------------------------------------------------------------------
+def round_mantissa(a: np.ndarray, bits: int, nearest: bool = True) -> np.ndarray:
+    """float32 cut to `bits` explicit mantissa bits, rounded to nearest (ties to even) or toward
+    zero (what a tensor core does with the low bits it does not read), as float64."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    drop = 23 - bits
+    if drop == 0:
+        return np.asarray(a, np.float64)
+    if nearest:
+        u = u + (1 << (drop - 1)) - 1 + ((u >> drop) & 1)
+    u = u >> drop << drop
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def product_on_cuda(precision: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    engine = get_engine("cuda")
+    engine.set_precision(precision)
+    try:
+        prog = engine.program()
+        y = prog.constant("a", a).matmul_t(prog.constant("b", b))
+        return prog.forward({"y": y}).run({})["y"].astype(np.float64)
+    finally:
+        engine.set_precision("fp32")
+
+
+@pytest.mark.parametrize("precision", [pytest.param(p, marks=needs("cuda")) for p in ("fp32", "tf32", "bf16")])
+def test_a_product_rounds_its_inputs_to_the_precision_and_sums_in_fp32(precision):
+    """Inputs with every mantissa bit used: the cuda product equals float64's product of the
+    inputs rounded as the precision says (to fp32's summation error), and not the unrounded one."""
+    a = RNG.normal(size=(96, 256)).astype(np.float32)
+    b = RNG.normal(size=(80, 256)).astype(np.float32)
+    got = product_on_cuda(precision, a, b)
+    bits = {"fp32": 23, "tf32": 10, "bf16": 7}[precision]
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64).T
+    # the inputs rounded to nearest, or cut (the tensor cores' TF32 reads fp32 and drops bits)
+    errs = {mode: float(np.max(np.abs(got - round_mantissa(a, bits, mode == "nearest")
+                                      @ round_mantissa(b, bits, mode == "nearest").T) / scale))
+            for mode in ("nearest", "toward zero")}
+    mode, err_rounded = min(errs.items(), key=lambda kv: kv[1])
+    err_exact = float(np.max(np.abs(got - exact) / scale))
+    print(f"{precision}: inputs rounded {mode}; error against them {err_rounded:.3g} (the other rounding: "
+          f"{max(errs.values()):.3g}), against the exact product {err_exact:.3g} (relative to sum |a||b|)")
+    assert err_rounded < 256 * 2.0**-24          # fp32 accumulation over k = 256
+    if precision != "fp32":
+        # rounding moves the exact product by about u/sqrt(k) of the scale: far above fp32's sums
+        assert err_exact > 0.05 * UNIT_ROUNDOFF[precision]
+
+
+@pytest.mark.parametrize("precision", [pytest.param(p, marks=needs("cuda")) for p in ("tf32", "bf16")])
+@pytest.mark.parametrize("recipe", ["gpt2", "llama"])
+def test_the_first_16_losses_repeat_and_agree_with_fp32(recipe, precision):
+    """Run to run the same bits; against the fp32 run (the cuda golden's config) each of the first
+    16 losses within 2 u relative, u the precision's unit roundoff (TF32 2^-11, bf16 2^-8): each
+    product's inputs are rounded with relative error at most u, so the logits move by about u of
+    their size (below 1 here); the loss, a mean of log-softmaxes, is 1-Lipschitz in the logits and
+    about ln 256 = 5.5, and 16 AdamW steps at lr 1e-3 compound the difference little. And not
+    fp32's bits: the precision is really in effect."""
+    fp32 = goldens.compute(recipe, "cuda")
+    first, second = goldens.compute(f"{recipe}@{precision}", "cuda"), goldens.compute(f"{recipe}@{precision}", "cuda")
+    assert goldens.compare(first, second) is None, f"{recipe}@{precision} is not run-to-run deterministic"
+    assert first["options"]["precision"] == precision
+    ours = np.array([x["value"] for x in first["losses"]], np.float64)
+    ref = np.array([x["value"] for x in fp32["losses"]], np.float64)
+    rel = np.abs(ours - ref) / np.abs(ref)
+    print(f"{recipe}@{precision}: largest relative difference to fp32 over 16 steps {rel.max():.3g} "
+          f"(step 0: {rel[0]:.3g}); tolerance {2 * UNIT_ROUNDOFF[precision]:.3g}")
+    assert rel.max() < 2 * UNIT_ROUNDOFF[precision]
+    assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in fp32["losses"]]
