@@ -89,6 +89,12 @@ int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kerne
 /* frozen_matmul.c: products with a frozen non-f32 weight (f16, bf16, quantized), in f32 */
 int th_rewrite_frozen(struct ggml_cgraph * graph);
 const char * th_frozen_kernel_name(const struct ggml_tensor * t, double * flops);
+int th_frozen_type_ok(int type);
+/* rows [r0, r0 + rows), columns [c0, c0 + cols) of a weight (f32 or a frozen type) as f32 */
+void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float * out);
+/* C (m x n, row-major) = A . B + beta C (A^T, B^T where asked): th_sgemm, or a plain loop */
+void th_frozen_gemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, const float * a, int64_t lda,
+                    const float * b, int64_t ldb, float beta, float * c, int64_t ldc);
 
 /* cpu_adamw.c (built with -fno-math-errno, so that its square root vectorises) */
 void th_adamw_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);

@@ -57,9 +57,15 @@ static float * th_tile(size_t n) {
 }
 
 /* rows [r0, r0 + rows) of W, columns [c0, c0 + cols) (c0 and cols multiples of the type's block,
- * or cols reaching the end of the row) into out (rows x cols, row-major) */
-static void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+ * or cols reaching the end of the row) into out (rows x cols, row-major); an f32 W is copied */
+void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                           float * out) {
+    if (w->type == GGML_TYPE_F32) {
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(out + r * cols, (const char *) w->data + (r0 + r) * w->nb[1] + c0 * sizeof(float), cols * sizeof(float));
+        }
+        return;
+    }
     const struct ggml_type_traits * tr = ggml_get_type_traits(w->type);
     const size_t col_offset = (size_t) (c0 / tr->blck_size) * tr->type_size;
     for (int64_t r = 0; r < rows; r++) {
@@ -70,7 +76,7 @@ static void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows
 /* C (m x n, row-major) = A . B + beta C, A (m x k) read transposed when trans_a (stored k x m),
  * B (k x n), or B^T when trans_b (stored n x k). th_sgemm when the binding gave one; else a
  * plain loop (each element summed over k in order: slow, same meaning). */
-static void th_frozen_gemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, const float * a, int64_t lda,
+void th_frozen_gemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, const float * a, int64_t lda,
                            const float * b, int64_t ldb, float beta, float * c, int64_t ldc) {
     if (th_sgemm != NULL) {
         th_sgemm(TH_ROW_MAJOR, trans_a ? TH_TRANS : TH_NO_TRANS, trans_b ? TH_TRANS : TH_NO_TRANS, (int) m, (int) n,

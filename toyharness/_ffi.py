@@ -183,6 +183,9 @@ int th_cpu_rewrite(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);
+int th_chunked_cross_entropy(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * ids, ggml_tensor * mask,
+                             ggml_tensor * count, ggml_tensor ** hidden, ggml_tensor ** grad,
+                             ggml_tensor ** row_loss, char * why, int why_len);
 int th_portable_dequantize(int type, const void * src, float * dst, int64_t n);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 int64_t th_column_sum_rows(const ggml_tensor * t);

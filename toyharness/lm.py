@@ -25,6 +25,22 @@ from .errors import InputError
 from .hookspecs import hookimpl
 from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_tokenizer, read_metadata
 
+# Past this many classes `chunked_loss=auto` takes the chunked loss: the standard loss's four
+# (rows x vocab) f32 buffers then outweigh the rest of a step (Gemma 3's 262,144 classes at 1,024
+# rows: 4 GiB), while the chunked one costs a third product over the output weight.
+CHUNKED_LOSS_VOCAB = 200_000
+
+
+def use_chunked_loss(options, vocab: int, prog: Program) -> bool:
+    """Whether a recipe with a `chunked_loss` option (auto, on, off) trains on
+    Program.chunked_cross_entropy: `on` always (refused off the fast cpu path), `auto` on the
+    fast cpu path from CHUNKED_LOSS_VOCAB classes; recipes without the option never."""
+    want = getattr(options, "chunked_loss", "off")
+    if want == "on" and not prog.cpu_kernels:
+        raise InputError("chunked_loss=on: the chunked loss runs on the cpu backend's fast path only "
+                         "(not on this backend or in the portable mode); set chunked_loss=off")
+    return want == "on" or (want == "auto" and prog.cpu_kernels and vocab >= CHUNKED_LOSS_VOCAB)
+
 
 class LanguageModel:
     """A recipe's forward wrapped with inputs, loss and trainer on one program."""
@@ -45,8 +61,12 @@ class LanguageModel:
         self.convention = options.adamw_convention
         if trainable:
             # data with a loss mask (JSONL examples): the mean over the positions that count
-            self.loss = (self.prog.masked_cross_entropy(self.logits, "targets", "mask") if masked
-                         else self.prog.cross_entropy(self.logits, "targets"))
+            mask = "mask" if masked else None
+            if use_chunked_loss(options, vocab, self.prog):
+                self.loss = self.prog.chunked_cross_entropy(self.logits, "targets", mask)
+            else:
+                self.loss = (self.prog.masked_cross_entropy(self.logits, "targets", "mask") if masked
+                             else self.prog.cross_entropy(self.logits, "targets"))
             self.trainer = self.prog.trainer(self.loss, self.convention)
         else:
             self.trainer = None

@@ -48,6 +48,9 @@ class LoRAOptions(Options):
     alpha: float = 16.0
     targets: tuple[str, ...] = choice(("q",), ALL_TARGETS)
     merged: bool = False
+    # the loss over the base's vocabulary a tile at a time (toyharness.lm.use_chunked_loss):
+    # auto = from 200,000 classes on cpu (Gemma 3), on, off
+    chunked_loss: str = choice("auto", ("auto", "on", "off"))
     t_seq: int = 64
     t_batch: int = 16
     lr: float = 2e-3

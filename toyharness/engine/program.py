@@ -528,6 +528,39 @@ class Program:
         return CrossEntropy(train.named(f"{targets}.masked_loss"), report.named(f"{targets}.masked_loss_report"),
                             targets)
 
+    def chunked_cross_entropy(self, logits: Tensor, targets: str, mask: str | None = None) -> CrossEntropy:
+        """Mean cross-entropy (over the rows `mask` counts, when given) of `logits` = h @ W.T, a
+        product of hidden rows and a frozen output weight, without its (rows x vocab) buffers:
+        native/chunked_loss.c computes each row's logsumexp and dL/dh a vocabulary tile at a
+        time, so the largest loss buffer is (d x rows x 16) instead of four (rows x vocab) ones.
+        The graph trains on sum(h * dL/dh), whose gradient in h is dL/dh; `report` is the mean
+        of the rows' losses, summed by one thread. Targets are fed as i32 ids (the fast cpu path
+        only: the kernels are custom nodes)."""
+        if not self.cpu_kernels:
+            raise BackendError("the chunked loss runs on the cpu backend's fast path only (native/chunked_loss.c); "
+                               "not on this backend or in the portable mode")
+        if logits.type != GGML_TYPE_F32:
+            raise ShapeError(f"chunked_cross_entropy: logits must be f32, got {logits!r}")
+        shape, vocab = tuple(logits.shape[:-1]), logits.shape[-1]
+        rows = math.prod(shape)
+        ids = self.input(targets, shape, "i32", upper=vocab)
+        if mask is not None:
+            m = self.input(mask, shape, "f32")
+            counted = m.sum()
+        else:
+            m, counted = None, self.constant(f"{targets}.rows", np.full(1, rows, np.float32))
+        out, why = ffi.new("ggml_tensor *[3]"), ffi.new("char[256]")
+        if lib.th_chunked_cross_entropy(self._ctx_compute, logits.ptr, ids.ptr, m.ptr if m is not None else ffi.NULL,
+                                        counted.ptr, out, out + 1, out + 2, why, 256) < 0:
+            raise ShapeError(f"chunked_cross_entropy: {ffi.string(why).decode()}")
+        hidden, grad, row_loss = Tensor(self, out[0], 2), Tensor(self, out[1], 2), Tensor(self, out[2], 1)
+        train = (hidden * grad).sum()
+        lib.ggml_set_loss(train.ptr)
+        report = row_loss.sum() / counted if mask is not None else row_loss.sum().scale(1.0 / rows)
+        lib.ggml_set_output(report.ptr)
+        return CrossEntropy(train.named(f"{targets}.chunked_loss"), report.named(f"{targets}.chunked_loss_report"),
+                            targets)
+
     def scalar_loss(self, value: Tensor, name: str = "loss") -> CrossEntropy:
         """Train on any scalar (tests, custom objectives); it is also what `step` reports."""
         if value.numel() != 1 or value.type != GGML_TYPE_F32:
