@@ -201,15 +201,7 @@ def test_gemmas_template_raises_by_its_own_message(vocabs, vocab_dir):
         render_chat(tok, [CONV[1], CONV[3]])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma2/3", "phi-3",
-                                    pytest.param("qwen3", marks=pytest.mark.xfail(strict=True, reason=(
-                                        "toyharness/data/jsonl.py masks by rendered prefixes, but Qwen3's template "
-                                        "adds <think></think> only to the last assistant turn: the first turn's "
-                                        "span runs into the next user turn"))),
-                                    pytest.param("gemma4", marks=pytest.mark.xfail(strict=True, reason=(
-                                        "toyharness/data/jsonl.py masks by rendered prefixes, but Gemma 4's "
-                                        "generation prompt adds an empty thought channel the conversation lacks: "
-                                        "nothing is counted")))])
+@pytest.mark.parametrize("family", ["qwen2", "gemma2/3", "phi-3", "qwen3", "gemma4"])
 def test_mask_prompt_counts_exactly_the_assistant_turns(family, vocabs, vocab_dir):
     from toyharness.data.jsonl import encode_example
 
@@ -234,3 +226,22 @@ def test_an_ambiguous_fim_token_is_refused_by_name():
     # named by the file: llama.cpp looks for none by text and leaves both tokens as they are
     named = GGUFTokenizer("llama", tokens, [2, 3, 3, 1, 1, 1], special_ids={"fim_pre": 3})
     assert not named.attrs[3] & A_CONTROL and not named.attrs[4] & A_CONTROL
+
+
+def test_mask_prompt_refuses_what_it_cannot_locate_by_name(vocabs):
+    """A template that renders a turn's content only when it is the last message, and an empty
+    assistant turn: refused, naming the line and the turn, never masked wrongly."""
+    import dataclasses
+
+    from toyharness.data.jsonl import encode_example
+
+    hiding = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' or loop.last %}"
+              "{{ m.content }}{% else %}(hidden){% endif %}<|im_end|>\n{% endfor %}")
+    tok = dataclasses.replace(vocabs("qwen2"), chat_template=hiding)
+    with pytest.raises(InputError, match=r"^line 3: assistant turn 1: its content is not where the chat template "
+                                         r"renders the conversation; set mask_prompt=false$"):
+        encode_example({"messages": CONV[1:]}, tok, True, "line 3")
+    assert encode_example({"messages": CONV[1:]}, tok, False, "line 3").counts   # without masking: all counted
+    empty = [CONV[1], {"role": "assistant", "content": " "}]
+    with pytest.raises(InputError, match=r"^line 4: assistant turn 1 is empty"):
+        encode_example({"messages": empty}, tok, True, "line 4")

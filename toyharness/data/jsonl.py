@@ -15,6 +15,7 @@ padding never counts. The last 10% of examples are the held-out split.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,24 +113,55 @@ def encode_example(obj: dict, tokenizer, mask_prompt: bool, where: str) -> Examp
 
 
 def _chat_example(msgs: list[dict], tokenizer, mask_prompt: bool, where: str) -> Example:
-    """The whole conversation's ids; with mask_prompt only each assistant turn counts (its ids
-    from the end of the rendered prefix with the generation prompt to the end of the turn)."""
+    """The whole conversation's ids; with mask_prompt only each assistant turn counts: its content
+    and the markup that closes it, found in the conversation as rendered whole.
+
+    A turn is located in the whole rendering, never taken from a rendering of the conversation
+    cut after it: templates render the last turn their own way (Qwen3 adds an empty
+    <think></think> to assistant turns after the last user turn, Gemma 4's generation prompt an
+    empty thought channel), so a cut rendering is not a prefix of the whole. The closing markup is
+    what follows the content in the cut rendering, as far as the whole one agrees. Token positions
+    are the lengths of the rendering's prefixes encoded, checked to be prefixes of the whole's
+    ids; where any of this fails the example is refused by name, never masked wrongly."""
     try:
-        full = tokenizer.encode(render_chat(tokenizer, msgs), add_special=False)
+        text = render_chat(tokenizer, msgs)
+        full = tokenizer.encode(text, add_special=False)
     except InputError as exc:
         raise InputError(f"{where}: {exc}") from None
     if not mask_prompt:
         return Example(full, [True] * len(full))
-    counts = [False] * len(full)
     if not any(m["role"] == "assistant" for m in msgs):
         raise InputError(f"{where}: no assistant message: nothing for the loss to count (or set mask_prompt=false)")
+
+    def token_position(chars: int, turn: int) -> int:
+        ids = tokenizer.encode(text[:chars], add_special=False)
+        if full[:len(ids)] != ids:
+            raise InputError(f"{where}: assistant turn {turn}: the conversation's ids do not split where the turn "
+                             "begins or ends (the tokenizer merges across it); set mask_prompt=false")
+        return len(ids)
+
+    counts = [False] * len(full)
+    cursor = 0
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        start = len(tokenizer.encode(render_chat(tokenizer, msgs[:i], add_generation_prompt=True)))
-        end = len(tokenizer.encode(render_chat(tokenizer, msgs[:i + 1])))
-        for j in range(start, min(end, len(full))):
+        before = render_chat(tokenizer, msgs[:i]) if i else ""
+        cursor = max(cursor, len(os.path.commonprefix([text, before])))
+        content = m["content"]
+        if not content.strip():
+            raise InputError(f"{where}: assistant turn {i} is empty: nothing of it to count; set mask_prompt=false "
+                             "or drop the turn")
+        begin = text.find(content, cursor)
+        alone = render_chat(tokenizer, msgs[:i + 1])
+        at = alone.rfind(content)
+        if begin < 0 or at < 0:
+            raise InputError(f"{where}: assistant turn {i}: its content is not where the chat template renders the "
+                             "conversation; set mask_prompt=false")
+        closing = os.path.commonprefix([alone[at + len(content):], text[begin + len(content):]])
+        stop = begin + len(content) + len(closing)
+        for j in range(token_position(begin, i), token_position(stop, i)):
             counts[j] = True
+        cursor = stop
     return Example(full, counts)
 
 
