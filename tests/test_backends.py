@@ -12,8 +12,10 @@ from toyharness._ffi import available_native_backends
 
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
 RECIPES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start"]
+# lora over a seeded base of each architecture beyond llama's (toyharness/architectures)
+ARCH_LORA = ["lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]
 # vulkan's: every golden config, lora over the quantized bases included
-VULKAN_GOLDENS = [*RECIPES, "lora@q4_k", "lora@q8_0"]
+VULKAN_GOLDENS = [*RECIPES, "lora@q4_k", "lora@q8_0", *ARCH_LORA]
 # how far each backend's losses may be from the cpu golden's (relative, any of the 16 steps)
 TOLERANCE = {"cuda": 1e-4, "metal": 1e-4, "vulkan": 1e-5}
 GPUS = ("cuda", "vulkan", "metal")
@@ -33,7 +35,7 @@ def needs(backend: str):
 
 def backend_goldens():
     return [pytest.param(b, recipe, marks=needs(b), id=f"{b}-{recipe}")
-            for b in GPUS for recipe in (VULKAN_GOLDENS if b == "vulkan" else RECIPES)]
+            for b in GPUS for recipe in (VULKAN_GOLDENS if b == "vulkan" else [*RECIPES, *ARCH_LORA])]
 
 
 @pytest.mark.parametrize("backend,recipe", backend_goldens())

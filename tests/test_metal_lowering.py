@@ -24,7 +24,8 @@ from toyharness.engine.metal_ops import METAL_FUNCTIONS, METAL_SOURCE, METAL_SUP
 from toyharness.errors import InputError
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN_NAMES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start", "lora@q4_k", "lora@q8_0"]
+GOLDEN_NAMES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start", "lora@q4_k", "lora@q8_0",
+                "lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]
 BACKEND = os.environ.get("TOYHARNESS_TEST_BACKEND", "cpu")
 if BACKEND not in available_native_backends():
     pytestmark = pytest.mark.skip(reason=f"TOYHARNESS_TEST_BACKEND={BACKEND}: that backend is not built into this "
