@@ -54,11 +54,14 @@ def frozen_product(path, name, threads, x, r, backend="cpu", cpu_kernels=True):
     ce = prog.scalar_loss((y * rt).sum())
     trainer = prog.trainer(ce, "bias_corrected")
     trainer.grads_only({})
+    # read before another graph runs: off the cpu a gradient is a node of the backward graph, in
+    # the compute buffer the next graph reuses
+    dx = prog.read(trainer.grad_acc["x"])
     kernels = {ffi.string(lib.th_kernel_name(lib.ggml_graph_node(trainer.gb_grad, i))).decode()
                for i in range(lib.ggml_graph_n_nodes(trainer.gb_grad))
                if lib.th_kernel_name(lib.ggml_graph_node(trainer.gb_grad, i)) != ffi.NULL}
     fwd = prog.forward({"y": y}).run({})["y"]
-    return fwd, prog.read(trainer.grad_acc["x"]), kernels
+    return fwd, dx, kernels
 
 
 @pytest.mark.parametrize("dtype", FROZEN_NAMES)
@@ -97,18 +100,24 @@ def test_without_the_cpu_kernels_the_weight_is_dequantized_in_the_graph(bases, d
     assert rel_err(y, x.astype(np.float64) @ w.T) < 1e-5 and rel_err(dx, r.astype(np.float64) @ w) < 1e-5
 
 
-def needs_cuda():
+def needs(backend: str = "cuda"):
     from toyharness._ffi import available_native_backends
 
-    present = "cuda" in available_native_backends()
-    return [pytest.mark.cuda, pytest.mark.skipif(not present, reason="the cuda backend is not built into this "
-                                                 "install (TOYHARNESS_BACKENDS=cpu,cuda) or no device")]
+    present = backend in available_native_backends()
+    return [getattr(pytest.mark, backend), pytest.mark.skipif(not present, reason=(
+        f"the {backend} backend is not built into this install (TOYHARNESS_BACKENDS=cpu,{backend}) or no device"))]
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(t, marks=needs_cuda()) for t in FROZEN_NAMES])
-def test_frozen_product_and_input_gradient_on_cuda(bases, dtype):
-    """On cuda the weight is uploaded in its type and dequantized in the graph (GET_ROWS): the
-    same products, the input gradient included (ggml's cuda OUT_PROD takes only f32)."""
+def needs_cuda():
+    return needs("cuda")
+
+
+@pytest.mark.parametrize("backend,dtype", [pytest.param(b, t, marks=needs(b), id=f"{b}-{t}")
+                                           for b in ("cuda", "vulkan") for t in FROZEN_NAMES])
+def test_frozen_product_and_input_gradient_on_a_gpu(bases, backend, dtype):
+    """On cuda and vulkan the weight is uploaded in its type and dequantized in the graph
+    (GET_ROWS): the same products, the input gradient included (ggml's OUT_PROD there takes
+    only f32)."""
     rng = np.random.default_rng(0)
     for name in ("blk.0.ffn_down.weight", "token_embd.weight"):
         with GGUFFile(bases[dtype]) as f:
@@ -116,21 +125,23 @@ def test_frozen_product_and_input_gradient_on_cuda(bases, dtype):
             w = dequantize(info.raw_bytes(), info.ggml_type, info.shape).astype(np.float64)
         x = rng.standard_normal((37, w.shape[1])).astype(np.float32)
         r = rng.standard_normal((37, w.shape[0])).astype(np.float32)
-        y, dx, _ = frozen_product(bases[dtype], name, None, x, r, backend="cuda")
+        y, dx, _ = frozen_product(bases[dtype], name, None, x, r, backend=backend)
         assert rel_err(y, x.astype(np.float64) @ w.T) < 1e-5, (dtype, name)
         assert rel_err(dx, r.astype(np.float64) @ w) < 1e-5, (dtype, name)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(t, marks=needs_cuda()) for t in ("q4_k", "q8_0", "q4_1", "f16")])
-def test_lora_on_a_quantized_base_on_cuda_repeats_and_agrees_with_cpu(bases, dtype):
+@pytest.mark.parametrize("gpu,dtype", [pytest.param("cuda", t, marks=needs("cuda"), id=f"cuda-{t}")
+                                       for t in ("q4_k", "q8_0", "q4_1", "f16")]
+                         + [pytest.param("vulkan", t, marks=needs("vulkan"), id=f"vulkan-{t}") for t in QUANTIZED])
+def test_lora_on_a_quantized_base_on_a_gpu_repeats_and_agrees_with_cpu(bases, gpu, dtype):
     runs = {}
-    for backend in ("cuda", "cuda", "cpu"):
+    for backend in (gpu, gpu, "cpu"):
         rec = Losses()
         train("lora", steps=6, backend=backend, sets=STEPS + [f"base={bases[dtype]}"], out=None, progress=False,
               write_files=False, observers=(rec,))
         runs.setdefault(backend, []).append(rec.losses)
-    assert [np.float32(x).tobytes() for x in runs["cuda"][0]] == [np.float32(x).tobytes() for x in runs["cuda"][1]]
-    cuda, cpu = np.array(runs["cuda"][0], np.float64), np.array(runs["cpu"][0], np.float64)
+    assert [np.float32(x).tobytes() for x in runs[gpu][0]] == [np.float32(x).tobytes() for x in runs[gpu][1]]
+    cuda, cpu = np.array(runs[gpu][0], np.float64), np.array(runs["cpu"][0], np.float64)
     assert float(np.max(np.abs(cuda - cpu) / cpu)) < 1e-4, (cuda, cpu)
     assert cuda[-1] < cuda[0]
 

@@ -88,6 +88,17 @@ def test_every_recipe_on_vulkan_near_the_cpu_golden_repeatable_and_on_its_own_go
     assert all("No such file" in s or "no golden" in s.lower() for s in skips), skips
 
 
+@needs_lavapipe
+def test_frozen_products_and_lora_over_every_frozen_type_on_vulkan(vulkan_native):
+    """tests/test_quant.py -m vulkan: each frozen type's product and input gradient against
+    gguf-py's dequantization, and lora over a base of each quantized type repeating its bits
+    and within 1e-4 of cpu."""
+    rc, out = child_pytest(vulkan_native, ["tests/test_quant.py", "-m", "vulkan"], {})
+    print(out[-3000:])
+    got = counts(out)
+    assert rc == 0 and got.get("passed", 0) >= 21 and not got.get("skipped"), out[-6000:]
+
+
 # --- runs without the packages: the build's staged edit and the backend names ----------------
 def native_build():
     import importlib.util
