@@ -169,11 +169,11 @@ def cmd_recipes(args) -> int:
 
     for name, e in discover().items():
         print(f"{name:<14} {e.distribution} {e.version}  ({e.value})")
-    print(f"lora bases and warm_start donors: GGUFs of architecture {', '.join(ARCHITECTURES)} "
-          f"(README, \"Architectures\")")
     print("observers (toyharness run RECIPE --log NAME):")
     for name, e in discover_observers().items():
         print(f"  {name:<12} {e.distribution} {e.version}  ({e.value})")
+    print(f"lora bases and warm_start donors: GGUFs of architecture {', '.join(ARCHITECTURES)} "
+          f"(README, \"Architectures\")")
     return 0
 
 
