@@ -46,6 +46,9 @@ class Recorder:
     def run_end(self, summary, artifacts):
         _log("run_end", steps=summary["steps"], artifacts=sorted(artifacts))
     @hookimpl
+    def run_failed(self, error):
+        _log("run_failed", error=error)
+    @hookimpl
     def sweep_start(self, sweep, grid, seeds, points):
         _log("sweep_start", sweep_id=sweep.sweep_id, grid=grid, seeds=seeds, tags=[p["tags"] for p in points])
     @hookimpl
@@ -75,7 +78,7 @@ class Misspelt:
 '''
 
 ENTRIES = ["recorder = rec_observers:Recorder", "failing = rec_observers:Failing", "slow = rec_observers:Slow",
-           "hung = rec_observers:Hung", "misspelt = rec_observers:Misspelt"]
+           "hung = rec_observers:Hung", "misspelt = rec_observers:Misspelt", "broken = no_such_observer_module:X"]
 
 
 @pytest.fixture
@@ -140,6 +143,13 @@ def test_an_implementation_of_no_observer_hook_is_refused_by_name(site):
         load_observers(["misspelt"])
 
 
+def test_observer_that_fails_to_import_names_its_distribution(site, tmp_path, capsys):
+    assert main(["run", "gpt2", "--steps", "2", *SETS, "--out", str(tmp_path / "run"), "--log", "broken"]) == 2
+    err = capsys.readouterr().err
+    assert "observer 'broken' from distribution rec_observers 1.0 failed to import" in err
+    assert "no_such_observer_module" in err and not (tmp_path / "run").exists()
+
+
 def test_an_argument_the_hook_does_not_have_is_refused_by_name():
     class Wrong:
         @hookimpl
@@ -179,6 +189,16 @@ def _config(run_dir: Path) -> dict:
     import tomllib
 
     return tomllib.loads((run_dir / "config.toml").read_text())
+
+
+def test_a_failed_run_tells_its_observers_why_and_keeps_its_exit_code(site, tmp_path, capsys):
+    rc = main(["run", "gpt2", "--steps", "4", *SETS, "--set", "lr=1e30", "--set", "warmup=0", "--out",
+               str(tmp_path / "run"), "--no-progress", "--log", "recorder"])
+    assert rc == 1
+    ev = events(site)
+    assert ev[-1]["event"] == "run_failed" and "run_end" not in [e["event"] for e in ev]
+    assert ev[-1]["error"].startswith("CheckFailed: gpt2: loss is ")
+    assert "observer" not in capsys.readouterr().err
 
 
 def test_log_option_is_kept_in_config_toml_and_a_resume_logs_again(site, tmp_path):

@@ -95,3 +95,22 @@ def test_a_store_that_cannot_open_is_refused_before_the_run(tmp_path, monkeypatc
     with pytest.raises(InputError, match="observer 'mlflow': the tracking store .* cannot be opened"):
         train("gpt2", steps=2, sets=TINY, out=str(tmp_path / "run"), progress=False, log="mlflow")
     assert not (tmp_path / "run").exists()
+
+
+def test_failed_run_is_marked_failed_and_a_resume_goes_on_in_the_same_run(store, tmp_path):
+    from toyharness.errors import CheckFailed
+
+    with pytest.raises(CheckFailed):
+        train("gpt2", steps=4, sets=[*TINY, "lr=1e30", "warmup=0"], out=str(tmp_path / "bad"), progress=False,
+              log="mlflow")
+    out = tmp_path / "run"
+    train("gpt2", steps=8, sets=TINY, out=str(out), progress=False, log="mlflow")
+    train("gpt2", steps=12, resume=str(out), progress=False)          # the option `log` comes from config.toml
+    runs = mlflow.search_runs(experiment_names=["toyharness-gpt2"], output_format="list")
+    (bad,) = [r for r in runs if r.info.run_name == "bad"]
+    assert bad.info.status == "FAILED" and "loss is" in bad.data.tags["toyharness.error"]
+    (good,) = [r for r in runs if r.info.run_name == "run"]
+    assert good.info.status == "FINISHED"
+    history = mlflow.tracking.MlflowClient().get_metric_history(good.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(12))
+    assert sorted((m.step, m.value) for m in history) == [(m["step"], m["loss"]) for m in metrics_of(out)]

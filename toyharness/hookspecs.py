@@ -118,6 +118,11 @@ class ObserverSpec:
         `Path`. Empty when the run writes no files."""
 
     @hookspec
+    def run_failed(self, run, error: str) -> None:
+        """The run stopped before its end: `error` is the one-line reason (a NaN loss, a write
+        that failed, an interrupt). No `run_end` follows; the steps before it were delivered."""
+
+    @hookspec
     def sweep_start(self, sweep, grid: dict, seeds: list, points: list) -> None:
         """A sweep begins (`toyharness sweep`), before any point runs. `sweep` has ``recipe``,
         ``sweep_id``, ``out_dir`` and ``backend``; `grid` maps each swept option to its values as

@@ -119,16 +119,22 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     entry, recipe_obj = get_recipe(recipe)
     options = resolve_options(recipe_obj, config, sets, {"steps": steps, "log": log})
     bus = ObserverBus(load_observers(options.log))      # an unknown --log name stops us here, exit 2
+    run_box: list[Run] = []
     try:
         return _train(recipe, entry, recipe_obj, options, bus, backend, threads, out, save_init, save_batches,
-                      resume_dir, observers, progress, write_files, dict(tags or {}))
+                      resume_dir, observers, progress, write_files, dict(tags or {}), run_box)
+    except BaseException as exc:
+        if run_box:     # run_start was sent: tell the observers how it ended
+            reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+            bus.emit("run_failed", run=run_box[0], error=" ".join(reason.split())[:500])
+        raise
     finally:
         bus.close()
 
 
 def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, backend: str, threads: int | None,
            out: str | None, save_init: bool, save_batches: bool, resume_dir: Path | None, observers: tuple,
-           progress: bool, write_files: bool, tags: dict[str, Any]) -> dict:
+           progress: bool, write_files: bool, tags: dict[str, Any], run_box: list) -> dict:
     pm = plugin_manager(recipe_obj, *observers)
     data = load_data(pm, options)
     if progress and hasattr(data, "summary"):      # JSONL examples: how many were truncated
@@ -163,6 +169,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                   "fingerprint": engine.fingerprint(), "tags": dict(tags)}
     pm.hook.run_start(run=run, **start_args)
     bus.emit("run_start", run=run, **start_args)
+    run_box.append(run)
 
     batches_log: dict[str, list] = {}
     per_batch = items_per_batch(data, options)

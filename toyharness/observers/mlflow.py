@@ -8,9 +8,10 @@ or a local file store ``file:./mlruns``, which MLflow >= 3.13 accepts only with
 and folder (and a sweep point's grid values and seed) as tags, metrics per step (``loss``, ``lr``,
 ``tokens_per_s``, ``step_ms``; ``eval_loss`` and ``eval_accuracy`` per evaluation) and, at the end,
 its files as artifacts: config.toml, metrics.jsonl, summary.json, loss.png and the exported model
-under ``model/`` (the checkpoint, init and batches files stay in the run folder). A sweep's parent
-run holds the grid, sweep.json and sweep.png; each point, running in its own process, finds it by
-the sweep's id.
+under ``model/`` (the checkpoint, init and batches files stay in the run folder). A run that fails
+is marked FAILED with its error as the tag ``toyharness.error``; a resumed one (``--resume``) goes on
+in the MLflow run of its folder. A sweep's parent run holds the grid, sweep.json and sweep.png; each
+point, running in its own process, finds it by the sweep's id (and a resumed sweep reuses it).
 """
 
 from __future__ import annotations
@@ -87,25 +88,37 @@ class MLflowObserver:
         for i in range(0, len(items), 100):      # MLflow takes at most 100 params per call
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
-    def _parent(self, experiment_id: str, sweep_id: str) -> str | None:
-        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`toyharness.sweep_id` = '{sweep_id}' "
-                                                                      "and tags.`toyharness.role` = 'sweep'",
-                                       max_results=1)
+    def _find(self, experiment_id: str, **tags: str) -> str | None:
+        """The latest run of the experiment with these toyharness.* tags (a sweep's parent, a run
+        being resumed), or None."""
+        where = " and ".join(f"tags.`toyharness.{k}` = '{str(v).replace(chr(39), '')}'" for k, v in tags.items())
+        runs = self.client.search_runs([experiment_id], filter_string=where, max_results=1,
+                                       order_by=["attributes.start_time DESC"])
         return runs[0].info.run_id if runs else None
+
+    def _reopen(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.client.update_run(run_id, status="RUNNING")
 
     # -- a run
 
     @hookimpl
     def run_start(self, run, options: dict, fingerprint: str, tags: dict) -> None:
         exp = self._experiment(run.recipe)
+        out_dir = str(Path(run.out_dir).resolve())
+        if run.metrics:       # resumed from a checkpoint: go on with the MLflow run of that folder
+            earlier = self._find(exp, out_dir=out_dir)
+            if earlier is not None:
+                self._reopen(earlier)
+                return
         mtags = {"toyharness.recipe": run.recipe, "toyharness.fingerprint": fingerprint,
-                 "toyharness.out_dir": str(Path(run.out_dir).resolve()), "toyharness.role": "run"}
+                 "toyharness.out_dir": out_dir, "toyharness.role": "run"}
         if tags:
             mtags.update({str(k): _param(v) for k, v in tags.items()})
             if "sweep_id" in tags:
                 mtags["toyharness.role"] = "point"
                 mtags["toyharness.sweep_id"] = str(tags["sweep_id"])
-                parent = self._parent(exp, str(tags["sweep_id"]))
+                parent = self._find(exp, sweep_id=tags["sweep_id"], role="sweep")
                 if parent is not None:
                     mtags["mlflow.parentRunId"] = parent
         name = str(tags.get("point_name") or Path(run.out_dir).name)
@@ -132,11 +145,23 @@ class MLflowObserver:
         self.client.log_batch(self.run_id, tags=[self._RunTag("toyharness.wall_s", str(summary.get("wall_s")))])
         self.client.set_terminated(self.run_id, "FINISHED")
 
+    @hookimpl
+    def run_failed(self, error: str) -> None:
+        if self.run_id is None:
+            return
+        self._flush()
+        self.client.set_tag(self.run_id, "toyharness.error", error[:5000])
+        self.client.set_terminated(self.run_id, "FAILED")
+
     # -- a sweep
 
     @hookimpl
     def sweep_start(self, sweep, grid: dict, seeds: list, points: list) -> None:
         exp = self._experiment(sweep.recipe)
+        earlier = self._find(exp, sweep_id=sweep.sweep_id, role="sweep")
+        if earlier is not None:       # `toyharness sweep --resume`: the same parent run
+            self._reopen(earlier)
+            return
         tags = {"toyharness.recipe": sweep.recipe, "toyharness.role": "sweep", "toyharness.sweep_id": sweep.sweep_id,
                 "toyharness.out_dir": str(sweep.out_dir), "toyharness.backend": sweep.backend}
         self.run_id = self.client.create_run(exp, run_name=f"sweep {Path(sweep.out_dir).name}", tags=tags).info.run_id

@@ -3,7 +3,8 @@
 Written with TensorBoard's own event writer (no TensorFlow): scalars ``train/loss``, ``train/lr``,
 ``train/tokens_per_s``, ``train/step_ms`` per step, ``eval/loss`` (and ``eval/accuracy``) per
 evaluation, and text: ``options`` (resolved options and backend fingerprint), ``tags`` (a sweep
-point's grid values and seed), ``summary`` and ``artifacts`` at the end. A sweep writes its grid and
+point's grid values and seed), ``summary`` and ``artifacts`` at the end (``error`` if it failed). A
+resumed run appends a new event file to the same folder. A sweep writes its grid and
 its results table to SWEEP_DIR/tensorboard/, beside each point's own folder, so
 ``tensorboard --logdir SWEEP_DIR`` shows every point of it.
 """
@@ -87,6 +88,12 @@ class TensorBoardObserver:
         if artifacts:
             self._text("artifacts", _markdown_table({k: str(v) for k, v in artifacts.items()}, ("file", "path")), step)
         self._close()
+
+    @hookimpl
+    def run_failed(self, error: str) -> None:
+        if self.writer is not None:
+            self._text("error", error)
+            self._close()
 
     # -- a sweep
 
