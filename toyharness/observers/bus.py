@@ -65,7 +65,7 @@ class ObserverBus:
                  wait_s: float | None = None):
         self.slots = [_Slot(name, pm) for name, pm in observers]
         self.report = report
-        self.wait_s = wait_limit() if wait_s is None else wait_s
+        self.wait_s = wait_s if wait_s is not None else wait_limit() if self.slots else DEFAULT_WAIT_S
         self.current: str | None = None           # the observer being called now
         self._queue: queue.Queue = queue.Queue()
         self._t0 = time.perf_counter()
