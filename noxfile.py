@@ -110,6 +110,14 @@ def ray(session):
 
 
 @nox.session
+def mlflow(session):
+    """The mlflow observer against MLflow's local file store (mlflow-skinny: the tracking client
+    without the server and its database stack), read back through mlflow.search_runs."""
+    session.install("-e", ".[test,mlflow]")
+    session.run("pytest", "-q", "-m", "mlflow", "-rs", "tests/test_observers_mlflow.py", *session.posargs)
+
+
+@nox.session
 def fuzz(session):
     """Hostile input and a hostile machine at scale: ~100k seeded cases over every file reader
     (the table of counts per reader; failing inputs are added to tests/fuzz_corpus), atheris

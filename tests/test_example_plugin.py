@@ -41,6 +41,8 @@ def test_plugin_is_listed_with_its_distribution(installed):
     lines = {line.split()[0]: line for line in res.stdout.splitlines()}
     assert "toyharness-example-bigram 0.1.0" in lines["bigram"]
     assert "toyharness 0.1.0" in lines["gpt2"], "built-ins are still there"
+    assert "toyharness-example-bigram 0.1.0" in lines["losscsv"] and "toyharness_bigram.observer:LossCSV" in \
+        lines["losscsv"], "its observer too"
 
 
 def test_plugin_runs(installed, tmp_path):
@@ -50,11 +52,21 @@ def test_plugin_runs(installed, tmp_path):
     assert (tmp_path / "run" / "model.gguf").is_file() and (tmp_path / "run" / "summary.json").is_file()
 
 
+def test_plugin_observer_logs_any_recipe(installed, tmp_path):
+    res = cli("run", "gpt2", "--steps", "6", "--set", "n_layer=1", "--set", "d_model=16", "--set", "n_head=2",
+              "--set", "eval_every=3", "--out", str(tmp_path / "run"), "--no-progress", "--log", "losscsv",
+              env=installed)
+    assert res.returncode == 0, res.stderr
+    lines = (tmp_path / "run" / "losses.csv").read_text().splitlines()
+    assert lines[0] == "step,loss,eval_loss" and len(lines) == 7
+    assert lines[3].split(",")[0] == "2" and lines[3].split(",")[2] != ""    # the eval after step 2
+
+
 def test_plugin_passes_its_golden_from_its_own_suite(installed):
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"], cwd=PLUGIN,
                          capture_output=True, text=True, timeout=600, env=installed)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "2 passed" in res.stdout and "skipped" not in res.stdout, res.stdout
+    assert "3 passed" in res.stdout and "skipped" not in res.stdout, res.stdout
 
 
 def _fake_dist(site: Path, dist: str, entry: str) -> None:

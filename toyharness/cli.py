@@ -37,15 +37,21 @@ examples:
 """
 
 
+LOG_HELP = ("observers to log to (toyharness.observers entry points, listed by `toyharness recipes`): "
+            "tensorboard, mlflow, or a plugin's; the option `log`")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench import SIZES
 
     p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    sub.add_parser("recipes", help="list installed recipes (name, distribution, version) and base architectures",
-                   description="List every recipe found through the toyharness.recipes entry points, and the "
-                               "GGUF architectures lora and warm_start take as a base or donor.")
+    sub.add_parser("recipes", help="list installed recipes and observers (name, distribution, version) and base "
+                                   "architectures",
+                   description="List every recipe found through the toyharness.recipes entry points, the "
+                               "GGUF architectures lora and warm_start take as a base or donor, and the observers "
+                               "(loggers, trackers; toyharness.observers entry points) that --log enables.")
 
     r = sub.add_parser("run", help="train a recipe and write a run folder",
                        description="Train RECIPE and write its run folder (config.toml, metrics.jsonl, "
@@ -62,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save-batches", action="store_true", help="write batches.npz: every step's exact inputs")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its checkpoint, bit for bit")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--log", action="append", metavar="NAME[,NAME]", help=LOG_HELP)
 
     g = sub.add_parser("golden", help="check or record golden losses",
                        description="Compare each recipe's first 16 losses with goldens/<fingerprint>/, bit for bit.")
@@ -129,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the sweep in DIR: finished points are kept, interrupted ones go on from their "
                         "checkpoints bit for bit, failed ones run again")
     w.add_argument("--no-progress", action="store_true", help="no live progress line")
+    w.add_argument("--log", action="append", metavar="NAME[,NAME]",
+                   help=LOG_HELP + "; the sweep and each of its points (grid values and seed as tags)")
 
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf; for lora, the base plus the "
@@ -163,13 +172,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_recipes(args) -> int:
     from .architectures import ARCHITECTURES
-    from .plugins import discover
+    from .plugins import discover, discover_observers
 
     for name, e in discover().items():
         print(f"{name:<14} {e.distribution} {e.version}  ({e.value})")
+    print("observers (toyharness run RECIPE --log NAME):")
+    for name, e in discover_observers().items():
+        print(f"  {name:<12} {e.distribution} {e.version}  ({e.value})")
     print(f"lora bases and warm_start donors: GGUFs of architecture {', '.join(ARCHITECTURES)} "
           f"(README, \"Architectures\")")
     return 0
+
+
+def log_names(values: list[str] | None) -> str | None:
+    """Repeated --log flags as one comma-separated list (None: none given, the option decides)."""
+    return None if values is None else ",".join(values)
 
 
 def cmd_run(args) -> int:
@@ -177,7 +194,7 @@ def cmd_run(args) -> int:
 
     summary = train(args.recipe, steps=args.steps, backend=args.backend, threads=args.threads, config=args.config,
                     sets=args.sets, out=args.out, save_init=args.save_init, save_batches=args.save_batches,
-                    resume=args.resume, progress=not args.no_progress)
+                    resume=args.resume, progress=not args.no_progress, log=log_names(args.log))
     _print_summary(summary)
     return 0
 

@@ -1,6 +1,7 @@
 """The plugin API. A recipe is an object (or module) implementing the recipe hooks, published
 under the entry point group ``toyharness.recipes`` as ``name = "module:object"``. Observers
-(loggers, reporters) implement the observer hooks and are registered beside the recipe.
+(loggers, experiment trackers) implement the observer hooks (`ObserverSpec`) and are published
+under ``toyharness.observers``; ``toyharness run RECIPE --log NAME`` enables one.
 
 Every recipe hook is `firstresult`: one recipe is active in a run. A minimal recipe::
 
@@ -74,17 +75,69 @@ class RecipeSpec:
 
 
 class ObserverSpec:
+    """Observers (loggers, experiment trackers) watch runs and sweeps; they never change one.
+
+    Publish one under the entry point group ``toyharness.observers`` as ``name = "module:object"``
+    and enable it with ``toyharness run RECIPE --log NAME[,NAME]`` (or the option ``log``). The
+    object is an instance, or a class the harness calls with no arguments for each run and sweep.
+    An implementation takes any subset of a hook's arguments, by name.
+
+    These hooks are delivered in order on a thread of their own, off the training loop: the loop
+    never waits for an observer, and the arguments are copies made when the event happened. An
+    observer that raises is reported in one line naming it and gets no further events; the run's
+    losses, files and exit code are unchanged. At the end of a run the harness waits a bounded time
+    (``TOYHARNESS_OBSERVER_WAIT_S``, default 30 s) for the events still queued, and reports an
+    observer whose calls took a noticeable share of the run's time. ``run``, passed to every run
+    hook, has ``recipe``, ``options``, ``out_dir``, ``engine`` and ``tags``; read what you need in
+    the hook, not later.
+    """
+
     @hookspec
-    def run_start(self, run) -> None:
-        """A run begins: `run` has ``recipe``, ``options``, ``out_dir``, ``engine``."""
+    def run_start(self, run, options: dict, fingerprint: str, tags: dict) -> None:
+        """A run begins, before its first step. `options` are the fully resolved options (as in
+        config.toml, lists for list-valued ones), `fingerprint` the backend's (``cpu-avx2-...``,
+        ``cpu-portable``, ``cuda-sm90``: what decides the float bits), `tags` what the caller tagged
+        the run with: for a sweep point its grid values by option name, ``seed``, ``sweep_id``,
+        ``sweep_dir``, ``point`` (its index) and ``point_name``; empty for a plain run."""
 
     @hookspec
     def step_end(self, run, step: int, loss: float, lr: float, ms: float, tokens_per_s: float) -> None:
-        """A training step finished (0-indexed `step`)."""
+        """A training step finished (0-indexed `step`): its loss (a float32 value), the learning
+        rate it used, its time in milliseconds and items (tokens or images) per second."""
 
     @hookspec
-    def run_end(self, run, summary: dict) -> None:
-        """The run finished; `summary` is what summary.json holds."""
+    def eval_end(self, run, step: int, loss: float, accuracy: float | None) -> None:
+        """The held-out evaluation after 0-indexed `step`: mean loss over the eval batches, and
+        for classifiers the accuracy in [0, 1] (None otherwise)."""
+
+    @hookspec
+    def run_end(self, run, summary: dict, artifacts: dict) -> None:
+        """The run finished; `summary` is what summary.json holds (plus ``out_dir``), `artifacts`
+        the files the run wrote, by name (``config.toml``, ``metrics.jsonl``, ``summary.json``,
+        ``loss.png``, ``model.gguf`` or ``adapter.gguf``, ``checkpoint.gguf``, ...) to their absolute
+        `Path`. Empty when the run writes no files."""
+
+    @hookspec
+    def run_failed(self, run, error: str) -> None:
+        """The run stopped before its end: `error` is the one-line reason (a NaN loss, a write
+        that failed, an interrupt). No `run_end` follows; the steps before it were delivered."""
+
+    @hookspec
+    def sweep_start(self, sweep, grid: dict, seeds: list, points: list) -> None:
+        """A sweep begins (`toyharness sweep`), before any point runs. `sweep` has ``recipe``,
+        ``sweep_id``, ``out_dir`` and ``backend``; `grid` maps each swept option to its values as
+        written; `seeds` the seeds of each configuration; `points` one dict per point: ``index``,
+        ``name``, ``dir`` (its run folder), ``tags`` (what its run's `run_start` gets) and
+        ``options``. Each point is then an ordinary run, in a process of its own, whose run hooks
+        go to the same observers there. The harness waits (bounded) for this hook before the
+        first point starts, so a tracker can create the sweep's parent record first."""
+
+    @hookspec
+    def sweep_end(self, sweep, results: dict, artifacts: dict) -> None:
+        """The sweep finished (points may have failed). `results` is sweep.json's content: its
+        ``points`` (each with ``status``, ``final_loss``, ``final_eval_loss``, ``best_eval_loss``,
+        ``message``) and ``configs`` (mean and std over seeds, sorted); `artifacts` maps
+        ``sweep.json`` (and ``sweep.png`` where one was drawn) to their paths."""
 
 
 def plugin_manager(*plugins: Any) -> pluggy.PluginManager:

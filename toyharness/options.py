@@ -64,6 +64,8 @@ class Options:
     precision: str = choice("fp32", PRECISIONS)
     tokenizer: str = ""          # a GGUF whose tokenizer reads the data (language models); empty: bytes
     mask_prompt: bool = True     # JSONL prompt/completion and chat: the loss counts completions only
+    # observers (toyharness.observers entry points) that watch the run: `--log tensorboard,mlflow`
+    log: tuple[str, ...] = ()
 
     def adamw_row(self, total_steps: int | None = None) -> AdamWRow:
         schedule = Schedule(self.lr_schedule, self.warmup, total_steps or self.steps)

@@ -1,7 +1,8 @@
-"""Recipe discovery through the ``toyharness.recipes`` entry point group.
+"""Plugin discovery through entry points: recipes (``toyharness.recipes``) and observers
+(``toyharness.observers``, toyharness/observers/).
 
-Built-in recipes are registered by this distribution's own entry points, exactly like
-third-party ones.
+Built-in recipes and observers are registered by this distribution's own entry points, exactly
+like third-party ones.
 """
 
 from __future__ import annotations
@@ -13,34 +14,39 @@ from typing import Any
 from .errors import InputError
 
 GROUP = "toyharness.recipes"
+OBSERVER_GROUP = "toyharness.observers"
 
 
 @dataclass
 class RecipeEntry:
+    """One entry point of a plugin group: a recipe, or an observer (`kind`)."""
+
     name: str
     value: str            # "module:object"
     distribution: str
     version: str
     entry_point: Any
+    kind: str = "recipe"
 
     def load(self) -> Any:
         try:
             return self.entry_point.load()
         except Exception as exc:
-            raise InputError(f"recipe {self.name!r} from distribution {self.distribution} {self.version} "
+            raise InputError(f"{self.kind} {self.name!r} from distribution {self.distribution} {self.version} "
                              f"failed to import ({self.value}): {type(exc).__name__}: {exc}") from exc
 
 
-def discover() -> dict[str, RecipeEntry]:
-    """Every installed recipe by name. Two distributions claiming one name is an error."""
+def discover(group: str = GROUP, kind: str = "recipe") -> dict[str, RecipeEntry]:
+    """Every installed recipe (or plugin of another `group`) by name. Two distributions claiming
+    one name is an error."""
     found: dict[str, RecipeEntry] = {}
-    for ep in metadata.entry_points(group=GROUP):
+    for ep in metadata.entry_points(group=group):
         dist = ep.dist.name if ep.dist else "?"
         version = ep.dist.version if ep.dist else "?"
-        entry = RecipeEntry(ep.name, ep.value, dist, version, ep)
+        entry = RecipeEntry(ep.name, ep.value, dist, version, ep, kind)
         other = found.get(ep.name)
         if other is not None and other.distribution != dist:
-            raise InputError(f"recipe name {ep.name!r} is claimed by two distributions: "
+            raise InputError(f"{kind} name {ep.name!r} is claimed by two distributions: "
                              f"{other.distribution} ({other.value}) and {dist} ({ep.value})")
         found[ep.name] = entry
     return dict(sorted(found.items()))
@@ -52,3 +58,8 @@ def get_recipe(name: str) -> tuple[RecipeEntry, Any]:
         raise InputError(f"unknown recipe {name!r}; installed: {', '.join(recipes) or 'none'}")
     entry = recipes[name]
     return entry, entry.load()
+
+
+def discover_observers() -> dict[str, RecipeEntry]:
+    """Every installed observer (logger, experiment tracker) by name."""
+    return discover(OBSERVER_GROUP, "observer")

@@ -30,6 +30,7 @@ from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
 from .errors import CheckFailed, InputError, WriteError
 from .hookspecs import plugin_manager
+from .observers import ObserverBus, load_observers
 from .options import Options, load_toml, read_toml, resolve
 from .plugins import get_recipe
 
@@ -53,6 +54,7 @@ class Run:
     engine: Any
     entry: Any = None
     metrics: list[dict] = field(default_factory=list)
+    tags: dict[str, Any] = field(default_factory=dict)     # a sweep point's grid values, seed, sweep id
     evals: list[dict] = field(default_factory=list)
 
 
@@ -98,8 +100,14 @@ def config_toml(run: Run, threads: int) -> str:
 def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: int | None = None,
           config: str | None = None, sets: list[str] | None = None, out: str | None = None,
           save_init: bool = False, save_batches: bool = False, resume: str | None = None,
-          observers: tuple = (), progress: bool = True, write_files: bool = True) -> dict:
-    """Run a recipe; return the summary. Raises InputError (exit 2) or CheckFailed (exit 1)."""
+          observers: tuple = (), progress: bool = True, write_files: bool = True, log: str | None = None,
+          tags: dict[str, Any] | None = None) -> dict:
+    """Run a recipe; return the summary. Raises InputError (exit 2) or CheckFailed (exit 1).
+
+    `observers` are called in the loop itself (the harness's own: golden collection, a sweep
+    point's progress); `log` (a comma-separated list, else the option ``log``) names observers
+    from the ``toyharness.observers`` entry points, called off the loop (toyharness/observers/).
+    `tags` reach the observers' run_start (a sweep point's grid values and seed)."""
     resume_dir = Path(resume) if resume else None
     if resume_dir is not None:
         if not (resume_dir / "config.toml").is_file() or not (resume_dir / "checkpoint.gguf").is_file():
@@ -109,7 +117,24 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
             raise InputError(f"--resume {resume_dir}: that run is recipe {saved.get('recipe')!r}, not {recipe!r}")
         config = str(resume_dir / "config.toml")
     entry, recipe_obj = get_recipe(recipe)
-    options = resolve_options(recipe_obj, config, sets, {"steps": steps})
+    options = resolve_options(recipe_obj, config, sets, {"steps": steps, "log": log})
+    bus = ObserverBus(load_observers(options.log))      # an unknown --log name stops us here, exit 2
+    run_box: list[Run] = []
+    try:
+        return _train(recipe, entry, recipe_obj, options, bus, backend, threads, out, save_init, save_batches,
+                      resume_dir, observers, progress, write_files, dict(tags or {}), run_box)
+    except BaseException as exc:
+        if run_box:     # run_start was sent: tell the observers how it ended
+            reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+            bus.emit("run_failed", run=run_box[0], error=" ".join(reason.split())[:500])
+        raise
+    finally:
+        bus.close()
+
+
+def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, backend: str, threads: int | None,
+           out: str | None, save_init: bool, save_batches: bool, resume_dir: Path | None, observers: tuple,
+           progress: bool, write_files: bool, tags: dict[str, Any], run_box: list) -> dict:
     pm = plugin_manager(recipe_obj, *observers)
     data = load_data(pm, options)
     if progress and hasattr(data, "summary"):      # JSONL examples: how many were truncated
@@ -118,7 +143,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     engine.set_portable(options.portable)   # each run sets it; a program keeps the mode it was made in
     engine.set_precision(options.precision)
     out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run = Run(recipe, options, out_dir, engine, entry)
+    run = Run(recipe, options, out_dir, engine, entry, tags=tags)
 
     model = pm.hook.realize(engine=engine, options=options, data=data)
     trainer = model.trainer
@@ -141,7 +166,11 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
         atomic_write(out_dir / "config.toml", config_toml(run, engine.threads))
         if save_init and resume_dir is None:
             write_gguf(out_dir / "init.gguf", f"toyharness-{recipe}", trainer_params(trainer))
-    pm.hook.run_start(run=run)
+    start_args = {"options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.to_dict().items()},
+                  "fingerprint": engine.fingerprint(), "tags": dict(tags)}
+    pm.hook.run_start(run=run, **start_args)
+    bus.emit("run_start", run=run, **start_args)
+    run_box.append(run)
 
     batches_log: dict[str, list] = {}
     per_batch = items_per_batch(data, options)
@@ -163,6 +192,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
             run.metrics.append({"step": i, "loss": loss, "loss_hex": float_hex(loss), "lr": row.lr,
                                 "ms": round(ms, 3), "tokens_per_s": round(tps, 1)})
             pm.hook.step_end(run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps)
+            bus.emit("step_end", run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps)
             done = i + 1
             if (done % options.eval_every == 0) or done == options.steps:
                 ev = evaluate(pm, model, data, options)
@@ -171,6 +201,9 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
                 run.metrics[-1]["eval_loss"] = ev["loss"]
                 if "accuracy" in ev:
                     run.metrics[-1]["accuracy"] = ev["accuracy"]
+                eval_args = {"step": i, "loss": ev["loss"], "accuracy": ev.get("accuracy")}
+                pm.hook.eval_end(run=run, **eval_args)
+                bus.emit("eval_end", run=run, **eval_args)
             bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None)
             if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
                 atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
@@ -189,17 +222,35 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
         summary["accuracy"] = run.evals[-1]["accuracy"]
     if hasattr(data, "truncated"):
         summary["truncated_examples"] = data.truncated
+    exported = []
     if write_files:
         if save_batches:
             save_batches_npz(out_dir / "batches.npz", batches_log)
-        pm.hook.export(model=model, options=options, out_dir=out_dir)
+        exported = pm.hook.export(model=model, options=options, out_dir=out_dir) or []
         atomic_write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_loss(out_dir / "loss.png", run)
         if run.evals and "confusion" in run.evals[-1]:
             plot_confusion(out_dir / "confusion.png", run.evals[-1]["confusion"], run.recipe)
     summary["out_dir"] = str(out_dir)
-    pm.hook.run_end(run=run, summary=summary)
+    artifacts = run_artifacts(out_dir, exported) if write_files else {}
+    pm.hook.run_end(run=run, summary=summary, artifacts=artifacts)
+    bus.emit("run_end", run=run, summary=dict(summary), artifacts=dict(artifacts))
     return summary
+
+
+# The files of a run folder an observer may want, in this order; the recipe's exports come too.
+ARTIFACTS = ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "confusion.png", "checkpoint.gguf",
+             "init.gguf", "batches.npz")
+
+
+def run_artifacts(out_dir: Path, exported: list) -> dict[str, Path]:
+    """The files this run's folder holds, by name, as absolute paths (run_end's `artifacts`)."""
+    found = {name: (out_dir / name).resolve() for name in ARTIFACTS if (out_dir / name).is_file()}
+    for path in exported:
+        path = Path(path)
+        if path.is_file():
+            found[path.name] = path.resolve()
+    return found
 
 
 def last_eval_loss(run: Run) -> float | None:

@@ -228,15 +228,16 @@ def run_point(spec: dict[str, Any], observers: tuple = ()) -> dict:
     from .runner import train
 
     out = Path(spec["out"])
+    tags = spec.get("tags")
     if (out / "summary.json").is_file():
         return json.loads((out / "summary.json").read_text())
     if _checkpoint_step(out) is not None:
         return train(spec["recipe"], backend=spec["backend"], threads=spec["threads"], resume=str(out),
-                     observers=observers, progress=False)
+                     observers=observers, progress=False, tags=tags)
     for stale in ("checkpoint.gguf", "metrics.jsonl"):   # from a start that never reached a checkpoint
         (out / stale).unlink(missing_ok=True)
     return train(spec["recipe"], steps=spec["steps"], backend=spec["backend"], threads=spec["threads"],
-                 sets=list(spec["sets"]), out=str(out), observers=observers, progress=False)
+                 sets=list(spec["sets"]), out=str(out), observers=observers, progress=False, tags=tags)
 
 
 class _StepReporter:
@@ -735,6 +736,28 @@ class SweepResult:
         return [r for r in self.records if r["status"] == FAILED]
 
 
+def point_tags(plan: Plan, point: Point, out_dir: Path) -> dict[str, Any]:
+    """What a point's observers get as its run's tags: its grid values (as written), its seed, and
+    where it belongs."""
+    return {**dict(point.config), "seed": point.seed, "sweep_id": plan.sweep_id,
+            "sweep_dir": str(Path(out_dir).resolve()), "point": point.index, "point_name": point.name}
+
+
+@dataclass
+class SweepInfo:
+    """The `sweep` argument of the sweep hooks."""
+
+    recipe: str
+    sweep_id: str
+    out_dir: Path
+    backend: str
+
+
+def observer_names(plan: Plan) -> list[str]:
+    """The observers the points log to (the option `log`, from --log or --set): the sweep's too."""
+    return list(dict.fromkeys(name for opts in plan.options for name in opts.get("log", [])))
+
+
 def _point_record(plan: Plan, point: Point, out_dir: Path) -> dict[str, Any]:
     return {"index": point.index, "name": point.name, "dir": str(out_dir / "points" / point.name),
             "config": dict(point.config), "seed": point.seed, "sets": list(point.sets),
@@ -742,10 +765,14 @@ def _point_record(plan: Plan, point: Point, out_dir: Path) -> dict[str, Any]:
 
 
 def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
-              previous: dict[str, Any] | None = None) -> SweepResult:
+              previous: dict[str, Any] | None = None, bus=None) -> SweepResult:
     """Run every point not finished yet; write sweep.json (as it goes) and sweep.png.
-    `previous`: the sweep.json of an earlier, interrupted go (--resume)."""
+    `previous`: the sweep.json of an earlier, interrupted go (--resume); `bus`: the sweep's
+    observers (toyharness.observers.ObserverBus), told of its start and end."""
+    from .observers import ObserverBus
     from .runner import atomic_write
+
+    bus = bus or ObserverBus([])
 
     out_dir = Path(out_dir)
     records = [_point_record(plan, p, out_dir) for p in plan.points]
@@ -755,17 +782,25 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
         rec["status"] = DONE if (Path(rec["dir"]) / "summary.json").is_file() else PENDING
         rec.update(read_point(Path(rec["dir"])))
 
+    def document() -> dict[str, Any]:
+        return {"toyharness_version": __version__, **plan.to_json(), **executor.describe(),
+                "points": records, "configs": summarize(plan, records)}
+
     def save() -> None:
-        doc = {"toyharness_version": __version__, **plan.to_json(), **executor.describe(),
-               "points": records, "configs": summarize(plan, records)}
-        atomic_write(out_dir / SWEEP_JSON, json.dumps(doc, indent=2) + "\n")
+        atomic_write(out_dir / SWEEP_JSON, json.dumps(document(), indent=2) + "\n")
 
     threads = executor.threads
+    tags = {p.index: point_tags(plan, p, out_dir) for p in plan.points}
     specs = [{"index": p.index, "name": p.name, "sweep_id": plan.sweep_id, "out": records[p.index]["dir"],
               "recipe": plan.recipe, "sets": list(p.sets), "steps": plan.steps, "backend": plan.backend,
-              "threads": threads}
+              "threads": threads, "tags": tags[p.index]}
              for p in plan.points if records[p.index]["status"] != DONE]
     (out_dir / "points").mkdir(parents=True, exist_ok=True)
+    info = SweepInfo(plan.recipe, plan.sweep_id, out_dir.resolve(), plan.backend)
+    bus.emit("sweep_start", sweep=info, grid={k: list(v) for k, v in plan.grid.items()}, seeds=list(plan.seeds),
+             points=[{"index": p.index, "name": p.name, "dir": str(Path(records[p.index]["dir"]).resolve()),
+                      "tags": tags[p.index], "options": plan.options[p.index]} for p in plan.points])
+    bus.drain()      # a tracker's parent record exists before the first point looks for it
     tracker = Tracker(plan, records, save, progress)
     with tracker.lock:
         save()
@@ -782,6 +817,9 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
     finally:
         tracker.close()
     plotted = plot_sweep(out_dir / "sweep.png", plan, records)
+    artifacts = {name: (out_dir / name).resolve() for name in (SWEEP_JSON, "sweep.png")
+                 if (out_dir / name).is_file() and (name != "sweep.png" or plotted)}
+    bus.emit("sweep_end", sweep=info, results=json.loads(json.dumps(document())), artifacts=artifacts)
     return SweepResult(records, summarize(plan, records), plotted)
 
 
@@ -790,7 +828,8 @@ def main(args) -> int:
     if args.resume:
         out_dir = Path(args.resume)
         given = [flag for flag, v in (("--grid", args.grid), ("--set", args.sets), ("--seeds", args.seeds),
-                                      ("--steps", args.steps), ("--out", args.out)) if v]
+                                      ("--steps", args.steps), ("--out", args.out),
+                                      ("--log", getattr(args, "log", None))) if v]
         if given:
             raise InputError(f"--resume takes the sweep from {out_dir / SWEEP_JSON}; drop {', '.join(given)}")
         plan, previous = load_plan(out_dir)
@@ -803,18 +842,27 @@ def main(args) -> int:
             raise InputError("name a RECIPE (or --resume DIR)")
         if not args.grid and not args.seeds:
             raise InputError("nothing to sweep: give --grid KEY=V1,V2 and/or --seeds N")
-        plan = make_plan(args.recipe, args.grid, args.seeds or "1", args.sets, args.steps, args.backend or "cpu")
+        logs = getattr(args, "log", None)
+        sets = list(args.sets) + ([f"log={','.join(logs)}"] if logs else [])
+        plan = make_plan(args.recipe, args.grid, args.seeds or "1", sets, args.steps, args.backend or "cpu")
         out_dir = Path(args.out) if args.out else Path("sweeps") / f"{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
         if (out_dir / SWEEP_JSON).exists():
             raise InputError(f"--out {out_dir}: a sweep is there already; continue it with --resume {out_dir}")
         if out_dir.exists() and any(out_dir.iterdir()):
             raise InputError(f"--out {out_dir}: the folder is not empty")
         previous = None
+    from .observers import ObserverBus, load_observers
+
+    observers = load_observers(observer_names(plan))     # an unknown name stops the sweep here, exit 2
     if args.ray:
         executor = RayExecutor(args.ray, args.threads, plan.backend, args.keep_models, args.workers)
     else:
         executor = LocalPool(args.workers, args.threads, plan.backend)
-    result = run_sweep(plan, out_dir, executor, progress=not args.no_progress, previous=previous)
+    bus = ObserverBus(observers)
+    try:
+        result = run_sweep(plan, out_dir, executor, progress=not args.no_progress, previous=previous, bus=bus)
+    finally:
+        bus.close()
     print_table(plan, result.rows, result.records, out_dir)
     plot = f", {out_dir / 'sweep.png'}" if result.plotted else " (no sweep.png: no point finished)"
     print(f"wrote {out_dir / SWEEP_JSON}{plot} and {len(plan.points)} run folders under {out_dir / 'points'}")
