@@ -129,13 +129,17 @@ def test_refuses_logits_that_are_not_a_product():
         prog.chunked_cross_entropy(logits, "targets")
 
 
-def test_is_refused_in_the_portable_mode():
+def portable_program():
     eng = get_engine("cpu")
     eng.set_portable(True)
     try:
-        prog = eng.program()
+        return eng.program()
     finally:
         eng.set_portable(False)
+
+
+def test_is_refused_in_the_portable_mode():
+    prog = portable_program()
     h = prog.param("h", RNG.normal(size=(2, 3, 8)).astype(np.float32))
     w = prog.frozen_array("w", RNG.normal(size=(50, 8)))
     with pytest.raises(BackendError, match="cpu backend's fast path only"):
@@ -172,12 +176,7 @@ def test_auto_takes_the_chunked_loss_from_gemma3_vocab_on_the_fast_cpu_path():
     auto, on = SimpleNamespace(chunked_loss="auto"), SimpleNamespace(chunked_loss="on")
     assert use_chunked_loss(auto, 262144, fast) and not use_chunked_loss(auto, CHUNKED_LOSS_VOCAB - 1, fast)
     assert not use_chunked_loss(SimpleNamespace(), 262144, fast)      # a recipe without the option
-    eng = get_engine("cpu")
-    eng.set_portable(True)
-    try:
-        portable = eng.program()
-    finally:
-        eng.set_portable(False)
+    portable = portable_program()
     assert not use_chunked_loss(auto, 262144, portable)
     with pytest.raises(InputError, match="chunked_loss=on: the chunked loss runs on the cpu backend's fast path"):
         use_chunked_loss(on, 100, portable)
