@@ -11,7 +11,7 @@
 # libvulkan-dev glslc libshaderc1 spirv-headers); they are unpacked into /opt/vk, not into /.
 # GL_DEBS_DIR: the GL dispatch libraries NVIDIA's Vulkan driver loads (apt-get download libglvnd0
 # libegl1 libgl1 libglx0 libopengl0 libgles2), unpacked into / as the device notes say.
-# VULKAN_CHECK_BACKENDS=cpu,vulkan skips the cuda build and bench.
+# VULKAN_CHECK_BACKENDS=cpu,vulkan skips the cuda build and bench; VULKAN_CHECK_BENCH=0 every bench.
 # Offline machines: the ggml source in .device/ggml and wheels in .whl/, as gpu_check.sh.
 set -uo pipefail
 out=${1:?usage: scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR}
@@ -49,13 +49,16 @@ TOYHARNESS_TEST_BACKEND=vulkan python3 -m pytest -q -p no:cacheprovider tests/te
 step "vulkan against the cpu goldens (1e-5 relative), run-to-run bits"
 python3 -m pytest -q -m vulkan -rs -s -p no:cacheprovider -k agrees tests/test_backends.py 2>&1 | tee -a "$log" || status=1
 step "graphs lowered for metal, on vulkan"
-toyharness golden record gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start --backend vulkan 2>&1 \
-    | tee -a "$log" || status=1
+toyharness golden record gpt2 llama lora lora@q4_k lora@q8_0 lora@llama3 lora@qwen3 lora@gemma3 lora@phi3 vit_tiny \
+    warm_start --backend vulkan 2>&1 | tee -a "$log" || status=1
 tar cf "$out/goldens.tar" goldens/vulkan-* 2>>"$log"
 TOYHARNESS_TEST_BACKEND=vulkan python3 -m pytest -q -s -p no:cacheprovider -k "train_as_the_normal" \
     tests/test_metal_lowering.py 2>&1 | grep -E "lowered for|passed|failed" | tee -a "$log" || status=1
 
-for size in default nano; do
+step "frozen products of every frozen type, and lora over each quantized type, on vulkan"
+python3 -m pytest -q -m vulkan -rs -p no:cacheprovider tests/test_quant.py 2>&1 | tail -5 | tee -a "$log" || status=1
+
+[ "${VULKAN_CHECK_BENCH:-1}" = 0 ] || for size in default nano; do
     step "bench at size $size: vulkan (PyTorch on cuda)"
     toyharness bench gpt2 llama --backend vulkan --torch-device cuda --size "$size" --steps 10 \
         --out "$out/bench_vulkan_$size.json" 2>&1 | tee -a "$log" || status=1
