@@ -197,6 +197,9 @@ class Program:
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
         self.precision = engine.precision
         self.last_compute_s = 0.0
+        # Set while a memory plan is made (toyharness/memory_plan.py): persistent tensors and graph
+        # buffers are then measured, never allocated, and parameter values are never copied.
+        self.planner = engine.planner
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
@@ -300,7 +303,8 @@ class Program:
             self.params[name] = t
         else:
             self.frozen[name] = t
-        self._pending.append((t, np.ascontiguousarray(init, dtype=np.float32)))
+        if self.planner is None:    # a plan needs shapes only (its init values are placeholders)
+            self._pending.append((t, np.ascontiguousarray(init, dtype=np.float32)))
         return t
 
     def frozen_array(self, name: str, array: np.ndarray, dtype: str = "f32") -> Tensor:
@@ -311,8 +315,9 @@ class Program:
         array = np.asarray(array, dtype=np.float32)
         t = self._new_static(name, array.shape, DTYPE_NAMES[dtype])
         self.frozen[name] = t
-        data = {"f32": lambda a: a, "f16": lambda a: a.astype(np.float16), "bf16": f32_to_bf16_bits}[dtype](array)
-        self._pending.append((t, np.ascontiguousarray(data)))
+        if self.planner is None:
+            data = {"f32": lambda a: a, "f16": lambda a: a.astype(np.float16), "bf16": f32_to_bf16_bits}[dtype](array)
+            self._pending.append((t, np.ascontiguousarray(data)))
         return t
 
     def frozen_gguf(self, gguf, name: str, expect_shape: tuple[int, ...] | None = None,
@@ -325,7 +330,8 @@ class Program:
             t = gguf.bind_in_place(self, info, local)
         else:
             t = self._new_static(local, info.shape, info.ggml_type)
-            self._pending.append((t, info.raw_bytes()))
+            if self.planner is None:     # a plan reads no weights, it counts them
+                self._pending.append((t, info.raw_bytes()))
         self.frozen[local] = t
         return t
 
@@ -358,11 +364,19 @@ class Program:
     def allocate(self):
         """Give every persistent tensor created so far backend memory, then upload pending values.
         Returns the backend buffer that now holds the newly allocated tensors (None if none)."""
+        if self.planner is not None:
+            self.planner.place(self)
+            self._pending.clear()
+            self._unallocated = 0
+            return None
         buf = None
         if self._unallocated:
             buf = lib.ggml_backend_alloc_ctx_tensors(self._ctx_static, self.engine.handle)
             if buf == ffi.NULL:
-                raise MemoryError("could not allocate the program's persistent tensors")
+                from ..memory_plan import allocation_failed
+
+                size = lib.ggml_backend_alloc_ctx_tensors_from_buft_size(self._ctx_static, self.engine.buffer_type)
+                raise allocation_failed(self.engine, "persistent tensors (parameters, moments, inputs)", size)
             self._buffers.append(buf)
             self._unallocated = 0
         for t, data in self._pending:
@@ -577,11 +591,28 @@ class Program:
         return Trainer(self, loss, convention)
 
     def _compute(self, graph) -> None:
+        if self.planner is not None:
+            raise RuntimeError("a program made for a memory plan computes nothing (its tensors have no memory)")
         same_graph = graph == self._last_graph
         if not same_graph:
             # Shared nodes keep the last graph's placement unless cleared (see the shim).
             lib.th_clear_ctx_alloc(self._ctx_compute)
             self._last_graph = graph
+        self._prepare(graph)
+        # Computed again, a graph keeps its placement: no walk over its nodes per step.
+        if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
+            from ..memory_plan import allocation_failed, graph_buffer_bytes
+
+            raise allocation_failed(self.engine, "a graph's compute buffer", graph_buffer_bytes(self.engine, graph))
+        start = time.perf_counter()
+        status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
+        self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)
+        if status != GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    def _prepare(self, graph) -> None:
+        """Once per graph, before its first compute (and in a memory plan, before it is measured):
+        the backend's rewrites, then the check that the backend declares every node."""
         if graph not in self._gemm_rewritten:
             # On cpu, hot nodes get our kernels (native/cpu_kernels.c: sgemm, copies, SILU_BACK,
             # LayerNorm centring); no backward can be built through a rewritten node, so a
@@ -604,14 +635,6 @@ class Program:
             # after the rewrites: every node as the backend's dispatch will see it (ours included)
             self._check_supported(graph)
             self._gemm_rewritten.add(graph)
-        # Computed again, a graph keeps its placement: no walk over its nodes per step.
-        if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
-            raise MemoryError("ggml could not allocate the graph's intermediates")
-        start = time.perf_counter()
-        status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
-        self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)
-        if status != GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
 
     def _lowered(self, graph, grads: bool):
         """`graph`, or where it holds nodes the backend does not declare and the lowering can
@@ -819,8 +842,13 @@ class Trainer:
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
         self.eval_graph = prog._lowered(self.eval_graph, False)
-        if not lib.ggml_gallocr_reserve(prog._galloc, self.gb_opt):
-            raise MemoryError("could not reserve memory for the training graph")
+        if prog.planner is not None:
+            prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
+        elif not lib.ggml_gallocr_reserve(prog._galloc, self.gb_opt):
+            from ..memory_plan import allocation_failed, graph_buffer_bytes
+
+            raise allocation_failed(prog.engine, "the training graph's compute buffer",
+                                    graph_buffer_bytes(prog.engine, self.gb_opt))
         self.needs_full_reset = True
         self.steps_done = 0
 
