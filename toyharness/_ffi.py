@@ -260,6 +260,11 @@ class _Symbols:
         raise AttributeError(f"symbol {name} not found in the toyharness native libraries")
 
 
+def log_level() -> int:
+    """The least level of ggml's log messages shown (TOYHARNESS_GGML_LOG, default warnings)."""
+    return int(os.environ.get("TOYHARNESS_GGML_LOG", GGML_LOG_LEVEL_WARN))
+
+
 def _load():
     # ggml-vulkan rounds f32 operands of products to f16 on devices with f16 arithmetic (lavapipe
     # included: 3e-4 relative error in a product, 1e-5 in a gpt2 golden's losses); it reads this
@@ -282,7 +287,7 @@ def _load():
         raise NativeLibraryMissing(f"libtoyharness_shim.so missing from {NATIVE_DIR}")
     lib = _Symbols(handles, re.findall(r"\b(\w+)\s*\(", CDEF))
     lib.th_install_abort_handler()
-    lib.th_set_log_level(int(os.environ.get("TOYHARNESS_GGML_LOG", GGML_LOG_LEVEL_WARN)))
+    lib.th_set_log_level(log_level())
     return ffi, lib, handles
 
 

@@ -16,17 +16,18 @@ would shrink it most. An allocation that fails anyway is `allocation_failed`: on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ._ffi import ffi, lib
+from ._ffi import ffi, lib, log_level
 from .errors import DoesNotFit, InputError, OutOfMemory
 
 GiB = 1 << 30
@@ -40,7 +41,8 @@ ROWS = {
     "frozen_uploaded": "frozen weights (uploaded)",
     "frozen_mapped": "frozen weights (mapped from the file)",
     "inputs": "inputs, targets and constants",
-    "compute": "compute buffer (ggml's graph allocator)",
+    "compute": "compute buffer of the training graph",
+    "compute_eval": "compute buffer of the evaluation graph",
     "checkpoint": "checkpoint copy (host, while saving)",
 }
 # ggml's view ops: their result is memory of another tensor
@@ -97,7 +99,8 @@ class MemoryPlan:
     @property
     def ggml_bytes(self) -> int:
         """ggml's buffers alone (no host copies, nothing mapped): what a device's used memory holds."""
-        return sum(self.rows[k] for k in ("params", "moments", "grads", "frozen_uploaded", "inputs", "compute"))
+        return sum(self.rows[k] for k in ("params", "moments", "grads", "frozen_uploaded", "inputs", "compute",
+                                          "compute_eval"))
 
     def table(self) -> str:
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
@@ -193,9 +196,9 @@ class Planner:
 
     # --- graphs --------------------------------------------------------------------------
     def measure_graphs(self, prog, trainer) -> None:
-        """The compute buffer a run ends up with: ggml's allocator only grows it, so it is the
-        largest of the training graph as the Trainer reserves it (before the backend's rewrites)
-        and the evaluation graph as its first compute places it (after them)."""
+        """The compute buffers a run ends up with: the training graph's as the Trainer reserves it
+        (before the backend's rewrites; placed again only where ggml finds that placement invalid
+        for the rewritten graph) and the evaluation graph's as its first compute places it."""
         # What the plan reports about the buffer's contents, read before the backend's rewrites
         # (they keep every shape but turn ops into custom nodes with no telling name).
         self._describe(trainer)
@@ -219,7 +222,9 @@ class Planner:
         finally:
             lib.ggml_gallocr_free(galloc)
         self.compute_parts = parts
-        self.rows["compute"] = max(parts.values())
+        # each graph has its own allocator (Program.galloc_for), whose buffer only grows
+        self.rows["compute"] = max(parts["train"], parts.get("train_rewritten", 0))
+        self.rows["compute_eval"] = parts["eval"]
         # Frozen weights bound in place (mmap'd, cpu) were never placed: the file's pages count
         # in RSS once read, which every step does.
         for name, t in prog.frozen.items():
@@ -513,6 +518,17 @@ def _cgroup_room() -> int | None:
     if limit == "max":
         return None
     return max(0, int(limit) - used)
+
+
+@contextlib.contextmanager
+def ggml_quiet() -> Iterator[None]:
+    """No ggml log lines within: around an allocation whose failure `allocation_failed` reports in
+    one line of its own (ggml would add two or three of its own first)."""
+    lib.th_set_log_level(1 << 20)
+    try:
+        yield
+    finally:
+        lib.th_set_log_level(log_level())
 
 
 def graph_buffer_bytes(engine, graph) -> int:

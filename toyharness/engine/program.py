@@ -37,6 +37,7 @@ from .._ffi import (
 )
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
+from ..memory_plan import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
 from .lowering import Lowering, declares_for, lowering_target
 from .tensor import Tensor
@@ -150,7 +151,14 @@ class Program:
         self.inputs: dict[str, _Input] = {}
         self._targets: dict[str, _Targets] = {}
         self._keepalive: list = []              # mmaps and host arrays that back tensors
+        # One graph allocator per graph computed (the training graph's reserved by its Trainer):
+        # a graph keeps the placement it got first. Sharing one allocator made every return to the
+        # training graph after an evaluation place it again, after the backend's rewrites, which
+        # needed more memory (gpt2 default: 37.3 MB instead of 24.7 MB) and, from about 48 layers,
+        # ran ggml's allocator out of free blocks (an abort). Each buffer is kept; an evaluation
+        # graph, forward only, costs less than the training graph's re-placement did.
         self._galloc = lib.ggml_gallocr_new(engine.buffer_type)
+        self._gallocs: dict[int, object] = {}
         self._last_graph = None
         self._gemm_rewritten: set = set()
         self._constants: dict[str, Tensor] = {}
@@ -371,10 +379,9 @@ class Program:
             return None
         buf = None
         if self._unallocated:
-            buf = lib.ggml_backend_alloc_ctx_tensors(self._ctx_static, self.engine.handle)
+            with ggml_quiet():
+                buf = lib.ggml_backend_alloc_ctx_tensors(self._ctx_static, self.engine.handle)
             if buf == ffi.NULL:
-                from ..memory_plan import allocation_failed
-
                 size = lib.ggml_backend_alloc_ctx_tensors_from_buft_size(self._ctx_static, self.engine.buffer_type)
                 raise allocation_failed(self.engine, "persistent tensors (parameters, moments, inputs)", size)
             self._buffers.append(buf)
@@ -599,11 +606,13 @@ class Program:
             lib.th_clear_ctx_alloc(self._ctx_compute)
             self._last_graph = graph
         self._prepare(graph)
-        # Computed again, a graph keeps its placement: no walk over its nodes per step.
-        if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
-            from ..memory_plan import allocation_failed, graph_buffer_bytes
-
-            raise allocation_failed(self.engine, "a graph's compute buffer", graph_buffer_bytes(self.engine, graph))
+        # Computed again, a graph keeps its placement: no walk over its nodes per step; after
+        # another graph, its own allocator puts every node back where it was.
+        if not same_graph:
+            with ggml_quiet():
+                placed = lib.ggml_gallocr_alloc_graph(self.galloc_for(graph), graph)
+            if not placed:
+                raise allocation_failed(self.engine, "a graph's compute buffer", graph_buffer_bytes(self.engine, graph))
         start = time.perf_counter()
         status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
         self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)
@@ -665,8 +674,20 @@ class Program:
             where = f" (lowered for {self.lowering_target})" if self.lowering_target else ""
             raise BackendError(f"the {self.engine.backend} backend of this ggml{where} cannot run {ops}")
 
+    def galloc_for(self, graph):
+        """The graph allocator that places `graph`: the program's first for the first graph
+        reserved or computed, a new one for each other graph."""
+        key = int(ffi.cast("uintptr_t", graph))
+        galloc = self._gallocs.get(key)
+        if galloc is None:
+            galloc = self._galloc if not self._gallocs else lib.ggml_gallocr_new(self.engine.buffer_type)
+            self._gallocs[key] = galloc
+        return galloc
+
     def compute_buffer_bytes(self) -> int:
-        return int(lib.ggml_gallocr_get_buffer_size(self._galloc, 0))
+        """The compute buffers of every graph computed so far (or reserved), together."""
+        gallocs = list(self._gallocs.values()) or [self._galloc]
+        return sum(int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in gallocs)
 
     def persistent_bytes(self) -> int:
         return sum(int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers)
@@ -681,14 +702,16 @@ class Program:
                 # even after a synchronize) crashed lavapipe's worker threads in a later graph of
                 # another program (tests/test_engine_ops.py, 1 run in 2): its device memory is
                 # kept until the process ends (a run has one program; tests make many small ones).
-                _KEPT_DEVICE_MEMORY.append((self._galloc, self._buffers))
+                _KEPT_DEVICE_MEMORY.append((self._galloc, self._gallocs, self._buffers))
             else:
-                lib.ggml_gallocr_free(self._galloc)
+                for galloc in {int(ffi.cast("uintptr_t", g)): g for g in [self._galloc, *self._gallocs.values()]}.values():
+                    lib.ggml_gallocr_free(galloc)
                 for b in self._buffers:
                     lib.ggml_backend_buffer_free(b)
             lib.ggml_free(self._ctx_compute)
             lib.ggml_free(self._ctx_static)
             self._galloc = None
+            self._gallocs = {}
             self._buffers = []
 
     def __del__(self):
@@ -844,10 +867,11 @@ class Trainer:
         self.eval_graph = prog._lowered(self.eval_graph, False)
         if prog.planner is not None:
             prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
-        elif not lib.ggml_gallocr_reserve(prog._galloc, self.gb_opt):
-            from ..memory_plan import allocation_failed, graph_buffer_bytes
-
-            raise allocation_failed(prog.engine, "the training graph's compute buffer",
+        else:
+            with ggml_quiet():
+                reserved = lib.ggml_gallocr_reserve(prog.galloc_for(self.gb_opt), self.gb_opt)
+            if not reserved:
+                raise allocation_failed(prog.engine, "the training graph's compute buffer",
                                     graph_buffer_bytes(prog.engine, self.gb_opt))
         self.needs_full_reset = True
         self.steps_done = 0
