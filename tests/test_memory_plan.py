@@ -172,3 +172,23 @@ def test_plan_is_within_10_percent_of_rss_growth(recipe, sets, base_sets, tmp_pa
     assert got["plan"] >= 60 << 20, f"plan {got['plan'] / 2**20:.1f} MiB: too small to measure against RSS"
     ratio = got["growth"] / got["plan"]
     assert 0.9 <= ratio <= 1.1, f"RSS grew {got['growth'] / 2**20:.1f} MiB for a plan of {got['plan'] / 2**20:.1f} MiB"
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_gpu_memory_plan_script_runs_on_cpu(tmp_path):
+    """scripts/gpu_memory_plan.py, which gpu_memory_plan.sh runs on the GPU machine, end to end on
+    cpu (RSS for the driver's used memory) at its quick sizes; the shell script parses."""
+    assert subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_memory_plan.sh")]).returncode == 0
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_memory_plan.py"), str(tmp_path), "--backend", "cpu",
+                        "--quick", "--recipes", "gpt2,lora"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads((tmp_path / "memory_plan_cpu.json").read_text())
+    assert [c["recipe"] for c in doc["cases"]] == ["gpt2", "lora"]
+    for case in doc["cases"]:
+        assert 0.9 <= case["ratio"] <= 1.1 and case["plan"]["rows"]["compute"] > 0
+    assert "gpt2" in (tmp_path / "memory_plan_cpu.txt").read_text()
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "gpu_memory_plan.py"), str(tmp_path), "--recipes", "gtp2"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown recipe(s) gtp2" in bad.stderr
