@@ -208,6 +208,8 @@ class Program:
         # Set while a memory plan is made (toyharness/memory_plan.py): persistent tensors and graph
         # buffers are then measured, never allocated, and parameter values are never copied.
         self.planner = engine.planner
+        # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
+        self.recompute = None
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
@@ -361,6 +363,17 @@ class Program:
         t = self.input(name, array.shape, dtype)
         self._pending.append((t, np.ascontiguousarray(array, dtype=np.int32 if dtype == "i32" else np.float32)))
         return t
+
+    def enable_recompute(self) -> None:
+        """Recompute checkpointed blocks' activations in the backward (engine/recompute.py), for
+        graphs built from now on. The cpu backend only: on cuda the fused attention's backward
+        kernel must follow its own forward node (native/cuda_rewrite.c), which a copy is not."""
+        from .recompute import Recompute
+
+        if not self.engine.is_cpu or self.lowering_target:
+            raise InputError(f"option 'recompute_blocks': the cpu backend only, not {self.engine.backend}"
+                             + (" lowered for " + self.lowering_target if self.lowering_target else ""))
+        self.recompute = Recompute()
 
     def cached_constant(self, name: str, make) -> Tensor:
         """`constant(name, make())` made once per program; blocks share it by name."""
@@ -861,6 +874,10 @@ class Trainer:
                 grad = lib.ggml_cont(ctx, grad)
             step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
             lib.ggml_build_forward_expand(self.gb_opt, step)
+        if prog.recompute is not None and prog.recompute.copies:
+            from .recompute import apply
+
+            self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
         self.gf = gf
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
