@@ -117,7 +117,8 @@ class MemoryPlan:
                     lines.append(f"    {'largest: ' + t.describe():<44}{fmt_bytes(t.nbytes):>12}")
         lines.append(f"  {'total on ' + self.backend:<46}{fmt_bytes(self.total):>12}")
         if self.backend != "cpu":
-            lines.append(f"  {'and on the host, while saving a checkpoint':<46}{fmt_bytes(self.rows['checkpoint']):>12}")
+            host = fmt_bytes(self.rows["checkpoint"])
+            lines.append(f"  {'and on the host, while saving a checkpoint':<46}{host:>12}")
         if self.free is not None:
             lines.append(f"  {'free (' + self.free_what + ')':<46}{fmt_bytes(self.free):>12}")
             verdict = "fits" if self.fits else "does NOT fit"

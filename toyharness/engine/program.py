@@ -717,7 +717,8 @@ class Program:
                 # kept until the process ends (a run has one program; tests make many small ones).
                 _KEPT_DEVICE_MEMORY.append((self._galloc, self._gallocs, self._buffers))
             else:
-                for galloc in {int(ffi.cast("uintptr_t", g)): g for g in [self._galloc, *self._gallocs.values()]}.values():
+                every = {int(ffi.cast("uintptr_t", g)): g for g in [self._galloc, *self._gallocs.values()]}
+                for galloc in every.values():
                     lib.ggml_gallocr_free(galloc)
                 for b in self._buffers:
                     lib.ggml_backend_buffer_free(b)
