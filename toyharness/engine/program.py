@@ -405,8 +405,14 @@ class Program:
         return buf
 
     # --- host <-> backend ----------------------------------------------------------------
+    def _no_plan(self, what: str) -> None:
+        # a planned tensor's address is reserved, never backed: any access would fault
+        if self.planner is not None:
+            raise RuntimeError(f"a program made for a memory plan holds no values ({what})")
+
     def write(self, t: Tensor, array: np.ndarray) -> None:
         """Set a persistent tensor from numpy (shape checked; converted to its dtype)."""
+        self._no_plan("write")
         self.allocate()
         array = np.asarray(array)
         if tuple(array.shape) != t.shape:
@@ -419,6 +425,7 @@ class Program:
 
     def read(self, t: Tensor) -> np.ndarray:
         """A copy of a tensor's values as numpy (f16/bf16 widened to f32)."""
+        self._no_plan("read")
         self.allocate()
         if lib.th_tensor_data(t.ptr) == ffi.NULL:
             raise InputError(f"{t.name}: has no data (an intermediate not computed yet?)")
@@ -436,6 +443,7 @@ class Program:
 
     def feed(self, feeds: dict[str, np.ndarray]) -> None:
         """Validate and upload step inputs by name. Nothing reaches ggml unchecked."""
+        self._no_plan("feed")
         self.allocate()
         for name, value in feeds.items():
             if name in self._targets:
@@ -611,8 +619,7 @@ class Program:
         return Trainer(self, loss, convention)
 
     def _compute(self, graph) -> None:
-        if self.planner is not None:
-            raise RuntimeError("a program made for a memory plan computes nothing (its tensors have no memory)")
+        self._no_plan("compute")
         same_graph = graph == self._last_graph
         if not same_graph:
             # Shared nodes keep the last graph's placement unless cleared (see the shim).
