@@ -296,7 +296,9 @@ class Planner:
                 if _addr(src) in forward and lib.th_tensor_data(src) == ffi.NULL:
                     kept[_addr(src)] = self._bytes(src)
             if op not in VIEW_OPS and lib.th_tensor_data(node) == ffi.NULL:
-                nodes.append(Tensorish(op, _shape(node), self._bytes(node)))
+                kernel = lib.th_kernel_name(node) if "CUSTOM" in op else ffi.NULL
+                label = f"{op} ({ffi.string(kernel).decode()})" if kernel != ffi.NULL else op
+                nodes.append(Tensorish(label, _shape(node), self._bytes(node)))
         self.activations = sum(kept.values())
         self.logits = sum(logits.values())
         seen, largest = set(), []
