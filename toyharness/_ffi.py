@@ -149,6 +149,14 @@ void ggml_gallocr_free(ggml_gallocr_t galloc);
 bool ggml_gallocr_reserve(ggml_gallocr_t galloc, ggml_cgraph * graph);
 bool ggml_gallocr_alloc_graph(ggml_gallocr_t galloc, ggml_cgraph * graph);
 size_t ggml_gallocr_get_buffer_size(ggml_gallocr_t galloc, int buffer_id);
+void ggml_gallocr_reserve_n_size(ggml_gallocr_t galloc, ggml_cgraph * graph, const int * node_buffer_ids,
+                                 const int * leaf_buffer_ids, size_t * sizes);
+size_t ggml_backend_alloc_ctx_tensors_from_buft_size(ggml_context * ctx, ggml_backend_buffer_type_t buft);
+size_t ggml_backend_buft_get_alloc_size(ggml_backend_buffer_type_t buft, const ggml_tensor * tensor);
+size_t ggml_backend_buft_get_alignment(ggml_backend_buffer_type_t buft);
+ggml_tensor * ggml_get_first_tensor(const ggml_context * ctx);
+ggml_tensor * ggml_get_next_tensor(const ggml_context * ctx, ggml_tensor * tensor);
+void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
 
 int ggml_cpu_has_avx(void);
 int ggml_cpu_has_avx2(void);
@@ -252,6 +260,11 @@ class _Symbols:
         raise AttributeError(f"symbol {name} not found in the toyharness native libraries")
 
 
+def log_level() -> int:
+    """The least level of ggml's log messages shown (TOYHARNESS_GGML_LOG, default warnings)."""
+    return int(os.environ.get("TOYHARNESS_GGML_LOG", GGML_LOG_LEVEL_WARN))
+
+
 def _load():
     # ggml-vulkan rounds f32 operands of products to f16 on devices with f16 arithmetic (lavapipe
     # included: 3e-4 relative error in a product, 1e-5 in a gpt2 golden's losses); it reads this
@@ -274,7 +287,7 @@ def _load():
         raise NativeLibraryMissing(f"libtoyharness_shim.so missing from {NATIVE_DIR}")
     lib = _Symbols(handles, re.findall(r"\b(\w+)\s*\(", CDEF))
     lib.th_install_abort_handler()
-    lib.th_set_log_level(int(os.environ.get("TOYHARNESS_GGML_LOG", GGML_LOG_LEVEL_WARN)))
+    lib.th_set_log_level(log_level())
     return ffi, lib, handles
 
 

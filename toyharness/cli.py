@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its checkpoint, bit for bit")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--log", action="append", metavar="NAME[,NAME]", help=LOG_HELP)
+    r.add_argument("--plan", action="store_true",
+                   help="print the run's memory plan (parameters, moments, frozen weights, activations, the largest "
+                        "tensors) beside the backend's free memory, and exit without training")
 
     g = sub.add_parser("golden", help="check or record golden losses",
                        description="Compare each recipe's first 16 losses with goldens/<fingerprint>/, bit for bit.")
@@ -190,8 +193,12 @@ def log_names(values: list[str] | None) -> str | None:
 
 
 def cmd_run(args) -> int:
-    from .runner import train
+    from .runner import plan_run, train
 
+    if args.plan:
+        print(plan_run(args.recipe, backend=args.backend, threads=args.threads, config=args.config, sets=args.sets,
+                       resume=args.resume).table())
+        return 0
     summary = train(args.recipe, steps=args.steps, backend=args.backend, threads=args.threads, config=args.config,
                     sets=args.sets, out=args.out, save_init=args.save_init, save_batches=args.save_batches,
                     resume=args.resume, progress=not args.no_progress, log=log_names(args.log))

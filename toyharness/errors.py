@@ -41,3 +41,15 @@ class WriteError(ToyharnessError):
         reason = cause if isinstance(cause, str) else (getattr(cause, "strerror", None) or str(cause))
         super().__init__(f"cannot write {path}: {reason}")
         self.path = path
+
+
+class DoesNotFit(InputError):
+    """A run whose memory plan exceeds what the backend has free (toyharness/memory_plan.py):
+    refused before anything large is allocated, with the options that would shrink it most. Exit 2."""
+
+
+class OutOfMemory(ToyharnessError, MemoryError):
+    """An allocation the backend refused although the plan fitted (a plan that underestimates,
+    another process taking memory): one line naming the backend, the buffer and the sizes. Exit 1."""
+
+    exit_code = 1

@@ -10,7 +10,9 @@ adding a tensor does not shift the others. A stream is LANES generators stepped 
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from typing import Iterator
 
 import numpy as np
 
@@ -64,13 +66,51 @@ def xorshift_normal(seed: int, name: str, n: int) -> np.ndarray:
     return z.reshape(-1)[:n]
 
 
+# Set while a memory plan realizes a recipe (toyharness/memory_plan.py): the plan needs each
+# parameter's shape, not its values, and drawing billions of them would take minutes and the
+# very memory the plan is about. The streams then return read-only zero-stride placeholders.
+_SHAPES_ONLY = False
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Within this block `normal` and `lcg_scaled` return zeros of the right shape that use no
+    memory (np.broadcast_to), for a memory plan."""
+    global _SHAPES_ONLY
+    before, _SHAPES_ONLY = _SHAPES_ONLY, True
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY = before
+
+
+@contextlib.contextmanager
+def with_values() -> Iterator[None]:
+    """Real values within this block, even inside `shapes_only`: for weights that are written to a
+    file (a seeded base or donor made on first use must never be written as placeholders)."""
+    global _SHAPES_ONLY
+    before, _SHAPES_ONLY = _SHAPES_ONLY, False
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY = before
+
+
+def _placeholder(shape: tuple[int, ...]) -> np.ndarray:
+    return np.broadcast_to(np.float32(0.0), tuple(int(s) for s in shape))
+
+
 def normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    if _SHAPES_ONLY:
+        return _placeholder(shape)
     n = int(np.prod(shape))
     return (xorshift_normal(seed, name, n) * std).astype(np.float32).reshape(shape)
 
 
 def lcg_scaled(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
     """Uniform on [-sqrt(3) std, sqrt(3) std): mean 0, standard deviation `std`."""
+    if _SHAPES_ONLY:
+        return _placeholder(shape)
     n = int(np.prod(shape))
     u = lcg_uniform(seed, name, n)
     return ((2.0 * u - 1.0) * np.sqrt(3.0) * std).astype(np.float32).reshape(shape)

@@ -51,10 +51,15 @@ class LanguageModel:
         self.batch = batch or options.t_batch
         self.seq = seq or options.t_seq
         self.prog: Program = engine.program()
+        if getattr(options, "recompute_blocks", False) and trainable:
+            self.prog.enable_recompute()
         self.P: dict[str, Tensor] = recipe.build_params(self.prog, options, vocab, params, trainable)
         self.tokens = self.prog.input("tokens", (self.batch, self.seq), "i32", upper=vocab)
         self.positions = self.prog.constant("positions", np.arange(self.seq, dtype=np.int32))
         self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
+        if self.prog.recompute is not None and not self.prog.recompute.blocks:
+            raise InputError(f"option 'recompute_blocks': recipe {recipe.name}'s forward here has no blocks to "
+                             f"recompute (blocks.checkpoint); set recompute_blocks=false")
         if self.logits.shape != (self.batch, self.seq, vocab):
             raise InputError(f"recipe {recipe.name}: forward gave logits {self.logits.shape}, "
                              f"expected {(self.batch, self.seq, vocab)}")
@@ -290,5 +295,8 @@ def seeded_model_file(recipe: str, sets: list[str], vocab: int = 256) -> Path:
     key = hashlib.sha256(repr((recipe, sorted(options.to_dict().items()), vocab)).encode()).hexdigest()[:12]
     path = cache_root() / "models" / f"{recipe}-init-{key}.gguf"
     if not path.is_file():
-        obj.write_model(path, obj.init_params(options, vocab), options, vocab)
+        from .init import with_values
+
+        with with_values():
+            obj.write_model(path, obj.init_params(options, vocab), options, vocab)
     return path

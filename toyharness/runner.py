@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import shutil
 import struct
 import sys
 import time
@@ -28,8 +29,9 @@ from .atomic import atomic_write
 from .data import load_text_data
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
-from .errors import CheckFailed, InputError, WriteError
+from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
+from .memory_plan import check_fits, plan_model
 from .observers import ObserverBus, load_observers
 from .options import Options, load_toml, read_toml, resolve
 from .plugins import get_recipe
@@ -132,6 +134,24 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
         bus.close()
 
 
+def plan_run(recipe: str, backend: str = "cpu", threads: int | None = None, config: str | None = None,
+             sets: list[str] | None = None, resume: str | None = None):
+    """The memory plan of the run `train` would make with these arguments (nothing allocated)."""
+    if resume:
+        resume_dir = Path(resume)
+        if not (resume_dir / "config.toml").is_file():
+            raise InputError(f"--resume {resume_dir}: needs config.toml there")
+        config = str(resume_dir / "config.toml")
+    _, recipe_obj = get_recipe(recipe)
+    options = resolve_options(recipe_obj, config, sets, {})
+    pm = plugin_manager(recipe_obj)
+    data = load_data(pm, options)
+    engine = get_engine(backend, threads)
+    engine.set_portable(options.portable)
+    engine.set_precision(options.precision)
+    return plan_model(recipe, pm, engine, options, data)
+
+
 def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, backend: str, threads: int | None,
            out: str | None, save_init: bool, save_batches: bool, resume_dir: Path | None, observers: tuple,
            progress: bool, write_files: bool, tags: dict[str, Any], run_box: list) -> dict:
@@ -145,6 +165,8 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = Run(recipe, options, out_dir, engine, entry, tags=tags)
 
+    # Refused here, before anything large is allocated, when it cannot fit (exit 2).
+    check_fits(recipe, pm, engine, options, data)
     model = pm.hook.realize(engine=engine, options=options, data=data)
     trainer = model.trainer
     start = 0
@@ -158,6 +180,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
         raise InputError(f"recipe {recipe}: the hp hook must return an HPRow (7 floats + convention)")
     check_convention(first_row, model.convention)
 
+    created_dir = write_files and not out_dir.exists()
     if write_files:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -208,6 +231,12 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
             if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
                 atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
                 save_checkpoint(out_dir, trainer, options, done)
+    except OutOfMemory:
+        # A graph's first allocation failed: a folder this run made holds no checkpoint yet, so
+        # nothing in it can be resumed; it goes (a resumable one stays).
+        if created_dir and not (out_dir / "checkpoint.gguf").exists():
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     finally:
         bar.close()
 

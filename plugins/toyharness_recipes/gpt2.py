@@ -32,6 +32,9 @@ class GPT2Options(Options):
     steps: int = 1500
     eval_every: int = 250
     checkpoint_every: int = 250
+    # recompute each block's activations in the backward (engine/recompute.py): less memory, the
+    # same losses bit for bit, one more forward of the blocks per step (cpu backend)
+    recompute_blocks: bool = False
 
 
 class GPT2(LMRecipe):
@@ -68,16 +71,20 @@ class GPT2(LMRecipe):
     def forward(self, P, tokens, positions, o: GPT2Options):
         h = P["token_embd.weight"].get_rows(tokens) + P["position_embd.weight"].get_rows(positions)
         for i in range(o.n_layer):
-            b = f"blk.{i}."
-            x = blocks.layer_norm(h, P[b + "attn_norm.weight"], P[b + "attn_norm.bias"])
-            h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
-                                     P[b + "attn_output.weight"], o.n_head, bq=P[b + "attn_q.bias"],
-                                     bk=P[b + "attn_k.bias"], bv=P[b + "attn_v.bias"], bo=P[b + "attn_output.bias"])
-            x = blocks.layer_norm(h, P[b + "ffn_norm.weight"], P[b + "ffn_norm.bias"])
-            h = h + blocks.gelu_mlp(x, P[b + "ffn_up.weight"], P[b + "ffn_up.bias"], P[b + "ffn_down.weight"],
-                                    P[b + "ffn_down.bias"])
+            h = blocks.checkpoint(self.block, h, P, f"blk.{i}.", o)
         h = blocks.layer_norm(h, P["output_norm.weight"], P["output_norm.bias"])
         return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
+
+    @staticmethod
+    def block(h, P, b: str, o: GPT2Options):
+        """One pre-LayerNorm block (`b`: its tensors' prefix, blk.N.)."""
+        x = blocks.layer_norm(h, P[b + "attn_norm.weight"], P[b + "attn_norm.bias"])
+        h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
+                                 P[b + "attn_output.weight"], o.n_head, bq=P[b + "attn_q.bias"],
+                                 bk=P[b + "attn_k.bias"], bv=P[b + "attn_v.bias"], bo=P[b + "attn_output.bias"])
+        x = blocks.layer_norm(h, P[b + "ffn_norm.weight"], P[b + "ffn_norm.bias"])
+        return h + blocks.gelu_mlp(x, P[b + "ffn_up.weight"], P[b + "ffn_up.bias"], P[b + "ffn_down.weight"],
+                                   P[b + "ffn_down.bias"])
 
     def gguf_metadata(self, o: GPT2Options, vocab: int):
         return "gpt2", {

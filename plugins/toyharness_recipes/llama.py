@@ -46,6 +46,9 @@ class LlamaOptions(Options):
     steps: int = 600
     eval_every: int = 100
     checkpoint_every: int = 200
+    # recompute each block's activations in the backward (engine/recompute.py): less memory, the
+    # same losses bit for bit, one more forward of the blocks per step (cpu backend)
+    recompute_blocks: bool = False
 
 
 class Llama(LMRecipe):

@@ -61,6 +61,10 @@ class LoRAOptions(Options):
     steps: int = 200
     eval_every: int = 50
     checkpoint_every: int = 50
+    # recompute each block's activations in the backward (engine/recompute.py): less memory, the
+    # same losses bit for bit, one more forward of the blocks per step (cpu backend; llama-family
+    # bases, whose blocks are checkpointed)
+    recompute_blocks: bool = False
 
 
 def read_base(path: str) -> ModelFile:

@@ -109,10 +109,15 @@ def example_tensors(s: DecoderShape, seed: int = 7, std: float = 0.1) -> dict[st
     """Seeded weights for every tensor of `s` (the xorshift normal stream of toyharness.init):
     matrices N(0, std), norm gains 1 + N(0, 0.1) (so that a misplaced gain shows), biases
     N(0, 0.1), and Llama 3.2's rope frequency table where the shape has one."""
-    from ..init import normal
+    from ..init import normal, with_values
 
     arch = ARCHITECTURES[s.arch]
     out = {}
+    with with_values():      # written to files: never a memory plan's placeholders
+        return _example_tensors(arch, s, seed, std, normal, out)
+
+
+def _example_tensors(arch, s: DecoderShape, seed: int, std: float, normal, out: dict) -> dict[str, np.ndarray]:
     names = ["output.weight"] if s.extras.get("untied") else []
     for name, shape in arch.tensor_shapes(s, names).items():
         if name == s.rope_factors:

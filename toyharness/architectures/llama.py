@@ -82,16 +82,21 @@ def llama_forward(P: dict, h, positions, s: DecoderShape):
     """Blocks, final norm and output over embedded tokens `h` (B, T, d). A weight in P may be a
     `blocks.LoRAWeight`. Also the forward of the llama recipe (from scratch) and warm_start."""
     for i in range(s.n_layer):
-        b = f"blk.{i}."
-        x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
-        h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
-                                 P[b + "attn_output.weight"], s.n_head, s.n_kv_head,
-                                 bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
-                                 bv=P.get(b + "attn_v.bias"), rope=rope_for(P, positions, s, i),
-                                 head_dim=s.head_dim)
-        x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
-        h = h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
+        h = blocks.checkpoint(llama_block, h, P, positions, s, i)
     return output(P, h, s)
+
+
+def llama_block(h, P: dict, positions, s: DecoderShape, i: int):
+    """Block i: pre-norm attention and SwiGLU MLP, each added to the residual `h`."""
+    b = f"blk.{i}."
+    x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
+    h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
+                             P[b + "attn_output.weight"], s.n_head, s.n_kv_head,
+                             bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
+                             bv=P.get(b + "attn_v.bias"), rope=rope_for(P, positions, s, i),
+                             head_dim=s.head_dim)
+    x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
+    return h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
 
 
 def common_metadata(s: DecoderShape) -> dict:

@@ -40,6 +40,9 @@ class Engine:
         self.set_threads(threads)
         self.portable = False
         self.precision = "fp32"
+        # While a memory plan is made (toyharness/memory_plan.py), programs made on this engine
+        # record what they would allocate instead of allocating it.
+        self.planner = None
 
     def set_portable(self, portable: bool) -> None:
         """The cpu backend's portable golden mode, for programs made from now on: every node is

@@ -37,6 +37,7 @@ from .._ffi import (
 )
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
+from ..memory_plan import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
 from .lowering import Lowering, declares_for, lowering_target
 from .tensor import Tensor
@@ -150,7 +151,14 @@ class Program:
         self.inputs: dict[str, _Input] = {}
         self._targets: dict[str, _Targets] = {}
         self._keepalive: list = []              # mmaps and host arrays that back tensors
+        # One graph allocator per graph computed (the training graph's reserved by its Trainer):
+        # a graph keeps the placement it got first. Sharing one allocator made every return to the
+        # training graph after an evaluation place it again, after the backend's rewrites, which
+        # needed more memory (gpt2 default: 37.3 MB instead of 24.7 MB) and, from about 48 layers,
+        # ran ggml's allocator out of free blocks (an abort). Each buffer is kept; an evaluation
+        # graph, forward only, costs less than the training graph's re-placement did.
         self._galloc = lib.ggml_gallocr_new(engine.buffer_type)
+        self._gallocs: dict[int, object] = {}
         self._last_graph = None
         self._gemm_rewritten: set = set()
         self._constants: dict[str, Tensor] = {}
@@ -197,6 +205,11 @@ class Program:
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
         self.precision = engine.precision
         self.last_compute_s = 0.0
+        # Set while a memory plan is made (toyharness/memory_plan.py): persistent tensors and graph
+        # buffers are then measured, never allocated, and parameter values are never copied.
+        self.planner = engine.planner
+        # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
+        self.recompute = None
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
@@ -300,7 +313,8 @@ class Program:
             self.params[name] = t
         else:
             self.frozen[name] = t
-        self._pending.append((t, np.ascontiguousarray(init, dtype=np.float32)))
+        if self.planner is None:    # a plan needs shapes only (its init values are placeholders)
+            self._pending.append((t, np.ascontiguousarray(init, dtype=np.float32)))
         return t
 
     def frozen_array(self, name: str, array: np.ndarray, dtype: str = "f32") -> Tensor:
@@ -311,8 +325,9 @@ class Program:
         array = np.asarray(array, dtype=np.float32)
         t = self._new_static(name, array.shape, DTYPE_NAMES[dtype])
         self.frozen[name] = t
-        data = {"f32": lambda a: a, "f16": lambda a: a.astype(np.float16), "bf16": f32_to_bf16_bits}[dtype](array)
-        self._pending.append((t, np.ascontiguousarray(data)))
+        if self.planner is None:
+            data = {"f32": lambda a: a, "f16": lambda a: a.astype(np.float16), "bf16": f32_to_bf16_bits}[dtype](array)
+            self._pending.append((t, np.ascontiguousarray(data)))
         return t
 
     def frozen_gguf(self, gguf, name: str, expect_shape: tuple[int, ...] | None = None,
@@ -325,7 +340,8 @@ class Program:
             t = gguf.bind_in_place(self, info, local)
         else:
             t = self._new_static(local, info.shape, info.ggml_type)
-            self._pending.append((t, info.raw_bytes()))
+            if self.planner is None:     # a plan reads no weights, it counts them
+                self._pending.append((t, info.raw_bytes()))
         self.frozen[local] = t
         return t
 
@@ -348,6 +364,17 @@ class Program:
         self._pending.append((t, np.ascontiguousarray(array, dtype=np.int32 if dtype == "i32" else np.float32)))
         return t
 
+    def enable_recompute(self) -> None:
+        """Recompute checkpointed blocks' activations in the backward (engine/recompute.py), for
+        graphs built from now on. The cpu backend only: on cuda the fused attention's backward
+        kernel must follow its own forward node (native/cuda_rewrite.c), which a copy is not."""
+        from .recompute import Recompute
+
+        if not self.engine.is_cpu or self.lowering_target:
+            raise InputError(f"option 'recompute_blocks': the cpu backend only, not {self.engine.backend}"
+                             + (" lowered for " + self.lowering_target if self.lowering_target else ""))
+        self.recompute = Recompute()
+
     def cached_constant(self, name: str, make) -> Tensor:
         """`constant(name, make())` made once per program; blocks share it by name."""
         t = self._constants.get(name)
@@ -358,11 +385,18 @@ class Program:
     def allocate(self):
         """Give every persistent tensor created so far backend memory, then upload pending values.
         Returns the backend buffer that now holds the newly allocated tensors (None if none)."""
+        if self.planner is not None:
+            self.planner.place(self)
+            self._pending.clear()
+            self._unallocated = 0
+            return None
         buf = None
         if self._unallocated:
-            buf = lib.ggml_backend_alloc_ctx_tensors(self._ctx_static, self.engine.handle)
+            with ggml_quiet():
+                buf = lib.ggml_backend_alloc_ctx_tensors(self._ctx_static, self.engine.handle)
             if buf == ffi.NULL:
-                raise MemoryError("could not allocate the program's persistent tensors")
+                size = lib.ggml_backend_alloc_ctx_tensors_from_buft_size(self._ctx_static, self.engine.buffer_type)
+                raise allocation_failed(self.engine, "persistent tensors (parameters, moments, inputs)", size)
             self._buffers.append(buf)
             self._unallocated = 0
         for t, data in self._pending:
@@ -371,8 +405,14 @@ class Program:
         return buf
 
     # --- host <-> backend ----------------------------------------------------------------
+    def _no_plan(self, what: str) -> None:
+        # a planned tensor's address is reserved, never backed: any access would fault
+        if self.planner is not None:
+            raise RuntimeError(f"a program made for a memory plan holds no values ({what})")
+
     def write(self, t: Tensor, array: np.ndarray) -> None:
         """Set a persistent tensor from numpy (shape checked; converted to its dtype)."""
+        self._no_plan("write")
         self.allocate()
         array = np.asarray(array)
         if tuple(array.shape) != t.shape:
@@ -385,6 +425,7 @@ class Program:
 
     def read(self, t: Tensor) -> np.ndarray:
         """A copy of a tensor's values as numpy (f16/bf16 widened to f32)."""
+        self._no_plan("read")
         self.allocate()
         if lib.th_tensor_data(t.ptr) == ffi.NULL:
             raise InputError(f"{t.name}: has no data (an intermediate not computed yet?)")
@@ -402,6 +443,7 @@ class Program:
 
     def feed(self, feeds: dict[str, np.ndarray]) -> None:
         """Validate and upload step inputs by name. Nothing reaches ggml unchecked."""
+        self._no_plan("feed")
         self.allocate()
         for name, value in feeds.items():
             if name in self._targets:
@@ -577,11 +619,29 @@ class Program:
         return Trainer(self, loss, convention)
 
     def _compute(self, graph) -> None:
+        self._no_plan("compute")
         same_graph = graph == self._last_graph
         if not same_graph:
             # Shared nodes keep the last graph's placement unless cleared (see the shim).
             lib.th_clear_ctx_alloc(self._ctx_compute)
             self._last_graph = graph
+        self._prepare(graph)
+        # Computed again, a graph keeps its placement: no walk over its nodes per step; after
+        # another graph, its own allocator puts every node back where it was.
+        if not same_graph:
+            with ggml_quiet():
+                placed = lib.ggml_gallocr_alloc_graph(self.galloc_for(graph), graph)
+            if not placed:
+                raise allocation_failed(self.engine, "a graph's compute buffer", graph_buffer_bytes(self.engine, graph))
+        start = time.perf_counter()
+        status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
+        self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)
+        if status != GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    def _prepare(self, graph) -> None:
+        """Once per graph, before its first compute (and in a memory plan, before it is measured):
+        the backend's rewrites, then the check that the backend declares every node."""
         if graph not in self._gemm_rewritten:
             # On cpu, hot nodes get our kernels (native/cpu_kernels.c: sgemm, copies, SILU_BACK,
             # LayerNorm centring); no backward can be built through a rewritten node, so a
@@ -604,14 +664,6 @@ class Program:
             # after the rewrites: every node as the backend's dispatch will see it (ours included)
             self._check_supported(graph)
             self._gemm_rewritten.add(graph)
-        # Computed again, a graph keeps its placement: no walk over its nodes per step.
-        if not same_graph and not lib.ggml_gallocr_alloc_graph(self._galloc, graph):
-            raise MemoryError("ggml could not allocate the graph's intermediates")
-        start = time.perf_counter()
-        status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
-        self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)
-        if status != GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
 
     def _lowered(self, graph, grads: bool):
         """`graph`, or where it holds nodes the backend does not declare and the lowering can
@@ -642,8 +694,20 @@ class Program:
             where = f" (lowered for {self.lowering_target})" if self.lowering_target else ""
             raise BackendError(f"the {self.engine.backend} backend of this ggml{where} cannot run {ops}")
 
+    def galloc_for(self, graph):
+        """The graph allocator that places `graph`: the program's first for the first graph
+        reserved or computed, a new one for each other graph."""
+        key = int(ffi.cast("uintptr_t", graph))
+        galloc = self._gallocs.get(key)
+        if galloc is None:
+            galloc = self._galloc if not self._gallocs else lib.ggml_gallocr_new(self.engine.buffer_type)
+            self._gallocs[key] = galloc
+        return galloc
+
     def compute_buffer_bytes(self) -> int:
-        return int(lib.ggml_gallocr_get_buffer_size(self._galloc, 0))
+        """The compute buffers of every graph computed so far (or reserved), together."""
+        gallocs = list(self._gallocs.values()) or [self._galloc]
+        return sum(int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in gallocs)
 
     def persistent_bytes(self) -> int:
         return sum(int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers)
@@ -658,14 +722,17 @@ class Program:
                 # even after a synchronize) crashed lavapipe's worker threads in a later graph of
                 # another program (tests/test_engine_ops.py, 1 run in 2): its device memory is
                 # kept until the process ends (a run has one program; tests make many small ones).
-                _KEPT_DEVICE_MEMORY.append((self._galloc, self._buffers))
+                _KEPT_DEVICE_MEMORY.append((self._galloc, self._gallocs, self._buffers))
             else:
-                lib.ggml_gallocr_free(self._galloc)
+                every = {int(ffi.cast("uintptr_t", g)): g for g in [self._galloc, *self._gallocs.values()]}
+                for galloc in every.values():
+                    lib.ggml_gallocr_free(galloc)
                 for b in self._buffers:
                     lib.ggml_backend_buffer_free(b)
             lib.ggml_free(self._ctx_compute)
             lib.ggml_free(self._ctx_static)
             self._galloc = None
+            self._gallocs = {}
             self._buffers = []
 
     def __del__(self):
@@ -815,12 +882,22 @@ class Trainer:
                 grad = lib.ggml_cont(ctx, grad)
             step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
             lib.ggml_build_forward_expand(self.gb_opt, step)
+        if prog.recompute is not None and prog.recompute.copies:
+            from .recompute import apply
+
+            self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
         self.gf = gf
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
         self.eval_graph = prog._lowered(self.eval_graph, False)
-        if not lib.ggml_gallocr_reserve(prog._galloc, self.gb_opt):
-            raise MemoryError("could not reserve memory for the training graph")
+        if prog.planner is not None:
+            prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
+        else:
+            with ggml_quiet():
+                reserved = lib.ggml_gallocr_reserve(prog.galloc_for(self.gb_opt), self.gb_opt)
+            if not reserved:
+                raise allocation_failed(prog.engine, "the training graph's compute buffer",
+                                    graph_buffer_bytes(prog.engine, self.gb_opt))
         self.needs_full_reset = True
         self.steps_done = 0
 

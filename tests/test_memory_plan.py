@@ -1,0 +1,215 @@
+"""The memory plan (toyharness/memory_plan.py): equal to ggml's buffers, within 10% of the measured
+RSS growth of a run, a run that cannot fit refused before it allocates (exit 2), and an allocation
+that fails anyway one line, exit 1, no run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from toyharness.cli import main
+from toyharness.engine import get_engine
+from toyharness.hookspecs import plugin_manager
+from toyharness.lm import seeded_model_file
+from toyharness.memory_plan import plan_model
+from toyharness.plugins import get_recipe
+from toyharness.runner import batch_for, load_data, resolve_options
+
+# The issue's configuration: ~2.4 G parameters, attention over 4096 positions, 64 sequences a batch.
+HUGE = ["n_layer=48", "d_model=2048", "n_head=16", "t_seq=4096", "t_batch=64"]
+
+
+@pytest.fixture(scope="module")
+def base_sets() -> list[str]:
+    base = seeded_model_file("llama", ["n_layer=2", "d_model=64", "n_head=4", "n_kv_head=2", "d_ff=128"])
+    return [f"base={base}"]
+
+
+def _realized(recipe: str, sets: list[str]):
+    _, obj = get_recipe(recipe)
+    options = resolve_options(obj, None, sets, {})
+    pm = plugin_manager(obj)
+    data = load_data(pm, options)
+    engine = get_engine("cpu")
+    engine.set_portable(options.portable)
+    return pm, engine, options, data
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "llama", "warm_start", "vit_tiny", "lora"])
+def test_plan_equals_ggml_buffers(recipe, base_sets):
+    """Persistent tensors (padded to the buffer's alignment) and both compute buffers, to the byte,
+    after a step, an evaluation and a step after it (the training graph back in its placement)."""
+    sets = base_sets if recipe == "lora" else []
+    pm, engine, options, data = _realized(recipe, sets)
+    plan = plan_model(recipe, pm, engine, options, data)
+    model = pm.hook.realize(engine=engine, options=options, data=data)
+    row = pm.hook.hp(options=options, step=0)
+    pm.hook.step(model=model, batch=batch_for(data, "train", 0, options), hp=row)
+    pm.hook.evaluate(model=model, batch=batch_for(data, "eval", 0, options))
+    pm.hook.step(model=model, batch=batch_for(data, "train", 1, options), hp=row)
+    prog = model.trainer.prog
+    persistent = sum(plan.rows[k] for k in ("params", "moments", "grads", "frozen_uploaded", "inputs"))
+    assert persistent == prog.persistent_bytes()
+    assert plan.rows["compute"] + plan.rows["compute_eval"] == prog.compute_buffer_bytes()
+    assert plan.ggml_bytes == prog.persistent_bytes() + prog.compute_buffer_bytes()
+    if recipe == "lora":     # the base is mapped from its file, not copied
+        assert plan.rows["frozen_mapped"] > 0 and plan.rows["frozen_uploaded"] == 0
+    prog.close()
+
+
+def test_plan_cli_prints_a_table_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "gpt2", "--plan", "--set", "t_batch=4"]) == 0
+    out = capsys.readouterr().out
+    for label in ("parameters", "AdamW moments", "activations kept for the backward", "logits and their gradient",
+                  "compute buffer of the training graph", "total on cpu", "free (cpu"):
+        assert label in out
+    assert "t_batch 4" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_that_cannot_fit_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = main(["run", "gpt2", "--no-progress", *[a for s in HUGE for a in ("--set", s)]])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("toyharness: error: gpt2 needs ") and " GiB on cpu, " in err and " free " in err
+    # the two options that shrink it most, each with what it saves
+    assert "shrink it most with recompute_blocks=true (-" in err and " or t_seq=2048 (-" in err
+    assert err.count(" GiB)") == 2
+    assert not (tmp_path / "runs").exists()
+
+
+def test_refusal_can_be_turned_off_by_name_only(monkeypatch):
+    monkeypatch.setenv("TOYHARNESS_MEMORY_CHECK", "maybe")
+    assert main(["run", "gpt2", "--steps", "1", "--no-progress"]) == 2
+
+
+ALLOC_FAILS = textwrap.dedent("""
+    import resource, sys
+    from toyharness.cli import main
+    import toyharness.runner  # everything imported before the limit is set
+    vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 30), vm + (3 << 30)))
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc to read the address space size")
+def test_an_allocation_that_fails_is_one_line_and_leaves_no_folder(tmp_path):
+    """The plan fits (the check is off: as if another process took the memory after it), the
+    address space is limited to 3 GiB more than the process has: the training graph's 3.8 GiB
+    compute buffer cannot be had."""
+    env = {**os.environ, "TOYHARNESS_MEMORY_CHECK": "off"}
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", ALLOC_FAILS, "run", "gpt2", "--set", "t_seq=1024", "--set", "t_batch=64",
+                        "--steps", "1", "--no-progress", "--out", str(out)], capture_output=True, text=True, env=env,
+                       cwd=tmp_path)
+    err = r.stderr.strip()
+    assert r.returncode == 1, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("toyharness: error: cpu: could not allocate the training graph's compute buffer: 3.")
+    assert "GiB needed" in err and "free" in err
+    assert not out.exists()
+
+
+def test_a_sweep_point_that_cannot_fit_fails_while_the_others_run(tmp_path):
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "gpt2", "--grid", "t_batch=2,100000", "--steps", "1", "--workers", "1", "--threads", "1",
+               "--no-progress", "--out", str(out)])
+    assert rc == 1
+    doc = json.loads((out / "sweep.json").read_text())
+    status = {p["options"]["t_batch"]: (p["status"], p["message"]) for p in doc["points"]}
+    assert status[2][0] == "done"
+    assert status[100000][0] == "failed" and "gpt2 needs" in status[100000][1] and "t_batch=50000" in status[100000][1]
+
+
+# --- the plan against the process's memory --------------------------------------------------------
+RSS_CHILD = textwrap.dedent("""
+    import json, resource, sys
+    from toyharness.runner import train, plan_run
+    recipe, sets, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    plan = plan_run(recipe, sets=sets)
+    # A tiny run first loads what any run loads (matplotlib for loss.png, the GGUF writer, rich,
+    # OpenMP's and OpenBLAS's threads): what the run adds is measured from after it
+    train(recipe, steps=1, sets=[s for s in sets if s.startswith("base=")] + ["t_batch=1", "t_seq=8"],
+          out=out + "-warmup", progress=False)
+    def rss():
+        return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+    base = rss()
+    train(recipe, steps=2, sets=sets + ["eval_every=1", "eval_batches=1", "checkpoint_every=2"], out=out,
+          progress=False)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"plan": plan.total, "growth": peak - base}))
+""")
+
+# Sizes whose plan is >= 60 MB, where the process's own memory (~100 MB of libraries, allocator
+# slack) no longer dominates the growth.
+RSS_CASES = [
+    ("gpt2", ["t_seq=256", "t_batch=16", "d_model=128", "n_layer=2"]),
+    ("gpt2", ["t_seq=128", "t_batch=16", "d_model=256", "n_head=8", "n_layer=4"]),
+    ("llama", ["t_seq=256", "t_batch=16"]),
+    ("warm_start", ["t_seq=256", "t_batch=16"]),
+    ("vit_tiny", ["t_batch=256"]),
+    ("lora", ["t_seq=256", "t_batch=16"]),
+]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc for the resident set size")
+@pytest.mark.parametrize("recipe,sets", RSS_CASES, ids=[f"{r}-{'-'.join(s)}" for r, s in RSS_CASES])
+def test_plan_is_within_10_percent_of_rss_growth(recipe, sets, base_sets, tmp_path):
+    sets = sets + (base_sets if recipe == "lora" else [])
+    r = subprocess.run([sys.executable, "-c", RSS_CHILD, recipe, json.dumps(sets), str(tmp_path / "run")],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["plan"] >= 60 << 20, f"plan {got['plan'] / 2**20:.1f} MiB: too small to measure against RSS"
+    ratio = got["growth"] / got["plan"]
+    assert 0.9 <= ratio <= 1.1, f"RSS grew {got['growth'] / 2**20:.1f} MiB for a plan of {got['plan'] / 2**20:.1f} MiB"
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_gpu_memory_plan_script_runs_on_cpu(tmp_path):
+    """scripts/gpu_memory_plan.py, which gpu_memory_plan.sh runs on the GPU machine, end to end on
+    cpu (RSS for the driver's used memory) at its quick sizes; the shell script parses."""
+    assert subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_memory_plan.sh")]).returncode == 0
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_memory_plan.py"), str(tmp_path), "--backend", "cpu",
+                        "--quick", "--recipes", "gpt2,lora"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads((tmp_path / "memory_plan_cpu.json").read_text())
+    assert [c["recipe"] for c in doc["cases"]] == ["gpt2", "lora"]
+    for case in doc["cases"]:
+        assert 0.9 <= case["ratio"] <= 1.1 and case["plan"]["rows"]["compute"] > 0
+    assert "gpt2" in (tmp_path / "memory_plan_cpu.txt").read_text()
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "gpu_memory_plan.py"), str(tmp_path), "--recipes", "gtp2"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown recipe(s) gtp2" in bad.stderr
+
+
+def test_a_recipe_that_reads_values_while_realized_is_run_unplanned(capsys):
+    """A plugin whose realize reads a value back cannot be planned without allocating: a note says
+    so and the check is skipped (its run goes on as before); the planned tensor is never touched."""
+    import numpy as np
+
+    from toyharness.hookspecs import hookimpl
+    from toyharness.memory_plan import check_fits
+    from toyharness.options import Options
+
+    class ReadsBack:
+        @hookimpl
+        def realize(self, engine, options, data):
+            prog = engine.program()
+            prog.read(prog.param("w", np.zeros((2, 2), np.float32)))
+
+    assert check_fits("reads_back", plugin_manager(ReadsBack()), get_engine("cpu"), Options(), None) is None
+    assert "no memory plan for reads_back (a program made for a memory plan holds no values (read))" in \
+        capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""Activation checkpointing by block: recompute a block's activations in the backward instead of
+keeping them from the forward (option `recompute_blocks`).
+
+ggml's backward reads the forward's nodes, so every activation of every block stays alive from
+the forward to its block's backward. With `checkpoint(fn, h)` a recipe builds each block twice:
+the original, which the forward and the loss use, and a copy (the same ops on the same input h,
+which is kept anyway as the block's input). Once the Trainer has built the backward, `apply`
+points every backward node that reads an original activation of a block at its copy instead, and
+orders each graph again so that a block's copy is computed just before its backward first needs
+it. The originals then die within the forward (ggml's allocator frees a node after its last
+reader) and the copies live only through their block's backward: one block's activations at a
+time instead of all of them, for one more forward of each block.
+
+The copy computes the same operations on the same values in the same order, so every value the
+backward reads has the same bits as without recompute, and so have the losses. Only the fast cpu
+path takes it (Program.recompute_blocks says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from .._ffi import ffi, lib
+from ..errors import InputError
+
+if TYPE_CHECKING:
+    from .program import Program
+    from .tensor import Tensor
+
+# struct ggml_tensor of ggml 0.25.3 (ggml.h): type, buffer, ne[4], nb[4], op, op_params[16],
+# flags, then src[10]. The shim has no setter for a node's inputs; the offset is checked against
+# th_tensor_src before any write.
+_SRC_OFFSET = 152
+GGML_MAX_SRC = 10
+_VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
+
+
+@dataclass
+class Recompute:
+    """A program's checkpointed blocks: each original activation's copy, by address."""
+
+    copies: dict[int, object] = field(default_factory=dict)
+    outputs: list = field(default_factory=list)      # each block's copy's output
+    blocks: int = 0
+
+
+def _addr(t) -> int:
+    return int(ffi.cast("uintptr_t", t))
+
+
+def _op(t) -> str:
+    return ffi.string(lib.ggml_op_desc(t)).decode()
+
+
+def _last(ctx):
+    last, t = ffi.NULL, lib.ggml_get_first_tensor(ctx)
+    while t != ffi.NULL:
+        last, t = t, lib.ggml_get_next_tensor(ctx, t)
+    return last
+
+
+def _after(ctx, last) -> list:
+    t = lib.ggml_get_first_tensor(ctx) if last == ffi.NULL else lib.ggml_get_next_tensor(ctx, last)
+    out = []
+    while t != ffi.NULL:
+        out.append(t)
+        t = lib.ggml_get_next_tensor(ctx, t)
+    return out
+
+
+def checkpoint(fn: Callable[..., Tensor], h: Tensor, *args) -> Tensor:
+    """`fn(h, *args)`, a block of the forward; with the program's recompute_blocks on, its
+    activations are recomputed in the backward (see the module). `fn` must build the same ops
+    each time it is called (a pure function of its inputs and the parameters)."""
+    prog = h.prog
+    rec = prog.recompute
+    if rec is None:
+        return fn(h, *args)
+    ctx = prog._ctx_compute
+    mark = _last(ctx)
+    out = fn(h, *args)
+    made = _after(ctx, mark)
+    mark = _last(ctx)
+    copy_out = fn(h, *args)
+    again = _after(ctx, mark)
+    if len(made) != len(again) or any(_op(a) != _op(b) or _shape(a) != _shape(b) for a, b in zip(made, again)):
+        raise InputError("recompute_blocks: a block built different ops the second time (checkpoint needs a "
+                         "block that is a pure function of its input)")
+    # The block's output (and what it is a view of) stays the original: the next block reads it.
+    keep, t = set(), out.ptr
+    while True:
+        keep.add(_addr(t))
+        if _op(t) not in _VIEW_OPS or lib.th_tensor_src(t, 0) == ffi.NULL:
+            break
+        t = lib.th_tensor_src(t, 0)
+    for a, b in zip(made, again):
+        if _addr(a) not in keep:
+            rec.copies[_addr(a)] = b
+    rec.outputs.append(copy_out.ptr)
+    rec.blocks += 1
+    return out
+
+
+def _shape(t) -> tuple[int, ...]:
+    ne = ffi.new("int64_t[4]")
+    lib.th_tensor_shape(t, ne, ffi.new("size_t[4]"))
+    return tuple(ne)
+
+
+def _set_src(node, j: int, value) -> None:
+    slots = ffi.cast("ggml_tensor **", ffi.cast("char *", node) + _SRC_OFFSET)
+    if slots[j] != lib.th_tensor_src(node, j):
+        raise RuntimeError("struct ggml_tensor's layout is not ggml 0.25.3's: update recompute._SRC_OFFSET")
+    slots[j] = value
+
+
+def apply(prog: Program, gf, graphs: list) -> list:
+    """Point the backward's reads of checkpointed activations at their copies, then return each of
+    `graphs` (built on `gf`, the last holding every node of the others) ordered again: a copy right
+    before its first reader.
+
+    The backend's rewrites (Program._prepare: on cpu our kernels, which pair each GELU stand-in
+    with the backward node that reads its input, through the graph's gradients) run first, on the
+    graph as ggml built it, and on the copies apart; the graphs returned are marked rewritten."""
+    rec = prog.recompute
+    prog._prepare(graphs[-1])
+    # nodes: the copies; leafs: what they read (block inputs, parameters, frozen weights, constants)
+    copies = prog._new_graph(2 * len(rec.copies) + len(prog.params) + len(prog.frozen) + len(prog._constants)
+                             + len(prog.inputs) + 16, False)
+    for out in rec.outputs:
+        lib.ggml_build_forward_expand(copies, out)
+    prog._prepare(copies)
+    forward = {_addr(lib.ggml_graph_node(gf, i)) for i in range(lib.ggml_graph_n_nodes(gf))}
+    graph = graphs[-1]
+    for i in range(lib.ggml_graph_n_nodes(graph)):
+        node = lib.ggml_graph_node(graph, i)
+        if _addr(node) in forward:
+            continue
+        for j in range(GGML_MAX_SRC):
+            src = lib.th_tensor_src(node, j)
+            if src != ffi.NULL and _addr(src) in rec.copies:
+                _set_src(node, j, rec.copies[_addr(src)])
+    out = []
+    for graph in graphs:
+        again = prog._new_graph(lib.ggml_graph_size(graph) + len(rec.copies), False)
+        for i in range(lib.ggml_graph_n_nodes(graph)):
+            lib.ggml_build_forward_expand(again, lib.ggml_graph_node(graph, i))
+        prog._gemm_rewritten.add(again)     # its nodes are rewritten; a second pass would not pair them
+        out.append(again)
+    return out

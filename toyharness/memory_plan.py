@@ -1,0 +1,560 @@
+"""A run's memory plan: what it will allocate, buffer by buffer, before it allocates anything.
+
+The plan is read from the very graphs ggml will allocate, not from a formula: the recipe is
+realized once on a program in planning mode (Program.planner), where parameter inits are
+zero-stride placeholders (toyharness.init.shapes_only), persistent tensors are placed in an
+address range that is reserved but never touched (each padded to the buffer type's alignment,
+as ggml_backend_alloc_ctx_tensors places them), and the training and evaluation graphs are
+sized by ggml's own allocator (ggml_gallocr_reserve_n_size) after the backend's rewrites, as a
+step will see them. So the plan is ggml's buffers to the byte; what it leaves out is the
+process around them (Python, the libraries, the CUDA context).
+
+`train` checks the plan against what the backend has free (cuda: the driver's free memory; cpu:
+available RAM) and refuses a run that cannot fit in one line, exit 2, naming the two options that
+would shrink it most. An allocation that fails anyway is `allocation_failed`: one line, exit 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import mmap
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ._ffi import ffi, lib, log_level
+from .errors import DoesNotFit, InputError, OutOfMemory
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# The rows of a plan, in the order of the table, and what each holds.
+ROWS = {
+    "params": "parameters (trainable, f32)",
+    "moments": "AdamW moments (m and v)",
+    "grads": "gradient accumulators",
+    "frozen_uploaded": "frozen weights (uploaded)",
+    "frozen_mapped": "frozen weights (mapped from the file)",
+    "inputs": "inputs, targets and constants",
+    "compute": "compute buffer of the training graph",
+    "compute_eval": "compute buffer of the evaluation graph",
+    "checkpoint": "checkpoint copy (host, while saving)",
+}
+# ggml's view ops: their result is memory of another tensor
+VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
+# Options tried, halved (or turned on), to say what would shrink a plan that does not fit.
+SHRINK_SIZES = ("t_batch", "t_seq", "n_layer", "d_model", "rank", "d_ff")
+SHRINK_SWITCHES = ("recompute_blocks",)
+# TOYHARNESS_MEMORY_CHECK=off skips the check against free memory (the plan is still made when asked)
+CHECK_ENV = "TOYHARNESS_MEMORY_CHECK"
+
+
+def fmt_bytes(n: float) -> str:
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / 1024:.1f} KiB"
+
+
+@dataclass
+class Tensorish:
+    """A graph node as the plan reports it: op, shape (numpy order) and padded bytes."""
+
+    op: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def describe(self) -> str:
+        return f"{self.op} {tuple(self.shape)}"
+
+
+@dataclass
+class MemoryPlan:
+    recipe: str
+    backend: str
+    sizes: dict[str, Any]                                  # the options that size it (t_batch, t_seq, ...)
+    rows: dict[str, int] = field(default_factory=lambda: {k: 0 for k in ROWS})
+    activations: int = 0          # forward nodes the backward reads: kept alive until then
+    logits: int = 0               # the logits and their gradient (standard cross-entropy)
+    largest: list[Tensorish] = field(default_factory=list)
+    compute_parts: dict[str, int] = field(default_factory=dict)   # training graph before/after rewrite, eval
+    free: int | None = None
+    free_what: str = ""
+
+    @property
+    def device_rows(self) -> list[str]:
+        """Rows that take the backend's memory: on cpu every row (one memory, RSS), elsewhere all
+        but the checkpoint's host copy."""
+        return [k for k in ROWS if self.backend == "cpu" or k != "checkpoint"]
+
+    @property
+    def total(self) -> int:
+        """What the run needs of the backend's memory at its peak."""
+        return sum(self.rows[k] for k in self.device_rows)
+
+    @property
+    def ggml_bytes(self) -> int:
+        """ggml's buffers alone (no host copies, nothing mapped): what a device's used memory holds."""
+        return sum(self.rows[k] for k in ("params", "moments", "grads", "frozen_uploaded", "inputs", "compute",
+                                          "compute_eval"))
+
+    def table(self) -> str:
+        sizes = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.sizes.items())
+        lines = [f"memory plan: {self.recipe} on {self.backend} ({sizes})", f"  {'item':<46}{'size':>12}"]
+        for key, label in ROWS.items():
+            if key == "checkpoint" and self.backend != "cpu":
+                continue
+            lines.append(f"  {label:<46}{fmt_bytes(self.rows[key]):>12}")
+            if key == "compute":
+                lines.append(f"    {'activations kept for the backward':<44}{fmt_bytes(self.activations):>12}")
+                if self.logits:
+                    lines.append(f"    {'logits and their gradient':<44}{fmt_bytes(self.logits):>12}")
+                for t in self.largest:
+                    lines.append(f"    {'largest: ' + t.describe():<44}{fmt_bytes(t.nbytes):>12}")
+        lines.append(f"  {'total on ' + self.backend:<46}{fmt_bytes(self.total):>12}")
+        if self.backend != "cpu":
+            host = fmt_bytes(self.rows["checkpoint"])
+            lines.append(f"  {'and on the host, while saving a checkpoint':<46}{host:>12}")
+        if self.free is not None:
+            lines.append(f"  {'free (' + self.free_what + ')':<46}{fmt_bytes(self.free):>12}")
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"  {verdict}; not counted: the process itself (Python, libraries"
+                         + (", the CUDA context)" if self.backend == "cuda" else ")"))
+        return "\n".join(lines)
+
+    @property
+    def fits(self) -> bool:
+        return self.free is None or self.total <= self.free
+
+    def to_json(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "backend": self.backend, "sizes": dict(self.sizes), "rows": dict(self.rows),
+                "total": self.total, "ggml_bytes": self.ggml_bytes, "activations": self.activations,
+                "logits": self.logits,
+                "compute_parts": dict(self.compute_parts),
+                "largest": [dataclasses.asdict(t) for t in self.largest], "free": self.free}
+
+
+class Planner:
+    """What a program in planning mode calls instead of allocating (Program.allocate, Trainer)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.buft = engine.buffer_type
+        self.align = int(lib.ggml_backend_buft_get_alignment(self.buft))
+        self.rows = {k: 0 for k in ROWS}
+        self.placed: set[str] = set()
+        self._regions: list[tuple[int, int]] = []     # (address, size) reserved with mmap
+        self._buffers: list = []
+        self._host: list[np.ndarray] = []             # real memory of planned constants
+        self.activations = 0
+        self.logits = 0
+        self.largest: list[Tensorish] = []
+        self.compute_parts: dict[str, int] = {}
+
+    # --- persistent tensors --------------------------------------------------------------
+    def place(self, prog) -> None:
+        """Give every unplaced tensor of the program's static context an address and count its
+        bytes, padded as ggml_backend_alloc_ctx_tensors pads them, so that ggml's graph allocator
+        sees it allocated, as in a run. Constants (values pending upload: masks, positions, the
+        centring matrix the cpu rewrite recognises by its values) get real host memory; everything
+        else an address range that is reserved but never touched."""
+        ctx = prog._ctx_static
+        pending = {int(ffi.cast("uintptr_t", t.ptr)): data for t, data in prog._pending}
+        real, fake = [], []
+        t = lib.ggml_get_first_tensor(ctx)
+        while t != ffi.NULL:
+            if lib.th_tensor_data(t) == ffi.NULL:
+                size = _pad(int(lib.ggml_backend_buft_get_alloc_size(self.buft, t)), self.align)
+                data = pending.get(int(ffi.cast("uintptr_t", t)))
+                (real if data is not None else fake).append((t, size, data))
+                name = ffi.string(lib.ggml_get_name(t)).decode()
+                self.rows[_kind(prog, name)] += size
+                self.placed.add(name)
+            t = lib.ggml_get_next_tensor(ctx, t)
+        for group, is_real in ((real, True), (fake, False)):
+            total = sum(size for _, size, _ in group)
+            if total == 0:
+                continue
+            if is_real:
+                host = np.zeros(total + self.align, np.uint8)
+                self._host.append(host)
+                base = _pad(host.ctypes.data, self.align)
+            else:
+                base = _reserve(total)
+                self._regions.append((base, total))
+            buf = lib.ggml_backend_cpu_buffer_from_ptr(ffi.cast("void *", base), total)
+            self._buffers.append(buf)
+            offset = 0
+            for tensor, size, data in group:
+                lib.ggml_backend_tensor_alloc(buf, tensor, ffi.cast("char *", base) + offset)
+                if data is not None:
+                    lib.ggml_backend_tensor_set(tensor, ffi.from_buffer(data), 0, data.nbytes)
+                offset += size
+
+    # --- graphs --------------------------------------------------------------------------
+    def measure_graphs(self, prog, trainer) -> None:
+        """The compute buffers a run ends up with: the training graph's as the Trainer reserves it
+        (before the backend's rewrites; placed again only where ggml finds that placement invalid
+        for the rewritten graph) and the evaluation graph's as its first compute places it."""
+        # What the plan reports about the buffer's contents, read before the backend's rewrites
+        # (they keep every shape but turn ops into custom nodes with no telling name).
+        self._describe(trainer)
+        galloc = lib.ggml_gallocr_new(self.buft)
+        sizes = ffi.new("size_t[1]")
+        try:
+            def size(graph) -> int:
+                lib.ggml_gallocr_reserve_n_size(galloc, graph, ffi.NULL, ffi.NULL, sizes)
+                return int(sizes[0])
+
+            parts = {"train": size(trainer.gb_opt)}
+            reserved = self._placement(trainer.gb_opt)
+            prog._prepare(trainer.gb_opt)
+            # A step's first allocation keeps the placement reserved before the rewrite unless
+            # ggml finds it invalid for the rewritten graph (ggml_gallocr_needs_realloc, which is
+            # static in ggml-alloc.c: replayed here); only then does ggml place the graph again.
+            if self._needs_realloc(trainer.gb_opt, reserved):
+                parts["train_rewritten"] = size(trainer.gb_opt)
+            prog._prepare(trainer.eval_graph)
+            parts["eval"] = size(trainer.eval_graph)
+        finally:
+            lib.ggml_gallocr_free(galloc)
+        self.compute_parts = parts
+        # each graph has its own allocator (Program.galloc_for), whose buffer only grows
+        self.rows["compute"] = max(parts["train"], parts.get("train_rewritten", 0))
+        self.rows["compute_eval"] = parts["eval"]
+        # Frozen weights bound in place (mmap'd, cpu) were never placed: the file's pages count
+        # in RSS once read, which every step does.
+        for name, t in prog.frozen.items():
+            if name not in self.placed:
+                self.rows["frozen_mapped"] += int(lib.ggml_nbytes(t.ptr))
+        # Saving a checkpoint reads parameters and moments back to numpy (Trainer.state).
+        self.rows["checkpoint"] = 3 * sum(int(lib.ggml_nbytes(p.ptr)) for p in prog.params.values())
+
+    def _slot(self, t) -> int | None:
+        """What ggml_gallocr_reserve records for a tensor: its size when the allocator places it,
+        None (buffer_id -1) when it is a view or has memory already."""
+        if _view_src(t) != ffi.NULL or lib.th_tensor_data(t) != ffi.NULL:
+            return None
+        return int(lib.ggml_backend_buft_get_alloc_size(self.buft, t))
+
+    def _placement(self, graph) -> tuple:
+        nodes = []
+        for i in range(lib.ggml_graph_n_nodes(graph)):
+            node = lib.ggml_graph_node(graph, i)
+            srcs = [lib.th_tensor_src(node, j) for j in range(GGML_MAX_SRC)]
+            nodes.append((self._slot(node), [None if s == ffi.NULL else self._slot(s) for s in srcs]))
+        return lib.ggml_graph_n_nodes(graph), lib.th_graph_n_leafs(graph), nodes
+
+    def _valid(self, t, recorded: int | None) -> bool:
+        if _view_src(t) != ffi.NULL or lib.th_tensor_data(t) != ffi.NULL:
+            return True
+        return recorded is not None and recorded >= int(lib.ggml_backend_buft_get_alloc_size(self.buft, t))
+
+    def _needs_realloc(self, graph, reserved: tuple) -> bool:
+        """ggml_gallocr_needs_realloc (ggml-alloc.c, 0.25.3) for `graph` against a placement
+        recorded by `_placement`."""
+        n_nodes, n_leafs, nodes = reserved
+        if lib.ggml_graph_n_nodes(graph) != n_nodes or lib.th_graph_n_leafs(graph) != n_leafs:
+            return True
+        for i, (dst, srcs) in enumerate(nodes):
+            node = lib.ggml_graph_node(graph, i)
+            if not self._valid(node, dst):
+                return True
+            for j in range(GGML_MAX_SRC):
+                src = lib.th_tensor_src(node, j)
+                if src != ffi.NULL and not self._valid(src, srcs[j]):
+                    return True
+        return False
+
+    def _describe(self, trainer) -> None:
+        """Forward activations the backward reads (kept alive until then), the logits and their
+        gradient, and the two largest tensors of the training graph."""
+        forward = {_addr(lib.ggml_graph_node(trainer.gf, i)) for i in range(lib.ggml_graph_n_nodes(trainer.gf))}
+        kept: dict[int, int] = {}
+        logits: dict[int, int] = {}
+        nodes = []
+        for i in range(lib.ggml_graph_n_nodes(trainer.gb_opt)):
+            node = lib.ggml_graph_node(trainer.gb_opt, i)
+            op = ffi.string(lib.ggml_op_desc(node)).decode()
+            if op == "CROSS_ENTROPY_LOSS":
+                src = _base(lib.th_tensor_src(node, 0))
+                logits[_addr(src)] = self._bytes(src)
+            elif op == "CROSS_ENTROPY_LOSS_BACK":
+                logits[_addr(node)] = self._bytes(node)
+            if _addr(node) in forward:
+                continue
+            for j in range(GGML_MAX_SRC):
+                src = lib.th_tensor_src(node, j)
+                if src == ffi.NULL:
+                    continue
+                src = _base(src)
+                if _addr(src) in forward and lib.th_tensor_data(src) == ffi.NULL:
+                    kept[_addr(src)] = self._bytes(src)
+            if op not in VIEW_OPS and lib.th_tensor_data(node) == ffi.NULL:
+                kernel = lib.th_kernel_name(node) if "CUSTOM" in op else ffi.NULL
+                label = f"{op} ({ffi.string(kernel).decode()})" if kernel != ffi.NULL else op
+                nodes.append(Tensorish(label, _shape(node), self._bytes(node)))
+        self.activations = sum(kept.values())
+        self.logits = sum(logits.values())
+        seen, largest = set(), []
+        for n in sorted(nodes, key=lambda n: -n.nbytes):
+            if (n.op, n.shape) not in seen:
+                seen.add((n.op, n.shape))
+                largest.append(n)
+            if len(largest) == 2:
+                break
+        self.largest = largest
+
+    def _bytes(self, t) -> int:
+        return _pad(int(lib.ggml_backend_buft_get_alloc_size(self.buft, t)), self.align)
+
+    def close(self) -> None:
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_free(buf)
+        self._buffers = []
+        for base, size in self._regions:
+            _libc().munmap(ctypes.c_void_p(base), ctypes.c_size_t(size))
+        self._regions = []
+        self._host = []
+
+
+# struct ggml_tensor of ggml 0.25.3 (ggml.h): type, buffer, ne[4], nb[4], op, op_params[16],
+# flags, src[10], view_src, view_offs, data, name[64], ... The shim has no getter for view_src,
+# which ggml's allocator tests; its offset is checked against `data` and `name` on first use.
+GGML_MAX_SRC = 10
+_VIEW_SRC_OFFSET, _DATA_OFFSET, _NAME_OFFSET = 232, 248, 256
+_layout_checked = False
+
+
+def _view_src(t):
+    global _layout_checked
+    raw = ffi.cast("char *", t)
+    if not _layout_checked:
+        if (ffi.cast("void **", raw + _DATA_OFFSET)[0] != lib.th_tensor_data(t)
+                or ffi.string(raw + _NAME_OFFSET, 64) != ffi.string(lib.ggml_get_name(t))):
+            raise RuntimeError("struct ggml_tensor's layout is not ggml 0.25.3's: update memory_plan._VIEW_SRC_OFFSET")
+        _layout_checked = True
+    return ffi.cast("void **", raw + _VIEW_SRC_OFFSET)[0]
+
+
+def _addr(t) -> int:
+    return int(ffi.cast("uintptr_t", t))
+
+
+def _base(t):
+    """The tensor whose memory a chain of views reads."""
+    while ffi.string(lib.ggml_op_desc(t)).decode() in VIEW_OPS and lib.th_tensor_src(t, 0) != ffi.NULL:
+        t = lib.th_tensor_src(t, 0)
+    return t
+
+
+def _shape(t) -> tuple[int, ...]:
+    ne = ffi.new("int64_t[4]")
+    lib.th_tensor_shape(t, ne, ffi.new("size_t[4]"))
+    shape = tuple(int(x) for x in reversed(list(ne)))
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _kind(prog, name: str) -> str:
+    if name in prog.params:
+        return "params"
+    if name.startswith(("adamw.m.", "adamw.v.")):
+        return "moments"
+    if name.startswith("grad."):
+        return "grads"
+    if name in prog.frozen:
+        return "frozen_uploaded"
+    return "inputs"
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.mmap.restype = ctypes.c_void_p
+        _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_long]
+        _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return _LIBC
+
+
+def _reserve(size: int) -> int:
+    """An address range of `size` bytes that no access may touch (PROT_NONE, no swap reserved):
+    a planned tensor that something did read would fault at once instead of reading garbage."""
+    map_noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000)
+    addr = _libc().mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | map_noreserve, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise DoesNotFit(f"the plan's {fmt_bytes(size)} of persistent tensors do not fit in this process's "
+                         f"address space")
+    return int(addr)
+
+
+# --- making a plan -------------------------------------------------------------------------------
+def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
+    """Realize the recipe in planning mode on `engine` and return its plan (nothing allocated)."""
+    from .init import shapes_only
+
+    planner = Planner(engine)
+    engine.planner = planner
+    model = None
+    try:
+        with shapes_only():
+            model = pm.hook.realize(engine=engine, options=options, data=data)
+        if getattr(model, "trainer", None) is None:
+            raise InputError(f"recipe {recipe}: its model has no trainer to plan")
+    finally:
+        engine.planner = None
+        trainer = getattr(model, "trainer", None)
+        if trainer is not None:
+            trainer.prog.close()
+        planner.close()
+    plan = MemoryPlan(recipe, engine.backend, _sizes(options), dict(planner.rows), planner.activations,
+                      planner.logits, planner.largest, planner.compute_parts)
+    plan.free, plan.free_what = free_memory(engine)
+    return plan
+
+
+def _sizes(options) -> dict[str, Any]:
+    d = options.to_dict()
+    keys = ("t_batch", "t_seq", "n_layer", "d_model", "n_head", "rank", "recompute_blocks")
+    return {k: d[k] for k in keys if k in d}
+
+
+def shrink_suggestions(plan: MemoryPlan, replan: Callable[[dict[str, Any]], MemoryPlan],
+                       options) -> list[tuple[str, int]]:
+    """The two changes of one option (a size halved, or recompute_blocks on) that save the most,
+    as ("key=value", bytes saved), largest first; candidates the recipe refuses are skipped."""
+    d = options.to_dict()
+    tries: list[dict[str, Any]] = []
+    for key in SHRINK_SIZES:
+        if isinstance(d.get(key), int) and d[key] > 1:
+            tries.append({key: d[key] // 2})
+    for key in SHRINK_SWITCHES:
+        if d.get(key) is False:
+            tries.append({key: True})
+    found = []
+    for change in tries:
+        try:
+            smaller = replan(change)
+        except InputError:
+            continue
+        saved = plan.total - smaller.total
+        if saved > 0:
+            found.append((", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items()),
+                          saved))
+    return sorted(found, key=lambda f: -f[1])[:2]
+
+
+def refusal(plan: MemoryPlan, suggestions: list[tuple[str, int]]) -> str:
+    line = (f"{plan.recipe} needs {fmt_bytes(plan.total)} on {plan.backend}, {fmt_bytes(plan.free or 0)} free "
+            f"({plan.free_what})")
+    if suggestions:
+        line += "; shrink it most with " + " or ".join(f"{s} (-{fmt_bytes(b)})" for s, b in suggestions)
+    return line + f"; `toyharness run ... --plan` shows the plan ({CHECK_ENV}=off skips this check)"
+
+
+def check_enabled() -> bool:
+    value = os.environ.get(CHECK_ENV, "on").lower()
+    if value not in ("on", "off", "1", "0"):
+        raise InputError(f"{CHECK_ENV}={value!r}: use on or off")
+    return value in ("on", "1")
+
+
+def check_fits(recipe: str, pm, engine, options, data) -> MemoryPlan | None:
+    """Plan the run and refuse it (DoesNotFit, exit 2) when it needs more than the backend has free."""
+    if not check_enabled():
+        return None
+    try:
+        plan = plan_model(recipe, pm, engine, options, data)
+    except RuntimeError as exc:
+        # a recipe whose realize reads or computes values (a third-party plugin) cannot be planned
+        # without allocating: say so, and run as before
+        print(f"toyharness: note: no memory plan for {recipe} ({exc}); not checked against free memory",
+              file=sys.stderr)
+        return None
+    if not plan.fits:
+        def replan(change):
+            return plan_model(recipe, pm, engine, dataclasses.replace(options, **change), data)
+
+        raise DoesNotFit(refusal(plan, shrink_suggestions(plan, replan, options)))
+    return plan
+
+
+# --- free memory and failed allocations -----------------------------------------------------------
+def free_memory(engine) -> tuple[int, str]:
+    """(bytes, what): the driver's free memory of a device, else the RAM available to this process
+    (MemAvailable, or the cgroup's limit less its use where that is smaller)."""
+    if not engine.is_cpu:
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(lib.ggml_backend_get_device(engine.handle), free, total)
+        return int(free[0]), f"{engine.backend}: the driver's free memory"
+    avail = _mem_available()
+    what = "cpu: available RAM"
+    cg = _cgroup_room()
+    if cg is not None and cg < avail:
+        avail, what = cg, "cpu: the cgroup's memory limit less its use"
+    return avail, what
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cgroup_room() -> int | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max":
+        return None
+    return max(0, int(limit) - used)
+
+
+@contextlib.contextmanager
+def ggml_quiet() -> Iterator[None]:
+    """No ggml log lines within: around an allocation whose failure `allocation_failed` reports in
+    one line of its own (ggml would add two or three of its own first)."""
+    lib.th_set_log_level(1 << 20)
+    try:
+        yield
+    finally:
+        lib.th_set_log_level(log_level())
+
+
+def graph_buffer_bytes(engine, graph) -> int:
+    """The compute buffer ggml's allocator needs for `graph` (measured, nothing allocated)."""
+    galloc = lib.ggml_gallocr_new(engine.buffer_type)
+    sizes = ffi.new("size_t[1]")
+    try:
+        lib.ggml_gallocr_reserve_n_size(galloc, graph, ffi.NULL, ffi.NULL, sizes)
+    finally:
+        lib.ggml_gallocr_free(galloc)
+    return int(sizes[0])
+
+
+def allocation_failed(engine, buffer: str, nbytes: int) -> OutOfMemory:
+    """The one-line error for an allocation the backend refused (exit 1)."""
+    free, what = free_memory(engine)
+    return OutOfMemory(f"{engine.backend}: could not allocate {buffer}: {fmt_bytes(nbytes)} needed, "
+                       f"{fmt_bytes(free)} free ({what.split(': ', 1)[-1]})")
