@@ -12,6 +12,8 @@ from .errors import CheckFailed, ToyharnessError
 
 # toyharness.engine.backend.KNOWN_BACKENDS, without loading the native libraries for --help
 BACKENDS = ("cpu", "cuda", "vulkan", "metal")
+# toyharness.fuse.FUSE_TYPES, for the same reason
+FUSE_TYPES = ("same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--log", action="append", metavar="NAME[,NAME]",
                    help=LOG_HELP + "; the sweep and each of its points (grid values and seed as tags)")
 
+    f = sub.add_parser("fuse", help="fold a run's LoRA adapters into its base: one GGUF llama.cpp runs",
+                       description="Write RUN_DIR's model as one GGUF: for lora, each adapted weight W + (alpha/rank) "
+                                   "B A merged in f32 from the dequantized base, stored in the base's own type "
+                                   "(requantized by ggml's quantizer) or the type named; every other tensor and all "
+                                   "the base's metadata (tokenizer, chat template, architecture keys) carried over; "
+                                   "general.name and toyharness.fuse.* name the run. For runs without a base "
+                                   "(warm_start, llama, gpt2) the trained model, its matrices in the type named. "
+                                   "Exit 1 if the file cannot be written (nothing is left under its name).")
+    f.add_argument("run_dir")
+    f.add_argument("--type", dest="dtype", default="same", choices=FUSE_TYPES,
+                   help="same (default): each tensor in the base's type; or every matrix in this type (norms stay "
+                        "f32). A small adapter can drown in a coarse type's rounding: check with a held-out set "
+                        "(README, \"Fine-tune a real model\")")
+    f.add_argument("--out", help="the fused file (default RUN_DIR/fused.gguf, or RUN_DIR/fused-TYPE.gguf)")
+
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf; for lora, the base plus the "
                                    "adapters), forward only, through the model's tokenizer (the base's or donor's "
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
-                "sample": cmd_sample, "sweep": cmd_sweep}[args.command](args)
+                "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse}[args.command](args)
     except ToyharnessError as exc:
         print(f"toyharness: {'check failed' if isinstance(exc, CheckFailed) else 'error'}: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -356,6 +373,18 @@ def cmd_sweep(args) -> int:
     from . import sweep
 
     return sweep.main(args)
+
+
+def cmd_fuse(args) -> int:
+    from .fuse import fuse
+
+    r = fuse(args.run_dir, args.out, args.dtype)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(r.types.items(), key=lambda kv: -kv[1]))
+    print(f"fused {len(r.fused)} adapted tensors; {sum(r.types.values())} tensors ({types}), "
+          f"{r.bytes / 2**20:.1f} MiB" if r.fused else
+          f"{sum(r.types.values())} tensors ({types}), {r.bytes / 2**20:.1f} MiB")
+    print(f"wrote {r.path}")
+    return 0
 
 
 def cmd_sample(args) -> int:
