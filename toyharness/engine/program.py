@@ -197,6 +197,8 @@ class Program:
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
         self.precision = engine.precision
         self.last_compute_s = 0.0
+        # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
+        self.kv_cache = None
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
