@@ -25,7 +25,8 @@ import numpy as np
 PROMPT = "The three most useful things to know about the history of the bicycle are"
 
 
-def ours(model: Path, tokens: int, threads: int, context: int, cache: bool) -> tuple[list[int], float, list[int]]:
+def ours(model: Path, tokens: int, threads: int, context: int, cache: bool,
+         dequantize: bool = False) -> tuple[list[int], float, list[int]]:
     """(greedy tokens, tokens/s over the generation steps, prompt ids)."""
     from toyharness.architectures import read_model
     from toyharness.plugins import get_recipe
@@ -39,7 +40,7 @@ def ours(model: Path, tokens: int, threads: int, context: int, cache: bool) -> t
     prompt = tok.encode(PROMPT)
     vocab = read_model(model).shape.vocab
     if cache:
-        m = load_cached(obj, None, opts, vocab, threads=threads, context=context)
+        m = load_cached(obj, None, opts, vocab, threads=threads, context=context, dequantize=dequantize)
         m.reset()
         logits = m.extend(prompt)
         out, t0 = [int(np.argmax(logits))], time.perf_counter()
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.2f}")
     kv, kv_speed, prompt = ours(args.model, args.tokens, args.threads, args.context, True)
     print(f"toyharness, KV cache:    {kv_speed:7.1f} tokens/s")
+    deq, deq_speed, _ = ours(args.model, args.tokens, args.threads, args.context, True, dequantize=True)
+    print(f"  with --dequantize:     {deq_speed:7.1f} tokens/s; same tokens: {deq == kv}")
     if not args.no_nocache:
         full, full_speed, _ = ours(args.model, args.tokens, args.threads, args.context, False)
         print(f"toyharness, no cache:    {full_speed:7.1f} tokens/s (window {args.context}); same tokens as the "

@@ -173,3 +173,19 @@ def test_kv_cache_for_the_recipes_trained_whole(tmp_path, recipe):
     kv = load_cached(obj, out / "checkpoint.gguf", opts, 256)
     prompt = list(b"To be")
     assert generate_cached(kv, prompt, 24, 0.0, 0, 0) == generate(full, [prompt], 24, 0.0, 0, 0)[0]
+
+
+@pytest.mark.parametrize("dtype", ["q4_1", "q4_k"])
+def test_dequantize_holds_a_quantized_base_as_its_f32_values(dtype):
+    """--dequantize: the base's weights as f32 (the same values), the same greedy tokens."""
+    from toyharness.engine.gguf_io import cached_copy_as
+
+    base = cached_copy_as(example_file(arch="llama", n_layer=1, d_model=256, n_head=4, n_kv_head=2, d_ff=512), dtype)
+    _, obj = get_recipe("lora")
+    opts = resolve_options(obj, None, [f"t_seq={SEQ}", f"base={base}", "targets=q"], {})
+    kept, f32 = load_cached(obj, None, opts, 256), load_cached(obj, None, opts, 256, dequantize=True)
+    q = "blk.0.attn_q.weight"
+    assert kept.prog.frozen[q].dtype == dtype and f32.prog.frozen[q].dtype == "f32"
+    a, b = kept.extend(PROMPT), f32.extend(PROMPT)
+    assert float(np.max(np.abs(a - b)) / np.max(np.abs(a))) < 1e-5
+    assert generate_cached(kept, PROMPT, 16, 0.0, 0, 0) == generate_cached(f32, PROMPT, 16, 0.0, 0, 0)

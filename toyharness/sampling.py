@@ -97,12 +97,13 @@ class CachedLM:
     """A language-model recipe's forward with a KV cache, for one sequence at a time."""
 
     def __init__(self, recipe: LMRecipe, engine, options, vocab: int, params: dict[str, np.ndarray],
-                 context: int | None = None, prefill: int = PREFILL):
+                 context: int | None = None, prefill: int = PREFILL, dequantize: bool = False):
         self.recipe, self.options, self.vocab = recipe, options, vocab
         self.context = context or options.t_seq
         if self.context < 1:
             raise InputError(f"kv cache: context {self.context} must be >= 1")
         self.prog = engine.program()
+        self.prog.dequantize_frozen = dequantize
         P = recipe.build_params(self.prog, options, vocab, params, False)
         self.cache = KVCache(self.prog, self.context)
         self.graphs = {}
@@ -142,8 +143,8 @@ class CachedLM:
 
 
 def load_cached(recipe: LMRecipe, path, options, vocab: int, backend: str = "cpu", threads: int | None = None,
-                context: int | None = None) -> CachedLM:
-    """`LMRecipe.load_for_sampling`, with a KV cache."""
+                context: int | None = None, dequantize: bool = False) -> CachedLM:
+    """`LMRecipe.load_for_sampling`, with a KV cache; `dequantize`: a quantized base held as f32."""
     from .engine import GGUFFile
 
     expected = recipe.init_params(options, vocab)
@@ -153,7 +154,7 @@ def load_cached(recipe: LMRecipe, path, options, vocab: int, backend: str = "cpu
         with GGUFFile(path) as f:
             params = {name: f.tensor(name, expect_shape=value.shape).to_numpy() for name, value in expected.items()}
     vocab = recipe.vocab_for(options, vocab)
-    return CachedLM(recipe, get_engine(backend, threads), options, vocab, params, context)
+    return CachedLM(recipe, get_engine(backend, threads), options, vocab, params, context, dequantize=dequantize)
 
 
 def generate_cached(model: CachedLM, prompt: list[int], n_tokens: int, temperature: float, top_k: int, seed: int,
