@@ -194,13 +194,14 @@ def ggml_source() -> Path:
 
 
 def build_llamacpp_tool() -> Path:
-    """llama.cpp from the same archive plus native/llamacpp/th_logits and th_tokenize (tests only):
-    return th_logits' path (th_tokenize lies beside it)."""
+    """llama.cpp from the same archive plus native/llamacpp/th_logits, th_tokenize and th_generate
+    (tests only): return th_logits' path (the other two lie beside it)."""
     src = cached_source(f"llama.cpp-{PIN_PACKAGE}-{PIN_VERSION}", ARCHIVE_LLAMA_CPP_DIR)
     bdir = cache_root() / "build" / f"llamacpp-tool-{PIN_VERSION}"
     cmake_build(NATIVE_DIR / "llamacpp", bdir, [f"-DLLAMA_CPP_SRC={src}", "-DCMAKE_BUILD_TYPE=Release",
                                                 "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON"],
-                "llama.cpp, th_logits and th_tokenize", targets=("th_logits", "th_tokenize"))
+                "llama.cpp, th_logits, th_tokenize and th_generate",
+                targets=("th_logits", "th_tokenize", "th_generate"))
     return bdir / "th_logits"
 
 

@@ -4,10 +4,14 @@ pairs, and the acceptance check of issue 18 (held-out exact match of greedy `sam
 
     python scripts/number_words.py write DATA.jsonl [--n 400] [--seed 0]
     python scripts/number_words.py score RUN_DIR DATA.jsonl [--base] [--no-loss]
+    python scripts/number_words.py score RUN_DIR DATA.jsonl --llamacpp FUSED.gguf [--tool TH_LOGITS]
 
 The run's held-out split is the file's last 10% of examples (toyharness.data.jsonl), so `score`
-asks those prompts, after the held-out masked loss (as the run's eval_loss computes it) of the
-checkpoint; `--base` scores the run's base alone (its adapters at their zero init).
+asks those prompts (greedy, through the KV cache), after the held-out masked loss (as the run's
+eval_loss computes it) of the checkpoint; `--base` scores the run's base alone (its adapters at
+their zero init). `--llamacpp FUSED.gguf` asks llama.cpp instead, greedy on a file of `toyharness
+fuse RUN_DIR` (native/llamacpp/th_generate beside th_logits: `nox -s llamacpp` builds them; --tool
+or $TOYHARNESS_LLAMACPP_TOOL names th_logits), on the same token ids: the fused model's rate.
 """
 
 from __future__ import annotations
@@ -37,14 +41,35 @@ def write(path: Path, n: int, seed: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def score(run_dir: Path, data: Path, base: bool, batch: int = 8, loss: bool = True) -> float:
+def llama_cpp_greedy(tool: str | None, model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """llama.cpp's greedy replies (th_generate: each prompt in a fresh context, up to `n` tokens,
+    stopping at an end-of-generation token) to token ids."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = tool or os.environ.get("TOYHARNESS_LLAMACPP_TOOL")
+    if not tool:
+        sys.exit("--llamacpp needs th_logits' path: --tool or TOYHARNESS_LLAMACPP_TOOL (nox -s llamacpp builds it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = Path(tmp) / "prompts.ids"
+        ids.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
+        res = subprocess.run([str(Path(tool).with_name("th_generate")), str(model), str(ids), str(n), "2"],
+                             capture_output=True, text=True, timeout=3600)
+    if res.returncode:
+        sys.exit(f"th_generate failed: {res.stderr[-2000:]}")
+    return [[int(x) for x in line.split()] for line in res.stdout.splitlines()]
+
+
+def score(run_dir: Path, data: Path, base: bool, loss: bool = True, fused: Path | None = None,
+          tool: str | None = None) -> float:
     import tomllib
 
     from toyharness.cli import chat_prompt
     from toyharness.data.jsonl import read_jsonl
-    from toyharness.lm import generate
     from toyharness.plugins import get_recipe
     from toyharness.runner import resolve_options
+    from toyharness.sampling import generate_cached, load_cached
 
     cfg = tomllib.loads((run_dir / "config.toml").read_text())
     _, obj = get_recipe(cfg["recipe"])
@@ -61,23 +86,24 @@ def score(run_dir: Path, data: Path, base: bool, batch: int = 8, loss: bool = Tr
     if not base:
         with GGUFFile(run_dir / "checkpoint.gguf") as f:
             params = {n: f.tensor(n, expect_shape=v.shape).to_numpy() for n, v in params.items()}
-    if loss:
+    if loss and not fused:
         pm = plugin_manager(obj)
         lm = LanguageModel(obj, get_engine("cpu"), opts, tok.vocab_size, params, masked=True)
         value = evaluate(pm, lm, load_data(pm, opts), opts)["loss"]
         print(f"{'base' if base else 'checkpoint'} held-out masked loss: {value:.4f}", flush=True)
         del lm
-    model = obj.load_for_sampling(None if base else run_dir / "checkpoint.gguf", opts, tok.vocab_size, batch=batch)
+    prompts = [tok.encode(chat_prompt(tok, r["prompt"])) for r in held]
+    if fused:
+        outs = llama_cpp_greedy(tool, fused, prompts, 12)
+    else:
+        model = load_cached(obj, None if base else run_dir / "checkpoint.gguf", opts, tok.vocab_size)
+        outs = [generate_cached(model, ids, 12, 0.0, 0, 0, tok.end_ids) for ids in prompts]
     hits = 0
-    for i in range(0, len(held), batch):
-        chunk = held[i:i + batch]
-        prompts = [tok.encode(chat_prompt(tok, r["prompt"])) for r in chunk]
-        outs = generate(model, prompts, 12, 0.0, 0, 0, tok.end_ids)
-        for r, out in zip(chunk, outs):
-            reply = tok.decode(out).strip()
-            hits += reply == r["completion"]
-            verdict = "ok" if reply == r["completion"] else "want " + r["completion"]
-            print(f"{r['prompt']!r:>12} -> {reply!r} ({verdict})", flush=True)
+    for r, out in zip(held, outs):
+        reply = tok.decode(out).strip()
+        hits += reply == r["completion"]
+        verdict = "ok" if reply == r["completion"] else "want " + r["completion"]
+        print(f"{r['prompt']!r:>12} -> {reply!r} ({verdict})", flush=True)
     print(f"exact match: {hits}/{len(held)} = {hits / len(held):.1%}")
     return hits / len(held)
 
@@ -94,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("data", type=Path)
     s.add_argument("--base", action="store_true")
     s.add_argument("--no-loss", action="store_true", help="skip the held-out loss (a finished run's eval_loss is it)")
+    s.add_argument("--llamacpp", type=Path, metavar="FUSED.gguf", help="score llama.cpp's greedy replies on this file")
+    s.add_argument("--tool", help="th_logits' path (default $TOYHARNESS_LLAMACPP_TOOL)")
     args = ap.parse_args(argv)
     if args.cmd == "write":
         write(args.path, args.n, args.seed)
     else:
-        score(args.run_dir, args.data, args.base, loss=not args.no_loss)
+        score(args.run_dir, args.data, args.base, loss=not args.no_loss, fused=args.llamacpp, tool=args.tool)
     return 0
 
 

@@ -12,6 +12,8 @@ from .errors import CheckFailed, ToyharnessError
 
 # toyharness.engine.backend.KNOWN_BACKENDS, without loading the native libraries for --help
 BACKENDS = ("cpu", "cuda", "vulkan", "metal")
+# toyharness.fuse.FUSE_TYPES, for the same reason
+FUSE_TYPES = ("same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -142,18 +144,53 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--log", action="append", metavar="NAME[,NAME]",
                    help=LOG_HELP + "; the sweep and each of its points (grid values and seed as tags)")
 
+    f = sub.add_parser("fuse", help="fold a run's LoRA adapters into its base: one GGUF llama.cpp runs",
+                       description="Write RUN_DIR's model as one GGUF: for lora, each adapted weight W + (alpha/rank) "
+                                   "B A merged in f32 from the dequantized base, stored in the base's own type "
+                                   "(requantized by ggml's quantizer) or the type named; every other tensor and all "
+                                   "the base's metadata (tokenizer, chat template, architecture keys) carried over; "
+                                   "general.name and toyharness.fuse.* name the run. For runs without a base "
+                                   "(warm_start, llama, gpt2) the trained model, its matrices in the type named. "
+                                   "Exit 1 if the file cannot be written (nothing is left under its name).")
+    f.add_argument("run_dir")
+    f.add_argument("--type", dest="dtype", default="same", choices=FUSE_TYPES,
+                   help="same (default): each tensor in the base's type; or every matrix in this type (norms stay "
+                        "f32). A small adapter can drown in a coarse type's rounding: check with a held-out set "
+                        "(README, \"Fine-tune a real model\")")
+    f.add_argument("--out", help="the fused file (default RUN_DIR/fused.gguf, or RUN_DIR/fused-TYPE.gguf)")
+
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf; for lora, the base plus the "
                                    "adapters), forward only, through the model's tokenizer (the base's or donor's "
-                                   "GGUF, `tokenizer=`, else bytes); stops at end of sequence or of turn.")
+                                   "GGUF, `tokenizer=`, else bytes), with a KV cache (each new token one token's "
+                                   "forward; the tokens of the full recompute, --no-cache); stops at end of "
+                                   "sequence or of turn. --prompts FILE asks every prompt of a file and writes one "
+                                   "JSONL reply a line (prompt, reply, tokens; with the file's expected reply, "
+                                   "completion and match), then the exact-match rate.")
     s.add_argument("run_dir")
     s.add_argument("--prompt", default="")
+    s.add_argument("--prompts", metavar="FILE",
+                   help="a prompt per line, or JSONL: {\"prompt\": ..., \"completion\": ...} (a pair is asked through "
+                        "the chat template where the tokenizer has one, as training renders it) or "
+                        "{\"messages\": [...]} (a final assistant turn is the expected reply)")
+    s.add_argument("--out", metavar="FILE.jsonl", help="with --prompts: write the replies here (default stdout)")
     s.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the tokenizer's chat template; print the reply")
     s.add_argument("--tokens", type=int, default=200)
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--top-k", type=int, default=40)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--context", type=int,
+                   help="positions the KV cache holds (default: the run's t_seq; longer text slides a window of "
+                        "that many tokens, recomputed, as --no-cache does)")
+    s.add_argument("--dequantize", action="store_true",
+                   help="hold a quantized base as its f32 values while sampling: the same model, faster products, "
+                        "4x the base's memory")
+    s.add_argument("--no-cache", action="store_true",
+                   help="no KV cache: the whole window's forward for each new token (the reference)")
+    s.add_argument("--backend", default="cpu", choices=BACKENDS)
+    s.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar (--prompts)")
     return p
 
 
@@ -161,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
-                "sample": cmd_sample, "sweep": cmd_sweep}[args.command](args)
+                "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse}[args.command](args)
     except ToyharnessError as exc:
         print(f"toyharness: {'check failed' if isinstance(exc, CheckFailed) else 'error'}: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -365,17 +402,40 @@ def cmd_sweep(args) -> int:
     return sweep.main(args)
 
 
+def cmd_fuse(args) -> int:
+    from .fuse import fuse
+
+    r = fuse(args.run_dir, args.out, args.dtype)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(r.types.items(), key=lambda kv: -kv[1]))
+    print(f"fused {len(r.fused)} adapted tensors; {sum(r.types.values())} tensors ({types}), "
+          f"{r.bytes / 2**20:.1f} MiB" if r.fused else
+          f"{sum(r.types.values())} tensors ({types}), {r.bytes / 2**20:.1f} MiB")
+    print(f"wrote {r.path}")
+    return 0
+
+
 def cmd_sample(args) -> int:
     from .errors import InputError
     from .lm import LMRecipe, generate
     from .options import read_toml
     from .plugins import get_recipe
     from .runner import resolve_options
+    from .sampling import generate_cached, load_cached, read_prompts
 
     run_dir = Path(args.run_dir)
     cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
     if not cfg_path.is_file() or not ckpt.is_file():
         raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
+    if args.prompts and args.prompt:
+        raise InputError("--prompt and --prompts: give one")
+    if args.out and not args.prompts:
+        raise InputError("--out writes the replies of --prompts; with --prompt the text goes to stdout")
+    if args.tokens < 0:
+        raise InputError(f"--tokens must be >= 0, got {args.tokens}")
+    if args.context is not None and (args.no_cache or args.context < 1):
+        raise InputError("--context: a positive number of positions, and only with the KV cache")
+    if args.dequantize and args.no_cache:
+        raise InputError("--dequantize is for the KV cache's sampler; --no-cache is the reference as it is")
     cfg = read_toml(cfg_path)
     _, obj = get_recipe(cfg.get("recipe", "?"))
     if not isinstance(obj, LMRecipe):
@@ -392,12 +452,68 @@ def cmd_sample(args) -> int:
         vocab = data.vocab
     else:
         vocab = tok.vocab_size
-    model = obj.load_for_sampling(ckpt, opts, vocab)
-    text = chat_prompt(tok, args.prompt) if args.chat else args.prompt
-    prompt = tok.encode(text, add_special=not args.chat)
-    out = generate(model, [prompt], args.tokens, args.temperature, args.top_k, args.seed, tok.end_ids)[0]
-    print(tok.decode(out) if args.chat else args.prompt + tok.decode(out))
+    rows = read_prompts(args.prompts, tok, args.chat) if args.prompts else None
+    if args.no_cache:
+        model = obj.load_for_sampling(ckpt, opts, vocab, args.backend, args.threads)
+
+        def ask(ids: list[int]) -> list[int]:
+            return generate(model, [ids], args.tokens, args.temperature, args.top_k, args.seed, tok.end_ids)[0]
+    else:
+        model = load_cached(obj, ckpt, opts, vocab, args.backend, args.threads, args.context, args.dequantize)
+
+        def ask(ids: list[int]) -> list[int]:
+            return generate_cached(model, ids, args.tokens, args.temperature, args.top_k, args.seed, tok.end_ids)
+    if rows is None:
+        text = chat_prompt(tok, args.prompt) if args.chat else args.prompt
+        out = ask(tok.encode(text, add_special=not args.chat))
+        print(tok.decode(out) if args.chat else args.prompt + tok.decode(out))
+        return 0
+    return _sample_prompts(args, rows, tok, ask)
+
+
+def _sample_prompts(args, rows: list[dict], tok, ask) -> int:
+    """Every prompt of --prompts: JSONL replies (to --out, atomically, or stdout) and a summary."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .atomic import atomic_write
+
+    lines, n_tokens, hits, scored = [], 0, 0, 0
+    t0 = time.perf_counter()
+    with Progress(TextColumn("[bold]sample"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[rate]}"), console=_stderr_console(), disable=args.no_progress,
+                  transient=True) as bar:
+        task = bar.add_task("sample", total=len(rows), rate="")
+        for row in rows:
+            out = ask(tok.encode(row["text"], add_special=not row["chat"]))
+            n_tokens += len(out)
+            reply = tok.decode(out)
+            doc = {"prompt": row["prompt"], "reply": reply.strip() if row["chat"] else reply, "tokens": len(out)}
+            if "completion" in row:
+                doc["completion"] = row["completion"]
+                doc["match"] = doc["reply"].strip() == row["completion"].strip()
+                hits, scored = hits + doc["match"], scored + 1
+            line = json.dumps(doc, ensure_ascii=False)
+            if args.out:
+                lines.append(line)
+            else:
+                print(line, flush=True)
+            bar.update(task, advance=1, rate=f"{n_tokens / (time.perf_counter() - t0):.1f} tokens/s")
+    wall = time.perf_counter() - t0
+    if args.out:
+        atomic_write(Path(args.out), "\n".join(lines) + "\n")
+    summary = f"{len(rows)} prompts, {n_tokens} tokens in {wall:.1f} s ({n_tokens / wall:.1f} tokens/s)"
+    if scored:
+        summary += f"; exact match {hits}/{scored} = {hits / scored:.1%}"
+    print(summary + (f"; wrote {args.out}" if args.out else ""), file=sys.stderr)
     return 0
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 def chat_prompt(tokenizer, prompt: str) -> str:

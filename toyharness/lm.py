@@ -255,17 +255,7 @@ def generate(model: LanguageModel, prompts: list[list[int]], n_tokens: int, temp
         for r, ids in enumerate(seqs):
             if done[r]:
                 continue
-            logits = logits_all[r, min(len(ids), seq) - 1].astype(np.float64)
-            if temperature == 0:
-                nxt = int(np.argmax(logits))
-            else:
-                logits = logits / temperature
-                if 0 < top_k < len(logits):
-                    cutoff = np.sort(logits)[-top_k]
-                    logits = np.where(logits < cutoff, -np.inf, logits)
-                p = np.exp(logits - logits.max())
-                p /= p.sum()
-                nxt = int(rng.choice(len(p), p=p))
+            nxt = next_token(logits_all[r, min(len(ids), seq) - 1], temperature, top_k, rng)
             if nxt in stop_ids:
                 done[r] = True
             else:
@@ -273,6 +263,21 @@ def generate(model: LanguageModel, prompts: list[list[int]], n_tokens: int, temp
         if all(done):
             break
     return [ids[start:] for ids, start in zip(seqs, starts)]
+
+
+def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """The next token from one position's logits: argmax at temperature 0, else a draw from the
+    softmax of logits / temperature over the top_k (0: all). The one rule of every sampler."""
+    logits = logits.astype(np.float64)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    logits = logits / temperature
+    if 0 < top_k < len(logits):
+        cutoff = np.sort(logits)[-top_k]
+        logits = np.where(logits < cutoff, -np.inf, logits)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    return int(rng.choice(len(p), p=p))
 
 
 def cache_root() -> Path:

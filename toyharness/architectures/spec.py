@@ -15,10 +15,11 @@ from ..engine.gguf_io import GGUFError, GGUFFile
 
 # Keys that never change a forward: names, licence, provenance, the tokenizer (read by
 # toyharness/tokenizer.py, not the forward), the training context (t_seq is ours), the vocabulary
-# size (the embedding's rows are read instead), llama-quantize's notes. `{arch}` is the file's.
+# size (the embedding's rows are read instead), llama-quantize's notes, our own notes. `{arch}` is the file's.
 KNOWN_NOT_FORWARD = (
     "general.*",
     "tokenizer.*",
+    "toyharness.*",         # notes of ours (toyharness/fuse.py: the run fused into a file)
     "quantize.imatrix.*",
     "{arch}.context_length",
     "{arch}.vocab_size",

@@ -213,6 +213,13 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     if rope is not None:
         q = _rope_heads_first(q, rope)
         k = _rope_heads_first(k, rope)
+    cache = x.prog.kv_cache
+    if cache is not None:
+        # sampling with a KV cache (toyharness/sampling.py): this call's k and v join the layer's
+        # cache, and the queries attend over every cached position its mask lets them see
+        if not causal:
+            raise ShapeError("attention: a KV cache is for causal attention")
+        return linear(cache.attend(q, k, v, hd, 1.0 / math.sqrt(hd) if scale is None else scale, window), wo, bo)
     rep = n_head // n_kv_head
     k = k.repeat_heads(rep)                   # (B, H, T, hd)
     vt = v.permute(0, 2, 3, 1).cont().repeat_heads(rep)   # (B, H, hd, T)

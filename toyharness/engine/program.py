@@ -210,6 +210,11 @@ class Program:
         self.planner = engine.planner
         # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
         self.recompute = None
+        # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
+        self.kv_cache = None
+        # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
+        # --dequantize: the same values, 4x the memory, products without a dequantization per call)
+        self.dequantize_frozen = False
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
@@ -335,6 +340,8 @@ class Program:
         """A frozen weight straight from an open `GGUFFile`: mmap'd in place on cpu, else uploaded."""
         info = gguf.tensor(name, expect_shape=expect_shape)
         local = as_name or name
+        if self.dequantize_frozen and info.dtype != "f32":
+            return self.frozen_array(local, info.to_numpy())
         self._check_new_name(local)
         if self.engine.is_cpu:
             t = gguf.bind_in_place(self, info, local)
