@@ -188,9 +188,12 @@ class Program:
         # TOYHARNESS_COLUMN_SUMS=product|repeat_back chooses on any backend (tests, comparisons).
         self.column_sums_as_products = column_sums_as_products(engine.backend)
         # Whether a Trainer keeps each parameter's gradient as the graph output that computes it
-        # (not in an accumulator: see Trainer). Off the cpu, where an accumulator's ADD and clear
-        # are launches a step could do without; the cpu keeps its accumulators (a small share there).
-        self.grads_as_outputs = not engine.is_cpu
+        # (not in an accumulator: see Trainer). On every backend: an accumulator costs an ADD of
+        # the gradient into zeros per parameter and a clear of them all per step (on cuda launches;
+        # on the cpu a pass over every gradient twice, memory-bound, and ggml's ADD is slowest on
+        # AVX2 builds: issue 34), and adding a gradient to zeros changes no bit of it.
+        # TOYHARNESS_GRAD_ACCUMULATORS=1 keeps them (comparisons).
+        self.grads_as_outputs = os.environ.get("TOYHARNESS_GRAD_ACCUMULATORS", "0") != "1"
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
         self.fused_attention = fused_attention()
         # the precision of this program's matrix products (Engine.set_precision): on cuda each
