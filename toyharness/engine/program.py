@@ -701,10 +701,11 @@ _VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 class Trainer:
     """Forward, backward and one AdamW step per trainable tensor, fed by a 7-float row.
 
-    On cpu every parameter's gradient goes to a persistent accumulator (contiguous, so AdamW reads
-    it with the right strides even for a parameter used only through a transpose); elsewhere it
-    is the (contiguous) node that computes it, a graph output. `grad_acc` holds them by name,
-    valid after a step or `grads_only`. The first step
+    Every parameter's gradient is the (contiguous) node that computes it, a graph output
+    (Program.grads_as_outputs; with TOYHARNESS_GRAD_ACCUMULATORS=1 a persistent accumulator,
+    contiguous, so AdamW reads it with the right strides even for a parameter used only through a
+    transpose). `grad_acc` holds them by name, valid after a step or `grads_only` until another
+    graph of the program is computed (the compute buffer they are in is then reused). The first step
     after construction does a full reset (gradients and moments); later steps reset gradients
     only, so the moments carry over.
     """
@@ -724,9 +725,10 @@ class Trainer:
             lib.ggml_build_forward_expand(gf, t.ptr)
         n = lib.ggml_graph_n_nodes(gf)
         # Persistent gradient accumulators for the loss (one left to the graph allocator is
-        # overwritten after step 0 and training silently stalls) and, on cpu, for every
-        # parameter, in a backend buffer of their own: one clear zeroes them all. On other
-        # backends a parameter's gradient is the node that computes it, kept as a graph output:
+        # overwritten after step 0 and training silently stalls) and, with
+        # TOYHARNESS_GRAD_ACCUMULATORS=1, for every parameter, in a backend buffer of their own:
+        # one clear zeroes them all. Otherwise a parameter's gradient is the node that computes it,
+        # kept as a graph output:
         # an accumulator cost an ADD node per parameter and a clear per step (on cuda 16 nodes
         # a GPT-2 layer), and adding a gradient to zeros changes no bit of it.
         prog.allocate()
