@@ -46,7 +46,7 @@ def tests_vulkan(session):
 
 @nox.session
 def bench(session):
-    """ms/step, items/s and peak RSS per recipe at its default config; writes bench.json."""
+    """ms/step, items/s and peak RSS per recipe at its default config; writes runs/bench-<fingerprint>.json."""
     session.install("-e", ".[test]")
     session.install("torch==2.13.0", TRANSFORMERS)  # the PyTorch eager side (CPU build); lora's over any architecture
     session.run("toyharness", "bench", *session.posargs)

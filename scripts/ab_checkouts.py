@@ -3,6 +3,8 @@
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python native/build.py --out toyharness/_native)
     python scripts/ab_checkouts.py gpt2 /tmp/before . [--rounds 10] [--threads 2]
     python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_KERNELS=0     # one setting A/B
+    python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_GRAD_ACCUMULATORS=1 \
+        --set n_layer=6 --set d_model=384 --set n_head=6 --set t_seq=256 --set t_batch=8   # at nano
 
 Each checkout trains the recipe's bench config in its own process (PYTHONPATH = the checkout,
 so each loads its own toyharness and native libraries); the two take turns in rounds of 5
@@ -30,7 +32,7 @@ WORKER = """
 import json, sys, time
 from toyharness.bench import realize_for_bench
 from toyharness.runner import batch_for
-pm, opts, data, engine, model = realize_for_bench(sys.argv[1], "cpu", int(sys.argv[2]), [])
+pm, opts, data, engine, model = realize_for_bench(sys.argv[1], "cpu", int(sys.argv[2]), json.loads(sys.argv[3]))
 batches = [batch_for(data, "train", i, opts) for i in range(8)]
 done = 0
 def step():
@@ -48,7 +50,7 @@ for line in sys.stdin:
 """
 
 
-def spawn(checkout: Path, recipe: str, threads: int, extra_env: dict[str, str]) -> subprocess.Popen:
+def spawn(checkout: Path, recipe: str, threads: int, extra_env: dict[str, str], sets: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout.resolve()),
                                                                     os.environ.get("PYTHONPATH")])), **extra_env)
     probe = subprocess.run([sys.executable, "-P", "-c", "import toyharness; print(toyharness.__file__)"], env=env,
@@ -56,7 +58,8 @@ def spawn(checkout: Path, recipe: str, threads: int, extra_env: dict[str, str]) 
     if not probe.stdout.startswith(str(checkout.resolve())):
         raise SystemExit(f"{checkout}: python imports toyharness from {probe.stdout.strip() or probe.stderr}")
     # -P: the working directory must not come first on sys.path (it may be the other checkout)
-    proc = subprocess.Popen([sys.executable, "-P", "-c", WORKER, recipe, str(threads)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-P", "-c", WORKER, recipe, str(threads), json.dumps(sets)],
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     if proc.stdout.readline().strip() != "ready":
         raise SystemExit(f"{checkout}: the worker did not start (is its native library built?)")
@@ -72,10 +75,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--env-a", action="append", default=[], metavar="KEY=VALUE", help="set for A's process")
     ap.add_argument("--env-b", action="append", default=[], metavar="KEY=VALUE", help="set for B's process")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option over the bench config, for both (e.g. the nano size's: see bench.SIZES)")
     ap.add_argument("--verbose", "-v", action="store_true", help="print each round's medians")
     args = ap.parse_args()
     envs = [dict(kv.split("=", 1) for kv in args.env_a), dict(kv.split("=", 1) for kv in args.env_b)]
-    workers = [spawn(args.a, args.recipe, args.threads, envs[0]), spawn(args.b, args.recipe, args.threads, envs[1])]
+    workers = [spawn(args.a, args.recipe, args.threads, envs[0], args.set),
+               spawn(args.b, args.recipe, args.threads, envs[1], args.set)]
     rounds: list[list[list[float]]] = []
     trips: list[float] = []
     for r in range(args.rounds):

@@ -29,11 +29,21 @@ def test_too_few_steps_exits_2():
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (nox -s bench installs it)")
 def test_side_by_side_run_writes_both_sides(tmp_path):
-    out = tmp_path / "bench.json"
+    # no --out: the default lands under runs/ of the working folder (ignored by git), named by build
     res = bench("llama", "--steps", "10", "--warmup", "1", "--threads", "2", "--set", "n_layer=1", "--set",
-                "d_model=64", "--out", str(out))
+                "d_model=64", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    doc = json.loads(out.read_text())
+    written = list((tmp_path / "runs").glob("bench-cpu-*.json"))
+    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in res.stdout
+    doc = json.loads(written[0].read_text())
+    assert written[0].name == f"bench-{doc['fingerprint']}.json"
+    # the header names the build's SIMD level and the BLAS kernel; bench.json keeps both
+    from toyharness.engine.backend import blas_kernel, build_simd
+
+    header = res.stdout.splitlines()[0]
+    assert f"SIMD {build_simd()}, BLAS {blas_kernel()}" in header, header
+    assert (doc["simd"], doc["blas"]) == (build_simd(), blas_kernel())
+    assert doc["fingerprint"].startswith(f"cpu-{build_simd()}")
     r = doc["recipes"]["llama"]
     assert r["ms_per_step"] > 0 and r["torch_ms_per_step"] > 0
     assert r["speedup"] == pytest.approx(r["torch_ms_per_step"] / r["ms_per_step"], rel=1e-2)
@@ -87,7 +97,10 @@ def test_profile_names_ops_and_kernels_without_torch(tmp_path):
     res = bench("--profile", "gpt2", "--threads", "2", "--set", "n_layer=1", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("gpt2: cpu, 2 threads; nodes timed one at a time:")
+    from toyharness.engine.backend import blas_kernel, build_simd
+
+    assert lines[0].startswith(f"gpt2: cpu, 2 threads, SIMD {build_simd()}, BLAS {blas_kernel()}; nodes timed one "
+                               "at a time:"), lines[0]
     rows = {tuple(line.split()[:2]): line for line in lines[2:] if len(line.split()) == 5}
     from toyharness._ffi import cpu_kernels
     assert ("OUT_PROD", "sgemm" if cpu_kernels else "ggml") in rows     # the weights' gradients: always large

@@ -90,7 +90,7 @@ def test_adamw_step_matches_numpy(convention, transposed):
 
 @pytest.mark.parametrize("shape", ["plain", "transposed", "tied"])
 def test_gradients_kept_as_graph_outputs_have_the_accumulators_bits(shape):
-    """Program.grads_as_outputs (the default off the cpu): no accumulator and no ADD per
+    """Program.grads_as_outputs (the default on every backend): no accumulator and no ADD per
     parameter; the node that computes a gradient is kept instead. Same losses, gradients and
     weights, bit for bit, over 3 steps; a gradient through a transpose, and one summed from two
     uses of a weight, included."""
@@ -118,6 +118,16 @@ def test_gradients_kept_as_graph_outputs_have_the_accumulators_bits(shape):
     assert n_out < n_acc + (shape == "transposed")      # the ADD into the accumulator is gone
 
 
+def test_gradients_are_graph_outputs_unless_accumulators_are_asked_for(monkeypatch):
+    """On the cpu too (issue 34: the ADD into zeros and the clear were a pass over every gradient
+    twice a step); TOYHARNESS_GRAD_ACCUMULATORS=1 brings the accumulators back, for comparisons."""
+    prog, *_ = tiny_program()
+    assert prog.engine.is_cpu and prog.grads_as_outputs
+    monkeypatch.setenv("TOYHARNESS_GRAD_ACCUMULATORS", "1")
+    prog, *_ = tiny_program()
+    assert not prog.grads_as_outputs
+
+
 def test_grads_only_reset_keeps_moments_and_clears_gradients():
     prog, w, w0, ce = tiny_program()
     tr = prog.trainer(ce, "bias_corrected")
@@ -141,7 +151,10 @@ def test_grads_only_reset_keeps_moments_and_clears_gradients():
     assert min_ulps(prog.read(tr.v["w"]), v_c) <= 1, "moments lost"
 
 
-def test_full_reset_zeroes_moments():
+@pytest.mark.parametrize("accumulators", [False, True])
+def test_full_reset_zeroes_moments(accumulators, monkeypatch):
+    if accumulators:
+        monkeypatch.setenv("TOYHARNESS_GRAD_ACCUMULATORS", "1")
     prog, w, w0, ce = tiny_program()
     tr = prog.trainer(ce, "bias_corrected")
     rng = np.random.default_rng(3)
@@ -149,7 +162,8 @@ def test_full_reset_zeroes_moments():
     assert np.abs(prog.read(tr.m["w"])).sum() > 0
     tr.reset_full()
     assert not prog.read(tr.m["w"]).any() and not prog.read(tr.v["w"]).any()
-    assert not prog.read(tr.grad_acc["w"]).any()
+    if accumulators:      # else a gradient is the node that computes it: nothing to zero
+        assert not prog.read(tr.grad_acc["w"]).any()
 
 
 def test_convention_mismatch_raises_before_any_step():

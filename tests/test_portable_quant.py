@@ -100,9 +100,12 @@ def portable_products(threads: int, weight, x: np.ndarray, r: np.ndarray, ids: n
         ops = {ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(trainer.gb_grad, i))).decode()   # as built
                for i in range(lib.ggml_graph_n_nodes(trainer.gb_grad))}
         trainer.grads_only({})
+        # read before another graph runs: a gradient is a node of the backward graph, in the
+        # compute buffer the next graph reuses (Program.grads_as_outputs)
+        dx = prog.read(trainer.grad_acc["x"])
         rows = w.get_rows(prog.constant("ids", ids))
         fwd = prog.forward({"y": y, "rows": rows}).run({})
-        return fwd["y"], prog.read(trainer.grad_acc["x"]), fwd["rows"], ops
+        return fwd["y"], dx, fwd["rows"], ops
     finally:
         engine.set_portable(False)
 

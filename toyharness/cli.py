@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "portable mode (the same bits on every CPU); auto (default): fast where that golden "
                         "exists, else portable")
 
-    b = sub.add_parser("bench", help="ms/step, tokens/s, peak RSS beside PyTorch eager; writes bench.json",
+    b = sub.add_parser("bench", help="ms/step, tokens/s, peak RSS beside PyTorch eager; writes runs/bench-*.json",
                        description="Time each recipe's training step at its bench config (its defaults) beside an "
                                    "equivalent PyTorch eager model with AdamW (toyharness/reference.py, needs torch), "
                                    "in alternating rounds, each side in its own process. Reports medians, the "
@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the matrix products' precision on both sides (cuda): fp32 (default; PyTorch eager with "
                         "TF32 off), tf32 (PyTorch eager with TF32 on), bf16 (PyTorch bf16 autocast with "
                         "torch.compile, and eager: both reported)")
-    b.add_argument("--out", default="bench.json", help="where to write the results (default bench.json)")
+    b.add_argument("--out", help="where to write the results (default runs/bench-<fingerprint>[-<size>].json: "
+                                 "under runs/, which git ignores, one file per build and size)")
     b.add_argument("--profile", action="store_true",
                    help="instead: where a toyharness step's time goes, by ggml op (each node timed alone; "
                         "no PyTorch needed, nothing written)")
@@ -294,7 +295,7 @@ def cmd_bench(args) -> int:
     from . import bench
     from .atomic import atomic_write
     from .engine import get_engine
-    from .engine.backend import check_precision, default_threads
+    from .engine.backend import blas_kernel, build_simd, check_precision, default_threads
     from .errors import InputError
     from .plugins import discover
 
@@ -333,7 +334,8 @@ def cmd_bench(args) -> int:
     modes = bench.TORCH_MODES[args.precision]
     torch_side = " and ".join(f"PyTorch {m}" for m in modes) + ("" if args.precision == "fp32" else " (the first "
                                                                   "is PyTorch's column)")
-    print(f"{args.backend}, {threads} threads{size}, precision {args.precision} ({torch_side}); "
+    print(f"{args.backend}, {threads} threads{size}{build_line(args.backend)}, precision {args.precision} "
+          f"({torch_side}); "
           f"ms/step medians over {args.steps} steps per side"
           + (f"; FP32 sgemm ceiling {ceiling:.0f} GFLOP/s" if ceiling else ""))
     print(hdr)
@@ -358,12 +360,30 @@ def cmd_bench(args) -> int:
             print(f"  note: the machine's speed moved during {name} ({spans}); compare several runs")
     doc = {"backend": args.backend, "threads": threads, "size": args.size, "precision": args.precision,
            "torch_modes": list(modes), "fingerprint": engine.fingerprint(),
+           **({"simd": build_simd(), "blas": blas_kernel()} if args.backend == "cpu" else {}),
            "steps": args.steps, "warmup": args.warmup,
            "fp32_ceiling_gflops": None if ceiling is None else round(ceiling, 1),
            "recipes": results}
-    atomic_write(Path(args.out), json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = Path(args.out or default_bench_out(doc["fingerprint"], args.size))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
+
+
+def default_bench_out(fingerprint: str, size: str) -> str:
+    """`bench`'s output without --out: under runs/ (ignored by git: a bench output is a measurement
+    of one machine, never a file of the repository), named by build and size so that the AVX2 and
+    AVX-512 builds' runs side by side do not overwrite each other."""
+    return f"runs/bench-{fingerprint}" + ("" if size == "default" else f"-{size}") + ".json"
+
+
+def build_line(backend: str) -> str:
+    """", SIMD avx2, BLAS OpenBLAS Haswell (...)" for the cpu: the build and kernel every figure of
+    a bench header ran on (an AVX2 build on an AVX-512 CPU differs from the native one); "" off it."""
+    from .engine.backend import blas_kernel, build_simd
+
+    return f", SIMD {build_simd()}, BLAS {blas_kernel()}" if backend == "cpu" else ""
 
 
 def _bench_profile(args, names: list[str], sets: dict[str, list[str]]) -> int:
@@ -375,7 +395,8 @@ def _bench_profile(args, names: list[str], sets: dict[str, list[str]]) -> int:
         prof = bench.profile_recipe(name, args.backend, threads, sets[name])
         total, ops = prof.total_ms, prof.ops
         size = "" if args.size == "default" else f", size {args.size}"
-        print(f"{name}: {args.backend}, {threads} threads{size}; nodes timed one at a time: {total:.2f} ms per step "
+        print(f"{name}: {args.backend}, {threads} threads{size}{build_line(args.backend)}; nodes timed one at a "
+              f"time: {total:.2f} ms per step "
               f"(a whole step: {prof.step_ms:.2f} ms)")
         print("  " + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in prof.phases.items()))
         print(f"  {'op':<26}{'kernel':<14}{'nodes':>6}{'ms':>9}{'share':>8}")

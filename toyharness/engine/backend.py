@@ -86,19 +86,7 @@ class Engine:
     def fast_fingerprint(self) -> str:
         """The fingerprint of this build's fast path, whatever the mode."""
         if self.is_cpu:
-            if lib.ggml_cpu_has_avx512():
-                simd = "avx512"
-            elif lib.ggml_cpu_has_avx2():
-                simd = "avx2"
-            elif lib.ggml_cpu_has_avx():
-                simd = "avx"
-            elif lib.ggml_cpu_has_sve():
-                simd = "sve"
-            elif lib.ggml_cpu_has_neon():
-                simd = "neon"
-            else:
-                simd = "scalar"
-            return f"cpu-{simd}" + (f"-{blas.tag()}" if blas is not None else "")
+            return f"cpu-{build_simd()}" + (f"-{blas.tag()}" if blas is not None else "")
         if self.backend == "cuda":
             return f"cuda-{_cuda_arch_tag()}"
         if self.backend == "vulkan":
@@ -112,6 +100,27 @@ class Engine:
         """The device's own name (for vulkan the driver's: "llvmpipe (LLVM 15.0.6, 256 bits)",
         "NVIDIA H100 80GB HBM3")."""
         return ffi.string(lib.ggml_backend_dev_description(lib.ggml_backend_get_device(self.handle))).decode()
+
+
+def build_simd() -> str:
+    """The SIMD level ggml-cpu was compiled for (ggml's `ggml_cpu_has_*` answer for the build, not
+    for the CPU: an AVX2 build says avx2 on an AVX-512 machine)."""
+    for level, has in (("avx512", lib.ggml_cpu_has_avx512), ("avx2", lib.ggml_cpu_has_avx2),
+                       ("avx", lib.ggml_cpu_has_avx), ("sve", lib.ggml_cpu_has_sve), ("neon", lib.ggml_cpu_has_neon)):
+        if has():
+            return level
+    return "scalar"
+
+
+def blas_kernel() -> str:
+    """The BLAS that computes the cpu fast path's f32 products, as the header of `bench` names it:
+    OpenBLAS's kernel (its `get_corename`), and OPENBLAS_CORETYPE when set (that forces the kernel,
+    e.g. Haswell on an AVX-512 CPU); "none" with the cpu kernels off (TOYHARNESS_CPU_KERNELS=0)."""
+    if blas is None:
+        return "none (ggml's own kernels)"
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    return f"OpenBLAS {blas.corename} (scipy-openblas32 {blas.version}" + (
+        f", OPENBLAS_CORETYPE={forced})" if forced else ")")
 
 
 def _device_slug(text: str) -> str:

@@ -196,9 +196,12 @@ class Program:
         # TOYHARNESS_COLUMN_SUMS=product|repeat_back chooses on any backend (tests, comparisons).
         self.column_sums_as_products = column_sums_as_products(engine.backend)
         # Whether a Trainer keeps each parameter's gradient as the graph output that computes it
-        # (not in an accumulator: see Trainer). Off the cpu, where an accumulator's ADD and clear
-        # are launches a step could do without; the cpu keeps its accumulators (a small share there).
-        self.grads_as_outputs = not engine.is_cpu
+        # (not in an accumulator: see Trainer). On every backend: an accumulator costs an ADD of
+        # the gradient into zeros per parameter and a clear of them all per step (on cuda launches;
+        # on the cpu a pass over every gradient twice, memory-bound, and ggml's ADD is slowest on
+        # AVX2 builds: issue 34), and adding a gradient to zeros changes no bit of it.
+        # TOYHARNESS_GRAD_ACCUMULATORS=1 keeps them (comparisons).
+        self.grads_as_outputs = os.environ.get("TOYHARNESS_GRAD_ACCUMULATORS", "0") != "1"
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
         self.fused_attention = fused_attention()
         # the precision of this program's matrix products (Engine.set_precision): on cuda each
@@ -772,10 +775,11 @@ _VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 class Trainer:
     """Forward, backward and one AdamW step per trainable tensor, fed by a 7-float row.
 
-    On cpu every parameter's gradient goes to a persistent accumulator (contiguous, so AdamW reads
-    it with the right strides even for a parameter used only through a transpose); elsewhere it
-    is the (contiguous) node that computes it, a graph output. `grad_acc` holds them by name,
-    valid after a step or `grads_only`. The first step
+    Every parameter's gradient is the (contiguous) node that computes it, a graph output
+    (Program.grads_as_outputs; with TOYHARNESS_GRAD_ACCUMULATORS=1 a persistent accumulator,
+    contiguous, so AdamW reads it with the right strides even for a parameter used only through a
+    transpose). `grad_acc` holds them by name, valid after a step or `grads_only` until another
+    graph of the program is computed (the compute buffer they are in is then reused). The first step
     after construction does a full reset (gradients and moments); later steps reset gradients
     only, so the moments carry over.
     """
@@ -795,9 +799,10 @@ class Trainer:
             lib.ggml_build_forward_expand(gf, t.ptr)
         n = lib.ggml_graph_n_nodes(gf)
         # Persistent gradient accumulators for the loss (one left to the graph allocator is
-        # overwritten after step 0 and training silently stalls) and, on cpu, for every
-        # parameter, in a backend buffer of their own: one clear zeroes them all. On other
-        # backends a parameter's gradient is the node that computes it, kept as a graph output:
+        # overwritten after step 0 and training silently stalls) and, with
+        # TOYHARNESS_GRAD_ACCUMULATORS=1, for every parameter, in a backend buffer of their own:
+        # one clear zeroes them all. Otherwise a parameter's gradient is the node that computes it,
+        # kept as a graph output:
         # an accumulator cost an ADD node per parameter and a clear per step (on cuda 16 nodes
         # a GPT-2 layer), and adding a gradient to zeros changes no bit of it.
         prog.allocate()
