@@ -5,6 +5,7 @@ pairs, and the acceptance check of issue 18 (held-out exact match of greedy `sam
     python scripts/number_words.py write DATA.jsonl [--n 400] [--seed 0]
     python scripts/number_words.py score RUN_DIR DATA.jsonl [--base] [--no-loss]
     python scripts/number_words.py score RUN_DIR DATA.jsonl --llamacpp FUSED.gguf [--tool TH_LOGITS]
+    python scripts/number_words.py kl RUN_DIR DATA.jsonl FUSED.gguf...
 
 The run's held-out split is the file's last 10% of examples (toyharness.data.jsonl), so `score`
 asks those prompts (greedy, through the KV cache), after the held-out masked loss (as the run's
@@ -12,6 +13,9 @@ eval_loss computes it) of the checkpoint; `--base` scores the run's base alone (
 their zero init). `--llamacpp FUSED.gguf` asks llama.cpp instead, greedy on a file of `toyharness
 fuse RUN_DIR` (native/llamacpp/th_generate beside th_logits: `nox -s llamacpp` builds them; --tool
 or $TOYHARNESS_LLAMACPP_TOOL names th_logits), on the same token ids: the fused model's rate.
+`kl` gives what fusing costs the model: the mean KL divergence from base + adapter to each fused
+file (our forward on both), and how often their argmax agree, over every position of the held-out
+examples (chat prompt, answer and end of turn).
 """
 
 from __future__ import annotations
@@ -108,6 +112,43 @@ def score(run_dir: Path, data: Path, base: bool, loss: bool = True, fused: Path 
     return hits / len(held)
 
 
+def kl(run_dir: Path, data: Path, fused: list[Path]) -> None:
+    import numpy as np
+
+    from toyharness.data.chat import render_chat
+    from toyharness.data.jsonl import read_jsonl
+    from toyharness.plugins import get_recipe
+    from toyharness.runner import resolve_options
+
+    _, obj = get_recipe("lora")
+    opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
+    tok = obj.tokenizer(opts)
+    rows = [r for _, r in read_jsonl(data)]
+    held = rows[len(rows) - max(1, round(len(rows) * 0.1)):]
+    texts = [tok.encode(render_chat(tok, [{"role": "user", "content": r["prompt"]},
+                                          {"role": "assistant", "content": r["completion"]}]))[:opts.t_seq]
+             for r in held]      # as training renders them
+
+    def logits(model) -> np.ndarray:
+        out = []
+        for ids in texts:
+            buf = np.zeros((model.batch, opts.t_seq), np.int32)
+            buf[0, :len(ids)] = ids
+            out.append(model.next_logits(buf)[0, :len(ids)])
+        x = np.concatenate(out).astype(np.float64)
+        x -= x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    ref = logits(obj.load_for_sampling(run_dir / "checkpoint.gguf", opts, tok.vocab_size))
+    for path in fused:
+        got = logits(obj.load_for_sampling(None, resolve_options(obj, str(run_dir / "config.toml"),
+                                                                 [f"base={path}"], {}), tok.vocab_size))
+        value = float(np.mean(np.sum(np.exp(ref) * (ref - got), -1)))
+        agree = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+        print(f"{path.name}: KL from base + adapter {value:.3g}, top-1 agreement {agree:.4f} ({len(ref)} positions)",
+              flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -122,8 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-loss", action="store_true", help="skip the held-out loss (a finished run's eval_loss is it)")
     s.add_argument("--llamacpp", type=Path, metavar="FUSED.gguf", help="score llama.cpp's greedy replies on this file")
     s.add_argument("--tool", help="th_logits' path (default $TOYHARNESS_LLAMACPP_TOOL)")
+    k = sub.add_parser("kl")
+    k.add_argument("run_dir", type=Path)
+    k.add_argument("data", type=Path)
+    k.add_argument("fused", type=Path, nargs="+")
     args = ap.parse_args(argv)
-    if args.cmd == "write":
+    if args.cmd == "kl":
+        kl(args.run_dir, args.data, args.fused)
+    elif args.cmd == "write":
         write(args.path, args.n, args.seed)
     else:
         score(args.run_dir, args.data, args.base, loss=not args.no_loss, fused=args.llamacpp, tool=args.tool)
