@@ -72,9 +72,9 @@ sampler = Sampler()
 train(recipe, backend=backend, steps=3, sets=sets + ["eval_every=1", "eval_batches=1", "checkpoint_every=3"],
       out=out, progress=False, observers=(sampler,))
 measured = sampler.peak - baseline
-if backend == "cpu":
-    import resource
-    measured = max(measured, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline)
+if backend == "cpu":    # VmHWM, this process's own peak (ru_maxrss keeps the parent's RSS at fork)
+    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
+    measured = max(measured, hwm - baseline)
 print(json.dumps({"plan": plan.to_json(), "baseline": baseline, "peak": sampler.peak, "measured": measured}))
 """
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 CHILD = r"""
-import json, resource, sys
+import json, sys
 from toyharness.runner import plan_run, train
 recipe, sets, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 plan = plan_run(recipe, sets=sets)
@@ -26,7 +26,8 @@ base = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).s
 train(recipe, steps=steps, sets=sets + [f"eval_every={steps}", "eval_batches=1", f"checkpoint_every={steps}"],
       out=out, progress=False)
 metrics = [json.loads(line) for line in open(out + "/metrics.jsonl")]
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM, this process's own peak (ru_maxrss keeps the parent's RSS at fork across the exec)
+peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 print(json.dumps({"plan": plan.total, "compute": plan.rows["compute"], "growth": peak - base,
                   "ms": [m["ms"] for m in metrics[1:]], "losses": [m["loss_hex"] for m in metrics]}))
 """

@@ -181,9 +181,12 @@ class Planner:
             if total == 0:
                 continue
             if is_real:
-                host = np.zeros(total + self.align, np.uint8)
+                # ggml_backend_cpu_buffer_from_ptr wants TENSOR_ALIGNMENT (32); a device's own
+                # alignment may be less (vulkan)
+                align = max(self.align, 64)
+                host = np.zeros(total + align, np.uint8)
                 self._host.append(host)
-                base = _pad(host.ctypes.data, self.align)
+                base = _pad(host.ctypes.data, align)
             else:
                 base = _reserve(total)
                 self._regions.append((base, total))
