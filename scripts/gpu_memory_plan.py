@@ -28,8 +28,9 @@ CASES = {
              ["n_layer=12", "d_model=768", "n_head=12", "t_seq=1024", "t_batch=8"]],
     "llama": [[], ["n_layer=6", "d_model=384", "n_head=6", "n_kv_head=2", "d_ff=1024", "t_seq=256", "t_batch=64"],
               ["n_layer=12", "d_model=768", "n_head=12", "n_kv_head=4", "d_ff=2048", "t_seq=1024", "t_batch=8"]],
-    "warm_start": [[], ["n_layer=6", "d_model=384", "n_head=6", "t_seq=256", "t_batch=32"]],
-    "vit_tiny": [[], ["t_batch=512"]],
+    "warm_start": [[], ["n_layer=6", "d_model=384", "n_head=6", "t_seq=256", "t_batch=32"],
+                   ["n_layer=8", "d_model=512", "n_head=8", "t_seq=512", "t_batch=16"]],
+    "vit_tiny": [[], ["t_batch=128"], ["t_batch=512"]],
     "lora": [["t_seq=256", "t_batch=16"], ["t_seq=1024", "t_batch=8", "rank=16"]],
 }
 QUICK = {"gpt2": [["t_seq=256", "t_batch=16"]], "llama": [["t_seq=256", "t_batch=16"]],
