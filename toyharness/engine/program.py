@@ -198,8 +198,8 @@ class Program:
         # Whether a Trainer keeps each parameter's gradient as the graph output that computes it
         # (not in an accumulator: see Trainer). On every backend: an accumulator costs an ADD of
         # the gradient into zeros per parameter and a clear of them all per step (on cuda launches;
-        # on the cpu a pass over every gradient twice, memory-bound, and ggml's ADD is slowest on
-        # AVX2 builds: issue 34), and adding a gradient to zeros changes no bit of it.
+        # on the cpu two passes over every gradient, within the noise of a step at nano: issue 34),
+        # and adding a gradient to zeros changes no bit of it.
         # TOYHARNESS_GRAD_ACCUMULATORS=1 keeps them (comparisons).
         self.grads_as_outputs = os.environ.get("TOYHARNESS_GRAD_ACCUMULATORS", "0") != "1"
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
