@@ -9,6 +9,7 @@ import os
 import gguf
 import numpy as np
 import pytest
+from arch_cases import ARCH_EXAMPLES as ARCHES
 
 from toyharness.architectures import example_file, read_model
 from toyharness.cli import main
@@ -20,15 +21,6 @@ from toyharness.runner import resolve_options, train
 
 TINY = ["t_seq=16", "t_batch=2", "eval_every=4", "checkpoint_every=4", "lr=2e-2", "warmup=1", "init_scale=5"]
 PROMPT = list(b"The cat sat on")
-# the architectures lora takes (tests/test_llamacpp.py's cases, smaller): llama3 has rope_freqs
-ARCHES = {
-    "llama": dict(arch="llama"),
-    "qwen2": dict(arch="qwen2"),
-    "llama3": dict(arch="llama", rope_factors=True, rope_base=500000.0),
-    "qwen3": dict(arch="qwen3", head_dim=32),
-    "gemma3": dict(arch="gemma3", head_dim=32, n_layer=6, n_head=2, n_kv_head=1, window=4, rope_base=1e6),
-    "phi3": dict(arch="phi3", rope_dims=8, window=64),
-}
 # 256 wide so that K-quants' blocks fit the rows
 WIDE = dict(arch="llama", n_layer=1, d_model=256, n_head=4, n_kv_head=2, d_ff=512)
 

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from arch_cases import ARCH_EXAMPLES as ARCHES
 
 from toyharness._ffi import available_native_backends
 from toyharness.architectures import example_file, read_model
@@ -18,14 +19,6 @@ from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options, train
 from toyharness.sampling import generate_cached, load_cached
 
-ARCHES = {
-    "llama": dict(arch="llama"),
-    "qwen2": dict(arch="qwen2"),
-    "llama3": dict(arch="llama", rope_factors=True, rope_base=500000.0),
-    "qwen3": dict(arch="qwen3", head_dim=32),
-    "gemma3": dict(arch="gemma3", head_dim=32, n_layer=6, n_head=2, n_kv_head=1, window=4, rope_base=1e6),
-    "phi3": dict(arch="phi3", rope_dims=8, window=64),
-}
 PROMPT = list(b"Hello there, a")
 SEQ = 24
 

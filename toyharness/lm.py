@@ -184,15 +184,19 @@ class LMRecipe:
                           threads: int | None = None, batch: int = 1) -> LanguageModel:
         """The model from a run folder's init/checkpoint naming (our parameter names); `path`
         None: the seeded init (for lora, the base itself: its B matrices start at zero)."""
-        expected = self.init_params(options, vocab)
-        if path is None:
-            params = expected
-        else:
-            with GGUFFile(path) as f:
-                params = {name: f.tensor(name, expect_shape=value.shape).to_numpy() for name, value in expected.items()}
+        params = self.params_for_sampling(path, options, vocab)
         vocab = self.vocab_for(options, vocab)
         return LanguageModel(self, get_engine(backend, threads), options, vocab, params, trainable=False,
                              batch=batch, seq=options.t_seq)
+
+    def params_for_sampling(self, path: Path | None, options, vocab: int) -> dict[str, np.ndarray]:
+        """The parameters a sampler runs: read from `path` by our names, each checked against the
+        shape the options give it; `path` None: the seeded init."""
+        expected = self.init_params(options, vocab)
+        if path is None:
+            return expected
+        with GGUFFile(path) as f:
+            return {name: f.tensor(name, expect_shape=value.shape).to_numpy() for name, value in expected.items()}
 
 
 def byte_tokens() -> list[str]:

@@ -145,14 +145,7 @@ class CachedLM:
 def load_cached(recipe: LMRecipe, path, options, vocab: int, backend: str = "cpu", threads: int | None = None,
                 context: int | None = None, dequantize: bool = False) -> CachedLM:
     """`LMRecipe.load_for_sampling`, with a KV cache; `dequantize`: a quantized base held as f32."""
-    from .engine import GGUFFile
-
-    expected = recipe.init_params(options, vocab)
-    if path is None:
-        params = expected
-    else:
-        with GGUFFile(path) as f:
-            params = {name: f.tensor(name, expect_shape=value.shape).to_numpy() for name, value in expected.items()}
+    params = recipe.params_for_sampling(path, options, vocab)
     vocab = recipe.vocab_for(options, vocab)
     return CachedLM(recipe, get_engine(backend, threads), options, vocab, params, context, dequantize=dequantize)
 
