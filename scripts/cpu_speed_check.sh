@@ -58,7 +58,8 @@ build avx2 avx2
 # env_for NAME: the environment of a build's runs
 env_for() {
     echo "TOYHARNESS_NATIVE_DIR=$work/$1"
-    if [ "$1" = avx2 ]; then echo "OPENBLAS_CORETYPE=Haswell"; fi
+    # PyTorch's side as on an AVX2 CPU too: its own kernels (ATen) and MKL's sgemm held to AVX2
+    if [ "$1" = avx2 ]; then echo "OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"; fi
 }
 
 for b in "${builds[@]}"; do
