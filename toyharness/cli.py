@@ -437,16 +437,11 @@ def cmd_fuse(args) -> int:
 
 def cmd_sample(args) -> int:
     from .errors import InputError
-    from .lm import LMRecipe, generate
-    from .options import read_toml
-    from .plugins import get_recipe
-    from .runner import resolve_options
+    from .lm import generate
+    from .runner import load_finished_run
     from .sampling import generate_cached, load_cached, read_prompts
 
-    run_dir = Path(args.run_dir)
-    cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
-    if not cfg_path.is_file() or not ckpt.is_file():
-        raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
+    obj, opts, ckpt = load_finished_run(args.run_dir)
     if args.prompts and args.prompt:
         raise InputError("--prompt and --prompts: give one")
     if args.out and not args.prompts:
@@ -457,11 +452,6 @@ def cmd_sample(args) -> int:
         raise InputError("--context: a positive number of positions, and only with the KV cache")
     if args.dequantize and args.no_cache:
         raise InputError("--dequantize is for the KV cache's sampler; --no-cache is the reference as it is")
-    cfg = read_toml(cfg_path)
-    _, obj = get_recipe(cfg.get("recipe", "?"))
-    if not isinstance(obj, LMRecipe):
-        raise InputError(f"recipe {cfg.get('recipe')!r} is not a language model")
-    opts = resolve_options(obj, str(cfg_path), [], {})
     tok = obj.tokenizer(opts)
     if tok.byte_level:
         from .hookspecs import plugin_manager

@@ -23,6 +23,7 @@ import numpy as np
 from .engine import quant
 from .engine.gguf_io import GGUFFile, TypedValue, _write_atomic
 from .errors import GGUFError, InputError
+from .runner import load_finished_run
 
 # `--type`: `same` (each tensor keeps its type) or one of the frozen types (engine/quant.py)
 FUSE_TYPES = ("same", *quant.FROZEN_NAMES)
@@ -48,39 +49,12 @@ def default_out(run_dir: Path, dtype: str) -> Path:
     return run_dir / ("fused.gguf" if dtype == "same" else f"fused-{dtype}.gguf")
 
 
-def load_run(run_dir: str | os.PathLike):
-    """A finished run folder's recipe object, resolved options and trained parameters (the
-    checkpoint's, under the recipe's own names), or an InputError naming what is missing."""
-    from .lm import LMRecipe
-    from .options import read_toml
-    from .plugins import get_recipe
-    from .runner import resolve_options
-
-    run_dir = Path(run_dir)
-    cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
-    if not cfg_path.is_file() or not ckpt.is_file():
-        raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
-    cfg = read_toml(cfg_path)
-    _, obj = get_recipe(cfg.get("recipe", "?"))
-    if not isinstance(obj, LMRecipe):
-        raise InputError(f"{run_dir}: recipe {cfg.get('recipe')!r} is not a language model: nothing to fuse")
-    opts = resolve_options(obj, str(cfg_path), [], {})
-    return obj, opts, ckpt
-
-
-def checkpoint_params(obj, opts, ckpt: Path, vocab: int) -> dict[str, np.ndarray]:
-    """The trained parameters, by the names the recipe's init gives (shapes checked)."""
-    expected = obj.init_params(opts, vocab)
-    with GGUFFile(ckpt) as f:
-        return {name: f.tensor(name, expect_shape=value.shape).to_numpy() for name, value in expected.items()}
-
-
 def fuse(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, dtype: str = "same") -> FuseReport:
     """Fuse RUN_DIR's model into one llama.cpp GGUF (see the module's doc); returns what was written."""
     if dtype not in FUSE_TYPES:
         raise InputError(f"--type {dtype!r}: unknown; one of {', '.join(FUSE_TYPES)}")
     run_dir = Path(run_dir)
-    obj, opts, ckpt = load_run(run_dir)
+    obj, opts, ckpt = load_finished_run(run_dir)
     out = Path(out) if out else default_out(run_dir, dtype)
     if out.resolve() in {ckpt.resolve(), Path(getattr(opts, "base", "") or ckpt).resolve()}:
         raise InputError(f"--out {out}: would overwrite the run's checkpoint or base; name another file")
@@ -93,7 +67,7 @@ def fuse(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, dtype
 
 def _fuse_lora(obj, opts, ckpt: Path, out: Path, dtype: str, note: dict) -> FuseReport:
     base = obj.base(opts)
-    adapters = checkpoint_params(obj, opts, ckpt, base.shape.vocab)
+    adapters = obj.params_for_sampling(ckpt, opts, base.shape.vocab)
     scale = np.float32(opts.alpha / opts.rank)
     report = FuseReport(out)
     tensors = []
@@ -130,7 +104,7 @@ def _fuse_plain(obj, opts, ckpt: Path, out: Path, dtype: str, note: dict) -> Fus
     import tempfile
 
     vocab = _vocab(obj, opts)
-    params = checkpoint_params(obj, opts, ckpt, vocab)
+    params = obj.params_for_sampling(ckpt, opts, vocab)
     # the recipe's own export (lens folded in, its metadata and tokenizer), then re-stored
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.is_dir() else None) as tmp:
         exported = obj.write_model(Path(tmp) / "model.gguf", params, opts, vocab)

@@ -69,6 +69,22 @@ def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, over
     return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
 
 
+
+def load_finished_run(run_dir):
+    """A finished language-model run folder (`sample`, `fuse`): its recipe object, resolved options
+    and checkpoint path, or an InputError naming what is missing."""
+    from .lm import LMRecipe
+
+    run_dir = Path(run_dir)
+    cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
+    if not cfg_path.is_file() or not ckpt.is_file():
+        raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
+    name = read_toml(cfg_path).get("recipe", "?")
+    _, obj = get_recipe(name)
+    if not isinstance(obj, LMRecipe):
+        raise InputError(f"{run_dir}: recipe {name!r} is not a language model")
+    return obj, resolve_options(obj, str(cfg_path), [], {}), ckpt
+
 def load_data(pm, options):
     data = pm.hook.load_data(options=options)
     if data is None:
