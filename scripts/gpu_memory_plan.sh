@@ -19,7 +19,7 @@ status=0
 if [[ $phases == *" build "* ]]; then build_cuda; fi
 if [[ $phases == *" measure "* ]]; then
     step "plan vs the driver's used memory, each recipe at several sizes"
-    python3 "$(dirname "$0")/gpu_memory_plan.py" "$out" --backend cuda 2>&1 | tee -a "$log" || status=1
+    python3 "$(dirname "$0")/gpu_memory_plan.py" "$out" --backend cuda --tiny 2>&1 | tee -a "$log" || status=1
     step "the issue's configuration: --plan, then the run (refused, exit 2)"
     huge=(--set n_layer=48 --set d_model=2048 --set n_head=16 --set t_seq=4096 --set t_batch=64)
     toyharness run gpt2 --backend cuda "${huge[@]}" --plan 2>&1 | tee -a "$log"

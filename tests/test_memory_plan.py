@@ -17,7 +17,7 @@ from toyharness.cli import main
 from toyharness.engine import get_engine
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.memory_plan import plan_model
+from toyharness.memory_plan import ALLOCATION_GRANULARITY, plan_model, rounding_to_pages
 from toyharness.plugins import get_recipe
 from toyharness.runner import batch_for, load_data, resolve_options
 
@@ -58,9 +58,24 @@ def test_plan_equals_ggml_buffers(recipe, base_sets):
     assert persistent == prog.persistent_bytes()
     assert plan.rows["compute"] + plan.rows["compute_eval"] == prog.compute_buffer_bytes()
     assert plan.ggml_bytes == prog.persistent_bytes() + prog.compute_buffer_bytes()
+    # buffer by buffer too: a driver rounds each one up to its pages (the cuda plan's granularity row)
+    assert sorted(plan.buffers) == sorted(prog.buffer_sizes())
     if recipe == "lora":     # the base is mapped from its file, not copied
         assert plan.rows["frozen_mapped"] > 0 and plan.rows["frozen_uploaded"] == 0
     prog.close()
+
+
+def test_rounding_to_pages_counts_each_buffer_up_to_its_page():
+    """The cuda plan's "driver's 2 MiB pages" row: a buffer of 1 MiB or more takes whole pages of its
+    own (exactly 2 MiB nothing more, 2 MiB + 1 a second page, 1.5 MiB half a page more); smaller
+    ones share pages and count at their sizes."""
+    page = ALLOCATION_GRANULARITY["cuda"]
+    assert page == 2 << 20
+    assert rounding_to_pages([page, page + 1, 0], page) == page - 1
+    assert rounding_to_pages([page * 3 // 4], page) == page // 4
+    assert rounding_to_pages([page // 2], page) == page // 2
+    assert rounding_to_pages([page // 2 - 1, 128, 1], page) == 0
+    assert rounding_to_pages([1, page + 1], 0) == 0
 
 
 def test_plan_cli_prints_a_table_and_trains_nothing(tmp_path, monkeypatch, capsys):
@@ -128,7 +143,8 @@ def test_a_sweep_point_that_cannot_fit_fails_while_the_others_run(tmp_path):
     doc = json.loads((out / "sweep.json").read_text())
     status = {p["options"]["t_batch"]: (p["status"], p["message"]) for p in doc["points"]}
     assert status[2][0] == "done"
-    assert status[100000][0] == "failed" and "gpt2 needs" in status[100000][1] and "t_batch=50000" in status[100000][1]
+    assert status[100000][0] == "failed" and "gpt2 needs" in status[100000][1]
+    assert "shrink it most with t_seq=32 (-" in status[100000][1] and " or recompute_blocks=true (-" in status[100000][1]
 
 
 # --- the plan against the process's memory --------------------------------------------------------

@@ -44,8 +44,16 @@ ROWS = {
     "inputs": "inputs, targets and constants",
     "compute": "compute buffer of the training graph",
     "compute_eval": "compute buffer of the evaluation graph",
+    "granularity": "the driver's 2 MiB pages beyond the buffers",
     "checkpoint": "checkpoint copy (host, while saving)",
 }
+# What a device's driver takes for a buffer beyond its size: the CUDA driver hands out 2 MiB pages,
+# a page run of its own for each buffer of 1 MiB or more, smaller ones packed together into shared
+# pages. Measured on an H100 (scripts/gpu_memory_plan.sh, 24 cases): the used memory grew by each
+# large buffer rounded up to 2 MiB, exactly, and by 0-2 MiB for the small ones together (0 where
+# they fit in pages the process already held): counted at their sizes. Backends not named here are
+# counted at their buffers' sizes.
+ALLOCATION_GRANULARITY = {"cuda": 2 * (1 << 20)}
 # ggml's view ops: their result is memory of another tensor
 VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 # Options tried, halved (or turned on), to say what would shrink a plan that does not fit.
@@ -83,6 +91,7 @@ class MemoryPlan:
     logits: int = 0               # the logits and their gradient (standard cross-entropy)
     largest: list[Tensorish] = field(default_factory=list)
     compute_parts: dict[str, int] = field(default_factory=dict)   # training graph before/after rewrite, eval
+    buffers: list[int] = field(default_factory=list)   # each backend buffer ggml will allocate, in bytes
     free: int | None = None
     free_what: str = ""
 
@@ -101,13 +110,15 @@ class MemoryPlan:
     def ggml_bytes(self) -> int:
         """ggml's buffers alone (no host copies, nothing mapped): what a device's used memory holds."""
         return sum(self.rows[k] for k in ("params", "moments", "grads", "frozen_uploaded", "inputs", "compute",
-                                          "compute_eval"))
+                                          "compute_eval", "granularity"))
 
     def table(self) -> str:
         sizes = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.sizes.items())
         lines = [f"memory plan: {self.recipe} on {self.backend} ({sizes})", f"  {'item':<46}{'size':>12}"]
         for key, label in ROWS.items():
             if key == "checkpoint" and self.backend != "cpu":
+                continue
+            if key == "granularity" and self.backend not in ALLOCATION_GRANULARITY:
                 continue
             lines.append(f"  {label:<46}{fmt_bytes(self.rows[key]):>12}")
             if key == "compute":
@@ -135,7 +146,7 @@ class MemoryPlan:
         return {"recipe": self.recipe, "backend": self.backend, "sizes": dict(self.sizes), "rows": dict(self.rows),
                 "total": self.total, "ggml_bytes": self.ggml_bytes, "activations": self.activations,
                 "logits": self.logits,
-                "compute_parts": dict(self.compute_parts),
+                "compute_parts": dict(self.compute_parts), "buffers": list(self.buffers),
                 "largest": [dataclasses.asdict(t) for t in self.largest], "free": self.free}
 
 
@@ -155,6 +166,7 @@ class Planner:
         self.logits = 0
         self.largest: list[Tensorish] = []
         self.compute_parts: dict[str, int] = {}
+        self.buffers: list[int] = []                  # one per Program.allocate, then the two graphs'
 
     # --- persistent tensors --------------------------------------------------------------
     def place(self, prog) -> None:
@@ -166,6 +178,7 @@ class Planner:
         ctx = prog._ctx_static
         pending = {int(ffi.cast("uintptr_t", t.ptr)): data for t, data in prog._pending}
         real, fake = [], []
+        placed_before = sum(self.rows.values())
         t = lib.ggml_get_first_tensor(ctx)
         while t != ffi.NULL:
             if lib.th_tensor_data(t) == ffi.NULL:
@@ -176,6 +189,8 @@ class Planner:
                 self.rows[_kind(prog, name)] += size
                 self.placed.add(name)
             t = lib.ggml_get_next_tensor(ctx, t)
+        if real or fake:    # a run allocates them as one buffer (ggml_backend_alloc_ctx_tensors)
+            self.buffers.append(sum(self.rows.values()) - placed_before)
         for group, is_real in ((real, True), (fake, False)):
             total = sum(size for _, size, _ in group)
             if total == 0:
@@ -230,6 +245,8 @@ class Planner:
         # each graph has its own allocator (Program.galloc_for), whose buffer only grows
         self.rows["compute"] = max(parts["train"], parts.get("train_rewritten", 0))
         self.rows["compute_eval"] = parts["eval"]
+        self.buffers += [self.rows["compute"], self.rows["compute_eval"]]
+        self.rows["granularity"] = rounding_to_pages(self.buffers, ALLOCATION_GRANULARITY.get(self.engine.backend, 0))
         # Frozen weights bound in place (mmap'd, cpu) were never placed: the file's pages count
         # in RSS once read, which every step does.
         for name, t in prog.frozen.items():
@@ -381,6 +398,16 @@ def _pad(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def rounding_to_pages(buffers: list[int], page: int) -> int:
+    """What a driver that allocates in pages of `page` bytes takes beyond the buffers' sizes: each
+    buffer of half a page or more is rounded up to whole pages of its own; smaller ones share pages
+    with each other and with the process's own allocations, and count at their sizes. 0 for a
+    page of 0."""
+    if not page:
+        return 0
+    return sum(_pad(b, page) - b for b in buffers if b >= page // 2)
+
+
 _LIBC = None
 
 
@@ -426,7 +453,7 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
             trainer.prog.close()
         planner.close()
     plan = MemoryPlan(recipe, engine.backend, _sizes(options), dict(planner.rows), planner.activations,
-                      planner.logits, planner.largest, planner.compute_parts)
+                      planner.logits, planner.largest, planner.compute_parts, planner.buffers)
     plan.free, plan.free_what = free_memory(engine)
     return plan
 

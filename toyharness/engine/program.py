@@ -722,6 +722,12 @@ class Program:
     def persistent_bytes(self) -> int:
         return sum(int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers)
 
+    def buffer_sizes(self) -> list[int]:
+        """Each backend buffer the program holds, in bytes: persistent ones, then each graph's."""
+        gallocs = list(self._gallocs.values()) or [self._galloc]
+        return ([int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers]
+                + [int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in gallocs])
+
     def close(self) -> None:
         for tg in self._targets.values():   # views of the memory freed below
             tg.mirror = tg.ids = None

@@ -144,8 +144,29 @@ def apply(prog: Program, gf, graphs: list) -> list:
     out = []
     for graph in graphs:
         again = prog._new_graph(lib.ggml_graph_size(graph) + len(rec.copies), False)
+        dead = _dead_views(graph)
         for i in range(lib.ggml_graph_n_nodes(graph)):
-            lib.ggml_build_forward_expand(again, lib.ggml_graph_node(graph, i))
+            node = lib.ggml_graph_node(graph, i)
+            if _addr(node) not in dead:
+                lib.ggml_build_forward_expand(again, node)
         prog._gemm_rewritten.add(again)     # its nodes are rewritten; a second pass would not pair them
         out.append(again)
     return out
+
+
+def _dead_views(graph) -> set[int]:
+    """Nodes of `graph` that write nothing and that nothing reads: the cpu rewrite turns the nodes
+    it replaces into no-ops (op NONE) and leaves views of them that no node reads (th.bias_rows).
+    Built into a graph again, a no-op becomes a leaf, which ggml's allocator places: memory
+    reserved, never written (44.5 of the 63.4 MiB training buffer of gpt2 with n_layer=8), and a
+    cuda buffer would really take it. Found until none is left (a view dropped frees its source)."""
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    dead: set[int] = set()
+    while True:
+        read = {_addr(lib.th_tensor_src(t, j)) for t in nodes if _addr(t) not in dead for j in range(GGML_MAX_SRC)
+                if lib.th_tensor_src(t, j) != ffi.NULL}
+        more = {_addr(t) for t in nodes if _addr(t) not in dead and _addr(t) not in read
+                and _op(t) in (*_VIEW_OPS, "NONE") and lib.th_tensor_data(t) == ffi.NULL}
+        if not more:
+            return dead
+        dead |= more
