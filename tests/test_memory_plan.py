@@ -143,8 +143,9 @@ def test_a_sweep_point_that_cannot_fit_fails_while_the_others_run(tmp_path):
     doc = json.loads((out / "sweep.json").read_text())
     status = {p["options"]["t_batch"]: (p["status"], p["message"]) for p in doc["points"]}
     assert status[2][0] == "done"
-    assert status[100000][0] == "failed" and "gpt2 needs" in status[100000][1]
-    assert "shrink it most with t_seq=32 (-" in status[100000][1] and " or recompute_blocks=true (-" in status[100000][1]
+    state, message = status[100000]
+    assert state == "failed" and "gpt2 needs" in message
+    assert "shrink it most with t_seq=32 (-" in message and " or recompute_blocks=true (-" in message
 
 
 # --- the plan against the process's memory --------------------------------------------------------
