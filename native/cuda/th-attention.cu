@@ -428,13 +428,16 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
 // memory, P (and dS) as they enter a product; scores, the online softmax, L, D, P = exp(S - L) and
 // every sum stay fp32, and the layouts, the nodes and the prep kernel are fp32's. A product's
 // order is fixed by the mma's shape and the loops (no atomics, no split): the bits repeat.
+// Every tile is kept row-major ([row][d]); where a product needs it as B along its rows (P V,
+// P^T dO, dS^T Q, dS K), ldmatrix's transposing load gives the fragments, so no transposed copy
+// (with its bank conflicts) is made. Tiles load a float4 a thread where d is adjacent.
 #define TH_MM_B 64                    // rows of a tile
 #define TH_MM_THREADS 128             // 4 warps, 16 rows each
 #define TH_MM_PAD 8                   // bf16 padding a smem row: 32-bit fragment reads hit 32 banks
 
 static __device__ __forceinline__ void th_mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t b0,
                                                    const uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                  "{%8, %9}, {%0, %1, %2, %3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -448,20 +451,39 @@ static __device__ __forceinline__ uint32_t th_pack_bf16(const float lo, const fl
 
 static __device__ __forceinline__ uint32_t th_ld_pair(const __nv_bfloat16 * p) { return *(const uint32_t *) p; }
 
-// a tile's rows row0 .. row0 + 64 of head h into smem as bf16: rows[r][d] (ld ldr) and/or
-// cols[d][r] (ld ldc); rows at or past T are zeros. Read along the operand's adjacent axis.
-template <int HD, bool ROWS, bool COLS>
-static __device__ __forceinline__ void th_load_bf16(__nv_bfloat16 * rows, const int ldr, __nv_bfloat16 * cols,
-                                                    const int ldc, const float * h, const th_opd & o, const int row0,
-                                                    const int T) {
+// a tile's rows row0 .. row0 + 64 of head h into smem as bf16 rows[r][d] (ld ldr); rows at or past
+// T are zeros. Where d is adjacent and 16-byte aligned, a float4 a thread (8-byte stores);
+// otherwise an element a thread along whichever axis is adjacent. The same values either way.
+template <int HD>
+static __device__ __forceinline__ void th_load_bf16(__nv_bfloat16 * rows, const int ldr, const float * h,
+                                                    const th_opd & o, const int row0, const int T) {
+    if (o.sd == 1 && o.st % 4 == 0 && (uintptr_t) h % 16 == 0) {
+        for (int i = threadIdx.x; i < TH_MM_B * HD / 4; i += TH_MM_THREADS) {
+            const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
+            const float4 x = row0 + r < T ? *(const float4 *) (h + (int64_t) (row0 + r) * o.st + d)
+                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            *(uint2 *) (rows + r * ldr + d) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
+        }
+        return;
+    }
     const bool d_adjacent = o.sd == 1;
     for (int i = threadIdx.x; i < TH_MM_B * HD; i += TH_MM_THREADS) {
         const int r = d_adjacent ? i / HD : i % TH_MM_B, d = d_adjacent ? i % HD : i / TH_MM_B;
         const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
-        const __nv_bfloat16 b = __float2bfloat16_rn(x);
-        if (ROWS) rows[r * ldr + d] = b;
-        if (COLS) cols[d * ldc + r] = b;
+        rows[r * ldr + d] = __float2bfloat16_rn(x);
     }
+}
+
+// B fragments of k rows k0 .. k0 + 15 and columns n0 .. n0 + 7 of a row-major [k][n] tile (what
+// the product's B is, k x n): ldmatrix's transposing load gives each thread its (2 tig, 2 tig + 1;
+// g) pairs of both 8 x 8 halves. Lanes 0-15 name the 16 rows (16-byte aligned: ld a multiple of 8).
+static __device__ __forceinline__ void th_frag_b_trans(uint32_t & b0, uint32_t & b1, const __nv_bfloat16 * t,
+                                                       const int ld, const int k0, const int n0) {
+    const int lane = threadIdx.x % 32;
+    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(t + (k0 + lane % 16) * ld + n0);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(addr));
 }
 
 // the A fragments (16 rows x HD, HD / 16 steps of k) of rows r0 .. r0 + 15 of a row-major tile
@@ -498,11 +520,10 @@ static __device__ __forceinline__ void th_mm_rows(float (&acc)[8][4], const uint
 }
 
 // acc[nt] (16 x HD) += X (16 x 64, as the C fragments x[8][4] of a product, rounded to bf16 here)
-// times Y (64 x HD), Y given transposed: yt[d][r] (ld ldy)
+// times Y (64 x HD), Y a row-major tile y[r][d] (ld ld)
 template <int HD>
 static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const float (&x)[8][4],
-                                                 const __nv_bfloat16 * yt, const int ld) {
-    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+                                                 const __nv_bfloat16 * y, const int ld) {
 #pragma unroll
     for (int j = 0; j < 4; j++) {              // 16 of the 64 at a time
         const uint32_t a[4] = {th_pack_bf16(x[2 * j][0], x[2 * j][1]), th_pack_bf16(x[2 * j][2], x[2 * j][3]),
@@ -510,8 +531,9 @@ static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const 
                                th_pack_bf16(x[2 * j + 1][2], x[2 * j + 1][3])};
 #pragma unroll
         for (int nt = 0; nt < HD / 8; nt++) {
-            const __nv_bfloat16 * p = yt + (nt * 8 + g) * ld + j * 16 + c;
-            th_mma16816(acc[nt], a, th_ld_pair(p), th_ld_pair(p + 8));
+            uint32_t b0, b1;
+            th_frag_b_trans(b0, b1, y, ld, j * 16, nt * 8);
+            th_mma16816(acc[nt], a, b0, b1);
         }
     }
 }
@@ -520,15 +542,15 @@ static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const 
 // against the key blocks they see (causal: a warp skips the diagonal block's keys past its rows)
 template <int HD>
 static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(const th_attn_args a) {
-    constexpr int LDR = HD + TH_MM_PAD, LDT = TH_MM_B + TH_MM_PAD;
+    constexpr int LDR = HD + TH_MM_PAD;
     __shared__ __align__(16) __nv_bfloat16 Qs[TH_MM_B * LDR];       // [q][d]
     __shared__ __align__(16) __nv_bfloat16 Ks[TH_MM_B * LDR];       // [key][d]
-    __shared__ __align__(16) __nv_bfloat16 Vt[HD * LDT];            // [d][key]
+    __shared__ __align__(16) __nv_bfloat16 Vs[TH_MM_B * LDR];       // [key][d]
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
     const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_MM_B, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
-    th_load_bf16<HD, true, false>(Qs, LDR, nullptr, 0, q, a.q, q0, T);
+    th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
     __syncthreads();
     uint32_t qf[HD / 16][4];
     th_frag_a<HD>(qf, Qs, LDR, 16 * warp);
@@ -542,8 +564,8 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(c
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         __syncthreads();
-        th_load_bf16<HD, true, false>(Ks, LDR, nullptr, 0, k, a.k, k0, T);
-        th_load_bf16<HD, false, true>(nullptr, 0, Vt, LDT, v, a.v, k0, T);
+        th_load_bf16<HD>(Ks, LDR, k, a.k, k0, T);
+        th_load_bf16<HD>(Vs, LDR, v, a.v, k0, T);
         __syncthreads();
         if (a.causal && k0 > w0 + 15) continue;                    // the same for the whole warp
         float s[8][4];
@@ -581,7 +603,7 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(c
 #pragma unroll
             for (int nt = 0; nt < HD / 8; nt++) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
         }
-        th_mm_acc<HD>(o, s, Vt, LDT);
+        th_mm_acc<HD>(o, s, Vs, LDR);
     }
     float * out = th_head(a.o, bh);
     float * L = a.out + (int64_t) bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
@@ -605,11 +627,9 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(c
 // to the node, fp32, query-major as fp32's kernel writes it), dV += P^T dO, dK += dS^T Q
 template <int HD>
 static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(const th_attn_args a) {
-    constexpr int LDR = HD + TH_MM_PAD, LDT = TH_MM_B + TH_MM_PAD;
+    constexpr int LDR = HD + TH_MM_PAD;
     __shared__ __align__(16) __nv_bfloat16 Qs[TH_MM_B * LDR];       // [q][d]   (first K)
     __shared__ __align__(16) __nv_bfloat16 dOs[TH_MM_B * LDR];      // [q][d]   (first V)
-    __shared__ __align__(16) __nv_bfloat16 Qt[HD * LDT];            // [d][q]
-    __shared__ __align__(16) __nv_bfloat16 dOt[HD * LDT];           // [d][q]
     __shared__ float Lq[TH_MM_B], Dq[TH_MM_B];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
     const int bh = blockIdx.x, kb = blockIdx.y, k0 = kb * TH_MM_B, T = a.T;
@@ -620,8 +640,8 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(c
     const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
     const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
     float * ds_out = a.out + bh * ((int64_t) T * T);
-    th_load_bf16<HD, true, false>(Qs, LDR, nullptr, 0, k, a.k, k0, T);
-    th_load_bf16<HD, true, false>(dOs, LDR, nullptr, 0, v, a.v, k0, T);
+    th_load_bf16<HD>(Qs, LDR, k, a.k, k0, T);
+    th_load_bf16<HD>(dOs, LDR, v, a.v, k0, T);
     __syncthreads();
     uint32_t kf[HD / 16][4], vf[HD / 16][4];
     th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
@@ -634,8 +654,8 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(c
     for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
         const int q0 = qb * TH_MM_B;
         __syncthreads();
-        th_load_bf16<HD, true, true>(Qs, LDR, Qt, LDT, q, a.q, q0, T);
-        th_load_bf16<HD, true, true>(dOs, LDR, dOt, LDT, dout, a.dout, q0, T);
+        th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
+        th_load_bf16<HD>(dOs, LDR, dout, a.dout, q0, T);
         if (threadIdx.x < TH_MM_B) {
             const bool in = q0 + threadIdx.x < T;
             Lq[threadIdx.x] = in ? L[q0 + threadIdx.x] : INFINITY;      // a padded query's P is 0
@@ -656,8 +676,8 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(c
                 dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
                 if (key < T && qr < T) ds_out[(int64_t) qr * T + key] = dp[nt][e];
             }
-        th_mm_acc<HD>(dv, s, dOt, LDT);
-        th_mm_acc<HD>(dk, dp, Qt, LDT);
+        th_mm_acc<HD>(dv, s, dOs, LDR);
+        th_mm_acc<HD>(dk, dp, Qs, LDR);
     }
     float * dk_out = th_head(a.dk, bh), * dv_out = th_head(a.dv, bh);
 #pragma unroll
@@ -679,9 +699,9 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(c
 // wrote (causal: up to the diagonal's), keys in order, the last query blocks first
 template <int HD>
 static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_dq_mma_kernel(const th_attn_args a) {
-    constexpr int LDT = TH_MM_B + TH_MM_PAD;
+    constexpr int LDT = TH_MM_B + TH_MM_PAD, LDR = HD + TH_MM_PAD;
     __shared__ __align__(16) __nv_bfloat16 Ss[TH_MM_B * LDT];       // [q][key]
-    __shared__ __align__(16) __nv_bfloat16 Kt[HD * LDT];            // [d][key]
+    __shared__ __align__(16) __nv_bfloat16 Ks[TH_MM_B * LDR];       // [key][d]
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
     const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_MM_B, T = a.T;
     const float * ds = a.ds + (int64_t) bh * T * T;
@@ -701,7 +721,7 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_dq_mma_kernel(co
             const float * p = ds + (int64_t) (q0 + r) * T + k0 + cc;
             *(uint32_t *) (Ss + r * LDT + cc) = th_pack_bf16(in0 ? p[0] : 0.0f, in1 ? p[1] : 0.0f);
         }
-        th_load_bf16<HD, false, true>(nullptr, 0, Kt, LDT, k, a.k, k0, T);
+        th_load_bf16<HD>(Ks, LDR, k, a.k, k0, T);
         __syncthreads();
         uint32_t sf[TH_MM_B / 16][4];
         th_frag_a<TH_MM_B>(sf, Ss, LDT, 16 * warp);
@@ -709,8 +729,9 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_dq_mma_kernel(co
         for (int j = 0; j < TH_MM_B / 16; j++)
 #pragma unroll
             for (int nt = 0; nt < HD / 8; nt++) {
-                const __nv_bfloat16 * p = Kt + (nt * 8 + g) * LDT + j * 16 + c;
-                th_mma16816(acc[nt], sf[j], th_ld_pair(p), th_ld_pair(p + 8));
+                uint32_t b0, b1;
+                th_frag_b_trans(b0, b1, Ks, LDR, j * 16, nt * 8);
+                th_mma16816(acc[nt], sf[j], b0, b1);
             }
     }
     float * dq = th_head(a.dq, bh);

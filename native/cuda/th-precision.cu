@@ -103,6 +103,24 @@ static __global__ void th_to_bf16_packed_kernel(const float * __restrict__ src, 
     }
 }
 
+// Strided columns (ld > rows), rows a multiple of 8 and ld of 4, 16-byte aligned: 8 rows of a column
+// a thread, as the packed kernel does.
+static __global__ void th_to_bf16_cols8_kernel(const float * __restrict__ src, const long long stride, const int rows,
+                                               const int cols, const int ld, __nv_bfloat16 * __restrict__ dst) {
+    const int b = blockIdx.y;
+    const float * m = src + b * stride;
+    __nv_bfloat16 * out = dst + (size_t) b * rows * cols;
+    const int per_col = rows / 8;
+    const long long n8 = (long long) per_col * cols;
+    for (long long i = blockIdx.x * (long long) blockDim.x + threadIdx.x; i < n8; i += (long long) gridDim.x * blockDim.x) {
+        const long long c = i / per_col, r = 8 * (i % per_col);
+        const float4 x = *(const float4 *) (m + c * ld + r), y = *(const float4 *) (m + c * ld + r + 4);
+        __nv_bfloat162 h[4] = {__floats2bfloat162_rn(x.x, x.y), __floats2bfloat162_rn(x.z, x.w),
+                               __floats2bfloat162_rn(y.x, y.y), __floats2bfloat162_rn(y.z, y.w)};
+        *(uint4 *) (out + c * rows + r) = *(const uint4 *) h;
+    }
+}
+
 static __global__ void th_pointers_kernel(const __nv_bfloat16 * base, const size_t stride, const int count,
                                           const void ** out) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
@@ -126,12 +144,22 @@ static void th_to_bf16(cudaStream_t stream, const float * src, const float * con
                        const int rows, const int cols, const int ld, const int count, __nv_bfloat16 * dst) {
     const long long n = (long long) rows * cols;
     // pointer arrays: each pointer's alignment is unknown on the host, so they take the general path
-    const bool packed = srcs == nullptr && ld == rows && (count == 1 || (stride == n && n % 8 == 0)) && n % 4 == 0 &&
+    const bool packed = srcs == nullptr && ld == rows && n % 4 == 0 &&
+                        (count == 1 || (stride == n && n % 8 == 0 && count <= 65535)) &&
                         (uintptr_t) src % 16 == 0 && (uintptr_t) dst % 16 == 0;
     if (packed) {
         const long long want = (n / 8 + 255) / 256;
         const int blocks = (int) std::max(1LL, std::min(want, (long long) th_sm_count() * 8));
         th_to_bf16_packed_kernel<<<dim3((unsigned) blocks, (unsigned) count), 256, 0, stream>>>(src, nullptr, n, dst);
+        return;
+    }
+    const bool cols8 = srcs == nullptr && rows % 8 == 0 && ld % 4 == 0 && (count == 1 || stride % 4 == 0) &&
+                       (uintptr_t) src % 16 == 0 && (uintptr_t) dst % 16 == 0 && count <= 65535;
+    if (cols8) {
+        const long long want = (n / 8 + 255) / 256;
+        const int blocks = (int) std::max(1LL, std::min(want, (long long) th_sm_count() * 8));
+        th_to_bf16_cols8_kernel<<<dim3((unsigned) blocks, (unsigned) count), 256, 0, stream>>>(src, stride, rows, cols,
+                                                                                               ld, dst);
         return;
     }
     const dim3 grid((unsigned) std::min((rows + 255) / 256, 64), (unsigned) std::min(cols, 65535), (unsigned) count);
