@@ -5,6 +5,12 @@
 # llama at nano and gpt2-small beside PyTorch at the same precision.
 #
 #   scripts/gpu_precision.sh OUT_DIR [build] [check] [goldens] [agree600] [bench-fp32] [bench-tf32] [bench-bf16]
+#                                    [attention] [goldens-bf16] [goldens-kept] [profile-bf16]
+#
+# attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
+# against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
+# fp32 and @tf32 cuda goldens (their bits must not move); profile-bf16: a bf16 gpt2-small step's
+# kernels beside PyTorch's bf16 autocast + torch.compile (scripts/cuda_kernels.py).
 #
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
@@ -29,6 +35,37 @@ if [[ $phases == *" check "* ]]; then
     step "every fp32 cuda golden keeps its bits"
     toyharness golden check gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start --backend cuda 2>&1 \
         | tee -a "$log" || status=1
+fi
+
+if [[ $phases == *" attention "* ]]; then
+    step "fused attention on cuda: fp32 against ggml's nodes, bf16 (tensor cores) against float64"
+    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_cuda_kernels.py -k attention \
+        >"$out/attention.log" 2>&1 || status=1
+    grep -E "bf16 attention|passed|failed|FAILED|ERROR" "$out/attention.log" | tail -80 | tee -a "$log"
+fi
+
+if [[ $phases == *" goldens-bf16 "* ]]; then
+    names=()
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@bf16"); done
+    step "bf16 goldens: record, then check (a second run must give the same bits)"
+    toyharness golden record "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    tar cf "$out/goldens_bf16.tar" goldens/cuda-*/*@bf16.yml 2>>"$log"
+fi
+
+if [[ $phases == *" goldens-kept "* ]]; then
+    names=()
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32"); done
+    step "the fp32 and @tf32 cuda goldens keep their bits"
+    toyharness golden check gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start "${names[@]}" --backend cuda \
+        2>&1 | tee -a "$log" || status=1
+fi
+
+if [[ $phases == *" profile-bf16 "* ]]; then
+    step "a bf16 gpt2-small step by kernel, ours and PyTorch bf16 autocast + torch.compile"
+    python3 scripts/cuda_kernels.py gpt2 gpt2-small --torch --torch-compile --precision bf16 --rows 40 \
+        >"$out/profile_gpt2_bf16.txt" 2>&1 || status=1
+    grep "^==" "$out/profile_gpt2_bf16.txt" | tee -a "$log"
 fi
 
 if [[ $phases == *" goldens "* ]]; then

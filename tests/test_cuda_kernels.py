@@ -492,18 +492,28 @@ def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
         assert not np.array_equal(ours, drawn[i][0])                   # it did step
 
 
+def attention_arrays(b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
+                     seed: int = 5) -> dict[str, np.ndarray]:
+    """attention_program's inputs: x, wq, wk, wv, wo and the loss's weights."""
+    rng = np.random.default_rng(seed)
+    kv = d // n_head * (n_kv_head or n_head)
+    out = {"x": rng.normal(size=(b, t, d)).astype(np.float32)}
+    out.update({n: (rng.normal(size=(rows, d)) / np.sqrt(d)).astype(np.float32)
+                for n, rows in (("wq", d), ("wk", kv), ("wv", kv), ("wo", d))})
+    out["weights"] = rng.normal(size=(b, t, d)).astype(np.float32)
+    return out
+
+
 def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
                       causal: bool = True, seed: int = 5):
     """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
-    rng = np.random.default_rng(seed)
-    kv = d // n_head * (n_kv_head or n_head)
+    arrays = attention_arrays(b, t, d, n_head, n_kv_head, seed)
     prog = get_engine(backend).program()
     prog.grads_as_outputs = True                   # as on cuda (built on cpu for the rewrite's tests)
-    x = prog.param("x", rng.normal(size=(b, t, d)).astype(np.float32))
-    w = {n: prog.param(n, (rng.normal(size=(rows, d)) / np.sqrt(d)).astype(np.float32))
-         for n, rows in (("wq", d), ("wk", kv), ("wv", kv), ("wo", d))}
+    x = prog.param("x", arrays["x"])
+    w = {n: prog.param(n, arrays[n]) for n in ("wq", "wk", "wv", "wo")}
     y = blocks.attention(x, w["wq"], w["wk"], w["wv"], w["wo"], n_head, n_kv_head, causal=causal)
-    weights = prog.constant("weights", rng.normal(size=(b, t, d)).astype(np.float32))
+    weights = prog.constant("weights", arrays["weights"])
     trainer = prog.trainer(prog.scalar_loss((y * weights).sum()), "bias_corrected")
     return prog, trainer, prog.forward({"y": y})
 
@@ -640,3 +650,95 @@ def test_fused_attention_on_cuda_matches_ggmls_nodes_and_repeats_its_bits(backen
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 2e-6, (name, err)
         assert np.array_equal(got, again[name]), name
+
+
+def attention_float64(b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None, causal: bool = True,
+                      seed: int = 5) -> dict[str, np.ndarray]:
+    """float64 forward and backward of attention_program's block: y and the gradients of
+    sum(y * weights) for x, wq, wk, wv and wo (grouped-query heads repeated as llama's are)."""
+    a = {n: m.astype(np.float64) for n, m in attention_arrays(b, t, d, n_head, n_kv_head, seed).items()}
+    x, wq, wk, wv, wo, g = (a[n] for n in ("x", "wq", "wk", "wv", "wo", "weights"))
+    hd, kvh = d // n_head, n_kv_head or n_head
+    rep = n_head // kvh
+
+    def heads(m, h):                       # (b, t, h hd) -> (b, h, t, hd)
+        return m.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
+
+    def flat(m):                           # (b, h, t, hd) -> (b, t, h hd)
+        return m.transpose(0, 2, 1, 3).reshape(b, t, -1)
+
+    q = heads(x @ wq.T, n_head)
+    k, v = (np.repeat(heads(x @ w.T, kvh), rep, axis=1) for w in (wk, wv))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+    if causal:
+        s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = flat(p @ v)
+    do = heads(g @ wo, n_head)
+    dp = do @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(hd)
+    dq = flat(ds @ k)
+    dk, dv = (flat(m.reshape(b, kvh, rep, t, hd).sum(2))
+              for m in (ds.transpose(0, 1, 3, 2) @ q, p.transpose(0, 1, 3, 2) @ do))
+
+    def outer(dy):
+        return np.einsum("btj,bti->ji", dy, x)
+
+    return {"y": o @ wo.T, "wo": np.einsum("btj,bti->ji", g, o), "wq": outer(dq), "wk": outer(dk),
+            "wv": outer(dv), "x": dq @ wq + dk @ wk + dv @ wv}
+
+
+def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():
+    """The reference the bf16 test below holds the tensor-core kernels to is the block's own math:
+    ggml's fp32 nodes on the cpu agree with it to fp32's rounding."""
+    for shape in (dict(b=2, t=37, d=64, n_head=2), dict(b=2, t=37, d=64, n_head=2, causal=False),
+                  dict(b=1, t=30, d=96, n_head=6, n_kv_head=2)):
+        prog, trainer, fg = attention_program("cpu", **shape)
+        got = {"y": fg.run({})["y"]}
+        trainer.grads_only({})
+        got.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "wq", "wk", "wv", "wo")})
+        for name, want in attention_float64(**shape).items():
+            err = np.abs(got[name] - want).max() / np.abs(want).max()
+            assert err < 2e-6, (shape, name, err)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", [
+    dict(b=2, t=64, d=128, n_head=2),                         # one tile, head size 64
+    dict(b=3, t=200, d=64, n_head=2),                         # partial tiles, head size 32
+    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # grouped-query heads, head size 16
+    dict(b=2, t=37, d=128, n_head=2, causal=False),           # vit's kind: no mask, odd length
+    dict(b=1, t=300, d=128, n_head=2, causal=False),
+    dict(b=1, t=1024, d=128, n_head=2),                       # gpt2-small's length
+])
+def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats_its_bits(backend, shape,
+                                                                                           monkeypatch):
+    """precision = bf16 (issue 32): the forward, backward and dQ kernels on tensor cores (bf16 tiles,
+    fp32 sums; th-attention.cu's mma kernels), the block's products in bf16 too. Against the float64
+    block: within 4 u of each output's largest element, u = 2^-8 bf16's unit roundoff (a value passes
+    through at most five products, each rounding its inputs by at most u; the errors of the sums
+    over d, t and keys partly cancel, and ggml's own nodes in bf16 are printed beside for scale).
+    The same bits on a second run, and not fp32's."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    u = 2.0**-8
+    engine = get_engine("cuda")
+    engine.set_precision("bf16")
+    try:
+        fused = attention_values(monkeypatch, "fused", **shape)
+        again = attention_values(monkeypatch, "fused", **shape)
+        nodes = attention_values(monkeypatch, "ggml", **shape)
+    finally:
+        engine.set_precision("fp32")
+    fp32 = attention_values(monkeypatch, "fused", **shape)
+    for name, want in attention_float64(**shape).items():
+        got = fused[name]
+        assert np.isfinite(got).all(), name
+        err, err_nodes = (float(np.abs(m[name] - want).max() / np.abs(want).max()) for m in (fused, nodes))
+        print(f"bf16 attention {shape} {name}: {err:.3g} of the largest element from float64 "
+              f"(ggml's nodes in bf16: {err_nodes:.3g}; fp32 fused: "
+              f"{float(np.abs(fp32[name] - want).max() / np.abs(want).max()):.3g})")
+        assert err < 4 * u, (name, err)
+        assert np.array_equal(got, again[name]), name
+        assert not np.array_equal(got, fp32[name]), name

@@ -29,6 +29,8 @@ extern "C" {
 #include "custom_ops.h"
 }
 
+#include <cuda_bf16.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -418,6 +420,334 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
     }
 }
 
+// --- bf16: the same three kernels on tensor cores (issue 32) ------------------------------------
+// Under precision = bf16 (the node's stamp) the forward, the backward and dQ multiply bf16 tiles on
+// the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulation), FlashAttention-2's tiling: a
+// CTA of 4 warps, each warp 16 rows of the CTA's 64 (queries in the forward and dQ, keys in the
+// backward), 64 x 64 tiles. Q, K, V, dO and dS are rounded to nearest bf16 as a tile reaches shared
+// memory, P (and dS) as they enter a product; scores, the online softmax, L, D, P = exp(S - L) and
+// every sum stay fp32, and the layouts, the nodes and the prep kernel are fp32's. A product's
+// order is fixed by the mma's shape and the loops (no atomics, no split): the bits repeat.
+// Every tile is kept row-major ([row][d]); where a product needs it as B along its rows (P V,
+// P^T dO, dS^T Q, dS K), ldmatrix's transposing load gives the fragments, so no transposed copy
+// (with its bank conflicts) is made. Tiles load a float4 a thread where d is adjacent.
+#define TH_MM_B 64                    // rows of a tile
+#define TH_MM_THREADS 128             // 4 warps, 16 rows each
+#define TH_MM_PAD 8                   // bf16 padding a smem row: 32-bit fragment reads hit 32 banks
+
+static __device__ __forceinline__ void th_mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t b0,
+                                                   const uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// two floats as a bf16 pair, `lo` in the low half (the lower column of a fragment)
+static __device__ __forceinline__ uint32_t th_pack_bf16(const float lo, const float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *(const uint32_t *) &h;
+}
+
+static __device__ __forceinline__ uint32_t th_ld_pair(const __nv_bfloat16 * p) { return *(const uint32_t *) p; }
+
+// a tile's rows row0 .. row0 + 64 of head h into smem as bf16 rows[r][d] (ld ldr); rows at or past
+// T are zeros. Where d is adjacent and 16-byte aligned, a float4 a thread (8-byte stores);
+// otherwise an element a thread along whichever axis is adjacent. The same values either way.
+template <int HD>
+static __device__ __forceinline__ void th_load_bf16(__nv_bfloat16 * rows, const int ldr, const float * h,
+                                                    const th_opd & o, const int row0, const int T) {
+    if (o.sd == 1 && o.st % 4 == 0 && (uintptr_t) h % 16 == 0) {
+        for (int i = threadIdx.x; i < TH_MM_B * HD / 4; i += TH_MM_THREADS) {
+            const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
+            const float4 x = row0 + r < T ? *(const float4 *) (h + (int64_t) (row0 + r) * o.st + d)
+                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            *(uint2 *) (rows + r * ldr + d) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
+        }
+        return;
+    }
+    const bool d_adjacent = o.sd == 1;
+    for (int i = threadIdx.x; i < TH_MM_B * HD; i += TH_MM_THREADS) {
+        const int r = d_adjacent ? i / HD : i % TH_MM_B, d = d_adjacent ? i % HD : i / TH_MM_B;
+        const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
+        rows[r * ldr + d] = __float2bfloat16_rn(x);
+    }
+}
+
+// B fragments of k rows k0 .. k0 + 15 and columns n0 .. n0 + 7 of a row-major [k][n] tile (what
+// the product's B is, k x n): ldmatrix's transposing load gives each thread its (2 tig, 2 tig + 1;
+// g) pairs of both 8 x 8 halves. Lanes 0-15 name the 16 rows (16-byte aligned: ld a multiple of 8).
+static __device__ __forceinline__ void th_frag_b_trans(uint32_t & b0, uint32_t & b1, const __nv_bfloat16 * t,
+                                                       const int ld, const int k0, const int n0) {
+    const int lane = threadIdx.x % 32;
+    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(t + (k0 + lane % 16) * ld + n0);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(addr));
+}
+
+// the A fragments (16 rows x HD, HD / 16 steps of k) of rows r0 .. r0 + 15 of a row-major tile
+template <int HD>
+static __device__ __forceinline__ void th_frag_a(uint32_t (&f)[HD / 16][4], const __nv_bfloat16 * t, const int ld,
+                                                 const int r0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        const __nv_bfloat16 * p = t + (r0 + g) * ld + kk * 16 + c;
+        f[kk][0] = th_ld_pair(p);
+        f[kk][1] = th_ld_pair(p + 8 * ld);
+        f[kk][2] = th_ld_pair(p + 8);
+        f[kk][3] = th_ld_pair(p + 8 * ld + 8);
+    }
+}
+
+// acc[nt] (16 x 64: 8 tiles of 8 columns) = A (16 x HD, fragments) times B^T, B a row-major
+// 64 x HD tile (B's row n is output column n): the scores' product
+template <int HD>
+static __device__ __forceinline__ void th_mm_rows(float (&acc)[8][4], const uint32_t (&a)[HD / 16][4],
+                                                  const __nv_bfloat16 * b, const int ld) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            const __nv_bfloat16 * p = b + (nt * 8 + g) * ld + kk * 16 + c;
+            th_mma16816(acc[nt], a[kk], th_ld_pair(p), th_ld_pair(p + 8));
+        }
+    }
+}
+
+// acc[nt] (16 x HD) += X (16 x 64, as the C fragments x[8][4] of a product, rounded to bf16 here)
+// times Y (64 x HD), Y a row-major tile y[r][d] (ld ld)
+template <int HD>
+static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const float (&x)[8][4],
+                                                 const __nv_bfloat16 * y, const int ld) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {              // 16 of the 64 at a time
+        const uint32_t a[4] = {th_pack_bf16(x[2 * j][0], x[2 * j][1]), th_pack_bf16(x[2 * j][2], x[2 * j][3]),
+                               th_pack_bf16(x[2 * j + 1][0], x[2 * j + 1][1]),
+                               th_pack_bf16(x[2 * j + 1][2], x[2 * j + 1][3])};
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) {
+            uint32_t b0, b1;
+            th_frag_b_trans(b0, b1, y, ld, j * 16, nt * 8);
+            th_mma16816(acc[nt], a, b0, b1);
+        }
+    }
+}
+
+// the forward: one CTA a (head, 64 queries), the last query blocks first; a warp's 16 queries
+// against the key blocks they see (causal: a warp skips the diagonal block's keys past its rows)
+template <int HD>
+static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(const th_attn_args a) {
+    constexpr int LDR = HD + TH_MM_PAD;
+    __shared__ __align__(16) __nv_bfloat16 Qs[TH_MM_B * LDR];       // [q][d]
+    __shared__ __align__(16) __nv_bfloat16 Ks[TH_MM_B * LDR];       // [key][d]
+    __shared__ __align__(16) __nv_bfloat16 Vs[TH_MM_B * LDR];       // [key][d]
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_MM_B, T = a.T;
+    const int w0 = q0 + 16 * warp;                                   // the warp's first query
+    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
+    __syncthreads();
+    uint32_t qf[HD / 16][4];
+    th_frag_a<HD>(qf, Qs, LDR, 16 * warp);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[nt][e] = 0.0f;
+    const int q_end = q0 + TH_MM_B < T ? q0 + TH_MM_B : T;
+    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * TH_MM_B;
+        __syncthreads();
+        th_load_bf16<HD>(Ks, LDR, k, a.k, k0, T);
+        th_load_bf16<HD>(Vs, LDR, v, a.v, k0, T);
+        __syncthreads();
+        if (a.causal && k0 > w0 + 15) continue;                    // the same for the whole warp
+        float s[8][4];
+        th_mm_rows<HD>(s, qf, Ks, LDR);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {                               // rows g and g + 8
+            const int row = w0 + g + 8 * r;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int col = k0 + nt * 8 + c + e;
+                    float & x = s[nt][2 * r + e];
+                    x = col >= T || (a.causal && col > row) ? -INFINITY : x * a.scale;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float m_new = fmaxf(m[r], mx);
+            const float alpha = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float & x = s[nt][2 * r + e];
+                    x = x == -INFINITY ? 0.0f : expf(x - m_new);
+                    sum += x;
+                }
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
+        }
+        th_mm_acc<HD>(o, s, Vs, LDR);
+    }
+    float * out = th_head(a.o, bh);
+    float * L = a.out + (int64_t) bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = w0 + g + 8 * r;
+        if (row >= T) continue;
+        const float inv = 1.0f / l[r];
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                out[(int64_t) row * a.o.st + (int64_t) (nt * 8 + c + e) * a.o.sd] = o[nt][2 * r + e] * inv;
+            }
+        if (c == 0) L[row] = m[r] + logf(l[r]);
+    }
+}
+
+// the backward: one CTA a (head, 64 keys), a warp 16 keys, over the query blocks that see them:
+// S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T - L), dS^T = scale P^T (dP^T - D) (written
+// to the node, fp32, query-major as fp32's kernel writes it), dV += P^T dO, dK += dS^T Q
+template <int HD>
+static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(const th_attn_args a) {
+    constexpr int LDR = HD + TH_MM_PAD;
+    __shared__ __align__(16) __nv_bfloat16 Qs[TH_MM_B * LDR];       // [q][d]   (first K)
+    __shared__ __align__(16) __nv_bfloat16 dOs[TH_MM_B * LDR];      // [q][d]   (first V)
+    __shared__ float Lq[TH_MM_B], Dq[TH_MM_B];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int bh = blockIdx.x, kb = blockIdx.y, k0 = kb * TH_MM_B, T = a.T;
+    const int nqb = (T + TH_MM_B - 1) / TH_MM_B;
+    const int w0 = k0 + 16 * warp;                                   // the warp's first key
+    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    const float * dout = th_head(a.dout, bh);
+    const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
+    float * ds_out = a.out + bh * ((int64_t) T * T);
+    th_load_bf16<HD>(Qs, LDR, k, a.k, k0, T);
+    th_load_bf16<HD>(dOs, LDR, v, a.v, k0, T);
+    __syncthreads();
+    uint32_t kf[HD / 16][4], vf[HD / 16][4];
+    th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
+    th_frag_a<HD>(vf, dOs, LDR, 16 * warp);
+    float dv[HD / 8][4], dk[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
+    for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
+        const int q0 = qb * TH_MM_B;
+        __syncthreads();
+        th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
+        th_load_bf16<HD>(dOs, LDR, dout, a.dout, q0, T);
+        if (threadIdx.x < TH_MM_B) {
+            const bool in = q0 + threadIdx.x < T;
+            Lq[threadIdx.x] = in ? L[q0 + threadIdx.x] : INFINITY;      // a padded query's P is 0
+            Dq[threadIdx.x] = in ? D[q0 + threadIdx.x] : 0.0f;
+        }
+        __syncthreads();
+        float s[8][4], dp[8][4];
+        th_mm_rows<HD>(s, kf, Qs, LDR);
+        th_mm_rows<HD>(dp, vf, dOs, LDR);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
+                const bool seen = key < T && qr < T && !(a.causal && key > qr);
+                const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
+                s[nt][e] = p;
+                dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
+                if (key < T && qr < T) ds_out[(int64_t) qr * T + key] = dp[nt][e];
+            }
+        th_mm_acc<HD>(dv, s, dOs, LDR);
+        th_mm_acc<HD>(dk, dp, Qs, LDR);
+    }
+    float * dk_out = th_head(a.dk, bh), * dv_out = th_head(a.dv, bh);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int key = w0 + g + 8 * r;
+        if (key >= T) continue;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int64_t d = nt * 8 + c + e;
+                dk_out[key * a.dk.st + d * a.dk.sd] = dk[nt][2 * r + e];
+                dv_out[key * a.dv.st + d * a.dv.sd] = dv[nt][2 * r + e];
+            }
+    }
+}
+
+// dQ = dS K: one CTA a (head, 64 queries), a warp 16 queries, over the key blocks the backward
+// wrote (causal: up to the diagonal's), keys in order, the last query blocks first
+template <int HD>
+static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_dq_mma_kernel(const th_attn_args a) {
+    constexpr int LDT = TH_MM_B + TH_MM_PAD, LDR = HD + TH_MM_PAD;
+    __shared__ __align__(16) __nv_bfloat16 Ss[TH_MM_B * LDT];       // [q][key]
+    __shared__ __align__(16) __nv_bfloat16 Ks[TH_MM_B * LDR];       // [key][d]
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_MM_B, T = a.T;
+    const float * ds = a.ds + (int64_t) bh * T * T;
+    const float * k = th_head(a.k, bh);
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+    const int nkb = a.causal ? qb + 1 : nqb;
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * TH_MM_B;
+        __syncthreads();
+        for (int i = threadIdx.x; i < TH_MM_B * TH_MM_B / 2; i += TH_MM_THREADS) {
+            const int r = i / (TH_MM_B / 2), cc = 2 * (i % (TH_MM_B / 2));
+            const bool in0 = q0 + r < T && k0 + cc < T, in1 = q0 + r < T && k0 + cc + 1 < T;
+            const float * p = ds + (int64_t) (q0 + r) * T + k0 + cc;
+            *(uint32_t *) (Ss + r * LDT + cc) = th_pack_bf16(in0 ? p[0] : 0.0f, in1 ? p[1] : 0.0f);
+        }
+        th_load_bf16<HD>(Ks, LDR, k, a.k, k0, T);
+        __syncthreads();
+        uint32_t sf[TH_MM_B / 16][4];
+        th_frag_a<TH_MM_B>(sf, Ss, LDT, 16 * warp);
+#pragma unroll
+        for (int j = 0; j < TH_MM_B / 16; j++)
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) {
+                uint32_t b0, b1;
+                th_frag_b_trans(b0, b1, Ks, LDR, j * 16, nt * 8);
+                th_mma16816(acc[nt], sf[j], b0, b1);
+            }
+    }
+    float * dq = th_head(a.dq, bh);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = q0 + 16 * warp + g + 8 * r;
+        if (row >= T) continue;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                dq[(int64_t) row * a.dq.st + (int64_t) (nt * 8 + c + e) * a.dq.sd] = acc[nt][2 * r + e];
+            }
+    }
+}
+
 // dst (contiguous, n floats a head) = the head's n floats from `offset` in src (a head every `stride`)
 static __global__ void th_slice_kernel(const float * __restrict__ src, float * __restrict__ dst, const int64_t n,
                                        const int64_t heads, const int64_t stride, const int64_t offset) {
@@ -509,9 +839,14 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
     a.T = ap.T, a.scale = ap.scale, a.causal = ap.causal, a.out = (float *) dst->data;
     const int nb = (a.T + TH_AT_B - 1) / TH_AT_B;
     const int64_t T = ap.T;
+    const bool bf16 = th_precision_of(dst) == TH_PRECISION_BF16;      // tensor cores (TH_MM_B == TH_AT_B)
     if (kernel == TH_CUDA_ATTN_FWD) {
         a.q = th_opd_of(dst->src[0], false), a.k = th_opd_of(dst->src[1], false), a.v = th_opd_of(dst->src[2], true);
         a.o = th_opd_at((float *) dst->data, HD, 1, (HD + 1) * T, dst->ne[1]);
+        if (bf16) {
+            th_attn_fwd_mma_kernel<HD><<<dim3((unsigned) dst->ne[1], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            return;
+        }
         const size_t smem = th_fwd_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_fwd_kernel<HD>, smem);
         const int nqb = (a.T + TH_AT_QB - 1) / TH_AT_QB;
@@ -532,12 +867,20 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
                                       : th_opd_at(a.scratch, HD, 1, per_head, heads);
         a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
                                       : th_opd_at(a.scratch + T * HD, 1, T, per_head, heads);
+        if (bf16) {
+            th_attn_bwd_mma_kernel<HD><<<dim3((unsigned) dst->ne[2], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            return;
+        }
         const size_t smem = th_bwd_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_bwd_kernel<HD>, smem);
         th_attn_bwd_kernel<HD><<<dim3((unsigned) dst->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
     } else {
         a.ds = (const float *) dst->src[0]->data, a.k = th_opd_of(dst->src[1], false);
         a.dq = th_room_opd(dst, th_attention_map_of(dst, 0));
+        if (bf16) {
+            th_attn_dq_mma_kernel<HD><<<dim3((unsigned) dst->src[0]->ne[2], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            return;
+        }
         const size_t smem = th_dq_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_dq_kernel<HD>, smem);
         th_attn_dq_kernel<HD><<<dim3((unsigned) dst->src[0]->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);

@@ -66,7 +66,9 @@ static void * th_scratch_for(const size_t bytes) {
 }
 
 // rows x cols of a column-major fp32 matrix (leading dimension ld), `count` of them, each at
-// src + b * stride (or at srcs[b] when srcs is given), into packed bf16 (leading dimension rows)
+// src + b * stride (or at srcs[b] when srcs is given), into packed bf16 (leading dimension rows).
+// Each element rounds to nearest even on its own: how the work is cut does not change a bit.
+// The general path: a thread an element, a block row of columns.
 static __global__ void th_to_bf16_kernel(const float * __restrict__ src, const float * const * __restrict__ srcs,
                                          const long long stride, const int rows, const int cols, const int ld,
                                          __nv_bfloat16 * __restrict__ dst) {
@@ -80,14 +82,86 @@ static __global__ void th_to_bf16_kernel(const float * __restrict__ src, const f
     }
 }
 
+// The common path: packed matrices (ld == rows, stride == rows * cols or pointer arrays), n floats
+// each a multiple of 4 and 16-byte aligned: 8 floats a thread (two float4 loads, one 16-byte
+// store), a grid-stride loop over the whole. Before (a thread an element, 2-byte stores): 17.7 ms of
+// a bf16 gpt2-small step on the H100 in 632 launches (scripts/cuda_kernels.py).
+static __global__ void th_to_bf16_packed_kernel(const float * __restrict__ src, const float * const * __restrict__ srcs,
+                                                const long long n, __nv_bfloat16 * __restrict__ dst) {
+    const int b = blockIdx.y;
+    const float * m = srcs != nullptr ? srcs[b] : src + b * n;
+    __nv_bfloat16 * out = dst + b * n;
+    const long long n8 = n / 8;
+    for (long long i = blockIdx.x * (long long) blockDim.x + threadIdx.x; i < n8; i += (long long) gridDim.x * blockDim.x) {
+        const float4 x = ((const float4 *) m)[2 * i], y = ((const float4 *) m)[2 * i + 1];
+        __nv_bfloat162 h[4] = {__floats2bfloat162_rn(x.x, x.y), __floats2bfloat162_rn(x.z, x.w),
+                               __floats2bfloat162_rn(y.x, y.y), __floats2bfloat162_rn(y.z, y.w)};
+        ((uint4 *) out)[i] = *(const uint4 *) h;
+    }
+    if (blockIdx.x == 0) {                                  // the last n % 8 (a float4 or none)
+        for (long long i = 8 * n8 + threadIdx.x; i < n; i += blockDim.x) out[i] = __float2bfloat16_rn(m[i]);
+    }
+}
+
+// Strided columns (ld > rows), rows a multiple of 8 and ld of 4, 16-byte aligned: 8 rows of a column
+// a thread, as the packed kernel does.
+static __global__ void th_to_bf16_cols8_kernel(const float * __restrict__ src, const long long stride, const int rows,
+                                               const int cols, const int ld, __nv_bfloat16 * __restrict__ dst) {
+    const int b = blockIdx.y;
+    const float * m = src + b * stride;
+    __nv_bfloat16 * out = dst + (size_t) b * rows * cols;
+    const int per_col = rows / 8;
+    const long long n8 = (long long) per_col * cols;
+    for (long long i = blockIdx.x * (long long) blockDim.x + threadIdx.x; i < n8; i += (long long) gridDim.x * blockDim.x) {
+        const long long c = i / per_col, r = 8 * (i % per_col);
+        const float4 x = *(const float4 *) (m + c * ld + r), y = *(const float4 *) (m + c * ld + r + 4);
+        __nv_bfloat162 h[4] = {__floats2bfloat162_rn(x.x, x.y), __floats2bfloat162_rn(x.z, x.w),
+                               __floats2bfloat162_rn(y.x, y.y), __floats2bfloat162_rn(y.z, y.w)};
+        *(uint4 *) (out + c * rows + r) = *(const uint4 *) h;
+    }
+}
+
 static __global__ void th_pointers_kernel(const __nv_bfloat16 * base, const size_t stride, const int count,
                                           const void ** out) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b < count) out[b] = base + b * stride;
 }
 
+static int th_sm_count(void) {
+    static int sms[64] = {0};
+    int device = 0;
+    cudaGetDevice(&device);
+    if (device >= 64) return 132;
+    if (sms[device] == 0) {
+        int n = 0;
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+        sms[device] = n > 0 ? n : 132;
+    }
+    return sms[device];
+}
+
 static void th_to_bf16(cudaStream_t stream, const float * src, const float * const * srcs, const long long stride,
                        const int rows, const int cols, const int ld, const int count, __nv_bfloat16 * dst) {
+    const long long n = (long long) rows * cols;
+    // pointer arrays: each pointer's alignment is unknown on the host, so they take the general path
+    const bool packed = srcs == nullptr && ld == rows && n % 4 == 0 &&
+                        (count == 1 || (stride == n && n % 8 == 0 && count <= 65535)) &&
+                        (uintptr_t) src % 16 == 0 && (uintptr_t) dst % 16 == 0;
+    if (packed) {
+        const long long want = (n / 8 + 255) / 256;
+        const int blocks = (int) std::max(1LL, std::min(want, (long long) th_sm_count() * 8));
+        th_to_bf16_packed_kernel<<<dim3((unsigned) blocks, (unsigned) count), 256, 0, stream>>>(src, nullptr, n, dst);
+        return;
+    }
+    const bool cols8 = srcs == nullptr && rows % 8 == 0 && ld % 4 == 0 && (count == 1 || stride % 4 == 0) &&
+                       (uintptr_t) src % 16 == 0 && (uintptr_t) dst % 16 == 0 && count <= 65535;
+    if (cols8) {
+        const long long want = (n / 8 + 255) / 256;
+        const int blocks = (int) std::max(1LL, std::min(want, (long long) th_sm_count() * 8));
+        th_to_bf16_cols8_kernel<<<dim3((unsigned) blocks, (unsigned) count), 256, 0, stream>>>(src, stride, rows, cols,
+                                                                                               ld, dst);
+        return;
+    }
     const dim3 grid((unsigned) std::min((rows + 255) / 256, 64), (unsigned) std::min(cols, 65535), (unsigned) count);
     th_to_bf16_kernel<<<grid, 256, 0, stream>>>(src, srcs, stride, rows, cols, ld, dst);
 }
@@ -106,10 +180,11 @@ static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cubla
     const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
     const size_t a_size = (size_t) a_rows * a_cols, b_size = (size_t) b_rows * b_cols;
     const size_t pointers = as != nullptr ? 3 * (size_t) count * sizeof(void *) : 0;
-    const size_t bytes = (a_size + b_size) * count * sizeof(__nv_bfloat16) + pointers + 256;
+    const size_t bytes = (a_size + b_size) * count * sizeof(__nv_bfloat16) + pointers + 512;
     char * scratch = (char *) th_scratch_for(bytes);
     if (scratch == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
-    __nv_bfloat16 * a16 = (__nv_bfloat16 *) scratch, * b16 = a16 + a_size * count;
+    __nv_bfloat16 * a16 = (__nv_bfloat16 *) scratch;             // each copy 256-byte aligned
+    __nv_bfloat16 * b16 = (__nv_bfloat16 *) (((uintptr_t) (a16 + a_size * count) + 255) & ~(uintptr_t) 255);
     th_to_bf16(stream, a, as, sa, a_rows, a_cols, lda, count, a16);
     th_to_bf16(stream, b, bs, sb, b_rows, b_cols, ldb, count, b16);
     if (cudaGetLastError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
