@@ -177,6 +177,9 @@ RSS_CASES = [
     ("warm_start", ["t_seq=256", "t_batch=16"]),
     ("vit_tiny", ["t_batch=256"]),
     ("lora", ["t_seq=256", "t_batch=16"]),
+    # recompute's rebuilt graphs once left no-ops as leafs that ggml's allocator placed and nothing
+    # wrote: 63.4 MiB reserved, 18.9 MiB touched, RSS at 0.61 of the plan
+    ("gpt2", ["n_layer=8", "recompute_blocks=true"]),
 ]
 
 
