@@ -227,6 +227,13 @@ extern "C" __attribute__((visibility("default"))) void th_cuda_bf16_copies(int64
     *converted = th_copy_counts[0], *reused = th_copy_counts[1];
 }
 
+// the device memory the kept copies hold (all devices' chunks; never given back)
+extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_copy_bytes(void) {
+    int64_t total = 0;
+    for (const th_chunk & c : th_chunks) total += (int64_t) c.bytes;
+    return total;
+}
+
 static void th_chunk_free(th_chunk & c, size_t off, size_t bytes) {
     auto it = std::lower_bound(c.free.begin(), c.free.end(), std::make_pair(off, (size_t) 0));
     it = c.free.insert(it, {off, bytes});
