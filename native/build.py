@@ -287,6 +287,12 @@ CUDA_DISPATCH_EDITS = (
     ('#include "ggml-cuda/common.cuh"\n', PRECISION_WRAP, "after"),
     ("static bool ggml_cuda_compute_forward(ggml_backend_cuda_context & ctx, struct ggml_tensor * dst) {\n",
      "    if (th_calls_cublas(dst)) th_cuda_precision_before(ctx.cublas_handle(), dst);  // toyharness\n", "after"),
+    # the bf16 copies of the products' operands live for one pass over a graph's nodes
+    ("            for (int i = 0; i < cgraph->n_nodes; i++) {\n                ggml_tensor * node = cgraph->nodes[i];\n",
+     "            th_cuda_graph_begin(cgraph);  // toyharness\n", "before"),
+    ("                if (!is_concurrent_event_active) {\n                    try_launch_concurrent_event(node);\n"
+     "               }\n            }\n",
+     "            th_cuda_graph_end();  // toyharness\n", "after"),
     ("        case GGML_OP_LIGHTNING_INDEXER:\n            ggml_cuda_lightning_indexer(ctx, dst);\n",
      "        case GGML_OP_CUSTOM:  // toyharness (native/cuda/th-custom.cu)\n"
      "            if (!th_cuda_custom(ctx.stream(), ctx.cublas_handle(), dst)) {\n"

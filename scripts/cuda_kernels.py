@@ -105,6 +105,13 @@ def main(argv: list[str]) -> int:
         print("cuda_kernels.py: PyTorch sees no cuda device", file=sys.stderr)
         return 2
     ours(args.recipe, args.size, args.rows, args.precision)
+    if args.precision == "bf16":
+        from toyharness._ffi import ffi, lib
+
+        converted, reused = ffi.new("int64_t *"), ffi.new("int64_t *")
+        lib.th_cuda_bf16_copies(converted, reused)
+        print(f"== bf16 operands: {converted[0]} converted, {reused[0]} reused (this process); the kept copies "
+              f"hold {lib.th_cuda_bf16_copy_bytes() / 2**20:.0f} MiB of device memory")
     if args.torch:
         pytorch(args.recipe, args.size, args.rows, args.precision, args.torch_compile)
     return 0

@@ -6,11 +6,16 @@
 #
 #   scripts/gpu_precision.sh OUT_DIR [build] [check] [goldens] [agree600] [bench-fp32] [bench-tf32] [bench-bf16]
 #                                    [attention] [goldens-bf16] [goldens-kept] [profile-bf16]
+#                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
 # fp32 and @tf32 cuda goldens (their bits must not move); profile-bf16: a bf16 gpt2-small step's
 # kernels beside PyTorch's bf16 autocast + torch.compile (scripts/cuda_kernels.py).
+# goldens-bf16-check: check the @bf16 goldens without recording them; reuse: the bf16 operand
+# copies' test (tests/test_precision.py, the bits with and without reuse); profile-bf16-noreuse:
+# ours alone with TOYHARNESS_BF16_REUSE=0 (every product converts its operands, as before);
+# profile-bf16-ours: ours alone, reuse on (the two side by side in one run).
 #
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
@@ -51,6 +56,34 @@ if [[ $phases == *" goldens-bf16 "* ]]; then
     toyharness golden record "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
     toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
     tar cf "$out/goldens_bf16.tar" goldens/cuda-*/*@bf16.yml 2>>"$log"
+fi
+
+if [[ $phases == *" goldens-bf16-check "* ]]; then
+    names=()
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@bf16"); done
+    step "the @bf16 cuda goldens keep their bits (checked, not recorded)"
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+fi
+
+if [[ $phases == *" reuse "* ]]; then
+    step "bf16 operand copies reused within a graph: the losses' bits with and without reuse"
+    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py -k "reuse or edits" \
+        >"$out/reuse.log" 2>&1 || status=1
+    grep -E "@bf16: operands|passed|failed|FAILED|ERROR|skipped|SKIPPED" "$out/reuse.log" | tail -40 | tee -a "$log"
+fi
+
+if [[ $phases == *" profile-bf16-ours "* ]]; then
+    step "a bf16 gpt2-small step by kernel, ours only (the operand copies reused)"
+    python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 --rows 40 \
+        >"$out/profile_gpt2_bf16_ours.txt" 2>&1 || status=1
+    grep "^==" "$out/profile_gpt2_bf16_ours.txt" | tee -a "$log"
+fi
+
+if [[ $phases == *" profile-bf16-noreuse "* ]]; then
+    step "a bf16 gpt2-small step by kernel, ours only, every product converting its operands (no reuse)"
+    TOYHARNESS_BF16_REUSE=0 python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 --rows 40 \
+        >"$out/profile_gpt2_bf16_noreuse.txt" 2>&1 || status=1
+    grep "^==" "$out/profile_gpt2_bf16_noreuse.txt" | tee -a "$log"
 fi
 
 if [[ $phases == *" goldens-kept "* ]]; then

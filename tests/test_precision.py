@@ -110,6 +110,11 @@ def test_the_precision_edits_apply_once_to_the_pinned_ggml():
     head = edited.split("static bool ggml_cuda_compute_forward(ggml_backend_cuda_context & ctx, "
                         "struct ggml_tensor * dst) {\n", 1)[1]
     assert head.startswith("    if (th_calls_cublas(dst))")
+    # the bf16 copies' pass: begun before the node loop, ended after it, once each
+    loop = edited.split("            th_cuda_graph_begin(cgraph);  // toyharness\n", 1)[1]
+    assert loop.startswith("            for (int i = 0; i < cgraph->n_nodes; i++) {")
+    assert loop.count("th_cuda_graph_end();") == 1 and "ggml_cuda_compute_forward(*cuda_ctx, node)" in \
+        loop.split("th_cuda_graph_end();")[0]
     out_prod = build.cuda_dispatch_source((cuda / "out-prod.cu").read_text(), build.CUDA_OUT_PROD_EDITS,
                                           "out-prod.cu")
     assert out_prod.count('#define TH_PRECISION_WRAP_CUBLAS\n#include "th-precision.cuh"') == 1
@@ -186,3 +191,42 @@ def test_the_first_16_losses_repeat_and_agree_with_fp32(recipe, precision):
           f"(step 0: {rel[0]:.3g}); tolerance {2 * UNIT_ROUNDOFF[precision]:.3g}")
     assert rel.max() < 2 * UNIT_ROUNDOFF[precision]
     assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in fp32["losses"]]
+
+
+BF16_RUN = """
+import json, sys
+from toyharness import goldens
+from toyharness._ffi import ffi, lib
+doc = goldens.compute(sys.argv[1], "cuda")
+converted, reused = ffi.new("int64_t *"), ffi.new("int64_t *")
+lib.th_cuda_bf16_copies(converted, reused)
+print(json.dumps({"hex": [x["hex"] for x in doc["losses"]], "converted": converted[0], "reused": reused[0]}))
+"""
+
+
+def bf16_run(name: str, reuse: bool) -> dict:
+    """The golden config `name` in a fresh process (no CUDA graph of another run to replay), bf16
+    operand copies reused or not; its losses' bits and how many operands it converted and reused."""
+    import json
+    import os
+
+    env = {**os.environ, "TOYHARNESS_BF16_REUSE": "1" if reuse else "0"}
+    done = subprocess.run([sys.executable, "-c", BF16_RUN, name], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "llama", "vit_tiny")])
+def test_bf16_products_reuse_their_operands_copies_and_change_no_bit(recipe):
+    """Each distinct fp32 operand of a graph's bf16 products is converted once and its copy reused
+    while its bytes are not written (th-precision.cu): the 16 losses have the bits of the run in
+    which every product converts its own operands (TOYHARNESS_BF16_REUSE=0), the same products ran
+    (each operand converted or reused), and copies were really reused."""
+    kept, each = bf16_run(f"{recipe}@bf16", True), bf16_run(f"{recipe}@bf16", False)
+    print(f"{recipe}@bf16: operands converted {each['converted']} without reuse, {kept['converted']} with "
+          f"({kept['reused']} reused)")
+    assert each["reused"] == 0 and each["converted"] > 0
+    # the same products: each operand either converted or reused; and reuse really happened
+    assert kept["converted"] + kept["reused"] == each["converted"]
+    assert kept["reused"] > 0
+    assert kept["hex"] == each["hex"], f"{recipe}@bf16: reusing the bf16 copies moved the losses' bits"

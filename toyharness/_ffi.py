@@ -203,6 +203,8 @@ int th_cuda_mark_precision(ggml_cgraph * graph, int precision);
 int th_cuda_precision_of(const ggml_tensor * t);
 int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
+void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
+int64_t th_cuda_bf16_copy_bytes(void);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
 int th_row_sum_as_sum_rows(ggml_tensor * t);
 int th_lowering_new_tensors(const ggml_cgraph * g, ggml_tensor * repl, ggml_tensor ** out, int max);

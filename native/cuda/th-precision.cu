@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -19,8 +21,11 @@ static int th_precision_current = TH_PRECISION_FP32;
 
 int th_cuda_precision_now(void) { return th_precision_current; }
 
+static void th_reuse_before(const ggml_tensor * node);
+
 void th_cuda_precision_before(cublasHandle_t cublas, const ggml_tensor * node) {
     th_precision_current = th_precision_of(node);
+    th_reuse_before(node);           // the bf16 copies the nodes since the last one overwrote, dropped
     // ggml creates its handle in TF32 mode: fp32 and bf16 (whose products go through GemmEx with
     // their own compute type) turn it off. A host-side setting of the handle, no launch.
     cublasSetMathMode(cublas, th_precision_current == TH_PRECISION_TF32 ? CUBLAS_TF32_TENSOR_OP_MATH
@@ -166,9 +171,243 @@ static void th_to_bf16(cudaStream_t stream, const float * src, const float * con
     th_to_bf16_kernel<<<grid, 256, 0, stream>>>(src, srcs, stride, rows, cols, ld, dst);
 }
 
+// --- bf16: each distinct operand converted once per graph compute ------------------------------
+// A layer's input is read by several products (its q, k, v products forward, their weight
+// gradients backward) and a weight by two (forward, the input's gradient): each converted its
+// operands again. Now a product's operand that is memory of one of its node's sources gets a
+// kept bf16 copy ("copy"), looked up by (device, stream, pointer, rows, cols, ld, count, stride),
+// which later products of the same graph compute reuse while the source's bytes are not written.
+//
+// Validity. ggml-cuda computes a graph's nodes in order on one stream (the caller of
+// th_cuda_graph_begin says which graph). Before each node that may call cuBLAS, every node from
+// the previous such node (again: its own writes happen after its products read) up to this one
+// has its writes applied: each copy whose source bytes overlap what the node writes is dropped
+// (and its memory freed for later copies; the stream orders the earlier reads before any reuse).
+// A node writes its own bytes [data, data + ggml_nbytes); ours that write their sources too say
+// so below (th_writes); ggml's optimizer steps, our AdamW run, and any node not known here drop
+// every copy. Memory the source tensors do not hold (ggml's pool: a non-contiguous operand made
+// contiguous) is never kept. Nodes fused by ggml-cuda or skipped are covered by the range. The
+// copies start empty at each graph compute: between computes the host may write anything.
+//
+// CUDA graphs. What a compute converts and where is decided as its nodes are evaluated (directly
+// or while ggml captures them); a replay launches the same conversions into the same memory
+// from the same sources, which ggml replays only when no node's data, shape or op changed. The
+// memory (chunks) is never freed: a captured graph may still use it.
+//
+// Bits. A copy is what the conversion writes into scratch (each element rounded to nearest even
+// on its own), at the same 256-byte alignment as the scratch's copies: cuBLAS sees the same
+// operands and picks the same algorithm. TOYHARNESS_BF16_REUSE=0 turns reuse off (every operand
+// converted by its product, as before): tests/test_precision.py compares the bits of the two.
+struct th_copy {
+    int device;
+    cudaStream_t stream;
+    const float * src;
+    int rows, cols, ld, count;
+    long long stride;
+    uintptr_t lo, hi;                   // the source's bytes
+    int chunk;
+    size_t off, bytes;                  // the copy's place
+};
+struct th_chunk {
+    int device;
+    char * ptr;
+    size_t bytes;
+    std::vector<std::pair<size_t, size_t>> free;   // (offset, bytes), by offset, neighbours merged
+};
+static std::vector<th_chunk> th_chunks;             // never freed
+static std::vector<th_copy> th_copies;
+static const ggml_cgraph * th_graph = nullptr;      // the graph being computed, or none
+static int th_graph_device = -1;
+static int th_prev_node = -1;                       // index of the last node that may call cuBLAS
+static const ggml_tensor * th_node = nullptr;       // the node computing now (when in th_graph)
+static bool th_reuse = false;
+static int64_t th_copy_counts[2];                   // operands converted (kept or not), reused
+
+extern "C" __attribute__((visibility("default"))) void th_cuda_bf16_copies(int64_t * converted, int64_t * reused) {
+    *converted = th_copy_counts[0], *reused = th_copy_counts[1];
+}
+
+// the device memory the kept copies hold (all devices' chunks; never given back)
+extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_copy_bytes(void) {
+    int64_t total = 0;
+    for (const th_chunk & c : th_chunks) total += (int64_t) c.bytes;
+    return total;
+}
+
+static void th_chunk_free(th_chunk & c, size_t off, size_t bytes) {
+    auto it = std::lower_bound(c.free.begin(), c.free.end(), std::make_pair(off, (size_t) 0));
+    it = c.free.insert(it, {off, bytes});
+    if (it + 1 != c.free.end() && it->first + it->second == (it + 1)->first) {      // merge the next
+        it->second += (it + 1)->second;
+        c.free.erase(it + 1);
+    }
+    if (it != c.free.begin() && (it - 1)->first + (it - 1)->second == it->first) {   // into the previous
+        (it - 1)->second += it->second;
+        c.free.erase(it);
+    }
+}
+
+// `bytes` (a multiple of 256) of this device's chunks, first fit; a new chunk when none has room
+static bool th_chunk_alloc(const int device, const size_t bytes, int * chunk, size_t * off) {
+    size_t total = 0;
+    for (size_t i = 0; i < th_chunks.size(); i++) {
+        th_chunk & c = th_chunks[i];
+        if (c.device != device) continue;
+        total += c.bytes;
+        for (size_t f = 0; f < c.free.size(); f++) {
+            if (c.free[f].second < bytes) continue;
+            *chunk = (int) i, *off = c.free[f].first;
+            c.free[f].first += bytes, c.free[f].second -= bytes;
+            if (c.free[f].second == 0) c.free.erase(c.free.begin() + f);
+            return true;
+        }
+    }
+    size_t want = std::max({bytes, total, (size_t) 64 << 20});
+    want = (want + (1 << 20) - 1) & ~(size_t) ((1 << 20) - 1);
+    void * ptr = nullptr;
+    if (cudaMalloc(&ptr, want) != cudaSuccess) {
+        cudaGetLastError();            // out of memory: this operand goes through the scratch
+        return false;
+    }
+    th_chunks.push_back({device, (char *) ptr, want, {}});
+    if (want > bytes) th_chunks.back().free.push_back({bytes, want - bytes});
+    *chunk = (int) th_chunks.size() - 1, *off = 0;
+    return true;
+}
+
+static void th_drop_copies_if(const uintptr_t lo, const uintptr_t hi, const bool all) {
+    for (size_t i = 0; i < th_copies.size();) {
+        const th_copy & k = th_copies[i];
+        if (k.device == th_graph_device && (all || (k.lo < hi && lo < k.hi))) {
+            th_chunk_free(th_chunks[k.chunk], k.off, k.bytes);
+            th_copies.erase(th_copies.begin() + i);
+        } else {
+            i++;
+        }
+    }
+}
+
+static void th_drop_tensor(const ggml_tensor * t) {
+    if (t == nullptr || t->data == nullptr) return;
+    const uintptr_t lo = (uintptr_t) t->data;
+    th_drop_copies_if(lo, lo + ggml_nbytes(t), false);
+}
+
+// what `node` writes, as ggml-cuda computes it: the copies of those bytes dropped
+static void th_writes(const ggml_tensor * node) {
+    if ((node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0 || ggml_is_empty(node)) return;   // ggml-cuda skips it
+    switch (node->op) {
+        case GGML_OP_NONE: case GGML_OP_RESHAPE: case GGML_OP_VIEW: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
+            return;                                         // no kernel
+        case GGML_OP_OPT_STEP_ADAMW: case GGML_OP_OPT_STEP_SGD:
+            th_drop_copies_if(0, 0, true);                  // parameters and moments, in place
+            return;
+        case GGML_OP_CUSTOM: break;
+        default:
+            th_drop_tensor(node);
+            return;
+    }
+    const int32_t * p = (const int32_t *) node->op_params;
+    const int kernel = p[0] == TH_CUDA_MAGIC ? p[1] : 0;
+    switch (kernel) {
+        case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
+        case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
+        case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
+            th_drop_tensor(node);                           // its own bytes only (FOLDED, ROOM: written by others)
+            return;
+        case TH_CUDA_COLUMN_DOT:                            // and its partial sums, in src 2
+        case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP: case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ:
+        case TH_CUDA_SLICE:                                 // D, dK, dV^T, the rooms: into sources
+            th_drop_tensor(node);
+            for (int j = 0; j < GGML_MAX_SRC; j++) th_drop_tensor(node->src[j]);
+            return;
+        default:                                            // AdamW's run (other nodes' tensors), unknown
+            th_drop_copies_if(0, 0, true);
+            return;
+    }
+}
+
+static void th_reuse_end(void) {
+    if (th_graph != nullptr) th_drop_copies_if(0, 0, true);
+    th_graph = nullptr;
+    th_node = nullptr;
+    th_prev_node = -1;
+}
+
+void th_cuda_graph_begin(const ggml_cgraph * graph) {
+    int device = 0;
+    cudaGetDevice(&device);
+    th_reuse_end();
+    th_graph_device = device;
+    th_drop_copies_if(0, 0, true);       // (another graph's of this device: none, all dropped at its end)
+    for (th_chunk & c : th_chunks) {
+        if (c.device == device) c.free.assign(1, {0, c.bytes});
+    }
+    const char * off = getenv("TOYHARNESS_BF16_REUSE");
+    const char * streams = getenv("GGML_CUDA_GRAPH_OPT");       // nodes on several streams: no reuse
+    th_reuse = !(off != nullptr && strcmp(off, "0") == 0) && !(streams != nullptr && atoi(streams) == 1);
+    th_graph = th_reuse ? graph : nullptr;
+}
+
+void th_cuda_graph_end(void) { th_reuse_end(); }
+
+// `node` is about to compute: the writes of the nodes since the last such node, its own included
+static void th_reuse_before(const ggml_tensor * node) {
+    th_node = nullptr;
+    if (th_graph == nullptr) return;
+    int at = -1;
+    for (int i = th_prev_node + 1; i < ggml_graph_n_nodes((ggml_cgraph *) th_graph); i++) {
+        if (ggml_graph_node((ggml_cgraph *) th_graph, i) == node) {
+            at = i;
+            break;
+        }
+    }
+    if (at < 0) {                        // not the graph's next node: nothing known, nothing kept
+        th_reuse_end();
+        return;
+    }
+    for (int i = th_prev_node < 0 ? 0 : th_prev_node; i <= at; i++) th_writes(ggml_graph_node((ggml_cgraph *) th_graph, i));
+    th_prev_node = at;
+    th_node = node;
+}
+
+// the copy of an operand, converted now or kept from an earlier product; nullptr where it cannot
+// be kept (then the caller converts into scratch)
+static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, const long long stride, const int rows,
+                                        const int cols, const int ld, const int count) {
+    if (th_node == nullptr || src == nullptr || rows <= 0 || cols <= 0 || count <= 0 || stride < 0 || ld < rows) {
+        return nullptr;
+    }
+    const uintptr_t lo = (uintptr_t) src;
+    const uintptr_t hi = lo + sizeof(float) * (uintptr_t) ((long long) (count - 1) * stride + (long long) (cols - 1) * ld + rows);
+    bool inside = false;                 // memory of one of the node's sources (not ggml's pool)
+    for (int j = 0; j < GGML_MAX_SRC && !inside; j++) {
+        const ggml_tensor * s = th_node->src[j];
+        inside = s != nullptr && s->data != nullptr && lo >= (uintptr_t) s->data &&
+                 hi <= (uintptr_t) s->data + ggml_nbytes(s);
+    }
+    if (!inside) return nullptr;
+    for (const th_copy & k : th_copies) {
+        if (k.device == th_graph_device && k.stream == stream && k.src == src && k.rows == rows && k.cols == cols &&
+            k.ld == ld && k.count == count && k.stride == stride) {
+            th_copy_counts[1]++;
+            return (const __nv_bfloat16 *) (th_chunks[k.chunk].ptr + k.off);
+        }
+    }
+    const size_t bytes = ((size_t) rows * cols * count * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
+    int chunk = 0;
+    size_t off = 0;
+    if (!th_chunk_alloc(th_graph_device, bytes, &chunk, &off)) return nullptr;
+    __nv_bfloat16 * dst = (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
+    th_to_bf16(stream, src, nullptr, stride, rows, cols, ld, count, dst);
+    th_copies.push_back({th_graph_device, stream, src, rows, cols, ld, count, stride, lo, hi, chunk, off, bytes});
+    th_copy_counts[0]++;
+    return dst;
+}
+
 // The product in bf16: the operands (op(A) m x k, op(B) k x n; A stored rows x cols as its op
-// says) converted, then one cuBLAS call on the copies. `a`/`b` strided by sa/sb, or pointer
-// arrays `as`/`bs` (then c is `cs`); count products.
+// says) as bf16 copies (kept ones, or converted into scratch), then one cuBLAS call on them.
+// `a`/`b` strided by sa/sb, or pointer arrays `as`/`bs` (then c is `cs`); count products.
 static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                    const void * alpha, const float * a, const float * const * as, int lda,
                                    long long sa, const float * b, const float * const * bs, int ldb, long long sb,
@@ -179,14 +418,19 @@ static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cubla
     const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
     const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
     const size_t a_size = (size_t) a_rows * a_cols, b_size = (size_t) b_rows * b_cols;
+    // kept copies (pointer arrays: where they point is on the device, so never kept)
+    const __nv_bfloat16 * a_kept = as == nullptr ? th_copy_of(stream, a, sa, a_rows, a_cols, lda, count) : nullptr;
+    const __nv_bfloat16 * b_kept = bs == nullptr ? th_copy_of(stream, b, sb, b_rows, b_cols, ldb, count) : nullptr;
     const size_t pointers = as != nullptr ? 3 * (size_t) count * sizeof(void *) : 0;
-    const size_t bytes = (a_size + b_size) * count * sizeof(__nv_bfloat16) + pointers + 512;
+    const size_t bytes = ((a_kept ? 0 : a_size) + (b_kept ? 0 : b_size)) * count * sizeof(__nv_bfloat16) + pointers + 512;
     char * scratch = (char *) th_scratch_for(bytes);
     if (scratch == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
     __nv_bfloat16 * a16 = (__nv_bfloat16 *) scratch;             // each copy 256-byte aligned
-    __nv_bfloat16 * b16 = (__nv_bfloat16 *) (((uintptr_t) (a16 + a_size * count) + 255) & ~(uintptr_t) 255);
-    th_to_bf16(stream, a, as, sa, a_rows, a_cols, lda, count, a16);
-    th_to_bf16(stream, b, bs, sb, b_rows, b_cols, ldb, count, b16);
+    th_copy_counts[0] += (a_kept == nullptr) + (b_kept == nullptr);
+    if (a_kept == nullptr) th_to_bf16(stream, a, as, sa, a_rows, a_cols, lda, count, a16);
+    __nv_bfloat16 * b16 = a_kept != nullptr ? a16
+                        : (__nv_bfloat16 *) (((uintptr_t) (a16 + a_size * count) + 255) & ~(uintptr_t) 255);
+    if (b_kept == nullptr) th_to_bf16(stream, b, bs, sb, b_rows, b_cols, ldb, count, b16);
     if (cudaGetLastError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     if (as != nullptr) {                        // pointer arrays: the copies' pointers, on the device
         const void ** ptrs = (const void **) (((uintptr_t) (b16 + b_size * count) + 255) & ~(uintptr_t) 255);
@@ -195,12 +439,13 @@ static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cubla
         return cublasGemmBatchedEx(h, ta, tb, m, n, k, alpha, ptrs, CUDA_R_16BF, a_rows, ptrs + count, CUDA_R_16BF,
                                    b_rows, beta, cs, CUDA_R_32F, ldc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }
+    const __nv_bfloat16 * a_use = a_kept != nullptr ? a_kept : a16, * b_use = b_kept != nullptr ? b_kept : b16;
     if (batched) {
-        return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, a16, CUDA_R_16BF, a_rows, (long long) a_size, b16,
-                                          CUDA_R_16BF, b_rows, (long long) b_size, beta, c, CUDA_R_32F, ldc, sc, count,
-                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, a_use, CUDA_R_16BF, a_rows, (long long) a_size,
+                                          b_use, CUDA_R_16BF, b_rows, (long long) b_size, beta, c, CUDA_R_32F, ldc, sc,
+                                          count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }
-    return cublasGemmEx(h, ta, tb, m, n, k, alpha, a16, CUDA_R_16BF, a_rows, b16, CUDA_R_16BF, b_rows, beta, c,
+    return cublasGemmEx(h, ta, tb, m, n, k, alpha, a_use, CUDA_R_16BF, a_rows, b_use, CUDA_R_16BF, b_rows, beta, c,
                         CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 

@@ -28,6 +28,10 @@ static inline bool th_calls_cublas(const ggml_tensor * node) {
 void th_cuda_precision_before(cublasHandle_t cublas, const ggml_tensor * node);
 // the precision of the node computing now (TH_PRECISION_*)
 int th_cuda_precision_now(void);
+// a graph's nodes are about to be evaluated (computed, or captured into a CUDA graph) in order on
+// one stream, and have been: bf16 products reuse an operand's copy within one such pass
+void th_cuda_graph_begin(const ggml_cgraph * graph);
+void th_cuda_graph_end(void);
 
 cublasStatus_t th_cublas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                const float * alpha, const float * a, int lda, const float * b, int ldb,
