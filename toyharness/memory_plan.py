@@ -92,6 +92,7 @@ class MemoryPlan:
     largest: list[Tensorish] = field(default_factory=list)
     compute_parts: dict[str, int] = field(default_factory=dict)   # training graph before/after rewrite, eval
     buffers: list[int] = field(default_factory=list)   # each backend buffer ggml will allocate, in bytes
+    not_counted: list[str] = field(default_factory=list)   # memory the run takes that the plan cannot size
     free: int | None = None
     free_what: str = ""
 
@@ -136,6 +137,7 @@ class MemoryPlan:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {verdict}; not counted: the process itself (Python, libraries"
                          + (", the CUDA context)" if self.backend == "cuda" else ")"))
+        lines += [f"  not counted: {what}" for what in self.not_counted]
         return "\n".join(lines)
 
     @property
@@ -147,7 +149,8 @@ class MemoryPlan:
                 "total": self.total, "ggml_bytes": self.ggml_bytes, "activations": self.activations,
                 "logits": self.logits,
                 "compute_parts": dict(self.compute_parts), "buffers": list(self.buffers),
-                "largest": [dataclasses.asdict(t) for t in self.largest], "free": self.free}
+                "largest": [dataclasses.asdict(t) for t in self.largest], "free": self.free,
+                "not_counted": list(self.not_counted)}
 
 
 class Planner:
@@ -455,6 +458,11 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
     plan = MemoryPlan(recipe, engine.backend, _sizes(options), dict(planner.rows), planner.activations,
                       planner.logits, planner.largest, planner.compute_parts, planner.buffers)
     plan.free, plan.free_what = free_memory(engine)
+    if engine.backend == "cuda" and getattr(options, "precision", "fp32") == "bf16":
+        # sized by what the products convert as the step runs (native/cuda/th-precision.cu)
+        plan.not_counted.append("bf16 copies of the products' operands (kept for reuse within a step: "
+                                "2 GiB at gpt2-small, native/README.md, Precision; with "
+                                "TOYHARNESS_BF16_REUSE=0 one scratch buffer of the largest pair)")
     return plan
 
 
