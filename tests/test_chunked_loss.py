@@ -194,6 +194,7 @@ def test_auto_takes_the_chunked_loss_from_gemma3_vocab_on_the_fast_cpu_path():
     fast = get_engine("cpu").program()
     auto, on = SimpleNamespace(chunked_loss="auto"), SimpleNamespace(chunked_loss="on")
     assert use_chunked_loss(auto, 262144, fast) and not use_chunked_loss(auto, CHUNKED_LOSS_VOCAB - 1, fast)
+    assert use_chunked_loss(auto, 151936, fast) and not use_chunked_loss(auto, 128256, fast)  # Qwen3's; Llama 3's
     assert not use_chunked_loss(SimpleNamespace(), 262144, fast)      # a recipe without the option
     portable = portable_program()
     assert not use_chunked_loss(auto, 262144, portable)
