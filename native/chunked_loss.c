@@ -5,17 +5,20 @@
  * the reported loss and the logits' gradient: four (rows x vocab) f32 buffers, 4 GiB for Gemma 3's
  * 262,144 classes at 1,024 rows. Here the vocabulary is cut into C chunks (fixed by the shape) and
  * each chunk's logits exist only a tile (TH_CE_TILE classes x rows) at a time, in a per-thread
- * buffer:
- *   stats   (3, C, R)   per row and chunk: the running max m, sum of exp(z - m), the target's logit
- *   loss    (R,)        per row: logsumexp - target logit (times the mask; 0 where it is 0)
- *   partial (d, R, C)   per chunk: sum over its classes of dz . W, dz = (softmax - onehot) m / count
- *   grad    (d, R)      dL/dh: the partials summed in chunk order
- * The logits are computed twice (stats, then the partials), a third product more than the
- * standard loss's two. ggml's autodiff never sees these nodes: they read the hidden rows through
- * an i32 copy (`detach`; ggml takes no gradient through an i32 node), and the Python side trains
- * on sum(h * grad), whose gradient in h is `grad` exactly (Program.chunked_cross_entropy).
- * Every task is a chunk or a block of rows, fixed by the shapes, so bits never depend on the
- * thread count.
+ * buffer, in one pass over the output weight W (an online softmax, as flash attention's):
+ *   chunks  (d + 3, R, C)  per row and chunk: acc = sum over the chunk's classes v of
+ *                          exp(z_v - m) W_v (d values), then the running max m, the sum of
+ *                          exp(z_v - m) and the target's logit. A tile whose max raises m scales
+ *                          the row's acc and sum by exp(m_old - m) first.
+ *   loss    (R,)           per row: logsumexp - target logit (times the mask; 0 where it is 0)
+ *   grad    (d, R)         dL/dh = (sum over chunks, in chunk order, of acc exp(m - lse) - W_target)
+ *                          times mask / count
+ * Two products over W per step (the logits, then acc), as the standard loss's forward and
+ * backward; a tile's logits never leave the thread's cache. ggml's autodiff never sees these
+ * nodes: they read the hidden rows through an i32 copy (`detach`; ggml takes no gradient through
+ * an i32 node), and the Python side trains on sum(h * grad), whose gradient in h is `grad` exactly
+ * (Program.chunked_cross_entropy). Every task is a chunk or a block of rows, fixed by the shapes,
+ * so bits never depend on the thread count.
  */
 #include <math.h>
 #include <stdio.h>
@@ -29,7 +32,7 @@
 
 #define TH_EXPORT __attribute__((visibility("default")))
 
-enum { TH_CE_TILE = 64, TH_CE_MAX_CHUNKS = 16 };
+enum { TH_CE_TILE = 256, TH_CE_MAX_CHUNKS = 16, TH_CE_STATS = 3, TH_CE_LANES = 16 };
 
 /* per-thread buffers: a dequantized tile of W (TH_CE_TILE x d) and its logits (R x TH_CE_TILE) */
 static _Thread_local float * th_ce_buf = NULL;
@@ -58,6 +61,25 @@ static void th_ce_logits(const struct ggml_tensor * h, const struct ggml_tensor 
                    TH_CE_TILE);
 }
 
+/* z[j] = exp(z[j] - shift) for j < n; returns their sum (TH_CE_LANES partial sums, in a fixed order) */
+static float th_ce_exp_row(float * z, int64_t n, float shift) {
+    float lane[TH_CE_LANES] = {0};
+    int64_t j = 0;
+    for (; j + TH_CE_LANES <= n; j += TH_CE_LANES) {
+        for (int l = 0; l < TH_CE_LANES; l++) {
+            z[j + l] = th_expf(z[j + l] - shift);
+            lane[l] += z[j + l];
+        }
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < TH_CE_LANES; l++) sum += lane[l];
+    for (; j < n; j++) {
+        z[j] = th_expf(z[j] - shift);
+        sum += z[j];
+    }
+    return sum;
+}
+
 /* detach: the hidden rows' bytes into an i32 tensor of the same shape */
 static void th_ce_detach_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
@@ -69,122 +91,113 @@ static void th_ce_detach_op(struct ggml_tensor * dst, int ith, int nth, void * u
     }
 }
 
-/* stats: srcs (hidden as i32, W, ids); dst (3, C, R) */
-static void th_ce_stats_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+/* row r of chunk c of a chunks tensor: acc (d values), then m, sum, target logit */
+static inline float * th_ce_row(const struct ggml_tensor * chunks, int64_t c, int64_t r) {
+    return (float *) ((char *) chunks->data + c * chunks->nb[2] + r * chunks->nb[1]);
+}
+
+/* chunks: srcs (hidden as i32, W, ids); dst (d + 3, R, C). One task a chunk: its tiles in order. */
+static void th_ce_chunk_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
     const struct ggml_tensor * h = dst->src[0], * w = dst->src[1], * ids = dst->src[2];
-    const int64_t d = w->ne[0], V = w->ne[1], R = h->ne[1], C = dst->ne[1], cs = th_ce_chunk_size(V, C);
+    const int64_t d = w->ne[0], V = w->ne[1], R = h->ne[1], C = dst->ne[2], cs = th_ce_chunk_size(V, C);
+    const int64_t ld = (int64_t) (dst->nb[1] / sizeof(float));
     const int32_t * id = (const int32_t *) ids->data;
     float * tile = th_ce_scratch((size_t) TH_CE_TILE * d + (size_t) R * TH_CE_TILE), * z = tile + TH_CE_TILE * d;
-    float * st = (float *) dst->data;
     int64_t taken = 0;
     for (int64_t c; (c = th_next_task(C, ith, nth, &taken)) >= 0;) {
+        float * out = th_ce_row(dst, c, 0);
         for (int64_t r = 0; r < R; r++) {
-            float * s = st + (r * C + c) * 3;
-            s[0] = -INFINITY;
-            s[1] = 0.0f;
-            s[2] = 0.0f;
+            float * row = out + r * ld;
+            memset(row, 0, (size_t) d * sizeof(float));
+            row[d] = -INFINITY;
+            row[d + 1] = 0.0f;
+            row[d + 2] = 0.0f;
         }
         const int64_t end = (c + 1) * cs < V ? (c + 1) * cs : V;
         for (int64_t v0 = c * cs; v0 < end; v0 += TH_CE_TILE) {
             const int64_t n = end - v0 < TH_CE_TILE ? end - v0 : TH_CE_TILE;
             th_ce_logits(h, w, v0, n, tile, z);
             for (int64_t r = 0; r < R; r++) {
-                const float * zr = z + r * TH_CE_TILE;
-                float * s = st + (r * C + c) * 3;
+                float * zr = z + r * TH_CE_TILE, * row = out + r * ld;
                 float top = zr[0];
                 for (int64_t j = 1; j < n; j++) top = zr[j] > top ? zr[j] : top;
-                if (top > s[0]) {
-                    s[1] *= expf(s[0] - top);
-                    s[0] = top;
+                if (top > row[d]) {
+                    if (row[d] != -INFINITY) {      /* before the first tile acc and sum are 0 */
+                        const float scale = expf(row[d] - top);
+                        for (int64_t k = 0; k < d; k++) row[k] *= scale;
+                        row[d + 1] *= scale;
+                    }
+                    row[d] = top;
                 }
-                float sum = 0.0f;
-                for (int64_t j = 0; j < n; j++) sum += expf(zr[j] - s[0]);
-                s[1] += sum;
-                if (id[r] >= v0 && id[r] < v0 + n) s[2] = zr[id[r] - v0];
+                if (id[r] >= v0 && id[r] < v0 + n) row[d + 2] = zr[id[r] - v0];
+                row[d + 1] += th_ce_exp_row(zr, n, row[d]);
             }
+            /* acc += exp(z - m) . W's tile */
+            th_frozen_gemm(0, 0, R, d, n, z, TH_CE_TILE, tile, d, 1.0f, out, ld);
         }
     }
 }
 
 /* a row's logsumexp from its chunks' (max, sum), in chunk order */
-static float th_ce_lse(const float * s, int64_t C) {
-    float top = s[0];
-    for (int64_t c = 1; c < C; c++) top = s[c * 3] > top ? s[c * 3] : top;
+static float th_ce_lse(const struct ggml_tensor * chunks, int64_t r) {
+    const int64_t C = chunks->ne[2], d = chunks->ne[0] - TH_CE_STATS;
+    float top = th_ce_row(chunks, 0, r)[d];
+    for (int64_t c = 1; c < C; c++) top = th_ce_row(chunks, c, r)[d] > top ? th_ce_row(chunks, c, r)[d] : top;
     float sum = 0.0f;
-    for (int64_t c = 0; c < C; c++) sum += s[c * 3 + 1] * expf(s[c * 3] - top);
+    for (int64_t c = 0; c < C; c++) sum += th_ce_row(chunks, c, r)[d + 1] * expf(th_ce_row(chunks, c, r)[d] - top);
     return top + logf(sum);
 }
 
-/* loss: srcs (stats[, mask]); dst (R,). The target's logit is in its chunk's slot, the others
+/* loss: srcs (chunks[, mask]); dst (R,). The target's logit is in its chunk's slot, the others
  * hold 0, so their sum is that logit exactly. */
 static void th_ce_loss_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
-    const struct ggml_tensor * stats = dst->src[0], * mask = dst->src[1];
-    const int64_t C = stats->ne[1], R = stats->ne[2];
+    const struct ggml_tensor * chunks = dst->src[0], * mask = dst->src[1];
+    const int64_t C = chunks->ne[2], R = chunks->ne[1], d = chunks->ne[0] - TH_CE_STATS;
     int64_t taken = 0, r0, r1;
-    while (th_next_rows(R, C * 3, ith, nth, &taken, &r0, &r1)) {
+    while (th_next_rows(R, C * TH_CE_STATS, ith, nth, &taken, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
-            const float * s = (const float *) stats->data + r * C * 3;
             float target = 0.0f;
-            for (int64_t c = 0; c < C; c++) target += s[c * 3 + 2];
+            for (int64_t c = 0; c < C; c++) target += th_ce_row(chunks, c, r)[d + 2];
             const float m = mask != NULL ? ((const float *) mask->data)[r] : 1.0f;
-            ((float *) dst->data)[r] = m != 0.0f ? (th_ce_lse(s, C) - target) * m : 0.0f;
+            ((float *) dst->data)[r] = m != 0.0f ? (th_ce_lse(chunks, r) - target) * m : 0.0f;
         }
     }
 }
 
-/* partial: srcs (hidden as i32, W, ids, stats, count[, mask]); dst (d, R, C): chunk c's share of
- * dL/dh, its tiles' products summed in order */
-static void th_ce_partial_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) userdata;
-    const struct ggml_tensor * h = dst->src[0], * w = dst->src[1], * ids = dst->src[2], * stats = dst->src[3];
-    const struct ggml_tensor * mask = dst->src[5];
-    const int64_t d = w->ne[0], V = w->ne[1], R = h->ne[1], C = dst->ne[2], cs = th_ce_chunk_size(V, C);
-    const float inv_count = 1.0f / *(const float *) dst->src[4]->data;
-    const int32_t * id = (const int32_t *) ids->data;
-    float * tile = th_ce_scratch((size_t) TH_CE_TILE * d + (size_t) R * (TH_CE_TILE + 2));
-    float * z = tile + TH_CE_TILE * d, * lse = z + R * TH_CE_TILE, * weight = lse + R;
-    for (int64_t r = 0; r < R; r++) {
-        lse[r] = th_ce_lse((const float *) stats->data + r * C * 3, C);
-        weight[r] = (mask != NULL ? ((const float *) mask->data)[r] : 1.0f) * inv_count;
-    }
-    int64_t taken = 0;
-    for (int64_t c; (c = th_next_task(C, ith, nth, &taken)) >= 0;) {
-        float * out = (float *) ((char *) dst->data + c * dst->nb[2]);
-        const int64_t end = (c + 1) * cs < V ? (c + 1) * cs : V;
-        if (c * cs >= end) memset(out, 0, (size_t) (d * R) * sizeof(float));
-        for (int64_t v0 = c * cs; v0 < end; v0 += TH_CE_TILE) {
-            const int64_t n = end - v0 < TH_CE_TILE ? end - v0 : TH_CE_TILE;
-            th_ce_logits(h, w, v0, n, tile, z);
-            for (int64_t r = 0; r < R; r++) {
-                float * zr = z + r * TH_CE_TILE;
-                if (weight[r] == 0.0f) {
-                    memset(zr, 0, (size_t) n * sizeof(float));
-                    continue;
-                }
-                for (int64_t j = 0; j < n; j++) zr[j] = expf(zr[j] - lse[r]) * weight[r];
-                if (id[r] >= v0 && id[r] < v0 + n) zr[id[r] - v0] -= weight[r];
-            }
-            th_frozen_gemm(0, 0, R, d, n, z, TH_CE_TILE, tile, d, v0 == c * cs ? 0.0f : 1.0f, out, d);
-        }
-    }
-}
-
-/* grad: src (partial); dst (d, R): the chunks' partials summed in chunk order */
+/* grad: srcs (chunks, W, ids, count[, mask]); dst (d, R): per row, its chunks' acc, each times
+ * exp(m - lse), summed in chunk order, less the target's row of W; times mask / count */
 static void th_ce_grad_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
-    const struct ggml_tensor * p = dst->src[0];
-    const int64_t d = p->ne[0], R = p->ne[1], C = p->ne[2];
+    const struct ggml_tensor * chunks = dst->src[0], * w = dst->src[1], * ids = dst->src[2], * mask = dst->src[4];
+    const int64_t d = dst->ne[0], R = dst->ne[1], C = chunks->ne[2];
+    const float inv_count = 1.0f / *(const float *) dst->src[3]->data;
+    const int32_t * id = (const int32_t *) ids->data;
+    const int64_t blck = ggml_blck_size(w->type);
+    /* the target's row of W, dequantized whole (a row is whole blocks) */
+    float * target = th_ce_scratch((size_t) ((d + blck - 1) / blck * blck));
     int64_t taken = 0, r0, r1;
     while (th_next_rows(R, d, ith, nth, &taken, &r0, &r1)) {
         for (int64_t r = r0; r < r1; r++) {
-            float * g = (float *) dst->data + r * d;
-            memcpy(g, (const float *) p->data + r * d, (size_t) d * sizeof(float));
-            for (int64_t c = 1; c < C; c++) {
-                const float * pc = (const float *) ((const char *) p->data + c * p->nb[2]) + r * d;
-                for (int64_t k = 0; k < d; k++) g[k] += pc[k];
+            float * g = (float *) ((char *) dst->data + r * dst->nb[1]);
+            const float weight = (mask != NULL ? ((const float *) mask->data)[r] : 1.0f) * inv_count;
+            if (weight == 0.0f) {
+                memset(g, 0, (size_t) d * sizeof(float));
+                continue;
             }
+            const float lse = th_ce_lse(chunks, r);
+            for (int64_t c = 0; c < C; c++) {
+                const float * acc = th_ce_row(chunks, c, r);
+                const float f = expf(acc[d] - lse);
+                if (c == 0) {
+                    for (int64_t k = 0; k < d; k++) g[k] = acc[k] * f;
+                } else {
+                    for (int64_t k = 0; k < d; k++) g[k] += acc[k] * f;
+                }
+            }
+            th_dequantize(w, id[r], 1, 0, d, target);
+            for (int64_t k = 0; k < d; k++) g[k] = (g[k] - target[k]) * weight;
         }
     }
 }
@@ -232,24 +245,22 @@ TH_EXPORT int th_chunked_cross_entropy(struct ggml_context * ctx, struct ggml_te
     C = C < TH_CE_MAX_CHUNKS ? C : TH_CE_MAX_CHUNKS;
     const int64_t cs = th_ce_chunk_size(V, C);
     C = (V + cs - 1) / cs;
-    struct ggml_tensor * args[6] = {h};
+    struct ggml_tensor * args[5] = {h};
     struct ggml_tensor * detached = ggml_custom_4d(ctx, GGML_TYPE_I32, d, R, 1, 1, args, 1, th_ce_detach_op,
                                                    GGML_N_TASKS_MAX, NULL);
     args[0] = detached, args[1] = w, args[2] = ids;
-    struct ggml_tensor * stats = ggml_custom_4d(ctx, GGML_TYPE_F32, 3, C, R, 1, args, 3, th_ce_stats_op,
-                                                GGML_N_TASKS_MAX, NULL);
-    struct ggml_tensor * loss_args[2] = {stats, mask};
+    struct ggml_tensor * chunks = ggml_custom_4d(ctx, GGML_TYPE_F32, d + TH_CE_STATS, R, C, 1, args, 3,
+                                                 th_ce_chunk_op, GGML_N_TASKS_MAX, NULL);
+    struct ggml_tensor * loss_args[2] = {chunks, mask};
     *row_loss = ggml_custom_4d(ctx, GGML_TYPE_F32, R, 1, 1, 1, loss_args, mask != NULL ? 2 : 1, th_ce_loss_op,
                                GGML_N_TASKS_MAX, NULL);
-    args[3] = stats, args[4] = count, args[5] = mask;
-    struct ggml_tensor * partial = ggml_custom_4d(ctx, GGML_TYPE_F32, d, R, C, 1, args, mask != NULL ? 6 : 5,
-                                                  th_ce_partial_op, GGML_N_TASKS_MAX, NULL);
-    *grad = ggml_custom_4d(ctx, GGML_TYPE_F32, d, R, 1, 1, &partial, 1, th_ce_grad_op, GGML_N_TASKS_MAX, NULL);
+    args[0] = chunks, args[1] = w, args[2] = ids, args[3] = count, args[4] = mask;
+    *grad = ggml_custom_4d(ctx, GGML_TYPE_F32, d, R, 1, 1, args, mask != NULL ? 5 : 4, th_ce_grad_op,
+                           GGML_N_TASKS_MAX, NULL);
     *hidden = h;
     ggml_set_name(detached, "chunked_ce.detached");
-    ggml_set_name(stats, "chunked_ce.stats");
+    ggml_set_name(chunks, "chunked_ce.chunks");
     ggml_set_name(*row_loss, "chunked_ce.row_loss");
-    ggml_set_name(partial, "chunked_ce.partial");
     ggml_set_name(*grad, "chunked_ce.grad");
     return 0;
 }

@@ -182,26 +182,8 @@ static int th_cont_ok(const struct ggml_tensor * t) {
 }
 
 /* ---- SILU_BACK: dx = dy * s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) ------------------------
- * ggml calls glibc's scalar expf per element. th_expf is branch-free so the loop vectorises:
- * exp(x) = 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative
- * error below 2e-7 on that interval); x is clamped so that 2^n stays a normal float, and
- * below -87 the result is 0. */
-static inline float th_expf(float x0) {
-    const float x = x0 < -87.0f ? -87.0f : (x0 > 88.0f ? 88.0f : x0);
-    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln2 split hi + lo */
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t) n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof(scale));
-    return x0 < -87.0f ? 0.0f : p * scale; /* exp(-inf) = 0, as a masked softmax needs */
-}
+ * ggml calls glibc's scalar expf per element; th_expf (cpu_kernels.h) is branch-free so the
+ * loop vectorises. */
 
 enum { TH_LANES = 16 };      /* partial sums of a row reduction */
 

@@ -4,6 +4,7 @@
 #define TOYHARNESS_CPU_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "ggml.h"
 
@@ -20,6 +21,27 @@
 static inline int64_t th_next_task(int64_t tasks, int ith, int nth, int64_t * taken) {
     const int64_t task = tasks * ith / nth + (*taken)++;
     return task < tasks * (ith + 1) / nth ? task : -1;
+}
+
+/* exp, branch-free so that a loop of it vectorises (glibc's expf is a scalar call):
+ * exp(x) = 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative
+ * error below 2e-7 on that interval); x is clamped so that 2^n stays a normal float, and
+ * below -87 the result is 0. Inline: each kernel file computes it under its own compile flags. */
+static inline float th_expf(float x0) {
+    const float x = x0 < -87.0f ? -87.0f : (x0 > 88.0f ? 88.0f : x0);
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln2 split hi + lo */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t) n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return x0 < -87.0f ? 0.0f : p * scale; /* exp(-inf) = 0, as a masked softmax needs */
 }
 
 enum { TH_EW_CHUNK = 4096 }; /* elements per task of an elementwise kernel */

@@ -57,7 +57,8 @@ def run(h, w, ids, mask=None, chunked=True, w_dtype="f32", threads=2):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("vocab", [37, 300, 5000])
 def test_loss_and_hidden_gradient_against_float64(w_dtype, masked, vocab):
-    """vocab 37: one partial tile; 300: five chunks, the last short; 5000: 16 chunks of 320"""
+    """vocab 37: one partial tile; 300: two chunks, the second short; 5000: 10 chunks of two
+    256-class tiles"""
     R, d = 14, 24
     h = RNG.normal(size=(R, d)).astype(np.float32)
     w = (RNG.normal(size=(vocab, d)) * 0.5).astype(np.float32)
@@ -73,6 +74,24 @@ def test_loss_and_hidden_gradient_against_float64(w_dtype, masked, vocab):
     assert abs(loss - ref_loss) / ref_loss < 2e-6
     assert rel_err(grad, ref_grad) < 2e-5
     assert not grad[mask == 0].any()      # an uncounted row gets no gradient
+
+
+@pytest.mark.parametrize("w_dtype", ["f32", "f16"])
+def test_a_later_tile_that_raises_the_max_rescales_what_came_before(w_dtype):
+    """Logits that rise along the vocabulary: every tile's max is above the last, so each chunk's
+    running sums are scaled down again and again (the online softmax's rescaling), against float64"""
+    R, d, vocab = 10, 16, 3000
+    h = np.abs(RNG.normal(size=(R, d))).astype(np.float32)
+    w = (np.abs(RNG.normal(size=d)) * np.linspace(0.05, 1.0, vocab)[:, None]).astype(np.float32)
+    ids = RNG.integers(0, vocab, R)
+    ids[0], ids[1] = 0, vocab - 1          # a target in the first tile and one in the last
+    loss, grad, _ = run(h, w, ids, w_dtype=w_dtype)
+    w_seen = w if w_dtype == "f32" else w.astype(np.float16)
+    z = h.astype(np.float64) @ np.asarray(w_seen, np.float64).T
+    assert (np.diff(z, axis=1) > 0).all()      # the premise: each row's logits rise class by class
+    ref_loss, ref_grad = reference(h.astype(np.float64), np.asarray(w_seen, np.float64), ids, np.ones(R))
+    assert abs(loss - ref_loss) / ref_loss < 2e-6
+    assert rel_err(grad, ref_grad) < 2e-5
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -175,6 +194,7 @@ def test_auto_takes_the_chunked_loss_from_gemma3_vocab_on_the_fast_cpu_path():
     fast = get_engine("cpu").program()
     auto, on = SimpleNamespace(chunked_loss="auto"), SimpleNamespace(chunked_loss="on")
     assert use_chunked_loss(auto, 262144, fast) and not use_chunked_loss(auto, CHUNKED_LOSS_VOCAB - 1, fast)
+    assert use_chunked_loss(auto, 151936, fast) and not use_chunked_loss(auto, 128256, fast)  # Qwen3's; Llama 3's
     assert not use_chunked_loss(SimpleNamespace(), 262144, fast)      # a recipe without the option
     portable = portable_program()
     assert not use_chunked_loss(auto, 262144, portable)
