@@ -8,8 +8,9 @@ llama.cpp gives them (native/llamacpp/th_tokenize, from the pinned archive):
 - `gemma3`: a small vocabulary laid out as llama.cpp's converter writes Gemma 3's (model `llama`,
   add_space_prefix false, add_bos true, <pad> <eos> <bos> <unk> <mask> at 0-4, the 256 byte tokens,
   <start_of_turn>/<end_of_turn> control, an <unusedN> control token, an image marker user-defined,
-  runs of spaces and newlines as pieces). No package we may fetch ships Gemma 3's own 262,144-token
-  vocabulary; this one exercises its rules;
+  runs of spaces and newlines as pieces): it exercises the rules of Gemma 3's own 262,144-token
+  vocabulary, which tests/test_realmodel.py checks against llama.cpp on the real file (too large
+  to keep here; fetched by package name);
 - llama.cpp's own vocabularies from the pinned archive's models folder (`VOCABS`: phi-3, qwen2,
   qwen35, llama-spm, llama-bpe, gpt-2, gemma-4), fetched once into the cache by native/build.py;
 - `PRE_VARIANTS`: one of those with another pre-tokenizer written in (gpt-4o: Phi-4-mini's).
