@@ -630,14 +630,18 @@ def attention_values(monkeypatch, how: str, **shape) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("shape", [
+# the fused attention's shapes: tiles whole and partial, grouped heads, no mask
+ATTENTION_SHAPES = [
     dict(b=2, t=64, d=128, n_head=2),                         # one tile, head size 64
     dict(b=3, t=200, d=64, n_head=2),                         # partial tiles, head size 32
     dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # grouped-query heads, head size 16
     dict(b=2, t=37, d=128, n_head=2, causal=False),           # vit's kind: no mask, odd length
     dict(b=1, t=300, d=128, n_head=2, causal=False),
-])
+]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_fused_attention_on_cuda_matches_ggmls_nodes_and_repeats_its_bits(backend, shape, monkeypatch):
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
@@ -705,11 +709,7 @@ def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("shape", [
-    dict(b=2, t=64, d=128, n_head=2),                         # one tile, head size 64
-    dict(b=3, t=200, d=64, n_head=2),                         # partial tiles, head size 32
-    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # grouped-query heads, head size 16
-    dict(b=2, t=37, d=128, n_head=2, causal=False),           # vit's kind: no mask, odd length
-    dict(b=1, t=300, d=128, n_head=2, causal=False),
+    *ATTENTION_SHAPES,
     dict(b=1, t=1024, d=128, n_head=2),                       # gpt2-small's length
 ])
 def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats_its_bits(backend, shape,
