@@ -68,7 +68,11 @@ def test_the_dispatch_edits_apply_once_to_the_pinned_ggml():
     assert edited.count('#include "ggml-cuda/th-custom.cuh"') == 1
     assert edited.count("if (!th_cuda_custom(ctx.stream(), ctx.cublas_handle(), dst))") == 1
     assert edited.count("return th_cuda_custom_supported(op);") == 1
-    assert len(edited.splitlines()) == len(text.splitlines()) + 11   # 3 of them the precision's (test_precision)
+    # the bf16 operand copies' pass over a graph's nodes, begun before the loop and ended after it
+    assert edited.count("th_cuda_graph_begin(cgraph);") == 1 and edited.count("th_cuda_graph_end();") == 1
+    assert edited.index("th_cuda_graph_begin(cgraph);") < edited.index("th_cuda_graph_end();")
+    # 3 of them the precision's (test_precision), 2 the bf16 copies' pass
+    assert len(edited.splitlines()) == len(text.splitlines()) + 13
 
 
 def test_python_asks_for_the_kernels_version_the_native_side_declares():
