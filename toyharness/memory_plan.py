@@ -181,7 +181,6 @@ class Planner:
         ctx = prog._ctx_static
         pending = {int(ffi.cast("uintptr_t", t.ptr)): data for t, data in prog._pending}
         real, fake = [], []
-        placed_before = sum(self.rows.values())
         t = lib.ggml_get_first_tensor(ctx)
         while t != ffi.NULL:
             if lib.th_tensor_data(t) == ffi.NULL:
@@ -193,7 +192,7 @@ class Planner:
                 self.placed.add(name)
             t = lib.ggml_get_next_tensor(ctx, t)
         if real or fake:    # a run allocates them as one buffer (ggml_backend_alloc_ctx_tensors)
-            self.buffers.append(sum(self.rows.values()) - placed_before)
+            self.buffers.append(sum(size for _, size, _ in real + fake))
         for group, is_real in ((real, True), (fake, False)):
             total = sum(size for _, size, _ in group)
             if total == 0:
