@@ -897,7 +897,8 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
     static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
-                                   "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw"};
+                                   "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
+                                   "frozen_mul_mat", "frozen_out_prod"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 7   /* 7: the precision stamp below (issue 32) */
+#define TH_CUDA_KERNELS_VERSION 8   /* 7: the precision stamp below (issue 32); 8: frozen products at bf16 */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -60,7 +60,30 @@ enum {
      * computes every node of the run (in a few launches, where ggml launches one a parameter),
      * walking back through `prev`; the others compute nothing */
     TH_CUDA_ADAMW = 20,
+    /* A frozen weight's products at bf16 (th-frozen.cu; marked by th_cuda_mark_precision, at bf16
+     * only): W (K, N) of another type than f32, as its bf16 values (never an f32 copy);
+     *   FROZEN_MUL_MAT   srcs W, x (K, M) f32;           y (N, M) = x W^T   (ggml's MUL_MAT(W, x))
+     *   FROZEN_OUT_PROD  srcs W, b (M, N) f32 (dy^T);    dx (K, M) = dy W   (ggml's OUT_PROD(W, b)) */
+    TH_CUDA_FROZEN_MUL_MAT = 21, TH_CUDA_FROZEN_OUT_PROD = 22,
 };
+/* Whether `t`, a MUL_MAT (mul_mat true) or OUT_PROD of a frozen weight, has a shape the frozen
+ * bf16 products take: W 2-D, contiguous, of another type than f32; the other operand 2-D f32 with
+ * unit-stride columns (OUT_PROD: or rows: dy^T as a transposed view); an f32 2-D contiguous result;
+ * every size within cuBLAS's int. */
+static inline int th_frozen_product_ok(const struct ggml_tensor * t, int mul_mat) {
+    const struct ggml_tensor * w = t->src[0], * x = t->src[1];
+    if (w == NULL || x == NULL || w->type == GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || t->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(w) || !ggml_is_contiguous(t) || w->ne[2] * w->ne[3] != 1 || x->ne[2] * x->ne[3] != 1 ||
+        t->ne[2] * t->ne[3] != 1 || w->ne[0] > INT32_MAX || w->ne[1] > INT32_MAX || x->ne[0] > INT32_MAX ||
+        x->ne[1] > INT32_MAX || x->nb[0] % sizeof(float) != 0 || x->nb[1] % sizeof(float) != 0) {
+        return 0;
+    }
+    if (mul_mat) {
+        return x->ne[0] == w->ne[0] && t->ne[0] == w->ne[1] && t->ne[1] == x->ne[1] && x->nb[0] == sizeof(float);
+    }
+    return x->ne[1] == w->ne[1] && t->ne[0] == w->ne[0] && t->ne[1] == x->ne[0] &&
+           (x->nb[0] == sizeof(float) || x->nb[1] == sizeof(float));
+}
 typedef struct { struct ggml_tensor * prev, * last; } th_adamw_link;
 static inline th_adamw_link th_adamw_link_of(const struct ggml_tensor * t) {
     th_adamw_link link;

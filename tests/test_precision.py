@@ -17,7 +17,7 @@ from test_backends import needs
 from test_cuda_kernels import native_build
 
 from toyharness import goldens
-from toyharness._ffi import ffi, lib
+from toyharness._ffi import GGML_TYPE_F32, ffi, lib
 from toyharness.engine import get_engine
 from toyharness.engine.program import PRECISION_CODES
 from toyharness.errors import BackendError, InputError
@@ -91,13 +91,54 @@ def test_the_stamp_marks_every_product_and_nothing_else():
     ops = [ffi.string(lib.ggml_op_desc(n)).decode() for n in nodes]
     products = sum(op in ("MUL_MAT", "OUT_PROD") for op in ops)
     assert products >= 2                                     # the forward and w's gradient at least
-    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["tf32"]) == products
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["tf32"], ffi.NULL, 0) == products
     assert [lib.th_cuda_precision_of(n) for n in nodes] == [1 if op in ("MUL_MAT", "OUT_PROD") else 0 for op in ops]
-    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"]) == products
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], ffi.NULL, 0) == products
     assert {lib.th_cuda_precision_of(n) for n, op in zip(nodes, ops) if op == "MUL_MAT"} == {2}
-    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["fp32"]) == products
+    # f32 weights: no product became a frozen one
+    assert [ffi.string(lib.ggml_op_desc(n)).decode() for n in nodes] == ops
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["fp32"], ffi.NULL, 0) == products
     assert {lib.th_cuda_precision_of(n) for n in nodes} == {0}
-    assert lib.th_cuda_mark_precision(graph, 7) == -1
+    assert lib.th_cuda_mark_precision(graph, 7, ffi.NULL, 0) == -1
+
+
+def frozen_training_graph(dtype: str, x_shape: tuple[int, ...] = (4, 16)):
+    """Built on cpu, never computed: y = x W^T of a frozen f16/bf16 W (8, 16), x trainable; the
+    backward graph and its nodes. On cpu (our kernels) W stays in its type, as on cuda at bf16."""
+    prog = get_engine("cpu").program()
+    w = prog.frozen_array("w", RNG.normal(size=(8, 16)), dtype)
+    x = prog.param("x", RNG.normal(size=x_shape).astype(np.float32))
+    y = x.matmul_t(w) if len(x_shape) == 2 else x._new(lib.ggml_mul_mat(x._ctx, w.ptr, x.ptr))
+    graph = prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected").gb_grad
+    return graph, [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_at_bf16_a_frozen_weights_products_become_the_frozen_bf16_kernels(dtype):
+    """The forward MUL_MAT(W, x) and the input gradient OUT_PROD(W, dy^T) of a frozen non-f32 W
+    become FROZEN_MUL_MAT and FROZEN_OUT_PROD (native/cuda/th-frozen.cu: W's bf16 values), stamped
+    bf16; at tf32 they stay ggml's nodes (the cuda graphs then never hold them: Tensor.matmul_t
+    dequantizes W there)."""
+    graph, nodes = frozen_training_graph(dtype)
+    frozen = [n for n in nodes if ffi.string(lib.ggml_op_desc(n)).decode() in ("MUL_MAT", "OUT_PROD")
+              and lib.th_tensor_type(lib.th_tensor_src(n, 0)) != GGML_TYPE_F32]
+    assert sorted(ffi.string(lib.ggml_op_desc(n)).decode() for n in frozen) == ["MUL_MAT", "OUT_PROD"]
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["tf32"], ffi.NULL, 0) > 0
+    assert all(lib.th_cuda_kernel_name(n) == ffi.NULL for n in frozen)
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    names = sorted(ffi.string(lib.th_cuda_kernel_name(n)).decode() for n in frozen)
+    assert names == ["frozen_mul_mat", "frozen_out_prod"]
+    assert {lib.th_cuda_precision_of(n) for n in frozen} == {PRECISION_CODES["bf16"]}
+
+
+def test_a_frozen_product_of_a_shape_the_bf16_kernels_do_not_take_is_refused_by_name():
+    """A batched (3-D) product of a frozen weight: -2 and a line naming the node and the weight,
+    never ggml-cuda's own quantized product in its place."""
+    graph, _ = frozen_training_graph("f16", (2, 4, 16))
+    why = ffi.new("char[512]")
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], why, 512) == -2
+    text = ffi.string(why).decode()
+    assert "of a frozen f16 weight w (ne 16 x 8)" in text and text.startswith(("MUL_MAT", "OUT_PROD")), text
 
 
 def test_the_precision_edits_apply_once_to_the_pinned_ggml():
@@ -190,6 +231,98 @@ def test_the_first_16_losses_repeat_and_agree_with_fp32(recipe, precision):
     print(f"{recipe}@{precision}: largest relative difference to fp32 over 16 steps {rel.max():.3g} "
           f"(step 0: {rel[0]:.3g}); tolerance {2 * UNIT_ROUNDOFF[precision]:.3g}")
     assert rel.max() < 2 * UNIT_ROUNDOFF[precision]
+    assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in fp32["losses"]]
+
+
+@pytest.fixture(scope="module")
+def quantized_bases(tmp_path_factory):
+    """A seeded llama base 256 wide (rows that K-quants fill) in q4_k and q8_0 (ggml's quantizer)."""
+    from toyharness.engine.gguf_io import copy_gguf_as
+    from toyharness.lm import seeded_model_file
+
+    base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512", "seed=3"])
+    folder = tmp_path_factory.mktemp("quantized")
+    return {t: copy_gguf_as(base, folder / f"base-{t}.gguf", t) for t in ("q4_k", "q8_0", "f16", "bf16")}
+
+
+def frozen_product_on_cuda(path, name: str, precision: str, x: np.ndarray, r: np.ndarray):
+    """y = x W^T and dL/dx for L = sum(r * y), W the tensor `name` of `path` uploaded in its type,
+    on cuda at `precision`; and how many frozen bf16 products ran."""
+    from toyharness.engine import GGUFFile
+
+    engine = get_engine("cuda")
+    engine.set_precision(precision)
+    before = lib.th_cuda_frozen_products()
+    try:
+        prog = engine.program()
+        w = prog.frozen_gguf(GGUFFile(path), name)
+        xp = prog.param("x", x)
+        y = xp.matmul_t(w)
+        trainer = prog.trainer(prog.scalar_loss((y * prog.constant("r", r)).sum()), "bias_corrected")
+        trainer.grads_only({})
+        dx = prog.read(trainer.grad_acc["x"]).astype(np.float64)
+        fwd = prog.forward({"y": y}).run({})["y"].astype(np.float64)
+        return fwd, dx, lib.th_cuda_frozen_products() - before
+    finally:
+        engine.set_precision("fp32")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(t, marks=needs("cuda")) for t in ("q4_k", "q8_0", "f16", "bf16")])
+def test_a_frozen_weight_enters_bf16_products_as_its_dequantized_values_rounded_to_bf16(quantized_bases, dtype):
+    """At bf16 a frozen W's forward y = x W^T and input gradient dy W (th-frozen.cu) equal float64's
+    products of W's dequantized values (gguf-py's reading) and the f32 operand, both rounded to
+    nearest bf16, to fp32's summation error plus a few of W's values rounded to the other bf16
+    neighbour (ggml-cuda's dequantizer may fuse d q - m into one FMA where gguf-py rounds twice: a
+    value within an fp32 ulp of a tie, about 2^-16 of them, moves by up to u = 2^-8 of itself, so a
+    sum of k terms by about u/k of its scale; bound 2 u/k). Not the unrounded product (more than
+    0.05 u off), and the same bits run to run."""
+    from toyharness.engine import GGUFFile
+    from toyharness.engine.quant import dequantize
+
+    path, name = quantized_bases[dtype], "blk.0.ffn_down.weight"
+    with GGUFFile(path) as f:
+        info = f.tensor(name)
+        w = dequantize(info.raw_bytes(), info.ggml_type, info.shape).astype(np.float32)
+    k = w.shape[1]
+    x = RNG.normal(size=(48, k)).astype(np.float32)
+    r = RNG.normal(size=(48, w.shape[0])).astype(np.float32)
+    y, dx, ran = frozen_product_on_cuda(path, name, "bf16", x, r)
+    y2, dx2, _ = frozen_product_on_cuda(path, name, "bf16", x, r)
+    assert ran >= 2, "the frozen bf16 products did not run"
+    assert np.array_equal(y, y2) and np.array_equal(dx, dx2), "bits moved run to run"
+    w16, x16, r16 = (round_mantissa(a, 7) for a in (w, x, r))
+    w64, x64, r64 = (a.astype(np.float64) for a in (w, x, r))
+    for what, got, rounded, exact, scale, kk in (
+            ("forward", y, x16 @ w16.T, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, k),
+            ("input gradient", dx, r16 @ w16, r64 @ w64, np.abs(r64) @ np.abs(w64), w.shape[0])):
+        err_rounded = float(np.max(np.abs(got - rounded) / scale))
+        err_exact = float(np.max(np.abs(got - exact) / scale))
+        print(f"frozen {dtype} at bf16, {what}: error against the bf16-rounded operands {err_rounded:.3g}, "
+              f"against the exact product {err_exact:.3g} (relative to sum |a||b|, k = {kk})")
+        assert err_rounded < kk * 2.0**-24 + 2 * UNIT_ROUNDOFF["bf16"] / kk, (what, err_rounded)
+        assert err_exact > 0.05 * UNIT_ROUNDOFF["bf16"], (what, err_exact)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(t, marks=needs("cuda")) for t in ("q4_k", "q8_0")])
+def test_lora_over_a_quantized_base_at_bf16_repeats_and_agrees_with_fp32(dtype):
+    """lora@q4_k and lora@q8_0 golden configs at bf16, the base's products through th-frozen.cu:
+    the same 16 losses' bits run to run, each within 2 u (bf16, 2^-8) of the fp32 run's (the
+    argument of test_the_first_16_losses_repeat_and_agree_with_fp32: now the base's values are
+    rounded to bf16 too, also a relative change of at most u of each product input), not fp32's
+    bits, and the frozen products really ran."""
+    fp32 = goldens.compute(f"lora@{dtype}", "cuda")
+    before = lib.th_cuda_frozen_products()
+    first = goldens.compute(f"lora@{dtype}@bf16", "cuda")
+    ran = lib.th_cuda_frozen_products() - before
+    second = goldens.compute(f"lora@{dtype}@bf16", "cuda")
+    assert ran > 0, "the base's products did not go through the frozen bf16 products"
+    assert goldens.compare(first, second) is None, f"lora@{dtype}@bf16 is not run-to-run deterministic"
+    ours = np.array([x["value"] for x in first["losses"]], np.float64)
+    ref = np.array([x["value"] for x in fp32["losses"]], np.float64)
+    rel = np.abs(ours - ref) / np.abs(ref)
+    print(f"lora@{dtype}@bf16: largest relative difference to fp32 over 16 steps {rel.max():.3g} "
+          f"(step 0: {rel[0]:.3g}); tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}; frozen products run {ran}")
+    assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
     assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in fp32["losses"]]
 
 

@@ -199,12 +199,13 @@ int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_pe
 int64_t th_column_sum_rows(const ggml_tensor * t);
 int th_cuda_rewrite(ggml_cgraph * graph, int attention);
 const char * th_cuda_kernel_name(const ggml_tensor * t);
-int th_cuda_mark_precision(ggml_cgraph * graph, int precision);
+int th_cuda_mark_precision(ggml_cgraph * graph, int precision, char * why, int why_size);
 int th_cuda_precision_of(const ggml_tensor * t);
 int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
 int64_t th_cuda_bf16_copy_bytes(void);
+int64_t th_cuda_frozen_products(void);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
 int th_row_sum_as_sum_rows(ggml_tensor * t);
 int th_lowering_new_tensors(const ggml_cgraph * g, ggml_tensor * repl, ggml_tensor ** out, int max);
@@ -341,7 +342,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 7
+CUDA_KERNELS_VERSION = 8
 
 
 def cuda_kernels_built() -> bool:

@@ -625,6 +625,9 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         }
         case TH_CUDA_ADAMW:
             return th_adamw_supported(op);
+        case TH_CUDA_FROZEN_MUL_MAT:
+        case TH_CUDA_FROZEN_OUT_PROD:
+            return th_frozen_supported(op, th_kernel_of(op));
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:
         case TH_CUDA_ATTN_BWD:
@@ -678,6 +681,9 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
         case TH_CUDA_ADAMW:
             th_adamw(stream, dst);
             return true;
+        case TH_CUDA_FROZEN_MUL_MAT:
+        case TH_CUDA_FROZEN_OUT_PROD:
+            return th_frozen(cublas, dst, th_kernel_of(dst));
         case TH_CUDA_ATTN_FWD:
         case TH_CUDA_ATTN_PREP:
         case TH_CUDA_ATTN_BWD:

@@ -28,3 +28,7 @@ bool th_attention(cudaStream_t stream, ggml_tensor * dst, int kernel);
 // AdamW over a run of parameters (th-adamw.cu): the run's last node computes it, the others nothing
 bool th_adamw_supported(const ggml_tensor * op);
 void th_adamw(cudaStream_t stream, ggml_tensor * dst);
+
+// a frozen weight's products at bf16 (th-frozen.cu): FROZEN_MUL_MAT and FROZEN_OUT_PROD
+bool th_frozen_supported(const ggml_tensor * op, int kernel);
+bool th_frozen(cublasHandle_t cublas, ggml_tensor * dst, int kernel);

@@ -4,6 +4,7 @@
 // th_cuda_precision_before as the node starts; ggml computes a graph's nodes one at a time on
 // one host thread.
 #include "th-precision.cuh"
+#include "convert.cuh"              // ggml_get_to_bf16_cuda: ggml-cuda's dequantizers, bf16 out
 
 #include <cuda_bf16.h>
 
@@ -201,7 +202,8 @@ static void th_to_bf16(cudaStream_t stream, const float * src, const float * con
 struct th_copy {
     int device;
     cudaStream_t stream;
-    const float * src;
+    const float * src;                  // (a frozen weight's data when type is not f32)
+    int type;                           // the source's ggml type: f32, or a frozen weight's
     int rows, cols, ld, count;
     long long stride;
     uintptr_t lo, hi;                   // the source's bytes
@@ -313,6 +315,7 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
+        case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD:
             th_drop_tensor(node);                           // its own bytes only (FOLDED, ROOM: written by others)
             return;
         case TH_CUDA_COLUMN_DOT:                            // and its partial sums, in src 2
@@ -388,8 +391,8 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     }
     if (!inside) return nullptr;
     for (const th_copy & k : th_copies) {
-        if (k.device == th_graph_device && k.stream == stream && k.src == src && k.rows == rows && k.cols == cols &&
-            k.ld == ld && k.count == count && k.stride == stride) {
+        if (k.device == th_graph_device && k.stream == stream && k.src == src && k.type == GGML_TYPE_F32 &&
+            k.rows == rows && k.cols == cols && k.ld == ld && k.count == count && k.stride == stride) {
             th_copy_counts[1]++;
             return (const __nv_bfloat16 *) (th_chunks[k.chunk].ptr + k.off);
         }
@@ -400,7 +403,8 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     if (!th_chunk_alloc(th_graph_device, bytes, &chunk, &off)) return nullptr;
     __nv_bfloat16 * dst = (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
     th_to_bf16(stream, src, nullptr, stride, rows, cols, ld, count, dst);
-    th_copies.push_back({th_graph_device, stream, src, rows, cols, ld, count, stride, lo, hi, chunk, off, bytes});
+    th_copies.push_back({th_graph_device, stream, src, GGML_TYPE_F32, rows, cols, ld, count, stride, lo, hi, chunk, off,
+                         bytes});
     th_copy_counts[0]++;
     return dst;
 }
@@ -447,6 +451,70 @@ static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cubla
     }
     return cublasGemmEx(h, ta, tb, m, n, k, alpha, a_use, CUDA_R_16BF, a_rows, b_use, CUDA_R_16BF, b_rows, beta, c,
                         CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+// --- bf16: products of a frozen weight (a LoRA base) --------------------------------------------
+// A frozen weight W of another type than f32 (f16, bf16, quantized; ggml ne [K, N], contiguous)
+// enters a bf16 product as its bf16 values, never as an f32 copy: ggml-cuda's dequantizer of its
+// type with bf16 output (each value computed in fp32 as ggml's to-float computes it, then rounded
+// to nearest even); a bf16 W is used in place. Within a graph pass W's copy is kept as an
+// operand's is (the forward's product and the input gradient's share it): W is frozen, but its
+// copy goes like any other with an optimizer step or a node not known to write only its own bytes.
+static const __nv_bfloat16 * th_weight_kept(cudaStream_t stream, const ggml_tensor * w) {
+    if (th_node == nullptr) return nullptr;
+    const float * key = (const float *) w->data;
+    const int rows = (int) w->ne[0], cols = (int) w->ne[1];
+    for (const th_copy & k : th_copies) {
+        if (k.device == th_graph_device && k.stream == stream && k.src == key && k.type == (int) w->type &&
+            k.rows == rows && k.cols == cols) {
+            th_copy_counts[1]++;
+            return (const __nv_bfloat16 *) (th_chunks[k.chunk].ptr + k.off);
+        }
+    }
+    const size_t bytes = ((size_t) ggml_nelements(w) * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
+    int chunk = 0;
+    size_t off = 0;
+    if (!th_chunk_alloc(th_graph_device, bytes, &chunk, &off)) return nullptr;
+    __nv_bfloat16 * dst = (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
+    ggml_get_to_bf16_cuda(w->type)(w->data, dst, ggml_nelements(w), stream);
+    const uintptr_t lo = (uintptr_t) w->data;
+    th_copies.push_back({th_graph_device, stream, key, (int) w->type, rows, cols, rows, 1, 0, lo, lo + ggml_nbytes(w),
+                         chunk, off, bytes});
+    th_copy_counts[0]++;
+    return dst;
+}
+
+bool th_frozen_type_ok(const ggml_type type) {
+    return type == GGML_TYPE_BF16 || (type != GGML_TYPE_F32 && ggml_get_to_bf16_cuda(type) != nullptr);
+}
+
+cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cublasOperation_t tw, cublasOperation_t tb,
+                                   int m, int n, int k, const float * b, int b_rows, int b_cols, int ldb, float * c,
+                                   int ldc) {
+    cudaStream_t stream = nullptr;
+    if (cublasGetStream(h, &stream) != CUBLAS_STATUS_SUCCESS) return CUBLAS_STATUS_INTERNAL_ERROR;
+    if (!th_frozen_type_ok(w->type)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    const size_t w_size = (size_t) ggml_nelements(w), b_size = (size_t) b_rows * b_cols;
+    const __nv_bfloat16 * w16 = w->type == GGML_TYPE_BF16 ? (const __nv_bfloat16 *) w->data : th_weight_kept(stream, w);
+    const __nv_bfloat16 * b16 = th_copy_of(stream, b, 0, b_rows, b_cols, ldb, 1);
+    const size_t w_bytes = w16 != nullptr ? 0 : (w_size * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
+    char * scratch = (char *) th_scratch_for(w_bytes + (b16 != nullptr ? 0 : b_size * sizeof(__nv_bfloat16)) + 512);
+    if (scratch == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
+    if (w16 == nullptr) {                       // not kept (no reuse, or no memory for it): into scratch
+        ggml_get_to_bf16_cuda(w->type)(w->data, (__nv_bfloat16 *) scratch, (int64_t) w_size, stream);
+        th_copy_counts[0]++;
+        w16 = (const __nv_bfloat16 *) scratch;
+    }
+    if (b16 == nullptr) {
+        __nv_bfloat16 * dst = (__nv_bfloat16 *) (scratch + w_bytes);
+        th_to_bf16(stream, b, nullptr, 0, b_rows, b_cols, ldb, 1, dst);
+        th_copy_counts[0]++;
+        b16 = dst;
+    }
+    if (cudaGetLastError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+    const float alpha = 1.0f, beta = 0.0f;
+    return cublasGemmEx(h, tw, tb, m, n, k, &alpha, w16, CUDA_R_16BF, (int) w->ne[0], b16, CUDA_R_16BF, b_rows, &beta,
+                        c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 cublasStatus_t th_cublas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,

@@ -207,6 +207,10 @@ class Program:
         # the precision of this program's matrix products (Engine.set_precision): on cuda each
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
         self.precision = engine.precision
+        # At bf16 on cuda a frozen weight (a LoRA base: f16, bf16, quantized) stays in its type in
+        # the graph and its products are ours (native/cuda/th-frozen.cu): its values enter them as
+        # bf16, dequantized by ggml-cuda's converters, with no f32 copy of it (Tensor.matmul_t)
+        self.frozen_bf16 = self.cuda_kernels and self.precision == "bf16"
         self.last_compute_s = 0.0
         # Set while a memory plan is made (toyharness/memory_plan.py): persistent tensors and graph
         # buffers are then measured, never allocated, and parameter values are never copied.
@@ -669,8 +673,14 @@ class Program:
                                    "could not follow its fused forward, or the graph holds a node another one "
                                    "writes but not that one (native/cuda_rewrite.c, th_cuda_rewrite): "
                                    "not computed")
-            if self.precision != "fp32" and lib.th_cuda_mark_precision(graph, PRECISION_CODES[self.precision]) < 0:
-                raise BackendError(f"precision {self.precision}: not known to native/cuda_precision.c")
+            if self.precision != "fp32":
+                why = ffi.new("char[512]")
+                marked = lib.th_cuda_mark_precision(graph, PRECISION_CODES[self.precision], why, 512)
+                if marked == -2:
+                    raise BackendError(f"precision {self.precision}: the frozen bf16 products (native/cuda/"
+                                       f"th-frozen.cu) do not take {ffi.string(why).decode()}")
+                if marked < 0:
+                    raise BackendError(f"precision {self.precision}: not known to native/cuda_precision.c")
             # after the rewrites: every node as the backend's dispatch will see it (ours included)
             self._check_supported(graph)
             self._gemm_rewritten.add(graph)

@@ -241,8 +241,10 @@ class Tensor:
         dequantized values, never with quantized activations (what ggml's own product does): on
         cpu the kernels of native/frozen_matmul.c take the product and its input gradient (in
         the portable mode, those of native/portable_kernels.c, through our own dequantization);
-        on other backends (and with TOYHARNESS_CPU_KERNELS=0) a GET_ROWS of all its rows
-        dequantizes `w` into the graph first (an f32 copy of `w` in the compute buffer).
+        on cuda at precision bf16, `w` stays in its type and the product and its input gradient are
+        ours (native/cuda/th-frozen.cu: `w` dequantized to bf16, never to f32); on other backends
+        (and with TOYHARNESS_CPU_KERNELS=0) a GET_ROWS of all its rows dequantizes `w` into the
+        graph first (an f32 copy of `w` in the compute buffer).
         """
         self._same_program(w)
         if w.ndim != 2 or w.shape[1] != self.shape[-1]:
@@ -251,7 +253,7 @@ class Tensor:
         if w.type != GGML_TYPE_F32:
             if not lib.th_frozen_type_ok(w.type):
                 raise ShapeError(f"linear: weight {w!r} has a type no frozen product takes")
-            if not (self.prog.cpu_kernels or self.prog.portable):
+            if not (self.prog.cpu_kernels or self.prog.portable or self.prog.frozen_bf16):
                 w = w.dequantized()
         lead = self.shape[:-1]
         x2 = self.reshape(-1, self.shape[-1]) if self.ndim != 2 else self
