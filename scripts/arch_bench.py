@@ -40,7 +40,12 @@ REAL_SIZES = {
 
 
 def real_size_base(arch: str, dtype: str) -> Path:
-    name, kw = REAL_SIZES[arch]
+    return seeded_base(REAL_SIZES[arch][1], dtype)
+
+
+def seeded_base(kw: dict, dtype: str) -> Path:
+    """A base of `example_shape(**kw)` (seeded, std 0.02) in type `dtype`, kept in the cache."""
+    arch = kw["arch"]
     key = hashlib.sha256(repr((kw, dtype)).encode()).hexdigest()[:12]
     path = cache_root() / "models" / f"{arch}-real-size-{key}.{dtype}.gguf"
     if not path.is_file():

@@ -7,6 +7,7 @@
 #   scripts/gpu_precision.sh OUT_DIR [build] [check] [goldens] [agree600] [bench-fp32] [bench-tf32] [bench-bf16]
 #                                    [attention] [goldens-bf16] [goldens-kept] [profile-bf16]
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
+#                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -16,6 +17,11 @@
 # copies' test (tests/test_precision.py, the bits with and without reuse); profile-bf16-noreuse:
 # ours alone with TOYHARNESS_BF16_REUSE=0 (every product converts its operands, as before);
 # profile-bf16-ours: ours alone, reuse on (the two side by side in one run).
+# frozen: the frozen bases' bf16 products (th-frozen.cu) against float64, and lora over a q4_k and
+# a q8_0 base at bf16 against fp32 (tests/test_precision.py); goldens-frozen-bf16: record and check
+# lora@q4_k@bf16 and lora@q8_0@bf16; bench-lora-P: LoRA over issue 32's Llama-3.2-1B-shaped Q4_K base
+# (scripts/lora_bench_base.py; t_seq 1024 x 4, targets q,k,v,o, rank 16) beside transformers at P
+# (its base dequantized to bf16 for bf16), eager, each side's GPU memory as the driver counts it.
 #
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
@@ -29,6 +35,7 @@ log="$out/precision.log"
 source "$(dirname "$0")/gpu_env.sh"
 status=0
 PRECISION_RECIPES=(gpt2 llama lora vit_tiny warm_start)
+FROZEN_BF16=(lora@q4_k@bf16 lora@q8_0@bf16)      # LoRA over quantized bases (th-frozen.cu)
 
 if [[ $phases == *" build "* ]]; then build_cuda; fi
 
@@ -61,9 +68,34 @@ fi
 if [[ $phases == *" goldens-bf16-check "* ]]; then
     names=()
     for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@bf16"); done
+    for r in "${FROZEN_BF16[@]}"; do [[ -f goldens/cuda-sm90/$r.yml ]] && names+=("$r"); done
     step "the @bf16 cuda goldens keep their bits (checked, not recorded)"
     toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
 fi
+
+if [[ $phases == *" frozen "* ]]; then
+    step "frozen bases at bf16: their products against float64, lora over q4_k and q8_0 against fp32"
+    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py -k "frozen or quantized_base" \
+        >"$out/frozen.log" 2>&1 || status=1
+    grep -E "^frozen|^lora@|passed|failed|FAILED|ERROR|skipped|SKIPPED" "$out/frozen.log" | tail -40 | tee -a "$log"
+fi
+
+if [[ $phases == *" goldens-frozen-bf16 "* ]]; then
+    step "bf16 goldens of lora over quantized bases: record, then check (a second run must give the same bits)"
+    toyharness golden record "${FROZEN_BF16[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden check "${FROZEN_BF16[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    tar cf "$out/goldens_frozen_bf16.tar" goldens/cuda-*/lora@q*@bf16.yml 2>>"$log"
+fi
+
+for precision in bf16 fp32; do
+    [[ $phases == *" bench-lora-$precision "* ]] || continue
+    step "bench: lora over the Llama-3.2-1B-shaped Q4_K base, precision $precision, beside transformers (eager)"
+    base=$(python3 scripts/lora_bench_base.py --type q4_k 2>>"$log") || { status=1; continue; }
+    ls -l "$base" | tee -a "$log"
+    toyharness bench lora --backend cuda --precision "$precision" --torch-modes eager --steps 10 --warmup 2 \
+        --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 \
+        --out "$out/bench_lora_${precision}.json" 2>&1 | tee -a "$log" || status=1
+done
 
 if [[ $phases == *" reuse "* ]]; then
     step "bf16 operand copies reused within a graph: the losses' bits with and without reuse"

@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .device_memory import PeakDeviceMemory
+
 N_BATCHES = 8          # distinct batches cycled through (same ones on both sides)
 # Pause before each block of steps: OpenMP threads of the side that just ran spin-wait for a
 # while after their last parallel region; on 2 cores they would steal the other side's time.
@@ -200,6 +202,7 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
     conn.send({"items": items_per_batch(data, opts), "batches": batches, "params": params,
                "cfg": cfg, "fingerprint": engine.fingerprint(), "options": opts.to_dict()})
     step = step_timer(pm, opts, model, batches)
+    device = PeakDeviceMemory() if backend == "cuda" else None
 
     def timed_step() -> tuple[float, float | None]:
         """One step's ms, and the ms of it spent outside the ggml graph compute (None without a
@@ -210,7 +213,10 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
     while True:
         cmd, n = conn.recv()
         if cmd == "steps":
-            conn.send([timed_step() for _ in range(n)])
+            times = [timed_step() for _ in range(n)]
+            if device is not None:
+                device.sample()
+            conn.send(times)
         else:
             # Counted after the steps: the first compute swaps in the cpu kernels, and the
             # centring products then no longer multiply.
@@ -219,7 +225,12 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
                 g = trainer.gb_opt
                 nodes = (lib.ggml_graph_node(g, i) for i in range(lib.ggml_graph_n_nodes(g)))
                 flops = sum(lib.th_node_matmul_flops(node) for node in nodes)
-            conn.send({"peak_rss_mb": _peak_rss_mb(), "flops": flops})
+            done = {"peak_rss_mb": _peak_rss_mb(), "flops": flops}
+            if device is not None:
+                done["device_mb"] = device.peak_mb
+                if opts.precision == "bf16":     # of which the bf16 copies' memory (th-precision.cu)
+                    done["bf16_copies_mb"] = lib.th_cuda_bf16_copy_bytes() / 2**20
+            conn.send(done)
             return
 
 
@@ -366,17 +377,24 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict, m
     from . import reference
 
     torch.set_num_threads(threads)
-    autocast = torch_precision_setup(torch, payload["options"].get("precision", "fp32"))
+    precision = payload["options"].get("precision", "fp32")
+    autocast = torch_precision_setup(torch, precision)
     dev = torch.device(device)
+    device_memory = PeakDeviceMemory() if dev.type == "cuda" else None
     base = payload["cfg"].get("base")
+    # bf16: the frozen base dequantized to bf16 (as transformers + PEFT users load it), the
+    # adapters fp32 master weights under bf16 autocast, as ours
+    base_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     forward, loss_fn, cfg = reference.MODELS[recipe], reference.LOSSES[recipe], payload["cfg"]
     if base and not plain_llama(base):
         # a base of another architecture (or with rope scaling): transformers' model of it, with the
-        # adapters wrapped in (toyharness/architectures/hf.py)
+        # adapters wrapped in (toyharness/architectures/hf.py); in bf16 with PyTorch's fused
+        # attention (SDPA), transformers' default, in fp32/tf32 the eager attention of the parity tests
         from .architectures.hf import add_lora, hf_model
 
-        model = hf_model(base).to(dev)
+        model = hf_model(base, attention="sdpa" if precision == "bf16" else "eager").to(dtype=base_dtype)
         adapters = add_lora(model, base, payload["params"], payload["options"]["alpha"] / payload["options"]["rank"])
+        model.to(dev)                 # the adapters too (made on the host), each keeping its dtype
         trainable, P = list(adapters.values()), {}
 
         def forward(P, batch, cfg):      # noqa: F811 (the reference's own for every other case)
@@ -384,7 +402,7 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict, m
     else:
         P = {n: torch.tensor(a, device=dev, requires_grad=True) for n, a in payload["params"].items()}
         if base:
-            P.update({n: torch.from_numpy(a).to(dev) for n, a in base_arrays(base).items()})
+            P.update({n: torch.from_numpy(a).to(dev, base_dtype) for n, a in base_arrays(base).items()})
         trainable = [p for p in P.values() if p.requires_grad]
     opts = payload["options"]
     kw = {"lr": 1e-3, "betas": (0.9, opts.get("beta2", 0.999)), "eps": 1e-8,
@@ -427,10 +445,13 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict, m
                 one_step(batches[step % N_BATCHES])
                 times.append((time.perf_counter() - t0) * 1e3)
                 step += 1
+            if device_memory is not None:
+                device_memory.sample()
             conn.send(times)
         else:
             peak = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None
-            conn.send({"peak_rss_mb": _peak_rss_mb(), "device_peak_mb": peak})
+            conn.send({"peak_rss_mb": _peak_rss_mb(), "device_peak_mb": peak,
+                       "device_mb": device_memory.peak_mb if device_memory is not None else None})
             return
 
 
@@ -523,9 +544,11 @@ def _ask(conn, what):
 
 
 def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int = 20, warmup: int = 3,
-                 round_steps: int = 5, torch_device: str | None = None, sets: list[str] | None = None) -> Result:
+                 round_steps: int = 5, torch_device: str | None = None, sets: list[str] | None = None,
+                 torch_modes: tuple[str, ...] | None = None) -> Result:
     """One recipe side by side: toyharness and PyTorch at the options' precision (one PyTorch worker
-    per TORCH_MODES entry: for bf16, torch.compile and eager), in alternating rounds."""
+    per mode: `torch_modes`, default the precision's TORCH_MODES, for bf16 torch.compile and
+    eager), in alternating rounds."""
     ctx = mp.get_context("spawn")
     gproc, g = _spawn(ctx, _ggml_worker, recipe, backend, threads, list(sets or []))
     procs = []
@@ -533,7 +556,7 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
         info = _reply(g, "start")
         device = torch_device or ("cuda" if backend == "cuda" else "cpu")
         payload = {k: info[k] for k in ("params", "cfg", "batches", "options")}
-        modes = TORCH_MODES[info["options"].get("precision", "fp32")]
+        modes = tuple(torch_modes or TORCH_MODES[info["options"].get("precision", "fp32")])
         sides = [g]
         for mode in modes:
             proc, conn = _spawn(ctx, _torch_worker, recipe, device, threads, payload, mode)
@@ -582,7 +605,15 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
     if trips and None not in trips:
         extra["cpu_round_trip_ns"] = trips
     if others[0].get("device_peak_mb") is not None:
-        extra["torch_device_peak_mb"] = round(others[0]["device_peak_mb"], 1)
+        extra["torch_device_peak_mb"] = round(others[0]["device_peak_mb"], 1)   # its allocator's peak
+    # each process's memory on the GPU as the driver counts it (toyharness/device_memory.py)
+    if mine.get("device_mb") is not None:
+        extra["device_mb"] = round(mine["device_mb"], 1)
+    if mine.get("bf16_copies_mb") is not None:
+        extra["bf16_copies_mb"] = round(mine["bf16_copies_mb"], 1)
+    for mode, other in zip(modes, others):
+        if other.get("device_mb") is not None:
+            extra["torch_device_mb" if mode == modes[0] else f"torch_{mode}_device_mb"] = round(other["device_mb"], 1)
     return Result(recipe, ms, statistics.median(theirs[0]), info["items"], item, mine["peak_rss_mb"],
                   others[0]["peak_rss_mb"], gflops, overhead, _short_config(info["options"]), extra)
 

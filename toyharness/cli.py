@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the matrix products' precision on both sides (cuda): fp32 (default; PyTorch eager with "
                         "TF32 off), tf32 (PyTorch eager with TF32 on), bf16 (PyTorch bf16 autocast with "
                         "torch.compile, and eager: both reported)")
+    b.add_argument("--torch-modes", metavar="MODES",
+                   help="PyTorch's sides, comma-separated, the first the speedup's: eager, compile (default: eager; "
+                        "for bf16 compile,eager)")
     b.add_argument("--out", help="where to write the results (default runs/bench-<fingerprint>[-<size>].json: "
                                  "under runs/, which git ignores, one file per build and size)")
     b.add_argument("--profile", action="store_true",
@@ -332,6 +335,10 @@ def cmd_bench(args) -> int:
           f"{'torch RSS':>10}{'GFLOP/s':>9}{'ceiling':>8}{'host':>7}"
     size = "" if args.size == "default" else f", size {args.size}"
     modes = bench.TORCH_MODES[args.precision]
+    if args.torch_modes:
+        modes = tuple(m.strip() for m in args.torch_modes.split(",") if m.strip())
+        if not modes or any(m not in ("eager", "compile") for m in modes) or len(set(modes)) != len(modes):
+            raise InputError(f"--torch-modes {args.torch_modes}: name eager and/or compile, each once")
     torch_side = " and ".join(f"PyTorch {m}" for m in modes) + ("" if args.precision == "fp32" else " (the first "
                                                                   "is PyTorch's column)")
     print(f"{args.backend}, {threads} threads{size}{build_line(args.backend)}, precision {args.precision} "
@@ -341,7 +348,7 @@ def cmd_bench(args) -> int:
     print(hdr)
     for name in names:
         r = bench.bench_recipe(name, args.backend, threads, args.steps, args.warmup, torch_device=args.torch_device,
-                               sets=sets[name])
+                               sets=sets[name], torch_modes=modes)
         doc = results[name] = r.to_json(ceiling)
         gf = f"{r.gflops:9.1f}" if r.gflops else f"{'-':>9}"
         ceil = f"{doc['ceiling_pct']:7.0f}%" if "ceiling_pct" in doc else f"{'-':>8}"
@@ -351,6 +358,12 @@ def cmd_bench(args) -> int:
         for mode in modes[1:]:
             print(f"  PyTorch {mode}: {doc[f'torch_{mode}_ms_per_step']:.2f} ms, "
                   f"speedup {doc[f'speedup_vs_torch_{mode}']:.2f}x")
+        if "device_mb" in doc or "torch_device_mb" in doc:
+            gib = {k: f"{doc[k] / 1024:.2f} GiB" if doc.get(k) is not None else "-"
+                   for k in ("device_mb", "bf16_copies_mb", "torch_device_mb", "torch_device_peak_mb")}
+            print(f"  GPU memory (the driver's, per process): toyharness {gib['device_mb']}"
+                  + (f" (bf16 copies {gib['bf16_copies_mb']})" if "bf16_copies_mb" in doc else "")
+                  + f", PyTorch {gib['torch_device_mb']} (its allocator's peak {gib['torch_device_peak_mb']})")
         drift = r.drift()
         if drift:
             spans = ", ".join(f"{side} rounds {lo:.2f}-{hi:.2f} ms" for side, (lo, hi) in drift.items())

@@ -28,15 +28,16 @@ class LoRALinear(torch.nn.Module):
         return self.base(x) + self.scale * torch.nn.functional.linear(torch.nn.functional.linear(x, self.a), self.b)
 
 
-def hf_model(base: str | Path, config_overrides: dict | None = None) -> torch.nn.Module:
+def hf_model(base: str | Path, config_overrides: dict | None = None, attention: str = "eager") -> torch.nn.Module:
     """transformers' model of the base's architecture, its weights the file's dequantized by gguf-py,
-    frozen, eager attention, float32."""
+    frozen, float32; `attention` is transformers' attention implementation (eager, the parity
+    tests'; sdpa, its default, for the bf16 bench)."""
     model_file = read_model(base)
     arch, s = model_file.arch, model_file.shape
     with GGUFFile(base) as f:
         weights = {n: f.tensor(n).to_numpy() for n in f.names}
     cfg = getattr(transformers, arch.hf_config_class)(**(arch.hf_config(s) | (config_overrides or {})))
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attention
     model = getattr(transformers, arch.hf_class)(cfg).float().eval()
     state = {k: torch.tensor(v) for k, v in arch.hf_weights(weights, s).items()}
     if "lm_head.weight" not in state:
