@@ -44,8 +44,8 @@ def kernel_table(prof, title: str, rows: int) -> None:
         print(f"{ms:8.2f} ms {count:5d}x  {name[:110]}")
 
 
-def ours(recipe: str, size: str, rows: int, precision: str) -> None:
-    sets = size_sets(recipe, size, [f"precision={precision}"])
+def ours(recipe: str, size: str, rows: int, precision: str, extra: list[str] | None = None) -> None:
+    sets = size_sets(recipe, size, [*(extra or []), f"precision={precision}"])
     pm, opts, data, engine, model = realize_for_bench(recipe, "cuda", 4, sets)
 
     def step(i: int) -> None:
@@ -100,11 +100,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rows", type=int, default=30, help="kernels listed (largest first)")
     ap.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32", help="both sides' precision")
     ap.add_argument("--torch-compile", action="store_true", help="PyTorch's forward and loss under torch.compile")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option of ours (e.g. lora's base); PyTorch's side does not take it")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("cuda_kernels.py: PyTorch sees no cuda device", file=sys.stderr)
         return 2
-    ours(args.recipe, args.size, args.rows, args.precision)
+    ours(args.recipe, args.size, args.rows, args.precision, args.set)
     if args.precision == "bf16":
         from toyharness._ffi import ffi, lib
 

@@ -8,6 +8,7 @@
 #                                    [attention] [goldens-bf16] [goldens-kept] [profile-bf16]
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
+#                                    [profile-lora-bf16]
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -96,6 +97,14 @@ for precision in bf16 fp32; do
         --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 \
         --out "$out/bench_lora_${precision}.json" 2>&1 | tee -a "$log" || status=1
 done
+
+if [[ $phases == *" profile-lora-bf16 "* ]]; then
+    step "a bf16 LoRA step over the Llama-3.2-1B-shaped Q4_K base by kernel, ours only"
+    base=$(python3 scripts/lora_bench_base.py --type q4_k 2>>"$log") || status=1
+    python3 scripts/cuda_kernels.py lora default --precision bf16 --rows 45 --set "base=$base" --set t_seq=1024 \
+        --set t_batch=4 --set targets=q,k,v,o --set rank=16 >"$out/profile_lora_bf16.txt" 2>&1 || status=1
+    grep "^==" "$out/profile_lora_bf16.txt" | tee -a "$log"
+fi
 
 if [[ $phases == *" reuse "* ]]; then
     step "bf16 operand copies reused within a graph: the losses' bits with and without reuse"

@@ -3,7 +3,8 @@
 A base (lora) or donor (warm_start) is a llama.cpp GGUF as people have them. Its matrices keep
 their file type, mmap'd and used in place on cpu (uploaded as they are elsewhere); the products
 they take part in compute in f32 from the dequantized weights (native/frozen_matmul.c on cpu;
-elsewhere a GET_ROWS that dequantizes into the graph, `Tensor.matmul_t`). The types are those of
+elsewhere a GET_ROWS that dequantizes into the graph, `Tensor.matmul_t`), or on cuda at precision
+bf16 as bf16 from ggml-cuda's dequantizers (native/cuda/th-frozen.cu). The types are those of
 llama.cpp's common quantize presets: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
 Q6_K. Any other type is refused before ggml sees it, naming the file, the tensor and the type.
 
