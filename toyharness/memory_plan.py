@@ -459,9 +459,10 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
     plan.free, plan.free_what = free_memory(engine)
     if engine.backend == "cuda" and getattr(options, "precision", "fp32") == "bf16":
         # sized by what the products convert as the step runs (native/cuda/th-precision.cu)
-        plan.not_counted.append("bf16 copies of the products' operands (kept for reuse within a step: "
-                                "2 GiB at gpt2-small, native/README.md, Precision; with "
-                                "TOYHARNESS_BF16_REUSE=0 one scratch buffer of the largest pair)")
+        plan.not_counted.append("bf16 copies of the products' operands, a frozen base's bf16 values among "
+                                "them (kept for reuse within a step: 2 GiB at gpt2-small, 4 GiB for LoRA over "
+                                "a 1B base, native/README.md, Precision; with TOYHARNESS_BF16_REUSE=0 one "
+                                "scratch buffer of the largest pair)")
     return plan
 
 
