@@ -288,7 +288,8 @@ CUDA_DISPATCH_EDITS = (
     ("static bool ggml_cuda_compute_forward(ggml_backend_cuda_context & ctx, struct ggml_tensor * dst) {\n",
      "    if (th_calls_cublas(dst)) th_cuda_precision_before(ctx.cublas_handle(), dst);  // toyharness\n", "after"),
     # the bf16 copies of the products' operands live for one pass over a graph's nodes
-    ("            for (int i = 0; i < cgraph->n_nodes; i++) {\n                ggml_tensor * node = cgraph->nodes[i];\n",
+    ("            for (int i = 0; i < cgraph->n_nodes; i++) {\n"
+     "                ggml_tensor * node = cgraph->nodes[i];\n",
      "            th_cuda_graph_begin(cgraph);  // toyharness\n", "before"),
     ("                if (!is_concurrent_event_active) {\n                    try_launch_concurrent_event(node);\n"
      "               }\n            }\n",
