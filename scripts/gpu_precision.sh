@@ -37,6 +37,12 @@ source "$(dirname "$0")/gpu_env.sh"
 status=0
 PRECISION_RECIPES=(gpt2 llama lora vit_tiny warm_start)
 FROZEN_BF16=(lora@q4_k@bf16 lora@q8_0@bf16)      # LoRA over quantized bases (th-frozen.cu)
+# tests_phase LOG FILE K GREP: the tests of FILE selected by -k K, their output in OUT/LOG, the lines
+# matching GREP (the last 80) in the phases' log
+tests_phase() {
+    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider "$2" -k "$3" >"$out/$1" 2>&1 || status=1
+    grep -E "$4" "$out/$1" | tail -80 | tee -a "$log"
+}
 
 if [[ $phases == *" build "* ]]; then build_cuda; fi
 
@@ -52,9 +58,7 @@ fi
 
 if [[ $phases == *" attention "* ]]; then
     step "fused attention on cuda: fp32 against ggml's nodes, bf16 (tensor cores) against float64"
-    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_cuda_kernels.py -k attention \
-        >"$out/attention.log" 2>&1 || status=1
-    grep -E "bf16 attention|passed|failed|FAILED|ERROR" "$out/attention.log" | tail -80 | tee -a "$log"
+    tests_phase attention.log tests/test_cuda_kernels.py attention "bf16 attention|passed|failed|FAILED|ERROR"
 fi
 
 if [[ $phases == *" goldens-bf16 "* ]]; then
@@ -76,9 +80,8 @@ fi
 
 if [[ $phases == *" frozen "* ]]; then
     step "frozen bases at bf16: their products against float64, lora over q4_k and q8_0 against fp32"
-    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py -k "frozen or quantized_base" \
-        >"$out/frozen.log" 2>&1 || status=1
-    grep -E "^frozen|^lora@|passed|failed|FAILED|ERROR|skipped|SKIPPED" "$out/frozen.log" | tail -40 | tee -a "$log"
+    tests_phase frozen.log tests/test_precision.py "frozen or quantized_base" \
+        "^frozen|^lora@|passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
 if [[ $phases == *" goldens-frozen-bf16 "* ]]; then
@@ -108,9 +111,7 @@ fi
 
 if [[ $phases == *" reuse "* ]]; then
     step "bf16 operand copies reused within a graph: the losses' bits with and without reuse"
-    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py -k "reuse or edits" \
-        >"$out/reuse.log" 2>&1 || status=1
-    grep -E "@bf16: operands|passed|failed|FAILED|ERROR|skipped|SKIPPED" "$out/reuse.log" | tail -40 | tee -a "$log"
+    tests_phase reuse.log tests/test_precision.py "reuse or edits" "@bf16: operands|passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
 if [[ $phases == *" profile-bf16-ours "* ]]; then
