@@ -77,10 +77,13 @@ static int th_operand(const struct ggml_tensor * t, int want_transposed, int * t
  *   MUL_MAT  dst = b_view   . a_view^T   (a: N x K, b: M x K)
  *   OUT_PROD dst = b_view^T . a_view     (a: K x N, b: K x M)
  * With K = 1 (our bias broadcast: ones(rows, 1) @ b) it is an outer product, written directly:
- * the same bits as sgemm's 0 + 1 * (x * y), without its zeroing pass and call overhead. */
-static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
-                       int ith, int nth, void * userdata) {
-    const int out_prod = userdata != NULL;
+ * the same bits as sgemm's 0 + 1 * (x * y), without its zeroing pass and call overhead.
+ * `addend` (th_gemm_add_op, NULL otherwise): added to each block of output rows as soon as the
+ * block is made, while it is in cache: a contiguous tensor of dst's size (element for element),
+ * or with `bias` one row of N added to every row. The same one rounding per element as the ADD
+ * it replaces (float addition commutes). */
+static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                        int out_prod, const struct ggml_tensor * addend, int bias, int ith, int nth) {
     int ta, lda, tb, ldb;
     th_operand(b, out_prod, &tb, &ldb);
     th_operand(a, !out_prod, &ta, &lda);
@@ -107,11 +110,33 @@ static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, c
                 float * c = pc + i * ldc;
                 for (int64_t j = 0; j < N; j++) c[j] = x * *(const float *) (pa + j * sa);
             }
-            continue;
+        } else {
+            th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) N, (int) K, 1.0f, (const float *) pb, ldb,
+                     (const float *) pa, lda, 0.0f, pc, ldc);
         }
-        th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) N, (int) K, 1.0f, (const float *) pb, ldb,
-                 (const float *) pa, lda, 0.0f, pc, ldc);
+        if (addend == NULL) continue;
+        for (int64_t i = 0; i < rows; i++) {
+            float * restrict c = pc + i * ldc;
+            const float * restrict e = (const float *) addend->data + (bias ? 0 : (c - (float *) dst->data));
+            for (int64_t j = 0; j < N; j++) c[j] += e[j];
+        }
     }
+}
+
+static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                       int ith, int nth, void * userdata) {
+    th_gemm_run(dst, a, b, userdata != NULL, NULL, 0, ith, nth);
+}
+
+/* A 2-D product with an addend (th_fold_gemm_adds): srcs a, b as th_gemm_op's, then the addend;
+ * userdata's bit 0: OUT_PROD, bit 1: the addend is a bias row. dst is the ADD's node, of the
+ * product's size (any shape); the product's rows are its ne0-wide rows. */
+static void th_gemm_add_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const intptr_t flags = (intptr_t) userdata;
+    struct ggml_tensor rows = *dst;
+    rows.ne[1] = ggml_nelements(dst) / dst->ne[0], rows.ne[2] = rows.ne[3] = 1;
+    rows.nb[1] = dst->ne[0] * sizeof(float), rows.nb[2] = rows.nb[3] = rows.nb[1] * rows.ne[1];
+    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), dst->src[2], (int) ((flags >> 1) & 1), ith, nth);
 }
 
 static int th_gemm_ok(const struct ggml_tensor * t) {
@@ -422,6 +447,7 @@ static int th_rms_norm_back_ok(const struct ggml_tensor * t) {
  * were 1 * b exactly. Unrewritten, P and the ADD still compute y + b: the rewrite is checked,
  * and skipped when anything else reads P. */
 static const char TH_BIAS_ROWS_NAME[] = "th.bias_rows";
+static int th_is_folded(const struct ggml_tensor * t);
 
 static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * y, const struct ggml_tensor * b,
                            int ith, int nth, void * userdata) {
@@ -633,6 +659,11 @@ TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
         if (p.fun != th_gemm_op) return 0.0;
         return 2.0 * (double) ggml_nelements(t) * (double) (p.userdata ? t->src[0]->ne[1] : t->src[0]->ne[0]);
     }
+    if (th_is_custom(t, (void *) th_gemm_add_op)) {
+        struct ggml_custom_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        return 2.0 * (double) ggml_nelements(t) * (double) (((intptr_t) p.userdata & 1) ? t->src[0]->ne[1] : t->src[0]->ne[0]);
+    }
     if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[0];
     if (t->op == GGML_OP_OUT_PROD) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[1];
     return 0.0;
@@ -647,7 +678,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_rms_norm_op, "rms_norm"},   {(void *) th_rms_norm_back_op, "rms_norm_back"},
         {(void *) th_add_rows_op, "add_rows"},   {(void *) th_rope_op, "rope"},
         {(void *) th_cross_entropy_op, "cross_entropy"}, {(void *) th_centre_op, "centre"},
-        {(void *) th_adamw_op, "adamw"},
+        {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
     };
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
@@ -761,7 +792,7 @@ static int th_bias_rows_readers(struct ggml_cgraph * graph, const struct ggml_te
 static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
     for (int i = 0; i < graph->n_leafs; i++) {
         struct ggml_tensor * p = graph->leafs[i], * via, * add;
-        if (strcmp(p->name, TH_BIAS_ROWS_NAME) == 0 && p->op == GGML_OP_NONE &&
+        if (strcmp(p->name, TH_BIAS_ROWS_NAME) == 0 && p->op == GGML_OP_NONE && !th_is_folded(p) &&
             (th_bias_rows_readers(graph, p, &via, &add) != 0 || add != NULL)) {
             return -1;
         }
@@ -769,7 +800,7 @@ static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
     int changed = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * p = ggml_graph_node(graph, i), * via, * add;
-        if (strcmp(p->name, TH_BIAS_ROWS_NAME) != 0) continue;
+        if (strcmp(p->name, TH_BIAS_ROWS_NAME) != 0 || th_is_folded(p)) continue;   /* th_cpu_fold's */
         const int others = th_bias_rows_readers(graph, p, &via, &add);
         if (p->op == GGML_OP_NONE) {          /* fused already: its ADD reads b now, nothing reads P */
             if (add != NULL || others != 0) return -1;
@@ -794,11 +825,160 @@ static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
     return changed;
 }
 
+/* ---- folds: a node computed by the node that reads it --------------------------------------
+ * A product whose one reader adds something to it (a residual, gradients that meet, a bias row)
+ * is computed by that reader, which adds as each block of rows is made (th_gemm_add_op): one
+ * pass less over the product. The product's node then computes nothing and is shrunk to one
+ * element (so that it holds no memory) and marked TH_CPU_FOLDED. A fold changes what nodes read,
+ * so it is made before the graph is placed (th_cpu_fold): a placement made before would free the
+ * product's sources at the product, not at the node that now reads them. */
+enum { TH_CPU_FOLDED = 0x74686664 };   /* op_params[0] of a folded node: "thfd" */
+
+static int th_is_folded(const struct ggml_tensor * t) {
+    while (t != NULL && t->view_src != NULL) t = t->view_src;
+    return t != NULL && t->op == GGML_OP_NONE && t->op_params[0] == TH_CPU_FOLDED;
+}
+
+static void th_fold_away(struct ggml_tensor * t) {
+    memset(t->op_params, 0, sizeof(t->op_params));
+    t->op_params[0] = TH_CPU_FOLDED;
+    t->op = GGML_OP_NONE;
+    for (int i = 0; i < GGML_MAX_SRC; i++) t->src[i] = NULL;
+    t->ne[0] = t->ne[1] = t->ne[2] = t->ne[3] = 1;
+    t->nb[0] = sizeof(float);
+    for (int i = 1; i < GGML_MAX_DIMS; i++) t->nb[i] = sizeof(float);
+}
+
+/* how many nodes of `graph` read `t`, and the one that does when there is one */
+static int th_readers(struct ggml_cgraph * graph, const struct ggml_tensor * t, struct ggml_tensor ** only) {
+    int n = 0;
+    *only = NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] == t) {
+                n++;
+                *only = u;
+                break;
+            }
+        }
+    }
+    return n;
+}
+
+/* The f32 product (MUL_MAT or OUT_PROD, as built) under `t`'s RESHAPE views, each of them and it
+ * read by the one above alone (`reader` reads t), 2-D, not an output, that th_cpu_rewrite will
+ * compute with th_gemm_op; else NULL. */
+static struct ggml_tensor * th_gemm_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                   struct ggml_tensor * t) {
+    struct ggml_tensor * only;
+    while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD) {
+            /* a product th_cpu_rewrite will give to sgemm: not a centring product (th_centre_op;
+             * its constant may hold no data yet) nor a bias's (th_add_rows_op) */
+            const struct ggml_tensor * a = t->src[0];
+            return th_gemm_ok(t) && strncmp(a->name, "centring.", 9) != 0 && strcmp(t->name, TH_BIAS_ROWS_NAME) != 0 &&
+                   t->ne[2] * t->ne[3] == 1 && a->ne[2] * a->ne[3] == 1 ? t : NULL;
+        }
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+/* 0, or -1 when a folded node (maybe by an earlier graph: graphs share nodes) is read in `graph`
+ * by a node that is not a view, or is an output: it holds no value. */
+static int th_check_folded(struct ggml_cgraph * graph) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        const struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if ((u->flags & GGML_TENSOR_FLAG_OUTPUT) && th_is_folded(u)) return -1;
+        if (u->view_src != NULL) continue;
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (th_is_folded(u->src[j]) && !((j == 3 || j == 4) && th_is_custom(u, (void *) th_gemm_add_op))) return -1;
+        }
+    }
+    return 0;
+}
+
+/* The bias product ones @ b (blocks.add_bias, TH_BIAS_ROWS_NAME) under `t`'s RESHAPE views, read
+ * as th_gemm_under_reshapes requires, whose ADD th_rewrite_bias_rows would make th_add_rows_op;
+ * else NULL. */
+static struct ggml_tensor * th_bias_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                   struct ggml_tensor * t, int64_t n) {
+    struct ggml_tensor * only;
+    while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == GGML_OP_MUL_MAT && strcmp(t->name, TH_BIAS_ROWS_NAME) == 0) {
+            const struct ggml_tensor * b = t->src[0], * ones = t->src[1];
+            return strncmp(ones->name, "ones.", 5) == 0 && ones->ne[0] == 1 && b->ne[0] == 1 && b->ne[1] == n &&
+                   b->type == GGML_TYPE_F32 && ggml_is_contiguous(b) ? t : NULL;
+        }
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+/* ADD(x, y) of one shape with x or y a product (residuals; an input's gradient from several
+ * projections; blocks.add_bias's y + ones @ b, then with b added to each row): the product folds
+ * into the ADD, which becomes th_gemm_add_op. Before the graph is placed (the Trainer calls it
+ * before it reserves the training graph): the placement then keeps the product's sources for the
+ * ADD. Returns how many were folded. */
+static int th_fold_gemm_adds(struct ggml_cgraph * graph) {
+    int folded = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * m = NULL, * bias = NULL;
+        int j = 1;
+        /* not an in-place ADD (a view of its first operand: the product would overwrite it) */
+        if (u->op != GGML_OP_ADD || u->view_src != NULL || u->type != GGML_TYPE_F32 || !ggml_is_contiguous(u)) continue;
+        for (; j >= 0 && m == NULL; j--) {
+            const struct ggml_tensor * other = u->src[1 - j];
+            if (other->type != GGML_TYPE_F32 || !ggml_is_contiguous(other) || ggml_nelements(other) != ggml_nelements(u) ||
+                ggml_nelements(u->src[j]) != ggml_nelements(u)) {
+                continue;
+            }
+            m = th_gemm_under_reshapes(graph, u, u->src[j]);
+            if (m != NULL && (m->ne[0] != u->ne[0] || ggml_nelements(m) != ggml_nelements(u))) m = NULL;
+        }
+        if (m == NULL) continue;
+        j++;                                    /* u->src[j] reads the product */
+        struct ggml_tensor * product = u->src[j], * addend = u->src[1 - j], * view = NULL;
+        if ((bias = th_bias_under_reshapes(graph, u, addend, u->ne[0])) != NULL) {
+            view = addend;                      /* what the ADD read of the bias product */
+            addend = bias->src[0];              /* b itself: n floats */
+        }
+        const intptr_t flags = (m->op == GGML_OP_OUT_PROD ? 1 : 0) | (bias != NULL ? 2 : 0);
+        struct ggml_tensor * a = m->src[0], * b = m->src[1];
+        struct ggml_custom_op_params q = {th_gemm_add_op, GGML_N_TASKS_MAX, (void *) flags};
+        memset(u->op_params, 0, sizeof(u->op_params));
+        memcpy(u->op_params, &q, sizeof(q));
+        u->op = GGML_OP_CUSTOM;
+        /* src[3] (and src[4]): what the ADD read of the product (and of the bias product), not read
+         * by the kernel: so that ggml-alloc frees their one-element nodes here; a node that
+         * nothing reads would stay allocated to the graph's end */
+        u->src[0] = a, u->src[1] = b, u->src[2] = addend, u->src[3] = product, u->src[4] = view;
+        for (int k = 5; k < GGML_MAX_SRC; k++) u->src[k] = NULL;
+        th_fold_away(m);
+        if (bias != NULL) th_fold_away(bias);
+        folded++;
+    }
+    return folded;
+}
+
+/* The folds, for a training graph as built (before th_cpu_rewrite and before it is placed).
+ * Returns how many ADDs took a product, or -1 when a node folded earlier is read in this graph. */
+TH_EXPORT int th_cpu_fold(struct ggml_cgraph * graph) {
+    if (th_check_folded(graph) < 0) return -1;
+    return th_fold_gemm_adds(graph);
+}
+
 /* Swaps every node that has a kernel here for it; returns how many were swapped, or -1 when a
  * stand-in cannot be swapped (th_rewrite_gelu) or a fused bias product is read elsewhere
  * (th_rewrite_bias_rows). Nodes a previous call swapped (graphs that share nodes) are custom
  * ops by now and left alone. */
 TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
+    if (th_check_folded(graph) < 0) return -1;
     const int gelu = th_rewrite_gelu(graph), bias_rows = th_rewrite_bias_rows(graph), frozen = th_rewrite_frozen(graph);
     if (gelu < 0 || bias_rows < 0 || frozen < 0) return -1;
     int changed = gelu + bias_rows + frozen;
