@@ -390,9 +390,11 @@ static float th_lane_dot(const float * a, const float * b, int64_t n) {
     return sum;
 }
 
-/* dst = rms_norm(x) when grad is NULL, else its backward applied to grad */
+/* dst = rms_norm(x) when grad is NULL, else its backward applied to grad, or with `gain` to
+ * grad * gain (the gradient through a norm's gain, th_fold_norm_gains): that product first
+ * written into dst's row, the MUL's one rounding, then the same arithmetic on it */
 static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
-                             int ith, int nth) {
+                             const float * gain, int ith, int nth) {
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t n = src->ne[0];
@@ -408,6 +410,10 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
                 continue;
             }
             const float * dz = (const float *) th_row(grad, r);
+            if (gain != NULL) {
+                for (int64_t k = 0; k < n; k++) y[k] = dz[k] * gain[k];
+                dz = y;
+            }
             const float scale_x = -th_lane_dot(x, dz, n) / (sum_xx + eps * (float) n);
 #pragma GCC ivdep
             for (int64_t k = 0; k < n; k++) y[k] = (dz[k] + x[k] * scale_x) * rrms;
@@ -417,13 +423,13 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
 
 static void th_rms_norm_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
     (void) userdata;
-    th_rms_norm_rows(dst, NULL, src, ith, nth);
+    th_rms_norm_rows(dst, NULL, src, NULL, ith, nth);
 }
 
 static void th_rms_norm_back_op(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
                                 int ith, int nth, void * userdata) {
     (void) userdata;
-    th_rms_norm_rows(dst, grad, src, ith, nth);
+    th_rms_norm_rows(dst, grad, src, NULL, ith, nth);
 }
 
 static int th_rows_ok(const struct ggml_tensor * t) {  /* f32, rows contiguous */
@@ -438,6 +444,47 @@ static int th_rms_norm_back_ok(const struct ggml_tensor * t) {
     return t->op == GGML_OP_RMS_NORM_BACK && th_rows_ok(t) && th_rows_ok(t->src[0]) && th_rows_ok(t->src[1]) &&
            ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
 }
+
+/* RMS_NORM_BACK(MUL(G, g), x) as one node (th_fold_norm_gains): srcs G, x, g (and the folded
+ * MUL's view, not read) */
+static void th_rms_norm_back_gain_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    th_rms_norm_rows(dst, dst->src[0], dst->src[1], (const float *) dst->src[2]->data, ith, nth);
+}
+
+/* REPEAT_BACK(MUL(a, b)) of a and b (rows of n) into one row of n (a gain's gradient: a the
+ * normalised rows, b their gradient) as one node: srcs a, b (and the folded MUL's view, not
+ * read). ggml's REPEAT_BACK sums on one thread, row after row, each product rounded first; here
+ * the same sums, each column's in row order, with the columns split over the threads in blocks
+ * of TH_GAIN_COLS. No contraction: a * b + sum as a fused multiply-add would round once, not twice. */
+enum { TH_GAIN_COLS = 64 };
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+static void th_gain_grad_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    (void) userdata;
+    const struct ggml_tensor * a = dst->src[0], * b = dst->src[1];
+    const int64_t n = dst->ne[0], rows = ggml_nelements(a) / n, blocks = (n + TH_GAIN_COLS - 1) / TH_GAIN_COLS;
+    const float * pa = (const float *) a->data, * pb = (const float *) b->data;
+    float * out = (float *) dst->data;
+    int64_t taken = 0;
+    for (int64_t task; (task = th_next_task(blocks, ith, nth, &taken)) >= 0;) {
+        const int64_t c0 = task * TH_GAIN_COLS, w = n - c0 < TH_GAIN_COLS ? n - c0 : TH_GAIN_COLS;
+        float acc[TH_GAIN_COLS] = {0};
+        for (int64_t r = 0; r < rows; r++) {
+            const float * ar = pa + r * n + c0, * br = pb + r * n + c0;
+            for (int64_t k = 0; k < w; k++) acc[k] += ar[k] * br[k];
+        }
+        for (int64_t k = 0; k < w; k++) out[c0 + k] = acc[k];
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* ---- bias rows: y + ones @ b as y + b ---------------------------------------------------------
  * blocks.add_bias writes a bias as y + ones(rows, 1) @ b (then its gradient is one product),
@@ -679,6 +726,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_add_rows_op, "add_rows"},   {(void *) th_rope_op, "rope"},
         {(void *) th_cross_entropy_op, "cross_entropy"}, {(void *) th_centre_op, "centre"},
         {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
+        {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
     };
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
@@ -895,7 +943,12 @@ static int th_check_folded(struct ggml_cgraph * graph) {
         if ((u->flags & GGML_TENSOR_FLAG_OUTPUT) && th_is_folded(u)) return -1;
         if (u->view_src != NULL) continue;
         for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (th_is_folded(u->src[j]) && !((j == 3 || j == 4) && th_is_custom(u, (void *) th_gemm_add_op))) return -1;
+            /* a fused node's last sources: the folded node's view it read, kept so that it is freed */
+            if (th_is_folded(u->src[j]) && !((j == 3 || j == 4) && th_is_custom(u, (void *) th_gemm_add_op)) &&
+                !(j == 3 && th_is_custom(u, (void *) th_rms_norm_back_gain_op)) &&
+                !(j == 2 && th_is_custom(u, (void *) th_gain_grad_op))) {
+                return -1;
+            }
         }
     }
     return 0;
@@ -966,11 +1019,69 @@ static int th_fold_gemm_adds(struct ggml_cgraph * graph) {
     return folded;
 }
 
+/* A norm's gain in the backward: RMS_NORM_BACK(MUL(G, g), x) reads G and g itself (the MUL folds),
+ * and REPEAT_BACK(MUL(t, G)) (the gain's gradient) reads t and G (the MUL folds). Returns how many
+ * MULs folded. */
+static struct ggml_tensor * th_mul_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                  struct ggml_tensor * t) {
+    struct ggml_tensor * only;
+    while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == GGML_OP_MUL) {
+            return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->src[0]->type == GGML_TYPE_F32 &&
+                   t->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(t->src[0]) && ggml_is_contiguous(t->src[1]) &&
+                   ggml_are_same_shape(t, t->src[0]) ? t : NULL;
+        }
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+static void th_set_custom_srcs(struct ggml_tensor * t, ggml_custom_op_t fun, struct ggml_tensor * s0,
+                               struct ggml_tensor * s1, struct ggml_tensor * s2, struct ggml_tensor * s3) {
+    struct ggml_custom_op_params q = {fun, GGML_N_TASKS_MAX, NULL};
+    memset(t->op_params, 0, sizeof(t->op_params));
+    memcpy(t->op_params, &q, sizeof(q));
+    t->op = GGML_OP_CUSTOM;
+    t->src[0] = s0, t->src[1] = s1, t->src[2] = s2, t->src[3] = s3;
+    for (int k = 4; k < GGML_MAX_SRC; k++) t->src[k] = NULL;
+}
+
+static int th_fold_norm_gains(struct ggml_cgraph * graph) {
+    int folded = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * m;
+        if (u->op == GGML_OP_RMS_NORM_BACK && u->view_src == NULL && th_rms_norm_back_ok(u) &&
+            (m = th_mul_under_reshapes(graph, u, u->src[0])) != NULL && ggml_nelements(m) == ggml_nelements(u) &&
+            m->ne[0] == u->ne[0] && ggml_nelements(m->src[1]) == u->ne[0] && m->src[1]->ne[0] == u->ne[0] &&
+            m->src[0]->ne[0] == u->ne[0]) {
+            float eps;
+            memcpy(&eps, u->op_params, sizeof(float));
+            struct ggml_tensor * view = u->src[0], * x = u->src[1];
+            th_set_custom_srcs(u, th_rms_norm_back_gain_op, m->src[0], x, m->src[1], view);
+            memcpy((float *) u->op_params + TH_PARAM_SLOT, &eps, sizeof(float));
+            th_fold_away(m);
+            folded++;
+        } else if (u->op == GGML_OP_REPEAT_BACK && u->view_src == NULL && u->type == GGML_TYPE_F32 &&
+                   ggml_is_contiguous(u) && ggml_nelements(u) == u->ne[0] &&
+                   (m = th_mul_under_reshapes(graph, u, u->src[0])) != NULL && m->ne[0] == u->ne[0] &&
+                   ggml_are_same_shape(m, m->src[1])) {
+            struct ggml_tensor * view = u->src[0];
+            th_set_custom_srcs(u, th_gain_grad_op, m->src[0], m->src[1], view, NULL);
+            th_fold_away(m);
+            folded++;
+        }
+    }
+    return folded;
+}
+
 /* The folds, for a training graph as built (before th_cpu_rewrite and before it is placed).
  * Returns how many ADDs took a product, or -1 when a node folded earlier is read in this graph. */
 TH_EXPORT int th_cpu_fold(struct ggml_cgraph * graph) {
     if (th_check_folded(graph) < 0) return -1;
-    return th_fold_gemm_adds(graph);
+    const int adds = th_fold_gemm_adds(graph);
+    return adds + th_fold_norm_gains(graph);
 }
 
 /* Swaps every node that has a kernel here for it; returns how many were swapped, or -1 when a

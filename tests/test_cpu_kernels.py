@@ -388,3 +388,28 @@ def test_a_product_read_elsewhere_in_its_graph_is_not_folded():
     assert "sgemm+add" not in {ffi.string(n).decode() for n in names if n != ffi.NULL}
     got = prog.forward({"out": out, "twice": twice}).run({})
     np.testing.assert_array_equal(got["out"], got["twice"] / 2 + r)
+
+
+def test_a_norm_gain_folds_into_the_norm_backward_and_its_gradient_with_the_same_bits():
+    """blocks.rms_norm (rms_norm(x) * g): the backward's MUL(dy, g) read by RMS_NORM_BACK, and
+    MUL(normalised, dy) summed over the rows for g's gradient (REPEAT_BACK), each fold into the node
+    that reads it (th_fold_norm_gains): the same gradients as the unfolded graph, bit for bit."""
+    x = RNG.normal(size=(3, 50, 40)).astype(np.float32)        # 150 rows; 40 columns: a partial block
+    g = (1 + RNG.normal(size=40) * 0.3).astype(np.float32)
+    dy = RNG.normal(size=x.shape).astype(np.float32)
+    runs = []
+    for folds in (True, False):
+        prog = get_engine("cpu", 2).program()
+        prog.cpu_folds = folds
+        out = blocks.rms_norm(prog.param("x", x), prog.param("g", g))
+        tr, gx = grad_of(prog, out, "x", dy)
+        names = {ffi.string(n).decode() for n in (lib.th_kernel_name(lib.ggml_graph_node(tr.gb_opt, i))
+                                                  for i in range(lib.ggml_graph_n_nodes(tr.gb_opt))) if n != ffi.NULL}
+        assert ({"rms_norm_back+gain", "gain_grad"} <= names) == folds, names
+        runs.append((gx.copy(), prog.read(tr.grad_acc["g"]).copy()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    # and against float64: g's gradient is the column sum of dy * x / rms(x)
+    xd = x.astype(np.float64).reshape(-1, 40)
+    normed = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + 1e-5)
+    assert rel_err(runs[0][1], (normed * dy.reshape(-1, 40)).sum(axis=0)) < 1e-5
