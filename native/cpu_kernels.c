@@ -14,7 +14,9 @@
  *   - a bias added as y + ones @ b (blocks.add_bias): y + b, the product not computed;
  *   - ROPE and ROPE_BACK (cos and sin of every position's angles once per batch row): the
  *     table once per position;
- *   - OPT_STEP_ADAMW (a scalar loop): the same arithmetic, vectorised.
+ *   - OPT_STEP_ADAMW (a scalar loop): the same arithmetic, vectorised;
+ *   - an ADD of a product, and a norm gain's MULs in the backward (th_cpu_fold, at the Trainer):
+ *     computed by the node that reads them, one pass less each.
  * th_cpu_rewrite swaps each such node for a custom op with the same inputs and output. It runs
  * after the backward graph is built: ggml has no backward for custom ops. Every kernel cuts its
  * work into tasks fixed by the shapes alone, never by the thread count, so the bits do not
