@@ -14,7 +14,9 @@
  *   - a bias added as y + ones @ b (blocks.add_bias): y + b, the product not computed;
  *   - ROPE and ROPE_BACK (cos and sin of every position's angles once per batch row): the
  *     table once per position;
- *   - OPT_STEP_ADAMW (a scalar loop): the same arithmetic, vectorised.
+ *   - OPT_STEP_ADAMW (a scalar loop): the same arithmetic, vectorised;
+ *   - an ADD of a product, and a norm gain's MULs in the backward (th_cpu_fold, at the Trainer):
+ *     computed by the node that reads them, one pass less each.
  * th_cpu_rewrite swaps each such node for a custom op with the same inputs and output. It runs
  * after the backward graph is built: ggml has no backward for custom ops. Every kernel cuts its
  * work into tasks fixed by the shapes alone, never by the thread count, so the bits do not
@@ -77,10 +79,13 @@ static int th_operand(const struct ggml_tensor * t, int want_transposed, int * t
  *   MUL_MAT  dst = b_view   . a_view^T   (a: N x K, b: M x K)
  *   OUT_PROD dst = b_view^T . a_view     (a: K x N, b: K x M)
  * With K = 1 (our bias broadcast: ones(rows, 1) @ b) it is an outer product, written directly:
- * the same bits as sgemm's 0 + 1 * (x * y), without its zeroing pass and call overhead. */
-static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
-                       int ith, int nth, void * userdata) {
-    const int out_prod = userdata != NULL;
+ * the same bits as sgemm's 0 + 1 * (x * y), without its zeroing pass and call overhead.
+ * `addend` (th_gemm_add_op, NULL otherwise): added to each block of output rows as soon as the
+ * block is made, while it is in cache: a contiguous tensor of dst's size (element for element),
+ * or with `bias` one row of N added to every row. The same one rounding per element as the ADD
+ * it replaces (float addition commutes). */
+static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                        int out_prod, const struct ggml_tensor * addend, int bias, int ith, int nth) {
     int ta, lda, tb, ldb;
     th_operand(b, out_prod, &tb, &ldb);
     th_operand(a, !out_prod, &ta, &lda);
@@ -107,11 +112,33 @@ static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, c
                 float * c = pc + i * ldc;
                 for (int64_t j = 0; j < N; j++) c[j] = x * *(const float *) (pa + j * sa);
             }
-            continue;
+        } else {
+            th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) N, (int) K, 1.0f, (const float *) pb, ldb,
+                     (const float *) pa, lda, 0.0f, pc, ldc);
         }
-        th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) N, (int) K, 1.0f, (const float *) pb, ldb,
-                 (const float *) pa, lda, 0.0f, pc, ldc);
+        if (addend == NULL) continue;
+        for (int64_t i = 0; i < rows; i++) {
+            float * restrict c = pc + i * ldc;
+            const float * restrict e = (const float *) addend->data + (bias ? 0 : (c - (float *) dst->data));
+            for (int64_t j = 0; j < N; j++) c[j] += e[j];
+        }
     }
+}
+
+static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                       int ith, int nth, void * userdata) {
+    th_gemm_run(dst, a, b, userdata != NULL, NULL, 0, ith, nth);
+}
+
+/* A 2-D product with an addend (th_fold_gemm_adds): srcs a, b as th_gemm_op's, then the addend;
+ * userdata's bit 0: OUT_PROD, bit 1: the addend is a bias row. dst is the ADD's node, of the
+ * product's size (any shape); the product's rows are its ne0-wide rows. */
+static void th_gemm_add_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const intptr_t flags = (intptr_t) userdata;
+    struct ggml_tensor rows = *dst;
+    rows.ne[1] = ggml_nelements(dst) / dst->ne[0], rows.ne[2] = rows.ne[3] = 1;
+    rows.nb[1] = dst->ne[0] * sizeof(float), rows.nb[2] = rows.nb[3] = rows.nb[1] * rows.ne[1];
+    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), dst->src[2], (int) ((flags >> 1) & 1), ith, nth);
 }
 
 static int th_gemm_ok(const struct ggml_tensor * t) {
@@ -365,9 +392,11 @@ static float th_lane_dot(const float * a, const float * b, int64_t n) {
     return sum;
 }
 
-/* dst = rms_norm(x) when grad is NULL, else its backward applied to grad */
+/* dst = rms_norm(x) when grad is NULL, else its backward applied to grad, or with `gain` to
+ * grad * gain (the gradient through a norm's gain, th_fold_norm_gains): that product first
+ * written into dst's row, the MUL's one rounding, then the same arithmetic on it */
 static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
-                             int ith, int nth) {
+                             const float * gain, int ith, int nth) {
     float eps;
     memcpy(&eps, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t n = src->ne[0];
@@ -383,6 +412,10 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
                 continue;
             }
             const float * dz = (const float *) th_row(grad, r);
+            if (gain != NULL) {
+                for (int64_t k = 0; k < n; k++) y[k] = dz[k] * gain[k];
+                dz = y;
+            }
             const float scale_x = -th_lane_dot(x, dz, n) / (sum_xx + eps * (float) n);
 #pragma GCC ivdep
             for (int64_t k = 0; k < n; k++) y[k] = (dz[k] + x[k] * scale_x) * rrms;
@@ -392,13 +425,13 @@ static void th_rms_norm_rows(struct ggml_tensor * dst, const struct ggml_tensor 
 
 static void th_rms_norm_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
     (void) userdata;
-    th_rms_norm_rows(dst, NULL, src, ith, nth);
+    th_rms_norm_rows(dst, NULL, src, NULL, ith, nth);
 }
 
 static void th_rms_norm_back_op(struct ggml_tensor * dst, const struct ggml_tensor * grad, const struct ggml_tensor * src,
                                 int ith, int nth, void * userdata) {
     (void) userdata;
-    th_rms_norm_rows(dst, grad, src, ith, nth);
+    th_rms_norm_rows(dst, grad, src, NULL, ith, nth);
 }
 
 static int th_rows_ok(const struct ggml_tensor * t) {  /* f32, rows contiguous */
@@ -414,6 +447,47 @@ static int th_rms_norm_back_ok(const struct ggml_tensor * t) {
            ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
 }
 
+/* RMS_NORM_BACK(MUL(G, g), x) as one node (th_fold_norm_gains): srcs G, x, g (and the folded
+ * MUL's view, not read) */
+static void th_rms_norm_back_gain_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    th_rms_norm_rows(dst, dst->src[0], dst->src[1], (const float *) dst->src[2]->data, ith, nth);
+}
+
+/* REPEAT_BACK(MUL(a, b)) of a and b (rows of n) into one row of n (a gain's gradient: a the
+ * normalised rows, b their gradient) as one node: srcs a, b (and the folded MUL's view, not
+ * read). ggml's REPEAT_BACK sums on one thread, row after row, each product rounded first; here
+ * the same sums, each column's in row order, with the columns split over the threads in blocks
+ * of TH_GAIN_COLS. No contraction: a * b + sum as a fused multiply-add would round once, not twice. */
+enum { TH_GAIN_COLS = 64 };
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+static void th_gain_grad_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    (void) userdata;
+    const struct ggml_tensor * a = dst->src[0], * b = dst->src[1];
+    const int64_t n = dst->ne[0], rows = ggml_nelements(a) / n, blocks = (n + TH_GAIN_COLS - 1) / TH_GAIN_COLS;
+    const float * pa = (const float *) a->data, * pb = (const float *) b->data;
+    float * out = (float *) dst->data;
+    int64_t taken = 0;
+    for (int64_t task; (task = th_next_task(blocks, ith, nth, &taken)) >= 0;) {
+        const int64_t c0 = task * TH_GAIN_COLS, w = n - c0 < TH_GAIN_COLS ? n - c0 : TH_GAIN_COLS;
+        float acc[TH_GAIN_COLS] = {0};
+        for (int64_t r = 0; r < rows; r++) {
+            const float * ar = pa + r * n + c0, * br = pb + r * n + c0;
+            for (int64_t k = 0; k < w; k++) acc[k] += ar[k] * br[k];
+        }
+        for (int64_t k = 0; k < w; k++) out[c0 + k] = acc[k];
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 /* ---- bias rows: y + ones @ b as y + b ---------------------------------------------------------
  * blocks.add_bias writes a bias as y + ones(rows, 1) @ b (then its gradient is one product),
  * the product P named TH_BIAS_ROWS_NAME. P's value is read by that ADD alone (ggml's backward
@@ -422,6 +496,7 @@ static int th_rms_norm_back_ok(const struct ggml_tensor * t) {
  * were 1 * b exactly. Unrewritten, P and the ADD still compute y + b: the rewrite is checked,
  * and skipped when anything else reads P. */
 static const char TH_BIAS_ROWS_NAME[] = "th.bias_rows";
+static int th_is_folded(const struct ggml_tensor * t);
 
 static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * y, const struct ggml_tensor * b,
                            int ith, int nth, void * userdata) {
@@ -633,6 +708,11 @@ TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
         if (p.fun != th_gemm_op) return 0.0;
         return 2.0 * (double) ggml_nelements(t) * (double) (p.userdata ? t->src[0]->ne[1] : t->src[0]->ne[0]);
     }
+    if (th_is_custom(t, (void *) th_gemm_add_op)) {
+        struct ggml_custom_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        return 2.0 * (double) ggml_nelements(t) * (double) (((intptr_t) p.userdata & 1) ? t->src[0]->ne[1] : t->src[0]->ne[0]);
+    }
     if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[0];
     if (t->op == GGML_OP_OUT_PROD) return 2.0 * (double) ggml_nelements(t) * (double) t->src[0]->ne[1];
     return 0.0;
@@ -647,7 +727,8 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_rms_norm_op, "rms_norm"},   {(void *) th_rms_norm_back_op, "rms_norm_back"},
         {(void *) th_add_rows_op, "add_rows"},   {(void *) th_rope_op, "rope"},
         {(void *) th_cross_entropy_op, "cross_entropy"}, {(void *) th_centre_op, "centre"},
-        {(void *) th_adamw_op, "adamw"},
+        {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
+        {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
     };
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
@@ -761,7 +842,7 @@ static int th_bias_rows_readers(struct ggml_cgraph * graph, const struct ggml_te
 static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
     for (int i = 0; i < graph->n_leafs; i++) {
         struct ggml_tensor * p = graph->leafs[i], * via, * add;
-        if (strcmp(p->name, TH_BIAS_ROWS_NAME) == 0 && p->op == GGML_OP_NONE &&
+        if (strcmp(p->name, TH_BIAS_ROWS_NAME) == 0 && p->op == GGML_OP_NONE && !th_is_folded(p) &&
             (th_bias_rows_readers(graph, p, &via, &add) != 0 || add != NULL)) {
             return -1;
         }
@@ -769,7 +850,7 @@ static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
     int changed = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * p = ggml_graph_node(graph, i), * via, * add;
-        if (strcmp(p->name, TH_BIAS_ROWS_NAME) != 0) continue;
+        if (strcmp(p->name, TH_BIAS_ROWS_NAME) != 0 || th_is_folded(p)) continue;   /* th_cpu_fold's */
         const int others = th_bias_rows_readers(graph, p, &via, &add);
         if (p->op == GGML_OP_NONE) {          /* fused already: its ADD reads b now, nothing reads P */
             if (add != NULL || others != 0) return -1;
@@ -794,11 +875,223 @@ static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
     return changed;
 }
 
+/* ---- folds: a node computed by the node that reads it --------------------------------------
+ * A product whose one reader adds something to it (a residual, gradients that meet, a bias row)
+ * is computed by that reader, which adds as each block of rows is made (th_gemm_add_op): one
+ * pass less over the product. The product's node then computes nothing and is shrunk to one
+ * element (so that it holds no memory) and marked TH_CPU_FOLDED. A fold changes what nodes read,
+ * so it is made before the graph is placed (th_cpu_fold): a placement made before would free the
+ * product's sources at the product, not at the node that now reads them. */
+enum { TH_CPU_FOLDED = 0x74686664 };   /* op_params[0] of a folded node: "thfd" */
+
+static int th_is_folded(const struct ggml_tensor * t) {
+    while (t != NULL && t->view_src != NULL) t = t->view_src;
+    return t != NULL && t->op == GGML_OP_NONE && t->op_params[0] == TH_CPU_FOLDED;
+}
+
+static void th_fold_away(struct ggml_tensor * t) {
+    memset(t->op_params, 0, sizeof(t->op_params));
+    t->op_params[0] = TH_CPU_FOLDED;
+    t->op = GGML_OP_NONE;
+    for (int i = 0; i < GGML_MAX_SRC; i++) t->src[i] = NULL;
+    t->ne[0] = t->ne[1] = t->ne[2] = t->ne[3] = 1;
+    t->nb[0] = sizeof(float);
+    for (int i = 1; i < GGML_MAX_DIMS; i++) t->nb[i] = sizeof(float);
+}
+
+/* how many nodes of `graph` read `t`, and the one that does when there is one */
+static int th_readers(struct ggml_cgraph * graph, const struct ggml_tensor * t, struct ggml_tensor ** only) {
+    int n = 0;
+    *only = NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] == t) {
+                n++;
+                *only = u;
+                break;
+            }
+        }
+    }
+    return n;
+}
+
+/* The f32 product (MUL_MAT or OUT_PROD, as built) under `t`'s RESHAPE views, each of them and it
+ * read by the one above alone (`reader` reads t), 2-D, not an output, that th_cpu_rewrite will
+ * compute with th_gemm_op; else NULL. */
+static struct ggml_tensor * th_gemm_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                   struct ggml_tensor * t) {
+    struct ggml_tensor * only;
+    while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD) {
+            /* a product th_cpu_rewrite will give to sgemm: not a centring product (th_centre_op;
+             * its constant may hold no data yet) nor a bias's (th_add_rows_op) */
+            const struct ggml_tensor * a = t->src[0];
+            return th_gemm_ok(t) && strncmp(a->name, "centring.", 9) != 0 && strcmp(t->name, TH_BIAS_ROWS_NAME) != 0 &&
+                   t->ne[2] * t->ne[3] == 1 && a->ne[2] * a->ne[3] == 1 ? t : NULL;
+        }
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+/* 0, or -1 when a folded node (maybe by an earlier graph: graphs share nodes) is read in `graph`
+ * by a node that is not a view, or is an output: it holds no value. */
+static int th_check_folded(struct ggml_cgraph * graph) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        const struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if ((u->flags & GGML_TENSOR_FLAG_OUTPUT) && th_is_folded(u)) return -1;
+        if (u->view_src != NULL) continue;
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            /* a fused node's last sources: the folded node's view it read, kept so that it is freed */
+            if (th_is_folded(u->src[j]) && !((j == 3 || j == 4) && th_is_custom(u, (void *) th_gemm_add_op)) &&
+                !(j == 3 && th_is_custom(u, (void *) th_rms_norm_back_gain_op)) &&
+                !(j == 2 && th_is_custom(u, (void *) th_gain_grad_op))) {
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The bias product ones @ b (blocks.add_bias, TH_BIAS_ROWS_NAME) under `t`'s RESHAPE views, read
+ * as th_gemm_under_reshapes requires, whose ADD th_rewrite_bias_rows would make th_add_rows_op;
+ * else NULL. */
+static struct ggml_tensor * th_bias_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                   struct ggml_tensor * t, int64_t n) {
+    struct ggml_tensor * only;
+    while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == GGML_OP_MUL_MAT && strcmp(t->name, TH_BIAS_ROWS_NAME) == 0) {
+            const struct ggml_tensor * b = t->src[0], * ones = t->src[1];
+            return strncmp(ones->name, "ones.", 5) == 0 && ones->ne[0] == 1 && b->ne[0] == 1 && b->ne[1] == n &&
+                   b->type == GGML_TYPE_F32 && ggml_is_contiguous(b) ? t : NULL;
+        }
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+/* ADD(x, y) of one shape with x or y a product (residuals; an input's gradient from several
+ * projections; blocks.add_bias's y + ones @ b, then with b added to each row): the product folds
+ * into the ADD, which becomes th_gemm_add_op. Before the graph is placed (the Trainer calls it
+ * before it reserves the training graph): the placement then keeps the product's sources for the
+ * ADD. Returns how many were folded. */
+static int th_fold_gemm_adds(struct ggml_cgraph * graph) {
+    int folded = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * m = NULL, * bias = NULL;
+        int j = 1;
+        /* not an in-place ADD (a view of its first operand: the product would overwrite it) */
+        if (u->op != GGML_OP_ADD || u->view_src != NULL || u->type != GGML_TYPE_F32 || !ggml_is_contiguous(u)) continue;
+        for (; j >= 0 && m == NULL; j--) {
+            const struct ggml_tensor * other = u->src[1 - j];
+            if (other->type != GGML_TYPE_F32 || !ggml_is_contiguous(other) || ggml_nelements(other) != ggml_nelements(u) ||
+                ggml_nelements(u->src[j]) != ggml_nelements(u)) {
+                continue;
+            }
+            m = th_gemm_under_reshapes(graph, u, u->src[j]);
+            if (m != NULL && (m->ne[0] != u->ne[0] || ggml_nelements(m) != ggml_nelements(u))) m = NULL;
+        }
+        if (m == NULL) continue;
+        j++;                                    /* u->src[j] reads the product */
+        struct ggml_tensor * product = u->src[j], * addend = u->src[1 - j], * view = NULL;
+        if ((bias = th_bias_under_reshapes(graph, u, addend, u->ne[0])) != NULL) {
+            view = addend;                      /* what the ADD read of the bias product */
+            addend = bias->src[0];              /* b itself: n floats */
+        }
+        const intptr_t flags = (m->op == GGML_OP_OUT_PROD ? 1 : 0) | (bias != NULL ? 2 : 0);
+        struct ggml_tensor * a = m->src[0], * b = m->src[1];
+        struct ggml_custom_op_params q = {th_gemm_add_op, GGML_N_TASKS_MAX, (void *) flags};
+        memset(u->op_params, 0, sizeof(u->op_params));
+        memcpy(u->op_params, &q, sizeof(q));
+        u->op = GGML_OP_CUSTOM;
+        /* src[3] (and src[4]): what the ADD read of the product (and of the bias product), not read
+         * by the kernel: so that ggml-alloc frees their one-element nodes here; a node that
+         * nothing reads would stay allocated to the graph's end */
+        u->src[0] = a, u->src[1] = b, u->src[2] = addend, u->src[3] = product, u->src[4] = view;
+        for (int k = 5; k < GGML_MAX_SRC; k++) u->src[k] = NULL;
+        th_fold_away(m);
+        if (bias != NULL) th_fold_away(bias);
+        folded++;
+    }
+    return folded;
+}
+
+/* A norm's gain in the backward: RMS_NORM_BACK(MUL(G, g), x) reads G and g itself (the MUL folds),
+ * and REPEAT_BACK(MUL(t, G)) (the gain's gradient) reads t and G (the MUL folds). Returns how many
+ * MULs folded. */
+static struct ggml_tensor * th_mul_under_reshapes(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                  struct ggml_tensor * t) {
+    struct ggml_tensor * only;
+    while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == GGML_OP_MUL) {
+            return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->src[0]->type == GGML_TYPE_F32 &&
+                   t->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(t->src[0]) && ggml_is_contiguous(t->src[1]) &&
+                   ggml_are_same_shape(t, t->src[0]) ? t : NULL;
+        }
+        if (t->op != GGML_OP_RESHAPE) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+static void th_set_custom_srcs(struct ggml_tensor * t, ggml_custom_op_t fun, struct ggml_tensor * s0,
+                               struct ggml_tensor * s1, struct ggml_tensor * s2, struct ggml_tensor * s3) {
+    struct ggml_custom_op_params q = {fun, GGML_N_TASKS_MAX, NULL};
+    memset(t->op_params, 0, sizeof(t->op_params));
+    memcpy(t->op_params, &q, sizeof(q));
+    t->op = GGML_OP_CUSTOM;
+    t->src[0] = s0, t->src[1] = s1, t->src[2] = s2, t->src[3] = s3;
+    for (int k = 4; k < GGML_MAX_SRC; k++) t->src[k] = NULL;
+}
+
+static int th_fold_norm_gains(struct ggml_cgraph * graph) {
+    int folded = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * m;
+        if (u->op == GGML_OP_RMS_NORM_BACK && u->view_src == NULL && th_rms_norm_back_ok(u) &&
+            (m = th_mul_under_reshapes(graph, u, u->src[0])) != NULL && ggml_nelements(m) == ggml_nelements(u) &&
+            m->ne[0] == u->ne[0] && ggml_nelements(m->src[1]) == u->ne[0] && m->src[1]->ne[0] == u->ne[0] &&
+            m->src[0]->ne[0] == u->ne[0]) {
+            float eps;
+            memcpy(&eps, u->op_params, sizeof(float));
+            struct ggml_tensor * view = u->src[0], * x = u->src[1];
+            th_set_custom_srcs(u, th_rms_norm_back_gain_op, m->src[0], x, m->src[1], view);
+            memcpy((float *) u->op_params + TH_PARAM_SLOT, &eps, sizeof(float));
+            th_fold_away(m);
+            folded++;
+        } else if (u->op == GGML_OP_REPEAT_BACK && u->view_src == NULL && u->type == GGML_TYPE_F32 &&
+                   ggml_is_contiguous(u) && ggml_nelements(u) == u->ne[0] &&
+                   (m = th_mul_under_reshapes(graph, u, u->src[0])) != NULL && m->ne[0] == u->ne[0] &&
+                   ggml_are_same_shape(m, m->src[1])) {
+            struct ggml_tensor * view = u->src[0];
+            th_set_custom_srcs(u, th_gain_grad_op, m->src[0], m->src[1], view, NULL);
+            th_fold_away(m);
+            folded++;
+        }
+    }
+    return folded;
+}
+
+/* The folds, for a training graph as built (before th_cpu_rewrite and before it is placed).
+ * Returns how many ADDs took a product, or -1 when a node folded earlier is read in this graph. */
+TH_EXPORT int th_cpu_fold(struct ggml_cgraph * graph) {
+    if (th_check_folded(graph) < 0) return -1;
+    const int adds = th_fold_gemm_adds(graph);
+    return adds + th_fold_norm_gains(graph);
+}
+
 /* Swaps every node that has a kernel here for it; returns how many were swapped, or -1 when a
  * stand-in cannot be swapped (th_rewrite_gelu) or a fused bias product is read elsewhere
  * (th_rewrite_bias_rows). Nodes a previous call swapped (graphs that share nodes) are custom
  * ops by now and left alone. */
 TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
+    if (th_check_folded(graph) < 0) return -1;
     const int gelu = th_rewrite_gelu(graph), bias_rows = th_rewrite_bias_rows(graph), frozen = th_rewrite_frozen(graph);
     if (gelu < 0 || bias_rows < 0 || frozen < 0) return -1;
     int changed = gelu + bias_rows + frozen;

@@ -323,3 +323,93 @@ def test_adamw_kernel_gives_ggml_adamw_bits():
     for step, (ours, ggml) in enumerate(zip(*runs)):
         for what, a, b in zip(("w", "m", "v"), ours, ggml):
             assert a == b, f"step {step}: {what} differs from ggml's AdamW"
+
+
+FOLD_DY = None
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+def test_products_fold_into_the_adds_that_read_them_with_the_same_bits():
+    global FOLD_DY
+    x = RNG.normal(size=(3, 70, 24)).astype(np.float32)      # 210 rows: blocks of 64 and a tail
+    w1, w2 = (RNG.normal(size=(20, 24)).astype(np.float32) for _ in range(2))
+    b = RNG.normal(size=20).astype(np.float32)
+    r = RNG.normal(size=(3, 70, 20)).astype(np.float32)
+    FOLD_DY = RNG.normal(size=r.shape).astype(np.float32)
+    runs = []
+    for folds in (True, False):
+        prog = get_engine("cpu", 2).program()
+        prog.cpu_folds = folds
+        xt = prog.param("x", x)
+        out = blocks.linear(xt, prog.param("w1", w1), prog.param("b", b)) + (
+            xt.matmul_t(prog.param("w2", w2)) + prog.param("r", r))
+        fg = prog.forward({"out": out})
+        tr, gx = grad_of(prog, out, "x", FOLD_DY)
+        # read before another graph computes (gradients live in the training graph's buffer)
+        grads = [gx.copy()] + [prog.read(tr.grad_acc[n]).copy() for n in ("w1", "w2", "b", "r")]
+        got = fg.run({})["out"]
+        names = [lib.th_kernel_name(lib.ggml_graph_node(g, i)) for g in (fg.graph, tr.gb_grad)
+                 for i in range(lib.ggml_graph_n_nodes(g))]
+        fused = sum(ffi.string(n).decode() == "sgemm+add" for n in names if n != ffi.NULL)
+        # forward: the bias's product and W2's (the residual's ADD) in each graph; backward: x's
+        # gradient, two products added
+        assert fused == (5 if folds else 0), fused
+        runs.append((got, grads))
+    np.testing.assert_allclose(runs[0][0], (x @ w1.T + b) + (x @ w2.T + r), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    for ours, theirs in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+def test_a_folded_product_read_by_a_later_graph_is_an_error():
+    x = RNG.normal(size=(10, 8)).astype(np.float32)
+    w = RNG.normal(size=(6, 8)).astype(np.float32)
+    r = RNG.normal(size=(10, 6)).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    p = prog.param("x", x).matmul_t(prog.param("wt", w))
+    out = p + prog.param("r", r)
+    grad_of(prog, out, "wt", np.ones_like(r))          # the Trainer folds p into the ADD
+    np.testing.assert_allclose(prog.forward({"out": out}).run({})["out"], x @ w.T + r, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="fused node is read"):
+        prog.forward({"twice": p.scale(2.0)}).run({})
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+def test_a_product_read_elsewhere_in_its_graph_is_not_folded():
+    x = RNG.normal(size=(10, 8)).astype(np.float32)
+    w = RNG.normal(size=(6, 8)).astype(np.float32)
+    r = RNG.normal(size=(10, 6)).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    p = prog.param("x", x).matmul_t(prog.param("wt", w))
+    out, twice = p + prog.param("r", r), p.scale(2.0)
+    tr, _ = grad_of(prog, out + twice, "wt", np.ones_like(r))
+    names = [lib.th_kernel_name(lib.ggml_graph_node(tr.gb_opt, i)) for i in range(lib.ggml_graph_n_nodes(tr.gb_opt))]
+    assert "sgemm+add" not in {ffi.string(n).decode() for n in names if n != ffi.NULL}
+    got = prog.forward({"out": out, "twice": twice}).run({})
+    np.testing.assert_array_equal(got["out"], got["twice"] / 2 + r)
+
+
+def test_a_norm_gain_folds_into_the_norm_backward_and_its_gradient_with_the_same_bits():
+    """blocks.rms_norm (rms_norm(x) * g): the backward's MUL(dy, g) read by RMS_NORM_BACK, and
+    MUL(normalised, dy) summed over the rows for g's gradient (REPEAT_BACK), each fold into the node
+    that reads it (th_fold_norm_gains): the same gradients as the unfolded graph, bit for bit."""
+    x = RNG.normal(size=(3, 50, 40)).astype(np.float32)        # 150 rows; 40 columns: a partial block
+    g = (1 + RNG.normal(size=40) * 0.3).astype(np.float32)
+    dy = RNG.normal(size=x.shape).astype(np.float32)
+    runs = []
+    for folds in (True, False):
+        prog = get_engine("cpu", 2).program()
+        prog.cpu_folds = folds
+        out = blocks.rms_norm(prog.param("x", x), prog.param("g", g))
+        tr, gx = grad_of(prog, out, "x", dy)
+        names = {ffi.string(n).decode() for n in (lib.th_kernel_name(lib.ggml_graph_node(tr.gb_opt, i))
+                                                  for i in range(lib.ggml_graph_n_nodes(tr.gb_opt))) if n != ffi.NULL}
+        assert ({"rms_norm_back+gain", "gain_grad"} <= names) == folds, names
+        runs.append((gx.copy(), prog.read(tr.grad_acc["g"]).copy()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    # and against float64: g's gradient is the column sum of dy * x / rms(x)
+    xd = x.astype(np.float64).reshape(-1, 40)
+    normed = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + 1e-5)
+    assert rel_err(runs[0][1], (normed * dy.reshape(-1, 40)).sum(axis=0)) < 1e-5

@@ -188,6 +188,7 @@ double th_node_matmul_flops(const ggml_tensor * t);
 const char * th_kernel_name(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
 int th_cpu_rewrite(ggml_cgraph * graph);
+int th_cpu_fold(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);

@@ -170,6 +170,9 @@ class Program:
         # plain ops, each of which has a portable kernel).
         self.portable = engine.is_cpu and engine.portable
         self.cpu_kernels = engine.is_cpu and cpu_kernels and not self.portable
+        # With them, whether a Trainer folds products into the ADDs that read them (th_cpu_fold;
+        # TOYHARNESS_CPU_FOLDS=0 keeps them apart, for comparison)
+        self.cpu_folds = self.cpu_kernels and os.environ.get("TOYHARNESS_CPU_FOLDS", "1") != "0"
         # Whether our kernels inside ggml-cuda take GELU's and LayerNorm's stand-ins and the
         # nodes native/cuda_rewrite.c folds (TOYHARNESS_CPU_KERNELS=0 leaves every node to ggml
         # there too)
@@ -665,9 +668,10 @@ class Program:
                 if lib.th_portable_rewrite(graph, why, 256) < 0:
                     raise BackendError(f"portable mode: {ffi.string(why).decode()}; not computed "
                                        "(native/portable_kernels.c)")
-            elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
-                raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
-                                   "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
+            elif self.cpu_kernels:
+                if lib.th_cpu_rewrite(graph) < 0:
+                    raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
+                                       "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
             elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention) < 0:
                 raise RuntimeError("a stand-in node could not take its cuda kernel, an attention's backward "
                                    "could not follow its fused forward, or the graph holds a node another one "
@@ -914,6 +918,8 @@ class Trainer:
             from .recompute import apply
 
             self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
+        if prog.cpu_folds and lib.th_cpu_fold(self.gb_opt) < 0:
+            raise RuntimeError("a product folded into an ADD is read elsewhere (native/cpu_kernels.c, th_cpu_fold)")
         self.gf = gf
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
