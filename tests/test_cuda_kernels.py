@@ -28,6 +28,13 @@ def native_build():
     return module
 
 
+@pytest.fixture(autouse=True)
+def graphs_as_cuda_builds_them(monkeypatch):
+    """The rewrite's tests build on cpu the graphs cuda would compute: a cpu Trainer's folds of
+    products into ADDs (th_cpu_fold) are not cuda's, so they stay off here."""
+    monkeypatch.setenv("TOYHARNESS_CPU_FOLDS", "0")
+
+
 def ops_of(graph) -> list[str]:
     return [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
             for i in range(lib.ggml_graph_n_nodes(graph))]
