@@ -899,23 +899,6 @@ static void th_fold_away(struct ggml_tensor * t) {
     for (int i = 1; i < GGML_MAX_DIMS; i++) t->nb[i] = sizeof(float);
 }
 
-/* how many nodes of `graph` read `t`, and the one that does when there is one */
-static int th_readers(struct ggml_cgraph * graph, const struct ggml_tensor * t, struct ggml_tensor ** only) {
-    int n = 0;
-    *only = NULL;
-    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
-        struct ggml_tensor * u = ggml_graph_node(graph, i);
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (u->src[j] == t) {
-                n++;
-                *only = u;
-                break;
-            }
-        }
-    }
-    return n;
-}
-
 /* The f32 product (MUL_MAT or OUT_PROD, as built) under `t`'s RESHAPE views, each of them and it
  * read by the one above alone (`reader` reads t), 2-D, not an output, that th_cpu_rewrite will
  * compute with th_gemm_op; else NULL. */

@@ -23,6 +23,24 @@ static inline int64_t th_next_task(int64_t tasks, int ith, int nth, int64_t * ta
     return task < tasks * (ith + 1) / nth ? task : -1;
 }
 
+/* how many nodes of `graph` read `t`, and the one that does when there is one (the cpu and cuda
+ * rewrites' folds take a node read by one other alone) */
+static inline int th_readers(struct ggml_cgraph * graph, const struct ggml_tensor * t, struct ggml_tensor ** only) {
+    int n = 0;
+    *only = NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] == t) {
+                n++;
+                *only = u;
+                break;
+            }
+        }
+    }
+    return n;
+}
+
 /* exp, branch-free so that a loop of it vectorises (glibc's expf is a scalar call):
  * exp(x) = 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative
  * error below 2e-7 on that interval); x is clamped so that 2^n stays a normal float, and

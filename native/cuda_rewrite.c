@@ -97,23 +97,6 @@ static int th_shape_is(const struct ggml_tensor * t, int64_t ne0, int64_t ne1, i
     return t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == ne2 && t->ne[3] == 1;
 }
 
-/* how many nodes of `graph` read `t`, and the one that does when there is one */
-static int th_readers(struct ggml_cgraph * graph, const struct ggml_tensor * t, struct ggml_tensor ** only) {
-    int n = 0;
-    *only = NULL;
-    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
-        struct ggml_tensor * u = ggml_graph_node(graph, i);
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (u->src[j] == t) {
-                n++;
-                *only = u;
-                break;
-            }
-        }
-    }
-    return n;
-}
-
 /* a node computed by a later one (which takes its sources): it computes nothing */
 static void th_fold(struct ggml_tensor * t, int shrink) {
     th_mark(t, TH_CUDA_FOLDED);

@@ -361,13 +361,19 @@ def test_products_fold_into_the_adds_that_read_them_with_the_same_bits():
         np.testing.assert_array_equal(ours, theirs)
 
 
-@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
-def test_a_folded_product_read_by_a_later_graph_is_an_error():
+def product_of_params():
+    """A program with p = x w^T of parameters x (10, 8) and w (6, 8), and an r (10, 6) to add to it:
+    (program, p, (x, w, r))."""
     x = RNG.normal(size=(10, 8)).astype(np.float32)
     w = RNG.normal(size=(6, 8)).astype(np.float32)
     r = RNG.normal(size=(10, 6)).astype(np.float32)
     prog = get_engine("cpu", 2).program()
-    p = prog.param("x", x).matmul_t(prog.param("wt", w))
+    return prog, prog.param("x", x).matmul_t(prog.param("wt", w)), (x, w, r)
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+def test_a_folded_product_read_by_a_later_graph_is_an_error():
+    prog, p, (x, w, r) = product_of_params()
     out = p + prog.param("r", r)
     grad_of(prog, out, "wt", np.ones_like(r))          # the Trainer folds p into the ADD
     np.testing.assert_allclose(prog.forward({"out": out}).run({})["out"], x @ w.T + r, rtol=1e-5, atol=1e-5)
@@ -377,11 +383,7 @@ def test_a_folded_product_read_by_a_later_graph_is_an_error():
 
 @pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
 def test_a_product_read_elsewhere_in_its_graph_is_not_folded():
-    x = RNG.normal(size=(10, 8)).astype(np.float32)
-    w = RNG.normal(size=(6, 8)).astype(np.float32)
-    r = RNG.normal(size=(10, 6)).astype(np.float32)
-    prog = get_engine("cpu", 2).program()
-    p = prog.param("x", x).matmul_t(prog.param("wt", w))
+    prog, p, (x, w, r) = product_of_params()
     out, twice = p + prog.param("r", r), p.scale(2.0)
     tr, _ = grad_of(prog, out + twice, "wt", np.ones_like(r))
     names = [lib.th_kernel_name(lib.ggml_graph_node(tr.gb_opt, i)) for i in range(lib.ggml_graph_n_nodes(tr.gb_opt))]
