@@ -918,7 +918,8 @@ class Trainer:
             from .recompute import apply
 
             self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
-        if prog.cpu_folds and lib.th_cpu_fold(self.gb_opt) < 0:
+        # (only where our cpu kernels compute the graph: one lowered for metal keeps ggml's nodes)
+        if prog.cpu_kernels and prog.cpu_folds and lib.th_cpu_fold(self.gb_opt) < 0:
             raise RuntimeError("a product folded into an ADD is read elsewhere (native/cpu_kernels.c, th_cpu_fold)")
         self.gf = gf
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
