@@ -668,10 +668,9 @@ class Program:
                 if lib.th_portable_rewrite(graph, why, 256) < 0:
                     raise BackendError(f"portable mode: {ffi.string(why).decode()}; not computed "
                                        "(native/portable_kernels.c)")
-            elif self.cpu_kernels:
-                if lib.th_cpu_rewrite(graph) < 0:
-                    raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
-                                       "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
+            elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
+                raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
+                                   "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
             elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention) < 0:
                 raise RuntimeError("a stand-in node could not take its cuda kernel, an attention's backward "
                                    "could not follow its fused forward, or the graph holds a node another one "
