@@ -45,13 +45,42 @@ enum { TH_PARAM_SLOT = 8 };
 
 /* ---- matrix products through an external sgemm ---------------------------------------------
  * The binding hands us a CBLAS sgemm (OpenBLAS from the scipy-openblas32 wheel). The work is
- * cut into fixed tasks (a batch slice times a block of TH_GEMM_ROWS output rows), each one sgemm
+ * cut into fixed tasks (a batch slice times a tile of output rows and columns), each one sgemm
  * call on one thread, so every output element comes from the same call whatever the thread
- * count. 64 rows measured fastest of 32/64/96/128/256 (gpt2, llama, vit_tiny at 2 threads). */
-enum { TH_GEMM_ROWS = 64 };
+ * count.
+ *
+ * The tiles (th_gemm_cut): each call packs its whole second operand again, and calls of 64 rows
+ * ran at 69-94 GFLOP/s a core against 95-100 for 192 rows or more (OpenBLAS SkylakeX and Haswell
+ * at training shapes). So 64-row blocks are merged where a slice has rows to spare (at least
+ * TH_GEMM_MIN_CALLS calls left for the threads, at most TH_GEMM_MAX_ROWS rows a call), and a
+ * product of few rows (a weight's gradient: its rows are the weight's) is cut into two or more
+ * calls of merged rows and, to keep TH_GEMM_MIN_CALLS tasks, into column tiles of at least
+ * TH_GEMM_MIN_COLS. The cut depends on the shape alone. (Letting each thread merge its own
+ * blocks would be faster still at 2 threads, but OpenBLAS's rows are not the same bits for every
+ * cut, e.g. its small-matrix paths: the bits would follow the thread count.) */
+enum { TH_GEMM_ROWS = 64, TH_GEMM_MIN_CALLS = 8, TH_GEMM_MAX_ROWS = 256, TH_GEMM_MIN_COLS = 192 };
 th_sgemm_fn th_sgemm = NULL;
+static int th_gemm_merge = 1;
 
 TH_EXPORT void th_set_sgemm(void * fn) { th_sgemm = (th_sgemm_fn) fn; }
+
+/* merge 0: every call 64 rows and every column, as before tiles were merged (for comparison) */
+TH_EXPORT void th_set_gemm_merge(int merge) { th_gemm_merge = merge != 0; }
+
+/* rows and columns of one call, for a product with M x N output a slice (exported for the tests) */
+TH_EXPORT void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols) {
+    *rows = TH_GEMM_ROWS, *cols = N;
+    if (!th_gemm_merge) return;
+    const int64_t blocks = (M + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
+    int64_t merged = blocks / TH_GEMM_MIN_CALLS;
+    if (merged < 1) merged = blocks / 2 > 1 ? blocks / 2 : 1;
+    if (merged > TH_GEMM_MAX_ROWS / TH_GEMM_ROWS) merged = TH_GEMM_MAX_ROWS / TH_GEMM_ROWS;
+    *rows = merged * TH_GEMM_ROWS;
+    const int64_t row_calls = (M + *rows - 1) / *rows;
+    int64_t col_calls = (TH_GEMM_MIN_CALLS + row_calls - 1) / row_calls;
+    if (col_calls > N / TH_GEMM_MIN_COLS) col_calls = N / TH_GEMM_MIN_COLS;
+    if (col_calls > 1) *cols = ((N + col_calls - 1) / col_calls + 15) / 16 * 16;
+}
 
 /* A 2-D slice of t seen as a row-major (ne1 x ne0) matrix `view`: stored either row-major
  * (nb0 = 4) or as the transpose of a row-major matrix (nb1 = 4). Say which operand of sgemm
@@ -92,17 +121,22 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
     const int64_t M = dst->ne[1], N = dst->ne[0];
     const int64_t K = out_prod ? a->ne[1] : a->ne[0];
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
-    const int64_t blocks = (M + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
-    const int64_t tasks = blocks * dst->ne[2] * dst->ne[3];
+    int64_t call_rows, call_cols;
+    th_gemm_cut(M, N, &call_rows, &call_cols);
+    const int64_t row_blocks = (M + call_rows - 1) / call_rows, col_blocks = (N + call_cols - 1) / call_cols;
+    const int64_t tiles = row_blocks * col_blocks, tasks = tiles * dst->ne[2] * dst->ne[3];
     int64_t taken = 0;
     for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
-        const int64_t blk = task % blocks, i2 = (task / blocks) % dst->ne[2], i3 = task / (blocks * dst->ne[2]);
-        const int64_t m0 = blk * TH_GEMM_ROWS, rows = M - m0 < TH_GEMM_ROWS ? M - m0 : TH_GEMM_ROWS;
+        const int64_t tile = task % tiles, i2 = (task / tiles) % dst->ne[2], i3 = task / (tiles * dst->ne[2]);
+        const int64_t m0 = tile / col_blocks * call_rows, rows = M - m0 < call_rows ? M - m0 : call_rows;
+        const int64_t n0 = tile % col_blocks * call_cols, cols = N - n0 < call_cols ? N - n0 : call_cols;
         const char * pa = (const char *) a->data + (i2 / r2) * a->nb[2] + (i3 / r3) * a->nb[3];
         const char * pb = (const char *) b->data + i2 * b->nb[2] + i3 * b->nb[3];
-        /* the first operand's rows m0.. : along b's ne1 for MUL_MAT, along b's ne0 for OUT_PROD */
+        /* the first operand's rows m0.. : along b's ne1 for MUL_MAT, along b's ne0 for OUT_PROD;
+         * the second's columns n0.. : along a's ne1 for MUL_MAT, along a's ne0 for OUT_PROD */
         pb += m0 * (out_prod ? b->nb[0] : b->nb[1]);
-        float * pc = (float *) ((char *) dst->data + m0 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+        pa += n0 * (out_prod ? a->nb[0] : a->nb[1]);
+        float * pc = (float *) ((char *) dst->data + m0 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]) + n0;
         const int ldc = (int) (dst->nb[1] / sizeof(float));
         if (K == 1) {
             /* element i of the first operand's column, element j of the second's row */
@@ -110,17 +144,17 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
             for (int64_t i = 0; i < rows; i++) {
                 const float x = *(const float *) ((const char *) pb + i * sb);
                 float * c = pc + i * ldc;
-                for (int64_t j = 0; j < N; j++) c[j] = x * *(const float *) (pa + j * sa);
+                for (int64_t j = 0; j < cols; j++) c[j] = x * *(const float *) (pa + j * sa);
             }
         } else {
-            th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) N, (int) K, 1.0f, (const float *) pb, ldb,
+            th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) cols, (int) K, 1.0f, (const float *) pb, ldb,
                      (const float *) pa, lda, 0.0f, pc, ldc);
         }
         if (addend == NULL) continue;
         for (int64_t i = 0; i < rows; i++) {
             float * restrict c = pc + i * ldc;
-            const float * restrict e = (const float *) addend->data + (bias ? 0 : (c - (float *) dst->data));
-            for (int64_t j = 0; j < N; j++) c[j] += e[j];
+            const float * restrict e = (const float *) addend->data + (bias ? n0 : (c - (float *) dst->data));
+            for (int64_t j = 0; j < cols; j++) c[j] += e[j];
         }
     }
 }

@@ -361,6 +361,51 @@ def test_products_fold_into_the_adds_that_read_them_with_the_same_bits():
         np.testing.assert_array_equal(ours, theirs)
 
 
+def gemm_cut(m: int, n: int) -> tuple[int, int]:
+    rows, cols = ffi.new("int64_t *"), ffi.new("int64_t *")
+    lib.th_gemm_cut(m, n, rows, cols)
+    return rows[0], cols[0]
+
+
+def test_product_tiles_merge_rows_and_cut_columns_by_the_shape_alone():
+    assert gemm_cut(2048, 384) == (256, 384)       # 32 blocks of 64: 8 calls of 256 rows
+    assert gemm_cut(1024, 128) == (128, 128)       # 8 calls of 128 rows
+    assert gemm_cut(128, 512) == (64, 256)         # 2 blocks: no merge; columns in 2 (4 tasks)
+    assert gemm_cut(128, 300) == (64, 300)         # too few columns to cut
+    assert gemm_cut(384, 1536) == (192, 384)       # a weight's gradient: 2 x 192 rows, 4 x 384 columns
+    assert gemm_cut(384, 384) == (192, 192)
+    assert gemm_cut(40, 1000) == (64, 208)         # one row block: columns cut in 4 (16-aligned)
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+@pytest.mark.parametrize("m, n", [(384, 768), (1100, 40), (70, 900)])
+def test_tiled_products_and_their_folds_keep_their_bits_at_any_thread_count(m, n):
+    """Tiles of merged rows and cut columns (th_gemm_cut), with and without an addend folded in:
+    float64's values within float32's error, and the same bits at 1, 2, 3 and 5 threads."""
+    x = RNG.normal(size=(m, 48)).astype(np.float32)
+    w = RNG.normal(size=(n, 48)).astype(np.float32)
+    b = RNG.normal(size=n).astype(np.float32)
+    r = RNG.normal(size=(m, n)).astype(np.float32)
+    dy = RNG.normal(size=(m, n)).astype(np.float32)
+    results = []
+    for threads in (1, 2, 3, 5):
+        prog = get_engine("cpu", threads).program()
+        xt = prog.param("x", x)
+        out = blocks.linear(xt, prog.param("wl", w), prog.param("b", b)) + prog.param("r", r)
+        tr, gx = grad_of(prog, out, "x", dy)
+        grads = [gx.copy()] + [prog.read(tr.grad_acc[k]).copy() for k in ("wl", "b")]
+        names = [lib.th_kernel_name(lib.ggml_graph_node(tr.gb_grad, i)) for i in range(lib.ggml_graph_n_nodes(tr.gb_grad))]
+        assert "sgemm+add" in {ffi.string(k).decode() for k in names if k != ffi.NULL}
+        results.append([prog.forward({"out": out}).run({})["out"]] + grads)
+    xd, wd, dyd = (a.astype(np.float64) for a in (x, w, dy))
+    expected = [xd @ wd.T + b + r, dyd @ wd, dyd.T @ xd, dyd.sum(0)]
+    for got, want in zip(results[0], expected):
+        assert rel_err(got, want) < 1e-5
+    for other in results[1:]:
+        for got, same in zip(other, results[0]):
+            np.testing.assert_array_equal(got, same)
+
+
 def product_of_params():
     """A program with p = x w^T of parameters x (10, 8) and w (6, 8), and an r (10, 6) to add to it:
     (program, p, (x, w, r))."""
