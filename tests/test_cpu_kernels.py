@@ -394,7 +394,8 @@ def test_tiled_products_and_their_folds_keep_their_bits_at_any_thread_count(m, n
         out = blocks.linear(xt, prog.param("wl", w), prog.param("b", b)) + prog.param("r", r)
         tr, gx = grad_of(prog, out, "x", dy)
         grads = [gx.copy()] + [prog.read(tr.grad_acc[k]).copy() for k in ("wl", "b")]
-        names = [lib.th_kernel_name(lib.ggml_graph_node(tr.gb_grad, i)) for i in range(lib.ggml_graph_n_nodes(tr.gb_grad))]
+        g = tr.gb_grad
+        names = [lib.th_kernel_name(lib.ggml_graph_node(g, i)) for i in range(lib.ggml_graph_n_nodes(g))]
         assert "sgemm+add" in {ffi.string(k).decode() for k in names if k != ffi.NULL}
         results.append([prog.forward({"out": out}).run({})["out"]] + grads)
     xd, wd, dyd = (a.astype(np.float64) for a in (x, w, dy))
