@@ -53,11 +53,12 @@ enum { TH_PARAM_SLOT = 8 };
  * ran at 69-94 GFLOP/s a core against 95-100 for 192 rows or more (OpenBLAS SkylakeX and Haswell
  * at training shapes). So 64-row blocks are merged where a slice has rows to spare (at least
  * TH_GEMM_MIN_CALLS calls left for the threads, at most TH_GEMM_MAX_ROWS rows a call), and a
- * product of few rows (a weight's gradient: its rows are the weight's) is cut into two or more
- * calls of merged rows and, to keep TH_GEMM_MIN_CALLS tasks, into column tiles of at least
- * TH_GEMM_MIN_COLS. The cut depends on the shape alone. (Letting each thread merge its own
- * blocks would be faster still at 2 threads, but OpenBLAS's rows are not the same bits for every
- * cut, e.g. its small-matrix paths: the bits would follow the thread count.) */
+ * product of few rows (a weight's gradient: its rows are the weight's; 3 to 7 blocks) is cut
+ * into two or more calls of merged rows and, to keep TH_GEMM_MIN_CALLS tasks, into column tiles
+ * of at least TH_GEMM_MIN_COLS. Two blocks or fewer stay as they were. The cut depends on the
+ * shape alone. (Letting each thread merge its own blocks would be faster still at 2 threads, but
+ * OpenBLAS's rows are not the same bits for every cut, e.g. its small-matrix paths: the bits
+ * would follow the thread count.) */
 enum { TH_GEMM_ROWS = 64, TH_GEMM_MIN_CALLS = 8, TH_GEMM_MAX_ROWS = 256, TH_GEMM_MIN_COLS = 192 };
 th_sgemm_fn th_sgemm = NULL;
 static int th_gemm_merge = 1;
@@ -75,6 +76,7 @@ TH_EXPORT void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols)
     int64_t merged = blocks / TH_GEMM_MIN_CALLS;
     if (merged < 1) merged = blocks / 2 > 1 ? blocks / 2 : 1;
     if (merged > TH_GEMM_MAX_ROWS / TH_GEMM_ROWS) merged = TH_GEMM_MAX_ROWS / TH_GEMM_ROWS;
+    if (merged == 1) return;    /* 2 blocks or fewer: as they were (narrower tiles were slower there) */
     *rows = merged * TH_GEMM_ROWS;
     const int64_t row_calls = (M + *rows - 1) / *rows;
     int64_t col_calls = (TH_GEMM_MIN_CALLS + row_calls - 1) / row_calls;

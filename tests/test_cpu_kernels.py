@@ -370,15 +370,15 @@ def gemm_cut(m: int, n: int) -> tuple[int, int]:
 def test_product_tiles_merge_rows_and_cut_columns_by_the_shape_alone():
     assert gemm_cut(2048, 384) == (256, 384)       # 32 blocks of 64: 8 calls of 256 rows
     assert gemm_cut(1024, 128) == (128, 128)       # 8 calls of 128 rows
-    assert gemm_cut(128, 512) == (64, 256)         # 2 blocks: no merge; columns in 2 (4 tasks)
-    assert gemm_cut(128, 300) == (64, 300)         # too few columns to cut
+    assert gemm_cut(128, 512) == (64, 512)         # 2 blocks: as they were, every column a call
     assert gemm_cut(384, 1536) == (192, 384)       # a weight's gradient: 2 x 192 rows, 4 x 384 columns
     assert gemm_cut(384, 384) == (192, 192)
-    assert gemm_cut(40, 1000) == (64, 208)         # one row block: columns cut in 4 (16-aligned)
+    assert gemm_cut(448, 1000) == (192, 336)       # 7 blocks: 3 calls of 192 rows, 3 column tiles
+    assert gemm_cut(448, 300) == (192, 300)        # too few columns to cut
 
 
 @pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
-@pytest.mark.parametrize("m, n", [(384, 768), (1100, 40), (70, 900)])
+@pytest.mark.parametrize("m, n", [(384, 768), (1100, 40), (200, 900)])
 def test_tiled_products_and_their_folds_keep_their_bits_at_any_thread_count(m, n):
     """Tiles of merged rows and cut columns (th_gemm_cut), with and without an addend folded in:
     float64's values within float32's error, and the same bits at 1, 2, 3 and 5 threads."""
