@@ -38,6 +38,8 @@
  *     takes one a parameter (196 at GPT-2 small, most of them biases and gains of 768 floats).
  *   - ADD of two contiguous tensors of one shape (residuals, gradients that meet): a float4 at a
  *     time (ggml-cuda's broadcasting kernel computes each element's place).
+ *   - SILU_BACK(MUL(a, b), x) (SwiGLU's gate gradient): one kernel, ggml-cuda's formula on the
+ *     product rounded as the MUL stored it (the same bits), the MUL computing nothing.
  *   - LayerNorm (blocks.layer_norm): the RMS_NORM named TH_LAYER_NORM_NAME stands in for the
  *     normalization of centred rows, and its RMS_NORM_BACK for that one's backward, one kernel
  *     each way instead of the centring's 3 nodes forward and 4 backward and ggml's RMS_NORM.
@@ -46,6 +48,7 @@
  *     kernel that reads t and dy. A product or MUL folded into a later node computes nothing.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ggml.h"
@@ -539,6 +542,38 @@ static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
     return marked;
 }
 
+/* SILU_BACK(MUL(a, b), x), the MUL read by the SILU_BACK alone, not an output, every tensor f32
+ * contiguous of one element count (no broadcast): SwiGLU's gate gradient, silu_back(grad * up,
+ * gate). One kernel reads a, b and x and writes y (4 passes over the activation where ggml's two
+ * nodes make 6); it rounds a * b to f32 as the MUL's node did, then computes ggml-cuda's
+ * op_silu_back, so the bits are ggml's. TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's nodes (tests,
+ * comparisons). Returns the nodes marked. */
+static int th_rewrite_silu_back_muls(struct ggml_cgraph * graph) {
+    const char * choice = getenv("TOYHARNESS_CUDA_SILU_BACK");
+    if (choice != NULL && strcmp(choice, "ggml") == 0) return 0;
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i), * m = t->src[0], * only;
+        if (t->op != GGML_OP_SILU_BACK || m == NULL || m->op != GGML_OP_MUL || (m->flags & GGML_TENSOR_FLAG_OUTPUT) ||
+            th_readers(graph, m, &only) != 1 || only != t) {
+            continue;
+        }
+        struct ggml_tensor * a = m->src[0], * b = m->src[1], * x = t->src[1];
+        const int64_t count = ggml_nelements(t);
+        if (a == NULL || b == NULL || x == NULL || !th_f32_contiguous(t) || !th_f32_contiguous(m) ||
+            !th_f32_contiguous(a) || !th_f32_contiguous(b) || !th_f32_contiguous(x) || ggml_nelements(m) != count ||
+            ggml_nelements(a) != count || ggml_nelements(b) != count || ggml_nelements(x) != count) {
+            continue;                          /* a broadcast or strided MUL: ggml's nodes */
+        }
+        th_mark(t, TH_CUDA_SILU_BACK_MUL);
+        th_set_srcs(t, a, b, x, NULL, NULL, NULL);
+        th_fold(m, 1);
+        marked += 2;
+    }
+    return marked;
+}
+
 /* MUL(t, g) of f32 rows t (n, rows) and a gain g (n): its g, else NULL */
 static struct ggml_tensor * th_gain_of(const struct ggml_tensor * m, int64_t n) {
     const struct ggml_tensor * t = m->src[0];
@@ -845,6 +880,7 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     const int biases = th_rewrite_linear_biases(graph);
     const int affines = th_rewrite_norm_affines(graph);
     const int sums = th_rewrite_product_sums(graph), residuals = th_rewrite_norm_residuals(graph);
+    const int silu_backs = th_rewrite_silu_back_muls(graph);    /* after the GELU pairs: theirs are not SILU_BACK now */
     int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
@@ -872,7 +908,7 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
         th_check_adamw_runs(graph) < 0) {
         return -1;
     }
-    return gelu + fused + norms + biases + affines + sums + residuals + singles + adamw;
+    return gelu + fused + norms + biases + affines + sums + residuals + silu_backs + singles + adamw;
 }
 
 /* the kernel's name for a node marked here (bench --profile), else NULL */
@@ -881,7 +917,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
-                                   "frozen_mul_mat", "frozen_out_prod"};
+                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

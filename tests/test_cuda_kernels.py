@@ -753,3 +753,124 @@ def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats
         assert err < 4 * u, (name, err)
         assert np.array_equal(got, again[name]), name
         assert not np.array_equal(got, fp32[name]), name
+
+
+def swiglu_program(backend: str, rows: int, d: int, seed: int = 23):
+    """y = silu(g) * u weighted by constants c: g's gradient is SILU_BACK(MUL(c, u), g)."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    prog.grads_as_outputs = True
+    g = prog.param("g", (rng.normal(size=(rows, d)) * 4).astype(np.float32))
+    u = prog.param("u", rng.normal(size=(rows, d)).astype(np.float32))
+    y = g.swiglu(u) * prog.constant("c", rng.normal(size=(rows, d)).astype(np.float32))
+    return prog, prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected")
+
+
+def test_the_cuda_rewrite_computes_swiglus_gate_gradient_in_one_node(monkeypatch):
+    """Built on cpu: ggml's backward of SwiGLU, silu_back(grad * up, gate), is one node of ours
+    (the MUL folded); TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's two."""
+    prog, trainer = swiglu_program("cpu", 6, 10)
+    muls = ops_of(trainer.gb_grad).count("MUL")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 2
+    assert kernel_names(trainer.gb_grad).count("silu_back_mul") == 1
+    assert "SILU_BACK" not in ops_of(trainer.gb_grad) and ops_of(trainer.gb_grad).count("MUL") == muls - 1
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) >= 0 and kernel_names(trainer.gb_opt).count("silu_back_mul") == 1
+    monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", "ggml")
+    prog, trainer = swiglu_program("cpu", 6, 10)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert "silu_back_mul" not in kernel_names(trainer.gb_grad) and "SILU_BACK" in ops_of(trainer.gb_grad)
+
+
+def swiglu_gradients(backend: str, monkeypatch, how: str, rows: int, d: int) -> dict[str, np.ndarray]:
+    monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", how)
+    prog, trainer = swiglu_program(backend, rows, d)
+    trainer.grads_only({})
+    assert ("silu_back_mul" in kernel_names(trainer.gb_grad)) == (how == "fused")
+    return {n: prog.read(trainer.grad_acc[n]) for n in ("g", "u")}
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows,d", [(96, 160), (7, 13)])      # float4 path; odd count: one float at a time
+def test_swiglus_gate_gradient_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, monkeypatch):
+    """The fused kernel against ggml's MUL then SILU_BACK nodes: every bit, and run to run."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    fused = swiglu_gradients(backend, monkeypatch, "fused", rows, d)
+    ggml = swiglu_gradients(backend, monkeypatch, "ggml", rows, d)
+    for name in ("g", "u"):
+        assert np.isfinite(fused[name]).all(), name
+        assert np.array_equal(fused[name].view(np.uint32), ggml[name].view(np.uint32)), name
+    # and it is silu's derivative: float64 within fast-math's expf and division (a few ulp)
+    rng = np.random.default_rng(23)
+    g = (rng.normal(size=(rows, d)) * 4).astype(np.float32).astype(np.float64)
+    u = rng.normal(size=(rows, d)).astype(np.float32).astype(np.float64)
+    c = rng.normal(size=(rows, d)).astype(np.float32).astype(np.float64)
+    s = 1.0 / (1.0 + np.exp(-g))
+    want = c * u * s * (1.0 + g * (1.0 - s))
+    assert (np.abs(fused["g"] - want) <= 1e-5 * np.abs(c * u) + 1e-6).all()
+
+
+def lora_program(backend: str, scale: float, output_side: bool, cuda_kernels: bool | None = None, rows: int = 96,
+                 d_in: int = 160, d_out: int = 200, rank: int = 8, seed: int = 31):
+    """W x + scale B A x (blocks.lora_linear), or with `output_side` the scale written on B A x's
+    (rows, d_out) output by hand: the placement lora_linear keeps off cuda."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    if cuda_kernels is not None:
+        prog.cuda_kernels = cuda_kernels
+    prog.grads_as_outputs = True
+    x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
+    w = prog.param("w", (rng.normal(size=(d_out, d_in)) * 0.1).astype(np.float32))
+    a = prog.param("a", (rng.normal(size=(rank, d_in)) * 0.1).astype(np.float32))
+    b = prog.param("b", (rng.normal(size=(d_out, rank)) * 0.1).astype(np.float32))
+    if output_side:
+        y = blocks.linear(x, w) + blocks.linear(blocks.linear(x, a), b).scale(scale)
+    else:
+        y = blocks.lora_linear(x, w, a, b, scale)
+    loss = prog.scalar_loss((y * prog.constant("c", rng.normal(size=(rows, d_out)).astype(np.float32))).sum())
+    return prog, y, prog.trainer(loss, "bias_corrected")
+
+
+def scale_sizes(graph) -> list[int]:
+    """the element count of each SCALE node (rows x rank or rows x out)"""
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    return [int(lib.ggml_nelements(t)) for t in nodes if ffi.string(lib.ggml_op_desc(t)).decode() == "SCALE"]
+
+
+@pytest.mark.parametrize("scale,where", [(1.0, []), (2.0, [96 * 8]), (0.5, [96 * 8]), (-4.0, [96 * 8]),
+                                         (0.3, [96 * 200]), (1.5, [96 * 200])])
+def test_on_cuda_an_exact_lora_scale_goes_on_the_rank_product(scale, where):
+    """Built on cpu as cuda builds it (cuda_kernels): a power of two scales A x (rows, rank), 1
+    adds no node, any other scale stays on the (rows, out) output; without our cuda kernels
+    (cpu, vulkan, metal) the output keeps it whatever it is."""
+    prog, y, trainer = lora_program("cpu", scale, False, cuda_kernels=True)
+    assert scale_sizes(prog.forward({"y": y}).graph) == where
+    prog, y, trainer = lora_program("cpu", scale, False, cuda_kernels=False)
+    assert scale_sizes(prog.forward({"y": y}).graph) == [96 * 200]
+    assert not blocks.exact_power_of_two(0.0) and not blocks.exact_power_of_two(float("inf"))
+
+
+def lora_values(scale: float, output_side: bool) -> dict[str, np.ndarray]:
+    prog, y, trainer = lora_program("cuda", scale, output_side)
+    out = {"y": prog.forward({"y": y}).run({})["y"]}
+    trainer.grads_only({})
+    out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "w", "a", "b")})
+    return out
+
+
+@pytest.mark.parametrize("precision", [pytest.param(p, marks=needs("cuda")) for p in ("fp32", "bf16")])
+@pytest.mark.parametrize("scale", [2.0, 0.5, 1.0])
+def test_an_exact_lora_scale_on_the_rank_product_changes_no_bit_on_cuda(precision, scale):
+    """s B (A x) with s on the (rows, rank) product against s on the (rows, out) output: the same
+    bits of y and of every gradient, fp32 and bf16 (a power of two commutes with each rounding)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine("cuda")
+    engine.set_precision(precision)
+    try:
+        ours, by_hand = lora_values(scale, False), lora_values(scale, True)
+    finally:
+        engine.set_precision("fp32")
+    for name, want in by_hand.items():
+        assert np.isfinite(ours[name]).all() and np.abs(want).max() > 0, name
+        assert np.array_equal(ours[name].view(np.uint32), want.view(np.uint32)), (precision, scale, name)

@@ -104,6 +104,46 @@ static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, cons
     }
 }
 
+// ggml-cuda's op_silu_back (unary.cu), the same expression under the same flags (-use_fast_math):
+// SILU_BACK_MUL must give the bits of ggml's SILU_BACK node
+static __device__ __forceinline__ float th_silu_back(const float grad, const float x) {
+    const float s = 1.0f / (1.0f + expf(-x));
+    return grad * s * (1.0f + x * (1.0f - s));
+}
+
+// y = silu_back(a * b, x) over n floats: SwiGLU's gate gradient with ggml's MUL(grad, up) inside.
+// __fmul_rn rounds the product to f32 as the MUL's node stored it (no FMA contraction into what
+// follows). A float4 at a time where every pointer is 16-aligned and n a multiple of 4.
+template <bool vec4>
+static __global__ void th_silu_back_mul_kernel(const float * __restrict__ a, const float * __restrict__ b,
+                                               const float * __restrict__ x, float * __restrict__ y, const int64_t n) {
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
+        if (vec4) {
+            const float4 u = ((const float4 *) a)[i], v = ((const float4 *) b)[i], w = ((const float4 *) x)[i];
+            ((float4 *) y)[i] = make_float4(th_silu_back(__fmul_rn(u.x, v.x), w.x), th_silu_back(__fmul_rn(u.y, v.y), w.y),
+                                            th_silu_back(__fmul_rn(u.z, v.z), w.z), th_silu_back(__fmul_rn(u.w, v.w), w.w));
+        } else {
+            y[i] = th_silu_back(__fmul_rn(a[i], b[i]), x[i]);
+        }
+    }
+}
+
+static void th_silu_back_mul(cudaStream_t stream, ggml_tensor * dst) {
+    const ggml_tensor * a = dst->src[0], * b = dst->src[1], * x = dst->src[2];
+    const int64_t n = ggml_nelements(dst);
+    const bool vec4 = n % 4 == 0 && th_aligned16(a->data) && th_aligned16(b->data) && th_aligned16(x->data) &&
+                      th_aligned16(dst->data);
+    const int64_t wanted = ((vec4 ? n / 4 : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
+    const int blocks = (int) (wanted < 65535 ? wanted : 65535);
+    const float * pa = (const float *) a->data, * pb = (const float *) b->data, * px = (const float *) x->data;
+    if (vec4) {
+        th_silu_back_mul_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, (float *) dst->data, n);
+    } else {
+        th_silu_back_mul_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, (float *) dst->data, n);
+    }
+}
+
 // the sum over a warp, in lane 0's order, given to every lane
 static __device__ float th_warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
@@ -602,6 +642,10 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         case TH_CUDA_ADD:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
+        case TH_CUDA_SILU_BACK_MUL:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
+                   th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
+                   ggml_nelements(op->src[1]) == ggml_nelements(op) && ggml_nelements(op->src[2]) == ggml_nelements(op);
         case TH_CUDA_LAYER_NORM_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    ggml_nelements(op) == ggml_nelements(op->src[0]) && ggml_nelements(op) == ggml_nelements(op->src[1]) &&
@@ -674,6 +718,9 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_ADD:
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);
+            return true;
+        case TH_CUDA_SILU_BACK_MUL:
+            th_silu_back_mul(stream, dst);
             return true;
         case TH_CUDA_FOLDED:
         case TH_CUDA_ROOM:
