@@ -500,10 +500,22 @@ static struct ggml_tensor * th_plain_out_prod(struct ggml_tensor * t) {
     return t;
 }
 
-/* Products added together, ADD(x, y) where each of x and y is an OUT_PROD or (one of them) a
- * PRODUCT_SUM, through RESHAPEs read by the next alone (the gradient of an input that several
- * projections read: q, k and v, llama's gate and up): one PRODUCT_SUM of at most 5 products,
- * cuBLAS adding each product into the sum so far (beta 1): the order and roundings of the ADDs.
+/* OUT_PROD(W, dy^T) of a frozen weight W (not f32: only at bf16 do cuda graphs hold one, see
+ * Tensor.matmul_t) of a shape the frozen bf16 products take, not an output, else NULL. In a
+ * PRODUCT_SUM, cuda/th-frozen.cu computes it with beta 1 (th-custom.cu's supported check asks for
+ * bf16's stamp: a frozen product at another precision is refused, never computed otherwise). */
+static struct ggml_tensor * th_frozen_out_prod(struct ggml_tensor * t) {
+    return t != NULL && t->op == GGML_OP_OUT_PROD && t->src[0] != NULL && t->src[0]->type != GGML_TYPE_F32 &&
+                   !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_frozen_product_ok(t, 0)
+               ? t
+               : NULL;
+}
+
+/* Products added together, ADD(x, y) where each of x and y is an OUT_PROD (f32, or a frozen
+ * weight's input gradient at bf16) or (one of them) a PRODUCT_SUM, through RESHAPEs read by the
+ * next alone (the gradient of an input that several projections read: q, k and v, llama's gate
+ * and up, a LoRA base's and its adapter's): one PRODUCT_SUM of at most 5 products, cuBLAS adding
+ * each product into the sum so far (beta 1): the order and roundings of the ADDs.
  * Returns the nodes marked. */
 static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
     const int n = ggml_graph_n_nodes(graph);
@@ -513,7 +525,9 @@ static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
         if (!th_is_same_shape_add(u)) continue;
         int sums = 0, count = 0, order[2] = {0, 1};
         for (int j = 0; j < 2; j++) {
-            part[j] = th_plain_out_prod(th_under_reshapes(graph, u, u->src[j], GGML_OP_OUT_PROD));
+            struct ggml_tensor * product = th_under_reshapes(graph, u, u->src[j], GGML_OP_OUT_PROD);
+            part[j] = th_plain_out_prod(product);
+            if (part[j] == NULL) part[j] = th_frozen_out_prod(product);
             if (part[j] == NULL) {
                 part[j] = th_ours_under_reshapes(graph, u, u->src[j], TH_CUDA_PRODUCT_SUM);
                 sums += part[j] != NULL;

@@ -14,7 +14,7 @@ import pytest
 from test_backends import needs
 from test_cpu_kernels import gelu_tanh_f64
 
-from toyharness._ffi import cuda_kernels_built, ffi, lib
+from toyharness._ffi import GGML_TYPE_F32, cuda_kernels_built, ffi, lib
 from toyharness.engine import blocks, get_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -874,3 +874,75 @@ def test_an_exact_lora_scale_on_the_rank_product_changes_no_bit_on_cuda(precisio
     for name, want in by_hand.items():
         assert np.isfinite(ours[name]).all() and np.abs(want).max() > 0, name
         assert np.array_equal(ours[name].view(np.uint32), want.view(np.uint32)), (precision, scale, name)
+
+
+def frozen_products_program(backend: str, n_products: int, only: int | None = None, dtype: str = "bf16",
+                            rows: int = 96, d_in: int = 256, d_out: int = 192, seed: int = 5):
+    """sum over i of (x W_i^T) * c_i with frozen W_i (`dtype`), and a LoRA-like f32 term (x A^T B^T)
+    * c (rank 16): x's gradient is n_products frozen OUT_PRODs (th-frozen.cu at bf16) and A's f32 one."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    prog.grads_as_outputs = True
+    x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
+    a = prog.param("a", (rng.normal(size=(16, d_in)) * 0.1).astype(np.float32))
+    b = prog.param("b", (rng.normal(size=(d_out, 16)) * 0.1).astype(np.float32))
+    ca = prog.constant("ca", rng.normal(size=(rows, d_out)).astype(np.float32))
+    terms = [blocks.linear(blocks.linear(x, a), b) * ca]
+    for i in range(n_products):
+        w = prog.frozen_array(f"w{i}", rng.normal(size=(d_out, d_in)) * 0.05, dtype)
+        c = prog.constant(f"c{i}", rng.normal(size=(rows, d_out)).astype(np.float32))
+        terms.append(blocks.linear(x, w) * c)
+    if only is not None:
+        terms = [terms[only]]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return prog, prog.trainer(prog.scalar_loss(total.sum()), "bias_corrected")
+
+
+def test_the_cuda_rewrite_sums_frozen_input_gradients_with_the_others():
+    """Built on cpu (frozen weights stay in their type there, as on cuda at bf16): x's gradient
+    from 3 frozen products and one f32 product is one PRODUCT_SUM; no frozen OUT_PROD is left."""
+    prog, trainer = frozen_products_program("cpu", 3)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    # (the forward's 3 ADDs of the terms stay ADDs)
+    assert kernel_names(trainer.gb_grad).count("product_sum") == 1 and kernel_names(trainer.gb_grad).count("add") == 3
+    nodes = [lib.ggml_graph_node(trainer.gb_grad, i) for i in range(lib.ggml_graph_n_nodes(trainer.gb_grad))]
+    frozen = [n for n in nodes if ffi.string(lib.ggml_op_desc(n)).decode() == "OUT_PROD"
+              and lib.th_tensor_type(lib.th_tensor_src(n, 0)) != GGML_TYPE_F32]
+    assert frozen == []
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0"])
+def test_frozen_input_gradients_summed_in_one_node_on_cuda_match_the_adds(backend, dtype):
+    """At bf16: the PRODUCT_SUM with frozen terms (each added into the sum so far, beta 1) against
+    each term computed alone (FROZEN_OUT_PROD or ggml's OUT_PROD, beta 0) summed left to right in
+    float32: within a rounding of the running sum (a split k adds its partial sums in cuBLAS's
+    order), and its bits run to run."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine(backend)
+    engine.set_precision("bf16")
+    try:
+        summed = []
+        for _ in range(2):
+            prog, trainer = frozen_products_program(backend, 3, dtype=dtype)
+            trainer.grads_only({})
+            assert kernel_names(trainer.gb_grad).count("product_sum") == 1, kernel_names(trainer.gb_grad)
+            summed.append(prog.read(trainer.grad_acc["x"]))
+        alone = []
+        for i in range(4):
+            prog_i, trainer_i = frozen_products_program(backend, 3, only=i, dtype=dtype)
+            trainer_i.grads_only({})
+            assert "product_sum" not in kernel_names(trainer_i.gb_grad)
+            alone.append(prog_i.read(trainer_i.grad_acc["x"]))
+    finally:
+        engine.set_precision("fp32")
+    assert np.array_equal(summed[0].view(np.uint32), summed[1].view(np.uint32)), "bits moved between two runs"
+    added = ((alone[0] + alone[1]) + alone[2]) + alone[3]
+    magnitude = sum(np.abs(t) for t in alone)
+    differ = int(np.sum(summed[0] != added))
+    print(f"frozen product sum ({dtype}): {differ} of {added.size} elements differ from the ADDs' "
+          f"(largest {float(np.max(np.abs(summed[0] - added))):.3g})")
+    assert (np.abs(summed[0] - added) <= magnitude * 2.0**-22).all()

@@ -373,9 +373,16 @@ static bool th_out_prod_into(cublasHandle_t cublas, const ggml_tensor * a, const
                            (float *) dst->data, (int) dst->ne[0]) == CUBLAS_STATUS_SUCCESS;
 }
 
+// each pair (a, b) of sources one product: f32 a (ggml's OUT_PROD) or a frozen weight a at bf16
+// (th-frozen.cu), the first written, the others added into the sum so far
 static bool th_product_sum(cublasHandle_t cublas, ggml_tensor * dst) {
     for (int k = 0; k + 1 < GGML_MAX_SRC && dst->src[k] != nullptr; k += 2) {
-        if (!th_out_prod_into(cublas, dst->src[k], dst->src[k + 1], dst, k == 0 ? 0.0f : 1.0f)) return false;
+        const ggml_tensor * a = dst->src[k], * b = dst->src[k + 1];
+        const float beta = k == 0 ? 0.0f : 1.0f;
+        if (!(a->type == GGML_TYPE_F32 ? th_out_prod_into(cublas, a, b, dst, beta)
+                                       : th_frozen_out_prod_into(cublas, a, b, dst, beta))) {
+            return false;
+        }
     }
     return true;
 }
@@ -386,6 +393,12 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
     }
     for (int k = 0; k + 1 < GGML_MAX_SRC && op->src[k] != nullptr; k += 2) {
         const ggml_tensor * a = op->src[k], * b = op->src[k + 1];
+        if (b != nullptr && a->type != GGML_TYPE_F32) {      // a frozen weight's term: bf16 only
+            ggml_tensor term = *op;
+            term.src[0] = (ggml_tensor *) a, term.src[1] = (ggml_tensor *) b;
+            if (!th_frozen_supported(&term, TH_CUDA_FROZEN_OUT_PROD)) return false;
+            continue;
+        }
         if (b == nullptr || a->type != GGML_TYPE_F32 || b->type != GGML_TYPE_F32 || a->nb[0] != sizeof(float) ||
             a->ne[2] * a->ne[3] != 1 || b->ne[2] * b->ne[3] != 1 || a->ne[0] != op->ne[0] || b->ne[0] != ggml_nrows(op) ||
             a->ne[1] != b->ne[1] || a->ne[1] > INT32_MAX ||

@@ -490,7 +490,7 @@ bool th_frozen_type_ok(const ggml_type type) {
 
 cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cublasOperation_t tw, cublasOperation_t tb,
                                    int m, int n, int k, const float * b, int b_rows, int b_cols, int ldb, float * c,
-                                   int ldc) {
+                                   int ldc, const float beta) {
     cudaStream_t stream = nullptr;
     if (cublasGetStream(h, &stream) != CUBLAS_STATUS_SUCCESS) return CUBLAS_STATUS_INTERNAL_ERROR;
     if (!th_frozen_type_ok(w->type)) return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -512,7 +512,7 @@ cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cubl
         b16 = dst;
     }
     if (cudaGetLastError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
-    const float alpha = 1.0f, beta = 0.0f;
+    const float alpha = 1.0f;
     return cublasGemmEx(h, tw, tb, m, n, k, &alpha, w16, CUDA_R_16BF, (int) w->ne[0], b16, CUDA_R_16BF, b_rows, &beta,
                         c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
