@@ -24,7 +24,8 @@
 # (scripts/lora_bench_base.py; t_seq 1024 x 4, targets q,k,v,o, rank 16) beside transformers at P
 # (its base dequantized to bf16 for bf16), eager, each side's GPU memory as the driver counts it.
 #
-# fused: the tests of iss-32d's SwiGLU gate-gradient kernel and LoRA scale placement (tests/test_cuda_kernels.py).
+# fused: the tests of iss-32d's SwiGLU gate-gradient kernel, LoRA scale placement and frozen terms in product sums
+# (tests/test_cuda_kernels.py).
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
 # in each precision), bench_<precision>_<size>.json.
@@ -48,8 +49,9 @@ tests_phase() {
 if [[ $phases == *" build "* ]]; then build_cuda; fi
 
 if [[ $phases == *" fused "* ]]; then
-    step "iss-32d's fusions on cuda: SwiGLU's gate gradient in one kernel, the LoRA scale on the rank product (bits)"
-    tests_phase fused.log tests/test_cuda_kernels.py "swiglu or silu or lora" "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    step "iss-32d's fusions on cuda: SwiGLU's gate gradient in one kernel, the LoRA scale on the rank product, frozen terms in product sums"
+    tests_phase fused.log tests/test_cuda_kernels.py "swiglu or silu or lora or frozen or product_sum or products_summed" \
+        "^frozen product sum|passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
 if [[ $phases == *" check "* ]]; then
