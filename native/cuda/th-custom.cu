@@ -394,8 +394,10 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
     for (int k = 0; k + 1 < GGML_MAX_SRC && op->src[k] != nullptr; k += 2) {
         const ggml_tensor * a = op->src[k], * b = op->src[k + 1];
         if (b != nullptr && a->type != GGML_TYPE_F32) {      // a frozen weight's term: bf16 only
-            ggml_tensor term = *op;
+            ggml_tensor term = *op;          // the product's own 2-D shape (the sum may be 3-D: reshapes)
             term.src[0] = (ggml_tensor *) a, term.src[1] = (ggml_tensor *) b;
+            term.ne[1] = ggml_nrows(op), term.ne[2] = term.ne[3] = 1;
+            term.nb[2] = term.nb[3] = term.nb[1] * term.ne[1];
             if (!th_frozen_supported(&term, TH_CUDA_FROZEN_OUT_PROD)) return false;
             continue;
         }
