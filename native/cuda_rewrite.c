@@ -39,7 +39,9 @@
  *   - ADD of two contiguous tensors of one shape (residuals, gradients that meet): a float4 at a
  *     time (ggml-cuda's broadcasting kernel computes each element's place).
  *   - SILU_BACK(MUL(a, b), x) (SwiGLU's gate gradient): one kernel, ggml-cuda's formula on the
- *     product rounded as the MUL stored it (the same bits), the MUL computing nothing.
+ *     product rounded as the MUL stored it (the same bits), the MUL computing nothing; with up's
+ *     gradient MUL(SILU(x), a) beside it, SwiGLU's whole backward in that kernel, up's gradient
+ *     into that MUL's node (a room, as attention's dK and dV), the SILU computing nothing.
  *   - LayerNorm (blocks.layer_norm): the RMS_NORM named TH_LAYER_NORM_NAME stands in for the
  *     normalization of centred rows, and its RMS_NORM_BACK for that one's backward, one kernel
  *     each way instead of the centring's 3 nodes forward and 4 backward and ggml's RMS_NORM.
@@ -562,6 +564,30 @@ static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
  * nodes make 6); it rounds a * b to f32 as the MUL's node did, then computes ggml-cuda's
  * op_silu_back, so the bits are ggml's. TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's nodes (tests,
  * comparisons). Returns the nodes marked. */
+/* up's gradient beside SwiGLU's gate gradient: MUL(SILU(x), grad) in either order, f32 contiguous
+ * of grad's element count, the SILU (ggml's, not a stand-in: those are ours by now) of x itself
+ * and read by that MUL alone, neither an output; else NULL. */
+static struct ggml_tensor * th_swiglu_up_gradient(struct ggml_cgraph * graph, const struct ggml_tensor * grad,
+                                                  const struct ggml_tensor * x) {
+    const int64_t count = ggml_nelements(grad);
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * d = ggml_graph_node(graph, i), * only;
+        if (d->op != GGML_OP_MUL || (d->flags & GGML_TENSOR_FLAG_OUTPUT) || !th_f32_contiguous(d) ||
+            ggml_nelements(d) != count || d->src[0] == NULL || d->src[1] == NULL) {
+            continue;
+        }
+        for (int j = 0; j < 2; j++) {
+            struct ggml_tensor * s = d->src[j];
+            if (d->src[1 - j] == grad && s->op == GGML_OP_UNARY && ggml_get_unary_op(s) == GGML_UNARY_OP_SILU &&
+                s->src[0] == x && th_f32_contiguous(s) && ggml_nelements(s) == count &&
+                !(s->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, s, &only) == 1 && only == d) {
+                return d;
+            }
+        }
+    }
+    return NULL;
+}
+
 static int th_rewrite_silu_back_muls(struct ggml_cgraph * graph) {
     const char * choice = getenv("TOYHARNESS_CUDA_SILU_BACK");
     if (choice != NULL && strcmp(choice, "ggml") == 0) return 0;
@@ -580,10 +606,18 @@ static int th_rewrite_silu_back_muls(struct ggml_cgraph * graph) {
             ggml_nelements(a) != count || ggml_nelements(b) != count || ggml_nelements(x) != count) {
             continue;                          /* a broadcast or strided MUL: ggml's nodes */
         }
-        th_mark(t, TH_CUDA_SILU_BACK_MUL);
-        th_set_srcs(t, a, b, x, NULL, NULL, NULL);
+        struct ggml_tensor * room = th_swiglu_up_gradient(graph, a, x), * silu = NULL;
+        if (room != NULL) silu = room->src[0]->op == GGML_OP_UNARY ? room->src[0] : room->src[1];
+        th_mark(t, room != NULL ? TH_CUDA_SWIGLU_BACK : TH_CUDA_SILU_BACK_MUL);
+        th_set_srcs(t, a, b, x, room, NULL, NULL);
         th_fold(m, 1);
         marked += 2;
+        if (room != NULL) {
+            th_mark(room, TH_CUDA_ROOM);
+            th_set_srcs(room, NULL, NULL, NULL, NULL, NULL, NULL);
+            th_fold(silu, 1);
+            marked += 2;
+        }
     }
     return marked;
 }
@@ -762,6 +796,7 @@ static int th_order_rooms(struct ggml_cgraph * graph) {
         for (; w < n; w++) {
             const struct ggml_tensor * u = ggml_graph_node(graph, w);
             if (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t)) break;
+            if (th_marked(u, TH_CUDA_SWIGLU_BACK) && u->src[3] == t) break;
         }
         if (w == n) return -1;
         if (w < i) {
@@ -931,7 +966,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
-                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul"};
+                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

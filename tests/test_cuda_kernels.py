@@ -756,43 +756,78 @@ def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats
 
 
 def swiglu_program(backend: str, rows: int, d: int, seed: int = 23):
-    """y = silu(g) * u weighted by constants c: g's gradient is SILU_BACK(MUL(c, u), g)."""
+    """y = silu(g) * u weighted by constants c: g's gradient is SILU_BACK(MUL(c, u), g), u's
+    MUL(SILU(g), c). g and u are 2 times parameters holding their halves (exact), so that their
+    gradients are nodes of the graph as in a model (a parameter's gradient is a graph output, which
+    the rewrite leaves alone), and the parameters' gradients twice theirs, exactly."""
     rng = np.random.default_rng(seed)
     prog = get_engine(backend).program()
     prog.grads_as_outputs = True
-    g = prog.param("g", (rng.normal(size=(rows, d)) * 4).astype(np.float32))
-    u = prog.param("u", rng.normal(size=(rows, d)).astype(np.float32))
+    g = prog.param("g", (rng.normal(size=(rows, d)) * 2).astype(np.float32)).scale(2.0)
+    u = prog.param("u", (rng.normal(size=(rows, d)) * 0.5).astype(np.float32)).scale(2.0)
     y = g.swiglu(u) * prog.constant("c", rng.normal(size=(rows, d)).astype(np.float32))
     return prog, prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected")
 
 
-def test_the_cuda_rewrite_computes_swiglus_gate_gradient_in_one_node(monkeypatch):
-    """Built on cpu: ggml's backward of SwiGLU, silu_back(grad * up, gate), is one node of ours
-    (the MUL folded); TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's two."""
+def room_before_writer(graph) -> bool:
+    names = kernel_names_in_order(graph)
+    return names.index("room") < names.index("swiglu_back")
+
+
+def kernel_names_in_order(graph) -> list[str]:
+    out = []
+    for i in range(lib.ggml_graph_n_nodes(graph)):
+        name = lib.th_cuda_kernel_name(lib.ggml_graph_node(graph, i))
+        out.append(ffi.string(name).decode() if name != ffi.NULL else "")
+    return out
+
+
+def test_the_cuda_rewrite_computes_swiglus_backward_in_one_node(monkeypatch):
+    """Built on cpu: ggml's backward of SwiGLU, silu_back(grad * up, gate) for gate and
+    silu(gate) * grad for up, is one node of ours writing up's gradient into that MUL's node (a
+    room, placed before it in every graph), the inner MUL and the SILU folded;
+    TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's nodes."""
     prog, trainer = swiglu_program("cpu", 6, 10)
     muls = ops_of(trainer.gb_grad).count("MUL")
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 2
-    assert kernel_names(trainer.gb_grad).count("silu_back_mul") == 1
-    assert "SILU_BACK" not in ops_of(trainer.gb_grad) and ops_of(trainer.gb_grad).count("MUL") == muls - 1
-    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) >= 0 and kernel_names(trainer.gb_opt).count("silu_back_mul") == 1
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 4
+    names = kernel_names(trainer.gb_grad)
+    assert names.count("swiglu_back") == 1 and names.count("room") == 1 and "silu_back_mul" not in names
+    assert "SILU_BACK" not in ops_of(trainer.gb_grad) and "SILU" not in ops_of(trainer.gb_grad)
+    assert ops_of(trainer.gb_grad).count("MUL") == muls - 2 and room_before_writer(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) >= 0 and kernel_names(trainer.gb_opt).count("swiglu_back") == 1
+    assert room_before_writer(trainer.gb_opt)
     monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", "ggml")
     prog, trainer = swiglu_program("cpu", 6, 10)
     lib.th_cuda_rewrite(trainer.gb_grad, 1)
-    assert "silu_back_mul" not in kernel_names(trainer.gb_grad) and "SILU_BACK" in ops_of(trainer.gb_grad)
+    assert "swiglu_back" not in kernel_names(trainer.gb_grad) and "SILU_BACK" in ops_of(trainer.gb_grad)
+
+
+def test_without_ups_gradient_the_cuda_rewrite_fuses_the_gate_gradient_alone():
+    """up a constant (no gradient): silu_back(grad * up, gate) alone, SILU_BACK_MUL, no room."""
+    rng = np.random.default_rng(2)
+    prog = get_engine("cpu").program()
+    prog.grads_as_outputs = True
+    g = prog.param("g", rng.normal(size=(6, 10)).astype(np.float32))
+    u = prog.constant("u", rng.normal(size=(6, 10)).astype(np.float32))
+    trainer = prog.trainer(prog.scalar_loss((g.swiglu(u) * u).sum()), "bias_corrected")
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    names = kernel_names(trainer.gb_grad)
+    assert names.count("silu_back_mul") == 1 and "swiglu_back" not in names and "room" not in names
 
 
 def swiglu_gradients(backend: str, monkeypatch, how: str, rows: int, d: int) -> dict[str, np.ndarray]:
     monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", how)
     prog, trainer = swiglu_program(backend, rows, d)
     trainer.grads_only({})
-    assert ("silu_back_mul" in kernel_names(trainer.gb_grad)) == (how == "fused")
+    assert ("swiglu_back" in kernel_names(trainer.gb_grad)) == (how == "fused")
     return {n: prog.read(trainer.grad_acc[n]) for n in ("g", "u")}
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("rows,d", [(96, 160), (7, 13)])      # float4 path; odd count: one float at a time
-def test_swiglus_gate_gradient_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, monkeypatch):
-    """The fused kernel against ggml's MUL then SILU_BACK nodes: every bit, and run to run."""
+def test_swiglus_backward_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, monkeypatch):
+    """The fused kernel against ggml's nodes (MUL then SILU_BACK for gate, SILU then MUL for up,
+    which ggml-cuda fuses itself): every bit of both gradients."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     fused = swiglu_gradients(backend, monkeypatch, "fused", rows, d)
@@ -802,12 +837,13 @@ def test_swiglus_gate_gradient_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows
         assert np.array_equal(fused[name].view(np.uint32), ggml[name].view(np.uint32)), name
     # and it is silu's derivative: float64 within fast-math's expf and division (a few ulp)
     rng = np.random.default_rng(23)
-    g = (rng.normal(size=(rows, d)) * 4).astype(np.float32).astype(np.float64)
-    u = rng.normal(size=(rows, d)).astype(np.float32).astype(np.float64)
+    g = 2 * (rng.normal(size=(rows, d)) * 2).astype(np.float32).astype(np.float64)
+    u = 2 * (rng.normal(size=(rows, d)) * 0.5).astype(np.float32).astype(np.float64)
     c = rng.normal(size=(rows, d)).astype(np.float32).astype(np.float64)
     s = 1.0 / (1.0 + np.exp(-g))
-    want = c * u * s * (1.0 + g * (1.0 - s))
-    assert (np.abs(fused["g"] - want) <= 1e-5 * np.abs(c * u) + 1e-6).all()
+    want_g, want_u = c * u * s * (1.0 + g * (1.0 - s)), c * g * s
+    assert (np.abs(fused["g"] / 2 - want_g) <= 1e-5 * np.abs(c * u) + 1e-6).all()
+    assert (np.abs(fused["u"] / 2 - want_u) <= 1e-5 * np.abs(c * g) + 1e-6).all()
 
 
 def lora_program(backend: str, scale: float, output_side: bool, cuda_kernels: bool | None = None, rows: int = 96,

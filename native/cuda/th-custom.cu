@@ -129,6 +129,33 @@ static __global__ void th_silu_back_mul_kernel(const float * __restrict__ a, con
     }
 }
 
+// ggml-cuda's op_silu (ggml_cuda_op_silu_single, unary.cuh): SWIGLU_BACK's up gradient must be the
+// bits of ggml's fused SILU + MUL (unary_gated: op_silu(x) * g)
+static __device__ __forceinline__ float th_silu(const float x) { return x / (1.0f + expf(-x)); }
+
+// SwiGLU's backward in one pass over the activation: dg = silu_back(grad * up, gate) (as above) and
+// du = silu(gate) * grad, from grad, up and gate read once (5 passes where ggml's nodes make 7,
+// SILU_BACK_MUL and ggml's fused SILU + MUL)
+template <bool vec4>
+static __global__ void th_swiglu_back_kernel(const float * __restrict__ grad, const float * __restrict__ up,
+                                             const float * __restrict__ gate, float * __restrict__ dg,
+                                             float * __restrict__ du, const int64_t n) {
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
+        if (vec4) {
+            const float4 d = ((const float4 *) grad)[i], u = ((const float4 *) up)[i], x = ((const float4 *) gate)[i];
+            ((float4 *) dg)[i] = make_float4(th_silu_back(__fmul_rn(d.x, u.x), x.x), th_silu_back(__fmul_rn(d.y, u.y), x.y),
+                                             th_silu_back(__fmul_rn(d.z, u.z), x.z), th_silu_back(__fmul_rn(d.w, u.w), x.w));
+            ((float4 *) du)[i] = make_float4(__fmul_rn(th_silu(x.x), d.x), __fmul_rn(th_silu(x.y), d.y),
+                                             __fmul_rn(th_silu(x.z), d.z), __fmul_rn(th_silu(x.w), d.w));
+        } else {
+            const float d = grad[i], x = gate[i];
+            dg[i] = th_silu_back(__fmul_rn(d, up[i]), x);
+            du[i] = __fmul_rn(th_silu(x), d);
+        }
+    }
+}
+
 static void th_silu_back_mul(cudaStream_t stream, ggml_tensor * dst) {
     const ggml_tensor * a = dst->src[0], * b = dst->src[1], * x = dst->src[2];
     const int64_t n = ggml_nelements(dst);
@@ -137,6 +164,19 @@ static void th_silu_back_mul(cudaStream_t stream, ggml_tensor * dst) {
     const int64_t wanted = ((vec4 ? n / 4 : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
     const int blocks = (int) (wanted < 65535 ? wanted : 65535);
     const float * pa = (const float *) a->data, * pb = (const float *) b->data, * px = (const float *) x->data;
+    const ggml_tensor * room = dst->src[3];          // SWIGLU_BACK: up's gradient too
+    if (room != nullptr) {
+        const bool v4 = vec4 && th_aligned16(room->data);
+        const int64_t want = ((v4 ? n / 4 : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
+        const int nb = (int) (want < 65535 ? want : 65535);
+        float * dg = (float *) dst->data, * du = (float *) room->data;
+        if (v4) {
+            th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
+        } else {
+            th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
+        }
+        return;
+    }
     if (vec4) {
         th_silu_back_mul_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, (float *) dst->data, n);
     } else {
@@ -658,9 +698,13 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
         case TH_CUDA_SILU_BACK_MUL:
+        case TH_CUDA_SWIGLU_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
-                   ggml_nelements(op->src[1]) == ggml_nelements(op) && ggml_nelements(op->src[2]) == ggml_nelements(op);
+                   ggml_nelements(op->src[1]) == ggml_nelements(op) && ggml_nelements(op->src[2]) == ggml_nelements(op) &&
+                   ((th_kernel_of(op) == TH_CUDA_SILU_BACK_MUL && op->src[3] == nullptr) ||
+                    (th_kernel_of(op) == TH_CUDA_SWIGLU_BACK && op->src[3] != nullptr &&
+                     th_f32_contiguous(op->src[3]) && ggml_nelements(op->src[3]) == ggml_nelements(op)));
         case TH_CUDA_LAYER_NORM_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    ggml_nelements(op) == ggml_nelements(op->src[0]) && ggml_nelements(op) == ggml_nelements(op->src[1]) &&
@@ -735,6 +779,7 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);
             return true;
         case TH_CUDA_SILU_BACK_MUL:
+        case TH_CUDA_SWIGLU_BACK:
             th_silu_back_mul(stream, dst);
             return true;
         case TH_CUDA_FOLDED:

@@ -318,6 +318,10 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL:
             th_drop_tensor(node);                           // its own bytes only (FOLDED, ROOM: written by others)
             return;
+        case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)
+            th_drop_tensor(node);
+            th_drop_tensor(node->src[3]);
+            return;
         case TH_CUDA_COLUMN_DOT:                            // and its partial sums, in src 2
         case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP: case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ:
         case TH_CUDA_SLICE:                                 // D, dK, dV^T, the rooms: into sources
