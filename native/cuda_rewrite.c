@@ -38,6 +38,10 @@
  *     takes one a parameter (196 at GPT-2 small, most of them biases and gains of 768 floats).
  *   - ADD of two contiguous tensors of one shape (residuals, gradients that meet): a float4 at a
  *     time (ggml-cuda's broadcasting kernel computes each element's place).
+ *   - SILU_BACK(MUL(a, b), x) (SwiGLU's gate gradient): one kernel, ggml-cuda's formula on the
+ *     product rounded as the MUL stored it (the same bits), the MUL computing nothing; with up's
+ *     gradient MUL(SILU(x), a) beside it, SwiGLU's whole backward in that kernel, up's gradient
+ *     into that MUL's node (a room, as attention's dK and dV), the SILU computing nothing.
  *   - LayerNorm (blocks.layer_norm): the RMS_NORM named TH_LAYER_NORM_NAME stands in for the
  *     normalization of centred rows, and its RMS_NORM_BACK for that one's backward, one kernel
  *     each way instead of the centring's 3 nodes forward and 4 backward and ggml's RMS_NORM.
@@ -46,6 +50,7 @@
  *     kernel that reads t and dy. A product or MUL folded into a later node computes nothing.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ggml.h"
@@ -497,10 +502,22 @@ static struct ggml_tensor * th_plain_out_prod(struct ggml_tensor * t) {
     return t;
 }
 
-/* Products added together, ADD(x, y) where each of x and y is an OUT_PROD or (one of them) a
- * PRODUCT_SUM, through RESHAPEs read by the next alone (the gradient of an input that several
- * projections read: q, k and v, llama's gate and up): one PRODUCT_SUM of at most 5 products,
- * cuBLAS adding each product into the sum so far (beta 1): the order and roundings of the ADDs.
+/* OUT_PROD(W, dy^T) of a frozen weight W (not f32: only at bf16 do cuda graphs hold one, see
+ * Tensor.matmul_t) of a shape the frozen bf16 products take, not an output, else NULL. In a
+ * PRODUCT_SUM, cuda/th-frozen.cu computes it with beta 1 (th-custom.cu's supported check asks for
+ * bf16's stamp: a frozen product at another precision is refused, never computed otherwise). */
+static struct ggml_tensor * th_frozen_out_prod(struct ggml_tensor * t) {
+    return t != NULL && t->op == GGML_OP_OUT_PROD && t->src[0] != NULL && t->src[0]->type != GGML_TYPE_F32 &&
+                   !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_frozen_product_ok(t, 0)
+               ? t
+               : NULL;
+}
+
+/* Products added together, ADD(x, y) where each of x and y is an OUT_PROD (f32, or a frozen
+ * weight's input gradient at bf16) or (one of them) a PRODUCT_SUM, through RESHAPEs read by the
+ * next alone (the gradient of an input that several projections read: q, k and v, llama's gate
+ * and up, a LoRA base's and its adapter's): one PRODUCT_SUM of at most 5 products, cuBLAS adding
+ * each product into the sum so far (beta 1): the order and roundings of the ADDs.
  * Returns the nodes marked. */
 static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
     const int n = ggml_graph_n_nodes(graph);
@@ -510,7 +527,9 @@ static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
         if (!th_is_same_shape_add(u)) continue;
         int sums = 0, count = 0, order[2] = {0, 1};
         for (int j = 0; j < 2; j++) {
-            part[j] = th_plain_out_prod(th_under_reshapes(graph, u, u->src[j], GGML_OP_OUT_PROD));
+            struct ggml_tensor * product = th_under_reshapes(graph, u, u->src[j], GGML_OP_OUT_PROD);
+            part[j] = th_plain_out_prod(product);
+            if (part[j] == NULL) part[j] = th_frozen_out_prod(product);
             if (part[j] == NULL) {
                 part[j] = th_ours_under_reshapes(graph, u, u->src[j], TH_CUDA_PRODUCT_SUM);
                 sums += part[j] != NULL;
@@ -535,6 +554,70 @@ static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
         th_fold(part[0], 1);
         th_fold(part[1], 1);
         marked += 3;
+    }
+    return marked;
+}
+
+/* SILU_BACK(MUL(a, b), x), the MUL read by the SILU_BACK alone, not an output, every tensor f32
+ * contiguous of one element count (no broadcast): SwiGLU's gate gradient, silu_back(grad * up,
+ * gate). One kernel reads a, b and x and writes y (4 passes over the activation where ggml's two
+ * nodes make 6); it rounds a * b to f32 as the MUL's node did, then computes ggml-cuda's
+ * op_silu_back, so the bits are ggml's. TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's nodes (tests,
+ * comparisons). Returns the nodes marked. */
+/* up's gradient beside SwiGLU's gate gradient: MUL(SILU(x), grad) in either order, f32 contiguous
+ * of grad's element count, the SILU (ggml's, not a stand-in: those are ours by now) of x itself
+ * and read by that MUL alone, neither an output; else NULL. */
+static struct ggml_tensor * th_swiglu_up_gradient(struct ggml_cgraph * graph, const struct ggml_tensor * grad,
+                                                  const struct ggml_tensor * x) {
+    const int64_t count = ggml_nelements(grad);
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * d = ggml_graph_node(graph, i), * only;
+        if (d->op != GGML_OP_MUL || (d->flags & GGML_TENSOR_FLAG_OUTPUT) || !th_f32_contiguous(d) ||
+            ggml_nelements(d) != count || d->src[0] == NULL || d->src[1] == NULL) {
+            continue;
+        }
+        for (int j = 0; j < 2; j++) {
+            struct ggml_tensor * s = d->src[j];
+            if (d->src[1 - j] == grad && s->op == GGML_OP_UNARY && ggml_get_unary_op(s) == GGML_UNARY_OP_SILU &&
+                s->src[0] == x && th_f32_contiguous(s) && ggml_nelements(s) == count &&
+                !(s->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, s, &only) == 1 && only == d) {
+                return d;
+            }
+        }
+    }
+    return NULL;
+}
+
+static int th_rewrite_silu_back_muls(struct ggml_cgraph * graph) {
+    const char * choice = getenv("TOYHARNESS_CUDA_SILU_BACK");
+    if (choice != NULL && strcmp(choice, "ggml") == 0) return 0;
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i), * m = t->src[0], * only;
+        if (t->op != GGML_OP_SILU_BACK || m == NULL || m->op != GGML_OP_MUL || (m->flags & GGML_TENSOR_FLAG_OUTPUT) ||
+            th_readers(graph, m, &only) != 1 || only != t) {
+            continue;
+        }
+        struct ggml_tensor * a = m->src[0], * b = m->src[1], * x = t->src[1];
+        const int64_t count = ggml_nelements(t);
+        if (a == NULL || b == NULL || x == NULL || !th_f32_contiguous(t) || !th_f32_contiguous(m) ||
+            !th_f32_contiguous(a) || !th_f32_contiguous(b) || !th_f32_contiguous(x) || ggml_nelements(m) != count ||
+            ggml_nelements(a) != count || ggml_nelements(b) != count || ggml_nelements(x) != count) {
+            continue;                          /* a broadcast or strided MUL: ggml's nodes */
+        }
+        struct ggml_tensor * room = th_swiglu_up_gradient(graph, a, x), * silu = NULL;
+        if (room != NULL) silu = room->src[0]->op == GGML_OP_UNARY ? room->src[0] : room->src[1];
+        th_mark(t, room != NULL ? TH_CUDA_SWIGLU_BACK : TH_CUDA_SILU_BACK_MUL);
+        th_set_srcs(t, a, b, x, room, NULL, NULL);
+        th_fold(m, 1);
+        marked += 2;
+        if (room != NULL) {
+            th_mark(room, TH_CUDA_ROOM);
+            th_set_srcs(room, NULL, NULL, NULL, NULL, NULL, NULL);
+            th_fold(silu, 1);
+            marked += 2;
+        }
     }
     return marked;
 }
@@ -713,6 +796,7 @@ static int th_order_rooms(struct ggml_cgraph * graph) {
         for (; w < n; w++) {
             const struct ggml_tensor * u = ggml_graph_node(graph, w);
             if (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t)) break;
+            if (th_marked(u, TH_CUDA_SWIGLU_BACK) && u->src[3] == t) break;
         }
         if (w == n) return -1;
         if (w < i) {
@@ -845,6 +929,7 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     const int biases = th_rewrite_linear_biases(graph);
     const int affines = th_rewrite_norm_affines(graph);
     const int sums = th_rewrite_product_sums(graph), residuals = th_rewrite_norm_residuals(graph);
+    const int silu_backs = th_rewrite_silu_back_muls(graph);    /* after the GELU pairs: theirs are not SILU_BACK now */
     int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
@@ -872,7 +957,7 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
         th_check_adamw_runs(graph) < 0) {
         return -1;
     }
-    return gelu + fused + norms + biases + affines + sums + residuals + singles + adamw;
+    return gelu + fused + norms + biases + affines + sums + residuals + silu_backs + singles + adamw;
 }
 
 /* the kernel's name for a node marked here (bench --profile), else NULL */
@@ -881,7 +966,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
-                                   "frozen_mul_mat", "frozen_out_prod"};
+                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

@@ -9,7 +9,8 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 8   /* 7: the precision stamp below (issue 32); 8: frozen products at bf16 */
+#define TH_CUDA_KERNELS_VERSION 9   /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+                                       9: SILU_BACK_MUL, SWIGLU_BACK */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -65,6 +66,16 @@ enum {
      *   FROZEN_MUL_MAT   srcs W, x (K, M) f32;           y (N, M) = x W^T   (ggml's MUL_MAT(W, x))
      *   FROZEN_OUT_PROD  srcs W, b (M, N) f32 (dy^T);    dx (K, M) = dy W   (ggml's OUT_PROD(W, b)) */
     TH_CUDA_FROZEN_MUL_MAT = 21, TH_CUDA_FROZEN_OUT_PROD = 22,
+    /* SILU_BACK(MUL(a, b), x) with the MUL read by the SILU_BACK alone (SwiGLU's gate gradient:
+     * ggml's backward of GLU builds silu_back(grad * up, gate)): srcs a, b, x of one shape, f32
+     * contiguous; y = ggml-cuda's op_silu_back(a * b, x), the product rounded to f32 as the MUL's
+     * node stored it. The MUL's node computes nothing (FOLDED). */
+    TH_CUDA_SILU_BACK_MUL = 23,
+    /* SwiGLU's whole backward, SILU_BACK_MUL's node when up's gradient MUL(SILU(gate), grad) is
+     * found beside it: srcs grad, up, gate, and that MUL's node as a room (ROOM, no sources); one
+     * pass writes gate's gradient into its own node (SILU_BACK_MUL's bits) and up's into the room,
+     * ggml-cuda's op_silu(gate) * grad (its fused SILU + MUL's bits). The SILU folds. */
+    TH_CUDA_SWIGLU_BACK = 24,
 };
 /* Whether `t`, a MUL_MAT (mul_mat true) or OUT_PROD of a frozen weight, has a shape the frozen
  * bf16 products take: W 2-D, contiguous, of another type than f32; the other operand 2-D f32 with

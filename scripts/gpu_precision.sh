@@ -8,7 +8,7 @@
 #                                    [attention] [goldens-bf16] [goldens-kept] [profile-bf16]
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
-#                                    [profile-lora-bf16]
+#                                    [profile-lora-bf16] [fused]
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -24,6 +24,8 @@
 # (scripts/lora_bench_base.py; t_seq 1024 x 4, targets q,k,v,o, rank 16) beside transformers at P
 # (its base dequantized to bf16 for bf16), eager, each side's GPU memory as the driver counts it.
 #
+# fused: the tests of iss-32d's SwiGLU gate-gradient kernel, LoRA scale placement and frozen terms in product sums
+# (tests/test_cuda_kernels.py).
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
 # in each precision), bench_<precision>_<size>.json.
@@ -45,6 +47,12 @@ tests_phase() {
 }
 
 if [[ $phases == *" build "* ]]; then build_cuda; fi
+
+if [[ $phases == *" fused "* ]]; then
+    step "iss-32d's fusions on cuda: SwiGLU's gate gradient in one kernel, the LoRA scale on the rank product, frozen terms in product sums"
+    tests_phase fused.log tests/test_cuda_kernels.py "swiglu or silu or lora or frozen or product_sum or products_summed" \
+        "^frozen product sum|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
 
 if [[ $phases == *" check "* ]]; then
     step "precision: the products' rounding, run-to-run bits, agreement with fp32"

@@ -14,7 +14,7 @@ import pytest
 from test_backends import needs
 from test_cpu_kernels import gelu_tanh_f64
 
-from toyharness._ffi import cuda_kernels_built, ffi, lib
+from toyharness._ffi import GGML_TYPE_F32, cuda_kernels_built, ffi, lib
 from toyharness.engine import blocks, get_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -753,3 +753,234 @@ def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats
         assert err < 4 * u, (name, err)
         assert np.array_equal(got, again[name]), name
         assert not np.array_equal(got, fp32[name]), name
+
+
+def swiglu_program(backend: str, rows: int, d: int, seed: int = 23):
+    """y = silu(g) * u weighted by constants c: g's gradient is SILU_BACK(MUL(c, u), g), u's
+    MUL(SILU(g), c). g and u are 2 times parameters holding their halves (exact), so that their
+    gradients are nodes of the graph as in a model (a parameter's gradient is a graph output, which
+    the rewrite leaves alone), and the parameters' gradients twice theirs, exactly."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    prog.grads_as_outputs = True
+    g = prog.param("g", (rng.normal(size=(rows, d)) * 2).astype(np.float32)).scale(2.0)
+    u = prog.param("u", (rng.normal(size=(rows, d)) * 0.5).astype(np.float32)).scale(2.0)
+    y = g.swiglu(u) * prog.constant("c", rng.normal(size=(rows, d)).astype(np.float32))
+    return prog, prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected")
+
+
+def room_before_writer(graph) -> bool:
+    names = kernel_names_in_order(graph)
+    return names.index("room") < names.index("swiglu_back")
+
+
+def kernel_names_in_order(graph) -> list[str]:
+    out = []
+    for i in range(lib.ggml_graph_n_nodes(graph)):
+        name = lib.th_cuda_kernel_name(lib.ggml_graph_node(graph, i))
+        out.append(ffi.string(name).decode() if name != ffi.NULL else "")
+    return out
+
+
+def test_the_cuda_rewrite_computes_swiglus_backward_in_one_node(monkeypatch):
+    """Built on cpu: ggml's backward of SwiGLU, silu_back(grad * up, gate) for gate and
+    silu(gate) * grad for up, is one node of ours writing up's gradient into that MUL's node (a
+    room, placed before it in every graph), the inner MUL and the SILU folded;
+    TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's nodes."""
+    prog, trainer = swiglu_program("cpu", 6, 10)
+    muls = ops_of(trainer.gb_grad).count("MUL")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 4
+    names = kernel_names(trainer.gb_grad)
+    assert names.count("swiglu_back") == 1 and names.count("room") == 1 and "silu_back_mul" not in names
+    assert "SILU_BACK" not in ops_of(trainer.gb_grad) and "SILU" not in ops_of(trainer.gb_grad)
+    assert ops_of(trainer.gb_grad).count("MUL") == muls - 2 and room_before_writer(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) >= 0 and kernel_names(trainer.gb_opt).count("swiglu_back") == 1
+    assert room_before_writer(trainer.gb_opt)
+    monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", "ggml")
+    prog, trainer = swiglu_program("cpu", 6, 10)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert "swiglu_back" not in kernel_names(trainer.gb_grad) and "SILU_BACK" in ops_of(trainer.gb_grad)
+
+
+def test_without_ups_gradient_the_cuda_rewrite_fuses_the_gate_gradient_alone():
+    """up a constant (no gradient): silu_back(grad * up, gate) alone, SILU_BACK_MUL, no room."""
+    rng = np.random.default_rng(2)
+    prog = get_engine("cpu").program()
+    prog.grads_as_outputs = True
+    g = prog.param("g", rng.normal(size=(6, 10)).astype(np.float32))
+    u = prog.constant("u", rng.normal(size=(6, 10)).astype(np.float32))
+    trainer = prog.trainer(prog.scalar_loss((g.swiglu(u) * u).sum()), "bias_corrected")
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    names = kernel_names(trainer.gb_grad)
+    assert names.count("silu_back_mul") == 1 and "swiglu_back" not in names and "room" not in names
+
+
+def swiglu_gradients(backend: str, monkeypatch, how: str, rows: int, d: int) -> dict[str, np.ndarray]:
+    monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", how)
+    prog, trainer = swiglu_program(backend, rows, d)
+    trainer.grads_only({})
+    assert ("swiglu_back" in kernel_names(trainer.gb_grad)) == (how == "fused")
+    return {n: prog.read(trainer.grad_acc[n]) for n in ("g", "u")}
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows,d", [(96, 160), (7, 13)])      # float4 path; odd count: one float at a time
+def test_swiglus_backward_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, monkeypatch):
+    """The fused kernel against ggml's nodes (MUL then SILU_BACK for gate, SILU then MUL for up,
+    which ggml-cuda fuses itself): every bit of both gradients."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    fused = swiglu_gradients(backend, monkeypatch, "fused", rows, d)
+    ggml = swiglu_gradients(backend, monkeypatch, "ggml", rows, d)
+    for name in ("g", "u"):
+        assert np.isfinite(fused[name]).all(), name
+        assert np.array_equal(fused[name].view(np.uint32), ggml[name].view(np.uint32)), name
+    # and it is silu's derivative: float64 within fast-math's expf and division (a few ulp)
+    rng = np.random.default_rng(23)
+    g = 2 * (rng.normal(size=(rows, d)) * 2).astype(np.float32).astype(np.float64)
+    u = 2 * (rng.normal(size=(rows, d)) * 0.5).astype(np.float32).astype(np.float64)
+    c = rng.normal(size=(rows, d)).astype(np.float32).astype(np.float64)
+    s = 1.0 / (1.0 + np.exp(-g))
+    want_g, want_u = c * u * s * (1.0 + g * (1.0 - s)), c * g * s
+    assert (np.abs(fused["g"] / 2 - want_g) <= 1e-5 * np.abs(c * u) + 1e-6).all()
+    assert (np.abs(fused["u"] / 2 - want_u) <= 1e-5 * np.abs(c * g) + 1e-6).all()
+
+
+def lora_program(backend: str, scale: float, output_side: bool, cuda_kernels: bool | None = None, rows: int = 96,
+                 d_in: int = 160, d_out: int = 200, rank: int = 8, seed: int = 31):
+    """W x + scale B A x (blocks.lora_linear), or with `output_side` the scale written on B A x's
+    (rows, d_out) output by hand: the placement lora_linear keeps off cuda."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    if cuda_kernels is not None:
+        prog.cuda_kernels = cuda_kernels
+    prog.grads_as_outputs = True
+    x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
+    w = prog.param("w", (rng.normal(size=(d_out, d_in)) * 0.1).astype(np.float32))
+    a = prog.param("a", (rng.normal(size=(rank, d_in)) * 0.1).astype(np.float32))
+    b = prog.param("b", (rng.normal(size=(d_out, rank)) * 0.1).astype(np.float32))
+    if output_side:
+        y = blocks.linear(x, w) + blocks.linear(blocks.linear(x, a), b).scale(scale)
+    else:
+        y = blocks.lora_linear(x, w, a, b, scale)
+    loss = prog.scalar_loss((y * prog.constant("c", rng.normal(size=(rows, d_out)).astype(np.float32))).sum())
+    return prog, y, prog.trainer(loss, "bias_corrected")
+
+
+def scale_sizes(graph) -> list[int]:
+    """the element count of each SCALE node (rows x rank or rows x out)"""
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    return [int(lib.ggml_nelements(t)) for t in nodes if ffi.string(lib.ggml_op_desc(t)).decode() == "SCALE"]
+
+
+@pytest.mark.parametrize("scale,where", [(1.0, []), (2.0, [96 * 8]), (0.5, [96 * 8]), (-4.0, [96 * 8]),
+                                         (0.3, [96 * 200]), (1.5, [96 * 200])])
+def test_on_cuda_an_exact_lora_scale_goes_on_the_rank_product(scale, where):
+    """Built on cpu as cuda builds it (cuda_kernels): a power of two scales A x (rows, rank), 1
+    adds no node, any other scale stays on the (rows, out) output; without our cuda kernels
+    (cpu, vulkan, metal) the output keeps it whatever it is."""
+    prog, y, trainer = lora_program("cpu", scale, False, cuda_kernels=True)
+    assert scale_sizes(prog.forward({"y": y}).graph) == where
+    prog, y, trainer = lora_program("cpu", scale, False, cuda_kernels=False)
+    assert scale_sizes(prog.forward({"y": y}).graph) == [96 * 200]
+    assert not blocks.exact_power_of_two(0.0) and not blocks.exact_power_of_two(float("inf"))
+
+
+def lora_values(scale: float, output_side: bool) -> dict[str, np.ndarray]:
+    prog, y, trainer = lora_program("cuda", scale, output_side)
+    out = {"y": prog.forward({"y": y}).run({})["y"]}
+    trainer.grads_only({})
+    out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "w", "a", "b")})
+    return out
+
+
+@pytest.mark.parametrize("precision", [pytest.param(p, marks=needs("cuda")) for p in ("fp32", "bf16")])
+@pytest.mark.parametrize("scale", [2.0, 0.5, 1.0])
+def test_an_exact_lora_scale_on_the_rank_product_changes_no_bit_on_cuda(precision, scale):
+    """s B (A x) with s on the (rows, rank) product against s on the (rows, out) output: the same
+    bits of y and of every gradient, fp32 and bf16 (a power of two commutes with each rounding)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine("cuda")
+    engine.set_precision(precision)
+    try:
+        ours, by_hand = lora_values(scale, False), lora_values(scale, True)
+    finally:
+        engine.set_precision("fp32")
+    for name, want in by_hand.items():
+        assert np.isfinite(ours[name]).all() and np.abs(want).max() > 0, name
+        assert np.array_equal(ours[name].view(np.uint32), want.view(np.uint32)), (precision, scale, name)
+
+
+def frozen_products_program(backend: str, n_products: int, only: int | None = None, dtype: str = "bf16",
+                            rows: int = 96, d_in: int = 256, d_out: int = 192, seed: int = 5):
+    """sum over i of (x W_i^T) * c_i with frozen W_i (`dtype`), and a LoRA-like f32 term (x A^T B^T)
+    * c (rank 16): x's gradient is n_products frozen OUT_PRODs (th-frozen.cu at bf16) and A's f32 one."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    prog.grads_as_outputs = True
+    x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
+    a = (rng.normal(size=(16, d_in)) * 0.1).astype(np.float32)
+    b = (rng.normal(size=(d_out, 16)) * 0.1).astype(np.float32)
+    ca = rng.normal(size=(rows, d_out)).astype(np.float32)
+    terms = []
+    if only in (None, 0):       # (a parameter the loss does not use is refused)
+        lora = blocks.linear(blocks.linear(x, prog.param("a", a)), prog.param("b", b))
+        terms.append(lora * prog.constant("ca", ca))
+    for i in range(n_products):
+        w = rng.normal(size=(d_out, d_in)) * 0.05
+        c = rng.normal(size=(rows, d_out)).astype(np.float32)
+        if only in (None, i + 1):
+            terms.append(blocks.linear(x, prog.frozen_array(f"w{i}", w, dtype)) * prog.constant(f"c{i}", c))
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return prog, prog.trainer(prog.scalar_loss(total.sum()), "bias_corrected")
+
+
+def test_the_cuda_rewrite_sums_frozen_input_gradients_with_the_others():
+    """Built on cpu (frozen weights stay in their type there, as on cuda at bf16): x's gradient
+    from 3 frozen products and one f32 product is one PRODUCT_SUM; no frozen OUT_PROD is left."""
+    prog, trainer = frozen_products_program("cpu", 3)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    # (the forward's 3 ADDs of the terms stay ADDs)
+    assert kernel_names(trainer.gb_grad).count("product_sum") == 1 and kernel_names(trainer.gb_grad).count("add") == 3
+    nodes = [lib.ggml_graph_node(trainer.gb_grad, i) for i in range(lib.ggml_graph_n_nodes(trainer.gb_grad))]
+    frozen = [n for n in nodes if ffi.string(lib.ggml_op_desc(n)).decode() == "OUT_PROD"
+              and lib.th_tensor_type(lib.th_tensor_src(n, 0)) != GGML_TYPE_F32]
+    assert frozen == []
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_frozen_input_gradients_summed_in_one_node_on_cuda_match_the_adds(backend, dtype):
+    """At bf16: the PRODUCT_SUM with frozen terms (each added into the sum so far, beta 1) against
+    each term computed alone (FROZEN_OUT_PROD or ggml's OUT_PROD, beta 0) summed left to right in
+    float32: within a rounding of the running sum (a split k adds its partial sums in cuBLAS's
+    order), and its bits run to run."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine(backend)
+    engine.set_precision("bf16")
+    try:
+        summed = []
+        for _ in range(2):
+            prog, trainer = frozen_products_program(backend, 3, dtype=dtype)
+            trainer.grads_only({})
+            assert kernel_names(trainer.gb_grad).count("product_sum") == 1, kernel_names(trainer.gb_grad)
+            summed.append(prog.read(trainer.grad_acc["x"]))
+        alone = []
+        for i in range(4):
+            prog_i, trainer_i = frozen_products_program(backend, 3, only=i, dtype=dtype)
+            trainer_i.grads_only({})
+            assert "product_sum" not in kernel_names(trainer_i.gb_grad)
+            alone.append(prog_i.read(trainer_i.grad_acc["x"]))
+    finally:
+        engine.set_precision("fp32")
+    assert np.array_equal(summed[0].view(np.uint32), summed[1].view(np.uint32)), "bits moved between two runs"
+    added = ((alone[0] + alone[1]) + alone[2]) + alone[3]
+    magnitude = sum(np.abs(t) for t in alone)
+    differ = int(np.sum(summed[0] != added))
+    print(f"frozen product sum ({dtype}): {differ} of {added.size} elements differ from the ADDs' "
+          f"(largest {float(np.max(np.abs(summed[0] - added))):.3g})")
+    assert (np.abs(summed[0] - added) <= magnitude * 2.0**-22).all()

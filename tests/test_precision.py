@@ -104,13 +104,14 @@ def test_the_stamp_marks_every_product_and_nothing_else():
 
 def frozen_training_graph(dtype: str, x_shape: tuple[int, ...] = (4, 16)):
     """Built on cpu, never computed: y = x W^T of a frozen f16/bf16 W (8, 16), x trainable; the
-    backward graph and its nodes. On cpu (our kernels) W stays in its type, as on cuda at bf16."""
+    backward graph, its nodes, and the program (kept by the caller: the graph lives in its
+    contexts, freed with it). On cpu (our kernels) W stays in its type, as on cuda at bf16."""
     prog = get_engine("cpu").program()
     w = prog.frozen_array("w", RNG.normal(size=(8, 16)), dtype)
     x = prog.param("x", RNG.normal(size=x_shape).astype(np.float32))
     y = x.matmul_t(w) if len(x_shape) == 2 else x._new(lib.ggml_mul_mat(x._ctx, w.ptr, x.ptr))
     graph = prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected").gb_grad
-    return graph, [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    return graph, [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))], prog
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
@@ -119,7 +120,7 @@ def test_at_bf16_a_frozen_weights_products_become_the_frozen_bf16_kernels(dtype)
     become FROZEN_MUL_MAT and FROZEN_OUT_PROD (native/cuda/th-frozen.cu: W's bf16 values), stamped
     bf16; at tf32 they stay ggml's nodes (the cuda graphs then never hold them: Tensor.matmul_t
     dequantizes W there)."""
-    graph, nodes = frozen_training_graph(dtype)
+    graph, nodes, _prog = frozen_training_graph(dtype)
     frozen = [n for n in nodes if ffi.string(lib.ggml_op_desc(n)).decode() in ("MUL_MAT", "OUT_PROD")
               and lib.th_tensor_type(lib.th_tensor_src(n, 0)) != GGML_TYPE_F32]
     assert sorted(ffi.string(lib.ggml_op_desc(n)).decode() for n in frozen) == ["MUL_MAT", "OUT_PROD"]
@@ -134,7 +135,7 @@ def test_at_bf16_a_frozen_weights_products_become_the_frozen_bf16_kernels(dtype)
 def test_a_frozen_product_of_a_shape_the_bf16_kernels_do_not_take_is_refused_by_name():
     """A batched (3-D) product of a frozen weight: -2 and a line naming the node and the weight,
     never ggml-cuda's own quantized product in its place."""
-    graph, _ = frozen_training_graph("f16", (2, 4, 16))
+    graph, _, _prog = frozen_training_graph("f16", (2, 4, 16))
     why = ffi.new("char[512]")
     assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], why, 512) == -2
     text = ffi.string(why).decode()

@@ -104,6 +104,86 @@ static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, cons
     }
 }
 
+// ggml-cuda's op_silu_back (unary.cu), the same expression under the same flags (-use_fast_math):
+// SILU_BACK_MUL must give the bits of ggml's SILU_BACK node
+static __device__ __forceinline__ float th_silu_back(const float grad, const float x) {
+    const float s = 1.0f / (1.0f + expf(-x));
+    return grad * s * (1.0f + x * (1.0f - s));
+}
+
+// y = silu_back(a * b, x) over n floats: SwiGLU's gate gradient with ggml's MUL(grad, up) inside.
+// __fmul_rn rounds the product to f32 as the MUL's node stored it (no FMA contraction into what
+// follows). A float4 at a time where every pointer is 16-aligned and n a multiple of 4.
+template <bool vec4>
+static __global__ void th_silu_back_mul_kernel(const float * __restrict__ a, const float * __restrict__ b,
+                                               const float * __restrict__ x, float * __restrict__ y, const int64_t n) {
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
+        if (vec4) {
+            const float4 u = ((const float4 *) a)[i], v = ((const float4 *) b)[i], w = ((const float4 *) x)[i];
+            ((float4 *) y)[i] = make_float4(th_silu_back(__fmul_rn(u.x, v.x), w.x), th_silu_back(__fmul_rn(u.y, v.y), w.y),
+                                            th_silu_back(__fmul_rn(u.z, v.z), w.z), th_silu_back(__fmul_rn(u.w, v.w), w.w));
+        } else {
+            y[i] = th_silu_back(__fmul_rn(a[i], b[i]), x[i]);
+        }
+    }
+}
+
+// ggml-cuda's op_silu (ggml_cuda_op_silu_single, unary.cuh): SWIGLU_BACK's up gradient must be the
+// bits of ggml's fused SILU + MUL (unary_gated: op_silu(x) * g)
+static __device__ __forceinline__ float th_silu(const float x) { return x / (1.0f + expf(-x)); }
+
+// SwiGLU's backward in one pass over the activation: dg = silu_back(grad * up, gate) (as above) and
+// du = silu(gate) * grad, from grad, up and gate read once (5 passes where ggml's nodes make 7,
+// SILU_BACK_MUL and ggml's fused SILU + MUL)
+template <bool vec4>
+static __global__ void th_swiglu_back_kernel(const float * __restrict__ grad, const float * __restrict__ up,
+                                             const float * __restrict__ gate, float * __restrict__ dg,
+                                             float * __restrict__ du, const int64_t n) {
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
+        if (vec4) {
+            const float4 d = ((const float4 *) grad)[i], u = ((const float4 *) up)[i], x = ((const float4 *) gate)[i];
+            ((float4 *) dg)[i] = make_float4(th_silu_back(__fmul_rn(d.x, u.x), x.x), th_silu_back(__fmul_rn(d.y, u.y), x.y),
+                                             th_silu_back(__fmul_rn(d.z, u.z), x.z), th_silu_back(__fmul_rn(d.w, u.w), x.w));
+            ((float4 *) du)[i] = make_float4(__fmul_rn(th_silu(x.x), d.x), __fmul_rn(th_silu(x.y), d.y),
+                                             __fmul_rn(th_silu(x.z), d.z), __fmul_rn(th_silu(x.w), d.w));
+        } else {
+            const float d = grad[i], x = gate[i];
+            dg[i] = th_silu_back(__fmul_rn(d, up[i]), x);
+            du[i] = __fmul_rn(th_silu(x), d);
+        }
+    }
+}
+
+static void th_silu_back_mul(cudaStream_t stream, ggml_tensor * dst) {
+    const ggml_tensor * a = dst->src[0], * b = dst->src[1], * x = dst->src[2];
+    const int64_t n = ggml_nelements(dst);
+    const bool vec4 = n % 4 == 0 && th_aligned16(a->data) && th_aligned16(b->data) && th_aligned16(x->data) &&
+                      th_aligned16(dst->data);
+    const int64_t wanted = ((vec4 ? n / 4 : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
+    const int blocks = (int) (wanted < 65535 ? wanted : 65535);
+    const float * pa = (const float *) a->data, * pb = (const float *) b->data, * px = (const float *) x->data;
+    const ggml_tensor * room = dst->src[3];          // SWIGLU_BACK: up's gradient too
+    if (room != nullptr) {
+        const bool v4 = vec4 && th_aligned16(room->data);
+        const int64_t want = ((v4 ? n / 4 : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
+        const int nb = (int) (want < 65535 ? want : 65535);
+        float * dg = (float *) dst->data, * du = (float *) room->data;
+        if (v4) {
+            th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
+        } else {
+            th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
+        }
+        return;
+    }
+    if (vec4) {
+        th_silu_back_mul_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, (float *) dst->data, n);
+    } else {
+        th_silu_back_mul_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, (float *) dst->data, n);
+    }
+}
+
 // the sum over a warp, in lane 0's order, given to every lane
 static __device__ float th_warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
@@ -333,9 +413,16 @@ static bool th_out_prod_into(cublasHandle_t cublas, const ggml_tensor * a, const
                            (float *) dst->data, (int) dst->ne[0]) == CUBLAS_STATUS_SUCCESS;
 }
 
+// each pair (a, b) of sources one product: f32 a (ggml's OUT_PROD) or a frozen weight a at bf16
+// (th-frozen.cu), the first written, the others added into the sum so far
 static bool th_product_sum(cublasHandle_t cublas, ggml_tensor * dst) {
     for (int k = 0; k + 1 < GGML_MAX_SRC && dst->src[k] != nullptr; k += 2) {
-        if (!th_out_prod_into(cublas, dst->src[k], dst->src[k + 1], dst, k == 0 ? 0.0f : 1.0f)) return false;
+        const ggml_tensor * a = dst->src[k], * b = dst->src[k + 1];
+        const float beta = k == 0 ? 0.0f : 1.0f;
+        if (!(a->type == GGML_TYPE_F32 ? th_out_prod_into(cublas, a, b, dst, beta)
+                                       : th_frozen_out_prod_into(cublas, a, b, dst, beta))) {
+            return false;
+        }
     }
     return true;
 }
@@ -346,6 +433,14 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
     }
     for (int k = 0; k + 1 < GGML_MAX_SRC && op->src[k] != nullptr; k += 2) {
         const ggml_tensor * a = op->src[k], * b = op->src[k + 1];
+        if (b != nullptr && a->type != GGML_TYPE_F32) {      // a frozen weight's term: bf16 only
+            ggml_tensor term = *op;          // the product's own 2-D shape (the sum may be 3-D: reshapes)
+            term.src[0] = (ggml_tensor *) a, term.src[1] = (ggml_tensor *) b;
+            term.ne[1] = ggml_nrows(op), term.ne[2] = term.ne[3] = 1;
+            term.nb[2] = term.nb[3] = term.nb[1] * term.ne[1];
+            if (!th_frozen_supported(&term, TH_CUDA_FROZEN_OUT_PROD)) return false;
+            continue;
+        }
         if (b == nullptr || a->type != GGML_TYPE_F32 || b->type != GGML_TYPE_F32 || a->nb[0] != sizeof(float) ||
             a->ne[2] * a->ne[3] != 1 || b->ne[2] * b->ne[3] != 1 || a->ne[0] != op->ne[0] || b->ne[0] != ggml_nrows(op) ||
             a->ne[1] != b->ne[1] || a->ne[1] > INT32_MAX ||
@@ -602,6 +697,14 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         case TH_CUDA_ADD:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
+        case TH_CUDA_SILU_BACK_MUL:
+        case TH_CUDA_SWIGLU_BACK:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
+                   th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
+                   ggml_nelements(op->src[1]) == ggml_nelements(op) && ggml_nelements(op->src[2]) == ggml_nelements(op) &&
+                   ((th_kernel_of(op) == TH_CUDA_SILU_BACK_MUL && op->src[3] == nullptr) ||
+                    (th_kernel_of(op) == TH_CUDA_SWIGLU_BACK && op->src[3] != nullptr &&
+                     th_f32_contiguous(op->src[3]) && ggml_nelements(op->src[3]) == ggml_nelements(op)));
         case TH_CUDA_LAYER_NORM_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
                    ggml_nelements(op) == ggml_nelements(op->src[0]) && ggml_nelements(op) == ggml_nelements(op->src[1]) &&
@@ -674,6 +777,10 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_ADD:
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);
+            return true;
+        case TH_CUDA_SILU_BACK_MUL:
+        case TH_CUDA_SWIGLU_BACK:
+            th_silu_back_mul(stream, dst);
             return true;
         case TH_CUDA_FOLDED:
         case TH_CUDA_ROOM:

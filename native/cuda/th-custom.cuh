@@ -32,3 +32,6 @@ void th_adamw(cudaStream_t stream, ggml_tensor * dst);
 // a frozen weight's products at bf16 (th-frozen.cu): FROZEN_MUL_MAT and FROZEN_OUT_PROD
 bool th_frozen_supported(const ggml_tensor * op, int kernel);
 bool th_frozen(cublasHandle_t cublas, ggml_tensor * dst, int kernel);
+// dst = dy W + beta dst of a frozen W (OUT_PROD(W, dy^T), at bf16): a PRODUCT_SUM's frozen terms
+bool th_frozen_out_prod_into(cublasHandle_t cublas, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst,
+                             float beta);

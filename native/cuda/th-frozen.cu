@@ -24,24 +24,29 @@ bool th_frozen_supported(const ggml_tensor * op, const int kernel) {
            th_frozen_product_ok(op, kernel == TH_CUDA_FROZEN_MUL_MAT);
 }
 
+// dst (K, M) = dy W + beta dst: FROZEN_OUT_PROD (beta 0) and a PRODUCT_SUM's frozen terms
+// (th-custom.cu; beta 1 after the first: the running sum of an input's gradients)
+bool th_frozen_out_prod_into(cublasHandle_t cublas, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst,
+                             const float beta) {
+    const int K = (int) w->ne[0], N = (int) w->ne[1];
+    th_frozen_count++;
+    // b = dy^T, ne [M, N]: rows of b (unit stride along M) are read as M x N and transposed;
+    // a transposed view of dy (unit stride along N) is dy itself, N x M
+    const int M = (int) x->ne[0];
+    const bool rows = x->nb[0] == sizeof(float);
+    const int b_rows = rows ? M : N, b_cols = rows ? N : M;
+    const int ldb = (int) ((rows ? x->nb[1] : x->nb[0]) / sizeof(float));
+    return th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_N, rows ? CUBLAS_OP_T : CUBLAS_OP_N, K, M, N,
+                               (const float *) x->data, b_rows, b_cols, ldb, (float *) dst->data, K, beta) ==
+           CUBLAS_STATUS_SUCCESS;
+}
+
 bool th_frozen(cublasHandle_t cublas, ggml_tensor * dst, const int kernel) {
     const ggml_tensor * w = dst->src[0], * x = dst->src[1];
     const int K = (int) w->ne[0], N = (int) w->ne[1];
-    cublasStatus_t status;
+    if (kernel != TH_CUDA_FROZEN_MUL_MAT) return th_frozen_out_prod_into(cublas, w, x, dst, 0.0f);
     th_frozen_count++;
-    if (kernel == TH_CUDA_FROZEN_MUL_MAT) {
-        const int M = (int) x->ne[1];
-        status = th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, (const float *) x->data, K, M,
-                                     (int) (x->nb[1] / sizeof(float)), (float *) dst->data, N);
-    } else {
-        // b = dy^T, ne [M, N]: rows of b (unit stride along M) are read as M x N and transposed;
-        // a transposed view of dy (unit stride along N) is dy itself, N x M
-        const int M = (int) x->ne[0];
-        const bool rows = x->nb[0] == sizeof(float);
-        const int b_rows = rows ? M : N, b_cols = rows ? N : M;
-        const int ldb = (int) ((rows ? x->nb[1] : x->nb[0]) / sizeof(float));
-        status = th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_N, rows ? CUBLAS_OP_T : CUBLAS_OP_N, K, M, N,
-                                     (const float *) x->data, b_rows, b_cols, ldb, (float *) dst->data, K);
-    }
-    return status == CUBLAS_STATUS_SUCCESS;
+    const int M = (int) x->ne[1];
+    return th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, (const float *) x->data, K, M,
+                               (int) (x->nb[1] / sizeof(float)), (float *) dst->data, N, 0.0f) == CUBLAS_STATUS_SUCCESS;
 }

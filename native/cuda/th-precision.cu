@@ -315,8 +315,12 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
-        case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD:
+        case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL:
             th_drop_tensor(node);                           // its own bytes only (FOLDED, ROOM: written by others)
+            return;
+        case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)
+            th_drop_tensor(node);
+            th_drop_tensor(node->src[3]);
             return;
         case TH_CUDA_COLUMN_DOT:                            // and its partial sums, in src 2
         case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP: case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ:
@@ -490,7 +494,7 @@ bool th_frozen_type_ok(const ggml_type type) {
 
 cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cublasOperation_t tw, cublasOperation_t tb,
                                    int m, int n, int k, const float * b, int b_rows, int b_cols, int ldb, float * c,
-                                   int ldc) {
+                                   int ldc, const float beta) {
     cudaStream_t stream = nullptr;
     if (cublasGetStream(h, &stream) != CUBLAS_STATUS_SUCCESS) return CUBLAS_STATUS_INTERNAL_ERROR;
     if (!th_frozen_type_ok(w->type)) return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -512,7 +516,7 @@ cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cubl
         b16 = dst;
     }
     if (cudaGetLastError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
-    const float alpha = 1.0f, beta = 0.0f;
+    const float alpha = 1.0f;
     return cublasGemmEx(h, tw, tb, m, n, k, &alpha, w16, CUDA_R_16BF, (int) w->ne[0], b16, CUDA_R_16BF, b_rows, &beta,
                         c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }

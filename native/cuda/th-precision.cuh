@@ -38,10 +38,11 @@ void th_cuda_graph_end(void);
 bool th_frozen_type_ok(ggml_type type);
 // C (m x n, fp32) = op(W) op(B) at bf16, W a frozen weight of another type than f32 (ne [K, N],
 // contiguous: column-major K x N, leading dimension K) as its bf16 values, B f32 (b_rows x b_cols,
-// leading dimension ldb) as its bf16 copy; fp32 accumulation, one cuBLAS algorithm for the shape
+// leading dimension ldb) as its bf16 copy; fp32 accumulation, one cuBLAS algorithm for the shape;
+// beta 1 adds the product into C (a sum of products, PRODUCT_SUM)
 cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cublasOperation_t tw, cublasOperation_t tb,
                                    int m, int n, int k, const float * b, int b_rows, int b_cols, int ldb, float * c,
-                                   int ldc);
+                                   int ldc, float beta);
 
 cublasStatus_t th_cublas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                const float * alpha, const float * a, int lda, const float * b, int ldb,
