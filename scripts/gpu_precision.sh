@@ -46,6 +46,17 @@ tests_phase() {
     grep -E "$4" "$out/$1" | tail -80 | tee -a "$log"
 }
 
+# record_goldens TAR GLOB NAME...: record the named cuda goldens, check them again (a second run must
+# give the same bits), and tar the files GLOB matches into OUT/TAR
+record_goldens() {
+    local tar=$1 glob=$2
+    shift 2
+    toyharness golden record "$@" --backend cuda 2>&1 | tee -a "$log" || status=1
+    toyharness golden check "$@" --backend cuda 2>&1 | tee -a "$log" || status=1
+    # shellcheck disable=SC2086  # the glob is meant to expand
+    tar cf "$out/$tar" $glob 2>>"$log"
+}
+
 if [[ $phases == *" build "* ]]; then build_cuda; fi
 
 if [[ $phases == *" fused "* ]]; then
@@ -73,9 +84,7 @@ if [[ $phases == *" goldens-bf16 "* ]]; then
     names=()
     for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@bf16"); done
     step "bf16 goldens: record, then check (a second run must give the same bits)"
-    toyharness golden record "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
-    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
-    tar cf "$out/goldens_bf16.tar" goldens/cuda-*/*@bf16.yml 2>>"$log"
+    record_goldens goldens_bf16.tar "goldens/cuda-*/*@bf16.yml" "${names[@]}"
 fi
 
 if [[ $phases == *" goldens-bf16-check "* ]]; then
@@ -94,9 +103,7 @@ fi
 
 if [[ $phases == *" goldens-frozen-bf16 "* ]]; then
     step "bf16 goldens of lora over quantized bases: record, then check (a second run must give the same bits)"
-    toyharness golden record "${FROZEN_BF16[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
-    toyharness golden check "${FROZEN_BF16[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
-    tar cf "$out/goldens_frozen_bf16.tar" goldens/cuda-*/lora@q*@bf16.yml 2>>"$log"
+    record_goldens goldens_frozen_bf16.tar "goldens/cuda-*/lora@q*@bf16.yml" "${FROZEN_BF16[@]}"
 fi
 
 for precision in bf16 fp32; do
@@ -155,9 +162,7 @@ if [[ $phases == *" goldens "* ]]; then
     names=()
     for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
     step "precision goldens: record, then check (a second run must give the same bits)"
-    toyharness golden record "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
-    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
-    tar cf "$out/goldens.tar" goldens/cuda-*/*@tf32.yml goldens/cuda-*/*@bf16.yml 2>>"$log"
+    record_goldens goldens.tar "goldens/cuda-*/*@tf32.yml goldens/cuda-*/*@bf16.yml" "${names[@]}"
 fi
 
 if [[ $phases == *" agree600 "* ]]; then
