@@ -5,6 +5,7 @@
     python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_KERNELS=0     # one setting A/B
     python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_GRAD_ACCUMULATORS=1 \
         --set n_layer=6 --set d_model=384 --set n_head=6 --set t_seq=256 --set t_batch=8   # at nano
+    python scripts/ab_checkouts.py lora . . --set base=M --set-a chunked_loss=off --set-b chunked_loss=on
 
 Each checkout trains the recipe's bench config in its own process (PYTHONPATH = the checkout,
 so each loads its own toyharness and native libraries); the two take turns in rounds of 5
@@ -77,11 +78,13 @@ def main() -> None:
     ap.add_argument("--env-b", action="append", default=[], metavar="KEY=VALUE", help="set for B's process")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an option over the bench config, for both (e.g. the nano size's: see bench.SIZES)")
+    ap.add_argument("--set-a", action="append", default=[], metavar="KEY=VALUE", help="an option for A alone")
+    ap.add_argument("--set-b", action="append", default=[], metavar="KEY=VALUE", help="an option for B alone")
     ap.add_argument("--verbose", "-v", action="store_true", help="print each round's medians")
     args = ap.parse_args()
     envs = [dict(kv.split("=", 1) for kv in args.env_a), dict(kv.split("=", 1) for kv in args.env_b)]
-    workers = [spawn(args.a, args.recipe, args.threads, envs[0], args.set),
-               spawn(args.b, args.recipe, args.threads, envs[1], args.set)]
+    workers = [spawn(args.a, args.recipe, args.threads, envs[0], args.set + args.set_a),
+               spawn(args.b, args.recipe, args.threads, envs[1], args.set + args.set_b)]
     rounds: list[list[list[float]]] = []
     trips: list[float] = []
     for r in range(args.rounds):

@@ -185,7 +185,7 @@ def test_lora_trains_the_same_with_the_chunked_loss(tmp_path):
     assert np.max(np.abs(losses["on"] - losses["off"]) / losses["off"]) < 1e-5, losses
 
 
-def test_auto_takes_the_chunked_loss_from_gemma3_vocab_on_the_fast_cpu_path():
+def test_auto_takes_the_chunked_loss_from_4096_classes_on_the_fast_cpu_path():
     from types import SimpleNamespace
 
     from toyharness.errors import InputError
@@ -194,7 +194,9 @@ def test_auto_takes_the_chunked_loss_from_gemma3_vocab_on_the_fast_cpu_path():
     fast = get_engine("cpu").program()
     auto, on = SimpleNamespace(chunked_loss="auto"), SimpleNamespace(chunked_loss="on")
     assert use_chunked_loss(auto, 262144, fast) and not use_chunked_loss(auto, CHUNKED_LOSS_VOCAB - 1, fast)
-    assert use_chunked_loss(auto, 151936, fast) and not use_chunked_loss(auto, 128256, fast)  # Qwen3's; Llama 3's
+    for real in (151936, 128256, 49152, 32064):       # Qwen3's, Llama 3's, SmolLM2's, Phi-3's vocabularies
+        assert use_chunked_loss(auto, real, fast)
+    assert not use_chunked_loss(auto, 256, fast)      # the toy byte vocabulary keeps the standard loss
     assert not use_chunked_loss(SimpleNamespace(), 262144, fast)      # a recipe without the option
     portable = portable_program()
     assert not use_chunked_loss(auto, 262144, portable)

@@ -27,12 +27,14 @@ from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_to
 
 # From this many classes `chunked_loss=auto` takes the chunked loss: the standard loss's four
 # (rows x vocab) f32 buffers (4 GiB for Gemma 3's 262,144 classes at 1,024 rows) and its passes
-# over them then cost more than the chunked loss's tiles, which make the same two products over
-# the output weight. Measured at the bench config (1,024 rows, 2 threads, our step alone): a
-# Qwen3-0.6B-shaped base (151,936 classes, width 1,024) 19.2 s with the standard loss, 15.6 s
-# chunked; a Llama-3.2-1B-shaped one (128,256 classes, width 2,048) 34.2 s and 36.6 s (within
-# the machine's noise), so it keeps the standard loss.
-CHUNKED_LOSS_VOCAB = 150_000
+# over them cost more than the chunked loss's tiles, which make the same two products over the
+# output weight. Our step alone, the two alternating (scripts/ab_checkouts.py --set-a
+# chunked_loss=off --set-b chunked_loss=on, 2 threads, AVX-512; standard / chunked): seeded
+# one-layer llama bases at 1,024 rows, vocabulary x width 2,048 x 512 1.03, 4,096 x 512 1.16,
+# 8,192 x 512 1.08, 16,384 x 512 1.23, 32,000 x 2,048 1.08, 128,256 x 2,048 1.16; the whole
+# SmolLM2-135M step (49,152 classes) 1.09 at 1,024 rows and 1.11 at 128; but the toy byte
+# vocabulary (256 classes) 0.93, where the standard loss's buffers are small.
+CHUNKED_LOSS_VOCAB = 4096
 
 
 def use_chunked_loss(options, vocab: int, prog: Program) -> bool:

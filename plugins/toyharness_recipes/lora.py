@@ -49,7 +49,7 @@ class LoRAOptions(Options):
     targets: tuple[str, ...] = choice(("q",), ALL_TARGETS)
     merged: bool = False
     # the loss over the base's vocabulary a tile at a time (toyharness.lm.use_chunked_loss):
-    # auto = from 150,000 classes on cpu (Qwen3, Gemma 3), on, off
+    # auto = from 4,096 classes on cpu (every real vocabulary), on, off
     chunked_loss: str = choice("auto", ("auto", "on", "off"))
     t_seq: int = 64
     t_batch: int = 16
