@@ -135,6 +135,9 @@ void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows, int64
 /* C (m x n, row-major) = A . B + beta C (A^T, B^T where asked): th_sgemm, or a plain loop */
 void th_frozen_gemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, const float * a, int64_t lda,
                     const float * b, int64_t ldb, float beta, float * c, int64_t ldc);
+/* frozen_dequant.c: n values of a row of `type` as f32, ggml's values; 0 for a type it leaves to
+ * ggml's to_float */
+int th_fast_dequantize_row(enum ggml_type type, const void * src, float * dst, int64_t n);
 
 /* cpu_adamw.c (built with -fno-math-errno, so that its square root vectorises) */
 void th_adamw_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);

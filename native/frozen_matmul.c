@@ -69,7 +69,8 @@ void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows, int64
     const struct ggml_type_traits * tr = ggml_get_type_traits(w->type);
     const size_t col_offset = (size_t) (c0 / tr->blck_size) * tr->type_size;
     for (int64_t r = 0; r < rows; r++) {
-        tr->to_float((const char *) w->data + (r0 + r) * w->nb[1] + col_offset, out + r * cols, cols);
+        const char * row = (const char *) w->data + (r0 + r) * w->nb[1] + col_offset;
+        if (!th_fast_dequantize_row(w->type, row, out + r * cols, cols)) tr->to_float(row, out + r * cols, cols);
     }
 }
 

@@ -461,3 +461,52 @@ def test_a_norm_gain_folds_into_the_norm_backward_and_its_gradient_with_the_same
     xd = x.astype(np.float64).reshape(-1, 40)
     normed = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + 1e-5)
     assert rel_err(runs[0][1], (normed * dy.reshape(-1, 40)).sum(axis=0)) < 1e-5
+
+
+# The fields of a block that hold fp16 scales (byte offsets), for the types frozen_dequant.c takes
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(qtype, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n values of type qtype as raw blocks: random bytes, with finite random fp16 scales (normal,
+    subnormal, zero and negative ones) where the block keeps them"""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n // block, size), dtype=np.uint8)
+    halves = np.concatenate([rng.standard_normal(n // block) * 10.0 ** rng.integers(-7, 3, n // block),
+                             [0.0, -0.0, 6e-8, -3e-5]])[: n // block].astype(np.float16)
+    for offset in FP16_FIELDS.get(qtype.name, ()):
+        raw[:, offset:offset + 2] = rng.permutation(halves).view(np.uint8).reshape(-1, 2)
+    if qtype.name == "F16":
+        raw = halves.repeat(2)[:n].astype(np.float16).view(np.uint8).reshape(n, 2)
+        raw[: n // 2] = rng.standard_normal(n // 2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "F16"])
+def test_fast_dequantization_gives_ggml_values_bit_for_bit(name):
+    """frozen_dequant.c against ggml's own to_float, every value's bits (fp16 scales of every
+    magnitude, subnormals and signed zeros among them)"""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[name]
+    rng = np.random.default_rng(7)
+    n = 256 * 96
+    raw = random_blocks(qtype, n, rng)
+    ours, ggml = np.full(n, np.nan, np.float32), np.full(n, np.nan, np.float32)
+    src = ffi.from_buffer(raw)
+    assert lib.th_dequantize_row(int(qtype), src, ffi.cast("float *", ffi.from_buffer(ours)), n, 1) == 1
+    assert lib.th_dequantize_row(int(qtype), src, ffi.cast("float *", ffi.from_buffer(ggml)), n, 0) == 1
+    assert np.isfinite(ggml).all() and np.count_nonzero(ggml) > n // 2
+    np.testing.assert_array_equal(ours.view(np.uint32), ggml.view(np.uint32))
+
+
+def test_types_whose_ggml_dequantization_is_fast_are_left_to_ggml():
+    import gguf
+
+    out = np.zeros(256, np.float32)
+    for name in ("Q8_0", "Q4_K", "Q5_K", "BF16"):
+        raw = np.zeros(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1] * 256, np.uint8)
+        assert lib.th_dequantize_row(int(gguf.GGMLQuantizationType[name]), ffi.from_buffer(raw),
+                                     ffi.cast("float *", ffi.from_buffer(out)), 256, 1) == 0, name
