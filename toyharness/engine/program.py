@@ -383,12 +383,14 @@ class Program:
 
     def enable_recompute(self) -> None:
         """Recompute checkpointed blocks' activations in the backward (engine/recompute.py), for
-        graphs built from now on. The cpu backend only: on cuda the fused attention's backward
-        kernel must follow its own forward node (native/cuda_rewrite.c), which a copy is not."""
+        graphs built from now on. On cpu and cuda, whose rewrites (native/cpu_kernels.c,
+        native/cuda_rewrite.c) recompute.apply runs on the graph as ggml built it and on the copies
+        apart; other backends (and the metal lowering, which rewrites the graph before the copies
+        are wired in) are refused."""
         from .recompute import Recompute
 
-        if not self.engine.is_cpu or self.lowering_target:
-            raise InputError(f"option 'recompute_blocks': the cpu backend only, not {self.engine.backend}"
+        if self.engine.backend not in ("cpu", "cuda") or self.lowering_target:
+            raise InputError(f"option 'recompute_blocks': the cpu and cuda backends only, not {self.engine.backend}"
                              + (" lowered for " + self.lowering_target if self.lowering_target else ""))
         self.recompute = Recompute()
 
