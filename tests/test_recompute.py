@@ -234,3 +234,61 @@ def test_recompute_on_cuda_plans_less_and_the_plan_is_ggmls_buffers(recipe, sets
           f"{plans[True].activations / 2**20:.1f} MiB, total {plans[False].total / 2**20:.1f} -> "
           f"{plans[True].total / 2**20:.1f} MiB")
     assert plans[True].activations < plans[False].activations and plans[True].total < plans[False].total
+
+
+KEEP_RUN = """
+import json, sys
+from toyharness._ffi import ffi, lib
+from toyharness.hookspecs import hookimpl
+from toyharness.runner import train
+
+runs = []
+
+
+class Capture:
+    @hookimpl
+    def run_end(self, run, summary, artifacts):
+        runs.append(run)
+
+
+train("lora", steps=4, backend="cuda", sets=json.loads(sys.argv[1]), write_files=False, progress=False,
+      observers=(Capture(),))
+converted, reused = ffi.new("int64_t *"), ffi.new("int64_t *")
+lib.th_cuda_bf16_copies(converted, reused)
+print(json.dumps({"hex": [m["loss_hex"] for m in runs[0].metrics], "converted": converted[0], "reused": reused[0],
+                  "chunks": lib.th_cuda_bf16_copy_bytes()}))
+"""
+
+
+def _keep_run(sets: list[str], keep: str | None) -> dict:
+    """lora at bf16 in a fresh process (the copies and their chunks are the process's), with
+    TOYHARNESS_BF16_KEEP_NODES=keep where given: its losses' bits and its operands' conversions."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TOYHARNESS_BF16_KEEP_NODES"}
+    if keep is not None:
+        env["TOYHARNESS_BF16_KEEP_NODES"] = keep
+    done = subprocess.run([sys.executable, "-c", KEEP_RUN, json.dumps(sets)], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_on_cuda_recompute_drops_bf16_copies_past_their_horizon_and_keeps_the_bits(backend, q4_k_base):
+    """With recompute the bf16 operand copies go once no node within 256 (RECOMPUTE_BF16_KEEP_NODES)
+    reads their source (th-precision.cu): a frozen weight's copy from the forward is converted again
+    by its block's recomputed forward. The losses keep their bits (without the horizon, and without
+    recompute), and more operands are converted than without the horizon."""
+    sets = [f"base={q4_k_base}", "t_seq=64", "targets=q,k,v,o", "rank=16", "precision=bf16"]
+    plain = _keep_run(sets + ["recompute_blocks=false"], None)
+    horizon = _keep_run(sets + ["recompute_blocks=true"], None)
+    none = _keep_run(sets + ["recompute_blocks=true"], "0")
+    print(f"lora@q4_k at bf16, recompute: operands converted {none['converted']} (reused {none['reused']}) "
+          f"without the horizon, {horizon['converted']} ({horizon['reused']}) with it; chunks {none['chunks']} -> "
+          f"{horizon['chunks']} bytes; without recompute {plain['converted']} ({plain['reused']})")
+    assert horizon["hex"] == none["hex"] == plain["hex"]
+    assert horizon["converted"] > none["converted"] and horizon["chunks"] <= none["chunks"]
