@@ -9,6 +9,7 @@
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
 #                                    [profile-lora-bf16] [fused] [recompute] [bench-lora-bf16-recompute]
+#                                    [bench-lora-bf16-recompute-keepall]
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -27,7 +28,9 @@
 # recompute: recompute_blocks on cuda (tests/test_recompute.py -k cuda: every golden of a recipe that
 # checkpoints blocks, fp32, @tf32 and @bf16, keeps its bits with recompute_blocks=true; the cuda plan
 # with it is ggml's buffers and smaller); bench-lora-bf16-recompute: bench-lora-bf16 with
-# `--set recompute_blocks=true` on our side (PyTorch's side as in bench-lora-bf16: no checkpointing).
+# `--set recompute_blocks=true` on our side (PyTorch's side as in bench-lora-bf16: no checkpointing);
+# bench-lora-bf16-recompute-keepall: the same with TOYHARNESS_BF16_KEEP_NODES=0 (the bf16 copies kept
+# while their bytes are not written, as before the horizon).
 #
 # fused: the tests of iss-32d's SwiGLU gate-gradient kernel, LoRA scale placement and frozen terms in product sums
 # (tests/test_cuda_kernels.py).
@@ -116,17 +119,19 @@ if [[ $phases == *" recompute "* ]]; then
     tests_phase recompute.log tests/test_recompute.py cuda "on cuda: activations|passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
-for bench in bf16 fp32 bf16-recompute; do
+for bench in bf16 fp32 bf16-recompute bf16-recompute-keepall; do
     [[ $phases == *" bench-lora-$bench "* ]] || continue
     precision=${bench%%-*}
     extra=()
-    [[ $bench == *-recompute ]] && extra=(--set recompute_blocks=true)
+    keep=${TOYHARNESS_BF16_KEEP_NODES:-}
+    [[ $bench == *-recompute* ]] && extra=(--set recompute_blocks=true)
+    [[ $bench == *-keepall ]] && keep=0          # no horizon for the bf16 copies (th-precision.cu)
     step "bench: lora over the Llama-3.2-1B-shaped Q4_K base, $bench, beside transformers (eager)"
     base=$(python3 scripts/lora_bench_base.py --type q4_k 2>>"$log") || { status=1; continue; }
     ls -l "$base" | tee -a "$log"
-    toyharness bench lora --backend cuda --precision "$precision" --torch-modes eager --steps 10 --warmup 2 \
-        --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 "${extra[@]}" \
-        --out "$out/bench_lora_${bench//-/_}.json" 2>&1 | tee -a "$log" || status=1
+    TOYHARNESS_BF16_KEEP_NODES=$keep toyharness bench lora --backend cuda --precision "$precision" --torch-modes eager \
+        --steps 10 --warmup 2 --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 \
+        "${extra[@]}" --out "$out/bench_lora_${bench//-/_}.json" 2>&1 | tee -a "$log" || status=1
 done
 
 if [[ $phases == *" profile-lora-bf16 "* ]]; then
