@@ -36,7 +36,8 @@
 # (tests/test_cuda_kernels.py).
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
-# in each precision), bench_<precision>_<size>.json.
+# in each precision), bench_<precision>_<size>.json, bench_lora_<phase's suffix, - as _>.json (e.g.
+# bench_lora_bf16_recompute.json), recompute.log.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_precision.sh OUT_DIR [phases...]}
 shift
