@@ -9,8 +9,8 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 9   /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
-                                       9: SILU_BACK_MUL, SWIGLU_BACK */
+#define TH_CUDA_KERNELS_VERSION 10  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+                                       9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:

@@ -8,7 +8,8 @@
 #                                    [attention] [goldens-bf16] [goldens-kept] [profile-bf16]
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
-#                                    [profile-lora-bf16] [fused]
+#                                    [profile-lora-bf16] [fused] [recompute] [bench-lora-bf16-recompute]
+#                                    [bench-lora-bf16-recompute-keepall]
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -24,11 +25,19 @@
 # (scripts/lora_bench_base.py; t_seq 1024 x 4, targets q,k,v,o, rank 16) beside transformers at P
 # (its base dequantized to bf16 for bf16), eager, each side's GPU memory as the driver counts it.
 #
+# recompute: recompute_blocks on cuda (tests/test_recompute.py -k cuda: every golden of a recipe that
+# checkpoints blocks, fp32, @tf32 and @bf16, keeps its bits with recompute_blocks=true; the cuda plan
+# with it is ggml's buffers and smaller); bench-lora-bf16-recompute: bench-lora-bf16 with
+# `--set recompute_blocks=true` on our side (PyTorch's side as in bench-lora-bf16: no checkpointing);
+# bench-lora-bf16-recompute-keepall: the same with TOYHARNESS_BF16_KEEP_NODES=0 (the bf16 copies kept
+# while their bytes are not written, as before the horizon).
+#
 # fused: the tests of iss-32d's SwiGLU gate-gradient kernel, LoRA scale placement and frozen terms in product sums
 # (tests/test_cuda_kernels.py).
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
-# in each precision), bench_<precision>_<size>.json.
+# in each precision), bench_<precision>_<size>.json, bench_lora_<phase's suffix, - as _>.json (e.g.
+# bench_lora_bf16_recompute.json), recompute.log.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_precision.sh OUT_DIR [phases...]}
 shift
@@ -106,14 +115,24 @@ if [[ $phases == *" goldens-frozen-bf16 "* ]]; then
     record_goldens goldens_frozen_bf16.tar "goldens/cuda-*/lora@q*@bf16.yml" "${FROZEN_BF16[@]}"
 fi
 
-for precision in bf16 fp32; do
-    [[ $phases == *" bench-lora-$precision "* ]] || continue
-    step "bench: lora over the Llama-3.2-1B-shaped Q4_K base, precision $precision, beside transformers (eager)"
+if [[ $phases == *" recompute "* ]]; then
+    step "recompute_blocks on cuda: each golden's bits with it, the plan with it"
+    tests_phase recompute.log tests/test_recompute.py cuda "on cuda: activations|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+for bench in bf16 fp32 bf16-recompute bf16-recompute-keepall; do
+    [[ $phases == *" bench-lora-$bench "* ]] || continue
+    precision=${bench%%-*}
+    extra=()
+    keep=${TOYHARNESS_BF16_KEEP_NODES:-}
+    [[ $bench == *-recompute* ]] && extra=(--set recompute_blocks=true)
+    [[ $bench == *-keepall ]] && keep=0          # no horizon for the bf16 copies (th-precision.cu)
+    step "bench: lora over the Llama-3.2-1B-shaped Q4_K base, $bench, beside transformers (eager)"
     base=$(python3 scripts/lora_bench_base.py --type q4_k 2>>"$log") || { status=1; continue; }
     ls -l "$base" | tee -a "$log"
-    toyharness bench lora --backend cuda --precision "$precision" --torch-modes eager --steps 10 --warmup 2 \
-        --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 \
-        --out "$out/bench_lora_${precision}.json" 2>&1 | tee -a "$log" || status=1
+    TOYHARNESS_BF16_KEEP_NODES=$keep toyharness bench lora --backend cuda --precision "$precision" --torch-modes eager \
+        --steps 10 --warmup 2 --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 \
+        "${extra[@]}" --out "$out/bench_lora_${bench//-/_}.json" 2>&1 | tee -a "$log" || status=1
 done
 
 if [[ $phases == *" profile-lora-bf16 "* ]]; then

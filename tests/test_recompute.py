@@ -1,14 +1,30 @@
 """recompute_blocks (toyharness/engine/recompute.py): each block's activations recomputed in the
-backward, the same loss bits as without it, less memory in the plan and in ggml's buffers."""
+backward, the same loss bits as without it, less memory in the plan and in ggml's buffers; on cpu
+and on cuda (there the cuda rewrite pairs each attention's fused backward with its block's
+recomputed forward: checked on graphs built on the cpu as cuda builds them, and against the cuda
+goldens where a device is present)."""
 
 from __future__ import annotations
 
-import pytest
+from collections import Counter
+from pathlib import Path
 
+import pytest
+from test_backends import needs
+
+from toyharness import goldens
+from toyharness._ffi import ffi, lib
 from toyharness.architectures import example_shape, write_example
+from toyharness.engine import get_engine
+from toyharness.engine.program import Program
 from toyharness.errors import InputError
+from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.runner import plan_run, train
+from toyharness.memory_plan import graph_buffer_bytes, plan_model
+from toyharness.plugins import get_recipe
+from toyharness.runner import batch_for, load_data, plan_run, resolve_options, train
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = ["eval_every=2", "eval_batches=1"]
 
@@ -54,3 +70,225 @@ def test_recompute_is_refused_by_name_where_it_does_nothing(tmp_path):
     base = write_example(tmp_path / "qwen3.gguf", example_shape("qwen3"))
     with pytest.raises(InputError, match="option 'recompute_blocks': recipe lora's forward here has no blocks"):
         train("lora", steps=1, sets=[f"base={base}", "recompute_blocks=true"], write_files=False, progress=False)
+
+
+def test_recompute_is_refused_on_a_backend_without_the_rewrites_it_needs(monkeypatch):
+    """The metal lowering rewrites the training graph before the copies are wired in: refused by name."""
+    monkeypatch.setenv("TOYHARNESS_LOWERING", "metal")
+    with pytest.raises(InputError, match="option 'recompute_blocks': the cpu and cuda backends only, not cpu "
+                                         "lowered for metal"):
+        train("gpt2", steps=1, sets=["n_layer=1", "recompute_blocks=true"], write_files=False, progress=False)
+
+
+# --- cuda ------------------------------------------------------------------------------------------
+def _name(t) -> str:
+    kernel = lib.th_cuda_kernel_name(t)
+    return ffi.string(kernel).decode() if kernel != ffi.NULL else ffi.string(lib.ggml_op_desc(t)).decode()
+
+
+def _addr(t) -> int:
+    return int(ffi.cast("uintptr_t", t))
+
+
+def _nodes(graph) -> list:
+    return [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+
+
+def _as_cuda_builds_it(recipe: str, sets: list[str], precision: str, monkeypatch):
+    """The recipe's model on a cpu program whose graphs are built and rewritten as cuda's
+    (our cuda kernels' stand-ins, native/cuda_rewrite.c, the precision stamp; never computed
+    here): the training graph is rewritten as a step's first compute would (with recompute,
+    recompute.apply did that already)."""
+    real_init = Program.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.cpu_kernels = self.cpu_folds = False
+        self.cuda_kernels = self.onehot_in_graph = self.column_sums_as_products = self.grads_as_outputs = True
+        self.precision, self.frozen_bf16 = precision, precision == "bf16"
+
+    monkeypatch.setattr(Program, "__init__", init)
+    _, obj = get_recipe(recipe)
+    options = resolve_options(obj, None, sets, {})
+    pm = plugin_manager(obj)
+    engine = get_engine("cpu")
+    model = pm.hook.realize(engine=engine, options=options, data=load_data(pm, options))
+    trainer = model.trainer
+    for graph in (trainer.gb_opt, trainer.gb_grad):
+        model.prog._prepare(graph)
+    return model.prog, trainer, engine
+
+
+def _backward_kernels(trainer, copies: set[int]) -> Counter:
+    forward = {_addr(t) for t in _nodes(trainer.gf)}
+    # what computes (the rebuilt graphs drop views and no-ops nothing reads: recompute._dead_views)
+    return Counter(_name(t) for t in _nodes(trainer.gb_opt) if _addr(t) not in forward and _addr(t) not in copies
+                   and _name(t) not in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "NONE"))
+
+
+CUDA_SHAPES = [("gpt2", ["n_layer=2"], "fp32"), ("llama", ["n_layer=2", "n_head=4", "n_kv_head=2"], "tf32"),
+               ("lora", ["t_seq=64", "targets=q,k,v,o,gate,up,down"], "bf16")]
+
+
+@pytest.fixture(scope="module")
+def q4_k_base() -> str:
+    """A two-block llama base quantized to Q4_K (rows of 256 for K-quants): lora@q4_k's golden
+    base has one block, which recompute cannot shrink."""
+    from toyharness.engine.gguf_io import cached_copy_as
+
+    base = seeded_model_file("llama", ["n_layer=2", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512", "seed=7"])
+    return str(cached_copy_as(base, "q4_k"))
+
+
+@pytest.mark.parametrize("name,sets,precision", CUDA_SHAPES, ids=[c[0] for c in CUDA_SHAPES])
+def test_on_cuda_each_attention_backward_reads_its_blocks_recomputed_forward(name, sets, precision, monkeypatch,
+                                                                              q4_k_base):
+    """Built on cpu as cuda builds it: with recompute, the backward holds the same kernels as
+    without (attention's fused prep, backward and dQ; GELU's, LayerNorm's, SwiGLU's, the frozen
+    products'), and each fused prep and backward reads a recomputed fused forward that comes before
+    it, never the original forward (which then dies in the forward: the training graph's buffer
+    shrinks). The rewrite run again on both rebuilt graphs finds every node marked and its
+    per-graph checks pass (no node reads a folded one, copies and rooms in order)."""
+    recipe = name
+    if recipe == "lora":       # at bf16 the base's products are the frozen bf16 nodes (th-frozen.cu)
+        sets = sets + [f"base={q4_k_base}"]
+    base_prog, base_trainer, engine = _as_cuda_builds_it(recipe, sets + ["recompute_blocks=false"], precision,
+                                                         monkeypatch)
+    prog, trainer, _ = _as_cuda_builds_it(recipe, sets + ["recompute_blocks=true"], precision, monkeypatch)
+    copies = {_addr(t) for t in prog.recompute.copies.values()}
+    assert _backward_kernels(trainer, copies) == _backward_kernels(base_trainer, set())
+    order = {_addr(t): i for i, t in enumerate(_nodes(trainer.gb_opt))}
+    fused_backward = 0
+    for i, t in enumerate(_nodes(trainer.gb_opt)):
+        if _name(t) in ("attention_prep", "attention_back"):
+            fwd = lib.th_tensor_src(t, 1 if _name(t) == "attention_prep" else 4)
+            assert _name(fwd) == "attention" and _addr(fwd) in copies and order[_addr(fwd)] < i
+            fused_backward += 1
+    blocks = prog.recompute.blocks
+    assert blocks >= 1 and fused_backward == 2 * blocks
+    forwards = [t for t in _nodes(trainer.gb_opt) if _name(t) == "attention"]
+    assert len(forwards) == 2 * blocks and sum(_addr(t) in copies for t in forwards) == blocks
+    for graph in (trainer.gb_grad, trainer.gb_opt):
+        # as computed: the slices out of each prep node after the backward node that fills it
+        # (gb_grad had ggml's order, dvt's before dS: apply rewrites the rebuilt graphs again)
+        place = {_addr(t): i for i, t in enumerate(_nodes(graph))}
+        backs = {_addr(lib.th_tensor_src(t, 5)): place[_addr(t)] for t in _nodes(graph) if _name(t) == "attention_back"}
+        slices = [t for t in _nodes(graph) if _name(t) in ("slice", "slice_cont")
+                  and _name(lib.th_tensor_src(t, 0)) == "attention_prep"]
+        assert (len(slices) > 0) == (recipe != "gpt2")     # gpt2's dK and dV go to rooms, filled in place
+        assert all(place[_addr(t)] > backs[_addr(lib.th_tensor_src(t, 0))] for t in slices)
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0 and lib.th_cuda_rewrite(trainer.gb_grad, 1) == 0
+    if precision != "fp32":        # every product of the copies carries the program's precision stamp
+        stamps = {lib.th_cuda_precision_of(t) for t in _nodes(trainer.gb_opt) if _name(t) in ("MUL_MAT", "OUT_PROD")}
+        assert stamps == {lib.th_cuda_precision_of(forwards[-1])}
+    assert graph_buffer_bytes(engine, trainer.gb_opt) < graph_buffer_bytes(engine, base_trainer.gb_opt)
+    prog.close()
+    base_prog.close()
+
+
+# The cuda goldens of the recipes that checkpoint blocks (lora over llama-family bases), each
+# precision: with recompute on, the same bits.
+CUDA_GOLDENS = ["gpt2", "llama", "warm_start", "lora", "lora@q4_k", "lora@q8_0", "gpt2@tf32", "llama@tf32",
+                "lora@tf32", "gpt2@bf16", "llama@bf16", "warm_start@bf16", "lora@bf16", "lora@q4_k@bf16",
+                "lora@q8_0@bf16"]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs("cuda")) for n in CUDA_GOLDENS])
+def test_recompute_on_cuda_keeps_each_goldens_bits(name):
+    path, _ = goldens.resolve(name, "cuda", ROOT / "goldens")
+    assert path.is_file(), path
+    doc = goldens.compute(name, "cuda", extra_sets=["recompute_blocks=true"])
+    assert doc["options"]["recompute_blocks"] is True
+    mismatch = goldens.compare(goldens.load(path), doc)
+    assert mismatch is None, str(mismatch)
+
+
+PLAN_CASES = [("llama", ["n_layer=3"]), ("lora", ["t_seq=128", "precision=bf16"])]
+
+
+@pytest.mark.parametrize("recipe,sets", [pytest.param(*c, marks=needs("cuda")) for c in PLAN_CASES],
+                         ids=[c[0] for c in PLAN_CASES])
+def test_recompute_on_cuda_plans_less_and_the_plan_is_ggmls_buffers(recipe, sets, llama_base):
+    """The cuda plan with recompute: fewer activations kept and a smaller total than without, and
+    still ggml's buffers to the byte after a step, an evaluation and a step."""
+    if recipe == "lora":
+        sets = sets + [f"base={llama_base}"]
+    _, obj = get_recipe(recipe)
+    plans = {}
+    for on in (False, True):
+        options = resolve_options(obj, None, sets + [f"recompute_blocks={str(on).lower()}"], {})
+        pm = plugin_manager(obj)
+        data = load_data(pm, options)
+        engine = get_engine("cuda")
+        engine.set_precision(options.precision)
+        plans[on] = plan = plan_model(recipe, pm, engine, options, data)
+        model = pm.hook.realize(engine=engine, options=options, data=data)
+        row = pm.hook.hp(options=options, step=0)
+        pm.hook.step(model=model, batch=batch_for(data, "train", 0, options), hp=row)
+        pm.hook.evaluate(model=model, batch=batch_for(data, "eval", 0, options))
+        pm.hook.step(model=model, batch=batch_for(data, "train", 1, options), hp=row)
+        prog = model.trainer.prog
+        assert sorted(plan.buffers) == sorted(prog.buffer_sizes())
+        prog.close()
+    print(f"{recipe} on cuda: activations {plans[False].activations / 2**20:.1f} -> "
+          f"{plans[True].activations / 2**20:.1f} MiB, total {plans[False].total / 2**20:.1f} -> "
+          f"{plans[True].total / 2**20:.1f} MiB")
+    assert plans[True].activations < plans[False].activations and plans[True].total < plans[False].total
+
+
+KEEP_RUN = """
+import json, sys
+from toyharness._ffi import ffi, lib
+from toyharness.hookspecs import hookimpl
+from toyharness.runner import train
+
+runs = []
+
+
+class Capture:
+    @hookimpl
+    def run_end(self, run, summary, artifacts):
+        runs.append(run)
+
+
+train("lora", steps=4, backend="cuda", sets=json.loads(sys.argv[1]), write_files=False, progress=False,
+      observers=(Capture(),))
+converted, reused = ffi.new("int64_t *"), ffi.new("int64_t *")
+lib.th_cuda_bf16_copies(converted, reused)
+print(json.dumps({"hex": [m["loss_hex"] for m in runs[0].metrics], "converted": converted[0], "reused": reused[0],
+                  "chunks": lib.th_cuda_bf16_copy_bytes()}))
+"""
+
+
+def _keep_run(sets: list[str], keep: str | None) -> dict:
+    """lora at bf16 in a fresh process (the copies and their chunks are the process's), with
+    TOYHARNESS_BF16_KEEP_NODES=keep where given: its losses' bits and its operands' conversions."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TOYHARNESS_BF16_KEEP_NODES"}
+    if keep is not None:
+        env["TOYHARNESS_BF16_KEEP_NODES"] = keep
+    done = subprocess.run([sys.executable, "-c", KEEP_RUN, json.dumps(sets)], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_on_cuda_recompute_drops_bf16_copies_past_their_horizon_and_keeps_the_bits(backend, q4_k_base):
+    """With recompute the bf16 operand copies go once no node within 256 (RECOMPUTE_BF16_KEEP_NODES)
+    reads their source (th-precision.cu): a frozen weight's copy from the forward is converted again
+    by its block's recomputed forward. The losses keep their bits (without the horizon, and without
+    recompute), and more operands are converted than without the horizon."""
+    sets = [f"base={q4_k_base}", "t_seq=64", "targets=q,k,v,o", "rank=16", "precision=bf16"]
+    plain = _keep_run(sets + ["recompute_blocks=false"], None)
+    horizon = _keep_run(sets + ["recompute_blocks=true"], None)
+    none = _keep_run(sets + ["recompute_blocks=true"], "0")
+    print(f"lora@q4_k at bf16, recompute: operands converted {none['converted']} (reused {none['reused']}) "
+          f"without the horizon, {horizon['converted']} ({horizon['reused']}) with it; chunks {none['chunks']} -> "
+          f"{horizon['chunks']} bytes; without recompute {plain['converted']} ({plain['reused']})")
+    assert horizon["hex"] == none["hex"] == plain["hex"]
+    assert horizon["converted"] > none["converted"] and horizon["chunks"] <= none["chunks"]

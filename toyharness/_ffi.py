@@ -209,6 +209,7 @@ int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
 int64_t th_cuda_bf16_copy_bytes(void);
+void th_cuda_bf16_keep_nodes(int nodes);
 int64_t th_cuda_frozen_products(void);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
 int th_row_sum_as_sum_rows(ggml_tensor * t);
@@ -348,7 +349,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 9
+CUDA_KERNELS_VERSION = 10
 
 
 def cuda_kernels_built() -> bool:

@@ -461,7 +461,8 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
         # sized by what the products convert as the step runs (native/cuda/th-precision.cu)
         plan.not_counted.append("bf16 copies of the products' operands, a frozen base's bf16 values among "
                                 "them (kept for reuse within a step: 2 GiB at gpt2-small, 4 GiB for LoRA over "
-                                "a 1B base, native/README.md, Precision; with TOYHARNESS_BF16_REUSE=0 one "
+                                "a 1B base, 0.5 GiB there with recompute_blocks, whose copies go past a horizon "
+                                "of nodes; native/README.md, Precision; with TOYHARNESS_BF16_REUSE=0 one "
                                 "scratch buffer of the largest pair)")
     return plan
 

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -199,6 +200,14 @@ static void th_to_bf16(cudaStream_t stream, const float * src, const float * con
 // on its own), at the same 256-byte alignment as the scratch's copies: cuBLAS sees the same
 // operands and picks the same algorithm. TOYHARNESS_BF16_REUSE=0 turns reuse off (every operand
 // converted by its product, as before): tests/test_precision.py compares the bits of the two.
+//
+// A horizon (th_cuda_bf16_keep_nodes; 0, the default, none): a copy also goes once the pass is past
+// the last node, among the horizon's next nodes after a product used it, that reads its source's
+// bytes; the next product to need it converts it again. With recompute_blocks a frozen weight's copy
+// made by the forward would otherwise live to its block's backward (the whole base's bf16 values
+// through the pass: 2 GiB of the LoRA bench's chunks), where the recomputed forward converts it
+// again anyway. The same conversion into memory of the same alignment: the bits do not change (a
+// reader not seen here only costs a conversion).
 struct th_copy {
     int device;
     cudaStream_t stream;
@@ -209,6 +218,7 @@ struct th_copy {
     uintptr_t lo, hi;                   // the source's bytes
     int chunk;
     size_t off, bytes;                  // the copy's place
+    int until;                          // the node after which it goes (INT_MAX: no horizon)
 };
 struct th_chunk {
     int device;
@@ -224,6 +234,11 @@ static int th_prev_node = -1;                       // index of the last node th
 static const ggml_tensor * th_node = nullptr;       // the node computing now (when in th_graph)
 static bool th_reuse = false;
 static int64_t th_copy_counts[2];                   // operands converted (kept or not), reused
+static int th_keep_nodes = 0;                       // the horizon in nodes (0: none)
+
+extern "C" __attribute__((visibility("default"))) void th_cuda_bf16_keep_nodes(int nodes) {
+    th_keep_nodes = nodes > 0 ? nodes : 0;
+}
 
 extern "C" __attribute__((visibility("default"))) void th_cuda_bf16_copies(int64_t * converted, int64_t * reused) {
     *converted = th_copy_counts[0], *reused = th_copy_counts[1];
@@ -374,8 +389,35 @@ static void th_reuse_before(const ggml_tensor * node) {
         return;
     }
     for (int i = th_prev_node < 0 ? 0 : th_prev_node; i <= at; i++) th_writes(ggml_graph_node((ggml_cgraph *) th_graph, i));
+    for (size_t i = 0; i < th_copies.size();) {              // past their horizon's last reader
+        const th_copy & k = th_copies[i];
+        if (k.device == th_graph_device && k.until < at) {
+            th_chunk_free(th_chunks[k.chunk], k.off, k.bytes);
+            th_copies.erase(th_copies.begin() + i);
+        } else {
+            i++;
+        }
+    }
     th_prev_node = at;
     th_node = node;
+}
+
+// With a horizon, the last node among the next th_keep_nodes after the one computing now whose
+// sources overlap the bytes [lo, hi) (the node computing now when none does); INT_MAX without one.
+static int th_copy_until(const uintptr_t lo, const uintptr_t hi) {
+    if (th_keep_nodes <= 0 || th_graph == nullptr) return INT_MAX;
+    ggml_cgraph * graph = (ggml_cgraph *) th_graph;
+    const int last = std::min(ggml_graph_n_nodes(graph) - 1, th_prev_node + th_keep_nodes);
+    for (int i = last; i > th_prev_node; i--) {
+        const ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            const ggml_tensor * s = u->src[j];
+            if (s == nullptr || s->data == nullptr) continue;
+            const uintptr_t a = (uintptr_t) s->data;
+            if (a < hi && lo < a + ggml_nbytes(s)) return i;
+        }
+    }
+    return th_prev_node;
 }
 
 // the copy of an operand, converted now or kept from an earlier product; nullptr where it cannot
@@ -394,10 +436,11 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
                  hi <= (uintptr_t) s->data + ggml_nbytes(s);
     }
     if (!inside) return nullptr;
-    for (const th_copy & k : th_copies) {
+    for (th_copy & k : th_copies) {
         if (k.device == th_graph_device && k.stream == stream && k.src == src && k.type == GGML_TYPE_F32 &&
             k.rows == rows && k.cols == cols && k.ld == ld && k.count == count && k.stride == stride) {
             th_copy_counts[1]++;
+            k.until = std::max(k.until, th_copy_until(k.lo, k.hi));
             return (const __nv_bfloat16 *) (th_chunks[k.chunk].ptr + k.off);
         }
     }
@@ -408,7 +451,7 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     __nv_bfloat16 * dst = (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
     th_to_bf16(stream, src, nullptr, stride, rows, cols, ld, count, dst);
     th_copies.push_back({th_graph_device, stream, src, GGML_TYPE_F32, rows, cols, ld, count, stride, lo, hi, chunk, off,
-                         bytes});
+                         bytes, th_copy_until(lo, hi)});
     th_copy_counts[0]++;
     return dst;
 }
@@ -468,10 +511,11 @@ static const __nv_bfloat16 * th_weight_kept(cudaStream_t stream, const ggml_tens
     if (th_node == nullptr) return nullptr;
     const float * key = (const float *) w->data;
     const int rows = (int) w->ne[0], cols = (int) w->ne[1];
-    for (const th_copy & k : th_copies) {
+    for (th_copy & k : th_copies) {
         if (k.device == th_graph_device && k.stream == stream && k.src == key && k.type == (int) w->type &&
             k.rows == rows && k.cols == cols) {
             th_copy_counts[1]++;
+            k.until = std::max(k.until, th_copy_until(k.lo, k.hi));
             return (const __nv_bfloat16 *) (th_chunks[k.chunk].ptr + k.off);
         }
     }
@@ -483,7 +527,7 @@ static const __nv_bfloat16 * th_weight_kept(cudaStream_t stream, const ggml_tens
     ggml_get_to_bf16_cuda(w->type)(w->data, dst, ggml_nelements(w), stream);
     const uintptr_t lo = (uintptr_t) w->data;
     th_copies.push_back({th_graph_device, stream, key, (int) w->type, rows, cols, rows, 1, 0, lo, lo + ggml_nbytes(w),
-                         chunk, off, bytes});
+                         chunk, off, bytes, th_copy_until(lo, lo + ggml_nbytes(w))});
     th_copy_counts[0]++;
     return dst;
 }

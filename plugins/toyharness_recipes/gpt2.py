@@ -33,7 +33,7 @@ class GPT2Options(Options):
     eval_every: int = 250
     checkpoint_every: int = 250
     # recompute each block's activations in the backward (engine/recompute.py): less memory, the
-    # same losses bit for bit, one more forward of the blocks per step (cpu backend)
+    # same losses bit for bit, one more forward of the blocks per step (cpu and cuda backends)
     recompute_blocks: bool = False
 
 

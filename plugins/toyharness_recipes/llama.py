@@ -47,7 +47,7 @@ class LlamaOptions(Options):
     eval_every: int = 100
     checkpoint_every: int = 200
     # recompute each block's activations in the backward (engine/recompute.py): less memory, the
-    # same losses bit for bit, one more forward of the blocks per step (cpu backend)
+    # same losses bit for bit, one more forward of the blocks per step (cpu and cuda backends)
     recompute_blocks: bool = False
 
 

@@ -62,7 +62,7 @@ class LoRAOptions(Options):
     eval_every: int = 50
     checkpoint_every: int = 50
     # recompute each block's activations in the backward (engine/recompute.py): less memory, the
-    # same losses bit for bit, one more forward of the blocks per step (cpu backend; llama-family
+    # same losses bit for bit, one more forward of the blocks per step (cpu and cuda; llama-family
     # bases, whose blocks are checkpointed)
     recompute_blocks: bool = False
 

@@ -118,6 +118,24 @@ def column_sums_as_products(backend: str) -> bool:
     return choice == "product" if choice else backend == "cuda"
 
 
+# The bf16 copies' horizon with recompute_blocks (Program.bf16_keep_nodes): a block's recomputed
+# forward and its backward are within 200 nodes of each other in a llama block's training graph
+# (LoRA over a Q4_K base: a frozen weight's copy is used at most 172 nodes apart there, by the
+# recomputed product and the input gradient), while the forward that made a copy is the blocks
+# after it away (about 195 nodes a block).
+RECOMPUTE_BF16_KEEP_NODES = 256
+
+
+def bf16_keep_nodes(default: int) -> int:
+    """TOYHARNESS_BF16_KEEP_NODES (nodes, 0 for no horizon) where set, else `default`."""
+    raw = os.environ.get("TOYHARNESS_BF16_KEEP_NODES", "")
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise InputError(f"TOYHARNESS_BF16_KEEP_NODES={raw!r}: a count of nodes (0: no horizon)")
+    return int(raw)
+
+
 def fused_attention() -> bool:
     """Whether the cuda rewrite fuses attention (native/cuda/th-attention.cu): yes unless
     TOYHARNESS_CUDA_ATTENTION=ggml (ggml's nodes: comparisons, tests)."""
@@ -220,6 +238,10 @@ class Program:
         self.planner = engine.planner
         # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
         self.recompute = None
+        # The bf16 operand copies' horizon in nodes on cuda (native/cuda/th-precision.cu,
+        # th_cuda_bf16_keep_nodes; 0: a copy lives while its bytes are not written): set before
+        # each compute, since the copies are the process's. enable_recompute sets one.
+        self.bf16_keep_nodes = bf16_keep_nodes(0)
         # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
         self.kv_cache = None
         # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
@@ -383,14 +405,19 @@ class Program:
 
     def enable_recompute(self) -> None:
         """Recompute checkpointed blocks' activations in the backward (engine/recompute.py), for
-        graphs built from now on. The cpu backend only: on cuda the fused attention's backward
-        kernel must follow its own forward node (native/cuda_rewrite.c), which a copy is not."""
+        graphs built from now on. On cpu and cuda, whose rewrites (native/cpu_kernels.c,
+        native/cuda_rewrite.c) recompute.apply runs on the graph as ggml built it and on the copies
+        apart; other backends (and the metal lowering, which rewrites the graph before the copies
+        are wired in) are refused."""
         from .recompute import Recompute
 
-        if not self.engine.is_cpu or self.lowering_target:
-            raise InputError(f"option 'recompute_blocks': the cpu backend only, not {self.engine.backend}"
+        if self.engine.backend not in ("cpu", "cuda") or self.lowering_target:
+            raise InputError(f"option 'recompute_blocks': the cpu and cuda backends only, not {self.engine.backend}"
                              + (" lowered for " + self.lowering_target if self.lowering_target else ""))
         self.recompute = Recompute()
+        # Recomputed, a block's forward converts its operands again just before its backward: the
+        # forward's copies (a frozen base's bf16 values above all) need not live until then.
+        self.bf16_keep_nodes = bf16_keep_nodes(RECOMPUTE_BF16_KEEP_NODES)
 
     def cached_constant(self, name: str, make) -> Tensor:
         """`constant(name, make())` made once per program; blocks share it by name."""
@@ -650,6 +677,8 @@ class Program:
                 placed = lib.ggml_gallocr_alloc_graph(self.galloc_for(graph), graph)
             if not placed:
                 raise allocation_failed(self.engine, "a graph's compute buffer", graph_buffer_bytes(self.engine, graph))
+        if self.cuda_kernels and self.precision == "bf16":
+            lib.th_cuda_bf16_keep_nodes(self.bf16_keep_nodes)
         start = time.perf_counter()
         status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
         self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)

@@ -12,8 +12,12 @@ reader) and the copies live only through their block's backward: one block's act
 time instead of all of them, for one more forward of each block.
 
 The copy computes the same operations on the same values in the same order, so every value the
-backward reads has the same bits as without recompute, and so have the losses. Only the fast cpu
-path takes it (Program.recompute_blocks says why).
+backward reads has the same bits as without recompute, and so have the losses. The cpu backend
+(fast and portable) and cuda take it (Program.enable_recompute). On cuda the rewrite
+(native/cuda_rewrite.c) runs as on cpu, on the graph as ggml built it, where each attention's
+fused backward is paired with its original forward, then on the copies apart; once the backward
+reads the copies, its prep and backward nodes read the copy's fused forward node, which holds the
+same O and L (the same kernel on the same inputs), computed just before them.
 """
 
 from __future__ import annotations
@@ -149,7 +153,15 @@ def apply(prog: Program, gf, graphs: list) -> list:
             node = lib.ggml_graph_node(graph, i)
             if _addr(node) not in dead:
                 lib.ggml_build_forward_expand(again, node)
-        prog._gemm_rewritten.add(again)     # its nodes are rewritten; a second pass would not pair them
+        if prog.cuda_kernels:
+            # Every node is marked already (the rewrite finds nothing new), but the cuda rewrite's
+            # orderings and checks are per graph: the copies out of an attention's prep node after
+            # its backward node, each room before its writer (gb_grad, never rewritten above, had
+            # ggml's order), and no node reading one folded into another, which the copies' own
+            # rewrite might have folded where only a copy read it. Refused, not computed, if any fails.
+            prog._prepare(again)
+        else:
+            prog._gemm_rewritten.add(again)     # its nodes are rewritten; a second pass would not pair them
         out.append(again)
     return out
 
