@@ -24,11 +24,29 @@
 
 #define TH_EXPORT __attribute__((visibility("default")))
 
-/* Tile sizes (measured on the SmolLM2 Q4_1 base at 2 threads; see native/README.md):
- * forward: TH_FROZEN_ROWS rows of W a tile, TH_FROZEN_M activation rows a task;
- * backward: TH_FROZEN_COLS columns of W (rounded up to the type's block) a task's output
- * block, TH_FROZEN_BACK_ROWS rows of W a tile summed into it, TH_FROZEN_M rows a task. */
-enum { TH_FROZEN_ROWS = 64, TH_FROZEN_M = 512, TH_FROZEN_COLS = 64, TH_FROZEN_BACK_ROWS = 128 };
+/* Tile sizes, fixed by the shapes alone (so bits never follow the thread count). A call's cost
+ * beyond its FLOPs is packing its operands: the forward's activation block (TH_FROZEN_M rows) is
+ * packed again for each tile of W, the backward's dy block for each column block, so wide
+ * products want wide tiles; small ones want enough tasks to keep the threads busy. So: the
+ * widest of 512, 256, 128 rows of W a forward tile (columns of dx a backward block) that still
+ * makes TH_FROZEN_MIN_TASKS tasks, else 64 with the backward summing over W's rows 128 at a time
+ * (the tiles before stop 44: small products keep their bits), 512 otherwise. Measured with
+ * scripts/frozen_tiles.py (native/README.md, stop 44): Llama-3.2-1B's attn_q, ffn_up and
+ * ffn_down 1.06-1.14x faster at 16 tasks (1.11-1.16x at 8, but SmolLM2-135M's layers 1-5% slower
+ * there: 16 keeps them and leaves more tasks for machines of more cores). */
+#ifndef TH_FROZEN_MIN_TASKS
+#define TH_FROZEN_MIN_TASKS 16
+#endif
+enum { TH_FROZEN_M = 512, TH_FROZEN_NARROW = 64, TH_FROZEN_NARROW_BACK_ROWS = 128, TH_FROZEN_WIDE_BACK_ROWS = 512 };
+
+/* the tile width along a dimension of `n` for a product of `m` activation rows */
+TH_EXPORT int64_t th_frozen_tile(int64_t n, int64_t m) {
+    const int64_t row_blocks = (m + TH_FROZEN_M - 1) / TH_FROZEN_M;
+    for (int64_t wide = 512; wide >= 128; wide /= 2) {
+        if ((n + wide - 1) / wide * row_blocks >= TH_FROZEN_MIN_TASKS) return wide;
+    }
+    return TH_FROZEN_NARROW;
+}
 
 /* The types a frozen weight may have here (the Python side names the same list). */
 TH_EXPORT int th_frozen_type_ok(int type) {
@@ -95,7 +113,7 @@ void th_frozen_gemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, c
     }
 }
 
-/* y = x . W^T. Task (tile, block): W rows [n0, n0 + TH_FROZEN_ROWS) dequantized, times
+/* y = x . W^T. Task (tile, block): W rows [n0, n0 + th_frozen_tile(N, M)) dequantized, times
  * activation rows [m0, m0 + TH_FROZEN_M): one sgemm. A thread's tasks run tile by tile, so
  * a tile dequantized for one block serves the thread's next blocks of the same tile. */
 static void th_frozen_mul_mat_op(struct ggml_tensor * dst, const struct ggml_tensor * w, const struct ggml_tensor * x,
@@ -103,12 +121,13 @@ static void th_frozen_mul_mat_op(struct ggml_tensor * dst, const struct ggml_ten
     (void) userdata;
     const int64_t K = w->ne[0], N = w->ne[1], M = x->ne[1];
     const int64_t ldx = (int64_t) (x->nb[1] / sizeof(float)), ldy = (int64_t) (dst->nb[1] / sizeof(float));
-    const int64_t tiles = (N + TH_FROZEN_ROWS - 1) / TH_FROZEN_ROWS, blocks = (M + TH_FROZEN_M - 1) / TH_FROZEN_M;
-    float * buf = th_tile((size_t) TH_FROZEN_ROWS * K);
+    const int64_t tile_rows = th_frozen_tile(N, M);
+    const int64_t tiles = (N + tile_rows - 1) / tile_rows, blocks = (M + TH_FROZEN_M - 1) / TH_FROZEN_M;
+    float * buf = th_tile((size_t) tile_rows * K);
     int64_t taken = 0, have = -1;
     for (int64_t task; (task = th_next_task(tiles * blocks, ith, nth, &taken)) >= 0;) {
         const int64_t tile = task / blocks, blk = task % blocks;
-        const int64_t n0 = tile * TH_FROZEN_ROWS, rows = N - n0 < TH_FROZEN_ROWS ? N - n0 : TH_FROZEN_ROWS;
+        const int64_t n0 = tile * tile_rows, rows = N - n0 < tile_rows ? N - n0 : tile_rows;
         const int64_t m0 = blk * TH_FROZEN_M, ms = M - m0 < TH_FROZEN_M ? M - m0 : TH_FROZEN_M;
         if (tile != have) {
             th_dequantize(w, n0, rows, 0, K, buf);
@@ -121,27 +140,30 @@ static void th_frozen_mul_mat_op(struct ggml_tensor * dst, const struct ggml_ten
 
 /* dx = dy . W, with OUT_PROD's second operand g = dy^T (g's element (m, n) is dy's (m, n)).
  * Task (column block, row block): output columns [k0, k0 + kb) of rows [m0, m0 + TH_FROZEN_M),
- * summed over W's rows in tiles of TH_FROZEN_BACK_ROWS, in order (beta 0, then 1). */
+ * kb = th_frozen_tile(K, M) (rounded up to W's block), summed over W's rows in tiles of 128 or
+ * 512 (above), in order (beta 0, then 1). */
 static void th_frozen_out_prod_op(struct ggml_tensor * dst, const struct ggml_tensor * w, const struct ggml_tensor * g,
                                   int ith, int nth, void * userdata) {
     (void) userdata;
     const int64_t K = w->ne[0], N = w->ne[1], M = g->ne[0];
     const int64_t blck = ggml_blck_size(w->type);
-    const int64_t kb = (TH_FROZEN_COLS + blck - 1) / blck * blck;
+    const int64_t tile = th_frozen_tile(K, M), kb = (tile + blck - 1) / blck * blck;
+    /* by the tile asked for, not kb: a K-quant's 256-value blocks round 64 up to 256 */
+    const int64_t back_rows = tile > TH_FROZEN_NARROW ? TH_FROZEN_WIDE_BACK_ROWS : TH_FROZEN_NARROW_BACK_ROWS;
     /* dy as a row-major M x N matrix: g's rows contiguous (dy stored N x M, read transposed) or not */
     const int trans_dy = g->nb[0] == sizeof(float);
     const int64_t ld_dy = (int64_t) ((trans_dy ? g->nb[1] : g->nb[0]) / sizeof(float));
     const int64_t ldx = (int64_t) (dst->nb[1] / sizeof(float));
     const int64_t col_blocks = (K + kb - 1) / kb, row_blocks = (M + TH_FROZEN_M - 1) / TH_FROZEN_M;
-    float * buf = th_tile((size_t) TH_FROZEN_BACK_ROWS * kb);
+    float * buf = th_tile((size_t) back_rows * kb);
     int64_t taken = 0;
     for (int64_t task; (task = th_next_task(col_blocks * row_blocks, ith, nth, &taken)) >= 0;) {
         const int64_t cb = task / row_blocks, rb = task % row_blocks;
         const int64_t k0 = cb * kb, cols = K - k0 < kb ? K - k0 : kb;
         const int64_t m0 = rb * TH_FROZEN_M, ms = M - m0 < TH_FROZEN_M ? M - m0 : TH_FROZEN_M;
         float * out = (float *) ((char *) dst->data + m0 * dst->nb[1]) + k0;
-        for (int64_t n0 = 0; n0 < N; n0 += TH_FROZEN_BACK_ROWS) {
-            const int64_t rows = N - n0 < TH_FROZEN_BACK_ROWS ? N - n0 : TH_FROZEN_BACK_ROWS;
+        for (int64_t n0 = 0; n0 < N; n0 += back_rows) {
+            const int64_t rows = N - n0 < back_rows ? N - n0 : back_rows;
             th_dequantize(w, n0, rows, k0, cols, buf);
             const float * a = (const float *) g->data + (trans_dy ? n0 * ld_dy + m0 : m0 * ld_dy + n0);
             th_frozen_gemm(trans_dy, 0, ms, cols, rows, a, ld_dy, buf, cols, n0 == 0 ? 0.0f : 1.0f, out, ldx);

@@ -298,3 +298,39 @@ def test_quantized_base_stays_a_mapped_file(tmp_path):
     print(f"beyond the program's buffers: {grown[4] / 1e6:.1f} MB (4 layers, {sizes[4] / 1e6:.1f} MB file), "
           f"{grown[8] / 1e6:.1f} MB (8 layers, {sizes[8] / 1e6:.1f} MB file)")
     assert extra_memory < 0.1 * extra_file, f"{extra_memory / 1e6:.1f} MB more for {extra_file / 1e6:.1f} MB more file"
+
+
+def test_wide_products_take_wide_tiles_fixed_by_the_shape():
+    """th_frozen_tile: the widest tile (512, 256, 128) that leaves 16 tasks, else the narrow 64;
+    the cut reads the shape alone (never the thread count)"""
+    assert lib.th_frozen_tile(576, 1024) == 64           # SmolLM2's width: its tiles as before
+    assert lib.th_frozen_tile(1536, 1024) == 128
+    assert lib.th_frozen_tile(2048, 1024) == 256         # Llama-3.2-1B's width
+    assert lib.th_frozen_tile(8192, 1024) == 512         # its feed-forward
+    assert lib.th_frozen_tile(8192, 37) == 512 and lib.th_frozen_tile(4096, 37) == 256
+    assert lib.th_frozen_tile(256, 37) == 64
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_k"])
+def test_a_wide_frozen_product_matches_numpy_at_any_thread_count(tmp_path, dtype):
+    """A product that takes the wide tiles (forward 256 rows of W, backward 256 columns summed
+    over W's rows 512 at a time, a remainder of each, 3 blocks of activation rows, the last
+    short) against float64 numpy, and the same bits at 1, 2 and 3 threads."""
+    rng = np.random.default_rng(5)
+    n, k, m = 2304, 1536, 1100
+    assert lib.th_frozen_tile(n, m) == 256 and lib.th_frozen_tile(k, m) == 256
+    weight = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    f32 = write_gguf(tmp_path / "w.gguf", "llama", {"w.weight": weight})
+    path = copy_gguf_as(f32, tmp_path / f"w-{dtype}.gguf", dtype)
+    with GGUFFile(path) as f:
+        info = f.tensor("w.weight")
+        w = dequantize(info.raw_bytes(), info.ggml_type, info.shape).astype(np.float64)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    r = rng.standard_normal((m, n)).astype(np.float32)
+    y1, dx1, kernels = frozen_product(path, "w.weight", 1, x, r)
+    assert {"frozen_matmul", "frozen_out_prod"} <= kernels, kernels
+    assert rel_err(y1, x.astype(np.float64) @ w.T) < 1e-5
+    assert rel_err(dx1, r.astype(np.float64) @ w) < 1e-5
+    for threads in (2, 3):
+        y, dx, _ = frozen_product(path, "w.weight", threads, x, r)
+        assert np.array_equal(y, y1) and np.array_equal(dx, dx1), f"bits moved at {threads} threads"

@@ -194,6 +194,7 @@ int th_cpu_fold(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);
+int64_t th_frozen_tile(int64_t n, int64_t m);
 int th_dequantize_row(int type, const void * src, float * dst, int64_t n, int fast);
 int th_chunked_cross_entropy(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * ids, ggml_tensor * mask,
                              ggml_tensor * count, ggml_tensor ** hidden, ggml_tensor ** grad,
