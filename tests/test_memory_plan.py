@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from plan_cases import stepped_model
 
 from toyharness.cli import main
 from toyharness.engine import get_engine
@@ -19,7 +20,7 @@ from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
 from toyharness.memory_plan import ALLOCATION_GRANULARITY, plan_model, rounding_to_pages
 from toyharness.plugins import get_recipe
-from toyharness.runner import batch_for, load_data, resolve_options
+from toyharness.runner import load_data, resolve_options
 
 # The configuration: ~2.4 G parameters, attention over 4096 positions, 64 sequences a batch.
 HUGE = ["n_layer=48", "d_model=2048", "n_head=16", "t_seq=4096", "t_batch=64"]
@@ -48,12 +49,7 @@ def test_plan_equals_ggml_buffers(recipe, base_sets):
     sets = base_sets if recipe == "lora" else []
     pm, engine, options, data = _realized(recipe, sets)
     plan = plan_model(recipe, pm, engine, options, data)
-    model = pm.hook.realize(engine=engine, options=options, data=data)
-    row = pm.hook.hp(options=options, step=0)
-    pm.hook.step(model=model, batch=batch_for(data, "train", 0, options), hp=row)
-    pm.hook.evaluate(model=model, batch=batch_for(data, "eval", 0, options))
-    pm.hook.step(model=model, batch=batch_for(data, "train", 1, options), hp=row)
-    prog = model.trainer.prog
+    prog = stepped_model(pm, engine, options, data).trainer.prog
     persistent = sum(plan.rows[k] for k in ("params", "moments", "grads", "frozen_uploaded", "inputs"))
     assert persistent == prog.persistent_bytes()
     assert plan.rows["compute"] + plan.rows["compute_eval"] == prog.compute_buffer_bytes()

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from plan_cases import stepped_model
 from test_backends import needs
 
 from toyharness import goldens
@@ -22,7 +23,7 @@ from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
 from toyharness.memory_plan import graph_buffer_bytes, plan_model
 from toyharness.plugins import get_recipe
-from toyharness.runner import batch_for, load_data, plan_run, resolve_options, train
+from toyharness.runner import load_data, plan_run, resolve_options, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,12 +223,7 @@ def test_recompute_on_cuda_plans_less_and_the_plan_is_ggmls_buffers(recipe, sets
         engine = get_engine("cuda")
         engine.set_precision(options.precision)
         plans[on] = plan = plan_model(recipe, pm, engine, options, data)
-        model = pm.hook.realize(engine=engine, options=options, data=data)
-        row = pm.hook.hp(options=options, step=0)
-        pm.hook.step(model=model, batch=batch_for(data, "train", 0, options), hp=row)
-        pm.hook.evaluate(model=model, batch=batch_for(data, "eval", 0, options))
-        pm.hook.step(model=model, batch=batch_for(data, "train", 1, options), hp=row)
-        prog = model.trainer.prog
+        prog = stepped_model(pm, engine, options, data).trainer.prog
         assert sorted(plan.buffers) == sorted(prog.buffer_sizes())
         prog.close()
     print(f"{recipe} on cuda: activations {plans[False].activations / 2**20:.1f} -> "
