@@ -34,10 +34,8 @@
  * scripts/frozen_tiles.py (native/README.md, stop 44): Llama-3.2-1B's attn_q, ffn_up and
  * ffn_down 1.06-1.14x faster at 16 tasks (1.11-1.16x at 8, but SmolLM2-135M's layers 1-5% slower
  * there: 16 keeps them and leaves more tasks for machines of more cores). */
-#ifndef TH_FROZEN_MIN_TASKS
-#define TH_FROZEN_MIN_TASKS 16
-#endif
-enum { TH_FROZEN_M = 512, TH_FROZEN_NARROW = 64, TH_FROZEN_NARROW_BACK_ROWS = 128, TH_FROZEN_WIDE_BACK_ROWS = 512 };
+enum { TH_FROZEN_M = 512, TH_FROZEN_MIN_TASKS = 16, TH_FROZEN_NARROW = 64, TH_FROZEN_NARROW_BACK_ROWS = 128,
+       TH_FROZEN_WIDE_BACK_ROWS = 512 };
 
 /* the tile width along a dimension of `n` for a product of `m` activation rows */
 TH_EXPORT int64_t th_frozen_tile(int64_t n, int64_t m) {
