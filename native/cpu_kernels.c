@@ -84,6 +84,41 @@ TH_EXPORT void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols)
     if (col_calls > 1) *cols = ((N + col_calls - 1) / col_calls + 15) / 16 * 16;
 }
 
+/* ---- causal attention's products ------------------------------------------------------------
+ * P = softmax(S + causal mask) is zero above the diagonal (query i sees keys j <= i), and so is
+ * its gradient dS = SOFT_MAX_BACK(dP, P); S and dP are read on and below it only. Seen as
+ * C (M x N) = A (M x K) . B (K x N), a product that makes S or dP (TH_CAUSAL_OUT) computes in each
+ * block of rows the columns those rows see and writes 0 to the rest (the softmax and its backward
+ * read whole rows); one that reads P or dS, either way round, contracts only over the terms that
+ * are not exactly zero: A = X (X lower triangular) gives rows [m0, m1) the terms k < m1, A = X^T
+ * the terms k >= m0, B = X columns [n0, n1) the terms k >= n0, B = X^T the terms k < n1. What is
+ * left out is a sum of exact zeros (0 x a finite value): every element sums the same nonzero terms
+ * in the same order (OpenBLAS may still round a smaller call otherwise: which kernel it takes
+ * follows the call's size). PyTorch's scaled_dot_product_attention (is_causal) skips the
+ * same blocks; about half of attention's FLOPs at long sequences. The blocks: th_causal_block
+ * rows (or columns, for the B forms) a call where the product has more; 0 turns it off. */
+enum th_causal { TH_CAUSAL_NONE, TH_CAUSAL_OUT, TH_CAUSAL_A_LOWER, TH_CAUSAL_A_UPPER, TH_CAUSAL_B_LOWER,
+                 TH_CAUSAL_B_UPPER };
+static int64_t th_causal_block = 64;
+
+/* block 0: causal products computed whole, as before (for comparison) */
+TH_EXPORT void th_set_causal_block(int block) { th_causal_block = block > 0 ? block : 0; }
+
+/* the contraction's terms [*k0, *k1) and the output columns computed (the rest of the tile is
+ * written 0) of the tile of rows [m0, m0 + rows) and columns [n0, n0 + cols) */
+static void th_causal_range(int causal, int64_t K, int64_t m0, int64_t rows, int64_t n0, int64_t cols,
+                            int64_t * k0, int64_t * k1, int64_t * computed) {
+    *k0 = 0, *k1 = K, *computed = cols;
+    switch (causal) {
+    case TH_CAUSAL_OUT:     *computed = m0 + rows - n0 < 0 ? 0 : (m0 + rows - n0 < cols ? m0 + rows - n0 : cols); break;
+    case TH_CAUSAL_A_LOWER: *k1 = m0 + rows < K ? m0 + rows : K; break;
+    case TH_CAUSAL_A_UPPER: *k0 = m0 < K ? m0 : K; break;
+    case TH_CAUSAL_B_LOWER: *k0 = n0 < K ? n0 : K; break;
+    case TH_CAUSAL_B_UPPER: *k1 = n0 + cols < K ? n0 + cols : K; break;
+    default: break;
+    }
+}
+
 /* A 2-D slice of t seen as a row-major (ne1 x ne0) matrix `view`: stored either row-major
  * (nb0 = 4) or as the transpose of a row-major matrix (nb1 = 4). Say which operand of sgemm
  * is wanted (view or view^T) and get its trans flag and leading dimension. */
@@ -116,7 +151,7 @@ static int th_operand(const struct ggml_tensor * t, int want_transposed, int * t
  * or with `bias` one row of N added to every row. The same one rounding per element as the ADD
  * it replaces (float addition commutes). */
 static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
-                        int out_prod, const struct ggml_tensor * addend, int bias, int ith, int nth) {
+                        int out_prod, int causal, const struct ggml_tensor * addend, int bias, int ith, int nth) {
     int ta, lda, tb, ldb;
     th_operand(b, out_prod, &tb, &ldb);
     th_operand(a, !out_prod, &ta, &lda);
@@ -125,13 +160,25 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     int64_t call_rows, call_cols;
     th_gemm_cut(M, N, &call_rows, &call_cols);
-    const int64_t row_blocks = (M + call_rows - 1) / call_rows, col_blocks = (N + call_cols - 1) / call_cols;
+    /* causal blocks: a remainder joins the last block (no call of a few rows) */
+    int64_t row_blocks = (M + call_rows - 1) / call_rows, col_blocks = (N + call_cols - 1) / call_cols;
+    if (causal == TH_CAUSAL_B_LOWER || causal == TH_CAUSAL_B_UPPER) {
+        if (th_causal_block > 0 && N >= 2 * th_causal_block) {
+            call_rows = M, call_cols = th_causal_block, row_blocks = 1, col_blocks = N / th_causal_block;
+        }
+    } else if (causal != TH_CAUSAL_NONE && th_causal_block > 0 && M >= 2 * th_causal_block) {
+        call_rows = th_causal_block, call_cols = N, row_blocks = M / th_causal_block, col_blocks = 1;
+    }
+    if (th_causal_block == 0) causal = TH_CAUSAL_NONE;
+    /* the contraction's stride in each operand: along b's ne0 (MUL_MAT) or ne1 (OUT_PROD), the same in a */
+    const size_t kb = out_prod ? b->nb[1] : b->nb[0], ka = out_prod ? a->nb[1] : a->nb[0];
     const int64_t tiles = row_blocks * col_blocks, tasks = tiles * dst->ne[2] * dst->ne[3];
     int64_t taken = 0;
     for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
         const int64_t tile = task % tiles, i2 = (task / tiles) % dst->ne[2], i3 = task / (tiles * dst->ne[2]);
-        const int64_t m0 = tile / col_blocks * call_rows, rows = M - m0 < call_rows ? M - m0 : call_rows;
-        const int64_t n0 = tile % col_blocks * call_cols, cols = N - n0 < call_cols ? N - n0 : call_cols;
+        const int64_t m0 = tile / col_blocks * call_rows, n0 = tile % col_blocks * call_cols;
+        const int64_t rows = tile / col_blocks == row_blocks - 1 ? M - m0 : call_rows;
+        const int64_t cols = tile % col_blocks == col_blocks - 1 ? N - n0 : call_cols;
         const char * pa = (const char *) a->data + (i2 / r2) * a->nb[2] + (i3 / r3) * a->nb[3];
         const char * pb = (const char *) b->data + i2 * b->nb[2] + i3 * b->nb[3];
         /* the first operand's rows m0.. : along b's ne1 for MUL_MAT, along b's ne0 for OUT_PROD;
@@ -149,8 +196,16 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
                 for (int64_t j = 0; j < cols; j++) c[j] = x * *(const float *) (pa + j * sa);
             }
         } else {
-            th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) cols, (int) K, 1.0f, (const float *) pb, ldb,
-                     (const float *) pa, lda, 0.0f, pc, ldc);
+            int64_t k0, k1, computed;
+            th_causal_range(causal, K, m0, rows, n0, cols, &k0, &k1, &computed);
+            if (k1 <= k0) computed = 0;
+            if (computed > 0) {
+                th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) computed, (int) (k1 - k0), 1.0f,
+                         (const float *) (pb + k0 * kb), ldb, (const float *) (pa + k0 * ka), lda, 0.0f, pc, ldc);
+            }
+            for (int64_t i = 0; computed < cols && i < rows; i++) {
+                memset(pc + i * ldc + computed, 0, (size_t) (cols - computed) * sizeof(float));
+            }
         }
         if (addend == NULL) continue;
         for (int64_t i = 0; i < rows; i++) {
@@ -161,9 +216,11 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
     }
 }
 
+/* userdata: bit 0 OUT_PROD, bits 1.. the causal form (enum th_causal; th_mark_causal) */
 static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
                        int ith, int nth, void * userdata) {
-    th_gemm_run(dst, a, b, userdata != NULL, NULL, 0, ith, nth);
+    const intptr_t flags = (intptr_t) userdata;
+    th_gemm_run(dst, a, b, (int) (flags & 1), (int) (flags >> 1), NULL, 0, ith, nth);
 }
 
 /* A 2-D product with an addend (th_fold_gemm_adds): srcs a, b as th_gemm_op's, then the addend;
@@ -174,7 +231,7 @@ static void th_gemm_add_op(struct ggml_tensor * dst, int ith, int nth, void * us
     struct ggml_tensor rows = *dst;
     rows.ne[1] = ggml_nelements(dst) / dst->ne[0], rows.ne[2] = rows.ne[3] = 1;
     rows.nb[1] = dst->ne[0] * sizeof(float), rows.nb[2] = rows.nb[3] = rows.nb[1] * rows.ne[1];
-    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), dst->src[2], (int) ((flags >> 1) & 1), ith, nth);
+    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), TH_CAUSAL_NONE, dst->src[2], (int) ((flags >> 1) & 1), ith, nth);
 }
 
 static int th_gemm_ok(const struct ggml_tensor * t) {
@@ -742,7 +799,7 @@ TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
         struct ggml_map_custom2_op_params p;
         memcpy(&p, t->op_params, sizeof(p));
         if (p.fun != th_gemm_op) return 0.0;
-        return 2.0 * (double) ggml_nelements(t) * (double) (p.userdata ? t->src[0]->ne[1] : t->src[0]->ne[0]);
+        return 2.0 * (double) ggml_nelements(t) * (double) (((intptr_t) p.userdata & 1) ? t->src[0]->ne[1] : t->src[0]->ne[0]);
     }
     if (th_is_custom(t, (void *) th_gemm_add_op)) {
         struct ggml_custom_op_params p;
@@ -766,6 +823,11 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
         {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
     };
+    if (t->op == GGML_OP_MAP_CUSTOM2) {
+        struct ggml_map_custom2_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        if (p.fun == th_gemm_op && ((intptr_t) p.userdata >> 1) != TH_CAUSAL_NONE) return "sgemm causal";
+    }
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
     }
@@ -1105,6 +1167,101 @@ TH_EXPORT int th_cpu_fold(struct ggml_cgraph * graph) {
     return adds + th_fold_norm_gains(graph);
 }
 
+/* Causal attention's products (see th_causal_range): for each softmax of a (.., T, T) input under
+ * the causal mask constant (blocks.attention; its values checked), the product that makes its
+ * input S and the one that makes its gradient's dP (each read by that node alone), and every
+ * product that reads P or dS, get their causal form. Marked as th_gemm_op here, before the main
+ * swap; a product another graph marked already is left alone. */
+static int th_is_causal_mask(const struct ggml_tensor * m, int64_t T) {
+    if (m == NULL || strncmp(m->name, "causal_mask.", 12) != 0 || m->type != GGML_TYPE_F32 || m->op != GGML_OP_NONE ||
+        m->ne[0] != T || m->ne[1] != T || m->ne[2] != 1 || m->ne[3] != 1 || m->data == NULL || !ggml_is_contiguous(m)) {
+        return 0;
+    }
+    const float * v = (const float *) m->data;
+    for (int64_t i = 0; i < T; i++) {
+        for (int64_t j = 0; j < T; j++) {
+            const float x = v[i * T + j];
+            if (j > i ? !(isinf(x) && x < 0.0f) : x != 0.0f) return 0;
+        }
+    }
+    return 1;
+}
+
+/* 1 when t's 2-D slices are the T x T slices of `root` as they are (X), 2 when transposed (X^T),
+ * else 0 */
+static int th_causal_view(const struct ggml_tensor * t, const struct ggml_tensor * root, int64_t T) {
+    const size_t slice = (size_t) (T * T) * sizeof(float);
+    if (t == NULL || root == NULL || (t->view_src != NULL ? t->view_src : t) != root || t->type != GGML_TYPE_F32 ||
+        t->ne[0] != T || t->ne[1] != T || t->view_offs % slice != 0 || (t->ne[2] > 1 && t->nb[2] % slice != 0) ||
+        (t->ne[3] > 1 && t->nb[3] % slice != 0)) {
+        return 0;
+    }
+    if (t->nb[0] == sizeof(float) && t->nb[1] == (size_t) T * sizeof(float)) return 1;
+    if (t->nb[1] == sizeof(float) && t->nb[0] == (size_t) T * sizeof(float)) return 2;
+    return 0;
+}
+
+/* the f32 product that `reader`'s source v is (or views as X, through views each read by the one
+ * above alone), itself read by nothing else and not an output; else NULL */
+static struct ggml_tensor * th_causal_product_of(struct ggml_cgraph * graph, struct ggml_tensor * reader,
+                                                 struct ggml_tensor * v, int64_t T) {
+    struct ggml_tensor * t = v, * only;
+    while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
+        if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD) {
+            return th_causal_view(v, t, T) == 1 && ggml_is_contiguous(t) && th_gemm_ok(t) ? t : NULL;
+        }
+        if (t->view_src == NULL) return NULL;
+        reader = t;
+        t = t->src[0];
+    }
+    return NULL;
+}
+
+static int th_mark_gemm(struct ggml_tensor * t, int causal) {
+    if (t == NULL || !th_gemm_ok(t)) return 0;
+    th_set_custom2(t, th_gemm_op, (void *) (intptr_t) ((t->op == GGML_OP_OUT_PROD) | (causal << 1)), GGML_N_TASKS_MAX);
+    return 1;
+}
+
+static int th_mark_causal(struct ggml_cgraph * graph) {
+    int marked = 0;
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * sm = ggml_graph_node(graph, i);
+        const int64_t T = sm->ne[0];
+        if ((sm->op != GGML_OP_SOFT_MAX && !th_is_custom(sm, (void *) th_soft_max_op)) || sm->type != GGML_TYPE_F32 ||
+            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) || !th_is_causal_mask(sm->src[1], T)) {
+            continue;
+        }
+        struct ggml_tensor * ds = NULL;
+        for (int j = i + 1; j < n && ds == NULL; j++) {
+            struct ggml_tensor * u = ggml_graph_node(graph, j);
+            if (u->op == GGML_OP_SOFT_MAX_BACK && u->src[1] == sm && u->view_src == NULL && ggml_is_contiguous(u)) ds = u;
+        }
+        marked += th_mark_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT);
+        if (ds != NULL) marked += th_mark_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT);
+        for (int j = 0; j < n; j++) {
+            struct ggml_tensor * u = ggml_graph_node(graph, j);
+            if (u->op != GGML_OP_MUL_MAT && u->op != GGML_OP_OUT_PROD) continue;
+            const int out_prod = u->op == GGML_OP_OUT_PROD;
+            for (int side = 0; side < 2; side++) {
+                const struct ggml_tensor * root = side ? ds : sm;
+                const int v0 = th_causal_view(u->src[0], root, T), v1 = th_causal_view(u->src[1], root, T);
+                /* MUL_MAT: A = src1's view, B = src0's view transposed; OUT_PROD: A = src1's transposed,
+                 * B = src0's */
+                const int causal = v1 ? ((v1 == 1) != out_prod ? TH_CAUSAL_A_LOWER : TH_CAUSAL_A_UPPER)
+                                 : v0 ? ((v0 == 1) == out_prod ? TH_CAUSAL_B_LOWER : TH_CAUSAL_B_UPPER)
+                                      : TH_CAUSAL_NONE;
+                if (causal != TH_CAUSAL_NONE) {
+                    marked += th_mark_gemm(u, causal);
+                    break;
+                }
+            }
+        }
+    }
+    return marked;
+}
+
 /* Swaps every node that has a kernel here for it; returns how many were swapped, or -1 when a
  * stand-in cannot be swapped (th_rewrite_gelu) or a fused bias product is read elsewhere
  * (th_rewrite_bias_rows). Nodes a previous call swapped (graphs that share nodes) are custom
@@ -1113,7 +1270,7 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
     if (th_check_folded(graph) < 0) return -1;
     const int gelu = th_rewrite_gelu(graph), bias_rows = th_rewrite_bias_rows(graph), frozen = th_rewrite_frozen(graph);
     if (gelu < 0 || bias_rows < 0 || frozen < 0) return -1;
-    int changed = gelu + bias_rows + frozen;
+    int changed = gelu + bias_rows + frozen + th_mark_causal(graph);
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (th_centre_ok(t)) {

@@ -6,8 +6,11 @@ difference checks of tests/test_engine_ops.py run through the same kernels."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from attention_cases import attention_float64, attention_program
 
 from toyharness._ffi import blas, cpu_kernels, ffi, lib
 from toyharness.engine import blocks, get_engine
@@ -405,6 +408,48 @@ def test_tiled_products_and_their_folds_keep_their_bits_at_any_thread_count(m, n
     for other in results[1:]:
         for got, same in zip(other, results[0]):
             np.testing.assert_array_equal(got, same)
+
+
+def causal_attention(shape: dict, block: int, threads: int = 2) -> dict[str, np.ndarray]:
+    """attention_program's output and gradients, its causal products in blocks of `block` (0: whole);
+    checks that the six products of causal attention took their causal form."""
+    try:
+        lib.th_set_causal_block(block)
+        prog, trainer, fg = attention_program("cpu", **shape, threads=threads)
+        got = {"y": fg.run({})["y"]}
+        trainer.grads_only({})
+        got.update({n: prog.read(trainer.grad_acc[n]).copy() for n in ("x", "wq", "wk", "wv", "wo")})
+    finally:
+        lib.th_set_causal_block(int(os.environ.get("TOYHARNESS_CAUSAL_BLOCK", "64")))
+    g = trainer.gb_grad
+    names = [lib.th_kernel_name(lib.ggml_graph_node(g, i)) for i in range(lib.ggml_graph_n_nodes(g))]
+    # S and P V; dP, P^T dO, dS^T Q and dS K
+    assert sum(ffi.string(n).decode() == "sgemm causal" for n in names if n != ffi.NULL) == 6
+    return got
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+@pytest.mark.parametrize("shape", [dict(b=2, t=128, d=64, n_head=2), dict(b=1, t=200, d=96, n_head=6, n_kv_head=2)])
+def test_causal_attention_products_leave_out_the_masked_terms(shape):
+    """The products of causal attention contract only over the terms the mask leaves, in blocks of
+    64 rows or columns (a length with a partial block; grouped-query heads): float64's values, the
+    same bits at 1, 2 and 3 threads."""
+    runs = [causal_attention(shape, 64, threads) for threads in (1, 2, 3)]
+    for name, want in attention_float64(**shape).items():
+        assert rel_err(runs[0][name], want) < 2e-6, name
+        for other in runs[1:]:
+            np.testing.assert_array_equal(other[name], runs[0][name], err_msg=name)
+
+
+@pytest.mark.skipif(blas is None or blas.corename != "SkylakeX",
+                    reason="bits of OpenBLAS's SkylakeX kernel (16-row tiles); other kernels tile rows otherwise")
+def test_causal_products_at_two_blocks_give_the_bits_of_the_whole_products():
+    """At 128 tokens the whole products are cut in the same 64-row calls: what is left out is a sum
+    of exact zeros, so the bits do not move."""
+    shape = dict(b=2, t=128, d=64, n_head=2)
+    skipped, whole = causal_attention(shape, 64), causal_attention(shape, 0)
+    for name in skipped:
+        np.testing.assert_array_equal(skipped[name], whole[name], err_msg=name)
 
 
 def product_of_params():

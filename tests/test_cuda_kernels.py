@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from attention_cases import attention_float64, attention_program
 from test_backends import needs
 from test_cpu_kernels import gelu_tanh_f64
 
@@ -503,32 +504,6 @@ def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
         assert not np.array_equal(ours, drawn[i][0])                   # it did step
 
 
-def attention_arrays(b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
-                     seed: int = 5) -> dict[str, np.ndarray]:
-    """attention_program's inputs: x, wq, wk, wv, wo and the loss's weights."""
-    rng = np.random.default_rng(seed)
-    kv = d // n_head * (n_kv_head or n_head)
-    out = {"x": rng.normal(size=(b, t, d)).astype(np.float32)}
-    out.update({n: (rng.normal(size=(rows, d)) / np.sqrt(d)).astype(np.float32)
-                for n, rows in (("wq", d), ("wk", kv), ("wv", kv), ("wo", d))})
-    out["weights"] = rng.normal(size=(b, t, d)).astype(np.float32)
-    return out
-
-
-def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
-                      causal: bool = True, seed: int = 5):
-    """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
-    arrays = attention_arrays(b, t, d, n_head, n_kv_head, seed)
-    prog = get_engine(backend).program()
-    prog.grads_as_outputs = True                   # as on cuda (built on cpu for the rewrite's tests)
-    x = prog.param("x", arrays["x"])
-    w = {n: prog.param(n, arrays[n]) for n in ("wq", "wk", "wv", "wo")}
-    y = blocks.attention(x, w["wq"], w["wk"], w["wv"], w["wo"], n_head, n_kv_head, causal=causal)
-    weights = prog.constant("weights", arrays["weights"])
-    trainer = prog.trainer(prog.scalar_loss((y * weights).sum()), "bias_corrected")
-    return prog, trainer, prog.forward({"y": y})
-
-
 def kernel_names(graph) -> list[str]:
     names = (lib.th_cuda_kernel_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph)))
     return [ffi.string(n).decode() for n in names if n != ffi.NULL]
@@ -665,43 +640,6 @@ def test_fused_attention_on_cuda_matches_ggmls_nodes_and_repeats_its_bits(backen
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 2e-6, (name, err)
         assert np.array_equal(got, again[name]), name
-
-
-def attention_float64(b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None, causal: bool = True,
-                      seed: int = 5) -> dict[str, np.ndarray]:
-    """float64 forward and backward of attention_program's block: y and the gradients of
-    sum(y * weights) for x, wq, wk, wv and wo (grouped-query heads repeated as llama's are)."""
-    a = {n: m.astype(np.float64) for n, m in attention_arrays(b, t, d, n_head, n_kv_head, seed).items()}
-    x, wq, wk, wv, wo, g = (a[n] for n in ("x", "wq", "wk", "wv", "wo", "weights"))
-    hd, kvh = d // n_head, n_kv_head or n_head
-    rep = n_head // kvh
-
-    def heads(m, h):                       # (b, t, h hd) -> (b, h, t, hd)
-        return m.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
-
-    def flat(m):                           # (b, h, t, hd) -> (b, t, h hd)
-        return m.transpose(0, 2, 1, 3).reshape(b, t, -1)
-
-    q = heads(x @ wq.T, n_head)
-    k, v = (np.repeat(heads(x @ w.T, kvh), rep, axis=1) for w in (wk, wv))
-    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
-    if causal:
-        s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    o = flat(p @ v)
-    do = heads(g @ wo, n_head)
-    dp = do @ v.transpose(0, 1, 3, 2)
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(hd)
-    dq = flat(ds @ k)
-    dk, dv = (flat(m.reshape(b, kvh, rep, t, hd).sum(2))
-              for m in (ds.transpose(0, 1, 3, 2) @ q, p.transpose(0, 1, 3, 2) @ do))
-
-    def outer(dy):
-        return np.einsum("btj,bti->ji", dy, x)
-
-    return {"y": o @ wo.T, "wo": np.einsum("btj,bti->ji", g, o), "wq": outer(dq), "wk": outer(dk),
-            "wv": outer(dv), "x": dq @ wq + dk @ wk + dv @ wv}
 
 
 def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():

@@ -188,6 +188,7 @@ double th_node_matmul_flops(const ggml_tensor * t);
 const char * th_kernel_name(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
 void th_set_gemm_merge(int merge);
+void th_set_causal_block(int block);
 void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols);
 int th_cpu_rewrite(ggml_cgraph * graph);
 int th_cpu_fold(ggml_cgraph * graph);
@@ -323,6 +324,8 @@ class Blas:
         lib.th_set_sgemm(ffi.cast("void *", ctypes.cast(self.sgemm, ctypes.c_void_p).value))
         # TOYHARNESS_GEMM_MERGE=0: every call 64 rows, as before calls were merged (for comparison)
         lib.th_set_gemm_merge(0 if os.environ.get("TOYHARNESS_GEMM_MERGE", "1") == "0" else 1)
+        # TOYHARNESS_CAUSAL_BLOCK=0: causal attention's products computed whole (for comparison)
+        lib.th_set_causal_block(int(os.environ.get("TOYHARNESS_CAUSAL_BLOCK", "64")))
 
     def tag(self) -> str:
         return f"openblas-{self.corename.lower()}"
