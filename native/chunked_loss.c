@@ -202,6 +202,19 @@ static void th_ce_grad_op(struct ggml_tensor * dst, int ith, int nth, void * use
     }
 }
 
+/* For `bench --profile` and the FLOP count: "chunked_loss" and the FLOPs of the two products it
+ * makes over W (the logits, then acc: 2 x 2 x R x V x d) when t is the chunks node; NULL and 0
+ * otherwise (the loss and grad nodes are per-row sums). */
+const char * th_chunked_loss_kernel_name(const struct ggml_tensor * t, double * flops) {
+    if (t->op != GGML_OP_CUSTOM) return NULL;
+    struct ggml_custom_op_params p;
+    memcpy(&p, t->op_params, sizeof(p));
+    if (p.fun != th_ce_chunk_op) return NULL;
+    const struct ggml_tensor * w = t->src[1];
+    *flops = 4.0 * (double) t->ne[1] * (double) w->ne[1] * (double) w->ne[0];
+    return "chunked_loss";
+}
+
 /* The chunked loss of `logits`, which must be a product (MUL_MAT, under reshapes) of a frozen
  * weight W (f32 or a frozen type, contiguous, not a parameter) and f32 hidden rows h (d, R) with
  * contiguous rows; ids: i32 (R,) targets; mask: f32 (R,) or NULL; count: f32 (1,) the number of

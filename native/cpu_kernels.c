@@ -790,11 +790,14 @@ static int th_centre_ok(const struct ggml_tensor * t) {
            t->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1 && th_is_centring(t->src[0]);
 }
 
-/* FLOPs (2 per multiply-add) of a node's matrix product: MUL_MAT and OUT_PROD, also once
- * rewritten to sgemm; 0 for other ops (rewritten centring products included: no product is left). */
+/* FLOPs (2 per multiply-add) of a node's matrix products: MUL_MAT and OUT_PROD, also once
+ * rewritten to sgemm, the frozen products and the chunked loss's two products over its weight; 0
+ * for other ops (rewritten centring products included: no product is left). A causal product
+ * counts whole (the model's FLOPs, not what the masked blocks leave). */
 TH_EXPORT double th_node_matmul_flops(const struct ggml_tensor * t) {
     double frozen_flops = 0.0;
     if (th_frozen_kernel_name(t, &frozen_flops) != NULL) return frozen_flops;
+    if (th_chunked_loss_kernel_name(t, &frozen_flops) != NULL) return frozen_flops;
     if (t->op == GGML_OP_MAP_CUSTOM2) {
         struct ggml_map_custom2_op_params p;
         memcpy(&p, t->op_params, sizeof(p));
@@ -832,7 +835,8 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
     }
     double flops;
-    return th_frozen_kernel_name(t, &flops);
+    const char * frozen = th_frozen_kernel_name(t, &flops);
+    return frozen != NULL ? frozen : th_chunked_loss_kernel_name(t, &flops);
 }
 
 /* ---- the rewrite ------------------------------------------------------------------------- */

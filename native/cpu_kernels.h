@@ -129,6 +129,7 @@ int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kerne
 /* frozen_matmul.c: products with a frozen non-f32 weight (f16, bf16, quantized), in f32 */
 int th_rewrite_frozen(struct ggml_cgraph * graph);
 const char * th_frozen_kernel_name(const struct ggml_tensor * t, double * flops);
+const char * th_chunked_loss_kernel_name(const struct ggml_tensor * t, double * flops);
 int th_frozen_type_ok(int type);
 /* rows [r0, r0 + rows), columns [c0, c0 + cols) of a weight (f32 or a frozen type) as f32 */
 void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float * out);

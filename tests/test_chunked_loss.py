@@ -117,6 +117,30 @@ def test_bits_do_not_depend_on_the_thread_count():
     assert np.array_equal(one[1], two[1])
 
 
+def step_flops(chunked: bool, R: int = 12, d: int = 16, vocab: int = 3000) -> tuple[float, list[str]]:
+    """The matrix-product FLOPs bench counts in the loss's training graph (th_node_matmul_flops), and
+    the kernels the graph's nodes ran."""
+    from toyharness._ffi import ffi, lib
+
+    prog = get_engine("cpu").program()
+    logits = prog.param("h", RNG.normal(size=(2, R // 2, d)).astype(np.float32)).matmul_t(
+        prog.frozen_array("w", RNG.normal(size=(vocab, d)).astype(np.float32), "f16"))
+    ce = prog.chunked_cross_entropy(logits, "targets") if chunked else prog.cross_entropy(logits, "targets")
+    tr = prog.trainer(ce, "bias_corrected")
+    tr.grads_only({"targets": RNG.integers(0, vocab, R).reshape(2, -1)})
+    nodes = [lib.ggml_graph_node(tr.gb_grad, i) for i in range(lib.ggml_graph_n_nodes(tr.gb_grad))]
+    names = [lib.th_kernel_name(n) for n in nodes]
+    return sum(lib.th_node_matmul_flops(n) for n in nodes), [ffi.string(k).decode() for k in names if k != ffi.NULL]
+
+
+def test_its_two_products_count_in_the_steps_flops_as_the_standard_losss():
+    """bench's GFLOP/s counts the chunks node's products over W (the logits, then dL/dh's sum), as it
+    counts the standard loss's product and its input gradient: 2 x 2 x R x vocab x d."""
+    chunked, kernels = step_flops(True)
+    assert "chunked_loss" in kernels
+    assert chunked == step_flops(False)[0] == 4.0 * 12 * 3000 * 16
+
+
 def test_compute_buffer_holds_no_rows_by_vocab_buffer_at_gemma3_vocab():
     """Gemma 3's 262,144 classes over 32 rows: the standard loss's compute buffer holds several
     (rows x vocab) f32 buffers (32 MiB each); the chunked one's is below one of them."""
