@@ -9,7 +9,11 @@
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
 #                                    [profile-lora-bf16] [fused] [recompute] [bench-lora-bf16-recompute]
-#                                    [bench-lora-bf16-recompute-keepall]
+#                                    [bench-lora-bf16-recompute-keepall] [grouped]
+#
+# grouped: grouped-query heads read in place by the fused attention (iss-32f): the attention tests
+# of tests/test_cuda_kernels.py (the grouped kernels' bits against the repeats' included), the cuda
+# goldens of the recipes with grouped heads (each must keep its bits), and recompute's with llama.
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -72,6 +76,17 @@ if [[ $phases == *" fused "* ]]; then
     step "iss-32d's fusions on cuda: SwiGLU's gate gradient in one kernel, the LoRA scale on the rank product, frozen terms in product sums"
     tests_phase fused.log tests/test_cuda_kernels.py "swiglu or silu or lora or frozen or product_sum or products_summed" \
         "^frozen product sum|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+if [[ $phases == *" grouped "* ]]; then
+    step "grouped-query heads read in place: the attention kernels' tests, grouped against repeated"
+    tests_phase grouped.log tests/test_cuda_kernels.py "grouped or attention" \
+        "bf16 attention|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    step "the cuda goldens of recipes with grouped heads keep their bits"
+    toyharness golden check llama lora lora@q4_k lora@llama3 lora@qwen3 llama@tf32 lora@tf32 llama@bf16 lora@bf16 \
+        warm_start@bf16 lora@q4_k@bf16 lora@q8_0@bf16 --backend cuda 2>&1 | tee -a "$log" || status=1
+    tests_phase grouped_recompute.log tests/test_recompute.py "keeps_each_goldens_bits and llama" \
+        "passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
 if [[ $phases == *" check "* ]]; then
