@@ -9,11 +9,13 @@
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
 #                                    [profile-lora-bf16] [fused] [recompute] [bench-lora-bf16-recompute]
-#                                    [bench-lora-bf16-recompute-keepall] [grouped]
+#                                    [bench-lora-bf16-recompute-keepall] [grouped] [plan-lora-bf16] [kept-all]
 #
 # grouped: grouped-query heads read in place by the fused attention (iss-32f): the attention tests
 # of tests/test_cuda_kernels.py (the grouped kernels' bits against the repeats' included), the cuda
 # goldens of the recipes with grouped heads (each must keep its bits), and recompute's with llama.
+# kept-all: every cuda golden checked (bits kept), and the cuda plan's test (tests/test_memory_plan.py).
+# plan-lora-bf16: the memory plan (`toyharness run lora --plan`) of bench-lora-bf16's step.
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -76,6 +78,16 @@ if [[ $phases == *" fused "* ]]; then
     step "iss-32d's fusions on cuda: SwiGLU's gate gradient in one kernel, the LoRA scale on the rank product, frozen terms in product sums"
     tests_phase fused.log tests/test_cuda_kernels.py "swiglu or silu or lora or frozen or product_sum or products_summed" \
         "^frozen product sum|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+if [[ $phases == *" kept-all "* ]]; then
+    step "every cuda golden keeps its bits (fp32, @tf32, @bf16, LoRA over quantized bases and other architectures)"
+    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
+    names+=("${FROZEN_BF16[@]}")
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    step "the cuda memory plan equals ggml's buffers (the training graph reserved as rewritten)"
+    tests_phase plan.log tests/test_memory_plan.py cuda_plan "passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
 if [[ $phases == *" grouped "* ]]; then
@@ -149,6 +161,13 @@ for bench in bf16 fp32 bf16-recompute bf16-recompute-keepall; do
         --steps 10 --warmup 2 --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 \
         "${extra[@]}" --out "$out/bench_lora_${bench//-/_}.json" 2>&1 | tee -a "$log" || status=1
 done
+
+if [[ $phases == *" plan-lora-bf16 "* ]]; then
+    step "the memory plan of the bf16 LoRA step over the Llama-3.2-1B-shaped Q4_K base (TOYHARNESS_CUDA_ATTENTION=${TOYHARNESS_CUDA_ATTENTION:-fused})"
+    base=$(python3 scripts/lora_bench_base.py --type q4_k 2>>"$log") || status=1
+    toyharness run lora --plan --backend cuda --set precision=bf16 --set "base=$base" --set t_seq=1024 --set t_batch=4 \
+        --set targets=q,k,v,o --set rank=16 2>&1 | tee -a "$log" || status=1
+fi
 
 if [[ $phases == *" profile-lora-bf16 "* ]]; then
     step "a bf16 LoRA step over the Llama-3.2-1B-shaped Q4_K base by kernel, ours only"

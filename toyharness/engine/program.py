@@ -959,6 +959,12 @@ class Trainer:
         if prog.planner is not None:
             prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
         else:
+            if prog.cuda_kernels and prog.engine.backend == "cuda":
+                # on cuda the buffer is reserved for the graph as the rewrite leaves it: reserved
+                # before, it kept the places of nodes the fused kernels never write (attention's
+                # (B*H, T, T) probabilities, kept for the backward in ggml's graph; the REPEATs of
+                # grouped kv heads) and, only growing, never gave them back (iss-32f)
+                prog._prepare(self.gb_opt)
             with ggml_quiet():
                 reserved = lib.ggml_gallocr_reserve(prog.galloc_for(self.gb_opt), self.gb_opt)
             if not reserved:
