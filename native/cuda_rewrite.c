@@ -117,8 +117,26 @@ static int th_is_attention_node(const struct ggml_tensor * t) {
 /* What an attention operand reads: under its RESHAPE views, the view that its CONT copies (a CONT
  * folded into the attention's nodes keeps that source: th_fold_attention_operands); else t. The
  * same operand before and after a fold (graphs share nodes: an earlier graph may have folded it). */
+/* a REPEAT of kv heads that grouped-query heads no longer need (th_attention_group): it computes
+ * nothing, and keeps the tensor it repeated in op_params[2..] for th_operand_source */
+static void th_fold_repeat(struct ggml_tensor * p, struct ggml_tensor * repeated) {
+    th_fold(p, 1);
+    th_set_params(p, &repeated, sizeof(repeated));
+}
+
+static struct ggml_tensor * th_repeated_of(const struct ggml_tensor * t) {
+    struct ggml_tensor * r = NULL;
+    if (t != NULL && th_marked(t, TH_CUDA_FOLDED)) memcpy(&r, t->op_params + 2, sizeof(r));
+    return r;
+}
+
 static const struct ggml_tensor * th_operand_source(const struct ggml_tensor * t) {
-    while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
+    for (;;) {          /* through a REPEAT folded for grouped heads: its nodes now read what it repeated */
+        while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
+        const struct ggml_tensor * r = th_repeated_of(t);
+        if (r == NULL) break;
+        t = r;
+    }
     if (t != NULL && t->src[0] != NULL &&
         (t->op == GGML_OP_CONT || th_marked(t, TH_CUDA_CONT) || th_marked(t, TH_CUDA_FOLDED))) {
         return t->src[0];
@@ -176,7 +194,7 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
         !th_shape_is(o, hd, T, heads)) {
         return 0;
     }
-    const th_attention_params params = {(int32_t) hd, (int32_t) T, causal, scale};
+    const th_attention_params params = {(int32_t) hd, (int32_t) T, causal, scale, 1};
     th_mark(p, TH_CUDA_ATTN_FWD);
     th_set_params(p, &params, sizeof(params));
     th_set_srcs(p, q, k, vt, NULL, NULL, NULL);
@@ -391,9 +409,121 @@ static int th_fold_attention_operands(struct ggml_cgraph * graph) {
     return folded;
 }
 
-/* Every attention of `graph`: forward and, where the graph has it, backward. Returns the nodes
- * marked, or -1 (see th_attention_backward). */
-static int th_rewrite_attention(struct ggml_cgraph * graph) {
+/* Where attention operand `x` ((n0, n1) a head, `heads` heads) is, under RESHAPE views, the REPEAT
+ * of Tensor.repeat_heads: REPEAT(flat (n0 n1, 1, K, B) into (n0 n1, g, K, B)), flat a RESHAPE of a
+ * contiguous R of K B = heads / g heads of (n0, n1): that REPEAT, with *repeated R and *group g.
+ * Else NULL. */
+static struct ggml_tensor * th_heads_repeat(struct ggml_tensor * x, const int64_t n0, const int64_t n1,
+                                            const int64_t heads, struct ggml_tensor ** repeated, int * group) {
+    while (x != NULL && x->op == GGML_OP_RESHAPE) x = x->src[0];
+    if (x == NULL || x->op != GGML_OP_REPEAT || !th_f32_contiguous(x)) return NULL;
+    struct ggml_tensor * flat = x->src[0], * r = flat != NULL ? flat->src[0] : NULL;
+    const int64_t g = x->ne[1];
+    if (flat == NULL || flat->op != GGML_OP_RESHAPE || !th_f32_contiguous(flat) || r == NULL || !th_f32_contiguous(r) || g < 2 ||
+        g > INT32_MAX || flat->ne[0] != n0 * n1 || flat->ne[1] != 1 || x->ne[0] != n0 * n1 ||
+        x->ne[2] != flat->ne[2] || x->ne[3] != flat->ne[3] || flat->ne[2] * flat->ne[3] * g != heads ||
+        r->ne[0] != n0 || r->ne[1] != n1 || r->ne[2] * r->ne[3] * g != heads) {
+        return NULL;
+    }
+    *repeated = r;
+    *group = (int) g;
+    return x;
+}
+
+/* The REPEAT_BACK that sums `x` (a SLICE of dK or dV^T: `heads` heads of n floats) over each group
+ * of `group` consecutive heads, reached through views of x each read by the next alone:
+ * REPEAT_BACK(a contiguous (n, group, K, B) view of x, into (n, 1, K, B)), K B = heads / group.
+ * Else NULL. */
+static struct ggml_tensor * th_group_sum(struct ggml_cgraph * graph, struct ggml_tensor * x, const int64_t n,
+                                         const int64_t heads, const int64_t group) {
+    struct ggml_tensor * v = x, * c = NULL;
+    for (;;) {
+        if (th_readers(graph, v, &c) != 1) return NULL;
+        if (c->view_src != x || c->view_offs != 0) break;
+        v = c;
+    }
+    if (c->op != GGML_OP_REPEAT_BACK || c->src[0] != v || !th_f32_contiguous(c) || !ggml_is_contiguous(v) ||
+        (c->flags & GGML_TENSOR_FLAG_OUTPUT) || !th_f32_contiguous(x) || ggml_nelements(x) != n * heads ||
+        v->ne[0] != n || v->ne[1] != group || c->ne[0] != n || c->ne[1] != 1 || c->ne[2] != v->ne[2] ||
+        c->ne[3] != v->ne[3] || c->ne[2] * c->ne[3] * group != heads) {
+        return NULL;
+    }
+    return c;
+}
+
+static th_attention_params th_attention_params_of(const struct ggml_tensor * t) {
+    th_attention_params params;
+    memcpy(&params, t->op_params + 2, sizeof(params));
+    return params;
+}
+
+static void th_attention_set_group(struct ggml_tensor * t, const int group) {
+    th_attention_params params = th_attention_params_of(t);
+    params.group = group;
+    th_set_params(t, &params, sizeof(params));          /* the maps after it keep their bytes */
+}
+
+/* whether `s` is `p` or a view of it */
+static int th_is_or_views(const struct ggml_tensor * s, const struct ggml_tensor * p) {
+    return s != NULL && (s == p || s->view_src == p);
+}
+
+/* Grouped-query heads read in place (th_cuda_rewrite's attention flag 2): where the attention of
+ * `fwd` (ATTN_FWD) reads k and v^T through REPEATs of the kv heads (Tensor.repeat_heads) that only
+ * its nodes read, its nodes read the kv heads themselves (group > 1) and the REPEATs compute
+ * nothing; the backward's dK and dV^T, which REPEAT_BACKs summed over each group, go summed by
+ * ATTN_BWD into rooms (th_attention_rooms). Only where every SLICE of dK or dV^T out of its prep
+ * node in `graph` reaches such a REPEAT_BACK. Returns the REPEATs folded (0: none, as before). */
+static int th_attention_group(struct ggml_cgraph * graph, struct ggml_tensor * fwd) {
+    const th_attention_params params = th_attention_params_of(fwd);
+    if (params.group > 1) return 0;                        /* grouped by an earlier graph */
+    const int64_t hd = params.hd, T = params.T, heads = fwd->ne[1];
+    struct ggml_tensor * rk = NULL, * rv = NULL, * bwd = NULL, * dq = NULL;
+    int gk = 0, gv = 0;
+    struct ggml_tensor * pk = th_heads_repeat(fwd->src[1], hd, T, heads, &rk, &gk);
+    struct ggml_tensor * pv = th_heads_repeat(fwd->src[2], T, hd, heads, &rv, &gv);
+    if (pk == NULL || pv == NULL || pk == pv || gk != gv) return 0;
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (th_marked(u, TH_CUDA_ATTN_BWD) && u->src[4] == fwd) bwd = u;
+    }
+    for (int i = 0; i < n && bwd != NULL; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (th_marked(u, TH_CUDA_ATTN_DQ) && u->src[0] == bwd) dq = u;
+    }
+    struct ggml_tensor * prep = bwd != NULL ? bwd->src[5] : NULL;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (u->view_src == pk || u->view_src == pv) continue;          /* a view: its readers are checked */
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (th_is_or_views(u->src[j], pk) && !(j == 1 && (u == fwd || u == bwd || u == dq))) return 0;
+            if (th_is_or_views(u->src[j], pv) && !(j == 2 && (u == fwd || u == bwd))) return 0;
+        }
+        if (prep != NULL && th_marked(u, TH_CUDA_SLICE) && u->src[0] == prep) {
+            th_slice_params slice;
+            memcpy(&slice, u->op_params + 2, sizeof(slice));
+            if ((slice.offset != 0 && slice.offset != hd * T) || th_group_sum(graph, u, hd * T, heads, gk) == NULL) {
+                return 0;
+            }
+        }
+    }
+    struct ggml_tensor * nodes[4] = {fwd, prep, bwd, dq};
+    for (int i = 0; i < 4; i++) {
+        if (nodes[i] == NULL) continue;
+        if (i != 1 && th_is_or_views(nodes[i]->src[1], pk)) nodes[i]->src[1] = rk;
+        if (i != 1 && th_is_or_views(nodes[i]->src[2], pv)) nodes[i]->src[2] = rv;
+        th_attention_set_group(nodes[i], gk);
+    }
+    th_fold_repeat(pk, rk);
+    th_fold_repeat(pv, rv);
+    return 2;
+}
+
+/* Every attention of `graph`: forward and, where the graph has it, backward; with `group`, the
+ * kv heads read in place (th_attention_group). Returns the nodes marked, or -1 (see
+ * th_attention_backward). */
+static int th_rewrite_attention(struct ggml_cgraph * graph, const int group) {
     int marked = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
@@ -413,6 +543,7 @@ static int th_rewrite_attention(struct ggml_cgraph * graph) {
                     }
                 }
             }
+            if (group) marked += th_attention_group(graph, t);
         }
     }
     return marked + th_fold_attention_operands(graph);
@@ -740,8 +871,17 @@ static int th_rewrite_layer_norms(struct ggml_cgraph * graph) {
     return marked;
 }
 
+/* a contiguous f32 node's shape as (ne0, ne1, ne2) (the same elements) */
+static void th_set_3d(struct ggml_tensor * t, const int64_t ne0, const int64_t ne1, const int64_t ne2) {
+    t->ne[0] = ne0, t->ne[1] = ne1, t->ne[2] = ne2, t->ne[3] = 1;
+    t->nb[0] = sizeof(float);
+    for (int i = 1; i < GGML_MAX_DIMS; i++) t->nb[i] = t->nb[i - 1] * t->ne[i - 1];
+}
+
 /* The CONTs that permute attention's dK and dV back to the projections' layout become rooms that
- * the backward kernel writes, instead of copies out of the prep node; the SLICEs fold. A room has
+ * the backward kernel writes, instead of copies out of the prep node; the SLICEs fold. With
+ * grouped heads (group > 1) the room holds the sums over each group: the REPEAT_BACK that summed
+ * the SLICE (th_group_sum), or the CONT that permutes that one back (the REPEAT_BACK folds). A room has
  * no sources, so a graph reaches its writer only through the room's other readers: rooms are for
  * the backward's outputs alone (a backward graph is always built before the first rewrite). O
  * stays a copy out of the forward's node (SLICE_CONT), so a forward graph built after a rewrite
@@ -765,10 +905,24 @@ static int th_attention_rooms(struct ggml_cgraph * graph) {
             }
         }
         th_attention_map map;
-        const int64_t n0 = dv ? T : hd, n1 = dv ? hd : T;
-        struct ggml_tensor * room = writer != NULL && x->ne[0] == n0 && x->ne[1] == n1
-                                        ? th_permuted_cont_of(graph, x, &map, n0, n1, ggml_nelements(x) / (hd * T))
-                                        : NULL;
+        const int64_t n0 = dv ? T : hd, n1 = dv ? hd : T, heads = ggml_nelements(x) / (hd * T);
+        const int group = writer != NULL ? th_attention_params_of(writer).group : 1;
+        struct ggml_tensor * room = NULL;
+        if (writer != NULL && x->ne[0] == n0 && x->ne[1] == n1 && group > 1) {
+            struct ggml_tensor * sum = th_group_sum(graph, x, hd * T, heads, group);
+            if (sum == NULL) continue;                  /* th_check_group_rooms refuses the graph */
+            room = th_permuted_cont_of(graph, sum, &map, n0, n1, heads / group);
+            if (room != NULL) {
+                th_fold(sum, 1);
+                marked++;
+            } else {                                    /* the sum itself, as (n0, n1, kv heads) */
+                room = sum;
+                th_set_3d(sum, n0, n1, heads / group);
+                map = (th_attention_map) {{0, 1, 2, -1}};
+            }
+        } else if (writer != NULL && x->ne[0] == n0 && x->ne[1] == n1) {
+            room = th_permuted_cont_of(graph, x, &map, n0, n1, heads);
+        }
         if (room == NULL) continue;
         if (dv) {                                   /* dV^T's axis 0 is t: the map is (d, t, h, b) */
             const int8_t t_axis = map.axis[0];
@@ -782,6 +936,19 @@ static int th_attention_rooms(struct ggml_cgraph * graph) {
         marked += 2;
     }
     return marked;
+}
+
+/* -1 when a SLICE, or a copy out of one, reads dK or dV^T from the prep node of a grouped attention
+ * (its backward writes the group sums into rooms only), else 0 */
+static int th_check_group_rooms(struct ggml_cgraph * graph) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        const struct ggml_tensor * t = ggml_graph_node(graph, i), * src = t->src[0];
+        if ((th_marked(t, TH_CUDA_SLICE) || th_marked(t, TH_CUDA_SLICE_CONT)) && src != NULL &&
+            th_marked(src, TH_CUDA_ATTN_PREP) && th_attention_params_of(src).group > 1) {
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* A room comes before the node that writes it, in every graph (graphs share nodes, not their
@@ -917,12 +1084,13 @@ static int th_check_adamw_runs(struct ggml_cgraph * graph) {
  * be computed: it would compute silu where GELU is meant, RMSNorm where LayerNorm is), when an
  * attention's backward cannot follow its fused forward, a folded product is read, or a node
  * that another one computes (a room, an AdamW step of a run) is here without that one.
- * `attention`: whether to fuse attention. */
+ * `attention`: whether to fuse attention (1), and with 2 also the kv heads of grouped-query
+ * attention read in place (th_attention_group) rather than repeated. */
 TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     static const struct th_gelu_kernels cuda = {th_gelu_forward, th_gelu_backward, th_is_gelu, th_is_gelu_back};
     const int gelu = th_rewrite_gelu_pairs(graph, &cuda);
     if (gelu < 0) return -1;
-    const int fused = attention ? th_rewrite_attention(graph) : 0;
+    const int fused = attention ? th_rewrite_attention(graph, (attention & 2) != 0) : 0;
     if (fused < 0) return -1;
     const int norms = th_rewrite_layer_norms(graph);
     if (norms < 0) return -1;
@@ -953,8 +1121,8 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     }
     singles += th_attention_rooms(graph) + th_merge_slice_conts(graph);
     const int adamw = th_rewrite_adamw_runs(graph);
-    if (th_check_folded(graph) < 0 || th_order_attention_copies(graph) < 0 || th_order_rooms(graph) < 0 ||
-        th_check_adamw_runs(graph) < 0) {
+    if (th_check_folded(graph) < 0 || th_check_group_rooms(graph) < 0 || th_order_attention_copies(graph) < 0 ||
+        th_order_rooms(graph) < 0 || th_check_adamw_runs(graph) < 0) {
         return -1;
     }
     return gelu + fused + norms + biases + affines + sums + residuals + silu_backs + singles + adamw;

@@ -9,8 +9,9 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 10  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
-                                       9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes */
+#define TH_CUDA_KERNELS_VERSION 11  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+                                       9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
+                                       11: grouped-query heads in the attention kernels (group) */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -27,7 +28,11 @@ enum {
      * the head-permuted projection a folded CONT would have copied. A room (ROOM) is the CONT
      * that permuted dK or dV back to the projection's layout: ATTN_BWD writes it through a
      * th_attention_map, and the room computes nothing (ATTN_DQ writes its own node, that CONT's
-     * for dQ, through one). */
+     * for dQ, through one). With grouped-query heads (th_attention_params.group > 1) k and vt hold
+     * the BH / group kv heads (no REPEAT: the kernels read head bh / group), and ATTN_BWD writes
+     * dK and dV summed over each group (what REPEAT_BACK gave: 0 + the group's first head + the
+     * next ..., in fp32, head order) into rooms of BH / group heads, the REPEAT_BACK nodes
+     * themselves or the CONTs that permute them back. */
     TH_CUDA_ATTN_FWD = 4, TH_CUDA_ATTN_PREP = 5, TH_CUDA_ATTN_BWD = 6, TH_CUDA_SLICE = 7,
     /* LayerNorm's normalization (blocks.layer_norm), op_params[2] eps:
      *   LAYER_NORM       src x (n, rows); t = (x - mean) / sqrt(mean((x - mean)^2) + eps) per row
@@ -106,8 +111,10 @@ typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
 /* the RMS_NORM node that stands in for LayerNorm's normalization on cuda (blocks.layer_norm) */
 #define TH_LAYER_NORM_NAME "th.layer_norm"
 
-/* op_params[2..] of the attention nodes, and of SLICE */
-typedef struct { int32_t hd, T, causal; float scale; } th_attention_params;
+/* op_params[2..] of the attention nodes, and of SLICE. `group`: query heads a key/value head
+ * (grouped-query heads, read in place: head bh reads k and v^T's head bh / group, and the
+ * backward writes dK and dV summed over each group, into rooms of the kv heads; 1: none) */
+typedef struct { int32_t hd, T, causal; float scale; int32_t group; } th_attention_params;
 typedef struct { int64_t stride, offset; } th_slice_params;
 /* Where a head's (d, t) elements go in a room: the room's axis that each of d, t, h and b is
  * (-1: that axis has one element), head bh = b H + h, H the h axis's elements. op_params after

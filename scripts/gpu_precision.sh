@@ -9,7 +9,13 @@
 #                                    [goldens-bf16-check] [reuse] [profile-bf16-ours] [profile-bf16-noreuse]
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
 #                                    [profile-lora-bf16] [fused] [recompute] [bench-lora-bf16-recompute]
-#                                    [bench-lora-bf16-recompute-keepall]
+#                                    [bench-lora-bf16-recompute-keepall] [grouped] [plan-lora-bf16] [kept-all]
+#
+# grouped: grouped-query heads read in place by the fused attention (iss-32f): the attention tests
+# of tests/test_cuda_kernels.py (the grouped kernels' bits against the repeats' included), the cuda
+# goldens of the recipes with grouped heads (each must keep its bits), and recompute's with llama.
+# kept-all: every cuda golden checked (bits kept), and the cuda plan's test (tests/test_memory_plan.py).
+# plan-lora-bf16: the memory plan (`toyharness run lora --plan`) of bench-lora-bf16's step.
 #
 # attention: the fused attention's cuda tests (fp32 against ggml's nodes, bf16's tensor-core kernels
 # against float64); goldens-bf16: record and check only the @bf16 goldens; goldens-kept: check the
@@ -74,6 +80,27 @@ if [[ $phases == *" fused "* ]]; then
         "^frozen product sum|passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
+if [[ $phases == *" kept-all "* ]]; then
+    step "every cuda golden keeps its bits (fp32, @tf32, @bf16, LoRA over quantized bases and other architectures)"
+    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
+    names+=("${FROZEN_BF16[@]}")
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
+    step "the cuda memory plan equals ggml's buffers (the training graph reserved as rewritten)"
+    tests_phase plan.log tests/test_memory_plan.py cuda_plan "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+if [[ $phases == *" grouped "* ]]; then
+    step "grouped-query heads read in place: the attention kernels' tests, grouped against repeated"
+    tests_phase grouped.log tests/test_cuda_kernels.py "grouped or attention" \
+        "bf16 attention|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    step "the cuda goldens of recipes with grouped heads keep their bits"
+    toyharness golden check llama lora lora@q4_k lora@llama3 lora@qwen3 llama@tf32 lora@tf32 llama@bf16 lora@bf16 \
+        warm_start@bf16 lora@q4_k@bf16 lora@q8_0@bf16 --backend cuda 2>&1 | tee -a "$log" || status=1
+    tests_phase grouped_recompute.log tests/test_recompute.py "keeps_each_goldens_bits and llama" \
+        "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
 if [[ $phases == *" check "* ]]; then
     step "precision: the products' rounding, run-to-run bits, agreement with fp32"
     python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py tests/test_cuda_kernels.py \
@@ -134,6 +161,13 @@ for bench in bf16 fp32 bf16-recompute bf16-recompute-keepall; do
         --steps 10 --warmup 2 --set "base=$base" --set t_seq=1024 --set t_batch=4 --set targets=q,k,v,o --set rank=16 \
         "${extra[@]}" --out "$out/bench_lora_${bench//-/_}.json" 2>&1 | tee -a "$log" || status=1
 done
+
+if [[ $phases == *" plan-lora-bf16 "* ]]; then
+    step "the memory plan of the bf16 LoRA step over the Llama-3.2-1B-shaped Q4_K base (TOYHARNESS_CUDA_ATTENTION=${TOYHARNESS_CUDA_ATTENTION:-fused})"
+    base=$(python3 scripts/lora_bench_base.py --type q4_k 2>>"$log") || status=1
+    toyharness run lora --plan --backend cuda --set precision=bf16 --set "base=$base" --set t_seq=1024 --set t_batch=4 \
+        --set targets=q,k,v,o --set rank=16 2>&1 | tee -a "$log" || status=1
+fi
 
 if [[ $phases == *" profile-lora-bf16 "* ]]; then
     step "a bf16 LoRA step over the Llama-3.2-1B-shaped Q4_K base by kernel, ours only"

@@ -584,6 +584,48 @@ def test_the_cuda_rewrite_keeps_conts_that_are_not_a_head_permute_of_one_project
     assert ops_of(trainer.gb_grad).count("REPEAT_BACK") == 2
 
 
+def test_the_cuda_rewrite_reads_grouped_kv_heads_in_place_in_either_graph_order():
+    """Grouped-query heads (4 query heads, 2 kv heads) with the rewrite's flag 2: the attention's
+    nodes read k's and v^T's kv heads themselves (group 2 in their parameters), the REPEATs fold,
+    and the REPEAT_BACKs that summed dK and dV over each group become the rooms the backward writes
+    the sums into (here the CONTs that permute them back: the sums fold), whether the training
+    graph or a forward graph is rewritten first. Flag 1 keeps the repeats, as before."""
+    def attention_nodes(graph):
+        nodes = (lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph)))
+        return [t for t in nodes if lib.th_cuda_kernel_name(t) != ffi.NULL and
+                ffi.string(lib.th_cuda_kernel_name(t)).decode().startswith("attention")]
+
+    def group_of(t):                                  # th_attention_params.group: op_params[2 + 4]
+        params = ffi.new("int32_t[16]")
+        lib.th_lowering_op_params(t, params)
+        return params[6]
+
+    def heads(t, src):                                # a source's heads, ne2 ne3
+        ne, nb = ffi.new("int64_t[4]"), ffi.new("size_t[4]")
+        lib.th_tensor_shape(lib.th_tensor_src(t, src), ne, nb)
+        return ne[2] * ne[3]
+
+    for first in ("training", "forward"):
+        prog, trainer, fg = attention_program("cpu", 2, 8, 64, 4, n_kv_head=2)
+        repeats = ops_of(trainer.gb_grad).count("REPEAT")
+        if first == "forward":
+            assert lib.th_cuda_rewrite(fg.graph, 3) > 0
+            assert "REPEAT" not in ops_of(fg.graph) and "CONT" not in ops_of(fg.graph)
+        assert lib.th_cuda_rewrite(trainer.gb_grad, 3) > 0
+        names, ops = kernel_names(trainer.gb_grad), ops_of(trainer.gb_grad)
+        assert names.count("room") == 2 and "slice" not in names and "cont" not in names, (first, names)
+        assert "REPEAT_BACK" not in ops and "CONT" not in ops and ops.count("REPEAT") == repeats - 2, first
+        nodes = attention_nodes(trainer.gb_grad)
+        assert len(nodes) == 4 and all(group_of(t) == 2 for t in nodes), first
+        fwd = next(t for t in nodes if ffi.string(lib.th_cuda_kernel_name(t)).decode() == "attention")
+        assert (heads(fwd, 0), heads(fwd, 1), heads(fwd, 2)) == (2 * 4, 2 * 2, 2 * 2)   # q: B H; k, v^T: B Hkv
+        assert lib.th_cuda_rewrite(trainer.gb_opt, 3) == len(prog.params)
+    prog, trainer, fg = attention_program("cpu", 2, 8, 64, 4, n_kv_head=2)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+    assert ops_of(trainer.gb_grad).count("REPEAT_BACK") == 2
+    assert all(group_of(t) == 1 for t in attention_nodes(trainer.gb_grad))
+
+
 @pytest.mark.parametrize("why, kwargs, flag", [
     ("a head size the kernels lack (8)", dict(d=16), 1),
     ("fusion not asked for", dict(d=32), 0),
@@ -601,7 +643,7 @@ def test_fused_attention_can_be_turned_off_by_name(monkeypatch):
     monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", "ggml")
     assert not get_engine("cpu").program().fused_attention
     monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", "flash")
-    with pytest.raises(InputError, match="TOYHARNESS_CUDA_ATTENTION='flash': use fused or ggml"):
+    with pytest.raises(InputError, match="TOYHARNESS_CUDA_ATTENTION='flash': use fused, repeat or ggml"):
         get_engine("cpu").program()
 
 
@@ -612,7 +654,10 @@ def attention_values(monkeypatch, how: str, **shape) -> dict[str, np.ndarray]:
     trainer.grads_only({})
     out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "wq", "wk", "wv", "wo")})
     kernels = kernel_names(trainer.gb_grad) + kernel_names(fg.graph)
-    assert ("attention_back" in kernels) == (how == "fused")
+    assert ("attention_back" in kernels) == (how != "ggml")
+    # grouped-query heads: the kv heads read in place (fused) or repeated by ggml's REPEATs (repeat)
+    grouped = shape.get("n_kv_head") not in (None, shape["n_head"])
+    assert ("REPEAT_BACK" in ops_of(trainer.gb_grad)) == (grouped and how != "fused")
     return out
 
 
@@ -640,6 +685,36 @@ def test_fused_attention_on_cuda_matches_ggmls_nodes_and_repeats_its_bits(backen
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 2e-6, (name, err)
         assert np.array_equal(got, again[name]), name
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [
+    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # head size 16, groups of 3
+    dict(b=2, t=200, d=256, n_head=8, n_kv_head=2),           # head size 32, groups of 4, partial tiles
+    dict(b=1, t=256, d=512, n_head=8, n_kv_head=4),           # head size 64, groups of 2
+    dict(b=2, t=37, d=128, n_head=4, n_kv_head=2, causal=False),
+])
+def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(backend, precision, shape, monkeypatch):
+    """The kv heads read in place by the fused kernels (the default) against the same kernels over
+    ggml's REPEATs with REPEAT_BACK summing dK and dV (TOYHARNESS_CUDA_ATTENTION=repeat): the
+    forward and dQ read the same values, and the backward sums each group's dK and dV as
+    REPEAT_BACK does (0, then head by head in fp32), so every output has the same bits, in fp32
+    and on the tensor cores (bf16); and they repeat."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine("cuda")
+    engine.set_precision(precision)
+    try:
+        grouped = attention_values(monkeypatch, "fused", **shape)
+        again = attention_values(monkeypatch, "fused", **shape)
+        repeated = attention_values(monkeypatch, "repeat", **shape)
+    finally:
+        engine.set_precision("fp32")
+    for name, want in repeated.items():
+        assert np.isfinite(grouped[name]).all(), name
+        assert np.array_equal(grouped[name], want), (name, float(np.abs(grouped[name] - want).max()))
+        assert np.array_equal(grouped[name], again[name]), name
 
 
 def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():

@@ -219,8 +219,9 @@ class Planner:
     # --- graphs --------------------------------------------------------------------------
     def measure_graphs(self, prog, trainer) -> None:
         """The compute buffers a run ends up with: the training graph's as the Trainer reserves it
-        (before the backend's rewrites; placed again only where ggml finds that placement invalid
-        for the rewritten graph) and the evaluation graph's as its first compute places it."""
+        (on cpu before the backend's rewrites, placed again only where ggml finds that placement
+        invalid for the rewritten graph; on cuda after them) and the evaluation graph's as its
+        first compute places it."""
         # What the plan reports about the buffer's contents, read before the backend's rewrites
         # (they keep every shape but turn ops into custom nodes with no telling name).
         self._describe(trainer)
@@ -231,14 +232,20 @@ class Planner:
                 lib.ggml_gallocr_reserve_n_size(galloc, graph, ffi.NULL, ffi.NULL, sizes)
                 return int(sizes[0])
 
-            parts = {"train": size(trainer.gb_opt)}
-            reserved = self._placement(trainer.gb_opt)
-            prog._prepare(trainer.gb_opt)
-            # A step's first allocation keeps the placement reserved before the rewrite unless
-            # ggml finds it invalid for the rewritten graph (ggml_gallocr_needs_realloc, which is
-            # static in ggml-alloc.c: replayed here); only then does ggml place the graph again.
-            if self._needs_realloc(trainer.gb_opt, reserved):
-                parts["train_rewritten"] = size(trainer.gb_opt)
+            if prog.cuda_kernels and prog.engine.backend == "cuda":
+                # on cuda the Trainer reserves the graph as rewritten (Trainer: the fused
+                # kernels' nodes never hold what ggml's graph kept for the backward)
+                prog._prepare(trainer.gb_opt)
+                parts = {"train": size(trainer.gb_opt)}
+            else:
+                parts = {"train": size(trainer.gb_opt)}
+                reserved = self._placement(trainer.gb_opt)
+                prog._prepare(trainer.gb_opt)
+                # A step's first allocation keeps the placement reserved before the rewrite unless
+                # ggml finds it invalid for the rewritten graph (ggml_gallocr_needs_realloc, which
+                # is static in ggml-alloc.c: replayed here); only then does ggml place it again.
+                if self._needs_realloc(trainer.gb_opt, reserved):
+                    parts["train_rewritten"] = size(trainer.gb_opt)
             prog._prepare(trainer.eval_graph)
             parts["eval"] = size(trainer.eval_graph)
         finally:

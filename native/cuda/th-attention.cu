@@ -42,15 +42,28 @@ extern "C" {
 #define TH_AT_QB 128      // queries a forward CTA
 #define TH_AT_QLD (TH_AT_QB + TH_AT_PAD)
 
-// a head batch's (t, d) elements, floats: head bh starts at p + (bh / H) sb + (bh % H) sh
+// a head batch's (t, d) elements, floats: head bh starts at p + (h / H) sb + (h % H) sh, h = bh / g
+// (g: query heads a kv head, for k and v^T of grouped-query heads; else 1)
 struct th_opd {
     float * p;
     int64_t st, sd, sh, sb;
-    int H;
+    int H, g;
 };
 
-static __device__ __forceinline__ float * th_head(const th_opd & o, const int bh) {
+static __device__ __forceinline__ float * th_head(const th_opd & o, int bh) {
+    if (o.g > 1) bh /= o.g;
     return o.p + (int64_t) (bh / o.H) * o.sb + (int64_t) (bh % o.H) * o.sh;
+}
+
+// the backward's dK or dV element of a kv head: with grouped heads (group > 1) the sum over its
+// group, head by head into memory as REPEAT_BACK summed them (0, then each head's value added in
+// fp32, in head order: the same bits); one thread writes and rereads each element
+static __device__ __forceinline__ void th_put_grouped(float * p, const float x, const int group, const int r) {
+    if (group == 1) {
+        *p = x;
+    } else {
+        *p = __fadd_rn(r == 0 ? 0.0f : *p, x);
+    }
 }
 
 struct th_attn_args {
@@ -65,6 +78,7 @@ struct th_attn_args {
     int T;
     float scale;
     int causal;
+    int group;            // query heads a kv head (the backward: one CTA a kv head, its heads in turn)
 };
 
 // a kernel's dynamic shared memory above the 48 KB default, raised once per device (as ggml-cuda does)
@@ -240,8 +254,9 @@ static __global__ void th_attn_prep_kernel(const th_attn_args a, const int64_t r
 }
 
 // the backward: one CTA a (head, key block), over the query blocks that see it (the first key
-// blocks, seen by most, start first). dS is written for those tiles only.
-template <int HD>
+// blocks, seen by most, start first). dS is written for those tiles only. With grouped heads a
+// CTA takes a kv head's key block and each query head of its group in turn (K and V loaded once).
+template <int HD, bool GROUPED>
 static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(const th_attn_args a) {
     constexpr int DN = HD / 16;
     constexpr int LDN = HD + TH_AT_PAD;
@@ -257,102 +272,105 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(co
     float * Dq = Lq + TH_AT_B;                   // [B]
     float * Pq = Qt, * Sq = dOt;
     const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
-    const int bh = blockIdx.x, kb = blockIdx.y, k0 = kb * TH_AT_B, T = a.T;
+    const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, kb = blockIdx.y, k0 = kb * TH_AT_B, T = a.T;
     const int nqb = (T + TH_AT_B - 1) / TH_AT_B;
-    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
-    const float * dout = th_head(a.dout, bh);
-    const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
-    float * ds_out = a.out + bh * ((int64_t) T * T);
+    const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
     th_load_tile<HD, false, true>(nullptr, 0, Kt, k, a.k, k0, T);
     th_load_tile<HD, false, true>(nullptr, 0, Vt, v, a.v, k0, T);
-    float dv[4][DN], dk[4][DN];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < DN; j++) dv[i][j] = dk[i][j] = 0.0f;
-    for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
-        const int q0 = qb * TH_AT_B;
-        __syncthreads();
-        th_load_tile<HD, true, true>(Qn, LDN, Qt, q, a.q, q0, T);
-        th_load_tile<HD, true, true>(dOn, LDN, dOt, dout, a.dout, q0, T);
-        if (tid < TH_AT_B) {
-            const bool in = q0 + tid < T;
-            Lq[tid] = in ? L[q0 + tid] : INFINITY;      // a padded row's P is exp(-inf) = 0
-            Dq[tid] = in ? D[q0 + tid] : 0.0f;
-        }
-        __syncthreads();
-        // S^T and dP^T, keys (rows, 4 ty) x queries (columns, 4 tx)
-        float s[4][4] = {}, dp[4][4] = {};
+    for (int gr = 0; gr < G; gr++) {
+        const int bh = kvh * G + gr;
+        const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
+        const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+        const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
+        float * ds_out = a.out + bh * ((int64_t) T * T);
+        float dv[4][DN], dk[4][DN];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < DN; j++) dv[i][j] = dk[i][j] = 0.0f;
+        for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
+            const int q0 = qb * TH_AT_B;
+            __syncthreads();
+            th_load_tile<HD, true, true>(Qn, LDN, Qt, q, a.q, q0, T);
+            th_load_tile<HD, true, true>(dOn, LDN, dOt, dout, a.dout, q0, T);
+            if (tid < TH_AT_B) {
+                const bool in = q0 + tid < T;
+                Lq[tid] = in ? L[q0 + tid] : INFINITY;      // a padded row's P is exp(-inf) = 0
+                Dq[tid] = in ? D[q0 + tid] : 0.0f;
+            }
+            __syncthreads();
+            // S^T and dP^T, keys (rows, 4 ty) x queries (columns, 4 tx)
+            float s[4][4] = {}, dp[4][4] = {};
 #pragma unroll 4
-        for (int d = 0; d < HD; d++) {
-            const float4 ka = th_ld4(Kt + d * TH_AT_LD + 4 * ty), va = th_ld4(Vt + d * TH_AT_LD + 4 * ty);
-            const float4 qb4 = th_ld4(Qt + d * TH_AT_LD + 4 * tx), gb = th_ld4(dOt + d * TH_AT_LD + 4 * tx);
-            const float kv[4] = {ka.x, ka.y, ka.z, ka.w}, vv[4] = {va.x, va.y, va.z, va.w};
-            const float qv[4] = {qb4.x, qb4.y, qb4.z, qb4.w}, gv[4] = {gb.x, gb.y, gb.z, gb.w};
+            for (int d = 0; d < HD; d++) {
+                const float4 ka = th_ld4(Kt + d * TH_AT_LD + 4 * ty), va = th_ld4(Vt + d * TH_AT_LD + 4 * ty);
+                const float4 qb4 = th_ld4(Qt + d * TH_AT_LD + 4 * tx), gb = th_ld4(dOt + d * TH_AT_LD + 4 * tx);
+                const float kv[4] = {ka.x, ka.y, ka.z, ka.w}, vv[4] = {va.x, va.y, va.z, va.w};
+                const float qv[4] = {qb4.x, qb4.y, qb4.z, qb4.w}, gv[4] = {gb.x, gb.y, gb.z, gb.w};
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        s[i][j] += kv[i] * qv[j];
+                        dp[i][j] += vv[i] * gv[j];
+                    }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int key = k0 + 4 * ty + i;
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    s[i][j] += kv[i] * qv[j];
-                    dp[i][j] += vv[i] * gv[j];
+                    const int qr = q0 + 4 * tx + j;
+                    const bool seen = key < T && qr < T && !(a.causal && key > qr);
+                    const float p = seen ? expf(s[i][j] * a.scale - Lq[4 * tx + j]) : 0.0f;
+                    s[i][j] = p;
+                    dp[i][j] = p * (dp[i][j] - Dq[4 * tx + j]) * a.scale;     // dS
                 }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int key = k0 + 4 * ty + i;
+            }
+            __syncthreads();                            // Qt and dOt read: they take P and dS
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int qr = q0 + 4 * tx + j;
-                const bool seen = key < T && qr < T && !(a.causal && key > qr);
-                const float p = seen ? expf(s[i][j] * a.scale - Lq[4 * tx + j]) : 0.0f;
-                s[i][j] = p;
-                dp[i][j] = p * (dp[i][j] - Dq[4 * tx + j]) * a.scale;     // dS
+                *(float4 *) (Pq + (4 * tx + j) * TH_AT_LD + 4 * ty) = make_float4(s[0][j], s[1][j], s[2][j], s[3][j]);
+                *(float4 *) (Sq + (4 * tx + j) * TH_AT_LD + 4 * ty) = make_float4(dp[0][j], dp[1][j], dp[2][j], dp[3][j]);
             }
-        }
-        __syncthreads();                            // Qt and dOt read: they take P and dS
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            *(float4 *) (Pq + (4 * tx + j) * TH_AT_LD + 4 * ty) = make_float4(s[0][j], s[1][j], s[2][j], s[3][j]);
-            *(float4 *) (Sq + (4 * tx + j) * TH_AT_LD + 4 * ty) = make_float4(dp[0][j], dp[1][j], dp[2][j], dp[3][j]);
-        }
-        __syncthreads();
-        // dS to the node, a row of keys at a time (coalesced): row q0 + r, keys k0 ..
-        const int kw = T - k0 < TH_AT_B ? T - k0 : TH_AT_B;
-        if (kw == TH_AT_B && T % 4 == 0) {
-            for (int i = tid; i < TH_AT_B * TH_AT_B / 4; i += TH_AT_THREADS) {
-                const int r = i / (TH_AT_B / 4), c = 4 * (i % (TH_AT_B / 4));
-                if (q0 + r < T) *(float4 *) (ds_out + (int64_t) (q0 + r) * T + k0 + c) = th_ld4(Sq + r * TH_AT_LD + c);
-            }
-        } else {
-            for (int i = tid; i < TH_AT_B * TH_AT_B; i += TH_AT_THREADS) {
-                const int r = i / TH_AT_B, c = i % TH_AT_B;
-                if (q0 + r < T && c < kw) ds_out[(int64_t) (q0 + r) * T + k0 + c] = Sq[r * TH_AT_LD + c];
-            }
-        }
-#pragma unroll 4
-        for (int r = 0; r < TH_AT_B; r++) {         // dV += P^T dO and dK += dS^T Q
-            const float4 pa = th_ld4(Pq + r * TH_AT_LD + 4 * ty), sa = th_ld4(Sq + r * TH_AT_LD + 4 * ty);
-            const float pv[4] = {pa.x, pa.y, pa.z, pa.w}, sv[4] = {sa.x, sa.y, sa.z, sa.w};
-            float gv[DN], qv[DN];
-            th_ld_row<DN>(dOn + r * LDN + tx * DN, gv);
-            th_ld_row<DN>(Qn + r * LDN + tx * DN, qv);
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < DN; j++) {
-                    dv[i][j] += pv[i] * gv[j];
-                    dk[i][j] += sv[i] * qv[j];
+            __syncthreads();
+            // dS to the node, a row of keys at a time (coalesced): row q0 + r, keys k0 ..
+            const int kw = T - k0 < TH_AT_B ? T - k0 : TH_AT_B;
+            if (kw == TH_AT_B && T % 4 == 0) {
+                for (int i = tid; i < TH_AT_B * TH_AT_B / 4; i += TH_AT_THREADS) {
+                    const int r = i / (TH_AT_B / 4), c = 4 * (i % (TH_AT_B / 4));
+                    if (q0 + r < T) *(float4 *) (ds_out + (int64_t) (q0 + r) * T + k0 + c) = th_ld4(Sq + r * TH_AT_LD + c);
                 }
+            } else {
+                for (int i = tid; i < TH_AT_B * TH_AT_B; i += TH_AT_THREADS) {
+                    const int r = i / TH_AT_B, c = i % TH_AT_B;
+                    if (q0 + r < T && c < kw) ds_out[(int64_t) (q0 + r) * T + k0 + c] = Sq[r * TH_AT_LD + c];
+                }
+            }
+#pragma unroll 4
+            for (int r = 0; r < TH_AT_B; r++) {         // dV += P^T dO and dK += dS^T Q
+                const float4 pa = th_ld4(Pq + r * TH_AT_LD + 4 * ty), sa = th_ld4(Sq + r * TH_AT_LD + 4 * ty);
+                const float pv[4] = {pa.x, pa.y, pa.z, pa.w}, sv[4] = {sa.x, sa.y, sa.z, sa.w};
+                float gv[DN], qv[DN];
+                th_ld_row<DN>(dOn + r * LDN + tx * DN, gv);
+                th_ld_row<DN>(Qn + r * LDN + tx * DN, qv);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < DN; j++) {
+                        dv[i][j] += pv[i] * gv[j];
+                        dk[i][j] += sv[i] * qv[j];
+                    }
+            }
         }
-    }
-    // causal: the tiles above the diagonal are never written; the dQ kernel, dS's only reader, skips them
-    float * dk_out = th_head(a.dk, bh), * dv_out = th_head(a.dv, bh);
-    for (int i = 0; i < 4; i++) {
-        const int key = k0 + 4 * ty + i;
-        if (key >= T) continue;
-        for (int j = 0; j < DN; j++) {
-            const int64_t d = tx * DN + j;
-            dk_out[key * a.dk.st + d * a.dk.sd] = dk[i][j];
-            dv_out[key * a.dv.st + d * a.dv.sd] = dv[i][j];
+        // causal: the tiles above the diagonal are never written; the dQ kernel, dS's only reader, skips them
+        float * dk_out = th_head(a.dk, kvh), * dv_out = th_head(a.dv, kvh);
+        for (int i = 0; i < 4; i++) {
+            const int key = k0 + 4 * ty + i;
+            if (key >= T) continue;
+            for (int j = 0; j < DN; j++) {
+                const int64_t d = tx * DN + j;
+                th_put_grouped(dk_out + key * a.dk.st + d * a.dk.sd, dk[i][j], G, gr);
+                th_put_grouped(dv_out + key * a.dv.st + d * a.dv.sd, dv[i][j], G, gr);
+            }
         }
     }
 }
@@ -625,73 +643,76 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(c
 // the backward: one CTA a (head, 64 keys), a warp 16 keys, over the query blocks that see them:
 // S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T - L), dS^T = scale P^T (dP^T - D) (written
 // to the node, fp32, query-major as fp32's kernel writes it), dV += P^T dO, dK += dS^T Q
-template <int HD>
+template <int HD, bool GROUPED>
 static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD;
     __shared__ __align__(16) __nv_bfloat16 Qs[TH_MM_B * LDR];       // [q][d]   (first K)
     __shared__ __align__(16) __nv_bfloat16 dOs[TH_MM_B * LDR];      // [q][d]   (first V)
     __shared__ float Lq[TH_MM_B], Dq[TH_MM_B];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
-    const int bh = blockIdx.x, kb = blockIdx.y, k0 = kb * TH_MM_B, T = a.T;
+    const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, kb = blockIdx.y, k0 = kb * TH_MM_B, T = a.T;
     const int nqb = (T + TH_MM_B - 1) / TH_MM_B;
     const int w0 = k0 + 16 * warp;                                   // the warp's first key
-    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
-    const float * dout = th_head(a.dout, bh);
-    const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
-    float * ds_out = a.out + bh * ((int64_t) T * T);
+    const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
     th_load_bf16<HD>(Qs, LDR, k, a.k, k0, T);
     th_load_bf16<HD>(dOs, LDR, v, a.v, k0, T);
     __syncthreads();
     uint32_t kf[HD / 16][4], vf[HD / 16][4];
     th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
     th_frag_a<HD>(vf, dOs, LDR, 16 * warp);
-    float dv[HD / 8][4], dk[HD / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
-    for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
-        const int q0 = qb * TH_MM_B;
-        __syncthreads();
-        th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
-        th_load_bf16<HD>(dOs, LDR, dout, a.dout, q0, T);
-        if (threadIdx.x < TH_MM_B) {
-            const bool in = q0 + threadIdx.x < T;
-            Lq[threadIdx.x] = in ? L[q0 + threadIdx.x] : INFINITY;      // a padded query's P is 0
-            Dq[threadIdx.x] = in ? D[q0 + threadIdx.x] : 0.0f;
-        }
-        __syncthreads();
-        float s[8][4], dp[8][4];
-        th_mm_rows<HD>(s, kf, Qs, LDR);
-        th_mm_rows<HD>(dp, vf, dOs, LDR);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
-                const bool seen = key < T && qr < T && !(a.causal && key > qr);
-                const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
-                s[nt][e] = p;
-                dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
-                if (key < T && qr < T) ds_out[(int64_t) qr * T + key] = dp[nt][e];
-            }
-        th_mm_acc<HD>(dv, s, dOs, LDR);
-        th_mm_acc<HD>(dk, dp, Qs, LDR);
-    }
-    float * dk_out = th_head(a.dk, bh), * dv_out = th_head(a.dv, bh);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int key = w0 + g + 8 * r;
-        if (key >= T) continue;
+    for (int gr = 0; gr < G; gr++) {                                 // grouped heads: each query head in turn
+        const int bh = kvh * G + gr;
+        const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
+        const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+        const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
+        float * ds_out = a.out + bh * ((int64_t) T * T);
+        float dv[HD / 8][4], dk[HD / 8][4];
 #pragma unroll
         for (int nt = 0; nt < HD / 8; nt++)
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int64_t d = nt * 8 + c + e;
-                dk_out[key * a.dk.st + d * a.dk.sd] = dk[nt][2 * r + e];
-                dv_out[key * a.dv.st + d * a.dv.sd] = dv[nt][2 * r + e];
+            for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
+        for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
+            const int q0 = qb * TH_MM_B;
+            __syncthreads();
+            th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
+            th_load_bf16<HD>(dOs, LDR, dout, a.dout, q0, T);
+            if (threadIdx.x < TH_MM_B) {
+                const bool in = q0 + threadIdx.x < T;
+                Lq[threadIdx.x] = in ? L[q0 + threadIdx.x] : INFINITY;      // a padded query's P is 0
+                Dq[threadIdx.x] = in ? D[q0 + threadIdx.x] : 0.0f;
             }
+            __syncthreads();
+            float s[8][4], dp[8][4];
+            th_mm_rows<HD>(s, kf, Qs, LDR);
+            th_mm_rows<HD>(dp, vf, dOs, LDR);
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
+                    const bool seen = key < T && qr < T && !(a.causal && key > qr);
+                    const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
+                    s[nt][e] = p;
+                    dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
+                    if (key < T && qr < T) ds_out[(int64_t) qr * T + key] = dp[nt][e];
+                }
+            th_mm_acc<HD>(dv, s, dOs, LDR);
+            th_mm_acc<HD>(dk, dp, Qs, LDR);
+        }
+        float * dk_out = th_head(a.dk, kvh), * dv_out = th_head(a.dv, kvh);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int key = w0 + g + 8 * h;
+            if (key >= T) continue;
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int64_t d = nt * 8 + c + e;
+                    th_put_grouped(dk_out + key * a.dk.st + d * a.dk.sd, dk[nt][2 * h + e], G, gr);
+                    th_put_grouped(dv_out + key * a.dv.st + d * a.dv.sd, dv[nt][2 * h + e], G, gr);
+                }
+        }
     }
 }
 
@@ -782,13 +803,14 @@ static th_opd th_opd_of(const ggml_tensor * x, const bool t_first) {
     o.sh = (int64_t) (x->nb[2] / sizeof(float));
     o.sb = (int64_t) (x->nb[3] / sizeof(float));
     o.H = (int) x->ne[2];
+    o.g = 1;
     return o;
 }
 
 // where a fused node's output goes: head bh's (t, d) at p + (bh / H) sb + (bh % H) sh + t st + d sd
 static th_opd th_opd_at(float * p, const int64_t st, const int64_t sd, const int64_t sh, const int64_t heads) {
     th_opd o;
-    o.p = p, o.st = st, o.sd = sd, o.sh = sh, o.sb = 0, o.H = (int) heads;
+    o.p = p, o.st = st, o.sd = sd, o.sh = sh, o.sb = 0, o.H = (int) heads, o.g = 1;
     return o;
 }
 
@@ -799,6 +821,7 @@ static th_opd th_room_opd(const ggml_tensor * room, const th_attention_map m) {
     for (int i = 0; i < 4; i++) s[i] = m.axis[i] >= 0 ? (int64_t) (room->nb[m.axis[i]] / sizeof(float)) : 0;
     o.p = (float *) room->data, o.sd = s[0], o.st = s[1], o.sh = s[2], o.sb = s[3];
     o.H = m.axis[2] >= 0 ? (int) room->ne[m.axis[2]] : 1;
+    o.g = 1;
     return o;
 }
 
@@ -836,12 +859,13 @@ static bool th_opd_ok(const ggml_tensor * x, const int64_t ne0, const int64_t ne
 template <int HD>
 static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
     th_attn_args a = {};
-    a.T = ap.T, a.scale = ap.scale, a.causal = ap.causal, a.out = (float *) dst->data;
+    a.T = ap.T, a.scale = ap.scale, a.causal = ap.causal, a.out = (float *) dst->data, a.group = ap.group;
     const int nb = (a.T + TH_AT_B - 1) / TH_AT_B;
     const int64_t T = ap.T;
     const bool bf16 = th_precision_of(dst) == TH_PRECISION_BF16;      // tensor cores (TH_MM_B == TH_AT_B)
     if (kernel == TH_CUDA_ATTN_FWD) {
         a.q = th_opd_of(dst->src[0], false), a.k = th_opd_of(dst->src[1], false), a.v = th_opd_of(dst->src[2], true);
+        a.k.g = a.v.g = ap.group;
         a.o = th_opd_at((float *) dst->data, HD, 1, (HD + 1) * T, dst->ne[1]);
         if (bf16) {
             th_attn_fwd_mma_kernel<HD><<<dim3((unsigned) dst->ne[1], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
@@ -859,23 +883,38 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         th_attn_prep_kernel<HD><<<(unsigned) ((rows + 7) / 8), 256, 0, stream>>>(a, rows);
     } else if (kernel == TH_CUDA_ATTN_BWD) {
         a.q = th_opd_of(dst->src[0], false), a.k = th_opd_of(dst->src[1], false), a.v = th_opd_of(dst->src[2], true);
+        a.k.g = a.v.g = ap.group;
         a.dout = th_opd_of(dst->src[3], false);
         a.fwd = (const float *) dst->src[4]->data;
         a.scratch = (float *) dst->src[5]->data;
+        // dK and dV of the kv heads (heads / group): into rooms, or the first heads of the scratch
+        // (grouped only where no SLICE reads it: th_check_group_rooms)
         const int64_t heads = dst->ne[2], per_head = (2 * HD + 1) * T;
+        const unsigned ctas = (unsigned) (heads / ap.group);
         a.dk = dst->src[6] != nullptr ? th_room_opd(dst->src[6], th_attention_map_of(dst, 0))
                                       : th_opd_at(a.scratch, HD, 1, per_head, heads);
         a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
                                       : th_opd_at(a.scratch + T * HD, 1, T, per_head, heads);
+        // without grouped heads the kernels' loop over a group's heads compiles away (the same code as before)
         if (bf16) {
-            th_attn_bwd_mma_kernel<HD><<<dim3((unsigned) dst->ne[2], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            if (ap.group > 1) {
+                th_attn_bwd_mma_kernel<HD, true><<<dim3(ctas, (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            } else {
+                th_attn_bwd_mma_kernel<HD, false><<<dim3(ctas, (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            }
             return;
         }
         const size_t smem = th_bwd_smem(HD);
-        TH_SET_SMEM_LIMIT(th_attn_bwd_kernel<HD>, smem);
-        th_attn_bwd_kernel<HD><<<dim3((unsigned) dst->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
+        if (ap.group > 1) {
+            TH_SET_SMEM_LIMIT((th_attn_bwd_kernel<HD, true>), smem);
+            th_attn_bwd_kernel<HD, true><<<dim3(ctas, (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
+        } else {
+            TH_SET_SMEM_LIMIT((th_attn_bwd_kernel<HD, false>), smem);
+            th_attn_bwd_kernel<HD, false><<<dim3(ctas, (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
+        }
     } else {
         a.ds = (const float *) dst->src[0]->data, a.k = th_opd_of(dst->src[1], false);
+        a.k.g = ap.group;
         a.dq = th_room_opd(dst, th_attention_map_of(dst, 0));
         if (bf16) {
             th_attn_dq_mma_kernel<HD><<<dim3((unsigned) dst->src[0]->ne[2], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
@@ -893,27 +932,27 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
         return op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_F32 && ggml_is_contiguous(op->src[0]);
     }
     const th_attention_params ap = th_params_of(op);
-    if (!th_attention_head_dim_ok(ap.hd) || ap.T <= 0) return false;
-    const int64_t hd = ap.hd, T = ap.T;
+    if (!th_attention_head_dim_ok(ap.hd) || ap.T <= 0 || ap.group < 1) return false;
+    const int64_t hd = ap.hd, T = ap.T, G = ap.group;     // k, vt and the rooms: heads / G kv heads
     const ggml_tensor * const * s = op->src;
     switch (kernel) {
         case TH_CUDA_ATTN_FWD:
             return op->ne[0] == th_attention_fwd_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
-                   th_opd_ok(s[1], hd, T, op->ne[1]) && th_opd_ok(s[2], T, hd, op->ne[1]);
+                   op->ne[1] % G == 0 && th_opd_ok(s[1], hd, T, op->ne[1] / G) && th_opd_ok(s[2], T, hd, op->ne[1] / G);
         case TH_CUDA_ATTN_PREP:
             return op->ne[0] == th_attention_prep_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
                    th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1];
         case TH_CUDA_ATTN_BWD:
-            return op->ne[0] == T && op->ne[1] == T && th_opd_ok(s[0], hd, T, op->ne[2]) &&
-                   th_opd_ok(s[1], hd, T, op->ne[2]) && th_opd_ok(s[2], T, hd, op->ne[2]) &&
+            return op->ne[0] == T && op->ne[1] == T && th_opd_ok(s[0], hd, T, op->ne[2]) && op->ne[2] % G == 0 &&
+                   th_opd_ok(s[1], hd, T, op->ne[2] / G) && th_opd_ok(s[2], T, hd, op->ne[2] / G) &&
                    th_opd_ok(s[3], hd, T, op->ne[2]) && th_f32_contiguous(s[4]) && th_f32_contiguous(s[5]) &&
                    ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * op->ne[2] &&
                    ggml_nelements(s[5]) == th_attention_prep_floats(hd, T) * op->ne[2] &&
-                   (s[6] == nullptr || th_room_ok(s[6], th_attention_map_of(op, 0), hd, T, op->ne[2])) &&
-                   (s[7] == nullptr || th_room_ok(s[7], th_attention_map_of(op, 1), hd, T, op->ne[2]));
+                   (s[6] == nullptr || th_room_ok(s[6], th_attention_map_of(op, 0), hd, T, op->ne[2] / G)) &&
+                   (s[7] == nullptr || th_room_ok(s[7], th_attention_map_of(op, 1), hd, T, op->ne[2] / G));
         case TH_CUDA_ATTN_DQ:
-            return th_f32_contiguous(s[0]) && s[0]->ne[0] == T && s[0]->ne[1] == T &&
-                   th_opd_ok(s[1], hd, T, s[0]->ne[2]) && th_room_ok(op, th_attention_map_of(op, 0), hd, T, s[0]->ne[2]);
+            return th_f32_contiguous(s[0]) && s[0]->ne[0] == T && s[0]->ne[1] == T && s[0]->ne[2] % G == 0 &&
+                   th_opd_ok(s[1], hd, T, s[0]->ne[2] / G) && th_room_ok(op, th_attention_map_of(op, 0), hd, T, s[0]->ne[2]);
         default:
             return false;
     }

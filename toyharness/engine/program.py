@@ -136,13 +136,16 @@ def bf16_keep_nodes(default: int) -> int:
     return int(raw)
 
 
-def fused_attention() -> bool:
-    """Whether the cuda rewrite fuses attention (native/cuda/th-attention.cu): yes unless
-    TOYHARNESS_CUDA_ATTENTION=ggml (ggml's nodes: comparisons, tests)."""
+def fused_attention() -> int:
+    """How the cuda rewrite takes attention (th_cuda_rewrite's flag): fused (native/cuda/
+    th-attention.cu) with grouped-query heads' kv heads read in place (3), unless
+    TOYHARNESS_CUDA_ATTENTION=repeat (fused, the kv heads repeated by ggml's REPEAT nodes and their
+    gradients summed by REPEAT_BACK, as before: 1; the same bits) or ggml (ggml's nodes: 0;
+    comparisons, tests)."""
     choice = os.environ.get("TOYHARNESS_CUDA_ATTENTION", "")
-    if choice not in ("", "fused", "ggml"):
-        raise InputError(f"TOYHARNESS_CUDA_ATTENTION={choice!r}: use fused or ggml")
-    return choice != "ggml"
+    if choice not in ("", "fused", "repeat", "ggml"):
+        raise InputError(f"TOYHARNESS_CUDA_ATTENTION={choice!r}: use fused, repeat or ggml")
+    return {"": 3, "fused": 3, "repeat": 1, "ggml": 0}[choice]
 
 
 _KEPT_DEVICE_MEMORY: list = []   # see Program.close
@@ -956,6 +959,12 @@ class Trainer:
         if prog.planner is not None:
             prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
         else:
+            if prog.cuda_kernels and prog.engine.backend == "cuda":
+                # on cuda the buffer is reserved for the graph as the rewrite leaves it: reserved
+                # before, it kept the places of nodes the fused kernels never write (attention's
+                # (B*H, T, T) probabilities, kept for the backward in ggml's graph; the REPEATs of
+                # grouped kv heads) and, only growing, never gave them back (iss-32f)
+                prog._prepare(self.gb_opt)
             with ggml_quiet():
                 reserved = lib.ggml_gallocr_reserve(prog.galloc_for(self.gb_opt), self.gb_opt)
             if not reserved:
