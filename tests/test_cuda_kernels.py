@@ -661,6 +661,19 @@ def attention_values(monkeypatch, how: str, **shape) -> dict[str, np.ndarray]:
     return out
 
 
+def attention_values_at(monkeypatch, precision: str, hows: tuple[str, ...], **shape) -> list[dict[str, np.ndarray]]:
+    """attention_values for each of `hows` in turn at `precision` (fp32 again after); skips where
+    ggml-cuda was built without our kernels."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine("cuda")
+    engine.set_precision(precision)
+    try:
+        return [attention_values(monkeypatch, how, **shape) for how in hows]
+    finally:
+        engine.set_precision("fp32")
+
+
 # the fused attention's shapes: tiles whole and partial, grouped heads, no mask
 ATTENTION_SHAPES = [
     dict(b=2, t=64, d=128, n_head=2),                         # one tile, head size 64
@@ -701,16 +714,7 @@ def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(backend, precision
     forward and dQ read the same values, and the backward sums each group's dK and dV as
     REPEAT_BACK does (0, then head by head in fp32), so every output has the same bits, in fp32
     and on the tensor cores (bf16); and they repeat."""
-    if not cuda_kernels_built():
-        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    engine = get_engine("cuda")
-    engine.set_precision(precision)
-    try:
-        grouped = attention_values(monkeypatch, "fused", **shape)
-        again = attention_values(monkeypatch, "fused", **shape)
-        repeated = attention_values(monkeypatch, "repeat", **shape)
-    finally:
-        engine.set_precision("fp32")
+    grouped, again, repeated = attention_values_at(monkeypatch, precision, ("fused", "fused", "repeat"), **shape)
     for name, want in repeated.items():
         assert np.isfinite(grouped[name]).all(), name
         assert np.array_equal(grouped[name], want), (name, float(np.abs(grouped[name] - want).max()))
@@ -744,17 +748,8 @@ def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats
     through at most five products, each rounding its inputs by at most u; the errors of the sums
     over d, t and keys partly cancel, and ggml's own nodes in bf16 are printed beside for scale).
     The same bits on a second run, and not fp32's."""
-    if not cuda_kernels_built():
-        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     u = 2.0**-8
-    engine = get_engine("cuda")
-    engine.set_precision("bf16")
-    try:
-        fused = attention_values(monkeypatch, "fused", **shape)
-        again = attention_values(monkeypatch, "fused", **shape)
-        nodes = attention_values(monkeypatch, "ggml", **shape)
-    finally:
-        engine.set_precision("fp32")
+    fused, again, nodes = attention_values_at(monkeypatch, "bf16", ("fused", "fused", "ggml"), **shape)
     fp32 = attention_values(monkeypatch, "fused", **shape)
     for name, want in attention_float64(**shape).items():
         got = fused[name]
