@@ -1229,14 +1229,17 @@ static int th_mark_gemm(struct ggml_tensor * t, int causal) {
 
 static int th_mark_causal(struct ggml_cgraph * graph) {
     int marked = 0;
+    const struct ggml_tensor * mask_checked = NULL;     /* the layers share one mask: its values read once */
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * sm = ggml_graph_node(graph, i);
         const int64_t T = sm->ne[0];
         if ((sm->op != GGML_OP_SOFT_MAX && !th_is_custom(sm, (void *) th_soft_max_op)) || sm->type != GGML_TYPE_F32 ||
-            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) || !th_is_causal_mask(sm->src[1], T)) {
+            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) ||
+            (sm->src[1] != mask_checked && !th_is_causal_mask(sm->src[1], T))) {
             continue;
         }
+        mask_checked = sm->src[1];
         struct ggml_tensor * ds = NULL;
         for (int j = i + 1; j < n && ds == NULL; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);

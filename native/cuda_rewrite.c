@@ -114,9 +114,6 @@ static int th_is_attention_node(const struct ggml_tensor * t) {
            th_marked(t, TH_CUDA_ATTN_DQ);
 }
 
-/* What an attention operand reads: under its RESHAPE views, the view that its CONT copies (a CONT
- * folded into the attention's nodes keeps that source: th_fold_attention_operands); else t. The
- * same operand before and after a fold (graphs share nodes: an earlier graph may have folded it). */
 /* a REPEAT of kv heads that grouped-query heads no longer need (th_attention_group): it computes
  * nothing, and keeps the tensor it repeated in op_params[2..] for th_operand_source */
 static void th_fold_repeat(struct ggml_tensor * p, struct ggml_tensor * repeated) {
@@ -130,6 +127,9 @@ static struct ggml_tensor * th_repeated_of(const struct ggml_tensor * t) {
     return r;
 }
 
+/* What an attention operand reads: under its RESHAPE views, the view that its CONT copies (a CONT
+ * folded into the attention's nodes keeps that source: th_fold_attention_operands); else t. The
+ * same operand before and after a fold (graphs share nodes: an earlier graph may have folded it). */
 static const struct ggml_tensor * th_operand_source(const struct ggml_tensor * t) {
     for (;;) {          /* through a REPEAT folded for grouped heads: its nodes now read what it repeated */
         while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
