@@ -647,6 +647,16 @@ def test_fused_attention_can_be_turned_off_by_name(monkeypatch):
         get_engine("cpu").program()
 
 
+def test_the_attention_rows_are_checked_by_name(monkeypatch):
+    from toyharness.errors import InputError
+
+    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", "96")
+    with pytest.raises(InputError, match="TOYHARNESS_CUDA_ATTENTION_ROWS='96': use 64 or 128"):
+        get_engine("cpu").program()
+    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", "64")
+    assert get_engine("cpu").program().attention_rows == 64
+
+
 def attention_values(monkeypatch, how: str, **shape) -> dict[str, np.ndarray]:
     monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", how)
     prog, trainer, fg = attention_program("cuda", **shape)
@@ -719,6 +729,26 @@ def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(backend, precision
         assert np.isfinite(grouped[name]).all(), name
         assert np.array_equal(grouped[name], want), (name, float(np.abs(grouped[name] - want).max()))
         assert np.array_equal(grouped[name], again[name]), name
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES + [
+    dict(b=2, t=256, d=256, n_head=4),                        # whole 128-row blocks, head size 64
+    dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # grouped, a partial 128-row block
+])
+def test_bf16_attention_bits_do_not_depend_on_the_rows_a_cta_takes(backend, shape, monkeypatch):
+    """The bf16 kernels with 128 rows a CTA (8 warps, the default) against 64
+    (TOYHARNESS_CUDA_ATTENTION_ROWS=64): each warp's 16 rows meet the same 64-row tiles in the same
+    order, and a warp skips the causal blocks it would not have met with 64 rows, so every output
+    has the same bits (dS's staged and unstaged loads included: T a multiple of 4 or not)."""
+    values = []
+    for rows in ("64", "128"):
+        monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", rows)
+        values += attention_values_at(monkeypatch, "bf16", ("fused",), **shape)
+    small, large = values
+    for name, want in small.items():
+        assert np.isfinite(large[name]).all(), name
+        assert np.array_equal(large[name], want), (name, float(np.abs(large[name] - want).max()))
 
 
 def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():

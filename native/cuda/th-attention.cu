@@ -33,6 +33,7 @@ extern "C" {
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #define TH_AT_B 64        // queries and keys per tile
@@ -441,16 +442,22 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
 // --- bf16: the same three kernels on tensor cores (issue 32) ------------------------------------
 // Under precision = bf16 (the node's stamp) the forward, the backward and dQ multiply bf16 tiles on
 // the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulation), FlashAttention-2's tiling: a
-// CTA of 4 warps, each warp 16 rows of the CTA's 64 (queries in the forward and dQ, keys in the
-// backward), 64 x 64 tiles. Q, K, V, dO and dS are rounded to nearest bf16 as a tile reaches shared
-// memory, P (and dS) as they enter a product; scores, the online softmax, L, D, P = exp(S - L) and
-// every sum stay fp32, and the layouts, the nodes and the prep kernel are fp32's. A product's
-// order is fixed by the mma's shape and the loops (no atomics, no split): the bits repeat.
-// Every tile is kept row-major ([row][d]); where a product needs it as B along its rows (P V,
-// P^T dO, dS^T Q, dS K), ldmatrix's transposing load gives the fragments, so no transposed copy
-// (with its bank conflicts) is made. Tiles load a float4 a thread where d is adjacent.
-#define TH_MM_B 64                    // rows of a tile
-#define TH_MM_THREADS 128             // 4 warps, 16 rows each
+// CTA of WARPS warps, each warp 16 rows of the CTA's 16 WARPS (queries in the forward and dQ, keys
+// in the backward) against 64-row tiles of the other side. Q, K, V, dO and dS are rounded to
+// nearest bf16 as a tile reaches shared memory, P (and dS) as they enter a product; scores, the
+// online softmax, L, D, P = exp(S - L) and every sum stay fp32, and the layouts, the nodes and the
+// prep kernel are fp32's. A product's order is fixed by the mma's shape and the loops (no atomics,
+// no split): the bits repeat, and since a warp's rows see the same 64-row tiles in the same order
+// whatever WARPS is, they do not depend on it (8 warps by default; TOYHARNESS_CUDA_ATTENTION_ROWS=64
+// takes 4, as before). Every tile is kept row-major ([row][d]); where a product needs it as B along
+// its rows (P V, P^T dO, dS^T Q, dS K), ldmatrix's transposing load gives the fragments, so no
+// transposed copy (with its bank conflicts) is made.
+// The tiles that a CTA walks through (K and V in the forward, Q, dO, L and D in the backward, dS
+// and K in dQ) are copied to fp32 staging in shared memory by cp.async one tile ahead, while the
+// warps multiply the tile before (rounded to bf16 from the staging after a barrier): the loads'
+// latency was most of these kernels' time with the copies made synchronously. An operand whose d
+// is not adjacent or not 16-byte aligned loads synchronously, as before (the same values).
+#define TH_MM_B 64                    // rows of the tiles a CTA walks through
 #define TH_MM_PAD 8                   // bf16 padding a smem row: 32-bit fragment reads hit 32 banks
 
 static __device__ __forceinline__ void th_mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t b0,
@@ -469,24 +476,55 @@ static __device__ __forceinline__ uint32_t th_pack_bf16(const float lo, const fl
 
 static __device__ __forceinline__ uint32_t th_ld_pair(const __nv_bfloat16 * p) { return *(const uint32_t *) p; }
 
-// a tile's rows row0 .. row0 + 64 of head h into smem as bf16 rows[r][d] (ld ldr); rows at or past
-// T are zeros. Where d is adjacent and 16-byte aligned, a float4 a thread (8-byte stores);
-// otherwise an element a thread along whichever axis is adjacent. The same values either way.
-template <int HD>
-static __device__ __forceinline__ void th_load_bf16(__nv_bfloat16 * rows, const int ldr, const float * h,
-                                                    const th_opd & o, const int row0, const int T) {
-    if (o.sd == 1 && o.st % 4 == 0 && (uintptr_t) h % 16 == 0) {
-        for (int i = threadIdx.x; i < TH_MM_B * HD / 4; i += TH_MM_THREADS) {
+// cp.async of `bytes` (4 or 16) from global to shared memory, zero-filled where `in` is false
+// (src then only has to be a valid address)
+template <int BYTES>
+static __device__ __forceinline__ void th_cp_async(void * smem, const void * src, const bool in) {
+    const uint32_t s = (uint32_t) __cvta_generic_to_shared(smem);
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(in ? 16 : 0));
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(in ? 4 : 0));
+    }
+}
+static __device__ __forceinline__ void th_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+static __device__ __forceinline__ void th_cp_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// whether head h of o can be staged by 16-byte copies: d adjacent, rows and the head 16-byte aligned
+static __device__ __forceinline__ bool th_stageable(const th_opd & o, const float * h) {
+    return o.sd == 1 && o.st % 4 == 0 && (uintptr_t) h % 16 == 0;
+}
+
+// stage NR rows from row0 of head h (fp32, st[r][d], HD floats a row; rows at or past T zeros) by
+// cp.async; completes at th_cp_wait. Only for th_stageable operands.
+template <int HD, int NR, int NT>
+static __device__ __forceinline__ void th_stage(float * st, const float * h, const th_opd & o, const int row0,
+                                                const int T) {
+    for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
+        const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
+        const bool in = row0 + r < T;
+        th_cp_async<16>(st + r * HD + d, in ? h + (int64_t) (row0 + r) * o.st + d : h, in);
+    }
+}
+
+// NR rows from row0 of head h into smem as bf16 rows[r][d] (ld ldr), rows at or past T zeros: from
+// the staging where the operand is stageable (staged before), else loaded now along whichever of
+// t and d is adjacent in memory. The same values either way.
+template <int HD, int NR, int NT>
+static __device__ __forceinline__ void th_fill_bf16(__nv_bfloat16 * rows, const int ldr, const float * st,
+                                                    const bool staged, const float * h, const th_opd & o,
+                                                    const int row0, const int T) {
+    if (staged) {
+        for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
             const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
-            const float4 x = row0 + r < T ? *(const float4 *) (h + (int64_t) (row0 + r) * o.st + d)
-                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const float4 x = *(const float4 *) (st + r * HD + d);
             *(uint2 *) (rows + r * ldr + d) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
         }
         return;
     }
     const bool d_adjacent = o.sd == 1;
-    for (int i = threadIdx.x; i < TH_MM_B * HD; i += TH_MM_THREADS) {
-        const int r = d_adjacent ? i / HD : i % TH_MM_B, d = d_adjacent ? i % HD : i / TH_MM_B;
+    for (int i = threadIdx.x; i < NR * HD; i += NT) {
+        const int r = d_adjacent ? i / HD : i % NR, d = d_adjacent ? i % HD : i / NR;
         const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
         rows[r * ldr + d] = __float2bfloat16_rn(x);
     }
@@ -556,19 +594,43 @@ static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const 
     }
 }
 
-// the forward: one CTA a (head, 64 queries), the last query blocks first; a warp's 16 queries
-// against the key blocks they see (causal: a warp skips the diagonal block's keys past its rows)
-template <int HD>
-static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(const th_attn_args a) {
-    constexpr int LDR = HD + TH_MM_PAD;
-    __shared__ __align__(16) __nv_bfloat16 Qs[TH_MM_B * LDR];       // [q][d]
-    __shared__ __align__(16) __nv_bfloat16 Ks[TH_MM_B * LDR];       // [key][d]
-    __shared__ __align__(16) __nv_bfloat16 Vs[TH_MM_B * LDR];       // [key][d]
+// shared memory of the three kernels (bytes): bf16 tiles (row ld HD + pad), fp32 staging
+template <int HD, int WARPS>
+static constexpr size_t th_fwd_mma_smem() {
+    return 2 * (size_t) (16 * WARPS + 2 * TH_MM_B) * (HD + TH_MM_PAD) + 4 * (size_t) 2 * TH_MM_B * HD;
+}
+template <int HD, int WARPS>
+static constexpr size_t th_bwd_mma_smem() {
+    constexpr int rows = 16 * WARPS > TH_MM_B ? 16 * WARPS : TH_MM_B;
+    return 2 * (size_t) 2 * rows * (HD + TH_MM_PAD) + 4 * ((size_t) 2 * TH_MM_B * HD + 4 * TH_MM_B);
+}
+template <int HD, int WARPS>
+static constexpr size_t th_dq_mma_smem() {
+    return 2 * ((size_t) 16 * WARPS * (TH_MM_B + TH_MM_PAD) + (size_t) TH_MM_B * (HD + TH_MM_PAD)) +
+           4 * ((size_t) 16 * WARPS * TH_MM_B + (size_t) TH_MM_B * HD);
+}
+
+// the forward: one CTA a (head, 16 WARPS queries), the last query blocks first; a warp's 16 queries
+// against the key blocks they see (causal: a warp skips the key blocks past its rows)
+template <int HD, int WARPS>
+static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma_kernel(const th_attn_args a) {
+    constexpr int LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
+    extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    __nv_bfloat16 * Qs = (__nv_bfloat16 *) th_mma_smem;           // [q][d]
+    __nv_bfloat16 * Ks = Qs + QR * LDR;                            // [key][d]
+    __nv_bfloat16 * Vs = Ks + TH_MM_B * LDR;                       // [key][d]
+    float * Kst = (float *) (Vs + TH_MM_B * LDR), * Vst = Kst + TH_MM_B * HD;     // staging
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
-    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_MM_B, T = a.T;
+    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
-    th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
+    const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
+    const int q_end = q0 + QR < T ? q0 + QR : T;
+    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    th_cp_commit();
+    th_fill_bf16<HD, QR, NT>(Qs, LDR, nullptr, false, q, a.q, q0, T);
     __syncthreads();
     uint32_t qf[HD / 16][4];
     th_frag_a<HD>(qf, Qs, LDR, 16 * warp);
@@ -577,14 +639,18 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(c
     for (int nt = 0; nt < HD / 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) o[nt][e] = 0.0f;
-    const int q_end = q0 + TH_MM_B < T ? q0 + TH_MM_B : T;
-    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        __syncthreads();
-        th_load_bf16<HD>(Ks, LDR, k, a.k, k0, T);
-        th_load_bf16<HD>(Vs, LDR, v, a.v, k0, T);
-        __syncthreads();
+        th_cp_wait();
+        __syncthreads();                                             // the staging holds kb; Ks, Vs free
+        th_fill_bf16<HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
+        th_fill_bf16<HD, TH_MM_B, NT>(Vs, LDR, Vst, v_staged, v, a.v, k0, T);
+        __syncthreads();                                             // Ks, Vs hold kb; the staging free
+        if (kb + 1 < nkb) {
+            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
+            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
+        }
+        th_cp_commit();
         if (a.causal && k0 > w0 + 15) continue;                    // the same for the whole warp
         float s[8][4];
         th_mm_rows<HD>(s, qf, Ks, LDR);
@@ -640,48 +706,69 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_fwd_mma_kernel(c
     }
 }
 
-// the backward: one CTA a (head, 64 keys), a warp 16 keys, over the query blocks that see them:
-// S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T - L), dS^T = scale P^T (dP^T - D) (written
-// to the node, fp32, query-major as fp32's kernel writes it), dV += P^T dO, dK += dS^T Q
-template <int HD, bool GROUPED>
-static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(const th_attn_args a) {
-    constexpr int LDR = HD + TH_MM_PAD;
-    __shared__ __align__(16) __nv_bfloat16 Qs[TH_MM_B * LDR];       // [q][d]   (first K)
-    __shared__ __align__(16) __nv_bfloat16 dOs[TH_MM_B * LDR];      // [q][d]   (first V)
-    __shared__ float Lq[TH_MM_B], Dq[TH_MM_B];
+// the backward: one CTA a (kv head, 16 WARPS keys), a warp 16 keys, over the query blocks that see
+// them, each query head of a group in turn: S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T -
+// L), dS^T = scale P^T (dP^T - D) (written to the node, fp32, query-major as fp32's kernel writes
+// it), dV += P^T dO, dK += dS^T Q. The (head, query block) steps run as one sequence, so the next
+// step's Q, dO, L and D are staged while this one multiplies, across heads too. A warp whose keys
+// no query of a block sees skips it (causal: its first blocks, where the CTA's keys start before
+// them): it took no such step with 64 keys a CTA either.
+template <int HD, int WARPS, bool GROUPED>
+static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(const th_attn_args a) {
+    constexpr int LDR = HD + TH_MM_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
+    constexpr int ROWS = KR > TH_MM_B ? KR : TH_MM_B;
+    extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    __nv_bfloat16 * Qs = (__nv_bfloat16 *) th_mma_smem;           // [q][d]   (first K)
+    __nv_bfloat16 * dOs = Qs + ROWS * LDR;                         // [q][d]   (first V)
+    float * Qst = (float *) (dOs + ROWS * LDR), * dOst = Qst + TH_MM_B * HD;      // staging
+    float * LD = dOst + TH_MM_B * HD;                              // [2 steps][L 64, D 64]
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
-    const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, kb = blockIdx.y, k0 = kb * TH_MM_B, T = a.T;
-    const int nqb = (T + TH_MM_B - 1) / TH_MM_B;
+    const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, k0 = blockIdx.y * KR, T = a.T;
+    const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
     const int w0 = k0 + 16 * warp;                                   // the warp's first key
     const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
-    th_load_bf16<HD>(Qs, LDR, k, a.k, k0, T);
-    th_load_bf16<HD>(dOs, LDR, v, a.v, k0, T);
+    // step i: query head kvh G + i / nq, query block qb0 + i % nq
+    auto stage = [&](const int i) {
+        const int bh = kvh * G + i / nq, q0 = (qb0 + i % nq) * TH_MM_B;
+        const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
+        if (th_stageable(a.q, q)) th_stage<HD, TH_MM_B, NT>(Qst, q, a.q, q0, T);
+        if (th_stageable(a.dout, dout)) th_stage<HD, TH_MM_B, NT>(dOst, dout, a.dout, q0, T);
+        const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+        const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
+        float * ld = LD + (i % 2) * 2 * TH_MM_B;
+        for (int r = threadIdx.x; r < 2 * TH_MM_B; r += NT) {
+            const int qr = q0 + r % TH_MM_B;                         // a padded query's L and D: 0 (its P is 0)
+            th_cp_async<4>(ld + r, qr < T ? (r < TH_MM_B ? L : D) + qr : L, qr < T);
+        }
+    };
+    stage(0);
+    th_cp_commit();
+    th_fill_bf16<HD, KR, NT>(Qs, LDR, nullptr, false, k, a.k, k0, T);
+    th_fill_bf16<HD, KR, NT>(dOs, LDR, nullptr, false, v, a.v, k0, T);
     __syncthreads();
     uint32_t kf[HD / 16][4], vf[HD / 16][4];
     th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
     th_frag_a<HD>(vf, dOs, LDR, 16 * warp);
-    for (int gr = 0; gr < G; gr++) {                                 // grouped heads: each query head in turn
-        const int bh = kvh * G + gr;
+    float dv[HD / 8][4], dk[HD / 8][4];
+    for (int i = 0; i < G * nq; i++) {
+        const int gr = i / nq, bh = kvh * G + gr, q0 = (qb0 + i % nq) * TH_MM_B;
         const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
-        const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-        const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
-        float * ds_out = a.out + bh * ((int64_t) T * T);
-        float dv[HD / 8][4], dk[HD / 8][4];
+        if (i % nq == 0) {
 #pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++)
+            for (int nt = 0; nt < HD / 8; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
-        for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
-            const int q0 = qb * TH_MM_B;
-            __syncthreads();
-            th_load_bf16<HD>(Qs, LDR, q, a.q, q0, T);
-            th_load_bf16<HD>(dOs, LDR, dout, a.dout, q0, T);
-            if (threadIdx.x < TH_MM_B) {
-                const bool in = q0 + threadIdx.x < T;
-                Lq[threadIdx.x] = in ? L[q0 + threadIdx.x] : INFINITY;      // a padded query's P is 0
-                Dq[threadIdx.x] = in ? D[q0 + threadIdx.x] : 0.0f;
-            }
-            __syncthreads();
+                for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
+        }
+        th_cp_wait();
+        __syncthreads();                                             // step i staged; Qs, dOs free
+        th_fill_bf16<HD, TH_MM_B, NT>(Qs, LDR, Qst, th_stageable(a.q, q), q, a.q, q0, T);
+        th_fill_bf16<HD, TH_MM_B, NT>(dOs, LDR, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, T);
+        __syncthreads();                                             // Qs, dOs hold step i; the staging free
+        if (i + 1 < G * nq) stage(i + 1);
+        th_cp_commit();
+        if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
+            const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
+            float * ds_out = a.out + bh * ((int64_t) T * T);
             float s[8][4], dp[8][4];
             th_mm_rows<HD>(s, kf, Qs, LDR);
             th_mm_rows<HD>(dp, vf, dOs, LDR);
@@ -699,51 +786,84 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_bwd_mma_kernel(c
             th_mm_acc<HD>(dv, s, dOs, LDR);
             th_mm_acc<HD>(dk, dp, Qs, LDR);
         }
-        float * dk_out = th_head(a.dk, kvh), * dv_out = th_head(a.dv, kvh);
+        if (i % nq == nq - 1) {
+            float * dk_out = th_head(a.dk, kvh), * dv_out = th_head(a.dv, kvh);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int key = w0 + g + 8 * h;
-            if (key >= T) continue;
+            for (int h = 0; h < 2; h++) {
+                const int key = w0 + g + 8 * h;
+                if (key >= T) continue;
 #pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++)
+                for (int nt = 0; nt < HD / 8; nt++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int64_t d = nt * 8 + c + e;
-                    th_put_grouped(dk_out + key * a.dk.st + d * a.dk.sd, dk[nt][2 * h + e], G, gr);
-                    th_put_grouped(dv_out + key * a.dv.st + d * a.dv.sd, dv[nt][2 * h + e], G, gr);
-                }
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t d = nt * 8 + c + e;
+                        th_put_grouped(dk_out + key * a.dk.st + d * a.dk.sd, dk[nt][2 * h + e], G, gr);
+                        th_put_grouped(dv_out + key * a.dv.st + d * a.dv.sd, dv[nt][2 * h + e], G, gr);
+                    }
+            }
         }
     }
 }
 
-// dQ = dS K: one CTA a (head, 64 queries), a warp 16 queries, over the key blocks the backward
-// wrote (causal: up to the diagonal's), keys in order, the last query blocks first
-template <int HD>
-static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_dq_mma_kernel(const th_attn_args a) {
-    constexpr int LDT = TH_MM_B + TH_MM_PAD, LDR = HD + TH_MM_PAD;
-    __shared__ __align__(16) __nv_bfloat16 Ss[TH_MM_B * LDT];       // [q][key]
-    __shared__ __align__(16) __nv_bfloat16 Ks[TH_MM_B * LDR];       // [key][d]
+// dQ = dS K: one CTA a (head, 16 WARPS queries), a warp 16 queries, over the key blocks the
+// backward wrote (causal: up to the diagonal's of the warp's rows), keys in order, the last query
+// blocks first; the next key block's dS and K staged while this one multiplies
+template <int HD, int WARPS>
+static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_kernel(const th_attn_args a) {
+    constexpr int LDT = TH_MM_B + TH_MM_PAD, LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
+    extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    __nv_bfloat16 * Ss = (__nv_bfloat16 *) th_mma_smem;           // [q][key]
+    __nv_bfloat16 * Ks = Ss + QR * LDT;                            // [key][d]
+    float * Sst = (float *) (Ks + TH_MM_B * LDR), * Kst = Sst + QR * TH_MM_B;     // staging
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
-    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * TH_MM_B, T = a.T;
+    const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
+    const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const float * ds = a.ds + (int64_t) bh * T * T;
     const float * k = th_head(a.k, bh);
+    // dS rows are T floats: 16-byte copies where T is a multiple of 4 (the head then aligned too)
+    const bool s_staged = T % 4 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
+    auto stage = [&](const int k0) {
+        if (s_staged) {
+            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
+                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
+                const bool in = q0 + r < T && k0 + cc < T;
+                th_cp_async<16>(Sst + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
+            }
+        }
+        if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0, T);
+    };
     float acc[HD / 8][4];
 #pragma unroll
     for (int nt = 0; nt < HD / 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
-    const int nkb = a.causal ? qb + 1 : nqb;
+    const int q_end = q0 + QR < T ? q0 + QR : T;
+    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    stage(0);
+    th_cp_commit();
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        __syncthreads();
-        for (int i = threadIdx.x; i < TH_MM_B * TH_MM_B / 2; i += TH_MM_THREADS) {
-            const int r = i / (TH_MM_B / 2), cc = 2 * (i % (TH_MM_B / 2));
-            const bool in0 = q0 + r < T && k0 + cc < T, in1 = q0 + r < T && k0 + cc + 1 < T;
-            const float * p = ds + (int64_t) (q0 + r) * T + k0 + cc;
-            *(uint32_t *) (Ss + r * LDT + cc) = th_pack_bf16(in0 ? p[0] : 0.0f, in1 ? p[1] : 0.0f);
+        th_cp_wait();
+        __syncthreads();                                             // key block kb staged; Ss, Ks free
+        if (s_staged) {
+            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
+                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
+                const float4 x = *(const float4 *) (Sst + r * TH_MM_B + cc);
+                *(uint2 *) (Ss + r * LDT + cc) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
+            }
+        } else {
+            for (int i = threadIdx.x; i < QR * TH_MM_B / 2; i += NT) {
+                const int r = i / (TH_MM_B / 2), cc = 2 * (i % (TH_MM_B / 2));
+                const bool in0 = q0 + r < T && k0 + cc < T, in1 = q0 + r < T && k0 + cc + 1 < T;
+                const float * p = ds + (int64_t) (q0 + r) * T + k0 + cc;
+                *(uint32_t *) (Ss + r * LDT + cc) = th_pack_bf16(in0 ? p[0] : 0.0f, in1 ? p[1] : 0.0f);
+            }
         }
-        th_load_bf16<HD>(Ks, LDR, k, a.k, k0, T);
-        __syncthreads();
+        th_fill_bf16<HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
+        __syncthreads();                                             // Ss, Ks hold kb; the staging free
+        if (kb + 1 < nkb) stage(k0 + TH_MM_B);
+        th_cp_commit();
+        if (a.causal && k0 > w0 + 15) continue;                    // past the warp's diagonal block
         uint32_t sf[TH_MM_B / 16][4];
         th_frag_a<TH_MM_B>(sf, Ss, LDT, 16 * warp);
 #pragma unroll
@@ -758,7 +878,7 @@ static __global__ void __launch_bounds__(TH_MM_THREADS) th_attn_dq_mma_kernel(co
     float * dq = th_head(a.dq, bh);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const int row = q0 + 16 * warp + g + 8 * r;
+        const int row = w0 + g + 8 * r;
         if (row >= T) continue;
 #pragma unroll
         for (int nt = 0; nt < HD / 8; nt++)
@@ -856,6 +976,42 @@ static bool th_opd_ok(const ggml_tensor * x, const int64_t ne0, const int64_t ne
 }
 
 
+// the bf16 kernels (fwd, bwd, dq) of `heads` heads (kv heads for the backward), WARPS warps a CTA
+template <int HD, int WARPS>
+static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
+    const dim3 grid(heads, (unsigned) ((a.T + 16 * WARPS - 1) / (16 * WARPS)));
+    if (kernel == TH_CUDA_ATTN_FWD) {
+        constexpr size_t smem = th_fwd_mma_smem<HD, WARPS>();
+        TH_SET_SMEM_LIMIT((th_attn_fwd_mma_kernel<HD, WARPS>), smem);
+        th_attn_fwd_mma_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+    } else if (kernel == TH_CUDA_ATTN_BWD) {
+        constexpr size_t smem = th_bwd_mma_smem<HD, WARPS>();
+        if (a.group > 1) {
+            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, true>), smem);
+            th_attn_bwd_mma_kernel<HD, WARPS, true><<<grid, 32 * WARPS, smem, stream>>>(a);
+        } else {
+            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, false>), smem);
+            th_attn_bwd_mma_kernel<HD, WARPS, false><<<grid, 32 * WARPS, smem, stream>>>(a);
+        }
+    } else {
+        constexpr size_t smem = th_dq_mma_smem<HD, WARPS>();
+        TH_SET_SMEM_LIMIT((th_attn_dq_mma_kernel<HD, WARPS>), smem);
+        th_attn_dq_mma_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+    }
+}
+
+// 8 warps a CTA (128 rows), or 4 where TOYHARNESS_CUDA_ATTENTION_ROWS=64 (the tiles before; the
+// same bits: toyharness/engine/program.py checks the value)
+template <int HD>
+static void th_mma_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
+    const char * rows = getenv("TOYHARNESS_CUDA_ATTENTION_ROWS");
+    if (rows != nullptr && strcmp(rows, "64") == 0) {
+        th_mma_launch_warps<HD, 4>(stream, kernel, a, heads);
+    } else {
+        th_mma_launch_warps<HD, 8>(stream, kernel, a, heads);
+    }
+}
+
 template <int HD>
 static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
     th_attn_args a = {};
@@ -868,7 +1024,7 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.k.g = a.v.g = ap.group;
         a.o = th_opd_at((float *) dst->data, HD, 1, (HD + 1) * T, dst->ne[1]);
         if (bf16) {
-            th_attn_fwd_mma_kernel<HD><<<dim3((unsigned) dst->ne[1], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            th_mma_launch<HD>(stream, kernel, a, (unsigned) dst->ne[1]);
             return;
         }
         const size_t smem = th_fwd_smem(HD);
@@ -897,11 +1053,7 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
                                       : th_opd_at(a.scratch + T * HD, 1, T, per_head, heads);
         // without grouped heads the kernels' loop over a group's heads compiles away (the same code as before)
         if (bf16) {
-            if (ap.group > 1) {
-                th_attn_bwd_mma_kernel<HD, true><<<dim3(ctas, (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
-            } else {
-                th_attn_bwd_mma_kernel<HD, false><<<dim3(ctas, (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
-            }
+            th_mma_launch<HD>(stream, kernel, a, ctas);
             return;
         }
         const size_t smem = th_bwd_smem(HD);
@@ -917,7 +1069,7 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.k.g = ap.group;
         a.dq = th_room_opd(dst, th_attention_map_of(dst, 0));
         if (bf16) {
-            th_attn_dq_mma_kernel<HD><<<dim3((unsigned) dst->src[0]->ne[2], (unsigned) nb), TH_MM_THREADS, 0, stream>>>(a);
+            th_mma_launch<HD>(stream, kernel, a, (unsigned) dst->src[0]->ne[2]);
             return;
         }
         const size_t smem = th_dq_smem(HD);

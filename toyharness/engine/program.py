@@ -148,6 +148,16 @@ def fused_attention() -> int:
     return {"": 3, "fused": 3, "repeat": 1, "ggml": 0}[choice]
 
 
+def attention_rows() -> int:
+    """Rows a CTA of the bf16 attention kernels takes on cuda (native/cuda/th-attention.cu reads
+    TOYHARNESS_CUDA_ATTENTION_ROWS): 128 (8 warps), or 64 (4 warps, the tiles before; the same
+    bits). Checked here, where a bad value can be named."""
+    raw = os.environ.get("TOYHARNESS_CUDA_ATTENTION_ROWS", "")
+    if raw not in ("", "64", "128"):
+        raise InputError(f"TOYHARNESS_CUDA_ATTENTION_ROWS={raw!r}: use 64 or 128")
+    return int(raw or 128)
+
+
 _KEPT_DEVICE_MEMORY: list = []   # see Program.close
 
 
@@ -228,6 +238,7 @@ class Program:
         self.grads_as_outputs = os.environ.get("TOYHARNESS_GRAD_ACCUMULATORS", "0") != "1"
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
         self.fused_attention = fused_attention()
+        self.attention_rows = attention_rows()
         # the precision of this program's matrix products (Engine.set_precision): on cuda each
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
         self.precision = engine.precision
