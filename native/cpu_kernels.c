@@ -251,11 +251,17 @@ static int th_gemm_ok(const struct ggml_tensor * t) {
  * TH_COPY_TILE x TH_COPY_TILE tiles, so that both the strided reads and the contiguous writes
  * stay in cache when src is a transpose. */
 enum { TH_COPY_TILE = 32 };
+static int th_cont_by_axis = 1;
+
+/* 0: transposing copies tiled over axes 0 and 1 alone, as before (for comparison) */
+TH_EXPORT void th_set_cont_by_axis(int on) { th_cont_by_axis = on != 0; }
+
+static void th_cont_tiled(struct ggml_tensor * dst_in, const struct ggml_tensor * src_in, int k, int ith, int nth);
 
 static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
     (void) userdata;
     const int64_t ne0 = dst->ne[0], ne1 = dst->ne[1], ne2 = dst->ne[2], ne3 = dst->ne[3];
-    const size_t s0 = src->nb[0], s1 = src->nb[1];
+    const size_t s0 = src->nb[0];
     if (s0 == sizeof(float)) {
         /* rows are contiguous (a permute of the outer axes): tasks of whole rows over i1, i2, i3;
          * rows are often short (a 16-float attention head), so an inline loop, not a memcpy */
@@ -269,6 +275,24 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
         }
         return;
     }
+    /* tiles over axis 0 and the axis along which src is contiguous (axis 1 where none is) */
+    int k = 1;
+    for (int j = 3; j >= 1; j--) {
+        if (src->nb[j] == sizeof(float) && src->ne[j] > 1 && th_cont_by_axis) k = j;
+    }
+    th_cont_tiled(dst, src, k, ith, nth);
+}
+
+/* the tiled copy of th_cont_op, its tiles over axis 0 and axis `k` (1, 2 or 3): the axis along which
+ * src is contiguous where that is not axis 1 (dV's heads: a copy over hd and H alone read each
+ * cache line of src once per float) */
+static void th_cont_tiled(struct ggml_tensor * dst_in, const struct ggml_tensor * src_in, int k, int ith, int nth) {
+    /* axes 1 and k swapped in both: the loops below tile axes 0 and 1 */
+    struct ggml_tensor dst = *dst_in, src = *src_in;
+    dst.ne[1] = dst_in->ne[k], dst.nb[1] = dst_in->nb[k], dst.ne[k] = dst_in->ne[1], dst.nb[k] = dst_in->nb[1];
+    src.ne[1] = src_in->ne[k], src.nb[1] = src_in->nb[k], src.ne[k] = src_in->ne[1], src.nb[k] = src_in->nb[1];
+    const int64_t ne0 = dst.ne[0], ne1 = dst.ne[1], ne2 = dst.ne[2], ne3 = dst.ne[3];
+    const size_t s0 = src.nb[0], s1 = src.nb[1], d1 = dst.nb[1];
     /* a task: one block of TH_COPY_TILE rows of i1 in each of `spt` consecutive (i2, i3) slices,
      * as many slices as make about TH_EW_CHUNK elements (small heads: many slices a task) */
     const int64_t blocks = (ne1 + TH_COPY_TILE - 1) / TH_COPY_TILE, n23 = ne2 * ne3;
@@ -281,13 +305,14 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
         const int64_t r0 = blk * TH_COPY_TILE, r1 = r0 + TH_COPY_TILE < ne1 ? r0 + TH_COPY_TILE : ne1;
         for (int64_t g = g0; g < g1; g++) {
             const int64_t i2 = g % ne2, i3 = g / ne2;
-            const char * ps = (const char *) src->data + i2 * src->nb[2] + i3 * src->nb[3];
-            float * pd = (float *) ((char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3]);
+            const char * ps = (const char *) src.data + i2 * src.nb[2] + i3 * src.nb[3];
+            char * pd = (char *) dst.data + i2 * dst.nb[2] + i3 * dst.nb[3];
             for (int64_t c0 = 0; c0 < ne0; c0 += TH_COPY_TILE) {
                 const int64_t c1 = c0 + TH_COPY_TILE < ne0 ? c0 + TH_COPY_TILE : ne0;
                 for (int64_t i0 = c0; i0 < c1; i0++) {
                     const char * col = ps + i0 * s0;
-                    for (int64_t i1 = r0; i1 < r1; i1++) pd[i1 * ne0 + i0] = *(const float *) (col + i1 * s1);
+                    float * out = (float *) pd + i0;
+                    for (int64_t i1 = r0; i1 < r1; i1++) *(float *) ((char *) out + i1 * d1) = *(const float *) (col + i1 * s1);
                 }
             }
         }

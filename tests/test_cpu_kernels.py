@@ -31,13 +31,19 @@ def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-@pytest.mark.parametrize("axes", [(0, 2, 1, 3), (0, 2, 3, 1), (3, 1, 2, 0), (1, 0, 3, 2)])
-def test_cont_of_a_permute_is_an_exact_copy(axes):
+# (0, 3, 1, 2), (2, 0, 3, 1): the source contiguous along the copy's third or fourth axis (dV's heads)
+@pytest.mark.parametrize("axes", [(0, 2, 1, 3), (0, 2, 3, 1), (3, 1, 2, 0), (1, 0, 3, 2), (0, 3, 1, 2), (2, 0, 3, 1)])
+@pytest.mark.parametrize("by_axis", [1, 0])
+def test_cont_of_a_permute_is_an_exact_copy(axes, by_axis):
     x = RNG.normal(size=(3, 37, 5, 33)).astype(np.float32)   # sizes not multiples of the 32 tile
-    prog = get_engine("cpu", 2).program()
-    t = prog.param("x", x)
-    fg = prog.forward({"y": t.permute(*axes).cont()})
-    got = fg.run({})["y"]
+    try:
+        lib.th_set_cont_by_axis(by_axis)
+        prog = get_engine("cpu", 2).program()
+        t = prog.param("x", x)
+        fg = prog.forward({"y": t.permute(*axes).cont()})
+        got = fg.run({})["y"]
+    finally:
+        lib.th_set_cont_by_axis(0 if os.environ.get("TOYHARNESS_CONT_BY_AXIS", "1") == "0" else 1)
     assert custom_ops(fg.graph) == 1
     np.testing.assert_array_equal(got, np.transpose(x, axes))
 

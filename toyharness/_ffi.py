@@ -189,6 +189,7 @@ const char * th_kernel_name(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
 void th_set_gemm_merge(int merge);
 void th_set_causal_block(int block);
+void th_set_cont_by_axis(int on);
 void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols);
 int th_cpu_rewrite(ggml_cgraph * graph);
 int th_cpu_fold(ggml_cgraph * graph);
@@ -326,6 +327,8 @@ class Blas:
         lib.th_set_gemm_merge(0 if os.environ.get("TOYHARNESS_GEMM_MERGE", "1") == "0" else 1)
         # TOYHARNESS_CAUSAL_BLOCK=0: causal attention's products computed whole (for comparison)
         lib.th_set_causal_block(int(os.environ.get("TOYHARNESS_CAUSAL_BLOCK", "64")))
+        # TOYHARNESS_CONT_BY_AXIS=0: transposing copies tiled over their first two axes alone
+        lib.th_set_cont_by_axis(0 if os.environ.get("TOYHARNESS_CONT_BY_AXIS", "1") == "0" else 1)
 
     def tag(self) -> str:
         return f"openblas-{self.corename.lower()}"
