@@ -81,6 +81,46 @@ def test_the_cuda_plan_equals_ggml_buffers_the_training_graph_reserved_as_rewrit
     prog.close()
 
 
+def test_the_plan_reads_a_graph_rewritten_for_cuda_as_its_buffer_holds_it():
+    """What the plan says the buffer keeps, read from a training graph after the cuda rewrite (as the
+    cuda Trainer reserves it; built here on the cpu): the fused attention's forward node holds O
+    and L, so ggml's (B*H, T, T) probabilities (2 layers x 32 MiB) are no longer counted, and the
+    largest tensors named hold memory of their own (not the NONE views of dS the rewrite leaves,
+    as large as dS)."""
+    from toyharness._ffi import ffi, lib
+    from toyharness.memory_plan import Planner
+
+    sets = ["n_layer=2", "d_model=64", "n_head=4", "t_seq=1024", "t_batch=2"]
+    pm, engine, options, data = _realized("llama", sets)
+    trainer = pm.hook.realize(engine=engine, options=options, data=data).trainer
+    planner, probabilities = Planner(engine), 2 * 2 * 4 * 1024 * 1024 * 4
+    planner._describe(trainer)
+    before = planner.activations
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 3) > 0
+    planner._describe(trainer)
+    assert before >= probabilities > planner.activations > 0
+    galloc, size = lib.ggml_gallocr_new(planner.buft), ffi.new("size_t[1]")
+    lib.ggml_gallocr_reserve_n_size(galloc, trainer.gb_opt, ffi.NULL, ffi.NULL, size)
+    lib.ggml_gallocr_free(galloc)
+    assert before > size[0] >= planner.activations     # the reading before says more than the buffer holds
+    assert planner.largest and all(n.op != "NONE" for n in planner.largest), planner.largest
+    trainer.prog.close()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_the_cuda_plans_activations_are_what_the_rewritten_buffer_holds(backend):
+    """On cuda the plan reads what the backward keeps after the rewrite, as the Trainer reserves
+    the buffer: the probabilities (3 layers x 128 MiB), all of which a reading before the rewrite
+    counts, are not kept, and what is kept fits in the training buffer."""
+    sets = ["n_layer=3", "d_model=64", "n_head=4", "t_seq=1024", "t_batch=8"]
+    pm, _, options, data = _realized("llama", sets)
+    plan = plan_model("llama", pm, get_engine(backend), options, data)
+    probabilities = 3 * 8 * 4 * 1024 * 1024 * 4
+    assert 0 < plan.activations < probabilities
+    assert plan.activations <= plan.rows["compute"]
+    assert plan.largest and all(n.op != "NONE" for n in plan.largest), plan.largest
+
+
 def test_rounding_to_pages_counts_each_buffer_up_to_its_page():
     """The cuda plan's "driver's 2 MiB pages" row: a buffer of 1 MiB or more takes whole pages of its
     own (exactly 2 MiB nothing more, 2 MiB + 1 a second page, 1.5 MiB half a page more); smaller

@@ -222,9 +222,12 @@ class Planner:
         (on cpu before the backend's rewrites, placed again only where ggml finds that placement
         invalid for the rewritten graph; on cuda after them) and the evaluation graph's as its
         first compute places it."""
-        # What the plan reports about the buffer's contents, read before the backend's rewrites
-        # (they keep every shape but turn ops into custom nodes with no telling name).
-        self._describe(trainer)
+        # What the plan reports about the buffer's contents, read from the graph as its buffer is
+        # reserved: on cpu before the backend's rewrites, on cuda after them (the fused
+        # attention's forward node then holds O and L, not ggml's (B*H, T, T) probabilities).
+        rewritten_first = prog.cuda_kernels and prog.engine.backend == "cuda"
+        if not rewritten_first:
+            self._describe(trainer)
         galloc = lib.ggml_gallocr_new(self.buft)
         sizes = ffi.new("size_t[1]")
         try:
@@ -232,10 +235,11 @@ class Planner:
                 lib.ggml_gallocr_reserve_n_size(galloc, graph, ffi.NULL, ffi.NULL, sizes)
                 return int(sizes[0])
 
-            if prog.cuda_kernels and prog.engine.backend == "cuda":
+            if rewritten_first:
                 # on cuda the Trainer reserves the graph as rewritten (Trainer: the fused
                 # kernels' nodes never hold what ggml's graph kept for the backward)
                 prog._prepare(trainer.gb_opt)
+                self._describe(trainer)
                 parts = {"train": size(trainer.gb_opt)}
             else:
                 parts = {"train": size(trainer.gb_opt)}
@@ -324,7 +328,9 @@ class Planner:
                 src = _base(src)
                 if _addr(src) in forward and lib.th_tensor_data(src) == ffi.NULL:
                     kept[_addr(src)] = self._bytes(src)
-            if op not in VIEW_OPS and lib.th_tensor_data(node) == ffi.NULL:
+            # (a view holds no memory of its own, whatever its op: the cuda rewrite leaves views
+            # of folded nodes as NONE)
+            if op not in VIEW_OPS and lib.th_tensor_data(node) == ffi.NULL and _view_src(node) == ffi.NULL:
                 kernel = lib.th_kernel_name(node) if "CUSTOM" in op else ffi.NULL
                 label = f"{op} ({ffi.string(kernel).decode()})" if kernel != ffi.NULL else op
                 nodes.append(Tensorish(label, _shape(node), self._bytes(node)))
