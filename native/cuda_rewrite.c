@@ -33,6 +33,13 @@
  *     thread that reads all R ids from memory (1 ms a step at nanoGPT's size); ours stages them
  *     in shared memory once per block of 256 threads, a warp compares 32 at once, and it sums
  *     the same rows in the same order, so the bits do not change.
+ *   - MUL(t, g) of rows by a gain (RMSNorm's, forward, and the backward's MUL(dy, g); not of one
+ *     row, an elementwise product a warp would take alone): AFFINE without a bias, a warp a row (ggml-cuda's broadcasting kernel computes each element's place).
+ *   - RMS_NORM (RMSNorm's normalization): a warp a row where ggml-cuda's takes a block of 256 or
+ *     1024 threads for one row, summing in that block's order (the same bits).
+ *   - ROPE and ROPE_BACK (modes normal and neox): a thread a rotated pair, adjacent pairs in
+ *     adjacent threads, where ggml-cuda's takes a block of 256 threads a row (a head of 64 floats
+ *     left 224 idle); each pair computed by ggml's formula (the same bits).
  *   - AdamW: a run of consecutive OPT_STEP_ADAMW nodes (one a parameter, at the end of a
  *     training graph) is one multi-tensor kernel of ggml's formula, a few launches where ggml's
  *     takes one a parameter (196 at GPT-2 small, most of them biases and gains of 768 floats).
@@ -753,6 +760,20 @@ static int th_rewrite_silu_back_muls(struct ggml_cgraph * graph) {
     return marked;
 }
 
+/* A ROPE or ROPE_BACK our kernel computes: contiguous f32 rows, positions i32 one a row of
+ * ne[2], modes normal or neox over the first n_dims (even) of each row, no YaRN extrapolation
+ * (ext_factor, op_params[7], 0) and no offset (op_params[15]) */
+static int th_rope_ours(const struct ggml_tensor * t) {
+    const struct ggml_tensor * x = t->src[0], * pos = t->src[1], * ff = t->src[2];
+    const int32_t * p = t->op_params;
+    const int n_dims = p[1], mode = p[2];
+    return th_f32_contiguous(t) && x != NULL && th_f32_contiguous(x) && ggml_are_same_shape(t, x) &&
+           pos != NULL && pos->type == GGML_TYPE_I32 && ggml_is_contiguous(pos) && ggml_nelements(pos) == x->ne[2] &&
+           (ff == NULL || (th_f32_contiguous(ff) && ggml_nelements(ff) >= n_dims / 2)) &&
+           (mode == 0 || mode == GGML_ROPE_TYPE_NEOX) && p[7] == 0 && p[15] == 0 && n_dims > 0 && n_dims % 2 == 0 &&
+           n_dims <= x->ne[0] && x->ne[0] % 2 == 0 && ggml_nelements(x) / 2 <= INT32_MAX;
+}
+
 /* MUL(t, g) of f32 rows t (n, rows) and a gain g (n): its g, else NULL */
 static struct ggml_tensor * th_gain_of(const struct ggml_tensor * m, int64_t n) {
     const struct ggml_tensor * t = m->src[0];
@@ -857,7 +878,10 @@ static int th_rewrite_layer_norms(struct ggml_cgraph * graph) {
             const struct ggml_tensor * f = ggml_graph_node(graph, j);
             if (f->src[0] != b->src[1]) continue;
             if (th_marked(f, TH_CUDA_LAYER_NORM) && th_eps_of(f, 2) == th_eps_of(b, 0)) ours = f;
-            if (f->op == GGML_OP_RMS_NORM && th_eps_of(f, 0) == th_eps_of(b, 0)) plain = 1;
+            if ((f->op == GGML_OP_RMS_NORM && th_eps_of(f, 0) == th_eps_of(b, 0)) ||
+                (th_marked(f, TH_CUDA_RMS_NORM) && th_eps_of(f, 2) == th_eps_of(b, 0))) {
+                plain = 1;                           /* (marked by an earlier graph's rewrite) */
+            }
         }
         if (ours == NULL) continue;                  /* a plain RMS_NORM's backward */
         if (plain || !th_f32_contiguous(b) || !th_f32_contiguous(b->src[0]) || !ggml_are_same_shape(b, b->src[1])) {
@@ -1098,9 +1122,9 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     const int affines = th_rewrite_norm_affines(graph);
     const int sums = th_rewrite_product_sums(graph), residuals = th_rewrite_norm_residuals(graph);
     const int silu_backs = th_rewrite_silu_back_muls(graph);    /* after the GELU pairs: theirs are not SILU_BACK now */
-    int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD */
+    int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD, RMS_NORM, ROPE, a gain's MUL */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
-        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        struct ggml_tensor * t = ggml_graph_node(graph, i), * gain;
         const struct ggml_tensor * src = t->src[0];
         if (t->op == GGML_OP_GET_ROWS_BACK && th_f32_contiguous(t) && th_f32_contiguous(src) && t->src[1] != NULL &&
             t->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(t->src[1]) && ggml_nrows(src) == src->ne[1] &&
@@ -1116,6 +1140,23 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
         } else if (t->op == GGML_OP_ADD && th_f32_contiguous(t) && th_f32_contiguous(src) &&
                    th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, src) && ggml_are_same_shape(t, t->src[1])) {
             th_mark(t, TH_CUDA_ADD);
+            singles++;
+        } else if (t->op == GGML_OP_RMS_NORM && th_f32_contiguous(t) && th_f32_contiguous(src) &&
+                   ggml_are_same_shape(t, src)) {
+            const float eps = th_eps_of(t, 0);
+            th_mark(t, TH_CUDA_RMS_NORM);
+            th_set_params(t, &eps, sizeof(eps));
+            singles++;
+        } else if ((t->op == GGML_OP_ROPE || t->op == GGML_OP_ROPE_BACK) && th_rope_ours(t)) {
+            const int32_t * p = t->op_params;
+            th_rope_params params = {t->op == GGML_OP_ROPE, p[1], p[2], p[4]};
+            memcpy(&params.freq_base, p + 5, 6 * sizeof(float));
+            th_mark(t, TH_CUDA_ROPE);
+            th_set_params(t, &params, sizeof(params));
+            singles++;
+        } else if (t->op == GGML_OP_MUL && ggml_nrows(t) > 1 && (gain = th_gain_of(t, t->ne[0])) != NULL) {
+            th_mark(t, TH_CUDA_AFFINE);         /* a gain alone (RMSNorm's, or a gain's backward) */
+            th_set_srcs(t, (struct ggml_tensor *) src, gain, NULL, NULL, NULL, NULL);
             singles++;
         }
     }
@@ -1134,7 +1175,8 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
                                    "attention_back", "slice", "layer_norm", "layer_norm_back",
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
-                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back"};
+                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
+                                   "rms_norm", "rope"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

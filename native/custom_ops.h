@@ -9,9 +9,11 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 11  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 12  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
-                                       11: grouped-query heads in the attention kernels (group) */
+                                       11: grouped-query heads in the attention kernels (group);
+                                       12: AFFINE without a bias (a gain alone), RMS_NORM,
+                                           ROPE */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -46,7 +48,8 @@ enum {
      *   FOLDED       the product's own node, which LINEAR_BIAS computes: nothing to do */
     TH_CUDA_LINEAR_BIAS = 10, TH_CUDA_FOLDED = 11,
     /* A norm's gain and bias (blocks.scale_columns, add_bias), and their gradients:
-     *   AFFINE      srcs t (n, rows), g (n), b (n); y = t g + b, rounded as MUL then ADD were
+     *   AFFINE      srcs t (n, rows), g (n), b (n); y = t g + b, rounded as MUL then ADD were;
+     *               without b (a gain alone, MUL(t, g): RMSNorm's, and any gain's backward) y = t g
      *   COLUMN_DOT  srcs a, c (n, rows), scratch (n, rows); per column the sum over rows of a c
      *   LAYER_NORM_BACK takes the gain as src 2 when its dt was MUL(dy, g): dt formed in place */
     TH_CUDA_AFFINE = 12, TH_CUDA_COLUMN_DOT = 13,
@@ -81,7 +84,23 @@ enum {
      * pass writes gate's gradient into its own node (SILU_BACK_MUL's bits) and up's into the room,
      * ggml-cuda's op_silu(gate) * grad (its fused SILU + MUL's bits). The SILU folds. */
     TH_CUDA_SWIGLU_BACK = 24,
+    /* RMS_NORM of contiguous f32 rows (RMSNorm's normalization; LayerNorm's stand-in is
+     * LAYER_NORM): src x, eps in op_params[2]; y = ggml-cuda's rms_norm_f32 bit for bit, a warp a
+     * row summing in the order of ggml's block of 256 (n < 1024) or 1024 threads */
+    TH_CUDA_RMS_NORM = 25,
+    /* ROPE or ROPE_BACK of contiguous f32 rows, modes normal and neox (no offset, no sections, no
+     * YaRN extrapolation):
+     * srcs x (head size, heads, T, ...), positions (T) i32, frequency factors (or none);
+     * op_params[2] 1 forward, 0 backward, then ggml's n_dims, mode, n_ctx_orig and its 6 floats
+     * (freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow); y = ggml-cuda's
+     * rope_norm / rope_neox bit for bit, a thread a rotated pair, the pairs of a row adjacent */
+    TH_CUDA_ROPE = 26,
 };
+/* op_params of a ROPE node of ours (after TH_CUDA_MAGIC and the kernel) */
+typedef struct {
+    int32_t forward, n_dims, mode, n_ctx_orig;
+    float freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
+} th_rope_params;
 /* Whether `t`, a MUL_MAT (mul_mat true) or OUT_PROD of a frozen weight, has a shape the frozen
  * bf16 products take: W 2-D, contiguous, of another type than f32; the other operand 2-D f32 with
  * unit-stride columns (OUT_PROD: or rows: dy^T as a transposed view); an f32 2-D contiguous result;

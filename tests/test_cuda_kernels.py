@@ -194,6 +194,125 @@ def test_the_cuda_rewrite_adds_a_residuals_gradient_inside_layer_norms_backward(
     assert ops_of(trainer.gb_grad).count("ADD") == 0
 
 
+def gain_program(backend: str, rows: int, d: int, norm: bool = True, seed: int = 15):
+    """x (rows, d), RMSNorm'd where `norm`, times a gain, the loss a weighted sum of the output,
+    built as cuda builds it: (program, trainer, forward graph, (x, gain, weights))."""
+    rng = np.random.default_rng(seed)
+    x, gain, weights = (rng.normal(size=s).astype(np.float32) for s in ((rows, d), (d,), (rows, d)))
+    prog = get_engine(backend).program()
+    prog.column_sums_as_products = prog.grads_as_outputs = True           # as on cuda
+    xp, gp = prog.param("x", x), prog.param("gain", gain)
+    y = blocks.rms_norm(xp, gp) if norm else blocks.scale_columns(xp, gp)
+    trainer = prog.trainer(prog.scalar_loss((y * prog.constant("w", weights)).sum()), "bias_corrected")
+    return prog, trainer, prog.forward({"y": y}), (x, gain, weights)
+
+
+def test_the_cuda_rewrite_takes_a_gain_alone_each_way():
+    """Built on cpu (never computed here): RMSNorm's gain, MUL(t, g), and the backward's MUL(dy, g)
+    become AFFINE without a bias (ggml's broadcasting MUL computes each element's place), the
+    normalization RMS_NORM; the loss's MULs of one shape and the gain's gradient (a column dot)
+    are not gains, and RMS_NORM_BACK stays ggml's."""
+    prog, trainer, fg, _ = gain_program("cpu", 6, 16)
+    before = ops_of(trainer.gb_grad).count("MUL")
+    # the two gains, the norm, the column dot and its MUL
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 1 + 2
+    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "affine", "column_dot", "folded", "rms_norm"]
+    ops = ops_of(trainer.gb_grad)
+    assert ops.count("MUL") == before - 3 and "RMS_NORM" not in ops and "RMS_NORM_BACK" in ops
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, d", [(70, 384), (5, 37)])            # float4 rows, and a float at a time
+def test_a_gain_alone_on_cuda_is_ours_and_rounds_as_one_float32_product(backend, rows, d):
+    """y = x g, and x's gradient dy g (dy = the loss's weights): each element one float32
+    product, equal bit for bit to numpy's."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    prog, trainer, fg, (x, gain, weights) = gain_program(backend, rows, d, norm=False)
+    assert np.array_equal(fg.run({})["y"], x * gain)
+    assert kernel_names(fg.graph) == ["affine"]
+    trainer.grads_only({})
+    assert kernel_names(trainer.gb_grad).count("affine") == 2
+    assert np.array_equal(prog.read(trainer.grad_acc["x"]), weights * gain)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, d", [(33, 384), (5, 1000), (4, 1024), (3, 2051), (2, 5)])
+def test_rms_norm_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, d):
+    """Our RMS_NORM (a warp a row) sums in the order of ggml-cuda's block of 256 threads (d < 1024)
+    or 1024: its output equals ggml-cuda's own kernel's, bit for bit, at partial blocks too."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    x = (RNG.normal(size=(rows, d)) * 3).astype(np.float32)
+
+    def norm(kernels: bool):
+        prog = get_engine(backend).program()
+        prog.cuda_kernels = kernels
+        fg = prog.forward({"y": prog.constant("x", x).rms_norm(1e-5)})
+        return fg.run({})["y"], kernel_names(fg.graph)
+
+    (ours, names), (ggmls, none) = norm(True), norm(False)
+    assert names == ["rms_norm"] and none == []
+    assert np.array_equal(ours, ggmls)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    assert np.abs(ours - want).max() < 1e-5 * np.abs(want).max()          # and it is RMSNorm
+
+
+ROPE_CASES = {                       # Tensor.rope's keywords: llama's, qwen2's, a partial head, Llama 3's factors
+    "normal": {}, "neox": {"neox": True}, "partial": {"n_dims": 32, "neox": True},
+    "factors": {"freq_scale": 0.25, "factors": True},
+}
+
+
+def rope_program(backend: str, case: str, shape=(3, 40, 5, 64), seed: int = 16, kernels: bool = True):
+    """x (B, T, H, hd) rotated as Tensor.rope does it, the loss a weighted sum of the result:
+    (program, trainer, forward graph, weights). `kernels` False: ggml-cuda's own nodes only."""
+    rng = np.random.default_rng(seed)
+    kw = dict(ROPE_CASES[case])
+    n_dims = kw.pop("n_dims", shape[-1])
+    x, weights = rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+    prog = get_engine(backend).program()
+    prog.cuda_kernels = prog.cuda_kernels and kernels
+    prog.grads_as_outputs = True
+    if kw.pop("factors", False):
+        kw["freq_factors"] = prog.constant("ff", rng.uniform(1, 8, n_dims // 2).astype(np.float32))
+    positions = prog.constant("pos", (np.arange(shape[1]) * 7 + 3).astype(np.int32))
+    y = prog.param("x", x).rope(positions, n_dims, base=500000.0, **kw)
+    trainer = prog.trainer(prog.scalar_loss((y * prog.constant("w", weights)).sum()), "bias_corrected")
+    return prog, trainer, prog.forward({"y": y}), weights
+
+
+def test_the_cuda_rewrite_takes_rope_each_way():
+    """Built on cpu (never computed here): ROPE and its ROPE_BACK become ours, keeping ggml's
+    parameters."""
+    prog, trainer, fg, _ = rope_program("cpu", "factors")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2
+    assert kernel_names(trainer.gb_grad) == ["rope", "rope"]
+    ops = ops_of(trainer.gb_grad)
+    assert "ROPE" not in ops and "ROPE_BACK" not in ops
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_on_cuda_is_ours_and_gives_ggmls_bits(backend, case):
+    """Our ROPE and ROPE_BACK (a thread a pair) against ggml-cuda's own kernels (a block a row):
+    the forward's output and x's gradient, bit for bit."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+
+    def run(kernels: bool):
+        prog, trainer, fg, _ = rope_program(backend, case, kernels=kernels)
+        y = fg.run({})["y"]
+        trainer.grads_only({})
+        return y, prog.read(trainer.grad_acc["x"]), kernel_names(fg.graph) + kernel_names(trainer.gb_grad)
+
+    (y, dx, names), (y_ggml, dx_ggml, none) = run(True), run(False)
+    assert names.count("rope") == 3 and none == []                 # the forward graph's, and the training graph's two
+    assert np.array_equal(y, y_ggml) and np.array_equal(dx, dx_ggml)
+    y_cpu = rope_program("cpu", case)[2].run({})["y"]                  # and it is the rotation (fast sin, cos)
+    assert np.abs(y - y_cpu).max() < 1e-3 * np.abs(y_cpu).max()
+
+
 def test_the_cuda_rewrite_refuses_a_layer_norm_whose_backward_is_ambiguous():
     """A plain rms_norm of the same rows has a backward node that reads the same input: which
     one is LayerNorm's cannot be told, so the graph is refused (-1) rather than computed wrong."""
@@ -411,13 +530,17 @@ def test_the_cuda_rewrite_takes_every_embedding_gradient():
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("vocab, d, n_ids", [(65, 384, 5000), (1000, 100, 300), (3, 40, 7)])
-def test_embedding_gradients_on_cuda_sum_each_rows_in_order_bit_for_bit(backend, vocab, d, n_ids):
+@pytest.mark.parametrize("vocab, d, n_ids, hot", [(65, 384, 5000, 0.0), (1000, 100, 300, 0.0), (3, 40, 7, 0.0),
+                                                  (256, 70, 3000, 0.3)])
+def test_embedding_gradients_on_cuda_sum_each_rows_in_order_bit_for_bit(backend, vocab, d, n_ids, hot):
     """Each table row's gradient is the float32 sum of its ids' rows in the order they come, as
-    ggml's kernel sums them: equal, bit for bit, to that sum taken here in numpy."""
+    ggml's kernel sums them: equal, bit for bit, to that sum taken here in numpy. `hot`: that
+    share of the ids is one id (text's space), more than a staged chunk's and a batch's worth."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    ids = np.random.default_rng(13).integers(0, vocab, n_ids).astype(np.int32)
+    rng = np.random.default_rng(13)
+    ids = rng.integers(0, vocab, n_ids).astype(np.int32)
+    ids[rng.random(n_ids) < hot] = 32
     ids[: min(n_ids, 3)] = vocab - 1                   # the last row, and rows no id picks (vocab 1000)
     prog, trainer, dy = embedding_program(backend, vocab, d, ids)
     trainer.grads_only({})

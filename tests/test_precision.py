@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_backends import needs
-from test_cuda_kernels import native_build
+from test_cuda_kernels import kernel_names, linear_bias_calls, native_build
 
 from toyharness import goldens
-from toyharness._ffi import GGML_TYPE_F32, ffi, lib
-from toyharness.engine import get_engine
+from toyharness._ffi import GGML_TYPE_F32, cuda_kernels_built, ffi, lib
+from toyharness.engine import blocks, get_engine
 from toyharness.engine.program import PRECISION_CODES
 from toyharness.errors import BackendError, InputError
 from toyharness.options import Options, convert
@@ -211,6 +211,34 @@ def test_a_product_rounds_its_inputs_to_the_precision_and_sums_in_fp32(precision
     if precision != "fp32":
         # rounding moves the exact product by about u/sqrt(k) of the scale: far above fp32's sums
         assert err_exact > 0.05 * UNIT_ROUNDOFF[precision]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_a_bias_product_at_bf16_is_cublaslts_on_the_bf16_copies(backend):
+    """LINEAR_BIAS at bf16: cuBLASLt multiplies the bf16 copies of x and W (the plain path's fill
+    and beta-1 product no more) with b added in the epilogue: float64's product of the inputs
+    rounded to bf16, plus b, to fp32's summation error."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    rows, d_in, d_out = 300, 256, 96
+    x = RNG.normal(size=(rows, d_in)).astype(np.float32)
+    w, b = RNG.normal(size=(d_out, d_in)).astype(np.float32), RNG.normal(size=d_out).astype(np.float32)
+    engine = get_engine(backend)
+    engine.set_precision("bf16")
+    try:
+        calls = linear_bias_calls()
+        prog = engine.program()
+        fg = prog.forward({"y": blocks.linear(prog.constant("x", x), prog.param("w", w), prog.param("b", b))})
+        y = fg.run({})["y"].astype(np.float64)
+        lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
+    finally:
+        engine.set_precision("fp32")
+    assert "linear_bias" in kernel_names(fg.graph) and lt >= 1 and plain == 0
+    want = round_mantissa(x, 7) @ round_mantissa(w, 7).T + b
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64) + np.abs(b)
+    assert (np.abs(y - want) / scale).max() < d_in * 2.0**-24
+    assert (np.abs(y - (x.astype(np.float64) @ w.T.astype(np.float64) + b)) / scale).max() > 1e-4
+
 
 
 @pytest.mark.parametrize("precision", [pytest.param(p, marks=needs("cuda")) for p in ("tf32", "bf16")])

@@ -476,20 +476,6 @@ static __device__ __forceinline__ uint32_t th_pack_bf16(const float lo, const fl
 
 static __device__ __forceinline__ uint32_t th_ld_pair(const __nv_bfloat16 * p) { return *(const uint32_t *) p; }
 
-// cp.async of `bytes` (4 or 16) from global to shared memory, zero-filled where `in` is false
-// (src then only has to be a valid address)
-template <int BYTES>
-static __device__ __forceinline__ void th_cp_async(void * smem, const void * src, const bool in) {
-    const uint32_t s = (uint32_t) __cvta_generic_to_shared(smem);
-    if constexpr (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(in ? 16 : 0));
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(in ? 4 : 0));
-    }
-}
-static __device__ __forceinline__ void th_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-static __device__ __forceinline__ void th_cp_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // whether head h of o can be staged by 16-byte copies: d adjacent, rows and the head 16-byte aligned
 static __device__ __forceinline__ bool th_stageable(const th_opd & o, const float * h) {
     return o.sd == 1 && o.st % 4 == 0 && (uintptr_t) h % 16 == 0;

@@ -15,21 +15,26 @@
 // Each lane sums its elements in order and the warp adds the lanes in a fixed tree: the bits
 // repeat run to run.
 //
-// A norm's gain and bias, y = t g + b, one pass (rounded as MUL then ADD: no fused multiply-add),
+// A norm's gain and bias, y = t g + b, one pass (rounded as MUL then ADD: no fused multiply-add;
+// without a bias, an RMSNorm's gain in either direction, y = t g),
 // and the gain's gradient, per column the sum over rows of t dy: a block sums 32 columns of a
 // chunk of rows (each thread its rows in order, then the block's 8 partial sums in order) into
 // scratch, then one thread a column sums the chunks in order: the bits repeat run to run.
 //
 // GET_ROWS_BACK, dst (n, V) row v = the sum of the gradient's rows r with ids[r] = v, in the order
 // of r from 0, as ggml-cuda's kernel sums (the same bits): a thread an output element, as there,
-// but the ids come through shared memory, staged once per block of 256 threads, and a warp
-// compares 32 of them at once.
+// but the ids come through shared memory, staged once per block of 256 threads, a warp compares
+// 32 of them at once and loads the rows it found many at a time before adding them in order.
 //
 // A bias added to a product's rows (blocks.linear), one node: cuBLASLt's product of w and x with
 // b added in its epilogue (acc + b rounded once, as the ADD after ggml's MUL_MAT rounded it; the
 // algorithm cuBLASLt picks for a shape may sum k in another order than cuBLAS's, a few goldens
 // moved 1 ulp), y written once. Where cuBLASLt has no algorithm for the shape, or an operand is
 // not 16-byte aligned, b is written into every row and cuBLAS's product added to it (beta 1).
+//
+// RMS_NORM and ROPE (RMSNorm and rotary positions): ggml-cuda's formulas and orders of summing
+// (the same bits) with a warp a row and a thread a rotated pair, where ggml's blocks left most
+// threads idle at small rows and heads.
 //
 // CONT of a permuted f32 tensor (attention's head permutes: 8 a layer), a copy: ggml-cuda's
 // computes each element's place with 64-bit divisions, about 8x below the memory's speed.
@@ -268,9 +273,127 @@ static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool bac
     }
 }
 
-// y (n, m) = t g + b (AFFINE), or b in every row (no t: LINEAR_BIAS's plain path): a warp a row,
-// blockDim (32, 8); float4 at a time when `vec4` (n a multiple of 4, every pointer 16-aligned)
-template <bool with_t, bool vec4>
+// RMS_NORM, y = x / sqrt(mean(x^2) + eps), with ggml-cuda's rms_norm_f32's bits: that kernel
+// gives a row a block of B threads (256 where n < 1024, else 1024; thread t sums x[c]^2 over
+// c = t, t + B, ... in order, each warp adds its lanes by xor shuffles, then warp 0 adds the B/32
+// warps' sums the same way). Here a warp takes a row and lane l plays thread 32 w + l of each of
+// ggml's B/32 warps w, so the sums are the same, in the same order: ggml's block of 256 for 384
+// floats left most of its threads idle and took 36 us for nano llama's 16384 rows.
+template <int WARPS>                                 // ggml's warps a row: B / 32
+static __global__ void th_rms_norm_kernel(const float * __restrict__ x, float * __restrict__ y, const int n,
+                                          const int64_t rows, const float eps) {
+    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
+        const float * xr = x + r * n;
+        float part[WARPS];
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) part[w] = 0.0f;
+        for (int c0 = 0; c0 < n; c0 += 32 * WARPS) {
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) {
+                const int col = c0 + 32 * w + (int) threadIdx.x;
+                if (col < n) {
+                    const float xi = xr[col];
+                    part[w] += xi * xi;                      // as ggml writes it (the same contraction)
+                }
+            }
+        }
+        float tmp = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            for (int offset = 16; offset > 0; offset >>= 1) part[w] += __shfl_xor_sync(0xffffffffu, part[w], offset, 32);
+            if ((int) threadIdx.x == w) tmp = part[w];       // lane w holds warp w's sum, 0 past the warps
+        }
+        for (int offset = 16; offset > 0; offset >>= 1) tmp += __shfl_xor_sync(0xffffffffu, tmp, offset, 32);
+        const float mean = tmp / n;
+        const float scale = rsqrtf(mean + eps);
+        float * yr = y + r * n;
+        for (int col = threadIdx.x; col < n; col += 32) yr[col] = scale * xr[col];
+    }
+}
+
+static void th_rms_norm(cudaStream_t stream, ggml_tensor * dst) {
+    float eps;
+    memcpy(&eps, (const int32_t *) dst->op_params + 2, sizeof(eps));
+    const int n = (int) dst->ne[0];
+    const int64_t rows = ggml_nrows(dst);
+    const dim3 block(32, 8);
+    const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
+    const float * x = (const float *) dst->src[0]->data;
+    if (n < 1024) th_rms_norm_kernel<8><<<grid, block, 0, stream>>>(x, (float *) dst->data, n, rows, eps);
+    else th_rms_norm_kernel<32><<<grid, block, 0, stream>>>(x, (float *) dst->data, n, rows, eps);
+}
+
+// ROPE and ROPE_BACK (modes normal and neox, no offset): ggml-cuda's rope_norm and rope_neox give
+// a row (one head at one position) a block of 256 threads over its pairs, and a head of 64 floats
+// has 32: 7/8 of the threads idle (42 us for nano llama's 16384 x 6 heads of q). Here a thread
+// takes a pair and a warp 32 adjacent pairs of consecutive rows; each pair is rotated by ggml's
+// formula, written as there, so the bits are ggml's. Without YaRN's extrapolation (ext_factor 0,
+// the rewrite marks no other): toyharness refuses YaRN files (architectures/spec.py).
+template <bool forward, bool neox>
+static __global__ void th_rope_kernel(const float * __restrict__ x, float * __restrict__ y, const int ne00,
+                                      const int ne01, const int ne02, const int64_t pairs, const int n_dims,
+                                      const int32_t * __restrict__ pos, const float freq_scale,
+                                      const float attn_factor, const float theta_scale, const float * __restrict__ ff) {
+    const int64_t k = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
+    if (k >= pairs) return;
+    const int64_t row = k / (ne00 / 2);
+    const int i0 = 2 * (int) (k % (ne00 / 2));
+    const float * xr = x + row * ne00;
+    float * yr = y + row * ne00;
+    if (i0 >= n_dims) {                                  // past the rotated dims: copied
+        yr[i0] = xr[i0];
+        yr[i0 + 1] = xr[i0 + 1];
+        return;
+    }
+    const int i2 = (int) ((row / ne01) % ne02);          // the position
+    const float theta_base = pos[i2] * powf(theta_scale, i0 / 2.0f);
+    const float theta_extrap = ff != nullptr ? theta_base / ff[i0 / 2] : theta_base;
+    const float theta = freq_scale * theta_extrap;
+    const float cos_theta = cosf(theta) * attn_factor;
+    float sin_theta = sinf(theta) * attn_factor;
+    if (!forward) sin_theta *= -1.0f;
+    const int a = neox ? i0 / 2 : i0, b = neox ? i0 / 2 + n_dims / 2 : i0 + 1;
+    const float x0 = xr[a], x1 = xr[b];
+    yr[a] = x0 * cos_theta - x1 * sin_theta;
+    yr[b] = x0 * sin_theta + x1 * cos_theta;
+}
+
+static void th_rope(cudaStream_t stream, ggml_tensor * dst) {
+    th_rope_params p;
+    memcpy(&p, (const int32_t *) dst->op_params + 2, sizeof(p));
+    const ggml_tensor * x = dst->src[0];
+    const float theta_scale = powf(p.freq_base, -2.0f / p.n_dims);     // as ggml-cuda's host code
+    const int64_t pairs = ggml_nelements(x) / 2;
+    const int block = 256;
+    const unsigned grid = (unsigned) ((pairs + block - 1) / block);
+    const float * ff = dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr;
+    const bool neox = p.mode == GGML_ROPE_TYPE_NEOX;
+#define TH_ROPE_LAUNCH(F, N)                                                                                      \
+    th_rope_kernel<F, N><<<grid, block, 0, stream>>>((const float *) x->data, (float *) dst->data, (int) x->ne[0], \
+                                                     (int) x->ne[1], (int) x->ne[2], pairs, p.n_dims,              \
+                                                     (const int32_t *) dst->src[1]->data, p.freq_scale,            \
+                                                     p.attn_factor, theta_scale, ff)
+    if (p.forward && neox) TH_ROPE_LAUNCH(true, true);
+    else if (p.forward) TH_ROPE_LAUNCH(true, false);
+    else if (neox) TH_ROPE_LAUNCH(false, true);
+    else TH_ROPE_LAUNCH(false, false);
+#undef TH_ROPE_LAUNCH
+}
+
+// What th_rows_affine_kernel writes in each row: t g + b (AFFINE), t g (AFFINE without a bias: an
+// RMSNorm's gain, forward and backward), or b (LINEAR_BIAS's plain path)
+enum th_rows_form { TH_ROWS_AFFINE, TH_ROWS_GAIN, TH_ROWS_BIAS };
+
+static __device__ __forceinline__ float th_rows_value(const th_rows_form form, const float ti, const float gi,
+                                                      const float bi) {
+    // rounded as ggml's MUL then ADD round: no fused multiply-add
+    return form == TH_ROWS_AFFINE ? __fadd_rn(__fmul_rn(ti, gi), bi) : form == TH_ROWS_GAIN ? __fmul_rn(ti, gi) : bi;
+}
+
+// y (n, m) by `form` (above): a warp a row, blockDim (32, 8); float4 at a time when `vec4` (n a
+// multiple of 4, every pointer given 16-aligned). ggml's broadcasting MUL took 41 us for a gain
+// over nano llama's 16384 x 384 rows, this 13 us.
+template <th_rows_form form, bool vec4>
 static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const float * __restrict__ g,
                                              const float * __restrict__ b, float * __restrict__ y, const int64_t n,
                                              const int64_t m) {
@@ -279,52 +402,66 @@ static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const
             const float4 * t4 = (const float4 *) (t + r * n), * g4 = (const float4 *) g, * b4 = (const float4 *) b;
             float4 * y4 = (float4 *) (y + r * n);
             for (int64_t i = threadIdx.x; i < n / 4; i += 32) {
-                float4 v = b4[i];
-                if (with_t) {
-                    const float4 ti = t4[i], gi = g4[i];
-                    v = make_float4(__fadd_rn(__fmul_rn(ti.x, gi.x), v.x), __fadd_rn(__fmul_rn(ti.y, gi.y), v.y),
-                                    __fadd_rn(__fmul_rn(ti.z, gi.z), v.z), __fadd_rn(__fmul_rn(ti.w, gi.w), v.w));
-                }
-                y4[i] = v;
+                const float4 ti = form != TH_ROWS_BIAS ? t4[i] : float4{}, gi = form != TH_ROWS_BIAS ? g4[i] : float4{};
+                const float4 bi = form != TH_ROWS_GAIN ? b4[i] : float4{};
+                y4[i] = make_float4(th_rows_value(form, ti.x, gi.x, bi.x), th_rows_value(form, ti.y, gi.y, bi.y),
+                                    th_rows_value(form, ti.z, gi.z, bi.z), th_rows_value(form, ti.w, gi.w, bi.w));
             }
         } else {
             for (int64_t i = threadIdx.x; i < n; i += 32) {
-                y[r * n + i] = with_t ? __fadd_rn(__fmul_rn(t[r * n + i], g[i]), b[i]) : b[i];
+                y[r * n + i] = th_rows_value(form, form != TH_ROWS_BIAS ? t[r * n + i] : 0.0f,
+                                             form != TH_ROWS_BIAS ? g[i] : 0.0f, form != TH_ROWS_GAIN ? b[i] : 0.0f);
             }
         }
     }
 }
 
-#define TH_ROWS_BACK_IDS 256  // ids staged at a time (the block's threads)
+#define TH_ROWS_BACK_IDS 512    // ids staged at a time
+#define TH_ROWS_BACK_DEPTH 32   // rows a warp has in flight
 
 // a thread an output element (v, col), blockDim (32 columns, 8 rows v): a warp is one row v. The
-// block stages the ids in shared memory; a warp compares 32 of them at once (a lane each) and
-// sums the rows that hold v in the order of the ids, as ggml's kernel does (the same bits),
-// where ggml's threads each read every id from memory. Comparing a lane an id took 0.87 ms of a
-// gpt2-small step, mostly wpe's 1024 rows each scanning 8192 ids; comparing 32 at once, see
-// native/README.md. (A thread summing 4 rows of its column, 4x fewer threads, took 1.11 against
-// 0.61 ms at nano.)
+// block stages the ids in shared memory; a warp compares 32 of them at once (a lane each), lists
+// the ids of a staged chunk that are v, in order, then copies up to TH_ROWS_BACK_DEPTH of those
+// rows at once (cp.async) and adds them in that order, as ggml's kernel does (the same bits): the
+// sum is a chain, its loads are not. Summing each row as it was found took 1.08 ms of a nano llama
+// step (ggml's threads each read every id from memory: more before): one byte of text, the space,
+// is ~15% of the ids, so its warp waited for ~2,500 loads in a row (ptxas keeps only ~5 plain
+// loads of an unrolled loop in flight, hence the copies).
 static __global__ void th_get_rows_back_kernel(const float * __restrict__ grad, const int32_t * __restrict__ ids,
                                                float * __restrict__ dst, const int64_t n, const int64_t R,
                                                const int64_t V) {
     __shared__ int32_t staged[TH_ROWS_BACK_IDS];
+    __shared__ int16_t found[8][TH_ROWS_BACK_IDS];                   // a warp's list: places in the chunk
+    __shared__ float rows[8][TH_ROWS_BACK_DEPTH][32];                // a warp's rows in flight, its 32 columns
     const int64_t col = blockIdx.x * 32 + threadIdx.x, v = (int64_t) blockIdx.y * blockDim.y + threadIdx.y;
-    const int lane_id = threadIdx.y * 32 + threadIdx.x;
+    const int thread = threadIdx.y * 32 + threadIdx.x;
+    const unsigned below = (1u << threadIdx.x) - 1u;                 // the lanes before this one
+    int16_t * list = found[threadIdx.y];
+    float (*mine)[32] = rows[threadIdx.y];
     float sum = 0.0f;
     for (int64_t base = 0; base < R; base += TH_ROWS_BACK_IDS) {
         __syncthreads();
-        if (base + lane_id < R) staged[lane_id] = ids[base + lane_id];
+        for (int j = thread; j < TH_ROWS_BACK_IDS && base + j < R; j += 32 * 8) staged[j] = ids[base + j];
         __syncthreads();
         const int count = R - base < TH_ROWS_BACK_IDS ? (int) (R - base) : TH_ROWS_BACK_IDS;
-        if (v >= V) continue;                       // the same for the whole warp
+        if (v >= V) continue;                                        // the same for the whole warp
+        int hits = 0;
         for (int j0 = 0; j0 < count; j0 += 32) {
             const int j = j0 + (int) threadIdx.x;
-            unsigned hits = __ballot_sync(0xffffffffu, j < count && staged[j] == v);
-            while (hits != 0) {                     // the ids that are v, in order
-                const int hit = j0 + __ffs(hits) - 1;
-                hits &= hits - 1;
-                if (col < n) sum += grad[(base + hit) * n + col];
+            const bool hit = j < count && staged[j] == v;
+            const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+            if (hit) list[hits + __popc(ballot & below)] = (int16_t) j;
+            hits += __popc(ballot);
+        }
+        __syncwarp();
+        for (int i = 0; i < hits; i += TH_ROWS_BACK_DEPTH) {
+            const int m = hits - i < TH_ROWS_BACK_DEPTH ? hits - i : TH_ROWS_BACK_DEPTH;
+            for (int u = 0; u < m; u++) {                            // a lane copies (and later reads) its own column
+                th_cp_async<4>(&mine[u][threadIdx.x], grad + (base + list[i + u]) * n + (col < n ? col : 0), col < n);
             }
+            th_cp_commit();
+            th_cp_wait();
+            for (int u = 0; u < m; u++) sum += mine[u][threadIdx.x];
         }
     }
     if (col < n && v < V) dst[v * n + col] = sum;
@@ -333,21 +470,29 @@ static __global__ void th_get_rows_back_kernel(const float * __restrict__ grad, 
 static void th_get_rows_back(cudaStream_t stream, ggml_tensor * dst) {
     const ggml_tensor * grad = dst->src[0];
     const int64_t n = dst->ne[0], V = dst->ne[1], R = grad->ne[1];
-    const dim3 block(32, TH_ROWS_BACK_IDS / 32);
+    const dim3 block(32, 8);
     const dim3 grid((unsigned) ((n + 31) / 32), (unsigned) ((V + block.y - 1) / block.y));
     th_get_rows_back_kernel<<<grid, block, 0, stream>>>((const float *) grad->data, (const int32_t *) dst->src[1]->data,
                                                         (float *) dst->data, n, R, V);
 }
 
-static void th_rows_affine(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
-                           const int64_t n, const int64_t m) {
+template <th_rows_form form>
+static void th_rows_affine_launch(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
+                                  const int64_t n, const int64_t m) {
     const dim3 block(32, 8);
     const int grid = (int) ((m + 7) / 8 < 65535 ? (m + 7) / 8 : 65535);
-    const bool vec4 = n % 4 == 0 && th_aligned16(b) && th_aligned16(y) && (t == nullptr || (th_aligned16(t) && th_aligned16(g)));
-    if (t != nullptr && vec4) th_rows_affine_kernel<true, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
-    if (t != nullptr && !vec4) th_rows_affine_kernel<true, false><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
-    if (t == nullptr && vec4) th_rows_affine_kernel<false, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
-    if (t == nullptr && !vec4) th_rows_affine_kernel<false, false><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+    const bool vec4 = n % 4 == 0 && th_aligned16(y) && (form == TH_ROWS_BIAS || (th_aligned16(t) && th_aligned16(g))) &&
+                      (form == TH_ROWS_GAIN || th_aligned16(b));
+    if (vec4) th_rows_affine_kernel<form, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+    else th_rows_affine_kernel<form, false><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+}
+
+// y = t g + b, t g where no b, b where no t
+static void th_rows_affine(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
+                           const int64_t n, const int64_t m) {
+    if (t == nullptr) th_rows_affine_launch<TH_ROWS_BIAS>(stream, t, g, b, y, n, m);
+    else if (b == nullptr) th_rows_affine_launch<TH_ROWS_GAIN>(stream, t, g, b, y, n, m);
+    else th_rows_affine_launch<TH_ROWS_AFFINE>(stream, t, g, b, y, n, m);
 }
 
 #define TH_COLUMN_ROWS 64   // rows a block of the column sums' first pass sums at least
@@ -383,7 +528,8 @@ static __global__ void th_column_total_kernel(const float * __restrict__ partial
 
 static void th_affine(cudaStream_t stream, ggml_tensor * dst) {
     th_rows_affine(stream, (const float *) dst->src[0]->data, (const float *) dst->src[1]->data,
-                   (const float *) dst->src[2]->data, (float *) dst->data, dst->ne[0], ggml_nrows(dst));
+                   dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr, (float *) dst->data,
+                   dst->ne[0], ggml_nrows(dst));
 }
 
 static void th_column_dot(cudaStream_t stream, ggml_tensor * dst) {
@@ -458,7 +604,10 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
 // same bits, whatever ran before in the process. Operands are declared 16-byte aligned (ggml-cuda
 // places tensors 128 bytes apart; a view that is not takes the plain path), no workspace and no
 // reduction scheme: k is never split. ggml's cuBLAS handle is a cuBLASLt handle too (cuBLAS's
-// documentation). A plan is also the precision's (th-precision.cuh): its compute type.
+// documentation). A plan is also the precision's (th-precision.cuh): its compute type, and at bf16
+// its operands' type: the bf16 copies of w and x (packed) that the bf16 products use, fp32 out and
+// b fp32, where before bf16 took the plain path (the fill and the beta-1 product: 0.45 + ~0.9 ms
+// of a nano gpt2 step).
 struct th_lt_bias_plan {
     int device, precision;
     int64_t n, m, k, lda, ldb;
@@ -503,8 +652,9 @@ static th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t 
     ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)) ==
                    CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, (uint64_t) k, (uint64_t) n, lda) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatrixLayoutCreate(&p->b, CUDA_R_32F, (uint64_t) k, (uint64_t) m, ldb) == CUBLAS_STATUS_SUCCESS;
+    const cudaDataType operands = precision == TH_PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;     // the copies at bf16
+    ok = ok && cublasLtMatrixLayoutCreate(&p->a, operands, (uint64_t) k, (uint64_t) n, lda) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p->b, operands, (uint64_t) k, (uint64_t) m, ldb) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t) n, (uint64_t) m, n) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
     const cublasLtMatmulPreferenceAttributes_t alignments[4] = {
@@ -540,16 +690,18 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
     const float one = 1.0f, zero = 0.0f;
     {
         std::lock_guard<std::mutex> lock(th_lt_mutex);      // the plans, and the bias pointer set on one
-        // bf16: the plain path, whose product converts its operands (th-precision.cu)
-        if (th_cuda_precision_now() != TH_PRECISION_BF16 && th_aligned16(w->data) && th_aligned16(x->data) &&
-            th_aligned16(b->data) && th_aligned16(dst->data)) {
+        const bool bf16 = th_cuda_precision_now() == TH_PRECISION_BF16;     // operands: their bf16 copies
+        if (th_aligned16(b->data) && th_aligned16(dst->data) &&
+            (bf16 || (th_aligned16(w->data) && th_aligned16(x->data)))) {
             const cublasLtHandle_t lt = (cublasLtHandle_t) cublas;
-            th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, lda, ldb);
-            const void * bias = b->data;
-            if (p->found &&
+            th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, bf16 ? k : lda, bf16 ? k : ldb);
+            const void * bias = b->data, * wa = w->data, * xa = x->data;
+            if (p->found && (!bf16 || th_bf16_operands(stream, (const float *) w->data, 0, (int) k, (int) n, (int) lda,
+                                                       (const float *) x->data, 0, (int) k, (int) m, (int) ldb, 1, &wa,
+                                                       &xa)) &&
                 cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)) ==
                     CUBLAS_STATUS_SUCCESS &&
-                cublasLtMatmul(lt, p->op, &one, w->data, p->a, x->data, p->b, &zero, dst->data, p->c, dst->data, p->c,
+                cublasLtMatmul(lt, p->op, &one, wa, p->a, xa, p->b, &zero, dst->data, p->c, dst->data, p->c,
                                &p->algo, nullptr, 0, stream) == CUBLAS_STATUS_SUCCESS) {
                 th_lt_bias_calls[0]++;
                 return true;
@@ -688,6 +840,20 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
             const ggml_tensor view = th_slice_cont_source(op);
             return th_cont_axis(&view) >= 0 && (view.ne[th_cont_axis(&view)] + 31) / 32 < 65536;
         }
+        case TH_CUDA_ROPE: {
+            const ggml_tensor * x = op->src[0], * pos = op->src[1], * ff = op->src[2];
+            th_rope_params p;
+            memcpy(&p, (const int32_t *) op->op_params + 2, sizeof(p));
+            return th_f32_contiguous(op) && th_f32_contiguous(x) && ggml_are_same_shape(op, x) && pos != nullptr &&
+                   pos->type == GGML_TYPE_I32 && ggml_nelements(pos) == x->ne[2] &&
+                   (ff == nullptr || (th_f32_contiguous(ff) && ggml_nelements(ff) >= p.n_dims / 2)) &&
+                   (p.mode == 0 || p.mode == GGML_ROPE_TYPE_NEOX) && p.ext_factor == 0.0f && p.n_dims > 0 &&
+                   p.n_dims % 2 == 0 &&
+                   p.n_dims <= x->ne[0] && x->ne[0] % 2 == 0;
+        }
+        case TH_CUDA_RMS_NORM:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_are_same_shape(op, op->src[0]) &&
+                   op->ne[0] <= INT32_MAX;
         case TH_CUDA_GET_ROWS_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
                    op->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(op->src[1]) &&
@@ -718,8 +884,8 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         case TH_CUDA_AFFINE:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
                    op->src[0]->ne[0] == op->ne[0] && th_f32_contiguous(op->src[1]) &&
-                   ggml_nelements(op->src[1]) == op->ne[0] && th_f32_contiguous(op->src[2]) &&
-                   ggml_nelements(op->src[2]) == op->ne[0];
+                   ggml_nelements(op->src[1]) == op->ne[0] &&
+                   (op->src[2] == nullptr || (th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[2]) == op->ne[0]));
         case TH_CUDA_COLUMN_DOT: {
             const ggml_tensor * a = op->src[0], * c = op->src[1], * scratch = op->src[2];
             return th_f32_contiguous(op) && th_f32_contiguous(a) && th_f32_contiguous(c) && ggml_are_same_shape(a, c) &&
@@ -774,6 +940,12 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_GET_ROWS_BACK:
             th_get_rows_back(stream, dst);
+            return true;
+        case TH_CUDA_RMS_NORM:
+            th_rms_norm(stream, dst);
+            return true;
+        case TH_CUDA_ROPE:
+            th_rope(stream, dst);
             return true;
         case TH_CUDA_ADD:
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);

@@ -12,6 +12,20 @@
 
 static inline bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 
+// cp.async of `bytes` (4 or 16) from global to shared memory, zero-filled where `in` is false
+// (src then only has to be a valid address); completes at th_cp_wait
+template <int BYTES>
+static __device__ __forceinline__ void th_cp_async(void * smem, const void * src, const bool in) {
+    const uint32_t s = (uint32_t) __cvta_generic_to_shared(smem);
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(in ? 16 : 0));
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(in ? 4 : 0));
+    }
+}
+static __device__ __forceinline__ void th_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+static __device__ __forceinline__ void th_cp_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 static inline bool th_f32_contiguous(const ggml_tensor * t) {
     return t != nullptr && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
 }

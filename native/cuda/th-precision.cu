@@ -330,7 +330,8 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
-        case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL:
+        case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
+        case TH_CUDA_ROPE:
             th_drop_tensor(node);                           // its own bytes only (FOLDED, ROOM: written by others)
             return;
         case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)
@@ -459,6 +460,26 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
 // The product in bf16: the operands (op(A) m x k, op(B) k x n; A stored rows x cols as its op
 // says) as bf16 copies (kept ones, or converted into scratch), then one cuBLAS call on them.
 // `a`/`b` strided by sa/sb, or pointer arrays `as`/`bs` (then c is `cs`); count products.
+bool th_bf16_operands(cudaStream_t stream, const float * a, const long long sa, const int a_rows, const int a_cols,
+                      const int lda, const float * b, const long long sb, const int b_rows, const int b_cols,
+                      const int ldb, const int count, const void ** a16, const void ** b16) {
+    const size_t a_size = (size_t) a_rows * a_cols, b_size = (size_t) b_rows * b_cols;
+    const __nv_bfloat16 * a_kept = th_copy_of(stream, a, sa, a_rows, a_cols, lda, count);
+    const __nv_bfloat16 * b_kept = th_copy_of(stream, b, sb, b_rows, b_cols, ldb, count);
+    const size_t bytes = ((a_kept ? 0 : a_size) + (b_kept ? 0 : b_size)) * count * sizeof(__nv_bfloat16) + 512;
+    char * scratch = a_kept != nullptr && b_kept != nullptr ? nullptr : (char *) th_scratch_for(bytes);
+    if (scratch == nullptr && (a_kept == nullptr || b_kept == nullptr)) return false;
+    th_copy_counts[0] += (a_kept == nullptr) + (b_kept == nullptr);
+    __nv_bfloat16 * a_new = (__nv_bfloat16 *) scratch;              // each copy 256-byte aligned
+    if (a_kept == nullptr) th_to_bf16(stream, a, nullptr, sa, a_rows, a_cols, lda, count, a_new);
+    __nv_bfloat16 * b_new = a_kept != nullptr ? a_new
+                          : (__nv_bfloat16 *) (((uintptr_t) (a_new + a_size * count) + 255) & ~(uintptr_t) 255);
+    if (b_kept == nullptr) th_to_bf16(stream, b, nullptr, sb, b_rows, b_cols, ldb, count, b_new);
+    *a16 = a_kept != nullptr ? a_kept : a_new;
+    *b16 = b_kept != nullptr ? b_kept : b_new;
+    return cudaGetLastError() == cudaSuccess;
+}
+
 static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                    const void * alpha, const float * a, const float * const * as, int lda,
                                    long long sa, const float * b, const float * const * bs, int ldb, long long sb,
@@ -469,35 +490,35 @@ static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cubla
     const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
     const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
     const size_t a_size = (size_t) a_rows * a_cols, b_size = (size_t) b_rows * b_cols;
-    // kept copies (pointer arrays: where they point is on the device, so never kept)
-    const __nv_bfloat16 * a_kept = as == nullptr ? th_copy_of(stream, a, sa, a_rows, a_cols, lda, count) : nullptr;
-    const __nv_bfloat16 * b_kept = bs == nullptr ? th_copy_of(stream, b, sb, b_rows, b_cols, ldb, count) : nullptr;
-    const size_t pointers = as != nullptr ? 3 * (size_t) count * sizeof(void *) : 0;
-    const size_t bytes = ((a_kept ? 0 : a_size) + (b_kept ? 0 : b_size)) * count * sizeof(__nv_bfloat16) + pointers + 512;
+    if (as == nullptr) {                        // one operand each (kept copies where they can be)
+        const void * a_use = nullptr, * b_use = nullptr;
+        if (!th_bf16_operands(stream, a, sa, a_rows, a_cols, lda, b, sb, b_rows, b_cols, ldb, count, &a_use, &b_use)) {
+            return CUBLAS_STATUS_ALLOC_FAILED;
+        }
+        if (batched) {
+            return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, a_use, CUDA_R_16BF, a_rows, (long long) a_size,
+                                              b_use, CUDA_R_16BF, b_rows, (long long) b_size, beta, c, CUDA_R_32F, ldc,
+                                              sc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        }
+        return cublasGemmEx(h, ta, tb, m, n, k, alpha, a_use, CUDA_R_16BF, a_rows, b_use, CUDA_R_16BF, b_rows, beta, c,
+                            CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
+    // pointer arrays (where they point is on the device, so never kept): both copies and the
+    // arrays of their pointers in the scratch
+    const size_t bytes = (a_size + b_size) * count * sizeof(__nv_bfloat16) + 3 * (size_t) count * sizeof(void *) + 512;
     char * scratch = (char *) th_scratch_for(bytes);
     if (scratch == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
-    __nv_bfloat16 * a16 = (__nv_bfloat16 *) scratch;             // each copy 256-byte aligned
-    th_copy_counts[0] += (a_kept == nullptr) + (b_kept == nullptr);
-    if (a_kept == nullptr) th_to_bf16(stream, a, as, sa, a_rows, a_cols, lda, count, a16);
-    __nv_bfloat16 * b16 = a_kept != nullptr ? a16
-                        : (__nv_bfloat16 *) (((uintptr_t) (a16 + a_size * count) + 255) & ~(uintptr_t) 255);
-    if (b_kept == nullptr) th_to_bf16(stream, b, bs, sb, b_rows, b_cols, ldb, count, b16);
+    th_copy_counts[0] += 2;
+    __nv_bfloat16 * a16 = (__nv_bfloat16 *) scratch;
+    th_to_bf16(stream, a, as, sa, a_rows, a_cols, lda, count, a16);
+    __nv_bfloat16 * b16 = (__nv_bfloat16 *) (((uintptr_t) (a16 + a_size * count) + 255) & ~(uintptr_t) 255);
+    th_to_bf16(stream, b, bs, sb, b_rows, b_cols, ldb, count, b16);
     if (cudaGetLastError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
-    if (as != nullptr) {                        // pointer arrays: the copies' pointers, on the device
-        const void ** ptrs = (const void **) (((uintptr_t) (b16 + b_size * count) + 255) & ~(uintptr_t) 255);
-        th_pointers_kernel<<<(count + 255) / 256, 256, 0, stream>>>(a16, a_size, count, ptrs);
-        th_pointers_kernel<<<(count + 255) / 256, 256, 0, stream>>>(b16, b_size, count, ptrs + count);
-        return cublasGemmBatchedEx(h, ta, tb, m, n, k, alpha, ptrs, CUDA_R_16BF, a_rows, ptrs + count, CUDA_R_16BF,
-                                   b_rows, beta, cs, CUDA_R_32F, ldc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    }
-    const __nv_bfloat16 * a_use = a_kept != nullptr ? a_kept : a16, * b_use = b_kept != nullptr ? b_kept : b16;
-    if (batched) {
-        return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, a_use, CUDA_R_16BF, a_rows, (long long) a_size,
-                                          b_use, CUDA_R_16BF, b_rows, (long long) b_size, beta, c, CUDA_R_32F, ldc, sc,
-                                          count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    }
-    return cublasGemmEx(h, ta, tb, m, n, k, alpha, a_use, CUDA_R_16BF, a_rows, b_use, CUDA_R_16BF, b_rows, beta, c,
-                        CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    const void ** ptrs = (const void **) (((uintptr_t) (b16 + b_size * count) + 255) & ~(uintptr_t) 255);
+    th_pointers_kernel<<<(count + 255) / 256, 256, 0, stream>>>(a16, a_size, count, ptrs);
+    th_pointers_kernel<<<(count + 255) / 256, 256, 0, stream>>>(b16, b_size, count, ptrs + count);
+    return cublasGemmBatchedEx(h, ta, tb, m, n, k, alpha, ptrs, CUDA_R_16BF, a_rows, ptrs + count, CUDA_R_16BF,
+                               b_rows, beta, cs, CUDA_R_32F, ldc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 // --- bf16: products of a frozen weight (a LoRA base) --------------------------------------------

@@ -44,6 +44,14 @@ cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cubl
                                    int m, int n, int k, const float * b, int b_rows, int b_cols, int ldb, float * c,
                                    int ldc, float beta);
 
+// the bf16 copies of a product's f32 operands a (a_rows x a_cols, leading dimension lda; count of
+// them, sa apart) and b, packed (leading dimension their rows), as the bf16 products make them: kept
+// within a graph pass where they can be, else converted into the scratch; false when the memory
+// cannot be had. The copies serve until the next product's (the scratch is reused).
+bool th_bf16_operands(cudaStream_t stream, const float * a, long long sa, int a_rows, int a_cols, int lda,
+                      const float * b, long long sb, int b_rows, int b_cols, int ldb, int count, const void ** a16,
+                      const void ** b16);
+
 cublasStatus_t th_cublas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                const float * alpha, const float * a, int lda, const float * b, int ldb,
                                const float * beta, float * c, int ldc);
