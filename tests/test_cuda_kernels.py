@@ -874,6 +874,27 @@ def test_bf16_attention_bits_do_not_depend_on_the_rows_a_cta_takes(backend, shap
         assert np.array_equal(large[name], want), (name, float(np.abs(large[name] - want).max()))
 
 
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", [
+    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # group 3, head size 16
+    dict(b=2, t=200, d=256, n_head=8, n_kv_head=2),           # group 4, head size 32, partial tiles
+    dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # head size 64, a partial 128-row block
+])
+def test_bf16_grouped_backward_split_by_query_head_keeps_the_bits(backend, shape, monkeypatch):
+    """At bf16 the backward of grouped heads takes a CTA a query head, each head's dK and dV into
+    the scratch, then sums each group in head order (th_attn_group_sum_kernel); with
+    TOYHARNESS_CUDA_GROUP_SUM=0 a CTA takes a kv head and its group's heads in turn, adding each
+    into memory in the same order: every output has the same bits."""
+    values = []
+    for split in ("0", "1"):
+        monkeypatch.setenv("TOYHARNESS_CUDA_GROUP_SUM", split)
+        values += attention_values_at(monkeypatch, "bf16", ("fused",), **shape)
+    serial, split = values
+    for name, want in serial.items():
+        assert np.isfinite(split[name]).all(), name
+        assert np.array_equal(split[name], want), (name, float(np.abs(split[name] - want).max()))
+
+
 def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():
     """The reference the bf16 test below holds the tensor-core kernels to is the block's own math:
     ggml's fp32 nodes on the cpu agree with it to fp32's rounding."""

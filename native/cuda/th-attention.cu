@@ -962,6 +962,36 @@ static bool th_opd_ok(const ggml_tensor * x, const int64_t ne0, const int64_t ne
 }
 
 
+// Grouped heads at bf16, split: the backward's CTAs take one query head each (the kernel without
+// GROUPED, its k and v read through the group), each head's dK and dV into its own slot of the
+// prep node's scratch, then this sums each kv head's group into its destination in head order,
+// 0 + the first head's + the next's ..., as th_put_grouped adds them (the same bits). The grouped
+// kernel's CTA took a kv head's G query heads in turn: a third or a quarter of the CTAs, each
+// G times as long (6.29 ms of a gpt2-small llama step at G 3, 1 CTA an SM).
+// `serial`: the destination is the scratch's first heads, which hold partials of lower groups
+// until summed, so a thread takes the kv heads of its element in ascending order
+static __global__ void th_attn_group_sum_kernel(const th_opd part, const th_opd out, const int T, const int hd,
+                                                const int group, const int kv_heads, const bool serial) {
+    const int64_t e = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
+    if (e >= (int64_t) T * hd) return;
+    const int64_t t = e / hd, d = e % hd;
+    const int first = serial ? 0 : (int) blockIdx.y, last = serial ? kv_heads : first + 1;
+    for (int kvh = first; kvh < last; kvh++) {
+        float sum = 0.0f;
+        for (int gr = 0; gr < group; gr++) {
+            sum = __fadd_rn(sum, th_head(part, kvh * group + gr)[t * part.st + d * part.sd]);
+        }
+        th_head(out, kvh)[t * out.st + d * out.sd] = sum;
+    }
+}
+
+// whether a bf16 backward of grouped heads takes a CTA a query head, then sums the groups
+// (TOYHARNESS_CUDA_GROUP_SUM=0: a CTA a kv head, its group's heads in turn; the same bits)
+static bool th_group_split() {
+    const char * v = getenv("TOYHARNESS_CUDA_GROUP_SUM");
+    return v == nullptr || strcmp(v, "0") != 0;
+}
+
 // the bf16 kernels (fwd, bwd, dq) of `heads` heads (kv heads for the backward), WARPS warps a CTA
 template <int HD, int WARPS>
 static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
@@ -1031,13 +1061,27 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.scratch = (float *) dst->src[5]->data;
         // dK and dV of the kv heads (heads / group): into rooms, or the first heads of the scratch
         // (grouped only where no SLICE reads it: th_check_group_rooms)
-        const int64_t heads = dst->ne[2], per_head = (2 * HD + 1) * T;
+        const int64_t heads = dst->ne[2], per_head_floats = (2 * HD + 1) * T;
         const unsigned ctas = (unsigned) (heads / ap.group);
         a.dk = dst->src[6] != nullptr ? th_room_opd(dst->src[6], th_attention_map_of(dst, 0))
-                                      : th_opd_at(a.scratch, HD, 1, per_head, heads);
+                                      : th_opd_at(a.scratch, HD, 1, per_head_floats, heads);
         a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
-                                      : th_opd_at(a.scratch + T * HD, 1, T, per_head, heads);
+                                      : th_opd_at(a.scratch + T * HD, 1, T, per_head_floats, heads);
         // without grouped heads the kernels' loop over a group's heads compiles away (the same code as before)
+        if (bf16 && ap.group > 1 && th_group_split()) {
+            th_attn_args per_head = a;                  // each query head's dK, dV into its scratch slot
+            per_head.group = 1;
+            per_head.dk = th_opd_at(a.scratch, HD, 1, per_head_floats, heads);
+            per_head.dv = th_opd_at(a.scratch + T * HD, 1, T, per_head_floats, heads);
+            th_mma_launch<HD>(stream, kernel, per_head, (unsigned) heads);
+            const bool serial = dst->src[6] == nullptr || dst->src[7] == nullptr;      // into the scratch itself
+            const dim3 grid((unsigned) ((T * HD + 255) / 256), serial ? 1u : ctas);
+            th_attn_group_sum_kernel<<<grid, 256, 0, stream>>>(per_head.dk, a.dk, (int) T, HD, ap.group, (int) ctas,
+                                                               serial);
+            th_attn_group_sum_kernel<<<grid, 256, 0, stream>>>(per_head.dv, a.dv, (int) T, HD, ap.group, (int) ctas,
+                                                               serial);
+            return;
+        }
         if (bf16) {
             th_mma_launch<HD>(stream, kernel, a, ctas);
             return;
