@@ -34,7 +34,8 @@
  *     in shared memory once per block of 256 threads, a warp compares 32 at once, and it sums
  *     the same rows in the same order, so the bits do not change.
  *   - MUL(t, g) of rows by a gain (RMSNorm's, forward, and the backward's MUL(dy, g); not of one
- *     row, an elementwise product a warp would take alone): AFFINE without a bias, a warp a row (ggml-cuda's broadcasting kernel computes each element's place).
+ *     row, an elementwise product a warp would take alone): AFFINE without a bias, a warp a row
+ *     (ggml-cuda's broadcasting kernel computes each element's place).
  *   - RMS_NORM (RMSNorm's normalization): a warp a row where ggml-cuda's takes a block of 256 or
  *     1024 threads for one row, summing in that block's order (the same bits).
  *   - ROPE and ROPE_BACK (modes normal and neox): a thread a rotated pair, adjacent pairs in

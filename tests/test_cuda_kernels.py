@@ -864,14 +864,7 @@ def test_bf16_attention_bits_do_not_depend_on_the_rows_a_cta_takes(backend, shap
     (TOYHARNESS_CUDA_ATTENTION_ROWS=64): each warp's 16 rows meet the same 64-row tiles in the same
     order, and a warp skips the causal blocks it would not have met with 64 rows, so every output
     has the same bits (dS's staged and unstaged loads included: T a multiple of 4 or not)."""
-    values = []
-    for rows in ("64", "128"):
-        monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", rows)
-        values += attention_values_at(monkeypatch, "bf16", ("fused",), **shape)
-    small, large = values
-    for name, want in small.items():
-        assert np.isfinite(large[name]).all(), name
-        assert np.array_equal(large[name], want), (name, float(np.abs(large[name] - want).max()))
+    assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_ATTENTION_ROWS", ("64", "128"))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
@@ -885,14 +878,20 @@ def test_bf16_grouped_backward_split_by_query_head_keeps_the_bits(backend, shape
     the scratch, then sums each group in head order (th_attn_group_sum_kernel); with
     TOYHARNESS_CUDA_GROUP_SUM=0 a CTA takes a kv head and its group's heads in turn, adding each
     into memory in the same order: every output has the same bits."""
+    assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_GROUP_SUM", ("0", "1"))
+
+
+def assert_bf16_attention_bits_either_way(monkeypatch, shape: dict, env: str, settings: tuple[str, str]) -> None:
+    """The bf16 attention block's outputs and gradients with `env` at each of `settings`: finite,
+    and the same bits."""
     values = []
-    for split in ("0", "1"):
-        monkeypatch.setenv("TOYHARNESS_CUDA_GROUP_SUM", split)
+    for setting in settings:
+        monkeypatch.setenv(env, setting)
         values += attention_values_at(monkeypatch, "bf16", ("fused",), **shape)
-    serial, split = values
-    for name, want in serial.items():
-        assert np.isfinite(split[name]).all(), name
-        assert np.array_equal(split[name], want), (name, float(np.abs(split[name] - want).max()))
+    first, second = values
+    for name, want in first.items():
+        assert np.isfinite(second[name]).all(), name
+        assert np.array_equal(second[name], want), (name, float(np.abs(second[name] - want).max()))
 
 
 def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():
