@@ -113,7 +113,8 @@ def main(argv: list[str]) -> int:
         converted, reused = ffi.new("int64_t *"), ffi.new("int64_t *")
         lib.th_cuda_bf16_copies(converted, reused)
         print(f"== bf16 operands: {converted[0]} converted, {reused[0]} reused (this process); the kept copies "
-              f"hold {lib.th_cuda_bf16_copy_bytes() / 2**20:.0f} MiB of device memory")
+              f"hold {lib.th_cuda_bf16_copy_bytes() / 2**20:.0f} MiB of device memory, at most "
+              f"{lib.th_cuda_bf16_copy_peak_bytes() / 2**20:.0f} MiB of it in use")
     if args.torch:
         pytorch(args.recipe, args.size, args.rows, args.precision, args.torch_compile)
     return 0

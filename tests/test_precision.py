@@ -362,7 +362,8 @@ from toyharness._ffi import ffi, lib
 doc = goldens.compute(sys.argv[1], "cuda")
 converted, reused = ffi.new("int64_t *"), ffi.new("int64_t *")
 lib.th_cuda_bf16_copies(converted, reused)
-print(json.dumps({"hex": [x["hex"] for x in doc["losses"]], "converted": converted[0], "reused": reused[0]}))
+print(json.dumps({"hex": [x["hex"] for x in doc["losses"]], "converted": converted[0], "reused": reused[0],
+                  "held": lib.th_cuda_bf16_copy_bytes(), "peak": lib.th_cuda_bf16_copy_peak_bytes()}))
 """
 
 
@@ -392,3 +393,6 @@ def test_bf16_products_reuse_their_operands_copies_and_change_no_bit(recipe):
     assert kept["converted"] + kept["reused"] == each["converted"]
     assert kept["reused"] > 0
     assert kept["hex"] == each["hex"], f"{recipe}@bf16: reusing the bf16 copies moved the losses' bits"
+    # the kept copies' memory: what they took at most lies within the chunks held; none without reuse
+    assert 0 < kept["peak"] <= kept["held"], kept
+    assert each["peak"] == 0, each

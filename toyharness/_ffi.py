@@ -212,6 +212,7 @@ int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
 int64_t th_cuda_bf16_copy_bytes(void);
+int64_t th_cuda_bf16_copy_peak_bytes(void);
 void th_cuda_bf16_keep_nodes(int nodes);
 int64_t th_cuda_frozen_products(void);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
@@ -356,7 +357,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 12
+CUDA_KERNELS_VERSION = 13
 
 
 def cuda_kernels_built() -> bool:

@@ -230,6 +230,7 @@ def _ggml_worker(conn, recipe: str, backend: str, threads: int, sets: list[str])
                 done["device_mb"] = device.peak_mb
                 if opts.precision == "bf16":     # of which the bf16 copies' memory (th-precision.cu)
                     done["bf16_copies_mb"] = lib.th_cuda_bf16_copy_bytes() / 2**20
+                    done["bf16_copies_peak_mb"] = lib.th_cuda_bf16_copy_peak_bytes() / 2**20
             conn.send(done)
             return
 
@@ -609,8 +610,9 @@ def bench_recipe(recipe: str, backend: str = "cpu", threads: int = 2, steps: int
     # each process's memory on the GPU as the driver counts it (toyharness/device_memory.py)
     if mine.get("device_mb") is not None:
         extra["device_mb"] = round(mine["device_mb"], 1)
-    if mine.get("bf16_copies_mb") is not None:
-        extra["bf16_copies_mb"] = round(mine["bf16_copies_mb"], 1)
+    for key in ("bf16_copies_mb", "bf16_copies_peak_mb"):
+        if mine.get(key) is not None:
+            extra[key] = round(mine[key], 1)
     for mode, other in zip(modes, others):
         if other.get("device_mb") is not None:
             extra["torch_device_mb" if mode == modes[0] else f"torch_{mode}_device_mb"] = round(other["device_mb"], 1)

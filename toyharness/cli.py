@@ -360,9 +360,11 @@ def cmd_bench(args) -> int:
                   f"speedup {doc[f'speedup_vs_torch_{mode}']:.2f}x")
         if "device_mb" in doc or "torch_device_mb" in doc:
             gib = {k: f"{doc[k] / 1024:.2f} GiB" if doc.get(k) is not None else "-"
-                   for k in ("device_mb", "bf16_copies_mb", "torch_device_mb", "torch_device_peak_mb")}
+                   for k in ("device_mb", "bf16_copies_mb", "bf16_copies_peak_mb", "torch_device_mb",
+                             "torch_device_peak_mb")}
             print(f"  GPU memory (the driver's, per process): toyharness {gib['device_mb']}"
-                  + (f" (bf16 copies {gib['bf16_copies_mb']})" if "bf16_copies_mb" in doc else "")
+                  + (f" (bf16 copies {gib['bf16_copies_mb']}, at most {gib['bf16_copies_peak_mb']} of it in use)"
+                     if "bf16_copies_mb" in doc else "")
                   + f", PyTorch {gib['torch_device_mb']} (its allocator's peak {gib['torch_device_peak_mb']})")
         drift = r.drift()
         if drift:
