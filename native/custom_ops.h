@@ -9,11 +9,12 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 12  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 13  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
-                                           ROPE */
+                                           ROPE; 13: th_cuda_bf16_copy_peak_bytes, ATTN_BWD's
+                                           dS as bf16 at bf16 */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -23,7 +24,8 @@ enum {
      *              and dV^T into it, or into their rooms
      *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP, [dK's room, dV's room]; dS (T,T,BH),
      *              what SOFT_MAX_BACK gives, in the tiles a causal query sees (the rest unwritten:
-     *              ATTN_DQ alone reads it)
+     *              ATTN_DQ alone reads it); stamped bf16, as bf16 (T,T,BH) in the first half of
+     *              its bytes
      *   ATTN_DQ    srcs dS (the ATTN_BWD node), k; dQ = dS K, into its own node through a map
      *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride`
      * An operand (q, k, vt, dO) may be a strided (hd,T,H,B) or (T,hd,H,B) view, head b H + h:

@@ -593,7 +593,7 @@ static constexpr size_t th_bwd_mma_smem() {
 template <int HD, int WARPS>
 static constexpr size_t th_dq_mma_smem() {
     return 2 * ((size_t) 16 * WARPS * (TH_MM_B + TH_MM_PAD) + (size_t) TH_MM_B * (HD + TH_MM_PAD)) +
-           4 * ((size_t) 16 * WARPS * TH_MM_B + (size_t) TH_MM_B * HD);
+           2 * (size_t) 16 * WARPS * TH_MM_B + 4 * (size_t) TH_MM_B * HD;
 }
 
 // the forward: one CTA a (head, 16 WARPS queries), the last query blocks first; a warp's 16 queries
@@ -694,8 +694,9 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
 
 // the backward: one CTA a (kv head, 16 WARPS keys), a warp 16 keys, over the query blocks that see
 // them, each query head of a group in turn: S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T -
-// L), dS^T = scale P^T (dP^T - D) (written to the node, fp32, query-major as fp32's kernel writes
-// it), dV += P^T dO, dK += dS^T Q. The (head, query block) steps run as one sequence, so the next
+// L), dS^T = scale P^T (dP^T - D) (written to the node query-major as fp32's kernel writes it, but
+// as bf16, the values dQ's product rounds it to: half the bytes out and back in), dV += P^T dO,
+// dK += dS^T Q. A tile no element of which is masked or past T takes a path without the tests. The (head, query block) steps run as one sequence, so the next
 // step's Q, dO, L and D are staged while this one multiplies, across heads too. A warp whose keys
 // no query of a block sees skips it (causal: its first blocks, where the CTA's keys start before
 // them): it took no such step with 64 keys a CTA either.
@@ -754,21 +755,38 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
         th_cp_commit();
         if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
             const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
-            float * ds_out = a.out + bh * ((int64_t) T * T);
+            // dS as bf16 (rounded to nearest even, as dQ's kernel rounds it entering its product):
+            // this thread's elements at rows q0 + c + e % 2 + 8 nt, keys w0 + g + 8 (e / 2)
+            __nv_bfloat16 * ds_out = (__nv_bfloat16 *) a.out + bh * ((int64_t) T * T) + (int64_t) (q0 + c) * T + w0 + g;
             float s[8][4], dp[8][4];
             th_mm_rows<HD>(s, kf, Qs, LDR);
             th_mm_rows<HD>(dp, vf, dOs, LDR);
+            // a tile inside the sequence whose every key every query sees: no element to mask
+            const bool whole = w0 + 16 <= T && q0 + TH_MM_B <= T && !(a.causal && w0 + 15 > q0);
+            if (whole) {
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++)
+                for (int nt = 0; nt < 8; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
-                    const bool seen = key < T && qr < T && !(a.causal && key > qr);
-                    const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
-                    s[nt][e] = p;
-                    dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
-                    if (key < T && qr < T) ds_out[(int64_t) qr * T + key] = dp[nt][e];
-                }
+                    for (int e = 0; e < 4; e++) {
+                        const int qi = nt * 8 + c + e % 2;
+                        const float p = expf(s[nt][e] * a.scale - Lq[qi]);
+                        s[nt][e] = p;
+                        dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
+                        ds_out[(nt * 8 + e % 2) * T + 8 * (e / 2)] = __float2bfloat16_rn(dp[nt][e]);
+                    }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
+                        const bool seen = key < T && qr < T && !(a.causal && key > qr);
+                        const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
+                        s[nt][e] = p;
+                        dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
+                        if (key < T && qr < T) ds_out[(nt * 8 + e % 2) * T + 8 * (e / 2)] = __float2bfloat16_rn(dp[nt][e]);
+                    }
+            }
             th_mm_acc<HD>(dv, s, dOs, LDR);
             th_mm_acc<HD>(dk, dp, Qs, LDR);
         }
@@ -793,27 +811,29 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
 
 // dQ = dS K: one CTA a (head, 16 WARPS queries), a warp 16 queries, over the key blocks the
 // backward wrote (causal: up to the diagonal's of the warp's rows), keys in order, the last query
-// blocks first; the next key block's dS and K staged while this one multiplies
+// blocks first; the next key block's dS (bf16, as the backward wrote it) and K staged while this
+// one multiplies
 template <int HD, int WARPS>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_kernel(const th_attn_args a) {
     constexpr int LDT = TH_MM_B + TH_MM_PAD, LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
     __nv_bfloat16 * Ss = (__nv_bfloat16 *) th_mma_smem;           // [q][key]
     __nv_bfloat16 * Ks = Ss + QR * LDT;                            // [key][d]
-    float * Sst = (float *) (Ks + TH_MM_B * LDR), * Kst = Sst + QR * TH_MM_B;     // staging
+    float * Sst = (float *) (Ks + TH_MM_B * LDR), * Kst = Sst + QR * TH_MM_B / 2;     // staging (dS's bf16)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
     const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
-    const float * ds = a.ds + (int64_t) bh * T * T;
+    const __nv_bfloat16 * ds = (const __nv_bfloat16 *) a.ds + (int64_t) bh * T * T;    // bf16: the backward's
+    __nv_bfloat16 * Sst16 = (__nv_bfloat16 *) Sst;                 // dS's staging, [q][key] unpadded
     const float * k = th_head(a.k, bh);
-    // dS rows are T floats: 16-byte copies where T is a multiple of 4 (the head then aligned too)
-    const bool s_staged = T % 4 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
+    // dS rows are T bf16s: 16-byte copies where T is a multiple of 8 (the head then aligned too)
+    const bool s_staged = T % 8 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
     auto stage = [&](const int k0) {
         if (s_staged) {
-            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
-                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
+            for (int i = threadIdx.x; i < QR * TH_MM_B / 8; i += NT) {
+                const int r = i / (TH_MM_B / 8), cc = 8 * (i % (TH_MM_B / 8));
                 const bool in = q0 + r < T && k0 + cc < T;
-                th_cp_async<16>(Sst + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
+                th_cp_async<16>(Sst16 + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
             }
         }
         if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0, T);
@@ -832,17 +852,16 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
         th_cp_wait();
         __syncthreads();                                             // key block kb staged; Ss, Ks free
         if (s_staged) {
-            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
-                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
-                const float4 x = *(const float4 *) (Sst + r * TH_MM_B + cc);
-                *(uint2 *) (Ss + r * LDT + cc) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
+            for (int i = threadIdx.x; i < QR * TH_MM_B / 8; i += NT) {
+                const int r = i / (TH_MM_B / 8), cc = 8 * (i % (TH_MM_B / 8));
+                *(uint4 *) (Ss + r * LDT + cc) = *(const uint4 *) (Sst16 + r * TH_MM_B + cc);
             }
         } else {
-            for (int i = threadIdx.x; i < QR * TH_MM_B / 2; i += NT) {
-                const int r = i / (TH_MM_B / 2), cc = 2 * (i % (TH_MM_B / 2));
-                const bool in0 = q0 + r < T && k0 + cc < T, in1 = q0 + r < T && k0 + cc + 1 < T;
-                const float * p = ds + (int64_t) (q0 + r) * T + k0 + cc;
-                *(uint32_t *) (Ss + r * LDT + cc) = th_pack_bf16(in0 ? p[0] : 0.0f, in1 ? p[1] : 0.0f);
+            const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
+            for (int i = threadIdx.x; i < QR * TH_MM_B; i += NT) {
+                const int r = i / TH_MM_B, cc = i % TH_MM_B;
+                const bool in = q0 + r < T && k0 + cc < T;
+                Ss[r * LDT + cc] = in ? ds[(int64_t) (q0 + r) * T + k0 + cc] : zero;
             }
         }
         th_fill_bf16<HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
@@ -1098,7 +1117,9 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.ds = (const float *) dst->src[0]->data, a.k = th_opd_of(dst->src[1], false);
         a.k.g = ap.group;
         a.dq = th_room_opd(dst, th_attention_map_of(dst, 0));
-        if (bf16) {
+        // the backward's stamp, not this node's, says how dS was written: bf16 by the tensor-core
+        // kernel (a graph's nodes are stamped alike, so the two agree; this reads what was written)
+        if (th_precision_of(dst->src[0]) == TH_PRECISION_BF16) {
             th_mma_launch<HD>(stream, kernel, a, (unsigned) dst->src[0]->ne[2]);
             return;
         }
