@@ -225,7 +225,7 @@ class Planner:
         # What the plan reports about the buffer's contents, read from the graph as its buffer is
         # reserved: on cpu before the backend's rewrites, on cuda after them (the fused
         # attention's forward node then holds O and L, not ggml's (B*H, T, T) probabilities).
-        rewritten_first = prog.cuda_kernels and prog.engine.backend == "cuda"
+        rewritten_first = prog.reserves_rewritten
         if not rewritten_first:
             self._describe(trainer)
         galloc = lib.ggml_gallocr_new(self.buft)

@@ -699,6 +699,15 @@ class Program:
         if status != GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
 
+    @property
+    def reserves_rewritten(self) -> bool:
+        """Whether the training graph's buffer is reserved for the graph as the backend's rewrite
+        leaves it (cuda with our kernels), not as built: reserved before, it kept the places of
+        nodes the fused kernels never write (attention's (B*H, T, T) probabilities, kept for the
+        backward in ggml's graph; the REPEATs of grouped kv heads) and, only growing, never gave
+        them back (iss-32f). (A cpu program that builds graphs as cuda does, in tests, computes none.)"""
+        return self.cuda_kernels and self.engine.backend == "cuda"
+
     def _prepare(self, graph) -> None:
         """Once per graph, before its first compute (and in a memory plan, before it is measured):
         the backend's rewrites, then the check that the backend declares every node."""
@@ -970,11 +979,7 @@ class Trainer:
         if prog.planner is not None:
             prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
         else:
-            if prog.cuda_kernels and prog.engine.backend == "cuda":
-                # on cuda the buffer is reserved for the graph as the rewrite leaves it: reserved
-                # before, it kept the places of nodes the fused kernels never write (attention's
-                # (B*H, T, T) probabilities, kept for the backward in ggml's graph; the REPEATs of
-                # grouped kv heads) and, only growing, never gave them back (iss-32f)
+            if prog.reserves_rewritten:
                 prog._prepare(self.gb_opt)
             with ggml_quiet():
                 reserved = lib.ggml_gallocr_reserve(prog.galloc_for(self.gb_opt), self.gb_opt)
