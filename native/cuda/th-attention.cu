@@ -35,6 +35,7 @@ extern "C" {
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #define TH_AT_B 64        // queries and keys per tile
 #define TH_AT_PAD 4       // smem row padding (keeps float4 alignment, spreads banks)
@@ -762,30 +763,27 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
             th_mm_rows<HD>(s, kf, Qs, LDR);
             th_mm_rows<HD>(dp, vf, dOs, LDR);
             // a tile inside the sequence whose every key every query sees: no element to mask
-            const bool whole = w0 + 16 <= T && q0 + TH_MM_B <= T && !(a.causal && w0 + 15 > q0);
-            if (whole) {
-#pragma unroll
-                for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int qi = nt * 8 + c + e % 2;
-                        const float p = expf(s[nt][e] * a.scale - Lq[qi]);
-                        s[nt][e] = p;
-                        dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
-                        ds_out[(nt * 8 + e % 2) * T + 8 * (e / 2)] = __float2bfloat16_rn(dp[nt][e]);
-                    }
-            } else {
+            // P, and dS into the node; WHOLE: a tile inside the sequence whose every key every
+            // query sees, so no element to mask or to leave unwritten (its tests compile away)
+            auto p_and_ds = [&](auto whole_tile) {
+                constexpr bool WHOLE = decltype(whole_tile)::value;
 #pragma unroll
                 for (int nt = 0; nt < 8; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
-                        const bool seen = key < T && qr < T && !(a.causal && key > qr);
+                        const bool inside = WHOLE || (key < T && qr < T);
+                        const bool seen = WHOLE || (inside && !(a.causal && key > qr));
                         const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
                         s[nt][e] = p;
                         dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
-                        if (key < T && qr < T) ds_out[(nt * 8 + e % 2) * T + 8 * (e / 2)] = __float2bfloat16_rn(dp[nt][e]);
+                        if (inside) ds_out[(nt * 8 + e % 2) * T + 8 * (e / 2)] = __float2bfloat16_rn(dp[nt][e]);
                     }
+            };
+            if (w0 + 16 <= T && q0 + TH_MM_B <= T && !(a.causal && w0 + 15 > q0)) {
+                p_and_ds(std::true_type{});
+            } else {
+                p_and_ds(std::false_type{});
             }
             th_mm_acc<HD>(dv, s, dOs, LDR);
             th_mm_acc<HD>(dk, dp, Qs, LDR);
