@@ -697,8 +697,8 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
 // them, each query head of a group in turn: S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T -
 // L), dS^T = scale P^T (dP^T - D) (written to the node query-major as fp32's kernel writes it, but
 // as bf16, the values dQ's product rounds it to: half the bytes out and back in), dV += P^T dO,
-// dK += dS^T Q. A tile no element of which is masked or past T takes a path without the tests. The (head, query block) steps run as one sequence, so the next
-// step's Q, dO, L and D are staged while this one multiplies, across heads too. A warp whose keys
+// dK += dS^T Q; a tile with nothing masked or past T skips the tests. The (head, query block)
+// steps run as one sequence, so the next step's Q, dO, L and D are staged while this one multiplies, across heads too. A warp whose keys
 // no query of a block sees skips it (causal: its first blocks, where the CTA's keys start before
 // them): it took no such step with 64 keys a CTA either.
 template <int HD, int WARPS, bool GROUPED>
@@ -762,7 +762,6 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
             float s[8][4], dp[8][4];
             th_mm_rows<HD>(s, kf, Qs, LDR);
             th_mm_rows<HD>(dp, vf, dOs, LDR);
-            // a tile inside the sequence whose every key every query sees: no element to mask
             // P, and dS into the node; WHOLE: a tile inside the sequence whose every key every
             // query sees, so no element to mask or to leave unwritten (its tests compile away)
             auto p_and_ds = [&](auto whole_tile) {
