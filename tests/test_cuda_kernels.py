@@ -863,7 +863,7 @@ def test_bf16_attention_bits_do_not_depend_on_the_rows_a_cta_takes(backend, shap
     """The bf16 kernels with 128 rows a CTA (8 warps, the default) against 64
     (TOYHARNESS_CUDA_ATTENTION_ROWS=64): each warp's 16 rows meet the same 64-row tiles in the same
     order, and a warp skips the causal blocks it would not have met with 64 rows, so every output
-    has the same bits (dS's staged and unstaged loads included: T a multiple of 4 or not)."""
+    has the same bits (dS's staged and unstaged loads included: T a multiple of 8 or not)."""
     assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_ATTENTION_ROWS", ("64", "128"))
 
 
