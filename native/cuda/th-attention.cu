@@ -908,12 +908,6 @@ static size_t th_bwd_smem(int hd) {
     return sizeof(float) * (2 * hd * TH_AT_LD + 2 * rows * TH_AT_LD + 2 * TH_AT_B * (hd + TH_AT_PAD) + 2 * TH_AT_B);
 }
 
-static th_attention_params th_params_of(const ggml_tensor * t) {
-    th_attention_params ap;
-    memcpy(&ap, t->op_params + 2, sizeof(ap));
-    return ap;
-}
-
 static size_t th_dq_smem(int hd) { return sizeof(float) * (TH_AT_B * TH_AT_LD + TH_AT_B * (hd + TH_AT_PAD)); }
 
 // an operand's (t, d) elements: a (hd, T, H, B) tensor, or with `t_first` a (T, hd, H, B) one (V^T)
@@ -1131,7 +1125,7 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
     if (kernel == TH_CUDA_SLICE) {
         return op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_F32 && ggml_is_contiguous(op->src[0]);
     }
-    const th_attention_params ap = th_params_of(op);
+    const th_attention_params ap = th_params_of<th_attention_params>(op);
     if (!th_attention_head_dim_ok(ap.hd) || ap.T <= 0 || ap.group < 1) return false;
     const int64_t hd = ap.hd, T = ap.T, G = ap.group;     // k, vt and the rooms: heads / G kv heads
     const ggml_tensor * const * s = op->src;
@@ -1160,8 +1154,7 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
 
 bool th_attention(cudaStream_t stream, ggml_tensor * dst, const int kernel) {
     if (kernel == TH_CUDA_SLICE) {
-        th_slice_params sp;
-        memcpy(&sp, dst->op_params + 2, sizeof(sp));
+        const th_slice_params sp = th_params_of<th_slice_params>(dst);
         const int64_t n = dst->ne[0] * dst->ne[1], heads = ggml_nelements(dst) / n;
         const int64_t total = n * heads;
         const int blocks = (int) ((total + 255) / 256 < 65535 ? (total + 255) / 256 : 65535);
@@ -1169,7 +1162,7 @@ bool th_attention(cudaStream_t stream, ggml_tensor * dst, const int kernel) {
                                                     sp.stride, sp.offset);
         return true;
     }
-    const th_attention_params ap = th_params_of(dst);
+    const th_attention_params ap = th_params_of<th_attention_params>(dst);
     switch (ap.hd) {
         case 16: th_attention_launch<16>(stream, dst, kernel, ap); return true;
         case 32: th_attention_launch<32>(stream, dst, kernel, ap); return true;

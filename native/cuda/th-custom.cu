@@ -252,8 +252,7 @@ static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, 
 }
 
 static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool backward) {
-    float eps;
-    memcpy(&eps, (const int32_t *) dst->op_params + 2, sizeof(eps));
+    const float eps = th_params_of<float>(dst);
     const int64_t n = dst->ne[0], rows = ggml_nrows(dst);
     const dim3 block(32, 8);
     const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
@@ -312,8 +311,7 @@ static __global__ void th_rms_norm_kernel(const float * __restrict__ x, float * 
 }
 
 static void th_rms_norm(cudaStream_t stream, ggml_tensor * dst) {
-    float eps;
-    memcpy(&eps, (const int32_t *) dst->op_params + 2, sizeof(eps));
+    const float eps = th_params_of<float>(dst);
     const int n = (int) dst->ne[0];
     const int64_t rows = ggml_nrows(dst);
     const dim3 block(32, 8);
@@ -359,8 +357,7 @@ static __global__ void th_rope_kernel(const float * __restrict__ x, float * __re
 }
 
 static void th_rope(cudaStream_t stream, ggml_tensor * dst) {
-    th_rope_params p;
-    memcpy(&p, (const int32_t *) dst->op_params + 2, sizeof(p));
+    const th_rope_params p = th_params_of<th_rope_params>(dst);
     const ggml_tensor * x = dst->src[0];
     const float theta_scale = powf(p.freq_base, -2.0f / p.n_dims);     // as ggml-cuda's host code
     const int64_t pairs = ggml_nelements(x) / 2;
@@ -796,8 +793,7 @@ static void th_cont_of(cudaStream_t stream, const ggml_tensor * src, ggml_tensor
 // CONT of a view of a SLICE, from the sliced node (custom_ops.h, TH_CUDA_SLICE_CONT): the view
 // as it lies there, described to the copy by its strides and start
 static ggml_tensor th_slice_cont_source(const ggml_tensor * dst) {
-    th_slice_cont_params p;
-    memcpy(&p, (const int32_t *) dst->op_params + 2, sizeof(p));
+    const th_slice_cont_params p = th_params_of<th_slice_cont_params>(dst);
     ggml_tensor view = *dst->src[0];
     view.data = (float *) dst->src[0]->data + p.offset;
     for (int i = 0; i < 4; i++) {
@@ -842,8 +838,7 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         }
         case TH_CUDA_ROPE: {
             const ggml_tensor * x = op->src[0], * pos = op->src[1], * ff = op->src[2];
-            th_rope_params p;
-            memcpy(&p, (const int32_t *) op->op_params + 2, sizeof(p));
+            const th_rope_params p = th_params_of<th_rope_params>(op);
             return th_f32_contiguous(op) && th_f32_contiguous(x) && ggml_are_same_shape(op, x) && pos != nullptr &&
                    pos->type == GGML_TYPE_I32 && ggml_nelements(pos) == x->ne[2] &&
                    (ff == nullptr || (th_f32_contiguous(ff) && ggml_nelements(ff) >= p.n_dims / 2)) &&

@@ -9,6 +9,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <cstring>
 
 static inline bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 
@@ -25,6 +26,14 @@ static __device__ __forceinline__ void th_cp_async(void * smem, const void * src
 }
 static __device__ __forceinline__ void th_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 static __device__ __forceinline__ void th_cp_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// a node of ours' parameters: what th_cuda_rewrite set after its two marks (op_params[2..])
+template <typename P>
+static inline P th_params_of(const ggml_tensor * t) {
+    P p;
+    memcpy(&p, (const int32_t *) t->op_params + 2, sizeof(p));
+    return p;
+}
 
 static inline bool th_f32_contiguous(const ggml_tensor * t) {
     return t != nullptr && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
