@@ -5,6 +5,7 @@
  * node's op_params when it marks it. */
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ggml.h"
@@ -37,10 +38,171 @@ static int th_mark_frozen(struct ggml_tensor * t) {
     return 1;
 }
 
+static int th_kernel_of(const struct ggml_tensor * t) {
+    int32_t p[2];
+    memcpy(p, t->op_params, sizeof(p));
+    return t->op == GGML_OP_CUSTOM && p[0] == TH_CUDA_MAGIC ? p[1] : 0;
+}
+
+/* `t` (contiguous) as bf16 from now on: its strides for two-byte elements */
+static void th_retype_bf16(struct ggml_tensor * t) {
+    t->type = GGML_TYPE_BF16;
+    t->nb[0] = ggml_type_size(GGML_TYPE_BF16);
+    for (int d = 1; d < GGML_MAX_DIMS; d++) t->nb[d] = t->nb[d - 1] * t->ne[d - 1];
+}
+
+static int th_is_swiglu(const struct ggml_tensor * u) {
+    return u->op == GGML_OP_GLU && ggml_get_glu_op(u) == GGML_GLU_OP_SWIGLU;
+}
+
+static int th_reads(const struct ggml_tensor * u, const struct ggml_tensor * t) {
+    for (int j = 0; j < GGML_MAX_SRC; j++) {
+        if (u->src[j] == t) return 1;
+    }
+    return 0;
+}
+
+/* A tensor and its reshapes: a product (2-D) reaches the GLU as a RESHAPE of it (3-D), the GLU's
+ * output reaches down's product as one; they share its bytes and must share its type. */
+#define TH_FAMILY 16
+typedef struct { struct ggml_tensor * t[TH_FAMILY]; int n; } th_family;
+
+static int th_in(const th_family * f, const struct ggml_tensor * t) {
+    for (int k = 0; k < f->n; k++) {
+        if (f->t[k] == t) return 1;
+    }
+    return 0;
+}
+
+/* `root` and every RESHAPE of a member among the graph's nodes; 0 when there are too many */
+static int th_family_of(struct ggml_cgraph * graph, struct ggml_tensor * root, th_family * f) {
+    f->n = 1;
+    f->t[0] = root;
+    for (int k = 0; k < f->n; k++) {
+        for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+            struct ggml_tensor * u = ggml_graph_node(graph, i);
+            if (u->op != GGML_OP_RESHAPE || u->src[0] != f->t[k] || th_in(f, u)) continue;
+            if (f->n == TH_FAMILY) return 0;
+            f->t[f->n++] = u;
+        }
+    }
+    return 1;
+}
+
+/* the tensor under RESHAPEs */
+static struct ggml_tensor * th_under_reshapes(struct ggml_tensor * t) {
+    while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
+    return t;
+}
+
+/* every member of `f` contiguous, no output, of `type` */
+static int th_family_plain(const th_family * f, enum ggml_type type) {
+    for (int k = 0; k < f->n; k++) {
+        const struct ggml_tensor * t = f->t[k];
+        if (t->type != type || !ggml_is_contiguous(t) || (t->flags & GGML_TENSOR_FLAG_OUTPUT)) return 0;
+    }
+    return 1;
+}
+
+static void th_family_retype(const th_family * f) {
+    for (int k = 0; k < f->n; k++) th_retype_bf16(f->t[k]);
+}
+
+#define TH_SWIGLU_GLUS 4
+
+/* Whether gate's and up's products (with their reshapes: fg, fu) can be, or are, bf16 in `graph`
+ * (`type` what they are now): every reader of them a member, the SwiGLU's GLU (src 0 of fg, src 1
+ * of fu), its backward (SWIGLU_BACK: srcs grad, fu's, fg's) or a node of ours that computes
+ * nothing (FOLDED, ROOM); each GLU's output (with its reshapes, fo[]) read by members and frozen
+ * forward products alone (ggml-cuda's GLU writes its sources' type: the output is bf16 too). Else
+ * the reader that is not in *other (NULL: an output, a layout, too many). */
+static int th_swiglu_pair_ok(struct ggml_cgraph * graph, const th_family * fg, const th_family * fu, enum ggml_type type,
+                             th_family * fo, int * n_glus, struct ggml_tensor ** other) {
+    *n_glus = 0;
+    *other = NULL;
+    if (!th_family_plain(fg, type) || !th_family_plain(fu, type) || ggml_nelements(fg->t[0]) != ggml_nelements(fu->t[0])) {
+        return 0;
+    }
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        int reads = 0;
+        for (int k = 0; k < fg->n; k++) reads |= th_reads(u, fg->t[k]);
+        for (int k = 0; k < fu->n; k++) reads |= th_reads(u, fu->t[k]);
+        if (!reads || th_in(fg, u) || th_in(fu, u)) continue;
+        const int kernel = th_kernel_of(u);
+        if (kernel == TH_CUDA_FOLDED || kernel == TH_CUDA_ROOM ||
+            (kernel == TH_CUDA_SWIGLU_BACK && th_in(fu, u->src[1]) && th_in(fg, u->src[2]) &&
+             !th_in(fg, u->src[0]) && !th_in(fu, u->src[0]))) {
+            continue;
+        }
+        if (!th_is_swiglu(u) || !th_in(fg, u->src[0]) || !th_in(fu, u->src[1]) || *n_glus == TH_SWIGLU_GLUS ||
+            !th_family_of(graph, u, &fo[*n_glus]) || !th_family_plain(&fo[*n_glus], type)) {
+            *other = u;
+            return 0;
+        }
+        const th_family * o = &fo[(*n_glus)++];
+        for (int j = 0; j < ggml_graph_n_nodes(graph); j++) {        /* the GLU's readers: frozen forwards */
+            struct ggml_tensor * r = ggml_graph_node(graph, j);
+            int reads_o = 0;
+            for (int k = 0; k < o->n; k++) reads_o |= th_reads(r, o->t[k]);
+            if (reads_o && !th_in(o, r) && !(th_kernel_of(r) == TH_CUDA_FROZEN_MUL_MAT && !th_in(o, r->src[0]))) {
+                *other = r;
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+/* At bf16, SwiGLU over two frozen products (a LoRA base's gate and up, FROZEN_MUL_MAT) keeps them,
+ * and its own output, as bf16 (TOYHARNESS_BF16_SWIGLU=f32: f32 as before): cuBLAS rounds each
+ * product's fp32 sums to bf16 once (what bf16 autocast keeps), the GLU computes on those values in
+ * fp32 and rounds its output to bf16 (ggml-cuda's GLU in bf16), which down's frozen product reads
+ * in place (it would have rounded the f32 output to those same bf16 values). Half the bytes of the
+ * two products SWIGLU_BACK keeps for the backward (the LoRA bench's 1B base: 2 GiB of 8.3). Pairs
+ * are found by their GLU, or by their SWIGLU_BACK alone (recompute_blocks' recomputed products: the
+ * same bits as the forward's), each product with its reshapes. Taken only where th_swiglu_pair_ok
+ * says. Returns the pairs taken, or -2 (`why`) where a pair already bf16 (taken in another graph
+ * of the program) has a reader here that would read it as f32. */
+static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
+    const char * choice = getenv("TOYHARNESS_BF16_SWIGLU");
+    if (choice != NULL && strcmp(choice, "f32") == 0) return 0;
+    int taken = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * n = ggml_graph_node(graph, i), * other = NULL;
+        const int glu = th_is_swiglu(n), back = th_kernel_of(n) == TH_CUDA_SWIGLU_BACK;
+        if (!glu && !back) continue;
+        struct ggml_tensor * gate = th_under_reshapes(glu ? n->src[0] : n->src[2]), * up = th_under_reshapes(n->src[1]);
+        if (gate == NULL || up == NULL || th_kernel_of(gate) != TH_CUDA_FROZEN_MUL_MAT ||
+            th_kernel_of(up) != TH_CUDA_FROZEN_MUL_MAT) {
+            continue;
+        }
+        th_family fg, fu, fo[TH_SWIGLU_GLUS];
+        int n_glus = 0;
+        if (!th_family_of(graph, gate, &fg) || !th_family_of(graph, up, &fu)) continue;
+        if (gate->type == GGML_TYPE_BF16 || up->type == GGML_TYPE_BF16) {
+            if (th_swiglu_pair_ok(graph, &fg, &fu, GGML_TYPE_BF16, fo, &n_glus, &other)) continue;   /* taken before */
+            if (why != NULL && why_size > 0) {
+                snprintf(why, (size_t) why_size, "SwiGLU over %s and %s, kept bf16 in another graph: %s %s reads it here",
+                         gate->name, up->name, other != NULL ? ggml_op_desc(other) : "an output or another layout",
+                         other != NULL ? other->name : "");
+            }
+            return -2;
+        }
+        if (!th_swiglu_pair_ok(graph, &fg, &fu, GGML_TYPE_F32, fo, &n_glus, &other)) continue;
+        th_family_retype(&fg);
+        th_family_retype(&fu);
+        for (int k = 0; k < n_glus; k++) th_family_retype(&fo[k]);
+        taken++;
+    }
+    return taken;
+}
+
 /* Stamps `precision` (TH_PRECISION_*) on the graph's product nodes; returns how many, -1 for a
  * precision it does not know, or -2 where bf16 meets a frozen weight's product of a shape the
- * frozen bf16 products do not take (its name in `why`). fp32 clears a stamp (a node keeps no other
- * precision's). At bf16, products of frozen weights become ours first (th_mark_frozen). */
+ * frozen bf16 products do not take, or a SwiGLU kept bf16 that a node here reads as f32 (its name
+ * in `why`). fp32 clears a stamp (a node keeps no other precision's). At bf16, products of frozen
+ * weights become ours first (th_mark_frozen), then SwiGLUs over them keep bf16 (th_swiglu_bf16). */
 TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, char * why, int why_size) {
     if (precision != TH_PRECISION_FP32 && precision != TH_PRECISION_TF32 && precision != TH_PRECISION_BF16) return -1;
     int marked = 0;
@@ -63,6 +225,7 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
             marked++;
         }
     }
+    if (precision == TH_PRECISION_BF16 && th_swiglu_bf16(graph, why, why_size) < 0) return -2;
     return marked;
 }
 

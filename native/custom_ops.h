@@ -9,12 +9,14 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 13  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 14  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
                                            ROPE; 13: th_cuda_bf16_copy_peak_bytes, ATTN_BWD's
-                                           dS as bf16 at bf16 */
+                                           dS as bf16 at bf16; 14: our Q4_K dequantizer
+                                           (th_cuda_dequantize_bf16), SwiGLU over frozen
+                                           products in bf16 */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -74,7 +76,8 @@ enum {
     /* A frozen weight's products at bf16 (th-frozen.cu; marked by th_cuda_mark_precision, at bf16
      * only): W (K, N) of another type than f32, as its bf16 values (never an f32 copy);
      *   FROZEN_MUL_MAT   srcs W, x (K, M) f32;           y (N, M) = x W^T   (ggml's MUL_MAT(W, x))
-     *   FROZEN_OUT_PROD  srcs W, b (M, N) f32 (dy^T);    dx (K, M) = dy W   (ggml's OUT_PROD(W, b)) */
+     *   FROZEN_OUT_PROD  srcs W, b (M, N) f32 (dy^T);    dx (K, M) = dy W   (ggml's OUT_PROD(W, b))
+     * At bf16 a FROZEN_MUL_MAT may read x and write y in bf16 (a SwiGLU's, th_swiglu_bf16). */
     TH_CUDA_FROZEN_MUL_MAT = 21, TH_CUDA_FROZEN_OUT_PROD = 22,
     /* SILU_BACK(MUL(a, b), x) with the MUL read by the SILU_BACK alone (SwiGLU's gate gradient:
      * ggml's backward of GLU builds silu_back(grad * up, gate)): srcs a, b, x of one shape, f32
@@ -85,7 +88,7 @@ enum {
      * found beside it: srcs grad, up, gate, and that MUL's node as a room (ROOM, no sources); one
      * pass writes gate's gradient into its own node (SILU_BACK_MUL's bits) and up's into the room,
      * ggml-cuda's op_silu(gate) * grad (its fused SILU + MUL's bits). The SILU folds. */
-    TH_CUDA_SWIGLU_BACK = 24,
+    TH_CUDA_SWIGLU_BACK = 24,      /* up and gate f32, or both bf16 (th_swiglu_bf16) */
     /* RMS_NORM of contiguous f32 rows (RMSNorm's normalization; LayerNorm's stand-in is
      * LAYER_NORM): src x, eps in op_params[2]; y = ggml-cuda's rms_norm_f32 bit for bit, a warp a
      * row summing in the order of ggml's block of 256 (n < 1024) or 1024 threads */
@@ -106,17 +109,21 @@ typedef struct {
 /* Whether `t`, a MUL_MAT (mul_mat true) or OUT_PROD of a frozen weight, has a shape the frozen
  * bf16 products take: W 2-D, contiguous, of another type than f32; the other operand 2-D f32 with
  * unit-stride columns (OUT_PROD: or rows: dy^T as a transposed view); an f32 2-D contiguous result;
- * every size within cuBLAS's int. */
+ * every size within cuBLAS's int. A forward (MUL_MAT) may also read a contiguous bf16 x and write a
+ * bf16 result (SwiGLU kept in bf16: native/cuda_precision.c, th_swiglu_bf16). */
 static inline int th_frozen_product_ok(const struct ggml_tensor * t, int mul_mat) {
     const struct ggml_tensor * w = t->src[0], * x = t->src[1];
-    if (w == NULL || x == NULL || w->type == GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || t->type != GGML_TYPE_F32 ||
+    const int x_bf16 = mul_mat && x != NULL && x->type == GGML_TYPE_BF16 && ggml_is_contiguous(x);
+    if (w == NULL || x == NULL || w->type == GGML_TYPE_F32 || (x->type != GGML_TYPE_F32 && !x_bf16) ||
+        (t->type != GGML_TYPE_F32 && !(mul_mat && t->type == GGML_TYPE_BF16)) ||
         !ggml_is_contiguous(w) || !ggml_is_contiguous(t) || w->ne[2] * w->ne[3] != 1 || x->ne[2] * x->ne[3] != 1 ||
         t->ne[2] * t->ne[3] != 1 || w->ne[0] > INT32_MAX || w->ne[1] > INT32_MAX || x->ne[0] > INT32_MAX ||
-        x->ne[1] > INT32_MAX || x->nb[0] % sizeof(float) != 0 || x->nb[1] % sizeof(float) != 0) {
+        x->ne[1] > INT32_MAX || (!x_bf16 && (x->nb[0] % sizeof(float) != 0 || x->nb[1] % sizeof(float) != 0))) {
         return 0;
     }
     if (mul_mat) {
-        return x->ne[0] == w->ne[0] && t->ne[0] == w->ne[1] && t->ne[1] == x->ne[1] && x->nb[0] == sizeof(float);
+        return x->ne[0] == w->ne[0] && t->ne[0] == w->ne[1] && t->ne[1] == x->ne[1] &&
+               (x_bf16 || x->nb[0] == sizeof(float));
     }
     return x->ne[1] == w->ne[1] && t->ne[0] == w->ne[0] && t->ne[1] == x->ne[0] &&
            (x->nb[0] == sizeof(float) || x->nb[1] == sizeof(float));

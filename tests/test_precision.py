@@ -17,7 +17,7 @@ from test_backends import needs
 from test_cuda_kernels import kernel_names, linear_bias_calls, native_build
 
 from toyharness import goldens
-from toyharness._ffi import GGML_TYPE_F32, cuda_kernels_built, ffi, lib
+from toyharness._ffi import GGML_TYPE_BF16, GGML_TYPE_F32, GGML_TYPE_Q4_K, cuda_kernels_built, ffi, lib
 from toyharness.engine import blocks, get_engine
 from toyharness.engine.program import PRECISION_CODES
 from toyharness.errors import BackendError, InputError
@@ -140,6 +140,92 @@ def test_a_frozen_product_of_a_shape_the_bf16_kernels_do_not_take_is_refused_by_
     assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], why, 512) == -2
     text = ffi.string(why).decode()
     assert "of a frozen f16 weight w (ne 16 x 8)" in text and text.startswith(("MUL_MAT", "OUT_PROD")), text
+
+
+def frozen_swiglu_graph(up_read_as_f32: bool = False):
+    """Built on cpu as cuda builds it, never computed: a llama MLP over a frozen f16 base, y =
+    down(swiglu(gate x, up x)), x trainable (LoRA's input gradient needs the frozen products'
+    backward); with `up_read_as_f32` the loss also reads up's product itself. The trainer, the
+    nodes (gate, up, the GLU) and the program (kept by the caller)."""
+    prog = get_engine("cpu").program()
+    prog.grads_as_outputs = True
+    x = prog.param("x", RNG.normal(size=(4, 16)).astype(np.float32))
+    wg, wu, wd = (prog.frozen_array(n, RNG.normal(size=shape), "f16")
+                  for n, shape in (("wg", (32, 16)), ("wu", (32, 16)), ("wd", (16, 32))))
+    gate, up = x.matmul_t(wg), x.matmul_t(wu)
+    glu = gate.swiglu(up)
+    loss = glu.matmul_t(wd).sum()
+    if up_read_as_f32:
+        loss = loss + up.sum()
+    return prog.trainer(prog.scalar_loss(loss), "bias_corrected"), (gate, up, glu), prog
+
+
+def types_of(tensors) -> list[int]:
+    return [lib.th_tensor_type(t.ptr) for t in tensors]
+
+
+def test_at_bf16_a_swiglu_over_frozen_products_keeps_them_in_bf16(monkeypatch):
+    """Gate's and up's frozen products, read by the GLU and SWIGLU_BACK alone, and the GLU's output
+    (read by down's frozen product alone) become bf16 tensors at bf16: half the bytes (what
+    SWIGLU_BACK keeps for the backward); a later graph of the same nodes takes them as they are.
+    Not where the loss reads up's product as f32, nor with TOYHARNESS_BF16_SWIGLU=f32, nor at tf32."""
+    trainer, nodes, _prog = frozen_swiglu_graph()
+    f32_bytes = [lib.ggml_nbytes(t.ptr) for t in nodes]
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "swiglu_back" in kernel_names(trainer.gb_grad)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["tf32"], ffi.NULL, 0) > 0
+    assert types_of(nodes) == [GGML_TYPE_F32] * 3
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert types_of(nodes) == [GGML_TYPE_BF16] * 3
+    assert [lib.ggml_nbytes(t.ptr) for t in nodes] == [b // 2 for b in f32_bytes]
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) >= 0
+    assert lib.th_cuda_mark_precision(trainer.gb_opt, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+
+    trainer, nodes, _prog2 = frozen_swiglu_graph(up_read_as_f32=True)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert types_of(nodes) == [GGML_TYPE_F32] * 3
+
+    monkeypatch.setenv("TOYHARNESS_BF16_SWIGLU", "f32")
+    trainer, nodes, _prog3 = frozen_swiglu_graph()
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert types_of(nodes) == [GGML_TYPE_F32] * 3
+
+
+def test_a_graph_that_reads_a_swiglu_product_kept_in_bf16_as_f32_is_refused_by_name():
+    """After the training graph kept up's product in bf16, a graph whose node reads it as f32 (a
+    SCALE of it) is refused, -2 and a line naming the SwiGLU and the reader, never computed wrong."""
+    trainer, (gate, up, glu), _prog = frozen_swiglu_graph()
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert lib.th_tensor_type(up.ptr) == GGML_TYPE_BF16
+    scaled = up.scale(3.0)
+    graph = lib.ggml_new_graph_custom(scaled._ctx, 64, False)
+    lib.ggml_build_forward_expand(graph, glu.ptr)
+    lib.ggml_build_forward_expand(graph, scaled.ptr)
+    why = ffi.new("char[512]")
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], why, 512) == -2
+    text = ffi.string(why).decode()
+    assert text.startswith("SwiGLU") and "kept bf16 in another graph" in text and "SCALE" in text, text
+
+
+def test_the_bf16_copies_horizon_is_on_for_a_base_kept_in_its_type_and_the_environment_sets_it(monkeypatch):
+    """Program.bf16_horizon: BF16_KEEP_NODES where a frozen weight stays in its type (a LoRA base's
+    bf16 copies would otherwise live from the forward to the backward), none for f32 frozen weights
+    alone; TOYHARNESS_BF16_KEEP_NODES sets it, a value not a count is refused by name."""
+    from toyharness.engine.program import BF16_KEEP_NODES
+
+    monkeypatch.delenv("TOYHARNESS_BF16_KEEP_NODES", raising=False)
+    _, _, prog = frozen_training_graph("f16")
+    assert prog.bf16_horizon == BF16_KEEP_NODES
+    plain = get_engine("cpu").program()
+    plain.frozen_array("w", RNG.normal(size=(4, 4)), "f32")
+    assert plain.bf16_horizon == 0
+    monkeypatch.setenv("TOYHARNESS_BF16_KEEP_NODES", "17")
+    assert get_engine("cpu").program().bf16_horizon == 17
+    monkeypatch.setenv("TOYHARNESS_BF16_KEEP_NODES", "lots")
+    with pytest.raises(InputError, match="TOYHARNESS_BF16_KEEP_NODES='lots': a count of nodes"):
+        get_engine("cpu").program()
 
 
 def test_the_precision_edits_apply_once_to_the_pinned_ggml():
@@ -332,6 +418,40 @@ def test_a_frozen_weight_enters_bf16_products_as_its_dequantized_values_rounded_
         assert err_exact > 0.05 * UNIT_ROUNDOFF["bf16"], (what, err_exact)
 
 
+def random_q4_k_blocks(blocks: int) -> np.ndarray:
+    """`blocks` Q4_K blocks (144 bytes: f16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of
+    nibbles) of random bits, d and dmin finite and spread over six decades."""
+    raw = RNG.integers(0, 256, size=(blocks, 144), dtype=np.uint8)
+    scales = (10.0 ** RNG.uniform(-4, 2, size=(blocks, 2)) * RNG.choice([-1, 1], size=(blocks, 2))).astype(np.float16)
+    raw[:, :4] = scales.view(np.uint8).reshape(blocks, 4)
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_our_q4_k_dequantizer_gives_ggml_cudas_bf16_bits(backend):
+    """th-dequant.cu's Q4_K kernel (a warp a block, 16-byte stores) against ggml-cuda's dequantizer
+    to bf16 on random blocks, 4099 of them (the last CTA part empty): the same bits; and both within
+    one bf16 step of gguf-py's float32 values rounded to nearest (d q - m fused into one FMA or
+    rounded twice may land either side of a tie), most of them equal."""
+    from toyharness.engine.quant import dequantize
+
+    get_engine(backend)
+    blocks = 4099
+    raw, n = random_q4_k_blocks(blocks), blocks * 256
+    ours, theirs = (np.zeros(n, np.uint16) for _ in range(2))
+    for out, flag in ((ours, 1), (theirs, 0)):
+        status = lib.th_cuda_dequantize_bf16(GGML_TYPE_Q4_K, ffi.from_buffer(raw), n,
+                                             ffi.cast("uint16_t *", ffi.from_buffer(out)), flag)
+        assert status == 0, status
+    assert np.array_equal(ours, theirs), f"{int(np.sum(ours != theirs))} of {n} values differ from ggml-cuda's"
+    reference = round_mantissa(dequantize(raw, GGML_TYPE_Q4_K, (n,)), 7)
+    got = (ours.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    off = got != reference
+    print(f"Q4_K to bf16, {n} values: {int(off.sum())} a bf16 step from gguf-py's rounded float32")
+    assert np.all(np.abs(got - reference)[off] <= np.abs(reference[off]) * 2.0**-7), "more than one bf16 step"
+    assert off.mean() < 1e-3
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(t, marks=needs("cuda")) for t in ("q4_k", "q8_0")])
 def test_lora_over_a_quantized_base_at_bf16_repeats_and_agrees_with_fp32(dtype):
     """lora@q4_k and lora@q8_0 golden configs at bf16, the base's products through th-frozen.cu:
@@ -353,6 +473,28 @@ def test_lora_over_a_quantized_base_at_bf16_repeats_and_agrees_with_fp32(dtype):
           f"(step 0: {rel[0]:.3g}); tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}; frozen products run {ran}")
     assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
     assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in fp32["losses"]]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_lora_over_a_frozen_mlp_at_bf16_keeps_swiglu_in_bf16_repeats_and_agrees_with_fp32(backend, monkeypatch):
+    """lora@q4_k's config with targets q,k,v,o: the MLP frozen, its SwiGLU over two frozen products
+    kept in bf16 (th_swiglu_bf16). The same 16 losses' bits run to run, each within 2 u of fp32's
+    (gate's and up's values rounded once more, a relative change of at most u, as every product
+    input already is), and not the bits of the same run with TOYHARNESS_BF16_SWIGLU=f32 (so the
+    path ran), which agrees with fp32 as closely."""
+    sets = ["targets=q,k,v,o"]
+    ref = np.array([x["value"] for x in goldens.compute("lora@q4_k", backend, extra_sets=sets)["losses"]])
+    first = goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)
+    second = goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)
+    monkeypatch.setenv("TOYHARNESS_BF16_SWIGLU", "f32")
+    kept_f32 = goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)
+    assert goldens.compare(first, second) is None, "not run-to-run deterministic"
+    assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in kept_f32["losses"]]
+    for doc in (first, kept_f32):
+        rel = np.abs(np.array([x["value"] for x in doc["losses"]]) - ref) / np.abs(ref)
+        print(f"lora@q4_k@bf16 targets q,k,v,o, SwiGLU {'f32' if doc is kept_f32 else 'bf16'}: largest relative "
+              f"difference to fp32 over 16 steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
+        assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
 
 
 BF16_RUN = """

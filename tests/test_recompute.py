@@ -271,12 +271,15 @@ def _keep_run(sets: list[str], keep: str | None) -> dict:
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 def test_on_cuda_recompute_drops_bf16_copies_past_their_horizon_and_keeps_the_bits(backend, q4_k_base):
-    """With recompute the bf16 operand copies go once no node within 256 (RECOMPUTE_BF16_KEEP_NODES)
+    """With recompute the bf16 operand copies go once no node within 256 (BF16_KEEP_NODES)
     reads their source (th-precision.cu): a frozen weight's copy from the forward is converted again
-    by its block's recomputed forward. The losses keep their bits (without the horizon, and without
-    recompute), and more operands are converted than without the horizon."""
+    by its block's recomputed forward. Without recompute too (a base kept in its type): its copies go
+    before the backward, which converts them again. The losses keep their bits (without the
+    horizon, and without recompute), and more operands are converted than without the horizon."""
     sets = [f"base={q4_k_base}", "t_seq=64", "targets=q,k,v,o", "rank=16", "precision=bf16"]
     plain = _keep_run(sets + ["recompute_blocks=false"], None)
+    plain_kept = _keep_run(sets + ["recompute_blocks=false"], "0")
+    assert plain["hex"] == plain_kept["hex"] and plain["converted"] > plain_kept["converted"]
     horizon = _keep_run(sets + ["recompute_blocks=true"], None)
     none = _keep_run(sets + ["recompute_blocks=true"], "0")
     print(f"lora@q4_k at bf16, recompute: operands converted {none['converted']} (reused {none['reused']}) "

@@ -214,6 +214,7 @@ void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
 int64_t th_cuda_bf16_copy_bytes(void);
 int64_t th_cuda_bf16_copy_peak_bytes(void);
 void th_cuda_bf16_keep_nodes(int nodes);
+int th_cuda_dequantize_bf16(int type, const void * src, int64_t n, uint16_t * dst, int ours);
 int64_t th_cuda_frozen_products(void);
 int th_column_sum_as_out_prod(ggml_tensor * t, ggml_tensor * ones);
 int th_row_sum_as_sum_rows(ggml_tensor * t);
@@ -227,6 +228,7 @@ const char * ggml_op_desc(const ggml_tensor * t);
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
 GGML_TYPE_Q8_0 = 8
+GGML_TYPE_Q4_K = 12
 GGML_TYPE_I32 = 26
 GGML_TYPE_BF16 = 30
 GGML_TYPE_COUNT = 43
@@ -357,7 +359,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 13
+CUDA_KERNELS_VERSION = 14
 
 
 def cuda_kernels_built() -> bool:

@@ -138,24 +138,38 @@ static __global__ void th_silu_back_mul_kernel(const float * __restrict__ a, con
 // bits of ggml's fused SILU + MUL (unary_gated: op_silu(x) * g)
 static __device__ __forceinline__ float th_silu(const float x) { return x / (1.0f + expf(-x)); }
 
+// four values from i * 4 of f32 or bf16 (16- or 8-byte aligned), and one, as floats
+static __device__ __forceinline__ float4 th_load4(const float * p, const int64_t i) { return ((const float4 *) p)[i]; }
+static __device__ __forceinline__ float4 th_load4(const __nv_bfloat16 * p, const int64_t i) {
+    const uint2 r = ((const uint2 *) p)[i];
+    __nv_bfloat162 lo, hi;
+    memcpy(&lo, &r.x, sizeof(lo));
+    memcpy(&hi, &r.y, sizeof(hi));
+    const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+static __device__ __forceinline__ float th_load1(const float * p, const int64_t i) { return p[i]; }
+static __device__ __forceinline__ float th_load1(const __nv_bfloat16 * p, const int64_t i) { return __bfloat162float(p[i]); }
+
 // SwiGLU's backward in one pass over the activation: dg = silu_back(grad * up, gate) (as above) and
 // du = silu(gate) * grad, from grad, up and gate read once (5 passes where ggml's nodes make 7,
-// SILU_BACK_MUL and ggml's fused SILU + MUL)
-template <bool vec4>
-static __global__ void th_swiglu_back_kernel(const float * __restrict__ grad, const float * __restrict__ up,
-                                             const float * __restrict__ gate, float * __restrict__ dg,
+// SILU_BACK_MUL and ggml's fused SILU + MUL); up and gate f32, or bf16 (th_swiglu_bf16: their
+// values, exactly, as floats)
+template <bool vec4, typename T>
+static __global__ void th_swiglu_back_kernel(const float * __restrict__ grad, const T * __restrict__ up,
+                                             const T * __restrict__ gate, float * __restrict__ dg,
                                              float * __restrict__ du, const int64_t n) {
     const int64_t step = (int64_t) gridDim.x * blockDim.x;
     for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
         if (vec4) {
-            const float4 d = ((const float4 *) grad)[i], u = ((const float4 *) up)[i], x = ((const float4 *) gate)[i];
+            const float4 d = ((const float4 *) grad)[i], u = th_load4(up, i), x = th_load4(gate, i);
             ((float4 *) dg)[i] = make_float4(th_silu_back(__fmul_rn(d.x, u.x), x.x), th_silu_back(__fmul_rn(d.y, u.y), x.y),
                                              th_silu_back(__fmul_rn(d.z, u.z), x.z), th_silu_back(__fmul_rn(d.w, u.w), x.w));
             ((float4 *) du)[i] = make_float4(__fmul_rn(th_silu(x.x), d.x), __fmul_rn(th_silu(x.y), d.y),
                                              __fmul_rn(th_silu(x.z), d.z), __fmul_rn(th_silu(x.w), d.w));
         } else {
-            const float d = grad[i], x = gate[i];
-            dg[i] = th_silu_back(__fmul_rn(d, up[i]), x);
+            const float d = grad[i], x = th_load1(gate, i);
+            dg[i] = th_silu_back(__fmul_rn(d, th_load1(up, i)), x);
             du[i] = __fmul_rn(th_silu(x), d);
         }
     }
@@ -175,7 +189,14 @@ static void th_silu_back_mul(cudaStream_t stream, ggml_tensor * dst) {
         const int64_t want = ((v4 ? n / 4 : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
         const int nb = (int) (want < 65535 ? want : 65535);
         float * dg = (float *) dst->data, * du = (float *) room->data;
-        if (v4) {
+        if (b->type == GGML_TYPE_BF16) {            // up and gate kept in bf16 (th_swiglu_bf16)
+            const __nv_bfloat16 * up = (const __nv_bfloat16 *) b->data, * gate = (const __nv_bfloat16 *) x->data;
+            if (v4) {
+                th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, up, gate, dg, du, n);
+            } else {
+                th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, up, gate, dg, du, n);
+            }
+        } else if (v4) {
             th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
         } else {
             th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
@@ -860,8 +881,11 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
         case TH_CUDA_SILU_BACK_MUL:
         case TH_CUDA_SWIGLU_BACK:
-            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
-                   th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) &&
+                   ((th_f32_contiguous(op->src[1]) && th_f32_contiguous(op->src[2])) ||
+                    (th_kernel_of(op) == TH_CUDA_SWIGLU_BACK && op->src[1]->type == GGML_TYPE_BF16 &&
+                     op->src[2]->type == GGML_TYPE_BF16 && ggml_is_contiguous(op->src[1]) &&
+                     ggml_is_contiguous(op->src[2]))) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
                    ggml_nelements(op->src[1]) == ggml_nelements(op) && ggml_nelements(op->src[2]) == ggml_nelements(op) &&
                    ((th_kernel_of(op) == TH_CUDA_SILU_BACK_MUL && op->src[3] == nullptr) ||
                     (th_kernel_of(op) == TH_CUDA_SWIGLU_BACK && op->src[3] != nullptr &&

@@ -36,9 +36,8 @@ bool th_frozen_out_prod_into(cublasHandle_t cublas, const ggml_tensor * w, const
     const bool rows = x->nb[0] == sizeof(float);
     const int b_rows = rows ? M : N, b_cols = rows ? N : M;
     const int ldb = (int) ((rows ? x->nb[1] : x->nb[0]) / sizeof(float));
-    return th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_N, rows ? CUBLAS_OP_T : CUBLAS_OP_N, K, M, N,
-                               (const float *) x->data, b_rows, b_cols, ldb, (float *) dst->data, K, beta) ==
-           CUBLAS_STATUS_SUCCESS;
+    return th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_N, rows ? CUBLAS_OP_T : CUBLAS_OP_N, K, M, N, x->data, false,
+                               b_rows, b_cols, ldb, dst->data, CUDA_R_32F, K, beta) == CUBLAS_STATUS_SUCCESS;
 }
 
 bool th_frozen(cublasHandle_t cublas, ggml_tensor * dst, const int kernel) {
@@ -47,6 +46,9 @@ bool th_frozen(cublasHandle_t cublas, ggml_tensor * dst, const int kernel) {
     if (kernel != TH_CUDA_FROZEN_MUL_MAT) return th_frozen_out_prod_into(cublas, w, x, dst, 0.0f);
     th_frozen_count++;
     const int M = (int) x->ne[1];
-    return th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, (const float *) x->data, K, M,
-                               (int) (x->nb[1] / sizeof(float)), (float *) dst->data, N, 0.0f) == CUBLAS_STATUS_SUCCESS;
+    // a SwiGLU's at bf16 (th_swiglu_bf16): bf16 x (down's, the GLU's output), bf16 y (gate's, up's)
+    const bool x_bf16 = x->type == GGML_TYPE_BF16;
+    return th_frozen_gemm_bf16(cublas, w, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, x->data, x_bf16, K, M,
+                               (int) (x->nb[1] / ggml_type_size(x->type)), dst->data,
+                               dst->type == GGML_TYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F, N, 0.0f) == CUBLAS_STATUS_SUCCESS;
 }

@@ -201,13 +201,15 @@ static void th_to_bf16(cudaStream_t stream, const float * src, const float * con
 // operands and picks the same algorithm. TOYHARNESS_BF16_REUSE=0 turns reuse off (every operand
 // converted by its product, as before): tests/test_precision.py compares the bits of the two.
 //
-// A horizon (th_cuda_bf16_keep_nodes; 0, the default, none): a copy also goes once the pass is past
+// A horizon (th_cuda_bf16_keep_nodes; 0 none; Program.bf16_horizon sets 256 nodes with
+// recompute_blocks or a frozen weight kept in its type): a copy also goes once the pass is past
 // the last node, among the horizon's next nodes after a product used it, that reads its source's
 // bytes; the next product to need it converts it again. With recompute_blocks a frozen weight's copy
 // made by the forward would otherwise live to its block's backward (the whole base's bf16 values
 // through the pass: 2 GiB of the LoRA bench's chunks), where the recomputed forward converts it
 // again anyway. The same conversion into memory of the same alignment: the bits do not change (a
-// reader not seen here only costs a conversion).
+// reader not seen here only costs a conversion). Without recompute, a LoRA base's copies go after
+// the forward's product and its backward converts them again (the LoRA bench: +2.1 ms, 2.3 GiB less).
 struct th_copy {
     int device;
     cudaStream_t stream;
@@ -535,7 +537,7 @@ static cublasStatus_t th_gemm_bf16(cublasHandle_t h, cublasOperation_t ta, cubla
 // A frozen weight W of another type than f32 (f16, bf16, quantized; ggml ne [K, N], contiguous)
 // enters a bf16 product as its bf16 values, never as an f32 copy: ggml-cuda's dequantizer of its
 // type with bf16 output (each value computed in fp32 as ggml's to-float computes it, then rounded
-// to nearest even); a bf16 W is used in place. Within a graph pass W's copy is kept as an
+// to nearest even; for Q4_K ours, the same bits: th-dequant.cu); a bf16 W is used in place. Within a graph pass W's copy is kept as an
 // operand's is (the forward's product and the input gradient's share it): W is frozen, but its
 // copy goes like any other with an optimizer step or a node not known to write only its own bytes.
 static const __nv_bfloat16 * th_weight_kept(cudaStream_t stream, const ggml_tensor * w) {
@@ -555,7 +557,7 @@ static const __nv_bfloat16 * th_weight_kept(cudaStream_t stream, const ggml_tens
     size_t off = 0;
     if (!th_chunk_alloc(th_graph_device, bytes, &chunk, &off)) return nullptr;
     __nv_bfloat16 * dst = (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
-    ggml_get_to_bf16_cuda(w->type)(w->data, dst, ggml_nelements(w), stream);
+    th_dequantize_bf16(w->type, w->data, dst, ggml_nelements(w), stream);
     const uintptr_t lo = (uintptr_t) w->data;
     th_copies.push_back({th_graph_device, stream, key, (int) w->type, rows, cols, rows, 1, 0, lo, lo + ggml_nbytes(w),
                          chunk, off, bytes, th_copy_until(lo, lo + ggml_nbytes(w))});
@@ -568,32 +570,33 @@ bool th_frozen_type_ok(const ggml_type type) {
 }
 
 cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cublasOperation_t tw, cublasOperation_t tb,
-                                   int m, int n, int k, const float * b, int b_rows, int b_cols, int ldb, float * c,
-                                   int ldc, const float beta) {
+                                   int m, int n, int k, const void * b, const bool b_bf16, int b_rows, int b_cols,
+                                   int ldb, void * c, const cudaDataType ct, int ldc, const float beta) {
     cudaStream_t stream = nullptr;
     if (cublasGetStream(h, &stream) != CUBLAS_STATUS_SUCCESS) return CUBLAS_STATUS_INTERNAL_ERROR;
     if (!th_frozen_type_ok(w->type)) return CUBLAS_STATUS_NOT_SUPPORTED;
     const size_t w_size = (size_t) ggml_nelements(w), b_size = (size_t) b_rows * b_cols;
     const __nv_bfloat16 * w16 = w->type == GGML_TYPE_BF16 ? (const __nv_bfloat16 *) w->data : th_weight_kept(stream, w);
-    const __nv_bfloat16 * b16 = th_copy_of(stream, b, 0, b_rows, b_cols, ldb, 1);
+    const __nv_bfloat16 * b16 = b_bf16 ? (const __nv_bfloat16 *) b : th_copy_of(stream, (const float *) b, 0, b_rows,
+                                                                                 b_cols, ldb, 1);
     const size_t w_bytes = w16 != nullptr ? 0 : (w_size * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
     char * scratch = (char *) th_scratch_for(w_bytes + (b16 != nullptr ? 0 : b_size * sizeof(__nv_bfloat16)) + 512);
     if (scratch == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
     if (w16 == nullptr) {                       // not kept (no reuse, or no memory for it): into scratch
-        ggml_get_to_bf16_cuda(w->type)(w->data, (__nv_bfloat16 *) scratch, (int64_t) w_size, stream);
+        th_dequantize_bf16(w->type, w->data, (__nv_bfloat16 *) scratch, (int64_t) w_size, stream);
         th_copy_counts[0]++;
         w16 = (const __nv_bfloat16 *) scratch;
     }
     if (b16 == nullptr) {
         __nv_bfloat16 * dst = (__nv_bfloat16 *) (scratch + w_bytes);
-        th_to_bf16(stream, b, nullptr, 0, b_rows, b_cols, ldb, 1, dst);
+        th_to_bf16(stream, (const float *) b, nullptr, 0, b_rows, b_cols, ldb, 1, dst);
         th_copy_counts[0]++;
         b16 = dst;
     }
     if (cudaGetLastError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     const float alpha = 1.0f;
-    return cublasGemmEx(h, tw, tb, m, n, k, &alpha, w16, CUDA_R_16BF, (int) w->ne[0], b16, CUDA_R_16BF, b_rows, &beta,
-                        c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    return cublasGemmEx(h, tw, tb, m, n, k, &alpha, w16, CUDA_R_16BF, (int) w->ne[0], b16, CUDA_R_16BF,
+                        b_bf16 ? ldb : b_rows, &beta, c, ct, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 cublasStatus_t th_cublas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,

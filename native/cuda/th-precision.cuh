@@ -16,6 +16,7 @@
 #include "ggml.h"
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 
 // whether `node` may call cuBLAS (a product of ggml's, or a node of ours)
 static inline bool th_calls_cublas(const ggml_tensor * node) {
@@ -36,13 +37,17 @@ void th_cuda_graph_end(void);
 // whether a frozen weight of `type` can enter a bf16 product (th_frozen_gemm_bf16): bf16 itself,
 // or a type ggml-cuda dequantizes to bf16 (f16, the quantized ones)
 bool th_frozen_type_ok(ggml_type type);
-// C (m x n, fp32) = op(W) op(B) at bf16, W a frozen weight of another type than f32 (ne [K, N],
-// contiguous: column-major K x N, leading dimension K) as its bf16 values, B f32 (b_rows x b_cols,
-// leading dimension ldb) as its bf16 copy; fp32 accumulation, one cuBLAS algorithm for the shape;
-// beta 1 adds the product into C (a sum of products, PRODUCT_SUM)
+// a frozen weight's n values of `type` as bf16 on `stream` (th-dequant.cu): ggml-cuda's
+// dequantizer's bits, by our kernel for Q4_K (TOYHARNESS_CUDA_DEQUANT=ggml: ggml's for every type)
+void th_dequantize_bf16(ggml_type type, const void * src, __nv_bfloat16 * dst, int64_t n, cudaStream_t stream);
+// C (m x n, of type ct: fp32, or bf16 rounded once from the fp32 sums) = op(W) op(B) at bf16, W a
+// frozen weight of another type than f32 (ne [K, N], contiguous: column-major K x N, leading
+// dimension K) as its bf16 values, B (b_rows x b_cols, leading dimension ldb) f32 as its bf16 copy,
+// or bf16 itself (b_bf16); fp32 accumulation, one cuBLAS algorithm for the shape; beta 1 adds the
+// product into C (a sum of products, PRODUCT_SUM)
 cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cublasOperation_t tw, cublasOperation_t tb,
-                                   int m, int n, int k, const float * b, int b_rows, int b_cols, int ldb, float * c,
-                                   int ldc, float beta);
+                                   int m, int n, int k, const void * b, bool b_bf16, int b_rows, int b_cols, int ldb,
+                                   void * c, cudaDataType ct, int ldc, float beta);
 
 // the bf16 copies of a product's f32 operands a (a_rows x a_cols, leading dimension lda; count of
 // them, sa apart) and b, packed (leading dimension their rows), as the bf16 products make them: kept

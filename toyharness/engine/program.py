@@ -118,19 +118,21 @@ def column_sums_as_products(backend: str) -> bool:
     return choice == "product" if choice else backend == "cuda"
 
 
-# The bf16 copies' horizon with recompute_blocks (Program.bf16_keep_nodes): a block's recomputed
+# The bf16 copies' horizon (Program.bf16_horizon): with recompute_blocks a block's recomputed
 # forward and its backward are within 200 nodes of each other in a llama block's training graph
 # (LoRA over a Q4_K base: a frozen weight's copy is used at most 172 nodes apart there, by the
 # recomputed product and the input gradient), while the forward that made a copy is the blocks
-# after it away (about 195 nodes a block).
-RECOMPUTE_BF16_KEEP_NODES = 256
+# after it away (about 195 nodes a block). Without recompute a frozen base's copies made by the
+# forward would live until their block's backward (the LoRA bench's 1B base: 2 GiB of bf16 values
+# through the pass) where converting them again costs about 3% of the step.
+BF16_KEEP_NODES = 256
 
 
-def bf16_keep_nodes(default: int) -> int:
-    """TOYHARNESS_BF16_KEEP_NODES (nodes, 0 for no horizon) where set, else `default`."""
+def bf16_keep_nodes() -> int | None:
+    """TOYHARNESS_BF16_KEEP_NODES (nodes, 0 for no horizon) where set, else None."""
     raw = os.environ.get("TOYHARNESS_BF16_KEEP_NODES", "")
     if not raw:
-        return default
+        return None
     if not raw.isdigit():
         raise InputError(f"TOYHARNESS_BF16_KEEP_NODES={raw!r}: a count of nodes (0: no horizon)")
     return int(raw)
@@ -252,10 +254,9 @@ class Program:
         self.planner = engine.planner
         # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
         self.recompute = None
-        # The bf16 operand copies' horizon in nodes on cuda (native/cuda/th-precision.cu,
-        # th_cuda_bf16_keep_nodes; 0: a copy lives while its bytes are not written): set before
-        # each compute, since the copies are the process's. enable_recompute sets one.
-        self.bf16_keep_nodes = bf16_keep_nodes(0)
+        # The bf16 operand copies' horizon in nodes on cuda where the environment sets it (else
+        # bf16_horizon's default), read here so that a bad value is refused before any work
+        self.bf16_keep_nodes = bf16_keep_nodes()
         # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
         self.kv_cache = None
         # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
@@ -429,9 +430,6 @@ class Program:
             raise InputError(f"option 'recompute_blocks': the cpu and cuda backends only, not {self.engine.backend}"
                              + (" lowered for " + self.lowering_target if self.lowering_target else ""))
         self.recompute = Recompute()
-        # Recomputed, a block's forward converts its operands again just before its backward: the
-        # forward's copies (a frozen base's bf16 values above all) need not live until then.
-        self.bf16_keep_nodes = bf16_keep_nodes(RECOMPUTE_BF16_KEEP_NODES)
 
     def cached_constant(self, name: str, make) -> Tensor:
         """`constant(name, make())` made once per program; blocks share it by name."""
@@ -692,12 +690,25 @@ class Program:
             if not placed:
                 raise allocation_failed(self.engine, "a graph's compute buffer", graph_buffer_bytes(self.engine, graph))
         if self.cuda_kernels and self.precision == "bf16":
-            lib.th_cuda_bf16_keep_nodes(self.bf16_keep_nodes)
+            lib.th_cuda_bf16_keep_nodes(self.bf16_horizon)
         start = time.perf_counter()
         status = lib.ggml_backend_graph_compute(self.engine.handle, graph)
         self.last_compute_s = time.perf_counter() - start   # the graph alone (bench: host overhead)
         if status != GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    @property
+    def bf16_horizon(self) -> int:
+        """The bf16 operand copies' horizon in nodes on cuda (native/cuda/th-precision.cu,
+        th_cuda_bf16_keep_nodes; 0: a copy lives while its bytes are not written), set before each
+        compute since the copies are the process's: TOYHARNESS_BF16_KEEP_NODES where set, else
+        BF16_KEEP_NODES where blocks are recomputed (a block's forward converts its operands again
+        just before its backward) or a frozen weight stays in its type (a LoRA base: its bf16
+        copies would live from the forward to the backward), else none."""
+        if self.bf16_keep_nodes is not None:
+            return self.bf16_keep_nodes
+        frozen_in_type = any(lib.th_tensor_type(t.ptr) != GGML_TYPE_F32 for t in self.frozen.values())
+        return BF16_KEEP_NODES if self.recompute is not None or frozen_in_type else 0
 
     @property
     def reserves_rewritten(self) -> bool:
@@ -732,8 +743,11 @@ class Program:
                 why = ffi.new("char[512]")
                 marked = lib.th_cuda_mark_precision(graph, PRECISION_CODES[self.precision], why, 512)
                 if marked == -2:
+                    text = ffi.string(why).decode()
+                    if text.startswith("SwiGLU"):       # kept bf16 by another graph (native/cuda_precision.c)
+                        raise BackendError(f"precision {self.precision}: {text}; not computed")
                     raise BackendError(f"precision {self.precision}: the frozen bf16 products (native/cuda/"
-                                       f"th-frozen.cu) do not take {ffi.string(why).decode()}")
+                                       f"th-frozen.cu) do not take {text}")
                 if marked < 0:
                     raise BackendError(f"precision {self.precision}: not known to native/cuda_precision.c")
             # after the rewrites: every node as the backend's dispatch will see it (ours included)
