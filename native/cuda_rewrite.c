@@ -775,6 +775,17 @@ static int th_rope_ours(const struct ggml_tensor * t) {
            n_dims <= x->ne[0] && x->ne[0] % 2 == 0 && ggml_nelements(x) / 2 <= INT32_MAX;
 }
 
+/* CROSS_ENTROPY_LOSS_BACK our kernel computes: srcs grad (a scalar), logits and labels, f32
+ * contiguous rows of one shape (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml: ggml's node, for comparisons) */
+static int th_cross_entropy_back_ours(const struct ggml_tensor * t) {
+    const char * choice = getenv("TOYHARNESS_CUDA_CROSS_ENTROPY");
+    const struct ggml_tensor * grad = t->src[0], * logits = t->src[1], * labels = t->src[2];
+    return !(choice != NULL && strcmp(choice, "ggml") == 0) && th_f32_contiguous(t) && grad != NULL &&
+           logits != NULL && labels != NULL && grad->type == GGML_TYPE_F32 && ggml_is_scalar(grad) &&
+           th_f32_contiguous(logits) && th_f32_contiguous(labels) && ggml_are_same_shape(t, logits) &&
+           ggml_are_same_shape(t, labels) && t->ne[0] <= INT32_MAX && ggml_nrows(t) <= INT32_MAX;
+}
+
 /* MUL(t, g) of f32 rows t (n, rows) and a gain g (n): its g, else NULL */
 static struct ggml_tensor * th_gain_of(const struct ggml_tensor * m, int64_t n) {
     const struct ggml_tensor * t = m->src[0];
@@ -1148,6 +1159,9 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
             th_mark(t, TH_CUDA_RMS_NORM);
             th_set_params(t, &eps, sizeof(eps));
             singles++;
+        } else if (t->op == GGML_OP_CROSS_ENTROPY_LOSS_BACK && th_cross_entropy_back_ours(t)) {
+            th_mark(t, TH_CUDA_CROSS_ENTROPY_BACK);
+            singles++;
         } else if ((t->op == GGML_OP_ROPE || t->op == GGML_OP_ROPE_BACK) && th_rope_ours(t)) {
             const int32_t * p = t->op_params;
             th_rope_params params = {t->op == GGML_OP_ROPE, p[1], p[2], p[4]};
@@ -1177,7 +1191,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
                                    "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
-                                   "rms_norm", "rope"};
+                                   "rms_norm", "rope", "cross_entropy_back"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

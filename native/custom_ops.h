@@ -16,7 +16,7 @@
                                            ROPE; 13: th_cuda_bf16_copy_peak_bytes, ATTN_BWD's
                                            dS as bf16 at bf16; 14: our Q4_K dequantizer
                                            (th_cuda_dequantize_bf16), SwiGLU over frozen
-                                           products in bf16 */
+                                           products in bf16, CROSS_ENTROPY_BACK */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -100,6 +100,12 @@ enum {
      * (freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow); y = ggml-cuda's
      * rope_norm / rope_neox bit for bit, a thread a rotated pair, the pairs of a row adjacent */
     TH_CUDA_ROPE = 26,
+    /* CROSS_ENTROPY_LOSS_BACK (th-loss.cu): srcs grad (a scalar), logits, labels, f32 contiguous rows
+     * of one shape; y = ggml-cuda's cross_entropy_loss_back_f32 bit for bit (a warp a row, each lane
+     * the row's values lane, lane + 32, ... in order, the same warp reductions), several rows a CTA
+     * and no row in shared memory (ggml's takes a CTA of one warp a row and the whole row of shared
+     * memory: one warp an SM for a 32000-token vocabulary) */
+    TH_CUDA_CROSS_ENTROPY_BACK = 27,
 };
 /* op_params of a ROPE node of ours (after TH_CUDA_MAGIC and the kernel) */
 typedef struct {

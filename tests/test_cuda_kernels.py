@@ -1165,3 +1165,52 @@ def test_frozen_input_gradients_summed_in_one_node_on_cuda_match_the_adds(backen
     print(f"frozen product sum ({dtype}): {differ} of {added.size} elements differ from the ADDs' "
           f"(largest {float(np.max(np.abs(summed[0] - added))):.3g})")
     assert (np.abs(summed[0] - added) <= magnitude * 2.0**-22).all()
+
+
+def cross_entropy_program(backend: str, rows: int, vocab: int, seed: int = 5):
+    """Logits a parameter (rows = 2 x rows / 2 tokens, vocab), the mean cross-entropy against random
+    targets: the training graph's CROSS_ENTROPY_LOSS_BACK writes the logits' gradient."""
+    rng = np.random.default_rng(seed)
+    prog = get_engine(backend).program()
+    prog.grads_as_outputs = True
+    logits = prog.param("logits", (rng.normal(size=(2, rows // 2, vocab)) * 3).astype(np.float32))
+    trainer = prog.trainer(prog.cross_entropy(logits, "targets"), "bias_corrected")
+    return prog, trainer, {"targets": rng.integers(0, vocab, size=(2, rows // 2)).astype(np.int32)}
+
+
+def test_the_cuda_rewrite_takes_the_cross_entropy_backward_and_the_environment_keeps_ggmls(monkeypatch):
+    """Built on cpu: CROSS_ENTROPY_LOSS_BACK becomes ours; TOYHARNESS_CUDA_CROSS_ENTROPY=ggml keeps it."""
+    prog, trainer, _ = cross_entropy_program("cpu", 6, 40)
+    assert "CROSS_ENTROPY_LOSS_BACK" in ops_of(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 1
+    assert "cross_entropy_back" in kernel_names(trainer.gb_grad)
+    assert "CROSS_ENTROPY_LOSS_BACK" not in ops_of(trainer.gb_grad)
+    monkeypatch.setenv("TOYHARNESS_CUDA_CROSS_ENTROPY", "ggml")
+    prog, trainer, _ = cross_entropy_program("cpu", 6, 40)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert "cross_entropy_back" not in kernel_names(trainer.gb_grad)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, vocab", [(4096, 32000), (34, 37), (6, 50304)])
+def test_the_cross_entropy_backward_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, vocab, monkeypatch):
+    """th-loss.cu against ggml-cuda's node (a 32000-token vocabulary over the LoRA bench's 4096 rows;
+    rows fewer than a CTA's eight and not a multiple; GPT-2's vocabulary): every bit of the logits'
+    gradient, and it is softmax - one-hot over the rows (float64)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    grads = {}
+    for how in ("ours", "ggml"):
+        monkeypatch.setenv("TOYHARNESS_CUDA_CROSS_ENTROPY", how)
+        prog, trainer, feeds = cross_entropy_program(backend, rows, vocab)
+        trainer.grads_only(feeds)
+        assert ("cross_entropy_back" in kernel_names(trainer.gb_grad)) == (how == "ours")
+        grads[how] = prog.read(trainer.grad_acc["logits"]).reshape(rows, vocab)
+    assert np.array_equal(grads["ours"].view(np.uint32), grads["ggml"].view(np.uint32))
+    rng = np.random.default_rng(5)
+    z = (rng.normal(size=(2, rows // 2, vocab)) * 3).astype(np.float32).astype(np.float64).reshape(rows, vocab)
+    ids = rng.integers(0, vocab, size=(2, rows // 2)).reshape(-1)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(rows), ids] -= 1.0
+    assert np.max(np.abs(grads["ours"] - p / rows)) <= 1e-5 / rows

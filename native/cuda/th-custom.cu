@@ -870,6 +870,11 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         case TH_CUDA_RMS_NORM:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_are_same_shape(op, op->src[0]) &&
                    op->ne[0] <= INT32_MAX;
+        case TH_CUDA_CROSS_ENTROPY_BACK:
+            return th_f32_contiguous(op) && op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_F32 &&
+                   ggml_is_scalar(op->src[0]) && th_f32_contiguous(op->src[1]) && th_f32_contiguous(op->src[2]) &&
+                   ggml_are_same_shape(op, op->src[1]) && ggml_are_same_shape(op, op->src[2]) &&
+                   op->ne[0] <= INT32_MAX && ggml_nrows(op) <= INT32_MAX;
         case TH_CUDA_GET_ROWS_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
                    op->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(op->src[1]) &&
@@ -965,6 +970,9 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_ROPE:
             th_rope(stream, dst);
+            return true;
+        case TH_CUDA_CROSS_ENTROPY_BACK:
+            th_cross_entropy_back(stream, dst);
             return true;
         case TH_CUDA_ADD:
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);
