@@ -192,6 +192,30 @@ def test_at_bf16_a_swiglu_over_frozen_products_keeps_them_in_bf16(monkeypatch):
     assert types_of(nodes) == [GGML_TYPE_F32] * 3
 
 
+@pytest.mark.parametrize("targets, kept", [("q,k,v,o", True), ("q,v,down", False)])
+def test_the_lora_recipe_over_a_quantized_base_keeps_its_frozen_swiglus_in_bf16(targets, kept, monkeypatch):
+    """The lora recipe's training graph over a two-block Q4_K base, built on cpu as cuda builds it at
+    bf16 (the product reaches the GLU through a RESHAPE): with the MLP frozen every block's gate and
+    up products, their reshapes and the GLU are bf16; with down targeted (its LoRA reads the GLU's
+    output as f32) none is, as in the lora goldens."""
+    from test_recompute import _as_cuda_builds_it, _name, _nodes
+
+    from toyharness.engine.gguf_io import cached_copy_as
+    from toyharness.lm import seeded_model_file
+
+    base = seeded_model_file("llama", ["n_layer=2", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512", "seed=7"])
+    sets = ["t_seq=64", f"targets={targets}", f"base={cached_copy_as(base, 'q4_k')}"]
+    _, trainer, _ = _as_cuda_builds_it("lora", sets, "bf16", monkeypatch)
+    glus = [t for t in _nodes(trainer.gb_opt) if _name(t) == "SWIGLU"]
+    assert len(glus) == 2
+    for glu in glus:
+        gate, up = lib.th_tensor_src(glu, 0), lib.th_tensor_src(glu, 1)
+        under = [lib.th_tensor_src(t, 0) for t in (gate, up)]
+        assert [_name(t) for t in under] == ["frozen_mul_mat"] * 2
+        want = GGML_TYPE_BF16 if kept else GGML_TYPE_F32
+        assert [lib.th_tensor_type(t) for t in (glu, gate, up, *under)] == [want] * 5
+
+
 def test_a_graph_that_reads_a_swiglu_product_kept_in_bf16_as_f32_is_refused_by_name():
     """After the training graph kept up's product in bf16, a graph whose node reads it as f32 (a
     SCALE of it) is refused, -2 and a line naming the SwiGLU and the reader, never computed wrong."""
