@@ -31,17 +31,8 @@ static int th_mark_frozen(struct ggml_tensor * t) {
     }
     const int mul_mat = t->op == GGML_OP_MUL_MAT;
     if (!th_frozen_product_ok(t, mul_mat)) return -1;
-    const int32_t params[2] = {TH_CUDA_MAGIC, mul_mat ? TH_CUDA_FROZEN_MUL_MAT : TH_CUDA_FROZEN_OUT_PROD};
-    t->op = GGML_OP_CUSTOM;
-    memset(t->op_params, 0, sizeof(t->op_params));
-    memcpy(t->op_params, params, sizeof(params));
+    th_mark(t, mul_mat ? TH_CUDA_FROZEN_MUL_MAT : TH_CUDA_FROZEN_OUT_PROD);
     return 1;
-}
-
-static int th_kernel_of(const struct ggml_tensor * t) {
-    int32_t p[2];
-    memcpy(p, t->op_params, sizeof(p));
-    return t->op == GGML_OP_CUSTOM && p[0] == TH_CUDA_MAGIC ? p[1] : 0;
 }
 
 /* `t` (contiguous) as bf16 from now on: its strides for two-byte elements */
@@ -217,10 +208,7 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
             }
             return -2;
         }
-        int32_t magic;
-        memcpy(&magic, t->op_params, sizeof(magic));
-        if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD ||
-            (t->op == GGML_OP_CUSTOM && magic == TH_CUDA_MAGIC)) {
+        if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD || th_kernel_of(t) != 0) {
             th_precision_set(t, precision);
             marked++;
         }

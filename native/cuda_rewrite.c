@@ -68,18 +68,7 @@
 
 #define TH_EXPORT __attribute__((visibility("default")))
 
-static void th_mark(struct ggml_tensor * t, int kernel) {
-    const int32_t params[2] = {TH_CUDA_MAGIC, kernel};
-    t->op = GGML_OP_CUSTOM;
-    memset(t->op_params, 0, sizeof(t->op_params));
-    memcpy(t->op_params, params, sizeof(params));
-}
-
-static int th_marked(const struct ggml_tensor * t, int kernel) {
-    int32_t params[2];
-    memcpy(params, t->op_params, sizeof(params));
-    return t->op == GGML_OP_CUSTOM && params[0] == TH_CUDA_MAGIC && params[1] == kernel;
-}
+static int th_marked(const struct ggml_tensor * t, int kernel) { return th_kernel_of(t) == kernel; }
 
 static void th_gelu_forward(struct ggml_tensor * t) { th_mark(t, TH_CUDA_GELU); }
 static void th_gelu_backward(struct ggml_tensor * b) { th_mark(b, TH_CUDA_GELU_BACK); }

@@ -107,6 +107,19 @@ enum {
      * memory: one warp an SM for a 32000-token vocabulary) */
     TH_CUDA_CROSS_ENTROPY_BACK = 27,
 };
+/* `t` becomes a node of ours computed by `kernel` (TH_CUDA_*), its parameters cleared */
+static inline void th_mark(struct ggml_tensor * t, int kernel) {
+    const int32_t params[2] = {TH_CUDA_MAGIC, kernel};
+    t->op = GGML_OP_CUSTOM;
+    memset(t->op_params, 0, sizeof(t->op_params));
+    memcpy(t->op_params, params, sizeof(params));
+}
+/* which kernel of ours a node is (TH_CUDA_*), 0 for any other node */
+static inline int th_kernel_of(const struct ggml_tensor * t) {
+    int32_t p[2];
+    memcpy(p, t->op_params, sizeof(p));
+    return t->op == GGML_OP_CUSTOM && p[0] == TH_CUDA_MAGIC ? p[1] : 0;
+}
 /* op_params of a ROPE node of ours (after TH_CUDA_MAGIC and the kernel) */
 typedef struct {
     int32_t forward, n_dims, mode, n_ctx_orig;

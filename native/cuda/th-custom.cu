@@ -824,12 +824,6 @@ static ggml_tensor th_slice_cont_source(const ggml_tensor * dst) {
     return view;
 }
 
-static int th_kernel_of(const ggml_tensor * t) {
-    if (t->op != GGML_OP_CUSTOM) return 0;
-    const int32_t * p = (const int32_t *) t->op_params;
-    return p[0] == TH_CUDA_MAGIC ? p[1] : 0;
-}
-
 bool th_cuda_custom_supported(const ggml_tensor * op) {
     switch (th_kernel_of(op)) {
         case TH_CUDA_GELU:

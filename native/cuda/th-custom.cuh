@@ -52,10 +52,10 @@ bool th_attention(cudaStream_t stream, ggml_tensor * dst, int kernel);
 bool th_adamw_supported(const ggml_tensor * op);
 void th_adamw(cudaStream_t stream, ggml_tensor * dst);
 
-// a frozen weight's products at bf16 (th-frozen.cu): FROZEN_MUL_MAT and FROZEN_OUT_PROD
 // th-loss.cu: CROSS_ENTROPY_BACK
 void th_cross_entropy_back(cudaStream_t stream, ggml_tensor * dst);
 
+// a frozen weight's products at bf16 (th-frozen.cu): FROZEN_MUL_MAT and FROZEN_OUT_PROD
 bool th_frozen_supported(const ggml_tensor * op, int kernel);
 bool th_frozen(cublasHandle_t cublas, ggml_tensor * dst, int kernel);
 // dst = dy W + beta dst of a frozen W (OUT_PROD(W, dy^T), at bf16): a PRODUCT_SUM's frozen terms

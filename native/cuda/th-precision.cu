@@ -336,9 +336,7 @@ static void th_writes(const ggml_tensor * node) {
             th_drop_tensor(node);
             return;
     }
-    const int32_t * p = (const int32_t *) node->op_params;
-    const int kernel = p[0] == TH_CUDA_MAGIC ? p[1] : 0;
-    switch (kernel) {
+    switch (th_kernel_of(node)) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:

@@ -181,6 +181,8 @@ class Program:
         self._unallocated = 0
         self.params: dict[str, Tensor] = {}     # trainable, in creation order
         self.frozen: dict[str, Tensor] = {}
+        # whether a frozen weight stays in another type than f32 (a LoRA base: bf16_horizon)
+        self.frozen_in_type = False
         self.inputs: dict[str, _Input] = {}
         self._targets: dict[str, _Targets] = {}
         self._keepalive: list = []              # mmaps and host arrays that back tensors
@@ -377,6 +379,7 @@ class Program:
         array = np.asarray(array, dtype=np.float32)
         t = self._new_static(name, array.shape, DTYPE_NAMES[dtype])
         self.frozen[name] = t
+        self.frozen_in_type |= dtype != "f32"
         if self.planner is None:
             data = {"f32": lambda a: a, "f16": lambda a: a.astype(np.float16), "bf16": f32_to_bf16_bits}[dtype](array)
             self._pending.append((t, np.ascontiguousarray(data)))
@@ -397,6 +400,7 @@ class Program:
             if self.planner is None:     # a plan reads no weights, it counts them
                 self._pending.append((t, info.raw_bytes()))
         self.frozen[local] = t
+        self.frozen_in_type |= lib.th_tensor_type(t.ptr) != GGML_TYPE_F32
         return t
 
     def input(self, name: str, shape: tuple[int, ...], dtype: str = "f32", upper: int | None = None) -> Tensor:
@@ -707,8 +711,7 @@ class Program:
         copies would live from the forward to the backward), else none."""
         if self.bf16_keep_nodes is not None:
             return self.bf16_keep_nodes
-        frozen_in_type = any(lib.th_tensor_type(t.ptr) != GGML_TYPE_F32 for t in self.frozen.values())
-        return BF16_KEEP_NODES if self.recompute is not None or frozen_in_type else 0
+        return BF16_KEEP_NODES if self.recompute is not None or self.frozen_in_type else 0
 
     @property
     def reserves_rewritten(self) -> bool:
