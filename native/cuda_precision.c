@@ -42,8 +42,9 @@ static void th_retype_bf16(struct ggml_tensor * t) {
     for (int d = 1; d < GGML_MAX_DIMS; d++) t->nb[d] = t->nb[d - 1] * t->ne[d - 1];
 }
 
+/* a SwiGLU's forward: ggml's GLU node, or ours (SWIGLU, what th_cuda_rewrite made of a split one) */
 static int th_is_swiglu(const struct ggml_tensor * u) {
-    return u->op == GGML_OP_GLU && ggml_get_glu_op(u) == GGML_GLU_OP_SWIGLU;
+    return (u->op == GGML_OP_GLU && ggml_get_glu_op(u) == GGML_GLU_OP_SWIGLU) || th_kernel_of(u) == TH_CUDA_SWIGLU;
 }
 
 static int th_reads(const struct ggml_tensor * u, const struct ggml_tensor * t) {

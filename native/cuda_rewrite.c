@@ -775,6 +775,26 @@ static int th_cross_entropy_back_ours(const struct ggml_tensor * t) {
            ggml_are_same_shape(t, labels) && t->ne[0] <= INT32_MAX && ggml_nrows(t) <= INT32_MAX;
 }
 
+/* CROSS_ENTROPY_LOSS our kernel computes: srcs logits and labels, f32 contiguous rows of one shape,
+ * a scalar f32 loss (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml, as above) */
+static int th_cross_entropy_ours(const struct ggml_tensor * t) {
+    const char * choice = getenv("TOYHARNESS_CUDA_CROSS_ENTROPY");
+    const struct ggml_tensor * logits = t->src[0], * labels = t->src[1];
+    return !(choice != NULL && strcmp(choice, "ggml") == 0) && t->type == GGML_TYPE_F32 && ggml_is_scalar(t) &&
+           th_f32_contiguous(logits) && th_f32_contiguous(labels) && ggml_are_same_shape(logits, labels) &&
+           logits->ne[0] <= INT32_MAX && ggml_nrows(logits) <= INT32_MAX;
+}
+
+/* GLU SWIGLU of split halves (ggml_swiglu_split: src 1 given) our kernel computes: gate, up and y
+ * f32 contiguous, one shape (TOYHARNESS_CUDA_SWIGLU=ggml: ggml's node, for comparisons). Marked
+ * before th_cuda_mark_precision, which may make all three bf16 (th_swiglu_bf16). */
+static int th_swiglu_ours(const struct ggml_tensor * t) {
+    const char * choice = getenv("TOYHARNESS_CUDA_SWIGLU");
+    return !(choice != NULL && strcmp(choice, "ggml") == 0) && t->op == GGML_OP_GLU &&
+           ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && th_f32_contiguous(t) && th_f32_contiguous(t->src[0]) &&
+           th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
+}
+
 /* MUL(t, g) of f32 rows t (n, rows) and a gain g (n): its g, else NULL */
 static struct ggml_tensor * th_gain_of(const struct ggml_tensor * m, int64_t n) {
     const struct ggml_tensor * t = m->src[0];
@@ -1123,7 +1143,8 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
     const int affines = th_rewrite_norm_affines(graph);
     const int sums = th_rewrite_product_sums(graph), residuals = th_rewrite_norm_residuals(graph);
     const int silu_backs = th_rewrite_silu_back_muls(graph);    /* after the GELU pairs: theirs are not SILU_BACK now */
-    int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD, RMS_NORM, ROPE, a gain's MUL */
+    int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD, RMS_NORM, ROPE, a gain's MUL,
+                               the cross-entropy both ways, SWIGLU */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i), * gain;
         const struct ggml_tensor * src = t->src[0];
@@ -1150,6 +1171,12 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
             singles++;
         } else if (t->op == GGML_OP_CROSS_ENTROPY_LOSS_BACK && th_cross_entropy_back_ours(t)) {
             th_mark(t, TH_CUDA_CROSS_ENTROPY_BACK);
+            singles++;
+        } else if (t->op == GGML_OP_CROSS_ENTROPY_LOSS && th_cross_entropy_ours(t)) {
+            th_mark(t, TH_CUDA_CROSS_ENTROPY);
+            singles++;
+        } else if (th_swiglu_ours(t)) {
+            th_mark(t, TH_CUDA_SWIGLU);
             singles++;
         } else if ((t->op == GGML_OP_ROPE || t->op == GGML_OP_ROPE_BACK) && th_rope_ours(t)) {
             const int32_t * p = t->op_params;
@@ -1180,7 +1207,7 @@ TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
                                    "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
                                    "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
-                                   "rms_norm", "rope", "cross_entropy_back"};
+                                   "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu"};
     for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
         if (th_marked(t, k)) return names[k];
     }

@@ -9,14 +9,15 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 14  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 15  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
                                            ROPE; 13: th_cuda_bf16_copy_peak_bytes, ATTN_BWD's
                                            dS as bf16 at bf16; 14: our Q4_K dequantizer
                                            (th_cuda_dequantize_bf16), SwiGLU over frozen
-                                           products in bf16, CROSS_ENTROPY_BACK */
+                                           products in bf16, CROSS_ENTROPY_BACK; 15:
+                                           CROSS_ENTROPY, SWIGLU */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -106,6 +107,16 @@ enum {
      * and no row in shared memory (ggml's takes a CTA of one warp a row and the whole row of shared
      * memory: one warp an SM for a 32000-token vocabulary) */
     TH_CUDA_CROSS_ENTROPY_BACK = 27,
+    /* CROSS_ENTROPY_LOSS (th-loss.cu): srcs logits, labels, f32 contiguous rows of one shape; the
+     * scalar y = ggml-cuda's bit for bit: each row's -sum(labels (logits - max - log sum exp)) / rows
+     * as its cross_entropy_loss_f32 computes it (a warp a row, eight rows a CTA here), then the rows'
+     * values summed by cub's DeviceReduce::Sum, as its sum_f32_cuda does */
+    TH_CUDA_CROSS_ENTROPY = 28,
+    /* GLU SWIGLU of two split halves (ggml_swiglu_split): srcs gate, up, contiguous, of y's shape
+     * and type (f32, or bf16 where th_swiglu_bf16 kept them); y = ggml-cuda's op_silu(gate) * up
+     * rounded to y's type, bit for bit, 16 bytes a thread where ggml's kernel takes one value and
+     * two 64-bit divisions */
+    TH_CUDA_SWIGLU = 29,
 };
 /* `t` becomes a node of ours computed by `kernel` (TH_CUDA_*), its parameters cleared */
 static inline void th_mark(struct ggml_tensor * t, int kernel) {

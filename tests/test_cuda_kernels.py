@@ -1027,6 +1027,41 @@ def test_swiglus_backward_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, 
     assert (np.abs(fused["u"] / 2 - want_u) <= 1e-5 * np.abs(c * g) + 1e-6).all()
 
 
+def test_the_cuda_rewrite_takes_a_split_swiglu_and_the_environment_keeps_ggmls(monkeypatch):
+    """Built on cpu: the GLU of split halves (ggml_swiglu_split) becomes ours, in the forward and the
+    training graph; TOYHARNESS_CUDA_SWIGLU=ggml keeps ggml's node."""
+    prog, trainer = swiglu_program("cpu", 6, 10)
+    assert "SWIGLU" in ops_of(trainer.gb_grad)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert kernel_names(trainer.gb_grad).count("swiglu") == 1 and "SWIGLU" not in ops_of(trainer.gb_grad)
+    monkeypatch.setenv("TOYHARNESS_CUDA_SWIGLU", "ggml")
+    prog, trainer = swiglu_program("cpu", 6, 10)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert "swiglu" not in kernel_names(trainer.gb_grad) and "SWIGLU" in ops_of(trainer.gb_grad)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows,d", [(96, 160), (7, 13)])      # float4 path; odd count: one float at a time
+def test_swiglu_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, d, monkeypatch):
+    """Our SwiGLU forward against ggml-cuda's GLU node: every bit of silu(g) * u, and it is that
+    (float64, within fast-math's expf and division)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    rng = np.random.default_rng(29)
+    g, u = (rng.normal(size=(rows, d)) * 3).astype(np.float32), rng.normal(size=(rows, d)).astype(np.float32)
+    out = {}
+    for how in ("ours", "ggml"):
+        monkeypatch.setenv("TOYHARNESS_CUDA_SWIGLU", how)
+        prog = get_engine(backend).program()
+        fg = prog.forward({"y": prog.constant("g", g).swiglu(prog.constant("u", u))})
+        out[how] = fg.run({})["y"]
+        assert kernel_names(fg.graph) == (["swiglu"] if how == "ours" else [])
+    assert np.array_equal(out["ours"].view(np.uint32), out["ggml"].view(np.uint32))
+    g64 = g.astype(np.float64)
+    want = g64 / (1.0 + np.exp(-g64)) * u
+    assert (np.abs(out["ours"] - want) <= 1e-6 * np.abs(want) + 1e-7).all()
+
+
 def lora_program(backend: str, scale: float, output_side: bool, cuda_kernels: bool | None = None, rows: int = 96,
                  d_in: int = 160, d_out: int = 200, rank: int = 8, seed: int = 31):
     """W x + scale B A x (blocks.lora_linear), or with `output_side` the scale written on B A x's
@@ -1178,39 +1213,48 @@ def cross_entropy_program(backend: str, rows: int, vocab: int, seed: int = 5):
     return prog, trainer, {"targets": rng.integers(0, vocab, size=(2, rows // 2)).astype(np.int32)}
 
 
-def test_the_cuda_rewrite_takes_the_cross_entropy_backward_and_the_environment_keeps_ggmls(monkeypatch):
-    """Built on cpu: CROSS_ENTROPY_LOSS_BACK becomes ours; TOYHARNESS_CUDA_CROSS_ENTROPY=ggml keeps it."""
+def test_the_cuda_rewrite_takes_the_cross_entropy_both_ways_and_the_environment_keeps_ggmls(monkeypatch):
+    """Built on cpu: CROSS_ENTROPY_LOSS and its backward become ours; TOYHARNESS_CUDA_CROSS_ENTROPY=ggml
+    keeps both."""
     prog, trainer, _ = cross_entropy_program("cpu", 6, 40)
-    assert "CROSS_ENTROPY_LOSS_BACK" in ops_of(trainer.gb_grad)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 1
-    assert "cross_entropy_back" in kernel_names(trainer.gb_grad)
-    assert "CROSS_ENTROPY_LOSS_BACK" not in ops_of(trainer.gb_grad)
+    assert {"CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK"} <= set(ops_of(trainer.gb_grad))
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 2
+    assert {"cross_entropy", "cross_entropy_back"} <= set(kernel_names(trainer.gb_grad))
+    assert not {"CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK"} & set(ops_of(trainer.gb_grad))
     monkeypatch.setenv("TOYHARNESS_CUDA_CROSS_ENTROPY", "ggml")
     prog, trainer, _ = cross_entropy_program("cpu", 6, 40)
     lib.th_cuda_rewrite(trainer.gb_grad, 1)
-    assert "cross_entropy_back" not in kernel_names(trainer.gb_grad)
+    assert not {"cross_entropy", "cross_entropy_back"} & set(kernel_names(trainer.gb_grad))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("rows, vocab", [(4096, 32000), (34, 37), (6, 50304)])
-def test_the_cross_entropy_backward_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, vocab, monkeypatch):
-    """th-loss.cu against ggml-cuda's node (a 32000-token vocabulary over the LoRA bench's 4096 rows;
-    rows fewer than a CTA's eight and not a multiple; GPT-2's vocabulary): every bit of the logits'
-    gradient, and it is softmax - one-hot over the rows (float64)."""
+def test_the_cross_entropy_on_cuda_is_ours_both_ways_and_gives_ggmls_bits(backend, rows, vocab, monkeypatch):
+    """th-loss.cu against ggml-cuda's nodes (a 32000-token vocabulary over the LoRA bench's 4096 rows;
+    rows fewer than a CTA's eight and not a multiple; GPT-2's vocabulary): every bit of the loss
+    (the rows' values summed by cub as ggml sums them) and of the logits' gradient; the loss is the
+    mean cross-entropy and the gradient softmax - one-hot over the rows (float64)."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    grads = {}
+    grads, losses = {}, {}
     for how in ("ours", "ggml"):
         monkeypatch.setenv("TOYHARNESS_CUDA_CROSS_ENTROPY", how)
         prog, trainer, feeds = cross_entropy_program(backend, rows, vocab)
         trainer.grads_only(feeds)
-        assert ("cross_entropy_back" in kernel_names(trainer.gb_grad)) == (how == "ours")
+        names = kernel_names(trainer.gb_grad)
+        assert ("cross_entropy_back" in names, "cross_entropy" in names) == (how == "ours",) * 2
         grads[how] = prog.read(trainer.grad_acc["logits"]).reshape(rows, vocab)
+        losses[how] = np.float32(trainer.train_loss_value())
     assert np.array_equal(grads["ours"].view(np.uint32), grads["ggml"].view(np.uint32))
+    assert losses["ours"].view(np.uint32) == losses["ggml"].view(np.uint32), losses
     rng = np.random.default_rng(5)
     z = (rng.normal(size=(2, rows // 2, vocab)) * 3).astype(np.float32).astype(np.float64).reshape(rows, vocab)
     ids = rng.integers(0, vocab, size=(2, rows // 2)).reshape(-1)
-    p = np.exp(z - z.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
+    log_p = z - z.max(axis=1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(axis=1, keepdims=True))
+    want = -log_p[np.arange(rows), ids].mean()
+    print(f"cross-entropy {rows} x {vocab}: loss {float(losses['ours']):.7g}, float64 {want:.7g}")
+    assert abs(float(losses["ours"]) - want) <= 1e-5 * want
+    p = np.exp(log_p)
     p[np.arange(rows), ids] -= 1.0
     assert np.max(np.abs(grads["ours"] - p / rows)) <= 1e-5 / rows

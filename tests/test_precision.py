@@ -206,7 +206,7 @@ def test_the_lora_recipe_over_a_quantized_base_keeps_its_frozen_swiglus_in_bf16(
     base = seeded_model_file("llama", ["n_layer=2", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512", "seed=7"])
     sets = ["t_seq=64", f"targets={targets}", f"base={cached_copy_as(base, 'q4_k')}"]
     _, trainer, _ = _as_cuda_builds_it("lora", sets, "bf16", monkeypatch)
-    glus = [t for t in _nodes(trainer.gb_opt) if _name(t) == "SWIGLU"]
+    glus = [t for t in _nodes(trainer.gb_opt) if _name(t) == "swiglu"]     # ours (th-custom.cu)
     assert len(glus) == 2
     for glu in glus:
         gate, up = lib.th_tensor_src(glu, 0), lib.th_tensor_src(glu, 1)
@@ -505,11 +505,16 @@ def test_lora_over_a_frozen_mlp_at_bf16_keeps_swiglu_in_bf16_repeats_and_agrees_
     kept in bf16 (th_swiglu_bf16). The same 16 losses' bits run to run, each within 2 u of fp32's
     (gate's and up's values rounded once more, a relative change of at most u, as every product
     input already is), and not the bits of the same run with TOYHARNESS_BF16_SWIGLU=f32 (so the
-    path ran), which agrees with fp32 as closely."""
+    path ran), which agrees with fp32 as closely. Our bf16 SwiGLU kernel gives the bits of ggml-cuda's
+    bf16 GLU (TOYHARNESS_CUDA_SWIGLU=ggml)."""
     sets = ["targets=q,k,v,o"]
     ref = np.array([x["value"] for x in goldens.compute("lora@q4_k", backend, extra_sets=sets)["losses"]])
     first = goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)
     second = goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)
+    monkeypatch.setenv("TOYHARNESS_CUDA_SWIGLU", "ggml")
+    assert goldens.compare(first, goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)) is None, \
+        "our bf16 SwiGLU is not ggml-cuda's bits"
+    monkeypatch.delenv("TOYHARNESS_CUDA_SWIGLU")
     monkeypatch.setenv("TOYHARNESS_BF16_SWIGLU", "f32")
     kept_f32 = goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)
     assert goldens.compare(first, second) is None, "not run-to-run deterministic"

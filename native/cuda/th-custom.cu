@@ -151,6 +151,69 @@ static __device__ __forceinline__ float4 th_load4(const __nv_bfloat16 * p, const
 static __device__ __forceinline__ float th_load1(const float * p, const int64_t i) { return p[i]; }
 static __device__ __forceinline__ float th_load1(const __nv_bfloat16 * p, const int64_t i) { return __bfloat162float(p[i]); }
 
+// SwiGLU's forward, y = silu(gate) * up rounded to y's type (ggml-cuda's unary_gated_op_kernel
+// with op_silu: the same expression, __float2bfloat16's rounding), 16 bytes of each a thread
+// (four f32 values or eight bf16) where every pointer is 16-aligned and n a multiple of the
+// vector, else a value a thread
+static __device__ __forceinline__ void th_swiglu_store(float * y, const int64_t i, const float4 g, const float4 u) {
+    ((float4 *) y)[i] = make_float4(th_silu(g.x) * u.x, th_silu(g.y) * u.y, th_silu(g.z) * u.z, th_silu(g.w) * u.w);
+}
+static __device__ __forceinline__ __nv_bfloat162 th_swiglu_pair(const __nv_bfloat162 g, const __nv_bfloat162 u) {
+    const float2 gf = __bfloat1622float2(g), uf = __bfloat1622float2(u);
+    return __floats2bfloat162_rn(th_silu(gf.x) * uf.x, th_silu(gf.y) * uf.y);
+}
+template <bool vec, typename T>
+static __global__ void th_swiglu_kernel(const T * __restrict__ gate, const T * __restrict__ up, T * __restrict__ y,
+                                        const int64_t n) {
+    constexpr int width = sizeof(T) == 4 ? 4 : 8;           // values in 16 bytes
+    const int64_t step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec ? n / width : n); i += step) {
+        if constexpr (!vec) {
+            const float v = th_silu(th_load1(gate, i)) * th_load1(up, i);
+            if constexpr (sizeof(T) == 4) {
+                y[i] = v;
+            } else {
+                y[i] = __float2bfloat16(v);
+            }
+        } else if constexpr (sizeof(T) == 4) {
+            th_swiglu_store((float *) y, i, ((const float4 *) gate)[i], ((const float4 *) up)[i]);
+        } else {
+            const uint4 g = ((const uint4 *) gate)[i], u = ((const uint4 *) up)[i];
+            __nv_bfloat162 gp[4], up2[4], out[4];
+            memcpy(gp, &g, sizeof(g));
+            memcpy(up2, &u, sizeof(u));
+            for (int k = 0; k < 4; k++) out[k] = th_swiglu_pair(gp[k], up2[k]);
+            uint4 r;
+            memcpy(&r, out, sizeof(r));
+            ((uint4 *) y)[i] = r;
+        }
+    }
+}
+
+template <typename T>
+static void th_swiglu_of(cudaStream_t stream, const T * gate, const T * up, T * y, const int64_t n) {
+    constexpr int width = sizeof(T) == 4 ? 4 : 8;
+    const bool vec = n % width == 0 && th_aligned16(gate) && th_aligned16(up) && th_aligned16(y);
+    const int64_t wanted = ((vec ? n / width : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
+    const int blocks = (int) (wanted < 65535 ? wanted : 65535);
+    if (vec) {
+        th_swiglu_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, n);
+    } else {
+        th_swiglu_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, n);
+    }
+}
+
+static void th_swiglu(cudaStream_t stream, ggml_tensor * dst) {
+    const ggml_tensor * gate = dst->src[0], * up = dst->src[1];
+    if (dst->type == GGML_TYPE_BF16) {          // kept in bf16 (th_swiglu_bf16)
+        th_swiglu_of(stream, (const __nv_bfloat16 *) gate->data, (const __nv_bfloat16 *) up->data,
+                     (__nv_bfloat16 *) dst->data, ggml_nelements(dst));
+    } else {
+        th_swiglu_of(stream, (const float *) gate->data, (const float *) up->data, (float *) dst->data,
+                     ggml_nelements(dst));
+    }
+}
+
 // SwiGLU's backward in one pass over the activation: dg = silu_back(grad * up, gate) (as above) and
 // du = silu(gate) * grad, from grad, up and gate read once (5 passes where ggml's nodes make 7,
 // SILU_BACK_MUL and ggml's fused SILU + MUL); up and gate f32, or bf16 (th_swiglu_bf16: their
@@ -869,6 +932,19 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    ggml_is_scalar(op->src[0]) && th_f32_contiguous(op->src[1]) && th_f32_contiguous(op->src[2]) &&
                    ggml_are_same_shape(op, op->src[1]) && ggml_are_same_shape(op, op->src[2]) &&
                    op->ne[0] <= INT32_MAX && ggml_nrows(op) <= INT32_MAX;
+        case TH_CUDA_CROSS_ENTROPY: {
+            const ggml_tensor * logits = op->src[0], * labels = op->src[1];
+            return op->type == GGML_TYPE_F32 && ggml_is_scalar(op) && th_f32_contiguous(logits) &&
+                   th_f32_contiguous(labels) && ggml_are_same_shape(logits, labels) && logits->ne[0] <= INT32_MAX &&
+                   ggml_nrows(logits) <= INT32_MAX;
+        }
+        case TH_CUDA_SWIGLU: {
+            const ggml_tensor * gate = op->src[0], * up = op->src[1];
+            return (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_BF16) && ggml_is_contiguous(op) &&
+                   gate != nullptr && up != nullptr && gate->type == op->type && up->type == op->type &&
+                   ggml_is_contiguous(gate) && ggml_is_contiguous(up) && ggml_nelements(gate) == ggml_nelements(op) &&
+                   ggml_nelements(up) == ggml_nelements(op);
+        }
         case TH_CUDA_GET_ROWS_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
                    op->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(op->src[1]) &&
@@ -967,6 +1043,11 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_CROSS_ENTROPY_BACK:
             th_cross_entropy_back(stream, dst);
+            return true;
+        case TH_CUDA_CROSS_ENTROPY:
+            return th_cross_entropy(stream, dst);
+        case TH_CUDA_SWIGLU:
+            th_swiglu(stream, dst);
             return true;
         case TH_CUDA_ADD:
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);

@@ -52,7 +52,8 @@ bool th_attention(cudaStream_t stream, ggml_tensor * dst, int kernel);
 bool th_adamw_supported(const ggml_tensor * op);
 void th_adamw(cudaStream_t stream, ggml_tensor * dst);
 
-// th-loss.cu: CROSS_ENTROPY_BACK
+// th-loss.cu: CROSS_ENTROPY (false when its scratch or cub's call failed) and CROSS_ENTROPY_BACK
+bool th_cross_entropy(cudaStream_t stream, ggml_tensor * dst);
 void th_cross_entropy_back(cudaStream_t stream, ggml_tensor * dst);
 
 // a frozen weight's products at bf16 (th-frozen.cu): FROZEN_MUL_MAT and FROZEN_OUT_PROD

@@ -1,19 +1,80 @@
-// The cross-entropy loss's backward (custom_ops.h: CROSS_ENTROPY_BACK). ggml-cuda's kernel runs a
-// warp a row with the whole row in shared memory (128 KB for a 32000-token vocabulary): one CTA,
-// one warp, an SM, latency-bound (3.2 ms of the LoRA bench's 1B step, 4096 rows). Ours keeps its
-// arithmetic, and so its bits: a warp a row, lane l taking the row's values l, l + 32, ... in
-// order for the maximum and the sum of exponentials, ggml's warp reductions, then each value's
-// (exp(x - max) / sum - label) d / rows, the exponential computed again where ggml kept it. Eight
+// The cross-entropy loss both ways (custom_ops.h: CROSS_ENTROPY, CROSS_ENTROPY_BACK). ggml-cuda's
+// kernels run a warp a row with the whole row in shared memory (128 KB for a 32000-token
+// vocabulary): one CTA, one warp, an SM, latency-bound (2.6 ms forward, 3.2 ms backward of the
+// LoRA bench's 1B step, 4096 rows). Ours keep their arithmetic, and so their bits: a warp a row,
+// lane l taking the row's values l, l + 32, ... in order for the maximum and the sum of
+// exponentials, ggml's warp reductions, the exponential computed again where ggml kept it. Eight
 // rows a CTA and nothing in shared memory: many warps an SM, bound by memory bandwidth.
-// tests/test_cuda_kernels.py compares it with ggml's node (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml).
+//   forward   each row's -sum((x - max - log sum) label) / rows, then the rows' values summed by
+//             cub's DeviceReduce::Sum as ggml's sum_f32_cuda sums them (its temporary storage in
+//             our scratch where ggml's is its pool)
+//   backward  each value's (exp(x - max) / sum - label) d / rows
+// tests/test_cuda_kernels.py compares them with ggml's nodes (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml).
 #include "th-custom.cuh"
-#include "common.cuh"               // warp_reduce_max, warp_reduce_sum: ggml's
+#include "th-precision.cuh"         // th_scratch_for
+#include "common.cuh"               // warp_reduce_max, warp_reduce_sum, GGML_CUDA_USE_CUB: ggml's
+#include "sumrows.cuh"              // sum_rows_f32_cuda: ggml's sum without cub
+
+#ifdef GGML_CUDA_USE_CUB
+#include <cub/cub.cuh>
+#endif
 
 extern "C" {
 #include "custom_ops.h"
 }
 
 #define TH_LOSS_ROWS 8              // rows (warps) a CTA
+
+// row `row`'s loss, -sum((x - max - log sum exp(x - max)) label) / nrows, into row_losses[row]
+static __global__ void th_cross_entropy_kernel(const float * __restrict__ logits, const float * __restrict__ labels,
+                                               float * __restrict__ row_losses, const int nclasses, const int nrows) {
+    const int row = blockIdx.x * TH_LOSS_ROWS + threadIdx.x / WARP_SIZE;
+    if (row >= nrows) return;
+    const int lane = threadIdx.x % WARP_SIZE;
+    logits += (int64_t) row * nclasses;
+    labels += (int64_t) row * nclasses;
+
+    float max_logit = -INFINITY;
+    for (int i = lane; i < nclasses; i += WARP_SIZE) max_logit = fmaxf(max_logit, logits[i]);
+    max_logit = warp_reduce_max(max_logit);
+
+    float sum = 0.0f;
+    for (int i = lane; i < nclasses; i += WARP_SIZE) sum += expf(logits[i] - max_logit);
+    sum = warp_reduce_sum(sum);
+    sum = logf(sum);
+
+    float loss = 0.0f;
+    for (int i = lane; i < nclasses; i += WARP_SIZE) loss += (logits[i] - max_logit - sum) * labels[i];
+    loss = -warp_reduce_sum(loss) / (float) nrows;          // ggml: / (float) k, k its row count
+    if (lane == 0) row_losses[row] = loss;
+}
+
+bool th_cross_entropy(cudaStream_t stream, ggml_tensor * dst) {
+    const ggml_tensor * logits = dst->src[0], * labels = dst->src[1];
+    const int nclasses = (int) logits->ne[0], nrows = (int) ggml_nrows(logits);
+    const int64_t ne = nrows;                               // ggml's sum_f32_cuda takes an int64_t count
+    size_t tmp_bytes = 0;
+#ifdef GGML_CUDA_USE_CUB
+    if (cub::DeviceReduce::Sum(nullptr, tmp_bytes, (const float *) nullptr, (float *) nullptr, ne, stream) !=
+        cudaSuccess) {
+        return false;
+    }
+#endif
+    const size_t rows_bytes = ((size_t) nrows * sizeof(float) + 255) & ~(size_t) 255;
+    char * scratch = (char *) th_scratch_for(rows_bytes + tmp_bytes);
+    if (scratch == nullptr) return false;
+    float * row_losses = (float *) scratch;
+    const unsigned ctas = (unsigned) ((nrows + TH_LOSS_ROWS - 1) / TH_LOSS_ROWS);
+    th_cross_entropy_kernel<<<ctas, TH_LOSS_ROWS * WARP_SIZE, 0, stream>>>(
+        (const float *) logits->data, (const float *) labels->data, row_losses, nclasses, nrows);
+#ifdef GGML_CUDA_USE_CUB
+    return cub::DeviceReduce::Sum(scratch + rows_bytes, tmp_bytes, (const float *) row_losses, (float *) dst->data, ne,
+                                  stream) == cudaSuccess;
+#else
+    sum_rows_f32_cuda(row_losses, (float *) dst->data, nrows, 1, stream);
+    return cudaGetLastError() == cudaSuccess;
+#endif
+}
 
 static __global__ void th_cross_entropy_back_kernel(const float * __restrict__ grad, const float * __restrict__ logits,
                                                     const float * __restrict__ labels, float * __restrict__ dst,

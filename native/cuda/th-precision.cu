@@ -55,7 +55,7 @@ struct th_scratch {
 static std::mutex th_scratch_mutex;
 static std::vector<th_scratch> th_scratches;        // the newest of a device last
 
-static void * th_scratch_for(const size_t bytes) {
+void * th_scratch_for(const size_t bytes) {
     int device = 0;
     cudaGetDevice(&device);
     std::lock_guard<std::mutex> lock(th_scratch_mutex);

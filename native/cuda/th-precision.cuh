@@ -57,6 +57,11 @@ bool th_bf16_operands(cudaStream_t stream, const float * a, long long sa, int a_
                       const float * b, long long sb, int b_rows, int b_cols, int ldb, int count, const void ** a16,
                       const void ** b16);
 
+// device memory of at least `bytes` on the current device for work on its stream that ends within
+// one node (the bf16 products' operand copies, the loss's row values): one buffer a device, reused
+// node after node, grown (the old kept: a captured CUDA graph may use it); nullptr when none can be had
+void * th_scratch_for(size_t bytes);
+
 cublasStatus_t th_cublas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                const float * alpha, const float * a, int lda, const float * b, int ldb,
                                const float * beta, float * c, int ldc);
