@@ -341,7 +341,8 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
-        case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK:
+        case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU:
+        case TH_CUDA_CROSS_ENTROPY:                         // (and th_scratch_for's memory: no copy there)
             th_drop_tensor(node);                           // its own bytes only (FOLDED, ROOM: written by others)
             return;
         case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)
@@ -354,8 +355,9 @@ static void th_writes(const ggml_tensor * node) {
             th_drop_tensor(node);
             for (int j = 0; j < GGML_MAX_SRC; j++) th_drop_tensor(node->src[j]);
             return;
-        default:                                            // AdamW's run (other nodes' tensors), unknown
-            th_drop_copies_if(0, 0, true);
+        default:                                            // AdamW's run (other nodes' tensors), unknown: a
+            th_drop_copies_if(0, 0, true);                  // new kernel of ours belongs above, else every copy
+                                                            // goes here (test_precision: the conversions' count)
             return;
     }
 }
