@@ -182,6 +182,7 @@ static __global__ void th_swiglu_kernel(const T * __restrict__ gate, const T * _
             __nv_bfloat162 gp[4], up2[4], out[4];
             memcpy(gp, &g, sizeof(g));
             memcpy(up2, &u, sizeof(u));
+#pragma unroll
             for (int k = 0; k < 4; k++) out[k] = th_swiglu_pair(gp[k], up2[k]);
             uint4 r;
             memcpy(&r, out, sizeof(r));

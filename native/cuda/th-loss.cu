@@ -25,6 +25,18 @@ extern "C" {
 
 #define TH_LOSS_ROWS 8              // rows (warps) a CTA
 
+// a row's maximum and sum of exp(x - max), every lane given both: lane l takes the values l,
+// l + 32, ... in order, then ggml's warp reductions (both of ggml's kernels begin so)
+static __device__ __forceinline__ void th_row_max_sum(const float * __restrict__ logits, const int nclasses,
+                                                      const int lane, float & max_logit, float & sum) {
+    max_logit = -INFINITY;
+    for (int i = lane; i < nclasses; i += WARP_SIZE) max_logit = fmaxf(max_logit, logits[i]);
+    max_logit = warp_reduce_max(max_logit);
+    sum = 0.0f;
+    for (int i = lane; i < nclasses; i += WARP_SIZE) sum += expf(logits[i] - max_logit);
+    sum = warp_reduce_sum(sum);
+}
+
 // row `row`'s loss, -sum((x - max - log sum exp(x - max)) label) / nrows, into row_losses[row]
 static __global__ void th_cross_entropy_kernel(const float * __restrict__ logits, const float * __restrict__ labels,
                                                float * __restrict__ row_losses, const int nclasses, const int nrows) {
@@ -33,14 +45,8 @@ static __global__ void th_cross_entropy_kernel(const float * __restrict__ logits
     const int lane = threadIdx.x % WARP_SIZE;
     logits += (int64_t) row * nclasses;
     labels += (int64_t) row * nclasses;
-
-    float max_logit = -INFINITY;
-    for (int i = lane; i < nclasses; i += WARP_SIZE) max_logit = fmaxf(max_logit, logits[i]);
-    max_logit = warp_reduce_max(max_logit);
-
-    float sum = 0.0f;
-    for (int i = lane; i < nclasses; i += WARP_SIZE) sum += expf(logits[i] - max_logit);
-    sum = warp_reduce_sum(sum);
+    float max_logit, sum;
+    th_row_max_sum(logits, nclasses, lane, max_logit, sum);
     sum = logf(sum);
 
     float loss = 0.0f;
@@ -85,14 +91,8 @@ static __global__ void th_cross_entropy_back_kernel(const float * __restrict__ g
     logits += (int64_t) row * nclasses;
     labels += (int64_t) row * nclasses;
     dst += (int64_t) row * nclasses;
-
-    float maxval = -INFINITY;
-    for (int i = lane; i < nclasses; i += WARP_SIZE) maxval = fmaxf(maxval, logits[i]);
-    maxval = warp_reduce_max(maxval);
-
-    float sum = 0.0f;
-    for (int i = lane; i < nclasses; i += WARP_SIZE) sum += expf(logits[i] - maxval);
-    sum = warp_reduce_sum(sum);
+    float maxval, sum;
+    th_row_max_sum(logits, nclasses, lane, maxval, sum);
     const float sm_scale = 1.0f / sum;
 
     const float d_by_nrows = *grad / (unsigned) nrows;      // ggml: *grad / gridDim.x, a CTA a row there
