@@ -582,3 +582,17 @@ def test_our_kernels_keep_the_bf16_copies_that_ggmls_nodes_keep(name):
           f"reused {ours['reused']} ({ggmls['reused']})")
     assert ours["hex"] == ggmls["hex"]
     assert (ours["converted"], ours["reused"]) == (ggmls["converted"], ggmls["reused"])
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs("cuda"))
+                                  for n in ("gpt2@bf16", "vit_tiny@bf16", "llama@bf16")])
+def test_writers_put_their_outputs_bf16_copy_beside_it_with_the_same_bits(name):
+    """At bf16 GELU, its backward and a norm's gain (AFFINE) write their output's bf16 copy as they
+    write it (th-custom.cu, th_copy_for_writer) where a later product reads it: fewer conversions,
+    as many operands in all, and the bits of the run without (TOYHARNESS_BF16_WRITER_COPIES=0)."""
+    written, converted = bf16_run(name, True), bf16_run(name, True, {"TOYHARNESS_BF16_WRITER_COPIES": "0"})
+    print(f"{name}: operands converted {written['converted']} with writers' copies "
+          f"({converted['converted']} without), reused {written['reused']} ({converted['reused']})")
+    assert written["hex"] == converted["hex"]
+    assert written["converted"] < converted["converted"]
+    assert written["converted"] + written["reused"] == converted["converted"] + converted["reused"]

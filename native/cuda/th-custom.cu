@@ -63,19 +63,34 @@ static __device__ float th_gelu_back(const float dyi, const float xi) {
     return dyi * (s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * x2));
 }
 
+// four floats as bf16 (each rounded to nearest even, as th_to_bf16 rounds) into p, 8-byte aligned
+static __device__ __forceinline__ void th_store_bf16x4(__nv_bfloat16 * p, const float4 v) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 packed;
+    memcpy(&packed.x, &lo, sizeof(lo));
+    memcpy(&packed.y, &hi, sizeof(hi));
+    *(uint2 *) p = packed;
+}
+
 // y[i] = op(a[i], b[i]) over n floats (b read only by a binary op): GELU, its backward, same-shape
 // ADD. A float4 at a time where n is a multiple of 4 and every pointer 16-aligned (vec4), else a
-// float; elementwise, so every element's bits are the same run to run.
-template <bool vec4, class Op>
+// float; elementwise, so every element's bits are the same run to run. With y16 (copy16) each value
+// also as bf16 rounded to nearest even: the copy a bf16 product would otherwise convert
+// (th_copy_for_writer), 8 bytes a float4.
+template <bool vec4, bool copy16, class Op>
 static __global__ void th_map_kernel(const Op op, const float * __restrict__ a, const float * __restrict__ b,
-                                     float * __restrict__ y, const int64_t n) {
+                                     float * __restrict__ y, __nv_bfloat16 * __restrict__ y16, const int64_t n) {
     const int64_t step = (int64_t) gridDim.x * blockDim.x;
     for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
         if (vec4) {
             const float4 u = ((const float4 *) a)[i], v = Op::binary ? ((const float4 *) b)[i] : u;
-            ((float4 *) y)[i] = make_float4(op(u.x, v.x), op(u.y, v.y), op(u.z, v.z), op(u.w, v.w));
+            const float4 r = make_float4(op(u.x, v.x), op(u.y, v.y), op(u.z, v.z), op(u.w, v.w));
+            ((float4 *) y)[i] = r;
+            if (copy16) th_store_bf16x4(y16 + 4 * i, r);
         } else {
-            y[i] = op(a[i], Op::binary ? b[i] : 0.0f);
+            const float r = op(a[i], Op::binary ? b[i] : 0.0f);
+            y[i] = r;
+            if (copy16) y16[i] = __float2bfloat16_rn(r);
         }
     }
 }
@@ -94,18 +109,25 @@ struct th_add_op {
 };
 
 
+// y16: y's bf16 copy to write beside it (th_copy_for_writer), or nullptr
 template <class Op>
-static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * y) {
+static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * y,
+                   __nv_bfloat16 * y16 = nullptr) {
     const int64_t n = ggml_nelements(y);
     const bool vec4 = n % 4 == 0 && th_aligned16(a->data) && th_aligned16(b->data) && th_aligned16(y->data);
     const int64_t items = vec4 ? n / 4 : n;
     const int64_t wanted = (items + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
     const int blocks = (int) (wanted < 65535 ? wanted : 65535);
     const float * pa = (const float *) a->data, * pb = (const float *) b->data;
-    if (vec4) {
-        th_map_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, (float *) y->data, n);
+    float * py = (float *) y->data;
+    if (vec4 && y16 != nullptr) {          // (a copy's memory is 256-byte aligned)
+        th_map_kernel<true, true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, y16, n);
+    } else if (vec4) {
+        th_map_kernel<true, false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, nullptr, n);
+    } else if (y16 != nullptr) {
+        th_map_kernel<false, true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, y16, n);
     } else {
-        th_map_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, (float *) y->data, n);
+        th_map_kernel<false, false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, nullptr, n);
     }
 }
 
@@ -475,10 +497,11 @@ static __device__ __forceinline__ float th_rows_value(const th_rows_form form, c
 // y (n, m) by `form` (above): a warp a row, blockDim (32, 8); float4 at a time when `vec4` (n a
 // multiple of 4, every pointer given 16-aligned). ggml's broadcasting MUL took 41 us for a gain
 // over nano llama's 16384 x 384 rows, this 13 us.
-template <th_rows_form form, bool vec4>
+// With y16 (copy16) each value also as bf16 rounded to nearest even (th_map_kernel's copy).
+template <th_rows_form form, bool vec4, bool copy16 = false>
 static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const float * __restrict__ g,
                                              const float * __restrict__ b, float * __restrict__ y, const int64_t n,
-                                             const int64_t m) {
+                                             const int64_t m, __nv_bfloat16 * __restrict__ y16 = nullptr) {
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < m; r += (int64_t) gridDim.x * blockDim.y) {
         if (vec4) {
             const float4 * t4 = (const float4 *) (t + r * n), * g4 = (const float4 *) g, * b4 = (const float4 *) b;
@@ -486,13 +509,17 @@ static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const
             for (int64_t i = threadIdx.x; i < n / 4; i += 32) {
                 const float4 ti = form != TH_ROWS_BIAS ? t4[i] : float4{}, gi = form != TH_ROWS_BIAS ? g4[i] : float4{};
                 const float4 bi = form != TH_ROWS_GAIN ? b4[i] : float4{};
-                y4[i] = make_float4(th_rows_value(form, ti.x, gi.x, bi.x), th_rows_value(form, ti.y, gi.y, bi.y),
-                                    th_rows_value(form, ti.z, gi.z, bi.z), th_rows_value(form, ti.w, gi.w, bi.w));
+                const float4 yi = make_float4(th_rows_value(form, ti.x, gi.x, bi.x), th_rows_value(form, ti.y, gi.y, bi.y),
+                                              th_rows_value(form, ti.z, gi.z, bi.z), th_rows_value(form, ti.w, gi.w, bi.w));
+                y4[i] = yi;
+                if (copy16) th_store_bf16x4(y16 + r * n + 4 * i, yi);
             }
         } else {
             for (int64_t i = threadIdx.x; i < n; i += 32) {
-                y[r * n + i] = th_rows_value(form, form != TH_ROWS_BIAS ? t[r * n + i] : 0.0f,
-                                             form != TH_ROWS_BIAS ? g[i] : 0.0f, form != TH_ROWS_GAIN ? b[i] : 0.0f);
+                const float yi = th_rows_value(form, form != TH_ROWS_BIAS ? t[r * n + i] : 0.0f,
+                                               form != TH_ROWS_BIAS ? g[i] : 0.0f, form != TH_ROWS_GAIN ? b[i] : 0.0f);
+                y[r * n + i] = yi;
+                if (copy16) y16[r * n + i] = __float2bfloat16_rn(yi);
             }
         }
     }
@@ -560,21 +587,23 @@ static void th_get_rows_back(cudaStream_t stream, ggml_tensor * dst) {
 
 template <th_rows_form form>
 static void th_rows_affine_launch(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
-                                  const int64_t n, const int64_t m) {
+                                  const int64_t n, const int64_t m, __nv_bfloat16 * y16) {
     const dim3 block(32, 8);
     const int grid = (int) ((m + 7) / 8 < 65535 ? (m + 7) / 8 : 65535);
     const bool vec4 = n % 4 == 0 && th_aligned16(y) && (form == TH_ROWS_BIAS || (th_aligned16(t) && th_aligned16(g))) &&
                       (form == TH_ROWS_GAIN || th_aligned16(b));
-    if (vec4) th_rows_affine_kernel<form, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
+    if (y16 != nullptr && vec4) th_rows_affine_kernel<form, true, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m, y16);
+    else if (y16 != nullptr) th_rows_affine_kernel<form, false, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m, y16);
+    else if (vec4) th_rows_affine_kernel<form, true><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
     else th_rows_affine_kernel<form, false><<<grid, block, 0, stream>>>(t, g, b, y, n, m);
 }
 
-// y = t g + b, t g where no b, b where no t
+// y = t g + b, t g where no b, b where no t; y16: y's bf16 copy to write beside it, or nullptr
 static void th_rows_affine(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
-                           const int64_t n, const int64_t m) {
-    if (t == nullptr) th_rows_affine_launch<TH_ROWS_BIAS>(stream, t, g, b, y, n, m);
-    else if (b == nullptr) th_rows_affine_launch<TH_ROWS_GAIN>(stream, t, g, b, y, n, m);
-    else th_rows_affine_launch<TH_ROWS_AFFINE>(stream, t, g, b, y, n, m);
+                           const int64_t n, const int64_t m, __nv_bfloat16 * y16 = nullptr) {
+    if (t == nullptr) th_rows_affine_launch<TH_ROWS_BIAS>(stream, t, g, b, y, n, m, nullptr);
+    else if (b == nullptr) th_rows_affine_launch<TH_ROWS_GAIN>(stream, t, g, b, y, n, m, y16);
+    else th_rows_affine_launch<TH_ROWS_AFFINE>(stream, t, g, b, y, n, m, y16);
 }
 
 #define TH_COLUMN_ROWS 64   // rows a block of the column sums' first pass sums at least
@@ -608,10 +637,10 @@ static __global__ void th_column_total_kernel(const float * __restrict__ partial
     out[col] = total;
 }
 
-static void th_affine(cudaStream_t stream, ggml_tensor * dst) {
+static void th_affine(cudaStream_t stream, ggml_tensor * dst) {     // (at bf16 a norm's output's copy beside it)
     th_rows_affine(stream, (const float *) dst->src[0]->data, (const float *) dst->src[1]->data,
                    dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr, (float *) dst->data,
-                   dst->ne[0], ggml_nrows(dst));
+                   dst->ne[0], ggml_nrows(dst), th_copy_for_writer(stream, dst));
 }
 
 static void th_column_dot(cudaStream_t stream, ggml_tensor * dst) {
@@ -1005,11 +1034,11 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
 
 bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
     switch (th_kernel_of(dst)) {
-        case TH_CUDA_GELU:
-            th_map(stream, th_gelu_op(), dst->src[0], dst->src[0], dst);
+        case TH_CUDA_GELU:              // (at bf16 its output's copy beside it: the next product's operand)
+            th_map(stream, th_gelu_op(), dst->src[0], dst->src[0], dst, th_copy_for_writer(stream, dst));
             return true;
         case TH_CUDA_GELU_BACK:
-            th_map(stream, th_gelu_back_op(), dst->src[0], dst->src[1], dst);
+            th_map(stream, th_gelu_back_op(), dst->src[0], dst->src[1], dst, th_copy_for_writer(stream, dst));
             return true;
         case TH_CUDA_CONT:
             th_cont_of(stream, dst->src[0], dst);

@@ -221,6 +221,7 @@ struct th_copy {
     int chunk;
     size_t off, bytes;                  // the copy's place
     int until;                          // the node after which it goes (INT_MAX: no horizon)
+    const ggml_tensor * writer;         // the node that wrote it beside its source (th_copy_for_writer), or none
 };
 struct th_chunk {
     int device;
@@ -235,6 +236,7 @@ static int th_graph_device = -1;
 static int th_prev_node = -1;                       // index of the last node that may call cuBLAS
 static const ggml_tensor * th_node = nullptr;       // the node computing now (when in th_graph)
 static bool th_reuse = false;
+static bool th_writer_copies = true;                // TOYHARNESS_BF16_WRITER_COPIES=0: none (th_copy_for_writer)
 static int64_t th_copy_counts[2];                   // operands converted (kept or not), reused
 static int th_keep_nodes = 0;                       // the horizon in nodes (0: none)
 static int64_t th_copies_held = 0, th_copies_peak = 0;  // bytes of chunks copies take now, at most
@@ -304,10 +306,12 @@ static bool th_chunk_alloc(const int device, const size_t bytes, int * chunk, si
     return true;
 }
 
-static void th_drop_copies_if(const uintptr_t lo, const uintptr_t hi, const bool all) {
+// the copies of bytes [lo, hi) (all: every copy) dropped, but those `spare` wrote beside them
+static void th_drop_copies_if(const uintptr_t lo, const uintptr_t hi, const bool all,
+                              const ggml_tensor * spare = nullptr) {
     for (size_t i = 0; i < th_copies.size();) {
         const th_copy & k = th_copies[i];
-        if (k.device == th_graph_device && (all || (k.lo < hi && lo < k.hi))) {
+        if (k.device == th_graph_device && (all || (k.lo < hi && lo < k.hi)) && (spare == nullptr || k.writer != spare)) {
             th_chunk_free(th_chunks[k.chunk], k.off, k.bytes);
             th_copies.erase(th_copies.begin() + i);
         } else {
@@ -316,10 +320,10 @@ static void th_drop_copies_if(const uintptr_t lo, const uintptr_t hi, const bool
     }
 }
 
-static void th_drop_tensor(const ggml_tensor * t) {
+static void th_drop_tensor(const ggml_tensor * t, const ggml_tensor * spare = nullptr) {
     if (t == nullptr || t->data == nullptr) return;
     const uintptr_t lo = (uintptr_t) t->data;
-    th_drop_copies_if(lo, lo + ggml_nbytes(t), false);
+    th_drop_copies_if(lo, lo + ggml_nbytes(t), false, spare);
 }
 
 // what `node` writes, as ggml-cuda computes it: the copies of those bytes dropped
@@ -343,8 +347,8 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
         case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU:
         case TH_CUDA_CROSS_ENTROPY:                         // (and th_scratch_for's memory: no copy there)
-            th_drop_tensor(node);                           // its own bytes only (FOLDED, ROOM: written by others)
-            return;
+            th_drop_tensor(node, node);                     // its own bytes only (FOLDED, ROOM: written by others),
+            return;                                         // the copy it wrote beside them kept
         case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)
             th_drop_tensor(node);
             th_drop_tensor(node->src[3]);
@@ -382,6 +386,8 @@ void th_cuda_graph_begin(const ggml_cgraph * graph) {
     const char * streams = getenv("GGML_CUDA_GRAPH_OPT");       // nodes on several streams: no reuse
     th_reuse = !(off != nullptr && strcmp(off, "0") == 0) && !(streams != nullptr && atoi(streams) == 1);
     th_graph = th_reuse ? graph : nullptr;
+    const char * writers = getenv("TOYHARNESS_BF16_WRITER_COPIES");
+    th_writer_copies = !(writers != nullptr && strcmp(writers, "0") == 0);
 }
 
 void th_cuda_graph_end(void) { th_reuse_end(); }
@@ -464,9 +470,49 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     __nv_bfloat16 * dst = (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
     th_to_bf16(stream, src, nullptr, stride, rows, cols, ld, count, dst);
     th_copies.push_back({th_graph_device, stream, src, GGML_TYPE_F32, rows, cols, ld, count, stride, lo, hi, chunk, off,
-                         bytes, th_copy_until(lo, hi)});
+                         bytes, th_copy_until(lo, hi), nullptr});
     th_copy_counts[0]++;
     return dst;
+}
+
+// A copy its writer fills as it writes `dst` (f32, contiguous: rows ne[0], cols its rows, as a
+// product reads it), where a bf16 product will convert it otherwise: at bf16, reuse on, `dst` the
+// node computing now, a later product of the graph reading its bytes (one that reads them in
+// another shape converts them again: the copy is then only memory). The writer rounds each value to nearest even as th_to_bf16 would (the same
+// bits); the copy is kept as a converted one is, and goes as one does when its bytes are written
+// (the writer's own writes aside). nullptr: none wanted or no memory (the writer writes f32 alone).
+// Not counted as a conversion (a product that uses it counts a reuse). TOYHARNESS_BF16_WRITER_COPIES=0:
+// none (every such operand converted by its first product, as before).
+__nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst) {
+    if (!th_writer_copies || th_precision_current != TH_PRECISION_BF16 || th_node != dst || dst->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(dst) || dst->ne[0] > INT_MAX || ggml_nrows(dst) > INT_MAX) {
+        return nullptr;
+    }
+    const uintptr_t lo = (uintptr_t) dst->data, hi = lo + ggml_nbytes(dst);
+    bool product_reads = false;          // a later product's operand (a gain's backward, say, is not)
+    ggml_cgraph * graph = (ggml_cgraph *) th_graph;
+    for (int i = th_prev_node + 1; i < ggml_graph_n_nodes(graph) && !product_reads; i++) {
+        const ggml_tensor * u = ggml_graph_node(graph, i);
+        const int kernel = th_kernel_of(u);
+        if (u->op != GGML_OP_MUL_MAT && u->op != GGML_OP_OUT_PROD && kernel != TH_CUDA_LINEAR_BIAS &&
+            kernel != TH_CUDA_PRODUCT_SUM && kernel != TH_CUDA_FROZEN_MUL_MAT && kernel != TH_CUDA_FROZEN_OUT_PROD) {
+            continue;
+        }
+        for (int j = 0; j < GGML_MAX_SRC && !product_reads; j++) {
+            const ggml_tensor * src = u->src[j];
+            product_reads = src != nullptr && src->data != nullptr && (uintptr_t) src->data < hi &&
+                            lo < (uintptr_t) src->data + ggml_nbytes(src);
+        }
+    }
+    if (!product_reads) return nullptr;
+    const int rows = (int) dst->ne[0], cols = (int) ggml_nrows(dst);
+    const size_t bytes = ((size_t) rows * cols * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
+    int chunk = 0;
+    size_t off = 0;
+    if (!th_chunk_alloc(th_graph_device, bytes, &chunk, &off)) return nullptr;
+    th_copies.push_back({th_graph_device, stream, (const float *) dst->data, GGML_TYPE_F32, rows, cols, rows, 1, 0, lo,
+                         hi, chunk, off, bytes, th_copy_until(lo, hi), dst});
+    return (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
 }
 
 // The product in bf16: the operands (op(A) m x k, op(B) k x n; A stored rows x cols as its op
@@ -560,7 +606,7 @@ static const __nv_bfloat16 * th_weight_kept(cudaStream_t stream, const ggml_tens
     th_dequantize_bf16(w->type, w->data, dst, ggml_nelements(w), stream);
     const uintptr_t lo = (uintptr_t) w->data;
     th_copies.push_back({th_graph_device, stream, key, (int) w->type, rows, cols, rows, 1, 0, lo, lo + ggml_nbytes(w),
-                         chunk, off, bytes, th_copy_until(lo, lo + ggml_nbytes(w))});
+                         chunk, off, bytes, th_copy_until(lo, lo + ggml_nbytes(w)), nullptr});
     th_copy_counts[0]++;
     return dst;
 }
