@@ -5,7 +5,6 @@
  * node's op_params when it marks it. */
 #include <stddef.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "ggml.h"
@@ -157,8 +156,7 @@ static int th_swiglu_pair_ok(struct ggml_cgraph * graph, const th_family * fg, c
  * says. Returns the pairs taken, or -2 (`why`) where a pair already bf16 (taken in another graph
  * of the program) has a reader here that would read it as f32. */
 static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
-    const char * choice = getenv("TOYHARNESS_BF16_SWIGLU");
-    if (choice != NULL && strcmp(choice, "f32") == 0) return 0;
+    if (th_env_is("TOYHARNESS_BF16_SWIGLU", "f32")) return 0;
     int taken = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * n = ggml_graph_node(graph, i), * other = NULL;

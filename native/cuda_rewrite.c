@@ -717,8 +717,7 @@ static struct ggml_tensor * th_swiglu_up_gradient(struct ggml_cgraph * graph, co
 }
 
 static int th_rewrite_silu_back_muls(struct ggml_cgraph * graph) {
-    const char * choice = getenv("TOYHARNESS_CUDA_SILU_BACK");
-    if (choice != NULL && strcmp(choice, "ggml") == 0) return 0;
+    if (th_env_is("TOYHARNESS_CUDA_SILU_BACK", "ggml")) return 0;
     const int n = ggml_graph_n_nodes(graph);
     int marked = 0;
     for (int i = 0; i < n; i++) {
@@ -767,9 +766,8 @@ static int th_rope_ours(const struct ggml_tensor * t) {
 /* CROSS_ENTROPY_LOSS_BACK our kernel computes: srcs grad (a scalar), logits and labels, f32
  * contiguous rows of one shape (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml: ggml's node, for comparisons) */
 static int th_cross_entropy_back_ours(const struct ggml_tensor * t) {
-    const char * choice = getenv("TOYHARNESS_CUDA_CROSS_ENTROPY");
     const struct ggml_tensor * grad = t->src[0], * logits = t->src[1], * labels = t->src[2];
-    return !(choice != NULL && strcmp(choice, "ggml") == 0) && th_f32_contiguous(t) && grad != NULL &&
+    return !th_env_is("TOYHARNESS_CUDA_CROSS_ENTROPY", "ggml") && th_f32_contiguous(t) && grad != NULL &&
            logits != NULL && labels != NULL && grad->type == GGML_TYPE_F32 && ggml_is_scalar(grad) &&
            th_f32_contiguous(logits) && th_f32_contiguous(labels) && ggml_are_same_shape(t, logits) &&
            ggml_are_same_shape(t, labels) && t->ne[0] <= INT32_MAX && ggml_nrows(t) <= INT32_MAX;
@@ -778,9 +776,8 @@ static int th_cross_entropy_back_ours(const struct ggml_tensor * t) {
 /* CROSS_ENTROPY_LOSS our kernel computes: srcs logits and labels, f32 contiguous rows of one shape,
  * a scalar f32 loss (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml, as above) */
 static int th_cross_entropy_ours(const struct ggml_tensor * t) {
-    const char * choice = getenv("TOYHARNESS_CUDA_CROSS_ENTROPY");
     const struct ggml_tensor * logits = t->src[0], * labels = t->src[1];
-    return !(choice != NULL && strcmp(choice, "ggml") == 0) && t->type == GGML_TYPE_F32 && ggml_is_scalar(t) &&
+    return !th_env_is("TOYHARNESS_CUDA_CROSS_ENTROPY", "ggml") && t->type == GGML_TYPE_F32 && ggml_is_scalar(t) &&
            th_f32_contiguous(logits) && th_f32_contiguous(labels) && ggml_are_same_shape(logits, labels) &&
            logits->ne[0] <= INT32_MAX && ggml_nrows(logits) <= INT32_MAX;
 }
@@ -789,8 +786,7 @@ static int th_cross_entropy_ours(const struct ggml_tensor * t) {
  * f32 contiguous, one shape (TOYHARNESS_CUDA_SWIGLU=ggml: ggml's node, for comparisons). Marked
  * before th_cuda_mark_precision, which may make all three bf16 (th_swiglu_bf16). */
 static int th_swiglu_ours(const struct ggml_tensor * t) {
-    const char * choice = getenv("TOYHARNESS_CUDA_SWIGLU");
-    return !(choice != NULL && strcmp(choice, "ggml") == 0) && t->op == GGML_OP_GLU &&
+    return !th_env_is("TOYHARNESS_CUDA_SWIGLU", "ggml") && t->op == GGML_OP_GLU &&
            ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && th_f32_contiguous(t) && th_f32_contiguous(t->src[0]) &&
            th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
 }

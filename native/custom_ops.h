@@ -6,6 +6,7 @@
 
 #include "ggml.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
@@ -130,6 +131,12 @@ static inline int th_kernel_of(const struct ggml_tensor * t) {
     int32_t p[2];
     memcpy(p, t->op_params, sizeof(p));
     return t->op == GGML_OP_CUSTOM && p[0] == TH_CUDA_MAGIC ? p[1] : 0;
+}
+/* whether the environment variable `name` is set to `value` (a comparison switch: "ggml" keeps
+ * ggml's node, "f32" keeps f32, "0" turns a path off) */
+static inline int th_env_is(const char * name, const char * value) {
+    const char * v = getenv(name);
+    return v != NULL && strcmp(v, value) == 0;
 }
 /* op_params of a ROPE node of ours (after TH_CUDA_MAGIC and the kernel) */
 typedef struct {

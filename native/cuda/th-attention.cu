@@ -998,8 +998,7 @@ static __global__ void th_attn_group_sum_kernel(const th_opd part, const th_opd 
 // whether a bf16 backward of grouped heads takes a CTA a query head, then sums the groups
 // (TOYHARNESS_CUDA_GROUP_SUM=0: a CTA a kv head, its group's heads in turn; the same bits)
 static bool th_group_split() {
-    const char * v = getenv("TOYHARNESS_CUDA_GROUP_SUM");
-    return v == nullptr || strcmp(v, "0") != 0;
+    return !th_env_is("TOYHARNESS_CUDA_GROUP_SUM", "0");
 }
 
 // the bf16 kernels (fwd, bwd, dq) of `heads` heads (kv heads for the backward), WARPS warps a CTA
@@ -1030,8 +1029,7 @@ static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_
 // same bits: toyharness/engine/program.py checks the value)
 template <int HD>
 static void th_mma_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
-    const char * rows = getenv("TOYHARNESS_CUDA_ATTENTION_ROWS");
-    if (rows != nullptr && strcmp(rows, "64") == 0) {
+    if (th_env_is("TOYHARNESS_CUDA_ATTENTION_ROWS", "64")) {
         th_mma_launch_warps<HD, 4>(stream, kernel, a, heads);
     } else {
         th_mma_launch_warps<HD, 8>(stream, kernel, a, heads);

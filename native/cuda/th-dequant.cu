@@ -8,9 +8,12 @@
 #include "th-precision.cuh"
 #include "dequantize.cuh"           // get_scale_min_k4, block_q4_K: ggml's
 
+extern "C" {
+#include "custom_ops.h"             // th_env_is
+}
+
 #include <cuda_bf16.h>
 
-#include <cstdlib>
 #include <cstring>
 
 #define TH_DEQUANT_WARPS 8          // blocks (warps) a CTA
@@ -43,10 +46,7 @@ static __global__ void th_dequant_q4_K_bf16_kernel(const block_q4_K * __restrict
 }
 
 static bool th_dequant_ours(void) {
-    static const bool ours = [] {
-        const char * env = getenv("TOYHARNESS_CUDA_DEQUANT");      // "ggml": ggml's for every type
-        return !(env != nullptr && strcmp(env, "ggml") == 0);
-    }();
+    static const bool ours = !th_env_is("TOYHARNESS_CUDA_DEQUANT", "ggml");    // "ggml": ggml's for every type
     return ours;
 }
 

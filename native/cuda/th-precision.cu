@@ -382,12 +382,10 @@ void th_cuda_graph_begin(const ggml_cgraph * graph) {
     for (th_chunk & c : th_chunks) {
         if (c.device == device) c.free.assign(1, {0, c.bytes});
     }
-    const char * off = getenv("TOYHARNESS_BF16_REUSE");
     const char * streams = getenv("GGML_CUDA_GRAPH_OPT");       // nodes on several streams: no reuse
-    th_reuse = !(off != nullptr && strcmp(off, "0") == 0) && !(streams != nullptr && atoi(streams) == 1);
+    th_reuse = !th_env_is("TOYHARNESS_BF16_REUSE", "0") && !(streams != nullptr && atoi(streams) == 1);
     th_graph = th_reuse ? graph : nullptr;
-    const char * writers = getenv("TOYHARNESS_BF16_WRITER_COPIES");
-    th_writer_copies = !(writers != nullptr && strcmp(writers, "0") == 0);
+    th_writer_copies = !th_env_is("TOYHARNESS_BF16_WRITER_COPIES", "0");
 }
 
 void th_cuda_graph_end(void) { th_reuse_end(); }
