@@ -7,6 +7,7 @@ backend is built and a device is present (`nox -s tests-cuda`), else those tests
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
@@ -778,6 +779,39 @@ def test_the_attention_rows_are_checked_by_name(monkeypatch):
         get_engine("cpu").program()
     monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", "64")
     assert get_engine("cpu").program().attention_rows == 64
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("TOYHARNESS_CUDA_GROUP_SUM", "no", "TOYHARNESS_CUDA_GROUP_SUM='no': use 1 or 0"),
+    ("TOYHARNESS_CUDA_SWIGLU", "GGML", "TOYHARNESS_CUDA_SWIGLU='GGML': use ours or ggml"),
+    ("TOYHARNESS_BF16_REUSE", "off", "TOYHARNESS_BF16_REUSE='off': use 1 or 0"),
+])
+def test_every_cuda_comparison_switch_is_checked_by_name(monkeypatch, name, bad, message):
+    """A switch the native side reads (th_env_is) only compares with one value: any other would
+    silently mean the default, so a program refuses it, naming the variable and its values."""
+    from toyharness.engine.program import CUDA_SWITCHES
+    from toyharness.errors import InputError
+
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(InputError, match=re.escape(message)):
+        get_engine("cpu").program()
+    for value in CUDA_SWITCHES[name]:
+        monkeypatch.setenv(name, value)
+        get_engine("cpu").program()
+
+
+def test_the_native_side_reads_no_switch_the_table_does_not_check():
+    """Every TOYHARNESS_ variable that native/ compares with th_env_is is in CUDA_SWITCHES, with
+    the value it compares against among the allowed ones."""
+    from toyharness.engine.program import CUDA_SWITCHES
+
+    native = Path(__file__).resolve().parents[1] / "native"
+    read = set()
+    for path in list(native.rglob("*.c")) + list(native.rglob("*.cu")) + list(native.rglob("*.h")):
+        read |= set(re.findall(r'th_env_is\("(TOYHARNESS_[A-Z0-9_]+)", "([^"]*)"\)', path.read_text()))
+    assert read, "no th_env_is call found under native/"
+    for name, value in sorted(read):
+        assert name in CUDA_SWITCHES and value in CUDA_SWITCHES[name], (name, value)
 
 
 def attention_values(monkeypatch, how: str, **shape) -> dict[str, np.ndarray]:

@@ -150,14 +150,37 @@ def fused_attention() -> int:
     return {"": 3, "fused": 3, "repeat": 1, "ggml": 0}[choice]
 
 
+# The cuda kernels' comparison switches: environment variables that native/ reads (th_env_is) to
+# take the kernel before ours, or another form of ours, with the values each takes (its default
+# first, except the attention's rows, named in ascending order). Checked where a program starts
+# (check_cuda_switches), where a mistyped value can be named instead of ignored.
+CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
+    "TOYHARNESS_CUDA_ATTENTION_ROWS": ("64", "128"),    # rows a CTA of the bf16 attention (128: 8 warps)
+    "TOYHARNESS_CUDA_GROUP_SUM": ("1", "0"),            # grouped heads' bf16 backward split by query head
+    "TOYHARNESS_CUDA_CROSS_ENTROPY": ("ours", "ggml"),
+    "TOYHARNESS_CUDA_SWIGLU": ("ours", "ggml"),
+    "TOYHARNESS_CUDA_SILU_BACK": ("ours", "ggml"),
+    "TOYHARNESS_CUDA_DEQUANT": ("ours", "ggml"),
+    "TOYHARNESS_BF16_REUSE": ("1", "0"),                # bf16 operand copies kept for later products
+    "TOYHARNESS_BF16_WRITER_COPIES": ("1", "0"),
+    "TOYHARNESS_BF16_SWIGLU": ("bf16", "f32"),
+}
+
+
+def check_cuda_switches() -> None:
+    """Each of CUDA_SWITCHES that is set holds one of its values (InputError naming it if not)."""
+    for name, values in CUDA_SWITCHES.items():
+        raw = os.environ.get(name, "")
+        if raw and raw not in values:
+            raise InputError(f"{name}={raw!r}: use {' or '.join(values)}")
+
+
 def attention_rows() -> int:
     """Rows a CTA of the bf16 attention kernels takes on cuda (native/cuda/th-attention.cu reads
     TOYHARNESS_CUDA_ATTENTION_ROWS): 128 (8 warps), or 64 (4 warps, the tiles before; the same
-    bits). Checked here, where a bad value can be named."""
-    raw = os.environ.get("TOYHARNESS_CUDA_ATTENTION_ROWS", "")
-    if raw not in ("", "64", "128"):
-        raise InputError(f"TOYHARNESS_CUDA_ATTENTION_ROWS={raw!r}: use 64 or 128")
-    return int(raw or 128)
+    bits)."""
+    check_cuda_switches()
+    return int(os.environ.get("TOYHARNESS_CUDA_ATTENTION_ROWS", "") or 128)
 
 
 _KEPT_DEVICE_MEMORY: list = []   # see Program.close
