@@ -782,6 +782,7 @@ def test_the_attention_rows_are_checked_by_name(monkeypatch):
 
 
 @pytest.mark.parametrize("name, bad, message", [
+    ("TOYHARNESS_CUDA_ATTN_BWD", "row", "TOYHARNESS_CUDA_ATTN_BWD='row': use chunks or rows"),
     ("TOYHARNESS_CUDA_GROUP_SUM", "no", "TOYHARNESS_CUDA_GROUP_SUM='no': use 1 or 0"),
     ("TOYHARNESS_CUDA_SWIGLU", "GGML", "TOYHARNESS_CUDA_SWIGLU='GGML': use ours or ggml"),
     ("TOYHARNESS_BF16_REUSE", "off", "TOYHARNESS_BF16_REUSE='off': use 1 or 0"),
@@ -913,6 +914,21 @@ def test_bf16_grouped_backward_split_by_query_head_keeps_the_bits(backend, shape
     TOYHARNESS_CUDA_GROUP_SUM=0 a CTA takes a kv head and its group's heads in turn, adding each
     into memory in the same order: every output has the same bits."""
     assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_GROUP_SUM", ("0", "1"))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES + [
+    dict(b=2, t=256, d=256, n_head=4),                        # whole 128-key blocks, head size 64
+    dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # grouped, a partial 128-key block
+])
+@pytest.mark.parametrize("rows", ["64", "128"])
+def test_bf16_backward_by_chunks_of_16_queries_keeps_the_bits(backend, shape, rows, monkeypatch):
+    """The bf16 backward takes a step's 64 queries 16 at a time (th_attn_bwd_chunk_kernel: fewer
+    registers, two CTAs an SM) with the products of the whole-step kernel
+    (TOYHARNESS_CUDA_ATTN_BWD=rows) in the same order, and writes only zeros of dS for a chunk
+    that no query of sees the warp's keys: every output has the same bits, 4 and 8 warps a CTA."""
+    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", rows)
+    assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_ATTN_BWD", ("rows", "chunks"))
 
 
 def assert_bf16_attention_bits_either_way(monkeypatch, shape: dict, env: str, settings: tuple[str, str]) -> None:

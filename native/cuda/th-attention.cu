@@ -454,12 +454,15 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
 // its rows (P V, P^T dO, dS^T Q, dS K), ldmatrix's transposing load gives the fragments, so no
 // transposed copy (with its bank conflicts) is made.
 // The tiles that a CTA walks through (K and V in the forward, Q, dO, L and D in the backward, dS
-// and K in dQ) are copied to fp32 staging in shared memory by cp.async one tile ahead, while the
+// and K in dQ) are copied to fp32 staging in shared memory by cp.async one tile ahead (dQ: two,
+// TH_MM_STAGES, its compute per tile being short: 1.05 -> 0.99 ms a gpt2-small step), while the
 // warps multiply the tile before (rounded to bf16 from the staging after a barrier): the loads'
 // latency was most of these kernels' time with the copies made synchronously. An operand whose d
 // is not adjacent or not 16-byte aligned loads synchronously, as before (the same values).
 #define TH_MM_B 64                    // rows of the tiles a CTA walks through
 #define TH_MM_PAD 8                   // bf16 padding a smem row: 32-bit fragment reads hit 32 banks
+#define TH_MM_STAGES 2                // key blocks dQ's kernel has in flight (its staging buffers; the
+                                      // forward's one: two measured slower there, 1.53 against 1.49 ms a step)
 
 static __device__ __forceinline__ void th_mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t b0,
                                                    const uint32_t b1) {
@@ -544,6 +547,40 @@ static __device__ __forceinline__ void th_frag_a(uint32_t (&f)[HD / 16][4], cons
     }
 }
 
+// A fragments (16 rows x 16 of k) of rows r0 .. r0 + 15, columns k0 .. k0 + 15 of a row-major
+// tile by one ldmatrix.x4: lanes 0-15 name the rows at k0, lanes 16-31 at k0 + 8
+static __device__ __forceinline__ void th_ldsm_a(uint32_t (&f)[4], const __nv_bfloat16 * t, const int ld,
+                                                 const int r0, const int k0) {
+    const int lane = threadIdx.x % 32;
+    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(t + (r0 + lane % 16) * ld + k0 + 8 * (lane / 16));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
+                 : "r"(addr));
+}
+
+// B fragments of two 8-column tiles (n0, n0 + 8) and k0 .. k0 + 15 of a [n][k] row-major tile (B^T
+// stored: the scores' products): b[0], b[1] for n0, b[2], b[3] for n0 + 8
+static __device__ __forceinline__ void th_ldsm_bt(uint32_t (&b)[4], const __nv_bfloat16 * t, const int ld,
+                                                  const int n0, const int k0) {
+    const int lane = threadIdx.x % 32;
+    const uint32_t addr =
+        (uint32_t) __cvta_generic_to_shared(t + (n0 + lane % 8 + 8 * (lane / 16)) * ld + k0 + 8 * ((lane / 8) % 2));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(addr));
+}
+
+// B fragments of two 8-column tiles (n0, n0 + 8), rows k0 .. k0 + 15 of a row-major [k][n] tile,
+// by ldmatrix's transposing load: b[0], b[1] for n0, b[2], b[3] for n0 + 8
+static __device__ __forceinline__ void th_ldsm_b_trans(uint32_t (&b)[4], const __nv_bfloat16 * t, const int ld,
+                                                       const int k0, const int n0) {
+    const int lane = threadIdx.x % 32;
+    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(t + (k0 + lane % 16) * ld + n0 + 8 * (lane / 16));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(addr));
+}
+
 // acc[nt] (16 x 64: 8 tiles of 8 columns) = A (16 x HD, fragments) times B^T, B a row-major
 // 64 x HD tile (B's row n is output column n): the scores' product
 template <int HD>
@@ -594,7 +631,7 @@ static constexpr size_t th_bwd_mma_smem() {
 template <int HD, int WARPS>
 static constexpr size_t th_dq_mma_smem() {
     return 2 * ((size_t) 16 * WARPS * (TH_MM_B + TH_MM_PAD) + (size_t) TH_MM_B * (HD + TH_MM_PAD)) +
-           2 * (size_t) 16 * WARPS * TH_MM_B + 4 * (size_t) TH_MM_B * HD;
+           TH_MM_STAGES * (2 * (size_t) 16 * WARPS * TH_MM_B + 4 * (size_t) TH_MM_B * HD);
 }
 
 // the forward: one CTA a (head, 16 WARPS queries), the last query blocks first; a warp's 16 queries
@@ -693,6 +730,46 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     }
 }
 
+// The two backward kernels' shared steps. Stage a step's Q and dO (head bh, queries q0 ..) into
+// the fp32 staging where they can be copied by 16 bytes, and its L and D into ld (64 each).
+template <int HD, int NT>
+static __device__ __forceinline__ void th_bwd_stage(const th_attn_args & a, const int bh, const int q0, float * Qst,
+                                                    float * dOst, float * ld) {
+    const int T = a.T;
+    const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
+    if (th_stageable(a.q, q)) th_stage<HD, TH_MM_B, NT>(Qst, q, a.q, q0, T);
+    if (th_stageable(a.dout, dout)) th_stage<HD, TH_MM_B, NT>(dOst, dout, a.dout, q0, T);
+    const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
+    for (int r = threadIdx.x; r < 2 * TH_MM_B; r += NT) {
+        const int qr = q0 + r % TH_MM_B;                             // a padded query's L and D: 0 (its P is 0)
+        th_cp_async<4>(ld + r, qr < T ? (r < TH_MM_B ? L : D) + qr : L, qr < T);
+    }
+}
+
+// a warp's dK and dV (its 16 keys from w0; C fragments) into kv head kvh's, as query head gr of
+// a group of G adds them (th_put_grouped)
+template <int HD>
+static __device__ __forceinline__ void th_bwd_put(const th_attn_args & a, const int kvh, const int w0, const int G,
+                                                  const int gr, const float (&dk)[HD / 8][4],
+                                                  const float (&dv)[HD / 8][4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    float * dk_out = th_head(a.dk, kvh), * dv_out = th_head(a.dv, kvh);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int key = w0 + g + 8 * h;
+        if (key >= a.T) continue;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int64_t d = nt * 8 + c + e;
+                th_put_grouped(dk_out + key * a.dk.st + d * a.dk.sd, dk[nt][2 * h + e], G, gr);
+                th_put_grouped(dv_out + key * a.dv.st + d * a.dv.sd, dv[nt][2 * h + e], G, gr);
+            }
+    }
+}
+
 // the backward: one CTA a (kv head, 16 WARPS keys), a warp 16 keys, over the query blocks that see
 // them, each query head of a group in turn: S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T -
 // L), dS^T = scale P^T (dP^T - D) (written to the node query-major as fp32's kernel writes it, but
@@ -717,17 +794,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
     const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
     // step i: query head kvh G + i / nq, query block qb0 + i % nq
     auto stage = [&](const int i) {
-        const int bh = kvh * G + i / nq, q0 = (qb0 + i % nq) * TH_MM_B;
-        const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
-        if (th_stageable(a.q, q)) th_stage<HD, TH_MM_B, NT>(Qst, q, a.q, q0, T);
-        if (th_stageable(a.dout, dout)) th_stage<HD, TH_MM_B, NT>(dOst, dout, a.dout, q0, T);
-        const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-        const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
-        float * ld = LD + (i % 2) * 2 * TH_MM_B;
-        for (int r = threadIdx.x; r < 2 * TH_MM_B; r += NT) {
-            const int qr = q0 + r % TH_MM_B;                         // a padded query's L and D: 0 (its P is 0)
-            th_cp_async<4>(ld + r, qr < T ? (r < TH_MM_B ? L : D) + qr : L, qr < T);
-        }
+        th_bwd_stage<HD, NT>(a, kvh * G + i / nq, (qb0 + i % nq) * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
     };
     stage(0);
     th_cp_commit();
@@ -787,23 +854,152 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
             th_mm_acc<HD>(dv, s, dOs, LDR);
             th_mm_acc<HD>(dk, dp, Qs, LDR);
         }
-        if (i % nq == nq - 1) {
-            float * dk_out = th_head(a.dk, kvh), * dv_out = th_head(a.dv, kvh);
+        if (i % nq == nq - 1) th_bwd_put<HD>(a, kvh, w0, G, gr, dk, dv);
+    }
+}
+
+// the backward by chunks of 16 queries: the same products, in the same order, as
+// th_attn_bwd_mma_kernel (so the same bits), but a warp holds the scores and dP of 16 queries at
+// a time (16 registers, not 64) and reads K's and V's fragments from shared memory, so that two
+// CTAs (MINB) fit an SM: twice the warps to hide the latencies of a step that is mostly not mma.
+// A chunk whose queries see none of the warp's keys only writes its zeros of dS (+0 where the
+// whole-step kernel's p (dP - D) gave -0 for some: dQ's sums, the only reader, are the same).
+// TOYHARNESS_CUDA_ATTN_BWD=rows takes th_attn_bwd_mma_kernel (comparisons; tests check the bits).
+// gpt2-small's bf16 step (H100): 3.95 -> 3.23 ms of backward, 24.97 -> 24.24 ms a step.
+template <int HD, int WARPS, bool GROUPED, int MINB>
+static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_kernel(const th_attn_args a) {
+    constexpr int LDR = HD + TH_MM_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
+    extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    __nv_bfloat16 * Ks = (__nv_bfloat16 *) th_mma_smem;           // [key][d], the CTA's keys
+    __nv_bfloat16 * Vs = Ks + KR * LDR;                            // [key][d]
+    __nv_bfloat16 * Qs = Vs + KR * LDR;                            // [q][d], a step's queries
+    __nv_bfloat16 * dOs = Qs + TH_MM_B * LDR;                      // [q][d]
+    float * Qst = (float *) (dOs + TH_MM_B * LDR), * dOst = Qst + TH_MM_B * HD;   // staging
+    float * LD = dOst + TH_MM_B * HD;                              // [2 steps][L 64, D 64]
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, k0 = blockIdx.y * KR, T = a.T;
+    const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
+    const int w0 = k0 + 16 * warp;                                   // the warp's first key
+    const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
+    auto stage = [&](const int gr, const int qb, const int i) {
+        th_bwd_stage<HD, NT>(a, kvh * G + gr, qb * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
+    };
+    stage(0, qb0, 0);
+    th_cp_commit();
+    th_fill_bf16<HD, KR, NT>(Ks, LDR, nullptr, false, k, a.k, k0, T);
+    th_fill_bf16<HD, KR, NT>(Vs, LDR, nullptr, false, v, a.v, k0, T);
+    float dv[HD / 8][4], dk[HD / 8][4];
+    int gr = 0, qb = qb0;                                            // step i: head kvh G + gr, query block qb
+    for (int i = 0; i < G * nq; i++) {
+        const int bh = kvh * G + gr, q0 = qb * TH_MM_B;
+        const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
+        if (qb == qb0) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int key = w0 + g + 8 * h;
-                if (key >= T) continue;
+            for (int nt = 0; nt < HD / 8; nt++)
 #pragma unroll
-                for (int nt = 0; nt < HD / 8; nt++)
+                for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
+        }
+        th_cp_wait();
+        __syncthreads();                                             // step i staged; Qs, dOs free
+        th_fill_bf16<HD, TH_MM_B, NT>(Qs, LDR, Qst, th_stageable(a.q, q), q, a.q, q0, T);
+        th_fill_bf16<HD, TH_MM_B, NT>(dOs, LDR, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, T);
+        __syncthreads();                                             // Qs, dOs hold step i; the staging free
+        const int next_gr = qb + 1 < nqb ? gr : gr + 1, next_qb = qb + 1 < nqb ? qb + 1 : qb0;
+        if (i + 1 < G * nq) stage(next_gr, next_qb, i + 1);
+        th_cp_commit();
+        if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
+            const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
+            // dS as bf16 (rounded to nearest even, as dQ's kernel rounds it entering its product):
+            // this thread's elements at rows q0 + 16 j + c + e % 2 + 8 nt, keys w0 + g + 8 (e / 2)
+            __nv_bfloat16 * ds_out = (__nv_bfloat16 *) a.out + bh * ((int64_t) T * T) + (int64_t) (q0 + c) * T + w0 + g;
 #pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int64_t d = nt * 8 + c + e;
-                        th_put_grouped(dk_out + key * a.dk.st + d * a.dk.sd, dk[nt][2 * h + e], G, gr);
-                        th_put_grouped(dv_out + key * a.dv.st + d * a.dv.sd, dv[nt][2 * h + e], G, gr);
-                    }
+            for (int j = 0; j < TH_MM_B / 16; j++) {
+                const int qc = q0 + 16 * j;                          // the chunk's first query
+                // this thread's dS element (nt, e) of the chunk
+                auto ds_at = [&](const int nt, const int e) { return ds_out + ((16 * j + nt * 8 + e % 2) * T + 8 * (e / 2)); };
+                if (a.causal && w0 > qc + 15) {                      // no query of the chunk sees the keys
+                    const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
+                            if (key < T && qr < T) *ds_at(nt, e) = zero;
+                        }
+                    continue;
+                }
+                float s[2][4], dp[2][4];
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; kk++) {
+                    uint32_t af[4], bf[4];
+                    th_ldsm_a(af, Ks, LDR, 16 * warp, 16 * kk);
+                    th_ldsm_bt(bf, Qs, LDR, 16 * j, 16 * kk);
+                    th_mma16816(s[0], af, bf[0], bf[1]);
+                    th_mma16816(s[1], af, bf[2], bf[3]);
+                    th_ldsm_a(af, Vs, LDR, 16 * warp, 16 * kk);
+                    th_ldsm_bt(bf, dOs, LDR, 16 * j, 16 * kk);
+                    th_mma16816(dp[0], af, bf[0], bf[1]);
+                    th_mma16816(dp[1], af, bf[2], bf[3]);
+                }
+                float lq[2][2], dq[2][2];
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    const float2 l2 = *(const float2 *) (Lq + 16 * j + nt * 8 + c);
+                    const float2 d2 = *(const float2 *) (Dq + 16 * j + nt * 8 + c);
+                    lq[nt][0] = l2.x, lq[nt][1] = l2.y, dq[nt][0] = d2.x, dq[nt][1] = d2.y;
+                }
+                // P, and dS into the node; WHOLE: a chunk inside the sequence whose every key every
+                // query sees, so no element to mask or to leave unwritten (its tests compile away)
+                auto p_and_ds = [&](auto whole_chunk) {
+                    constexpr bool WHOLE = decltype(whole_chunk)::value;
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
+                            const bool inside = WHOLE || (key < T && qr < T);
+                            const bool seen = WHOLE || (inside && !(a.causal && key > qr));
+                            const float p = seen ? expf(s[nt][e] * a.scale - lq[nt][e % 2]) : 0.0f;
+                            s[nt][e] = p;
+                            dp[nt][e] = p * (dp[nt][e] - dq[nt][e % 2]) * a.scale;
+                            if (inside) *ds_at(nt, e) = __float2bfloat16_rn(dp[nt][e]);
+                        }
+                };
+                if (w0 + 16 <= T && qc + 16 <= T && !(a.causal && w0 + 15 > qc)) {
+                    p_and_ds(std::true_type{});
+                } else {
+                    p_and_ds(std::false_type{});
+                }
+                // dV += P^T dO and dK += dS^T Q over the chunk's 16 queries (A: the C fragments
+                // above, rounded to bf16 as th_mm_acc rounds them)
+                const uint32_t pa[4] = {th_pack_bf16(s[0][0], s[0][1]), th_pack_bf16(s[0][2], s[0][3]),
+                                        th_pack_bf16(s[1][0], s[1][1]), th_pack_bf16(s[1][2], s[1][3])};
+                const uint32_t sa[4] = {th_pack_bf16(dp[0][0], dp[0][1]), th_pack_bf16(dp[0][2], dp[0][3]),
+                                        th_pack_bf16(dp[1][0], dp[1][1]), th_pack_bf16(dp[1][2], dp[1][3])};
+#pragma unroll
+                for (int nt = 0; nt < HD / 8; nt += 2) {
+                    uint32_t b[4];
+                    th_ldsm_b_trans(b, dOs, LDR, 16 * j, nt * 8);
+                    th_mma16816(dv[nt], pa, b[0], b[1]);
+                    th_mma16816(dv[nt + 1], pa, b[2], b[3]);
+                    th_ldsm_b_trans(b, Qs, LDR, 16 * j, nt * 8);
+                    th_mma16816(dk[nt], sa, b[0], b[1]);
+                    th_mma16816(dk[nt + 1], sa, b[2], b[3]);
+                }
             }
         }
+        if (qb == nqb - 1) th_bwd_put<HD>(a, kvh, w0, G, gr, dk, dv);
+        gr = next_gr, qb = next_qb;
     }
+}
+
+template <int HD, int WARPS>
+static constexpr size_t th_bwd_chunk_smem() {
+    return 2 * (size_t) (2 * 16 * WARPS + 2 * TH_MM_B) * (HD + TH_MM_PAD) + 4 * ((size_t) 2 * TH_MM_B * HD + 4 * TH_MM_B);
 }
 
 // dQ = dS K: one CTA a (head, 16 WARPS queries), a warp 16 queries, over the key blocks the
@@ -816,16 +1012,19 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
     __nv_bfloat16 * Ss = (__nv_bfloat16 *) th_mma_smem;           // [q][key]
     __nv_bfloat16 * Ks = Ss + QR * LDT;                            // [key][d]
-    float * Sst = (float *) (Ks + TH_MM_B * LDR), * Kst = Sst + QR * TH_MM_B / 2;     // staging (dS's bf16)
+    // staging, TH_MM_STAGES buffers: dS's bf16 [q][key] unpadded, then K's fp32
+    constexpr int STAGE_FLOATS = QR * TH_MM_B / 2 + TH_MM_B * HD;
+    float * staging = (float *) (Ks + TH_MM_B * LDR);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
     const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const __nv_bfloat16 * ds = (const __nv_bfloat16 *) a.ds + (int64_t) bh * T * T;    // bf16: the backward's
-    __nv_bfloat16 * Sst16 = (__nv_bfloat16 *) Sst;                 // dS's staging, [q][key] unpadded
     const float * k = th_head(a.k, bh);
     // dS rows are T bf16s: 16-byte copies where T is a multiple of 8 (the head then aligned too)
     const bool s_staged = T % 8 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
-    auto stage = [&](const int k0) {
+    auto stage = [&](const int k0, const int buf) {
+        __nv_bfloat16 * Sst16 = (__nv_bfloat16 *) (staging + buf * STAGE_FLOATS);
+        float * Kst = staging + buf * STAGE_FLOATS + QR * TH_MM_B / 2;
         if (s_staged) {
             for (int i = threadIdx.x; i < QR * TH_MM_B / 8; i += NT) {
                 const int r = i / (TH_MM_B / 8), cc = 8 * (i % (TH_MM_B / 8));
@@ -842,11 +1041,17 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
         for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
     const int q_end = q0 + QR < T ? q0 + QR : T;
     const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
-    stage(0);
-    th_cp_commit();
+    // the first TH_MM_STAGES key blocks in flight, a commit group each (empty past the last block)
+#pragma unroll
+    for (int st = 0; st < TH_MM_STAGES; st++) {
+        if (st < nkb) stage(st * TH_MM_B, st);
+        th_cp_commit();
+    }
     for (int kb = 0; kb < nkb; kb++) {
-        const int k0 = kb * TH_MM_B;
-        th_cp_wait();
+        const int k0 = kb * TH_MM_B, buf = kb % TH_MM_STAGES;
+        const __nv_bfloat16 * Sst16 = (const __nv_bfloat16 *) (staging + buf * STAGE_FLOATS);
+        const float * Kst = staging + buf * STAGE_FLOATS + QR * TH_MM_B / 2;
+        th_cp_wait_groups<TH_MM_STAGES - 1>();                       // key block kb's group (the oldest) done
         __syncthreads();                                             // key block kb staged; Ss, Ks free
         if (s_staged) {
             for (int i = threadIdx.x; i < QR * TH_MM_B / 8; i += NT) {
@@ -862,20 +1067,22 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
             }
         }
         th_fill_bf16<HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
-        __syncthreads();                                             // Ss, Ks hold kb; the staging free
-        if (kb + 1 < nkb) stage(k0 + TH_MM_B);
+        __syncthreads();                                             // Ss, Ks hold kb; its buffer free
+        if (kb + TH_MM_STAGES < nkb) stage(k0 + TH_MM_STAGES * TH_MM_B, buf);
         th_cp_commit();
         if (a.causal && k0 > w0 + 15) continue;                    // past the warp's diagonal block
-        uint32_t sf[TH_MM_B / 16][4];
-        th_frag_a<TH_MM_B>(sf, Ss, LDT, 16 * warp);
 #pragma unroll
-        for (int j = 0; j < TH_MM_B / 16; j++)
+        for (int j = 0; j < TH_MM_B / 16; j++) {
+            uint32_t sf[4];
+            th_ldsm_a(sf, Ss, LDT, 16 * warp, 16 * j);
 #pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++) {
-                uint32_t b0, b1;
-                th_frag_b_trans(b0, b1, Ks, LDR, j * 16, nt * 8);
-                th_mma16816(acc[nt], sf[j], b0, b1);
+            for (int nt = 0; nt < HD / 8; nt += 2) {
+                uint32_t b[4];
+                th_ldsm_b_trans(b, Ks, LDR, 16 * j, nt * 8);
+                th_mma16816(acc[nt], sf, b[0], b[1]);
+                th_mma16816(acc[nt + 1], sf, b[2], b[3]);
             }
+        }
     }
     float * dq = th_head(a.dq, bh);
 #pragma unroll
@@ -1009,6 +1216,16 @@ static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_
         constexpr size_t smem = th_fwd_mma_smem<HD, WARPS>();
         TH_SET_SMEM_LIMIT((th_attn_fwd_mma_kernel<HD, WARPS>), smem);
         th_attn_fwd_mma_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+    } else if (kernel == TH_CUDA_ATTN_BWD && !th_env_is("TOYHARNESS_CUDA_ATTN_BWD", "rows")) {
+        constexpr size_t smem = th_bwd_chunk_smem<HD, WARPS>();
+        constexpr int MINB = WARPS == 8 ? 2 : 4;
+        if (a.group > 1) {
+            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB>), smem);
+            th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB><<<grid, 32 * WARPS, smem, stream>>>(a);
+        } else {
+            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB>), smem);
+            th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB><<<grid, 32 * WARPS, smem, stream>>>(a);
+        }
     } else if (kernel == TH_CUDA_ATTN_BWD) {
         constexpr size_t smem = th_bwd_mma_smem<HD, WARPS>();
         if (a.group > 1) {

@@ -26,6 +26,9 @@ static __device__ __forceinline__ void th_cp_async(void * smem, const void * src
 }
 static __device__ __forceinline__ void th_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 static __device__ __forceinline__ void th_cp_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// wait until at most N of this thread's newest commit groups are still in flight
+template <int N>
+static __device__ __forceinline__ void th_cp_wait_groups() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // a node of ours' parameters: what th_cuda_rewrite set after its two marks (op_params[2..])
 template <typename P>

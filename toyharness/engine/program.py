@@ -156,6 +156,7 @@ def fused_attention() -> int:
 # (check_cuda_switches), where a mistyped value can be named instead of ignored.
 CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_CUDA_ATTENTION_ROWS": ("64", "128"),    # rows a CTA of the bf16 attention (128: 8 warps)
+    "TOYHARNESS_CUDA_ATTN_BWD": ("chunks", "rows"),     # the bf16 backward by 16 queries, or a step's 64
     "TOYHARNESS_CUDA_GROUP_SUM": ("1", "0"),            # grouped heads' bf16 backward split by query head
     "TOYHARNESS_CUDA_CROSS_ENTROPY": ("ours", "ggml"),
     "TOYHARNESS_CUDA_SWIGLU": ("ours", "ggml"),
