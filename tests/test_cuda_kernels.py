@@ -784,6 +784,7 @@ def test_the_attention_rows_are_checked_by_name(monkeypatch):
 @pytest.mark.parametrize("name, bad, message", [
     ("TOYHARNESS_CUDA_ATTN_BWD", "row", "TOYHARNESS_CUDA_ATTN_BWD='row': use chunks or rows"),
     ("TOYHARNESS_CUDA_GROUP_SUM", "no", "TOYHARNESS_CUDA_GROUP_SUM='no': use 1 or 0"),
+    ("TOYHARNESS_CUDA_TF32_ATTENTION", "tf32", "TOYHARNESS_CUDA_TF32_ATTENTION='tf32': use tensor or fp32"),
     ("TOYHARNESS_CUDA_SWIGLU", "GGML", "TOYHARNESS_CUDA_SWIGLU='GGML': use ours or ggml"),
     ("TOYHARNESS_BF16_REUSE", "off", "TOYHARNESS_BF16_REUSE='off': use 1 or 0"),
 ])
@@ -869,7 +870,7 @@ def test_fused_attention_on_cuda_matches_ggmls_nodes_and_repeats_its_bits(backen
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("shape", [
     dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # head size 16, groups of 3
     dict(b=2, t=200, d=256, n_head=8, n_kv_head=2),           # head size 32, groups of 4, partial tiles
@@ -984,6 +985,34 @@ def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats
         assert err < 4 * u, (name, err)
         assert np.array_equal(got, again[name]), name
         assert not np.array_equal(got, fp32[name]), name
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("shape", [
+    *ATTENTION_SHAPES,
+    dict(b=1, t=1024, d=128, n_head=2),                       # gpt2-small's length
+    dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # grouped, split by query head, head size 64
+])
+def test_fused_attention_in_tf32_matches_float64_within_its_rounding_and_repeats_its_bits(backend, shape,
+                                                                                           monkeypatch):
+    """precision = tf32: the forward, backward and dQ kernels on tensor cores in TF32 (fp32 tiles
+    rounded to nearest TF32, fp32 sums; th-attention.cu's tf kernels), the block's products in TF32
+    too. Against the float64 block: within 4 u of each output's largest element, u = 2^-11 TF32's
+    unit roundoff (bf16's bound, argued there), beside fp32's kernels at tf32
+    (TOYHARNESS_CUDA_TF32_ATTENTION=fp32) for scale. The same bits on a second run, and not those."""
+    u = 2.0**-11
+    fused, again = attention_values_at(monkeypatch, "tf32", ("fused", "fused"), **shape)
+    monkeypatch.setenv("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32")
+    (simt,) = attention_values_at(monkeypatch, "tf32", ("fused",), **shape)
+    for name, want in attention_float64(**shape).items():
+        got = fused[name]
+        assert np.isfinite(got).all(), name
+        err, err_simt = (float(np.abs(m[name] - want).max() / np.abs(want).max()) for m in (fused, simt))
+        print(f"tf32 attention {shape} {name}: {err:.3g} of the largest element from float64 "
+              f"(fp32's kernels at tf32: {err_simt:.3g})")
+        assert err < 4 * u, (name, err)
+        assert np.array_equal(got, again[name]), name
+        assert not np.array_equal(got, simt[name]), name
 
 
 def swiglu_program(backend: str, rows: int, d: int, seed: int = 23):

@@ -1098,6 +1098,406 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     }
 }
 
+// --- tf32: the three kernels on tensor cores at precision = tf32 (issue 32) --------------------
+// Under precision = tf32 the forward, the backward and dQ multiply on the tensor cores in TF32
+// (mma.sync m16n8k8, fp32 accumulation), as the products of a tf32 step do in cuBLAS: each operand
+// rounded to nearest TF32 (cvt.rna) as a tile reaches shared memory, P and dS as they enter a
+// product; scores, the online softmax, L, D and every sum fp32, dS written fp32 (TF32 values). The
+// tiles and steps are the bf16 kernels' (64-row tiles, a warp 16 rows, the backward by chunks of
+// 16 queries), in fp32 rows padded to HD + 4 floats, so that the fragments' 32-bit reads hit 32
+// banks. Where a product sums over keys (P V) or queries (P^T dO, dS^T Q) the k index runs in a
+// permuted order within each group of 8 (column t of A and row t of B: key 2t; t + 4: key 2t + 1),
+// so that a C fragment of the scores is the A fragment of the next product as it stands.
+#define TH_TF_PAD 4
+
+static __device__ __forceinline__ float th_tf32(const float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return __uint_as_float(r);
+}
+
+// c += A (16 x 8: a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)) times B (8 x 8:
+// b0 (t, g), b1 (t + 4, g)), TF32 in, fp32 accumulation
+static __device__ __forceinline__ void th_mma1688(float (&c)[4], const float a0, const float a1, const float a2,
+                                                  const float a3, const float b0, const float b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)), "r"(__float_as_uint(a3)),
+          "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// c += X times B, X the C fragments (16 x 8) of an earlier product (its columns the k index, in the
+// permuted order: x[0], x[1] at k 2t, 2t + 1 of row g, x[2], x[3] of row g + 8), rounded to TF32
+static __device__ __forceinline__ void th_mma1688_c(float (&c)[4], const float (&x)[4], const float b0,
+                                                    const float b1) {
+    th_mma1688(c, th_tf32(x[0]), th_tf32(x[2]), th_tf32(x[1]), th_tf32(x[3]), b0, b1);
+}
+
+// NR rows from row0 of head h into smem as TF32 rows[r][d] (ld ldr), rows at or past T zeros: from
+// the staging where staged, else loaded now (th_fill_bf16's two ways, rounded to TF32)
+template <int HD, int NR, int NT>
+static __device__ __forceinline__ void th_fill_tf32(float * rows, const int ldr, const float * st, const bool staged,
+                                                    const float * h, const th_opd & o, const int row0, const int T) {
+    if (staged) {
+        for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
+            const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
+            const float4 x = *(const float4 *) (st + r * HD + d);
+            *(float4 *) (rows + r * ldr + d) = make_float4(th_tf32(x.x), th_tf32(x.y), th_tf32(x.z), th_tf32(x.w));
+        }
+        return;
+    }
+    const bool d_adjacent = o.sd == 1;
+    for (int i = threadIdx.x; i < NR * HD; i += NT) {
+        const int r = d_adjacent ? i / HD : i % NR, d = d_adjacent ? i % HD : i / NR;
+        const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
+        rows[r * ldr + d] = th_tf32(x);
+    }
+}
+
+// acc[nt] (16 x 64: 8 tiles of 8 columns) = A times B^T, A rows r0 .. r0 + 15 of a row-major
+// [row][d] tile, B a row-major [n][d] tile of 64 rows (the scores' products)
+template <int HD>
+static __device__ __forceinline__ void th_tf_rows(float (&acc)[8][4], const float * a, const int r0, const float * b,
+                                                  const int ld) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 8; kk++) {
+        const float * pa = a + (r0 + g) * ld + kk * 8 + t;
+        const float a0 = pa[0], a1 = pa[8 * ld], a2 = pa[4], a3 = pa[8 * ld + 4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const float * pb = b + (nt * 8 + g) * ld + kk * 8 + t;
+            th_mma1688(acc[nt], a0, a1, a2, a3, pb[0], pb[4]);
+        }
+    }
+}
+
+template <int HD, int WARPS>
+static constexpr size_t th_fwd_tf_smem() {
+    return 4 * ((size_t) (16 * WARPS + 2 * TH_MM_B) * (HD + TH_TF_PAD) + (size_t) 2 * TH_MM_B * HD);
+}
+template <int HD, int WARPS>
+static constexpr size_t th_bwd_tf_smem() {
+    return 4 * ((size_t) (2 * 16 * WARPS + 2 * TH_MM_B) * (HD + TH_TF_PAD) + (size_t) 2 * TH_MM_B * HD + 4 * TH_MM_B);
+}
+template <int HD, int WARPS>
+static constexpr size_t th_dq_tf_smem() {
+    return 4 * ((size_t) 16 * WARPS * (TH_MM_B + 2 * TH_TF_PAD) + (size_t) TH_MM_B * (HD + TH_TF_PAD) +
+                (size_t) 16 * WARPS * TH_MM_B + (size_t) TH_MM_B * HD);
+}
+
+// the forward in TF32: th_attn_fwd_mma_kernel's walk (a CTA 16 WARPS queries, a warp 16, key blocks
+// of 64 staged one ahead), Q's fragments read from shared memory each block
+template <int HD, int WARPS>
+static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_kernel(const th_attn_args a) {
+    constexpr int LDF = HD + TH_TF_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
+    extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    float * Qs = (float *) th_mma_smem;                            // [q][d]
+    float * Ks = Qs + QR * LDF, * Vs = Ks + TH_MM_B * LDF;         // [key][d]
+    float * Kst = Vs + TH_MM_B * LDF, * Vst = Kst + TH_MM_B * HD;  // staging
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, c = 2 * t;
+    const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * QR, T = a.T;
+    const int w0 = q0 + 16 * warp;
+    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
+    const int q_end = q0 + QR < T ? q0 + QR : T;
+    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    th_cp_commit();
+    th_fill_tf32<HD, QR, NT>(Qs, LDF, nullptr, false, q, a.q, q0, T);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[nt][e] = 0.0f;
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * TH_MM_B;
+        th_cp_wait();
+        __syncthreads();
+        th_fill_tf32<HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
+        th_fill_tf32<HD, TH_MM_B, NT>(Vs, LDF, Vst, v_staged, v, a.v, k0, T);
+        __syncthreads();
+        if (kb + 1 < nkb) {
+            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
+            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
+        }
+        th_cp_commit();
+        if (a.causal && k0 > w0 + 15) continue;
+        float s[8][4];
+        th_tf_rows<HD>(s, Qs, 16 * warp, Ks, LDF);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = w0 + g + 8 * r;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int col = k0 + nt * 8 + c + e;
+                    float & x = s[nt][2 * r + e];
+                    x = col >= T || (a.causal && col > row) ? -INFINITY : x * a.scale;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float m_new = fmaxf(m[r], mx);
+            const float alpha = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float & x = s[nt][2 * r + e];
+                    x = x == -INFINITY ? 0.0f : expf(x - m_new);
+                    sum += x;
+                }
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
+        }
+        // O += P V over the block's keys, 8 at a time (keys nt 8 + 2t, + 1: this thread's columns)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const float * pv = Vs + (nt * 8 + c) * LDF + g;
+#pragma unroll
+            for (int dn = 0; dn < HD / 8; dn++) th_mma1688_c(o[dn], s[nt], pv[dn * 8], pv[LDF + dn * 8]);
+        }
+    }
+    float * out = th_head(a.o, bh);
+    float * L = a.out + (int64_t) bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = w0 + g + 8 * r;
+        if (row >= T) continue;
+        const float inv = 1.0f / l[r];
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                out[(int64_t) row * a.o.st + (int64_t) (nt * 8 + c + e) * a.o.sd] = o[nt][2 * r + e] * inv;
+            }
+        if (c == 0) L[row] = m[r] + logf(l[r]);
+    }
+}
+
+// the backward in TF32: th_attn_bwd_chunk_kernel's walk (a CTA 16 WARPS keys of a query head, a
+// warp 16 keys, a step 64 queries by chunks of 16), K's and V's fragments from shared memory, dS
+// written fp32 (TF32 values) where fp32's kernel writes it. One CTA an SM (its tiles are fp32).
+template <int HD, int WARPS>
+static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const th_attn_args a) {
+    constexpr int LDF = HD + TH_TF_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
+    extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    float * Ks = (float *) th_mma_smem, * Vs = Ks + KR * LDF;     // [key][d], the CTA's keys
+    float * Qs = Vs + KR * LDF, * dOs = Qs + TH_MM_B * LDF;        // [q][d], a step's queries
+    float * Qst = dOs + TH_MM_B * LDF, * dOst = Qst + TH_MM_B * HD;   // staging
+    float * LD = dOst + TH_MM_B * HD;                              // [2 steps][L 64, D 64]
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, c = 2 * t;
+    const int kvh = blockIdx.x, k0 = blockIdx.y * KR, T = a.T;
+    const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0;
+    const int w0 = k0 + 16 * warp;
+    const float * k = th_head(a.k, kvh), * v = th_head(a.v, kvh), * q = th_head(a.q, kvh),
+                * dout = th_head(a.dout, kvh);
+    th_bwd_stage<HD, NT>(a, kvh, qb0 * TH_MM_B, Qst, dOst, LD);
+    th_cp_commit();
+    th_fill_tf32<HD, KR, NT>(Ks, LDF, nullptr, false, k, a.k, k0, T);
+    th_fill_tf32<HD, KR, NT>(Vs, LDF, nullptr, false, v, a.v, k0, T);
+    float dv[HD / 8][4], dk[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
+    for (int qb = qb0; qb < nqb; qb++) {
+        const int i = qb - qb0, q0 = qb * TH_MM_B;
+        th_cp_wait();
+        __syncthreads();
+        th_fill_tf32<HD, TH_MM_B, NT>(Qs, LDF, Qst, th_stageable(a.q, q), q, a.q, q0, T);
+        th_fill_tf32<HD, TH_MM_B, NT>(dOs, LDF, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, T);
+        __syncthreads();
+        if (qb + 1 < nqb) th_bwd_stage<HD, NT>(a, kvh, q0 + TH_MM_B, Qst, dOst, LD + ((i + 1) % 2) * 2 * TH_MM_B);
+        th_cp_commit();
+        if (a.causal && w0 > q0 + TH_MM_B - 1) continue;
+        const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
+        float * ds_out = a.out + kvh * ((int64_t) T * T) + (int64_t) (q0 + c) * T + w0 + g;
+#pragma unroll
+        for (int j = 0; j < TH_MM_B / 16; j++) {
+            const int qc = q0 + 16 * j;
+            // this thread's dS element (nt, e) of the chunk: query qc + 8 nt + c + e % 2, key w0 + g + 8 (e / 2)
+            auto ds_at = [&](const int nt, const int e) { return ds_out + ((16 * j + nt * 8 + e % 2) * T + 8 * (e / 2)); };
+            if (a.causal && w0 > qc + 15) {
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
+                        if (key < T && qr < T) *ds_at(nt, e) = 0.0f;
+                    }
+                continue;
+            }
+            float s[2][4], dp[2][4];
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 8; kk++) {
+                const float * pk = Ks + (16 * warp + g) * LDF + kk * 8 + t, * pv = Vs + (16 * warp + g) * LDF + kk * 8 + t;
+                const float * pq = Qs + (16 * j + g) * LDF + kk * 8 + t, * po = dOs + (16 * j + g) * LDF + kk * 8 + t;
+                const float k0f = pk[0], k1f = pk[8 * LDF], k2f = pk[4], k3f = pk[8 * LDF + 4];
+                const float v0f = pv[0], v1f = pv[8 * LDF], v2f = pv[4], v3f = pv[8 * LDF + 4];
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    th_mma1688(s[nt], k0f, k1f, k2f, k3f, pq[nt * 8 * LDF], pq[nt * 8 * LDF + 4]);
+                    th_mma1688(dp[nt], v0f, v1f, v2f, v3f, po[nt * 8 * LDF], po[nt * 8 * LDF + 4]);
+                }
+            }
+            float lq[2][2], dq[2][2];
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const float2 l2 = *(const float2 *) (Lq + 16 * j + nt * 8 + c);
+                const float2 d2 = *(const float2 *) (Dq + 16 * j + nt * 8 + c);
+                lq[nt][0] = l2.x, lq[nt][1] = l2.y, dq[nt][0] = d2.x, dq[nt][1] = d2.y;
+            }
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
+                    const bool inside = key < T && qr < T;
+                    const bool seen = inside && !(a.causal && key > qr);
+                    const float p = seen ? expf(s[nt][e] * a.scale - lq[nt][e % 2]) : 0.0f;
+                    s[nt][e] = p;
+                    dp[nt][e] = th_tf32(p * (dp[nt][e] - dq[nt][e % 2]) * a.scale);
+                    if (inside) *ds_at(nt, e) = dp[nt][e];
+                }
+            // dV += P^T dO, dK += dS^T Q over the chunk's queries, 8 at a time (queries 8 nt + 2t, + 1)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const float * po = dOs + (16 * j + nt * 8 + c) * LDF + g, * pq = Qs + (16 * j + nt * 8 + c) * LDF + g;
+#pragma unroll
+                for (int dn = 0; dn < HD / 8; dn++) {
+                    th_mma1688_c(dv[dn], s[nt], po[dn * 8], po[LDF + dn * 8]);
+                    th_mma1688_c(dk[dn], dp[nt], pq[dn * 8], pq[LDF + dn * 8]);
+                }
+            }
+        }
+    }
+    th_bwd_put<HD>(a, kvh, w0, 1, 0, dk, dv);
+}
+
+// dQ = dS K in TF32: th_attn_dq_mma_kernel's walk; dS's fp32 rows padded to 72 floats so that the
+// A fragments' pairs (keys 2t, 2t + 1: one 64-bit read) hit 32 banks a half warp
+template <int HD, int WARPS>
+static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_kernel(const th_attn_args a) {
+    constexpr int LDT = TH_MM_B + 2 * TH_TF_PAD, LDF = HD + TH_TF_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
+    extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    float * Ss = (float *) th_mma_smem;                            // [q][key]
+    float * Ks = Ss + QR * LDT;                                    // [key][d]
+    float * Sst = Ks + TH_MM_B * LDF, * Kst = Sst + QR * TH_MM_B;  // staging
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, c = 2 * t;
+    const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
+    const int w0 = q0 + 16 * warp;
+    const float * ds = a.ds + (int64_t) bh * T * T;
+    const float * k = th_head(a.k, bh);
+    const bool s_staged = T % 4 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
+    auto stage = [&](const int k0) {
+        if (s_staged) {
+            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
+                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
+                const bool in = q0 + r < T && k0 + cc < T;
+                th_cp_async<16>(Sst + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
+            }
+        }
+        if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0, T);
+    };
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+    const int q_end = q0 + QR < T ? q0 + QR : T;
+    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    stage(0);
+    th_cp_commit();
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * TH_MM_B;
+        th_cp_wait();
+        __syncthreads();
+        if (s_staged) {
+            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
+                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
+                *(float4 *) (Ss + r * LDT + cc) = *(const float4 *) (Sst + r * TH_MM_B + cc);
+            }
+        } else {
+            for (int i = threadIdx.x; i < QR * TH_MM_B; i += NT) {
+                const int r = i / TH_MM_B, cc = i % TH_MM_B;
+                const bool in = q0 + r < T && k0 + cc < T;
+                Ss[r * LDT + cc] = in ? ds[(int64_t) (q0 + r) * T + k0 + cc] : 0.0f;
+            }
+        }
+        th_fill_tf32<HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
+        __syncthreads();
+        if (kb + 1 < nkb) stage(k0 + TH_MM_B);
+        th_cp_commit();
+        if (a.causal && k0 > w0 + 15) continue;
+#pragma unroll
+        for (int kk = 0; kk < TH_MM_B / 8; kk++) {
+            const float2 a02 = *(const float2 *) (Ss + (16 * warp + g) * LDT + kk * 8 + c);
+            const float2 a13 = *(const float2 *) (Ss + (16 * warp + g + 8) * LDT + kk * 8 + c);
+            const float * pk = Ks + (kk * 8 + c) * LDF + g;
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) th_mma1688(acc[nt], a02.x, a13.x, a02.y, a13.y, pk[nt * 8], pk[LDF + nt * 8]);
+        }
+    }
+    float * dq = th_head(a.dq, bh);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = w0 + g + 8 * r;
+        if (row >= T) continue;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                dq[(int64_t) row * a.dq.st + (int64_t) (nt * 8 + c + e) * a.dq.sd] = acc[nt][2 * r + e];
+            }
+    }
+}
+
+// whether a node stamped tf32 takes the TF32 kernels (TOYHARNESS_CUDA_TF32_ATTENTION=fp32: fp32's,
+// as before them; the backward's stamp decides for dQ, as at bf16)
+static bool th_tf32_attention(const ggml_tensor * node) {
+    return th_precision_of(node) == TH_PRECISION_TF32 && !th_env_is("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32");
+}
+
+// the tf32 kernels of `heads` heads (query heads: the backward takes grouped heads split, each
+// query head's dK and dV into the scratch, then summed as at bf16), 8 warps a CTA
+template <int HD>
+static void th_tf_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
+    constexpr int WARPS = 8;
+    const dim3 grid(heads, (unsigned) ((a.T + 16 * WARPS - 1) / (16 * WARPS)));
+    if (kernel == TH_CUDA_ATTN_FWD) {
+        constexpr size_t smem = th_fwd_tf_smem<HD, WARPS>();
+        TH_SET_SMEM_LIMIT((th_attn_fwd_tf_kernel<HD, WARPS>), smem);
+        th_attn_fwd_tf_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+    } else if (kernel == TH_CUDA_ATTN_BWD) {
+        constexpr size_t smem = th_bwd_tf_smem<HD, WARPS>();
+        TH_SET_SMEM_LIMIT((th_attn_bwd_tf_kernel<HD, WARPS>), smem);
+        th_attn_bwd_tf_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+    } else {
+        constexpr size_t smem = th_dq_tf_smem<HD, WARPS>();
+        TH_SET_SMEM_LIMIT((th_attn_dq_tf_kernel<HD, WARPS>), smem);
+        th_attn_dq_tf_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+    }
+}
+
 // dst (contiguous, n floats a head) = the head's n floats from `offset` in src (a head every `stride`)
 static __global__ void th_slice_kernel(const float * __restrict__ src, float * __restrict__ dst, const int64_t n,
                                        const int64_t heads, const int64_t stride, const int64_t offset) {
@@ -1260,12 +1660,17 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
     const int nb = (a.T + TH_AT_B - 1) / TH_AT_B;
     const int64_t T = ap.T;
     const bool bf16 = th_precision_of(dst) == TH_PRECISION_BF16;      // tensor cores (TH_MM_B == TH_AT_B)
+    const bool tf32 = th_tf32_attention(dst);
     if (kernel == TH_CUDA_ATTN_FWD) {
         a.q = th_opd_of(dst->src[0], false), a.k = th_opd_of(dst->src[1], false), a.v = th_opd_of(dst->src[2], true);
         a.k.g = a.v.g = ap.group;
         a.o = th_opd_at((float *) dst->data, HD, 1, (HD + 1) * T, dst->ne[1]);
         if (bf16) {
             th_mma_launch<HD>(stream, kernel, a, (unsigned) dst->ne[1]);
+            return;
+        }
+        if (tf32) {
+            th_tf_launch<HD>(stream, kernel, a, (unsigned) dst->ne[1]);
             return;
         }
         const size_t smem = th_fwd_smem(HD);
@@ -1293,12 +1698,16 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
                                       : th_opd_at(a.scratch + T * HD, 1, T, per_head_floats, heads);
         // without grouped heads the kernels' loop over a group's heads compiles away (the same code as before)
-        if (bf16 && ap.group > 1 && th_group_split()) {
+        if ((bf16 && ap.group > 1 && th_group_split()) || (tf32 && ap.group > 1)) {
             th_attn_args per_head = a;                  // each query head's dK, dV into its scratch slot
             per_head.group = 1;
             per_head.dk = th_opd_at(a.scratch, HD, 1, per_head_floats, heads);
             per_head.dv = th_opd_at(a.scratch + T * HD, 1, T, per_head_floats, heads);
-            th_mma_launch<HD>(stream, kernel, per_head, (unsigned) heads);
+            if (tf32) {
+                th_tf_launch<HD>(stream, kernel, per_head, (unsigned) heads);
+            } else {
+                th_mma_launch<HD>(stream, kernel, per_head, (unsigned) heads);
+            }
             const bool serial = dst->src[6] == nullptr || dst->src[7] == nullptr;      // into the scratch itself
             const dim3 grid((unsigned) ((T * HD + 255) / 256), serial ? 1u : ctas);
             th_attn_group_sum_kernel<<<grid, 256, 0, stream>>>(per_head.dk, a.dk, (int) T, HD, ap.group, (int) ctas,
@@ -1309,6 +1718,10 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         }
         if (bf16) {
             th_mma_launch<HD>(stream, kernel, a, ctas);
+            return;
+        }
+        if (tf32) {
+            th_tf_launch<HD>(stream, kernel, a, ctas);
             return;
         }
         const size_t smem = th_bwd_smem(HD);
@@ -1327,6 +1740,10 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         // kernel (a graph's nodes are stamped alike, so the two agree; this reads what was written)
         if (th_precision_of(dst->src[0]) == TH_PRECISION_BF16) {
             th_mma_launch<HD>(stream, kernel, a, (unsigned) dst->src[0]->ne[2]);
+            return;
+        }
+        if (th_tf32_attention(dst->src[0])) {
+            th_tf_launch<HD>(stream, kernel, a, (unsigned) dst->src[0]->ne[2]);
             return;
         }
         const size_t smem = th_dq_smem(HD);

@@ -158,6 +158,7 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_CUDA_ATTENTION_ROWS": ("64", "128"),    # rows a CTA of the bf16 attention (128: 8 warps)
     "TOYHARNESS_CUDA_ATTN_BWD": ("chunks", "rows"),     # the bf16 backward by 16 queries, or a step's 64
     "TOYHARNESS_CUDA_GROUP_SUM": ("1", "0"),            # grouped heads' bf16 backward split by query head
+    "TOYHARNESS_CUDA_TF32_ATTENTION": ("tensor", "fp32"),   # tf32's attention on tensor cores, or fp32's
     "TOYHARNESS_CUDA_CROSS_ENTROPY": ("ours", "ggml"),
     "TOYHARNESS_CUDA_SWIGLU": ("ours", "ggml"),
     "TOYHARNESS_CUDA_SILU_BACK": ("ours", "ggml"),
