@@ -478,6 +478,13 @@ static __device__ __forceinline__ uint32_t th_pack_bf16(const float lo, const fl
     return *(const uint32_t *) &h;
 }
 
+// x rounded to nearest TF32 (ties away: cvt.rna), as cuBLAS's TF32 products round their inputs
+static __device__ __forceinline__ float th_tf32(const float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return __uint_as_float(r);
+}
+
 static __device__ __forceinline__ uint32_t th_ld_pair(const __nv_bfloat16 * p) { return *(const uint32_t *) p; }
 
 // whether head h of o can be staged by 16-byte copies: d adjacent, rows and the head 16-byte aligned
@@ -497,18 +504,23 @@ static __device__ __forceinline__ void th_stage(float * st, const float * h, con
     }
 }
 
-// NR rows from row0 of head h into smem as bf16 rows[r][d] (ld ldr), rows at or past T zeros: from
-// the staging where the operand is stageable (staged before), else loaded now along whichever of
-// t and d is adjacent in memory. The same values either way.
-template <int HD, int NR, int NT>
-static __device__ __forceinline__ void th_fill_bf16(__nv_bfloat16 * rows, const int ldr, const float * st,
-                                                    const bool staged, const float * h, const th_opd & o,
-                                                    const int row0, const int T) {
+// NR rows from row0 of head h into smem as rows[r][d] of E (ld ldr): bf16 rounded to nearest even,
+// or fp32 rounded to nearest TF32 (th_tf32); rows at or past T zeros. From the staging where the
+// operand is stageable (staged before), else loaded now along whichever of t and d is adjacent in
+// memory. The same values either way.
+template <typename E, int HD, int NR, int NT>
+static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, const float * st, const bool staged,
+                                                    const float * h, const th_opd & o, const int row0, const int T) {
+    constexpr bool TF32 = std::is_same<E, float>::value;
     if (staged) {
         for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
             const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
             const float4 x = *(const float4 *) (st + r * HD + d);
-            *(uint2 *) (rows + r * ldr + d) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
+            if constexpr (TF32) {
+                *(float4 *) (rows + r * ldr + d) = make_float4(th_tf32(x.x), th_tf32(x.y), th_tf32(x.z), th_tf32(x.w));
+            } else {
+                *(uint2 *) (rows + r * ldr + d) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
+            }
         }
         return;
     }
@@ -516,7 +528,11 @@ static __device__ __forceinline__ void th_fill_bf16(__nv_bfloat16 * rows, const 
     for (int i = threadIdx.x; i < NR * HD; i += NT) {
         const int r = d_adjacent ? i / HD : i % NR, d = d_adjacent ? i % HD : i / NR;
         const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
-        rows[r * ldr + d] = __float2bfloat16_rn(x);
+        if constexpr (TF32) {
+            rows[r * ldr + d] = th_tf32(x);
+        } else {
+            rows[r * ldr + d] = __float2bfloat16_rn(x);
+        }
     }
 }
 
@@ -547,15 +563,28 @@ static __device__ __forceinline__ void th_frag_a(uint32_t (&f)[HD / 16][4], cons
     }
 }
 
+// four 8 x 8 bf16 matrices by one ldmatrix (TRANS: transposed), lanes 8 m .. 8 m + 7 naming matrix
+// m's rows (p: this lane's row, 16-byte aligned), into f[m]
+template <bool TRANS>
+static __device__ __forceinline__ void th_ldsm_x4(uint32_t (&f)[4], const __nv_bfloat16 * p) {
+    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(p);
+    if constexpr (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
+                     : "r"(addr));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
+                     : "r"(addr));
+    }
+}
+
 // A fragments (16 rows x 16 of k) of rows r0 .. r0 + 15, columns k0 .. k0 + 15 of a row-major
-// tile by one ldmatrix.x4: lanes 0-15 name the rows at k0, lanes 16-31 at k0 + 8
+// tile: lanes 0-15 name the rows at k0, lanes 16-31 at k0 + 8
 static __device__ __forceinline__ void th_ldsm_a(uint32_t (&f)[4], const __nv_bfloat16 * t, const int ld,
                                                  const int r0, const int k0) {
     const int lane = threadIdx.x % 32;
-    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(t + (r0 + lane % 16) * ld + k0 + 8 * (lane / 16));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
-                 : "r"(addr));
+    th_ldsm_x4<false>(f, t + (r0 + lane % 16) * ld + k0 + 8 * (lane / 16));
 }
 
 // B fragments of two 8-column tiles (n0, n0 + 8) and k0 .. k0 + 15 of a [n][k] row-major tile (B^T
@@ -563,11 +592,7 @@ static __device__ __forceinline__ void th_ldsm_a(uint32_t (&f)[4], const __nv_bf
 static __device__ __forceinline__ void th_ldsm_bt(uint32_t (&b)[4], const __nv_bfloat16 * t, const int ld,
                                                   const int n0, const int k0) {
     const int lane = threadIdx.x % 32;
-    const uint32_t addr =
-        (uint32_t) __cvta_generic_to_shared(t + (n0 + lane % 8 + 8 * (lane / 16)) * ld + k0 + 8 * ((lane / 8) % 2));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                 : "r"(addr));
+    th_ldsm_x4<false>(b, t + (n0 + lane % 8 + 8 * (lane / 16)) * ld + k0 + 8 * ((lane / 8) % 2));
 }
 
 // B fragments of two 8-column tiles (n0, n0 + 8), rows k0 .. k0 + 15 of a row-major [k][n] tile,
@@ -575,10 +600,7 @@ static __device__ __forceinline__ void th_ldsm_bt(uint32_t (&b)[4], const __nv_b
 static __device__ __forceinline__ void th_ldsm_b_trans(uint32_t (&b)[4], const __nv_bfloat16 * t, const int ld,
                                                        const int k0, const int n0) {
     const int lane = threadIdx.x % 32;
-    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(t + (k0 + lane % 16) * ld + n0 + 8 * (lane / 16));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                 : "r"(addr));
+    th_ldsm_x4<true>(b, t + (k0 + lane % 16) * ld + n0 + 8 * (lane / 16));
 }
 
 // acc[nt] (16 x 64: 8 tiles of 8 columns) = A (16 x HD, fragments) times B^T, B a row-major
@@ -634,6 +656,188 @@ static constexpr size_t th_dq_mma_smem() {
            TH_MM_STAGES * (2 * (size_t) 16 * WARPS * TH_MM_B + 4 * (size_t) TH_MM_B * HD);
 }
 
+// The tensor-core kernels' shared steps (bf16 and tf32).
+// a warp's C fragments of 16 x HD, zeroed
+template <int HD>
+static __device__ __forceinline__ void th_zero(float (&x)[HD / 8][4]) {
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) x[nt][e] = 0.0f;
+}
+
+// The online softmax over a 64-key block (keys from k0) of a warp's 16 rows (from w0), their scores
+// s (C fragments: rows g and g + 8, columns 2t, 2t + 1 of each 8) turned into P = exp(scale s - m)
+// in place; the running maximum m, sum l and the output o rescaled (FlashAttention-2's order).
+template <int HD>
+static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float (&o)[HD / 8][4], float (&m)[2],
+                                                        float (&l)[2], const th_attn_args & a, const int w0,
+                                                        const int k0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {                                   // rows g and g + 8
+        const int row = w0 + g + 8 * r;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int col = k0 + nt * 8 + c + e;
+                float & x = s[nt][2 * r + e];
+                x = col >= T || (a.causal && col > row) ? -INFINITY : x * a.scale;
+                mx = fmaxf(mx, x);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m[r], mx);
+        const float alpha = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float & x = s[nt][2 * r + e];
+                x = x == -INFINITY ? 0.0f : expf(x - m_new);
+                sum += x;
+            }
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
+    }
+}
+
+// the key blocks of TH_MM_B a CTA of `rows` queries from q0 walks through (causal: up to its last query's)
+static __device__ __forceinline__ int th_key_blocks(const th_attn_args & a, const int q0, const int rows) {
+    const int q_end = q0 + rows < a.T ? q0 + rows : a.T;
+    return ((a.causal ? q_end : a.T) + TH_MM_B - 1) / TH_MM_B;
+}
+
+// dQ's kernels: stage dS's rows q0 .. q0 + QR, keys k0 .. k0 + TH_MM_B (elements E, 16-byte copies;
+// past T zeros) into st[r][key], unpadded
+template <typename E, int QR, int NT>
+static __device__ __forceinline__ void th_stage_ds(E * st, const E * ds, const int q0, const int k0, const int T) {
+    constexpr int V = 16 / sizeof(E);                               // elements a copy
+    for (int i = threadIdx.x; i < QR * TH_MM_B / V; i += NT) {
+        const int r = i / (TH_MM_B / V), cc = V * (i % (TH_MM_B / V));
+        const bool in = q0 + r < T && k0 + cc < T;
+        th_cp_async<16>(st + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
+    }
+}
+
+// and copy them from the staging into the padded tile Ss (ld LDT), or load them where not staged
+template <typename E, int QR, int NT, int LDT>
+static __device__ __forceinline__ void th_fill_ds(E * Ss, const E * st, const bool staged, const E * ds, const int q0,
+                                                  const int k0, const int T) {
+    constexpr int V = 16 / sizeof(E);
+    if (staged) {
+        for (int i = threadIdx.x; i < QR * TH_MM_B / V; i += NT) {
+            const int r = i / (TH_MM_B / V), cc = V * (i % (TH_MM_B / V));
+            *(uint4 *) (Ss + r * LDT + cc) = *(const uint4 *) (st + r * TH_MM_B + cc);
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < QR * TH_MM_B; i += NT) {
+        const int r = i / TH_MM_B, cc = i % TH_MM_B;
+        const bool in = q0 + r < T && k0 + cc < T;
+        Ss[r * LDT + cc] = in ? ds[(int64_t) (q0 + r) * T + k0 + cc] : E(0.0f);
+    }
+}
+
+// a warp's 16 rows (from w0; C fragments, 16 x HD) times `scale` (one a row) into out's head h
+template <int HD>
+static __device__ __forceinline__ void th_put_rows(const float (&x)[HD / 8][4], const float (&scale)[2], float * h,
+                                                   const th_opd & out, const int w0, const int T) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = w0 + g + 8 * r;
+        if (row >= T) continue;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                h[(int64_t) row * out.st + (int64_t) (nt * 8 + c + e) * out.sd] = x[nt][2 * r + e] * scale[r];
+            }
+    }
+}
+
+// the forward's end: O = o / l and L = m + log l of the warp's rows into the node
+template <int HD>
+static __device__ __forceinline__ void th_put_o(const float (&o)[HD / 8][4], const float (&m)[2], const float (&l)[2],
+                                                const th_attn_args & a, const int bh, const int w0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
+    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
+    th_put_rows<HD>(o, inv, th_head(a.o, bh), a.o, w0, T);
+    float * L = a.out + (int64_t) bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = w0 + g + 8 * r;
+        if (row < T && c == 0) L[row] = m[r] + logf(l[r]);
+    }
+}
+
+// The backward's chunk of 16 queries (from qc) against a warp's 16 keys (from w0): P from the
+// scores s and L, dS = scale P (dP - D) from dP, each written to dS's node as DS (bf16, or fp32
+// holding TF32 values: dS then rounded to TF32 in dp too) through ds_at(nt, e). Lq and Dq: the
+// step's L and D from its first query, qc - q0 = 16 j. A chunk with keys all past its queries
+// (causal) takes th_chunk_zero_ds instead.
+template <typename DS, typename At>
+static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&dp)[2][4], const float * Lq,
+                                                     const float * Dq, const int j, const th_attn_args & a,
+                                                     const int w0, const int qc, At ds_at) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
+    float lq[2][2], dq[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+        const float2 l2 = *(const float2 *) (Lq + 16 * j + nt * 8 + c);
+        const float2 d2 = *(const float2 *) (Dq + 16 * j + nt * 8 + c);
+        lq[nt][0] = l2.x, lq[nt][1] = l2.y, dq[nt][0] = d2.x, dq[nt][1] = d2.y;
+    }
+    // WHOLE: a chunk inside the sequence whose every key every query sees, so no element to mask
+    // or to leave unwritten (its tests compile away)
+    auto p_and_ds = [&](auto whole_chunk) {
+        constexpr bool WHOLE = decltype(whole_chunk)::value;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
+                const bool inside = WHOLE || (key < T && qr < T);
+                const bool seen = WHOLE || (inside && !(a.causal && key > qr));
+                const float p = seen ? expf(s[nt][e] * a.scale - lq[nt][e % 2]) : 0.0f;
+                s[nt][e] = p;
+                dp[nt][e] = p * (dp[nt][e] - dq[nt][e % 2]) * a.scale;
+                if constexpr (std::is_same<DS, float>::value) {
+                    dp[nt][e] = th_tf32(dp[nt][e]);
+                    if (inside) *ds_at(nt, e) = dp[nt][e];
+                } else {
+                    if (inside) *ds_at(nt, e) = __float2bfloat16_rn(dp[nt][e]);
+                }
+            }
+    };
+    if (w0 + 16 <= T && qc + 16 <= T && !(a.causal && w0 + 15 > qc)) {
+        p_and_ds(std::true_type{});
+    } else {
+        p_and_ds(std::false_type{});
+    }
+}
+
+// dS's zeros of a chunk no query of which sees the warp's keys (causal: w0 > qc + 15)
+template <typename DS, typename At>
+static __device__ __forceinline__ void th_chunk_zero_ds(const th_attn_args & a, const int w0, const int qc, At ds_at) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
+            if (key < T && qr < T) *ds_at(nt, e) = DS(0.0f);
+        }
+}
+
 // the forward: one CTA a (head, 16 WARPS queries), the last query blocks first; a warp's 16 queries
 // against the key blocks they see (causal: a warp skips the key blocks past its rows)
 template <int HD, int WARPS>
@@ -644,31 +848,27 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     __nv_bfloat16 * Ks = Qs + QR * LDR;                            // [key][d]
     __nv_bfloat16 * Vs = Ks + TH_MM_B * LDR;                       // [key][d]
     float * Kst = (float *) (Vs + TH_MM_B * LDR), * Vst = Kst + TH_MM_B * HD;     // staging
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int warp = threadIdx.x / 32;
     const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
     const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
-    const int q_end = q0 + QR < T ? q0 + QR : T;
-    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    const int nkb = th_key_blocks(a, q0, QR);
     if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
     if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
     th_cp_commit();
-    th_fill_bf16<HD, QR, NT>(Qs, LDR, nullptr, false, q, a.q, q0, T);
+    th_fill_rows<__nv_bfloat16, HD, QR, NT>(Qs, LDR, nullptr, false, q, a.q, q0, T);
     __syncthreads();
     uint32_t qf[HD / 16][4];
     th_frag_a<HD>(qf, Qs, LDR, 16 * warp);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) o[nt][e] = 0.0f;
+    th_zero<HD>(o);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_cp_wait();
         __syncthreads();                                             // the staging holds kb; Ks, Vs free
-        th_fill_bf16<HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
-        th_fill_bf16<HD, TH_MM_B, NT>(Vs, LDR, Vst, v_staged, v, a.v, k0, T);
+        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
+        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Vs, LDR, Vst, v_staged, v, a.v, k0, T);
         __syncthreads();                                             // Ks, Vs hold kb; the staging free
         if (kb + 1 < nkb) {
             if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
@@ -678,56 +878,10 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
         if (a.causal && k0 > w0 + 15) continue;                    // the same for the whole warp
         float s[8][4];
         th_mm_rows<HD>(s, qf, Ks, LDR);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {                               // rows g and g + 8
-            const int row = w0 + g + 8 * r;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int col = k0 + nt * 8 + c + e;
-                    float & x = s[nt][2 * r + e];
-                    x = col >= T || (a.causal && col > row) ? -INFINITY : x * a.scale;
-                    mx = fmaxf(mx, x);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m[r], mx);
-            const float alpha = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
-            float sum = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float & x = s[nt][2 * r + e];
-                    x = x == -INFINITY ? 0.0f : expf(x - m_new);
-                    sum += x;
-                }
-            sum += __shfl_xor_sync(0xffffffff, sum, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
-#pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
-        }
+        th_softmax_block<HD>(s, o, m, l, a, w0, k0);
         th_mm_acc<HD>(o, s, Vs, LDR);
     }
-    float * out = th_head(a.o, bh);
-    float * L = a.out + (int64_t) bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = w0 + g + 8 * r;
-        if (row >= T) continue;
-        const float inv = 1.0f / l[r];
-#pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                out[(int64_t) row * a.o.st + (int64_t) (nt * 8 + c + e) * a.o.sd] = o[nt][2 * r + e] * inv;
-            }
-        if (c == 0) L[row] = m[r] + logf(l[r]);
-    }
+    th_put_o<HD>(o, m, l, a, bh, w0);
 }
 
 // The two backward kernels' shared steps. Stage a step's Q and dO (head bh, queries q0 ..) into
@@ -745,6 +899,19 @@ static __device__ __forceinline__ void th_bwd_stage(const th_attn_args & a, cons
         const int qr = q0 + r % TH_MM_B;                             // a padded query's L and D: 0 (its P is 0)
         th_cp_async<4>(ld + r, qr < T ? (r < TH_MM_B ? L : D) + qr : L, qr < T);
     }
+}
+
+// a step of the backward starts: its Q and dO (head bh, queries q0 ..) staged (waited for here)
+// into the tiles Qs and dOs of E (th_fill_rows), the staging then free (the barriers around)
+template <typename E, int HD, int NT>
+static __device__ __forceinline__ void th_bwd_step_tiles(const th_attn_args & a, const int bh, const int q0, E * Qs,
+                                                         E * dOs, const int ld, const float * Qst, const float * dOst) {
+    const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
+    th_cp_wait();
+    __syncthreads();                                                 // the step staged; Qs, dOs free
+    th_fill_rows<E, HD, TH_MM_B, NT>(Qs, ld, Qst, th_stageable(a.q, q), q, a.q, q0, a.T);
+    th_fill_rows<E, HD, TH_MM_B, NT>(dOs, ld, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, a.T);
+    __syncthreads();                                                 // Qs, dOs hold the step; the staging free
 }
 
 // a warp's dK and dV (its 16 keys from w0; C fragments) into kv head kvh's, as query head gr of
@@ -798,8 +965,8 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
     };
     stage(0);
     th_cp_commit();
-    th_fill_bf16<HD, KR, NT>(Qs, LDR, nullptr, false, k, a.k, k0, T);
-    th_fill_bf16<HD, KR, NT>(dOs, LDR, nullptr, false, v, a.v, k0, T);
+    th_fill_rows<__nv_bfloat16, HD, KR, NT>(Qs, LDR, nullptr, false, k, a.k, k0, T);
+    th_fill_rows<__nv_bfloat16, HD, KR, NT>(dOs, LDR, nullptr, false, v, a.v, k0, T);
     __syncthreads();
     uint32_t kf[HD / 16][4], vf[HD / 16][4];
     th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
@@ -807,18 +974,8 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
     float dv[HD / 8][4], dk[HD / 8][4];
     for (int i = 0; i < G * nq; i++) {
         const int gr = i / nq, bh = kvh * G + gr, q0 = (qb0 + i % nq) * TH_MM_B;
-        const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
-        if (i % nq == 0) {
-#pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
-        }
-        th_cp_wait();
-        __syncthreads();                                             // step i staged; Qs, dOs free
-        th_fill_bf16<HD, TH_MM_B, NT>(Qs, LDR, Qst, th_stageable(a.q, q), q, a.q, q0, T);
-        th_fill_bf16<HD, TH_MM_B, NT>(dOs, LDR, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, T);
-        __syncthreads();                                             // Qs, dOs hold step i; the staging free
+        if (i % nq == 0) th_zero<HD>(dv), th_zero<HD>(dk);
+        th_bwd_step_tiles<__nv_bfloat16, HD, NT>(a, bh, q0, Qs, dOs, LDR, Qst, dOst);
         if (i + 1 < G * nq) stage(i + 1);
         th_cp_commit();
         if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
@@ -886,24 +1043,14 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
     };
     stage(0, qb0, 0);
     th_cp_commit();
-    th_fill_bf16<HD, KR, NT>(Ks, LDR, nullptr, false, k, a.k, k0, T);
-    th_fill_bf16<HD, KR, NT>(Vs, LDR, nullptr, false, v, a.v, k0, T);
+    th_fill_rows<__nv_bfloat16, HD, KR, NT>(Ks, LDR, nullptr, false, k, a.k, k0, T);
+    th_fill_rows<__nv_bfloat16, HD, KR, NT>(Vs, LDR, nullptr, false, v, a.v, k0, T);
     float dv[HD / 8][4], dk[HD / 8][4];
     int gr = 0, qb = qb0;                                            // step i: head kvh G + gr, query block qb
     for (int i = 0; i < G * nq; i++) {
         const int bh = kvh * G + gr, q0 = qb * TH_MM_B;
-        const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
-        if (qb == qb0) {
-#pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
-        }
-        th_cp_wait();
-        __syncthreads();                                             // step i staged; Qs, dOs free
-        th_fill_bf16<HD, TH_MM_B, NT>(Qs, LDR, Qst, th_stageable(a.q, q), q, a.q, q0, T);
-        th_fill_bf16<HD, TH_MM_B, NT>(dOs, LDR, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, T);
-        __syncthreads();                                             // Qs, dOs hold step i; the staging free
+        if (qb == qb0) th_zero<HD>(dv), th_zero<HD>(dk);
+        th_bwd_step_tiles<__nv_bfloat16, HD, NT>(a, bh, q0, Qs, dOs, LDR, Qst, dOst);
         const int next_gr = qb + 1 < nqb ? gr : gr + 1, next_qb = qb + 1 < nqb ? qb + 1 : qb0;
         if (i + 1 < G * nq) stage(next_gr, next_qb, i + 1);
         th_cp_commit();
@@ -918,14 +1065,7 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
                 // this thread's dS element (nt, e) of the chunk
                 auto ds_at = [&](const int nt, const int e) { return ds_out + ((16 * j + nt * 8 + e % 2) * T + 8 * (e / 2)); };
                 if (a.causal && w0 > qc + 15) {                      // no query of the chunk sees the keys
-                    const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
-#pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
-                            if (key < T && qr < T) *ds_at(nt, e) = zero;
-                        }
+                    th_chunk_zero_ds<__nv_bfloat16>(a, w0, qc, ds_at);
                     continue;
                 }
                 float s[2][4], dp[2][4];
@@ -945,35 +1085,7 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
                     th_mma16816(dp[0], af, bf[0], bf[1]);
                     th_mma16816(dp[1], af, bf[2], bf[3]);
                 }
-                float lq[2][2], dq[2][2];
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++) {
-                    const float2 l2 = *(const float2 *) (Lq + 16 * j + nt * 8 + c);
-                    const float2 d2 = *(const float2 *) (Dq + 16 * j + nt * 8 + c);
-                    lq[nt][0] = l2.x, lq[nt][1] = l2.y, dq[nt][0] = d2.x, dq[nt][1] = d2.y;
-                }
-                // P, and dS into the node; WHOLE: a chunk inside the sequence whose every key every
-                // query sees, so no element to mask or to leave unwritten (its tests compile away)
-                auto p_and_ds = [&](auto whole_chunk) {
-                    constexpr bool WHOLE = decltype(whole_chunk)::value;
-#pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
-                            const bool inside = WHOLE || (key < T && qr < T);
-                            const bool seen = WHOLE || (inside && !(a.causal && key > qr));
-                            const float p = seen ? expf(s[nt][e] * a.scale - lq[nt][e % 2]) : 0.0f;
-                            s[nt][e] = p;
-                            dp[nt][e] = p * (dp[nt][e] - dq[nt][e % 2]) * a.scale;
-                            if (inside) *ds_at(nt, e) = __float2bfloat16_rn(dp[nt][e]);
-                        }
-                };
-                if (w0 + 16 <= T && qc + 16 <= T && !(a.causal && w0 + 15 > qc)) {
-                    p_and_ds(std::true_type{});
-                } else {
-                    p_and_ds(std::false_type{});
-                }
+                th_chunk_p_ds<__nv_bfloat16>(s, dp, Lq, Dq, j, a, w0, qc, ds_at);
                 // dV += P^T dO and dK += dS^T Q over the chunk's 16 queries (A: the C fragments
                 // above, rounded to bf16 as th_mm_acc rounds them)
                 const uint32_t pa[4] = {th_pack_bf16(s[0][0], s[0][1]), th_pack_bf16(s[0][2], s[0][3]),
@@ -1015,7 +1127,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     // staging, TH_MM_STAGES buffers: dS's bf16 [q][key] unpadded, then K's fp32
     constexpr int STAGE_FLOATS = QR * TH_MM_B / 2 + TH_MM_B * HD;
     float * staging = (float *) (Ks + TH_MM_B * LDR);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int warp = threadIdx.x / 32;
     const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const __nv_bfloat16 * ds = (const __nv_bfloat16 *) a.ds + (int64_t) bh * T * T;    // bf16: the backward's
@@ -1025,22 +1137,12 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     auto stage = [&](const int k0, const int buf) {
         __nv_bfloat16 * Sst16 = (__nv_bfloat16 *) (staging + buf * STAGE_FLOATS);
         float * Kst = staging + buf * STAGE_FLOATS + QR * TH_MM_B / 2;
-        if (s_staged) {
-            for (int i = threadIdx.x; i < QR * TH_MM_B / 8; i += NT) {
-                const int r = i / (TH_MM_B / 8), cc = 8 * (i % (TH_MM_B / 8));
-                const bool in = q0 + r < T && k0 + cc < T;
-                th_cp_async<16>(Sst16 + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
-            }
-        }
+        if (s_staged) th_stage_ds<__nv_bfloat16, QR, NT>(Sst16, ds, q0, k0, T);
         if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0, T);
     };
     float acc[HD / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
-    const int q_end = q0 + QR < T ? q0 + QR : T;
-    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    th_zero<HD>(acc);
+    const int nkb = th_key_blocks(a, q0, QR);
     // the first TH_MM_STAGES key blocks in flight, a commit group each (empty past the last block)
 #pragma unroll
     for (int st = 0; st < TH_MM_STAGES; st++) {
@@ -1053,20 +1155,8 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
         const float * Kst = staging + buf * STAGE_FLOATS + QR * TH_MM_B / 2;
         th_cp_wait_groups<TH_MM_STAGES - 1>();                       // key block kb's group (the oldest) done
         __syncthreads();                                             // key block kb staged; Ss, Ks free
-        if (s_staged) {
-            for (int i = threadIdx.x; i < QR * TH_MM_B / 8; i += NT) {
-                const int r = i / (TH_MM_B / 8), cc = 8 * (i % (TH_MM_B / 8));
-                *(uint4 *) (Ss + r * LDT + cc) = *(const uint4 *) (Sst16 + r * TH_MM_B + cc);
-            }
-        } else {
-            const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
-            for (int i = threadIdx.x; i < QR * TH_MM_B; i += NT) {
-                const int r = i / TH_MM_B, cc = i % TH_MM_B;
-                const bool in = q0 + r < T && k0 + cc < T;
-                Ss[r * LDT + cc] = in ? ds[(int64_t) (q0 + r) * T + k0 + cc] : zero;
-            }
-        }
-        th_fill_bf16<HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
+        th_fill_ds<__nv_bfloat16, QR, NT, LDT>(Ss, Sst16, s_staged, ds, q0, k0, T);
+        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
         __syncthreads();                                             // Ss, Ks hold kb; its buffer free
         if (kb + TH_MM_STAGES < nkb) stage(k0 + TH_MM_STAGES * TH_MM_B, buf);
         th_cp_commit();
@@ -1084,18 +1174,8 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
             }
         }
     }
-    float * dq = th_head(a.dq, bh);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = w0 + g + 8 * r;
-        if (row >= T) continue;
-#pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                dq[(int64_t) row * a.dq.st + (int64_t) (nt * 8 + c + e) * a.dq.sd] = acc[nt][2 * r + e];
-            }
-    }
+    const float one[2] = {1.0f, 1.0f};
+    th_put_rows<HD>(acc, one, th_head(a.dq, bh), a.dq, w0, T);
 }
 
 // --- tf32: the three kernels on tensor cores at precision = tf32 (issue 32) --------------------
@@ -1109,12 +1189,6 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
 // permuted order within each group of 8 (column t of A and row t of B: key 2t; t + 4: key 2t + 1),
 // so that a C fragment of the scores is the A fragment of the next product as it stands.
 #define TH_TF_PAD 4
-
-static __device__ __forceinline__ float th_tf32(const float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-    return __uint_as_float(r);
-}
 
 // c += A (16 x 8: a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)) times B (8 x 8:
 // b0 (t, g), b1 (t + 4, g)), TF32 in, fp32 accumulation
@@ -1132,27 +1206,6 @@ static __device__ __forceinline__ void th_mma1688(float (&c)[4], const float a0,
 static __device__ __forceinline__ void th_mma1688_c(float (&c)[4], const float (&x)[4], const float b0,
                                                     const float b1) {
     th_mma1688(c, th_tf32(x[0]), th_tf32(x[2]), th_tf32(x[1]), th_tf32(x[3]), b0, b1);
-}
-
-// NR rows from row0 of head h into smem as TF32 rows[r][d] (ld ldr), rows at or past T zeros: from
-// the staging where staged, else loaded now (th_fill_bf16's two ways, rounded to TF32)
-template <int HD, int NR, int NT>
-static __device__ __forceinline__ void th_fill_tf32(float * rows, const int ldr, const float * st, const bool staged,
-                                                    const float * h, const th_opd & o, const int row0, const int T) {
-    if (staged) {
-        for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
-            const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
-            const float4 x = *(const float4 *) (st + r * HD + d);
-            *(float4 *) (rows + r * ldr + d) = make_float4(th_tf32(x.x), th_tf32(x.y), th_tf32(x.z), th_tf32(x.w));
-        }
-        return;
-    }
-    const bool d_adjacent = o.sd == 1;
-    for (int i = threadIdx.x; i < NR * HD; i += NT) {
-        const int r = d_adjacent ? i / HD : i % NR, d = d_adjacent ? i % HD : i / NR;
-        const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
-        rows[r * ldr + d] = th_tf32(x);
-    }
 }
 
 // acc[nt] (16 x 64: 8 tiles of 8 columns) = A times B^T, A rows r0 .. r0 + 15 of a row-major
@@ -1205,23 +1258,19 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
     const int w0 = q0 + 16 * warp;
     const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
     const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
-    const int q_end = q0 + QR < T ? q0 + QR : T;
-    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    const int nkb = th_key_blocks(a, q0, QR);
     if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
     if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
     th_cp_commit();
-    th_fill_tf32<HD, QR, NT>(Qs, LDF, nullptr, false, q, a.q, q0, T);
+    th_fill_rows<float, HD, QR, NT>(Qs, LDF, nullptr, false, q, a.q, q0, T);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) o[nt][e] = 0.0f;
+    th_zero<HD>(o);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_cp_wait();
         __syncthreads();
-        th_fill_tf32<HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
-        th_fill_tf32<HD, TH_MM_B, NT>(Vs, LDF, Vst, v_staged, v, a.v, k0, T);
+        th_fill_rows<float, HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
+        th_fill_rows<float, HD, TH_MM_B, NT>(Vs, LDF, Vst, v_staged, v, a.v, k0, T);
         __syncthreads();
         if (kb + 1 < nkb) {
             if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
@@ -1231,39 +1280,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
         if (a.causal && k0 > w0 + 15) continue;
         float s[8][4];
         th_tf_rows<HD>(s, Qs, 16 * warp, Ks, LDF);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int row = w0 + g + 8 * r;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int col = k0 + nt * 8 + c + e;
-                    float & x = s[nt][2 * r + e];
-                    x = col >= T || (a.causal && col > row) ? -INFINITY : x * a.scale;
-                    mx = fmaxf(mx, x);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m[r], mx);
-            const float alpha = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
-            float sum = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float & x = s[nt][2 * r + e];
-                    x = x == -INFINITY ? 0.0f : expf(x - m_new);
-                    sum += x;
-                }
-            sum += __shfl_xor_sync(0xffffffff, sum, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
-#pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
-        }
+        th_softmax_block<HD>(s, o, m, l, a, w0, k0);
         // O += P V over the block's keys, 8 at a time (keys nt 8 + 2t, + 1: this thread's columns)
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -1272,21 +1289,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
             for (int dn = 0; dn < HD / 8; dn++) th_mma1688_c(o[dn], s[nt], pv[dn * 8], pv[LDF + dn * 8]);
         }
     }
-    float * out = th_head(a.o, bh);
-    float * L = a.out + (int64_t) bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = w0 + g + 8 * r;
-        if (row >= T) continue;
-        const float inv = 1.0f / l[r];
-#pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                out[(int64_t) row * a.o.st + (int64_t) (nt * 8 + c + e) * a.o.sd] = o[nt][2 * r + e] * inv;
-            }
-        if (c == 0) L[row] = m[r] + logf(l[r]);
-    }
+    th_put_o<HD>(o, m, l, a, bh, w0);
 }
 
 // the backward in TF32: th_attn_bwd_chunk_kernel's walk (a CTA 16 WARPS keys of a query head, a
@@ -1304,24 +1307,16 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
     const int kvh = blockIdx.x, k0 = blockIdx.y * KR, T = a.T;
     const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0;
     const int w0 = k0 + 16 * warp;
-    const float * k = th_head(a.k, kvh), * v = th_head(a.v, kvh), * q = th_head(a.q, kvh),
-                * dout = th_head(a.dout, kvh);
+    const float * k = th_head(a.k, kvh), * v = th_head(a.v, kvh);
     th_bwd_stage<HD, NT>(a, kvh, qb0 * TH_MM_B, Qst, dOst, LD);
     th_cp_commit();
-    th_fill_tf32<HD, KR, NT>(Ks, LDF, nullptr, false, k, a.k, k0, T);
-    th_fill_tf32<HD, KR, NT>(Vs, LDF, nullptr, false, v, a.v, k0, T);
+    th_fill_rows<float, HD, KR, NT>(Ks, LDF, nullptr, false, k, a.k, k0, T);
+    th_fill_rows<float, HD, KR, NT>(Vs, LDF, nullptr, false, v, a.v, k0, T);
     float dv[HD / 8][4], dk[HD / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dv[nt][e] = dk[nt][e] = 0.0f;
+    th_zero<HD>(dv), th_zero<HD>(dk);
     for (int qb = qb0; qb < nqb; qb++) {
         const int i = qb - qb0, q0 = qb * TH_MM_B;
-        th_cp_wait();
-        __syncthreads();
-        th_fill_tf32<HD, TH_MM_B, NT>(Qs, LDF, Qst, th_stageable(a.q, q), q, a.q, q0, T);
-        th_fill_tf32<HD, TH_MM_B, NT>(dOs, LDF, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, T);
-        __syncthreads();
+        th_bwd_step_tiles<float, HD, NT>(a, kvh, q0, Qs, dOs, LDF, Qst, dOst);
         if (qb + 1 < nqb) th_bwd_stage<HD, NT>(a, kvh, q0 + TH_MM_B, Qst, dOst, LD + ((i + 1) % 2) * 2 * TH_MM_B);
         th_cp_commit();
         if (a.causal && w0 > q0 + TH_MM_B - 1) continue;
@@ -1333,13 +1328,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
             // this thread's dS element (nt, e) of the chunk: query qc + 8 nt + c + e % 2, key w0 + g + 8 (e / 2)
             auto ds_at = [&](const int nt, const int e) { return ds_out + ((16 * j + nt * 8 + e % 2) * T + 8 * (e / 2)); };
             if (a.causal && w0 > qc + 15) {
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
-                        if (key < T && qr < T) *ds_at(nt, e) = 0.0f;
-                    }
+                th_chunk_zero_ds<float>(a, w0, qc, ds_at);
                 continue;
             }
             float s[2][4], dp[2][4];
@@ -1359,25 +1348,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
                     th_mma1688(dp[nt], v0f, v1f, v2f, v3f, po[nt * 8 * LDF], po[nt * 8 * LDF + 4]);
                 }
             }
-            float lq[2][2], dq[2][2];
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const float2 l2 = *(const float2 *) (Lq + 16 * j + nt * 8 + c);
-                const float2 d2 = *(const float2 *) (Dq + 16 * j + nt * 8 + c);
-                lq[nt][0] = l2.x, lq[nt][1] = l2.y, dq[nt][0] = d2.x, dq[nt][1] = d2.y;
-            }
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
-                    const bool inside = key < T && qr < T;
-                    const bool seen = inside && !(a.causal && key > qr);
-                    const float p = seen ? expf(s[nt][e] * a.scale - lq[nt][e % 2]) : 0.0f;
-                    s[nt][e] = p;
-                    dp[nt][e] = th_tf32(p * (dp[nt][e] - dq[nt][e % 2]) * a.scale);
-                    if (inside) *ds_at(nt, e) = dp[nt][e];
-                }
+            th_chunk_p_ds<float>(s, dp, Lq, Dq, j, a, w0, qc, ds_at);
             // dV += P^T dO, dK += dS^T Q over the chunk's queries, 8 at a time (queries 8 nt + 2t, + 1)
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
@@ -1409,41 +1380,20 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
     const float * k = th_head(a.k, bh);
     const bool s_staged = T % 4 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
     auto stage = [&](const int k0) {
-        if (s_staged) {
-            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
-                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
-                const bool in = q0 + r < T && k0 + cc < T;
-                th_cp_async<16>(Sst + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
-            }
-        }
+        if (s_staged) th_stage_ds<float, QR, NT>(Sst, ds, q0, k0, T);
         if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0, T);
     };
     float acc[HD / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
-    const int q_end = q0 + QR < T ? q0 + QR : T;
-    const int nkb = ((a.causal ? q_end : T) + TH_MM_B - 1) / TH_MM_B;
+    th_zero<HD>(acc);
+    const int nkb = th_key_blocks(a, q0, QR);
     stage(0);
     th_cp_commit();
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_cp_wait();
         __syncthreads();
-        if (s_staged) {
-            for (int i = threadIdx.x; i < QR * TH_MM_B / 4; i += NT) {
-                const int r = i / (TH_MM_B / 4), cc = 4 * (i % (TH_MM_B / 4));
-                *(float4 *) (Ss + r * LDT + cc) = *(const float4 *) (Sst + r * TH_MM_B + cc);
-            }
-        } else {
-            for (int i = threadIdx.x; i < QR * TH_MM_B; i += NT) {
-                const int r = i / TH_MM_B, cc = i % TH_MM_B;
-                const bool in = q0 + r < T && k0 + cc < T;
-                Ss[r * LDT + cc] = in ? ds[(int64_t) (q0 + r) * T + k0 + cc] : 0.0f;
-            }
-        }
-        th_fill_tf32<HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
+        th_fill_ds<float, QR, NT, LDT>(Ss, Sst, s_staged, ds, q0, k0, T);
+        th_fill_rows<float, HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
         __syncthreads();
         if (kb + 1 < nkb) stage(k0 + TH_MM_B);
         th_cp_commit();
@@ -1457,18 +1407,8 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
             for (int nt = 0; nt < HD / 8; nt++) th_mma1688(acc[nt], a02.x, a13.x, a02.y, a13.y, pk[nt * 8], pk[LDF + nt * 8]);
         }
     }
-    float * dq = th_head(a.dq, bh);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = w0 + g + 8 * r;
-        if (row >= T) continue;
-#pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                dq[(int64_t) row * a.dq.st + (int64_t) (nt * 8 + c + e) * a.dq.sd] = acc[nt][2 * r + e];
-            }
-    }
+    const float one[2] = {1.0f, 1.0f};
+    th_put_rows<HD>(acc, one, th_head(a.dq, bh), a.dq, w0, T);
 }
 
 // whether a node stamped tf32 takes the TF32 kernels (TOYHARNESS_CUDA_TF32_ATTENTION=fp32: fp32's,
