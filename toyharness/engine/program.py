@@ -180,8 +180,7 @@ def check_cuda_switches() -> None:
 def attention_rows() -> int:
     """Rows a CTA of the bf16 attention kernels takes on cuda (native/cuda/th-attention.cu reads
     TOYHARNESS_CUDA_ATTENTION_ROWS): 128 (8 warps), or 64 (4 warps, the tiles before; the same
-    bits)."""
-    check_cuda_switches()
+    bits; checked by check_cuda_switches)."""
     return int(os.environ.get("TOYHARNESS_CUDA_ATTENTION_ROWS", "") or 128)
 
 
@@ -267,6 +266,7 @@ class Program:
         self.grads_as_outputs = os.environ.get("TOYHARNESS_GRAD_ACCUMULATORS", "0") != "1"
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
         self.fused_attention = fused_attention()
+        check_cuda_switches()
         self.attention_rows = attention_rows()
         # the precision of this program's matrix products (Engine.set_precision): on cuda each
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
