@@ -23,6 +23,8 @@
 // step), each row over the same key blocks as with 64 queries, so the same bits; the backward and
 // dQ take 64 x 64 tiles, 4 x 4 a thread (dQ with 128 queries was slower: 3.36 against 3.23 ms).
 // The forward and the backward fit two CTAs an SM (102.5 KB of shared memory at head size 64).
+// At precision bf16 and tf32 the same nodes run on tensor cores instead (the sections "bf16" and
+// "tf32" below; th_precision_of(node) picks): bf16 or TF32 tiles, fp32 softmax and sums.
 #include "th-custom.cuh"
 
 extern "C" {
