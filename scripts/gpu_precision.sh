@@ -244,10 +244,11 @@ import json, statistics, sys
 seeds, out, ok = sys.argv[2:], {}, True
 kinds = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp32ggml": "fp32, ggml's attention"}
 for recipe in ("gpt2", "llama"):
-    means = {}
+    means, loaded = {}, {kind: [json.load(open(f"/tmp/agree/{recipe}-{kind}-{seed}/summary.json")) for seed in seeds]
+                         for kind in kinds}
+    refs = [r["eval_loss"] for r in loaded["fp32"]]
     for kind, label in kinds.items():
-        runs = [json.load(open(f"/tmp/agree/{recipe}-{kind}-{seed}/summary.json")) for seed in seeds]
-        refs = [json.load(open(f"/tmp/agree/{recipe}-fp32-{seed}/summary.json"))["eval_loss"] for seed in seeds]
+        runs = loaded[kind]
         rel = [abs(r["eval_loss"] - ref) / ref for r, ref in zip(runs, refs)]
         means[kind] = statistics.fmean(r["eval_loss"] for r in runs)
         out[f"{recipe}@{kind}"] = {"seeds": seeds, "eval_loss": [r["eval_loss"] for r in runs],
