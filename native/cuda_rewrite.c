@@ -13,8 +13,8 @@
  *       dvt = OUT_PROD(P, dO), dP = OUT_PROD(vt, T(dO)), dS = SOFT_MAX_BACK(dP, P),
  *       dk = OUT_PROD(q, dS), dq = OUT_PROD(k, T(dS))
  *     become the fused kernels of cuda/th-attention.cu (custom_ops.h has their layouts): P the
- *     forward (O and L, S then computes nothing), dP the prep (D), dS the backward (dS, dK, dV),
- *     dq our dQ kernel. The kernels read q, k, v^T and dO through their strides, so the CONTs
+ *     forward (O and L, S then computes nothing), dP the prep (D), dS the backward (dS, dK, dV;
+ *     at bf16 dK and dV alone: native/cuda_precision.c), dq our dQ kernel. The kernels read q, k, v^T and dO through their strides, so the CONTs
  *     that permuted them out of the projections' layout fold; the CONTs that permute dK, dV and
  *     dQ back become the nodes those kernels write (dK's and dV's are rooms, moved before their
  *     writer in every graph), and O's copies straight out of the forward's node: 1 of attention's
@@ -318,7 +318,9 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         th_mark(node, TH_CUDA_ATTN_DQ);
         th_set_params(node, &params, sizeof(params));
         th_attention_map_set(node, 0, map);
-        th_set_srcs(node, ds, k, NULL, NULL, NULL, NULL);
+        /* the backward's sources (dQ's kernel at bf16 computes dS's tiles again from them), then dS */
+        th_set_srcs(node, q, k, vt, dout, fwd, dp);
+        node->src[6] = ds;
         if (th_readers(graph, ds_t, &only) == 0) ds_t->op = GGML_OP_NONE;     /* as dO's view above */
         marked++;
     }
@@ -385,7 +387,7 @@ static int th_fold_attention_operands(struct ggml_cgraph * graph) {
                     if (s == NULL || (s != c && s->view_src != c)) continue;
                     ok &= s == c || (s->op == GGML_OP_RESHAPE && s->view_offs == 0);     /* not a permute */
                     /* a reader of ours, at an operand's place, with the CONT's rows and heads */
-                    ok &= th_is_attention_node(w) && k < 4 && !(th_marked(w, TH_CUDA_ATTN_DQ) && k != 1) &&
+                    ok &= th_is_attention_node(w) && k < 4 &&
                           !(th_marked(w, TH_CUDA_ATTN_PREP) && k != 0) && s->ne[0] == c->ne[0] &&
                           s->ne[1] == c->ne[1] && s->ne[2] * s->ne[3] == c->ne[2] * c->ne[3];
                 }
@@ -487,7 +489,7 @@ static int th_attention_group(struct ggml_cgraph * graph, struct ggml_tensor * f
     }
     for (int i = 0; i < n && bwd != NULL; i++) {
         struct ggml_tensor * u = ggml_graph_node(graph, i);
-        if (th_marked(u, TH_CUDA_ATTN_DQ) && u->src[0] == bwd) dq = u;
+        if (th_marked(u, TH_CUDA_ATTN_DQ) && u->src[6] == bwd) dq = u;
     }
     struct ggml_tensor * prep = bwd != NULL ? bwd->src[5] : NULL;
     for (int i = 0; i < n; i++) {
@@ -495,7 +497,7 @@ static int th_attention_group(struct ggml_cgraph * graph, struct ggml_tensor * f
         if (u->view_src == pk || u->view_src == pv) continue;          /* a view: its readers are checked */
         for (int j = 0; j < GGML_MAX_SRC; j++) {
             if (th_is_or_views(u->src[j], pk) && !(j == 1 && (u == fwd || u == bwd || u == dq))) return 0;
-            if (th_is_or_views(u->src[j], pv) && !(j == 2 && (u == fwd || u == bwd))) return 0;
+            if (th_is_or_views(u->src[j], pv) && !(j == 2 && (u == fwd || u == bwd || u == dq))) return 0;
         }
         if (prep != NULL && th_marked(u, TH_CUDA_SLICE) && u->src[0] == prep) {
             th_slice_params slice;
@@ -535,7 +537,8 @@ static int th_rewrite_attention(struct ggml_cgraph * graph, const int group) {
                 const struct ggml_tensor * u = ggml_graph_node(graph, j);
                 for (int m = 0; m < GGML_MAX_SRC; m++) {
                     if (u->src[m] == t && !th_marked(u, TH_CUDA_SLICE) && !th_marked(u, TH_CUDA_SLICE_CONT) &&
-                        !th_marked(u, TH_CUDA_ATTN_PREP) && !th_marked(u, TH_CUDA_ATTN_BWD)) {
+                        !th_marked(u, TH_CUDA_ATTN_PREP) && !th_marked(u, TH_CUDA_ATTN_BWD) &&
+                        !th_marked(u, TH_CUDA_ATTN_DQ)) {
                         return -1;
                     }
                 }

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 15  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 16  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -18,7 +18,8 @@
                                            dS as bf16 at bf16; 14: our Q4_K dequantizer
                                            (th_cuda_dequantize_bf16), SwiGLU over frozen
                                            products in bf16, CROSS_ENTROPY_BACK; 15:
-                                           CROSS_ENTROPY, SWIGLU */
+                                           CROSS_ENTROPY, SWIGLU; 16: ATTN_DQ's
+                                           sources, no dS at bf16 */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -28,9 +29,10 @@ enum {
      *              and dV^T into it, or into their rooms
      *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP, [dK's room, dV's room]; dS (T,T,BH),
      *              what SOFT_MAX_BACK gives, in the tiles a causal query sees (the rest unwritten:
-     *              ATTN_DQ alone reads it); stamped bf16, as bf16 (T,T,BH) in the first half of
-     *              its bytes
-     *   ATTN_DQ    srcs dS (the ATTN_BWD node), k; dQ = dS K, into its own node through a map
+     *              ATTN_DQ alone reads it); stamped bf16, no dS: (1,1,BH), and nothing written
+     *   ATTN_DQ    srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP (ATTN_BWD's first six), then the ATTN_BWD
+     *              node; dQ = dS K (at bf16 dS's tiles computed again from the sources), into
+     *              its own node through a map
      *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride`
      * An operand (q, k, vt, dO) may be a strided (hd,T,H,B) or (T,hd,H,B) view, head b H + h:
      * the head-permuted projection a folded CONT would have copied. A room (ROOM) is the CONT

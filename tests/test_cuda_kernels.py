@@ -899,7 +899,7 @@ def test_bf16_attention_bits_do_not_depend_on_the_rows_a_cta_takes(backend, shap
     """The bf16 kernels with 128 rows a CTA (8 warps, the default) against 64
     (TOYHARNESS_CUDA_ATTENTION_ROWS=64): each warp's 16 rows meet the same 64-row tiles in the same
     order, and a warp skips the causal blocks it would not have met with 64 rows, so every output
-    has the same bits (dS's staged and unstaged loads included: T a multiple of 8 or not)."""
+    has the same bits (dQ's recomputed dS included: T a multiple of 64 or not)."""
     assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_ATTENTION_ROWS", ("64", "128"))
 
 
@@ -926,8 +926,8 @@ def test_bf16_grouped_backward_split_by_query_head_keeps_the_bits(backend, shape
 def test_bf16_backward_by_chunks_of_16_queries_keeps_the_bits(backend, shape, rows, monkeypatch):
     """The bf16 backward takes a step's 64 queries 16 at a time (th_attn_bwd_chunk_kernel: fewer
     registers, two CTAs an SM) with the products of the whole-step kernel
-    (TOYHARNESS_CUDA_ATTN_BWD=rows) in the same order, and writes only zeros of dS for a chunk
-    that no query of sees the warp's keys: every output has the same bits, 4 and 8 warps a CTA."""
+    (TOYHARNESS_CUDA_ATTN_BWD=rows) in the same order, and skips a chunk that no query of sees
+    the warp's keys: every output has the same bits, 4 and 8 warps a CTA."""
     monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", rows)
     assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_ATTN_BWD", ("rows", "chunks"))
 

@@ -132,6 +132,38 @@ def test_at_bf16_a_frozen_weights_products_become_the_frozen_bf16_kernels(dtype)
     assert {lib.th_cuda_precision_of(n) for n in frozen} == {PRECISION_CODES["bf16"]}
 
 
+def test_at_bf16_the_attention_backward_forms_no_ds_and_dq_reads_what_it_computes_ds_from():
+    """Built on cpu, never computed: after the cuda rewrite the attention backward's node holds dS
+    (T, T, BH) at tf32; stamped bf16 it holds nothing of it, (1, 1, BH) (dQ's kernel computes dS's
+    tiles again, native/cuda/th-attention.cu), and the buffer the graph needs shrinks by at least
+    dS's bytes. dQ's node reads the backward's six sources (q, k, v^T, dO, the forward's and the
+    prep's nodes: kept alive until dQ runs), then the backward's node."""
+    from attention_cases import attention_program
+
+    b, t, d, n_head = 2, 64, 64, 4
+    sizes, ds_bytes = {}, b * n_head * t * t * 4
+    for precision in ("tf32", "bf16"):
+        prog, trainer, _fg = attention_program("cpu", b, t, d, n_head)
+        graph = trainer.gb_grad
+        assert lib.th_cuda_rewrite(graph, 1) > 0
+        assert lib.th_cuda_mark_precision(graph, PRECISION_CODES[precision], ffi.NULL, 0) > 0
+        nodes = {ffi.string(lib.th_cuda_kernel_name(n)).decode(): n
+                 for n in (lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph)))
+                 if lib.th_cuda_kernel_name(n) != ffi.NULL}
+        back, dq = nodes["attention_back"], nodes["attention_dq"]
+        ne, nb = ffi.new("int64_t[4]"), ffi.new("size_t[4]")
+        lib.th_tensor_shape(back, ne, nb)
+        assert list(ne) == ([t, t, b * n_head, 1] if precision == "tf32" else [1, 1, b * n_head, 1])
+        assert [lib.th_tensor_src(dq, i) for i in range(6)] == [lib.th_tensor_src(back, i) for i in range(6)]
+        assert lib.th_tensor_src(dq, 6) == back
+        galloc, size = lib.ggml_gallocr_new(get_engine("cpu").buffer_type), ffi.new("size_t[1]")
+        lib.ggml_gallocr_reserve_n_size(galloc, graph, ffi.NULL, ffi.NULL, size)
+        lib.ggml_gallocr_free(galloc)
+        sizes[precision] = size[0]
+        prog.close()
+    assert sizes["tf32"] - sizes["bf16"] >= ds_bytes, sizes
+
+
 def test_a_frozen_product_of_a_shape_the_bf16_kernels_do_not_take_is_refused_by_name():
     """A batched (3-D) product of a frozen weight: -2 and a line naming the node and the weight,
     never ggml-cuda's own quantized product in its place."""

@@ -9,7 +9,8 @@
 //   backward (dS's node):  per key block, over the query blocks it sees: P again from Q, K and L,
 //                          dP = dO V^T, dS = scale P (dP - D) (written: what SOFT_MAX_BACK gives),
 //                          dV += P^T dO, dK += dS^T Q (both into the prep node's buffer)
-//   dQ       (dq's node):  per query block, dQ = dS K over the key blocks it sees, written in the
+//   dQ       (dq's node):  per query block, dQ = dS K over the key blocks it sees (bf16: dS's
+//                          tiles computed again, the backward writing none), written in the
 //                          layout its node wants (the projection's (B, T, H, hd) where a CONT
 //                          permuted it back: that CONT is the node)
 //
@@ -77,7 +78,7 @@ struct th_attn_args {
     th_opd dk, dv, dq;    // where the backward writes dK and dV, the dQ node dQ
     const float * fwd;    // the forward node: per head O (T x hd) then L (T)
     float * scratch;      // the prep node: per head dK (T x hd), dV^T (hd x T), D (T)
-    const float * ds;     // the backward node's dS (BH, T, T) (the dQ node)
+    const float * ds;     // the backward node's dS (BH, T, T) (the dQ node at fp32 and tf32)
     float * out;          // the node's own output
     int T;
     float scale;
@@ -446,8 +447,9 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
 // Under precision = bf16 (the node's stamp) the forward, the backward and dQ multiply bf16 tiles on
 // the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulation), FlashAttention-2's tiling: a
 // CTA of WARPS warps, each warp 16 rows of the CTA's 16 WARPS (queries in the forward and dQ, keys
-// in the backward) against 64-row tiles of the other side. Q, K, V, dO and dS are rounded to
-// nearest bf16 as a tile reaches shared memory, P (and dS) as they enter a product; scores, the
+// in the backward) against 64-row tiles of the other side. Q, K, V and dO are rounded to
+// nearest bf16 as a tile reaches shared memory, P and dS as they enter a product (dS never
+// reaches memory: dQ's kernel computes its tiles again); scores, the
 // online softmax, L, D, P = exp(S - L) and every sum stay fp32, and the layouts, the nodes and the
 // prep kernel are fp32's. A product's order is fixed by the mma's shape and the loops (no atomics,
 // no split): the bits repeat, and since a warp's rows see the same 64-row tiles in the same order
@@ -455,16 +457,13 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
 // takes 4, as before). Every tile is kept row-major ([row][d]); where a product needs it as B along
 // its rows (P V, P^T dO, dS^T Q, dS K), ldmatrix's transposing load gives the fragments, so no
 // transposed copy (with its bank conflicts) is made.
-// The tiles that a CTA walks through (K and V in the forward, Q, dO, L and D in the backward, dS
-// and K in dQ) are copied to fp32 staging in shared memory by cp.async one tile ahead (dQ: two,
-// TH_MM_STAGES, its compute per tile being short: 1.05 -> 0.99 ms a gpt2-small step), while the
+// The tiles that a CTA walks through (K and V in the forward and dQ, Q, dO, L and D in the
+// backward) are copied to fp32 staging in shared memory by cp.async one tile ahead, while the
 // warps multiply the tile before (rounded to bf16 from the staging after a barrier): the loads'
 // latency was most of these kernels' time with the copies made synchronously. An operand whose d
 // is not adjacent or not 16-byte aligned loads synchronously, as before (the same values).
 #define TH_MM_B 64                    // rows of the tiles a CTA walks through
 #define TH_MM_PAD 8                   // bf16 padding a smem row: 32-bit fragment reads hit 32 banks
-#define TH_MM_STAGES 2                // key blocks dQ's kernel has in flight (its staging buffers; the
-                                      // forward's one: two measured slower there, 1.53 against 1.49 ms a step)
 
 static __device__ __forceinline__ void th_mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t b0,
                                                    const uint32_t b1) {
@@ -653,9 +652,8 @@ static constexpr size_t th_bwd_mma_smem() {
     return 2 * (size_t) 2 * rows * (HD + TH_MM_PAD) + 4 * ((size_t) 2 * TH_MM_B * HD + 4 * TH_MM_B);
 }
 template <int HD, int WARPS>
-static constexpr size_t th_dq_mma_smem() {
-    return 2 * ((size_t) 16 * WARPS * (TH_MM_B + TH_MM_PAD) + (size_t) TH_MM_B * (HD + TH_MM_PAD)) +
-           TH_MM_STAGES * (2 * (size_t) 16 * WARPS * TH_MM_B + 4 * (size_t) TH_MM_B * HD);
+static constexpr size_t th_dq_mma_smem() {          // the forward's: the rows (Q, then dO), K, V, staging
+    return th_fwd_mma_smem<HD, WARPS>();
 }
 
 // The tensor-core kernels' shared steps (bf16 and tf32).
@@ -782,8 +780,9 @@ static __device__ __forceinline__ void th_put_o(const float (&o)[HD / 8][4], con
 }
 
 // The backward's chunk of 16 queries (from qc) against a warp's 16 keys (from w0): P from the
-// scores s and L, dS = scale P (dP - D) from dP, each written to dS's node as DS (bf16, or fp32
-// holding TF32 values: dS then rounded to TF32 in dp too) through ds_at(nt, e). Lq and Dq: the
+// scores s and L, dS = scale P (dP - D) from dP, each written to dS's node as DS (fp32 holding
+// TF32 values: dS then rounded to TF32 in dp too) through ds_at(nt, e), or (DS void: bf16, whose
+// dQ computes dS again) not written. Lq and Dq: the
 // step's L and D from its first query, qc - q0 = 16 j. A chunk with keys all past its queries
 // (causal) takes th_chunk_zero_ds instead.
 template <typename DS, typename At>
@@ -815,8 +814,6 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
                 if constexpr (std::is_same<DS, float>::value) {
                     dp[nt][e] = th_tf32(dp[nt][e]);
                     if (inside) *ds_at(nt, e) = dp[nt][e];
-                } else {
-                    if (inside) *ds_at(nt, e) = __float2bfloat16_rn(dp[nt][e]);
                 }
             }
     };
@@ -826,6 +823,11 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
         p_and_ds(std::false_type{});
     }
 }
+
+// th_chunk_p_ds's writer where dS is not written (bf16)
+struct th_no_ds {
+    float * operator()(int, int) const { return nullptr; }
+};
 
 // dS's zeros of a chunk no query of which sees the warp's keys (causal: w0 > qc + 15)
 template <typename DS, typename At>
@@ -941,8 +943,7 @@ static __device__ __forceinline__ void th_bwd_put(const th_attn_args & a, const 
 
 // the backward: one CTA a (kv head, 16 WARPS keys), a warp 16 keys, over the query blocks that see
 // them, each query head of a group in turn: S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T -
-// L), dS^T = scale P^T (dP^T - D) (written to the node query-major as fp32's kernel writes it, but
-// as bf16, the values dQ's product rounds it to: half the bytes out and back in), dV += P^T dO,
+// L), dS^T = scale P^T (dP^T - D) (not written: dQ's kernel computes it again), dV += P^T dO,
 // dK += dS^T Q; a tile with nothing masked or past T skips the tests. The (head, query block)
 // steps run as one sequence, so the next step's Q, dO, L and D are staged while this one multiplies, across heads too. A warp whose keys
 // no query of a block sees skips it (causal: its first blocks, where the CTA's keys start before
@@ -982,14 +983,12 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
         th_cp_commit();
         if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
             const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
-            // dS as bf16 (rounded to nearest even, as dQ's kernel rounds it entering its product):
-            // this thread's elements at rows q0 + c + e % 2 + 8 nt, keys w0 + g + 8 (e / 2)
-            __nv_bfloat16 * ds_out = (__nv_bfloat16 *) a.out + bh * ((int64_t) T * T) + (int64_t) (q0 + c) * T + w0 + g;
             float s[8][4], dp[8][4];
             th_mm_rows<HD>(s, kf, Qs, LDR);
             th_mm_rows<HD>(dp, vf, dOs, LDR);
-            // P, and dS into the node; WHOLE: a tile inside the sequence whose every key every
-            // query sees, so no element to mask or to leave unwritten (its tests compile away)
+            // P and dS (this thread's elements at queries q0 + c + e % 2 + 8 nt, keys w0 + g +
+            // 8 (e / 2)); WHOLE: a tile inside the sequence whose every key every query sees, so
+            // no element to mask (its tests compile away)
             auto p_and_ds = [&](auto whole_tile) {
                 constexpr bool WHOLE = decltype(whole_tile)::value;
 #pragma unroll
@@ -1002,7 +1001,6 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
                         const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
                         s[nt][e] = p;
                         dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
-                        if (inside) ds_out[(nt * 8 + e % 2) * T + 8 * (e / 2)] = __float2bfloat16_rn(dp[nt][e]);
                     }
             };
             if (w0 + 16 <= T && q0 + TH_MM_B <= T && !(a.causal && w0 + 15 > q0)) {
@@ -1021,8 +1019,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
 // th_attn_bwd_mma_kernel (so the same bits), but a warp holds the scores and dP of 16 queries at
 // a time (16 registers, not 64) and reads K's and V's fragments from shared memory, so that two
 // CTAs (MINB) fit an SM: twice the warps to hide the latencies of a step that is mostly not mma.
-// A chunk whose queries see none of the warp's keys only writes its zeros of dS (+0 where the
-// whole-step kernel's p (dP - D) gave -0 for some: dQ's sums, the only reader, are the same).
+// A chunk whose queries see none of the warp's keys is skipped.
 // TOYHARNESS_CUDA_ATTN_BWD=rows takes th_attn_bwd_mma_kernel (comparisons; tests check the bits).
 // gpt2-small's bf16 step (H100): 3.95 -> 3.23 ms of backward, 24.97 -> 24.24 ms a step.
 template <int HD, int WARPS, bool GROUPED, int MINB>
@@ -1035,7 +1032,7 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
     __nv_bfloat16 * dOs = Qs + TH_MM_B * LDR;                      // [q][d]
     float * Qst = (float *) (dOs + TH_MM_B * LDR), * dOst = Qst + TH_MM_B * HD;   // staging
     float * LD = dOst + TH_MM_B * HD;                              // [2 steps][L 64, D 64]
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int warp = threadIdx.x / 32;
     const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, k0 = blockIdx.y * KR, T = a.T;
     const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
     const int w0 = k0 + 16 * warp;                                   // the warp's first key
@@ -1058,18 +1055,10 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
         th_cp_commit();
         if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
             const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
-            // dS as bf16 (rounded to nearest even, as dQ's kernel rounds it entering its product):
-            // this thread's elements at rows q0 + 16 j + c + e % 2 + 8 nt, keys w0 + g + 8 (e / 2)
-            __nv_bfloat16 * ds_out = (__nv_bfloat16 *) a.out + bh * ((int64_t) T * T) + (int64_t) (q0 + c) * T + w0 + g;
 #pragma unroll
             for (int j = 0; j < TH_MM_B / 16; j++) {
                 const int qc = q0 + 16 * j;                          // the chunk's first query
-                // this thread's dS element (nt, e) of the chunk
-                auto ds_at = [&](const int nt, const int e) { return ds_out + ((16 * j + nt * 8 + e % 2) * T + 8 * (e / 2)); };
-                if (a.causal && w0 > qc + 15) {                      // no query of the chunk sees the keys
-                    th_chunk_zero_ds<__nv_bfloat16>(a, w0, qc, ds_at);
-                    continue;
-                }
+                if (a.causal && w0 > qc + 15) continue;              // no query of the chunk sees the keys
                 float s[2][4], dp[2][4];
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++)
@@ -1087,7 +1076,7 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
                     th_mma16816(dp[0], af, bf[0], bf[1]);
                     th_mma16816(dp[1], af, bf[2], bf[3]);
                 }
-                th_chunk_p_ds<__nv_bfloat16>(s, dp, Lq, Dq, j, a, w0, qc, ds_at);
+                th_chunk_p_ds<void>(s, dp, Lq, Dq, j, a, w0, qc, th_no_ds{});
                 // dV += P^T dO and dK += dS^T Q over the chunk's 16 queries (A: the C fragments
                 // above, rounded to bf16 as th_mm_acc rounds them)
                 const uint32_t pa[4] = {th_pack_bf16(s[0][0], s[0][1]), th_pack_bf16(s[0][2], s[0][3]),
@@ -1116,63 +1105,112 @@ static constexpr size_t th_bwd_chunk_smem() {
     return 2 * (size_t) (2 * 16 * WARPS + 2 * TH_MM_B) * (HD + TH_MM_PAD) + 4 * ((size_t) 2 * TH_MM_B * HD + 4 * TH_MM_B);
 }
 
-// dQ = dS K: one CTA a (head, 16 WARPS queries), a warp 16 queries, over the key blocks the
-// backward wrote (causal: up to the diagonal's of the warp's rows), keys in order, the last query
-// blocks first; the next key block's dS (bf16, as the backward wrote it) and K staged while this
-// one multiplies
+// dQ = dS K without dS in memory: one CTA a (head, 16 WARPS queries), a warp 16 queries, over the
+// key blocks they see (causal: up to the diagonal's of the warp's rows), keys in order, the last
+// query blocks first; the next key block's K and V staged while this one multiplies (as the
+// forward's). For each 16 keys the warp computes again what the backward computed of dS:
+// S = Q K^T and dP = dO V^T (each element the backward's S^T or dP^T element, the same 16-term
+// mma sums over d in the same order: the same fp32 values), P = exp(scale S - L), dS = scale P
+// (dP - D), then dQ += dS K with dS rounded to bf16 as it enters the product (its A fragments
+// straight from the C fragments), in the order the kernel that read the backward's dS summed:
+// so the same bits, and the (B*H, T, T) dS (192 MiB a gpt2-small layer) is never formed, for two
+// more products a tile. Keys past every row of the warp (causal) are skipped: their dS is 0.
 template <int HD, int WARPS>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_kernel(const th_attn_args a) {
-    constexpr int LDT = TH_MM_B + TH_MM_PAD, LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
+    constexpr int LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
-    __nv_bfloat16 * Ss = (__nv_bfloat16 *) th_mma_smem;           // [q][key]
-    __nv_bfloat16 * Ks = Ss + QR * LDT;                            // [key][d]
-    // staging, TH_MM_STAGES buffers: dS's bf16 [q][key] unpadded, then K's fp32
-    constexpr int STAGE_FLOATS = QR * TH_MM_B / 2 + TH_MM_B * HD;
-    float * staging = (float *) (Ks + TH_MM_B * LDR);
-    const int warp = threadIdx.x / 32;
+    __nv_bfloat16 * Rs = (__nv_bfloat16 *) th_mma_smem;           // [q][d]: Q's rows, then dO's
+    __nv_bfloat16 * Ks = Rs + QR * LDR;                            // [key][d]
+    __nv_bfloat16 * Vs = Ks + TH_MM_B * LDR;                       // [key][d]
+    float * Kst = (float *) (Vs + TH_MM_B * LDR), * Vst = Kst + TH_MM_B * HD;     // staging
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
     const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
-    const __nv_bfloat16 * ds = (const __nv_bfloat16 *) a.ds + (int64_t) bh * T * T;    // bf16: the backward's
-    const float * k = th_head(a.k, bh);
-    // dS rows are T bf16s: 16-byte copies where T is a multiple of 8 (the head then aligned too)
-    const bool s_staged = T % 8 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
-    auto stage = [&](const int k0, const int buf) {
-        __nv_bfloat16 * Sst16 = (__nv_bfloat16 *) (staging + buf * STAGE_FLOATS);
-        float * Kst = staging + buf * STAGE_FLOATS + QR * TH_MM_B / 2;
-        if (s_staged) th_stage_ds<__nv_bfloat16, QR, NT>(Sst16, ds, q0, k0, T);
-        if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0, T);
-    };
+    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    const float * dout = th_head(a.dout, bh);
+    const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
+    const int nkb = th_key_blocks(a, q0, QR);
+    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    th_cp_commit();
+    // the warp's Q and dO as A fragments, and L and D of its rows g and g + 8 (a row past T: 0)
+    uint32_t qf[HD / 16][4], of[HD / 16][4];
+    th_fill_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, nullptr, false, q, a.q, q0, T);
+    __syncthreads();
+    th_frag_a<HD>(qf, Rs, LDR, 16 * warp);
+    __syncthreads();
+    th_fill_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, nullptr, false, dout, a.dout, q0, T);
+    __syncthreads();
+    th_frag_a<HD>(of, Rs, LDR, 16 * warp);
+    const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
+    float lr[2], dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = w0 + g + 8 * r;
+        lr[r] = row < T ? L[row] : 0.0f;
+        dr[r] = row < T ? D[row] : 0.0f;
+    }
     float acc[HD / 8][4];
     th_zero<HD>(acc);
-    const int nkb = th_key_blocks(a, q0, QR);
-    // the first TH_MM_STAGES key blocks in flight, a commit group each (empty past the last block)
-#pragma unroll
-    for (int st = 0; st < TH_MM_STAGES; st++) {
-        if (st < nkb) stage(st * TH_MM_B, st);
-        th_cp_commit();
-    }
     for (int kb = 0; kb < nkb; kb++) {
-        const int k0 = kb * TH_MM_B, buf = kb % TH_MM_STAGES;
-        const __nv_bfloat16 * Sst16 = (const __nv_bfloat16 *) (staging + buf * STAGE_FLOATS);
-        const float * Kst = staging + buf * STAGE_FLOATS + QR * TH_MM_B / 2;
-        th_cp_wait_groups<TH_MM_STAGES - 1>();                       // key block kb's group (the oldest) done
-        __syncthreads();                                             // key block kb staged; Ss, Ks free
-        th_fill_ds<__nv_bfloat16, QR, NT, LDT>(Ss, Sst16, s_staged, ds, q0, k0, T);
+        const int k0 = kb * TH_MM_B;
+        th_cp_wait();
+        __syncthreads();                                             // the staging holds kb; Ks, Vs free
         th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
-        __syncthreads();                                             // Ss, Ks hold kb; its buffer free
-        if (kb + TH_MM_STAGES < nkb) stage(k0 + TH_MM_STAGES * TH_MM_B, buf);
+        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Vs, LDR, Vst, v_staged, v, a.v, k0, T);
+        __syncthreads();                                             // Ks, Vs hold kb; the staging free
+        if (kb + 1 < nkb) {
+            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
+            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
+        }
         th_cp_commit();
-        if (a.causal && k0 > w0 + 15) continue;                    // past the warp's diagonal block
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
-            uint32_t sf[4];
-            th_ldsm_a(sf, Ss, LDT, 16 * warp, 16 * j);
+            const int kc = k0 + 16 * j;                              // the chunk's first key
+            if (a.causal && kc > w0 + 15) break;                     // the same for the whole warp
+            float s[2][4], dp[2][4];
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                uint32_t bf[4];
+                th_ldsm_bt(bf, Ks, LDR, 16 * j, 16 * kk);
+                th_mma16816(s[0], qf[kk], bf[0], bf[1]);
+                th_mma16816(s[1], qf[kk], bf[2], bf[3]);
+                th_ldsm_bt(bf, Vs, LDR, 16 * j, 16 * kk);
+                th_mma16816(dp[0], of[kk], bf[0], bf[1]);
+                th_mma16816(dp[1], of[kk], bf[2], bf[3]);
+            }
+            // P and dS: element (nt, e) at query w0 + g + 8 (e / 2), key kc + 8 nt + c + e % 2;
+            // WHOLE: every key of the chunk seen by every query (the tests compile away)
+            auto p_and_ds = [&](auto whole_chunk) {
+                constexpr bool WHOLE = decltype(whole_chunk)::value;
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int row = w0 + g + 8 * (e / 2), key = kc + nt * 8 + c + e % 2;
+                        const bool seen = WHOLE || (key < T && row < T && !(a.causal && key > row));
+                        const float p = seen ? expf(s[nt][e] * a.scale - lr[e / 2]) : 0.0f;
+                        dp[nt][e] = p * (dp[nt][e] - dr[e / 2]) * a.scale;
+                    }
+            };
+            if (w0 + 16 <= T && kc + 16 <= T && !(a.causal && kc + 15 > w0)) {
+                p_and_ds(std::true_type{});
+            } else {
+                p_and_ds(std::false_type{});
+            }
+            const uint32_t sa[4] = {th_pack_bf16(dp[0][0], dp[0][1]), th_pack_bf16(dp[0][2], dp[0][3]),
+                                    th_pack_bf16(dp[1][0], dp[1][1]), th_pack_bf16(dp[1][2], dp[1][3])};
 #pragma unroll
             for (int nt = 0; nt < HD / 8; nt += 2) {
                 uint32_t b[4];
                 th_ldsm_b_trans(b, Ks, LDR, 16 * j, nt * 8);
-                th_mma16816(acc[nt], sf, b[0], b[1]);
-                th_mma16816(acc[nt + 1], sf, b[2], b[3]);
+                th_mma16816(acc[nt], sa, b[0], b[1]);
+                th_mma16816(acc[nt + 1], sa, b[2], b[3]);
             }
         }
     }
@@ -1366,7 +1404,9 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
     th_bwd_put<HD>(a, kvh, w0, 1, 0, dk, dv);
 }
 
-// dQ = dS K in TF32: th_attn_dq_mma_kernel's walk; dS's fp32 rows padded to 72 floats so that the
+// dQ = dS K in TF32, from the dS the backward wrote: one CTA a (head, 16 WARPS queries), a warp 16
+// queries, over the key blocks they see, keys in order, the next block's dS and K staged while
+// this one multiplies; dS's fp32 rows padded to 72 floats so that the
 // A fragments' pairs (keys 2t, 2t + 1: one 64-bit read) hit 32 banks a half warp
 template <int HD, int WARPS>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_kernel(const th_attn_args a) {
@@ -1675,23 +1715,35 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
             th_attn_bwd_kernel<HD, false><<<dim3(ctas, (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
         }
     } else {
-        a.ds = (const float *) dst->src[0]->data, a.k = th_opd_of(dst->src[1], false);
+        const ggml_tensor * bwd = dst->src[6];
+        a.k = th_opd_of(dst->src[1], false);
         a.k.g = ap.group;
         a.dq = th_room_opd(dst, th_attention_map_of(dst, 0));
-        // the backward's stamp, not this node's, says how dS was written: bf16 by the tensor-core
-        // kernel (a graph's nodes are stamped alike, so the two agree; this reads what was written)
-        if (th_precision_of(dst->src[0]) == TH_PRECISION_BF16) {
-            th_mma_launch<HD>(stream, kernel, a, (unsigned) dst->src[0]->ne[2]);
+        const unsigned heads = (unsigned) bwd->ne[2];
+        // the backward's stamp, not this node's, says whether dS was written (a graph's nodes are
+        // stamped alike, so the two agree; this reads what was written): at bf16 it was not, and
+        // the tensor-core kernel computes it again from the backward's sources
+        if (th_precision_of(bwd) == TH_PRECISION_BF16) {
+            a.q = th_opd_of(dst->src[0], false), a.v = th_opd_of(dst->src[2], true), a.dout = th_opd_of(dst->src[3], false);
+            a.v.g = ap.group;
+            a.fwd = (const float *) dst->src[4]->data, a.scratch = (float *) dst->src[5]->data;
+            th_mma_launch<HD>(stream, kernel, a, heads);
             return;
         }
-        if (th_tf32_attention(dst->src[0])) {
-            th_tf_launch<HD>(stream, kernel, a, (unsigned) dst->src[0]->ne[2]);
+        a.ds = (const float *) bwd->data;
+        if (th_tf32_attention(bwd)) {
+            th_tf_launch<HD>(stream, kernel, a, heads);
             return;
         }
         const size_t smem = th_dq_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_dq_kernel<HD>, smem);
-        th_attn_dq_kernel<HD><<<dim3((unsigned) dst->src[0]->ne[2], (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
+        th_attn_dq_kernel<HD><<<dim3(heads, (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
     }
+}
+
+// the backward node's shape: dS (T, T, BH), or at bf16 no dS (1, 1, BH: native/cuda_precision.c)
+static bool th_attention_ds_shape_ok(const ggml_tensor * bwd, const int64_t T) {
+    return th_precision_of(bwd) == TH_PRECISION_BF16 ? bwd->ne[0] == 1 && bwd->ne[1] == 1 : bwd->ne[0] == T && bwd->ne[1] == T;
 }
 
 bool th_attention_supported(const ggml_tensor * op, const int kernel) {
@@ -1710,17 +1762,27 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
         case TH_CUDA_ATTN_PREP:
             return op->ne[0] == th_attention_prep_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
                    th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1];
-        case TH_CUDA_ATTN_BWD:
-            return op->ne[0] == T && op->ne[1] == T && th_opd_ok(s[0], hd, T, op->ne[2]) && op->ne[2] % G == 0 &&
+        case TH_CUDA_ATTN_BWD:                 // dS (T, T, BH), or at bf16 none (1, 1, BH)
+            return th_attention_ds_shape_ok(op, T) && th_opd_ok(s[0], hd, T, op->ne[2]) && op->ne[2] % G == 0 &&
                    th_opd_ok(s[1], hd, T, op->ne[2] / G) && th_opd_ok(s[2], T, hd, op->ne[2] / G) &&
                    th_opd_ok(s[3], hd, T, op->ne[2]) && th_f32_contiguous(s[4]) && th_f32_contiguous(s[5]) &&
                    ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * op->ne[2] &&
                    ggml_nelements(s[5]) == th_attention_prep_floats(hd, T) * op->ne[2] &&
                    (s[6] == nullptr || th_room_ok(s[6], th_attention_map_of(op, 0), hd, T, op->ne[2] / G)) &&
                    (s[7] == nullptr || th_room_ok(s[7], th_attention_map_of(op, 1), hd, T, op->ne[2] / G));
-        case TH_CUDA_ATTN_DQ:
-            return th_f32_contiguous(s[0]) && s[0]->ne[0] == T && s[0]->ne[1] == T && s[0]->ne[2] % G == 0 &&
-                   th_opd_ok(s[1], hd, T, s[0]->ne[2] / G) && th_room_ok(op, th_attention_map_of(op, 0), hd, T, s[0]->ne[2]);
+        case TH_CUDA_ATTN_DQ: {                // the backward's sources, then the backward (dS)
+            const ggml_tensor * bwd = s[6];
+            if (bwd == nullptr || th_kernel_of(bwd) != TH_CUDA_ATTN_BWD || !th_f32_contiguous(bwd) ||
+                !th_attention_ds_shape_ok(bwd, T) || th_precision_of(bwd) != th_precision_of(op)) {
+                return false;
+            }
+            const int64_t heads = bwd->ne[2];
+            return heads % G == 0 && th_opd_ok(s[0], hd, T, heads) && th_opd_ok(s[1], hd, T, heads / G) &&
+                   th_opd_ok(s[2], T, hd, heads / G) && th_opd_ok(s[3], hd, T, heads) && th_f32_contiguous(s[4]) &&
+                   th_f32_contiguous(s[5]) && ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * heads &&
+                   ggml_nelements(s[5]) == th_attention_prep_floats(hd, T) * heads &&
+                   th_room_ok(op, th_attention_map_of(op, 0), hd, T, heads);
+        }
         default:
             return false;
     }
