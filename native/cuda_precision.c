@@ -5,6 +5,7 @@
  * node's op_params when it marks it. */
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ggml.h"
@@ -188,11 +189,15 @@ static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) 
     return taken;
 }
 
-/* At bf16 an attention's backward node (ATTN_BWD) writes dK and dV alone: dQ's kernel computes the
- * tiles of dS again (th-attention.cu), so the (T, T, BH) scores' gradient is never formed and the
- * node keeps no room for it, (1, 1, BH) (its heads still in ne[2]). */
-static void th_attention_drop_ds(struct ggml_tensor * t) {
+/* Where attention's tensor-core kernels take it (bf16, and tf32 unless
+ * TOYHARNESS_CUDA_TF32_ATTENTION=fp32 keeps fp32's kernels: th-attention.cu, th_attention_forms_ds),
+ * an attention's backward node (ATTN_BWD) writes dK and dV alone: dQ's kernel computes the tiles of
+ * dS again, so the (T, T, BH) scores' gradient is never formed and the node keeps no room for it,
+ * (1, 1, BH) (its heads still in ne[2]). */
+static void th_attention_drop_ds(struct ggml_tensor * t, int precision) {
+    const char * tf32_attention = getenv("TOYHARNESS_CUDA_TF32_ATTENTION");
     if (th_kernel_of(t) != TH_CUDA_ATTN_BWD) return;
+    if (precision == TH_PRECISION_TF32 && tf32_attention != NULL && strcmp(tf32_attention, "fp32") == 0) return;
     t->ne[0] = 1, t->ne[1] = 1;
     for (int d = 1; d < GGML_MAX_DIMS; d++) t->nb[d] = t->nb[d - 1] * t->ne[d - 1];
 }
@@ -202,7 +207,7 @@ static void th_attention_drop_ds(struct ggml_tensor * t) {
  * frozen bf16 products do not take, or a SwiGLU kept bf16 that a node here reads as f32 (its name
  * in `why`). fp32 clears a stamp (a node keeps no other precision's). At bf16, products of frozen
  * weights become ours first (th_mark_frozen), then SwiGLUs over them keep bf16 (th_swiglu_bf16),
- * and attention's backward nodes drop dS (th_attention_drop_ds). */
+ * and at tf32 and bf16 attention's backward nodes drop dS (th_attention_drop_ds). */
 TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, char * why, int why_size) {
     if (precision != TH_PRECISION_FP32 && precision != TH_PRECISION_TF32 && precision != TH_PRECISION_BF16) return -1;
     int marked = 0;
@@ -217,7 +222,7 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
             }
             return -2;
         }
-        if (precision == TH_PRECISION_BF16) th_attention_drop_ds(t);
+        if (precision != TH_PRECISION_FP32) th_attention_drop_ds(t, precision);
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD || th_kernel_of(t) != 0) {
             th_precision_set(t, precision);
             marked++;

@@ -14,7 +14,8 @@
  *       dk = OUT_PROD(q, dS), dq = OUT_PROD(k, T(dS))
  *     become the fused kernels of cuda/th-attention.cu (custom_ops.h has their layouts): P the
  *     forward (O and L, S then computes nothing), dP the prep (D), dS the backward (dS, dK, dV;
- *     at bf16 dK and dV alone: native/cuda_precision.c), dq our dQ kernel. The kernels read q, k, v^T and dO through their strides, so the CONTs
+ *     at tf32 and bf16 dK and dV alone: native/cuda_precision.c), dq our dQ kernel. The kernels
+ *     read q, k, v^T and dO through their strides, so the CONTs
  *     that permuted them out of the projections' layout fold; the CONTs that permute dK, dV and
  *     dQ back become the nodes those kernels write (dK's and dV's are rooms, moved before their
  *     writer in every graph), and O's copies straight out of the forward's node: 1 of attention's

@@ -19,7 +19,7 @@
                                            (th_cuda_dequantize_bf16), SwiGLU over frozen
                                            products in bf16, CROSS_ENTROPY_BACK; 15:
                                            CROSS_ENTROPY, SWIGLU; 16: ATTN_DQ's
-                                           sources, no dS at bf16 */
+                                           sources, no dS at tf32 and bf16 */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -29,9 +29,10 @@ enum {
      *              and dV^T into it, or into their rooms
      *   ATTN_BWD   srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP, [dK's room, dV's room]; dS (T,T,BH),
      *              what SOFT_MAX_BACK gives, in the tiles a causal query sees (the rest unwritten:
-     *              ATTN_DQ alone reads it); stamped bf16, no dS: (1,1,BH), and nothing written
+     *              ATTN_DQ alone reads it); stamped bf16, or tf32 on the TF32 kernels, no dS:
+     *              (1,1,BH), and nothing written
      *   ATTN_DQ    srcs q, k, vt, dO, ATTN_FWD, ATTN_PREP (ATTN_BWD's first six), then the ATTN_BWD
-     *              node; dQ = dS K (at bf16 dS's tiles computed again from the sources), into
+     *              node; dQ = dS K (at tf32 and bf16 dS's tiles computed again from the sources), into
      *              its own node through a map
      *   SLICE      src one of those; per head, `count` floats from `offset` of each `stride`
      * An operand (q, k, vt, dO) may be a strided (hd,T,H,B) or (T,hd,H,B) view, head b H + h:

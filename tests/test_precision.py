@@ -132,36 +132,42 @@ def test_at_bf16_a_frozen_weights_products_become_the_frozen_bf16_kernels(dtype)
     assert {lib.th_cuda_precision_of(n) for n in frozen} == {PRECISION_CODES["bf16"]}
 
 
-def test_at_bf16_the_attention_backward_forms_no_ds_and_dq_reads_what_it_computes_ds_from():
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_at_tf32_and_bf16_the_attention_backward_forms_no_ds(precision, monkeypatch):
     """Built on cpu, never computed: after the cuda rewrite the attention backward's node holds dS
-    (T, T, BH) at tf32; stamped bf16 it holds nothing of it, (1, 1, BH) (dQ's kernel computes dS's
-    tiles again, native/cuda/th-attention.cu), and the buffer the graph needs shrinks by at least
-    dS's bytes. dQ's node reads the backward's six sources (q, k, v^T, dO, the forward's and the
-    prep's nodes: kept alive until dQ runs), then the backward's node."""
+    (T, T, BH), as fp32's kernels write it (and tf32's under TOYHARNESS_CUDA_TF32_ATTENTION=fp32);
+    stamped for the tensor-core kernels it holds nothing of it, (1, 1, BH) (dQ's kernel computes
+    dS's tiles again, native/cuda/th-attention.cu), and the buffer the graph needs shrinks by at
+    least dS's bytes. dQ's node reads the backward's six sources (q, k, v^T, dO, the forward's and
+    the prep's nodes: kept alive until dQ runs), then the backward's node."""
     from attention_cases import attention_program
 
     b, t, d, n_head = 2, 64, 64, 4
     sizes, ds_bytes = {}, b * n_head * t * t * 4
-    for precision in ("tf32", "bf16"):
+    for stamp, kernels in (("fp32", ""), (precision, "fp32"), (precision, "")):
+        monkeypatch.setenv("TOYHARNESS_CUDA_TF32_ATTENTION", kernels)
         prog, trainer, _fg = attention_program("cpu", b, t, d, n_head)
         graph = trainer.gb_grad
         assert lib.th_cuda_rewrite(graph, 1) > 0
-        assert lib.th_cuda_mark_precision(graph, PRECISION_CODES[precision], ffi.NULL, 0) > 0
+        assert lib.th_cuda_mark_precision(graph, PRECISION_CODES[stamp], ffi.NULL, 0) > 0
         nodes = {ffi.string(lib.th_cuda_kernel_name(n)).decode(): n
                  for n in (lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph)))
                  if lib.th_cuda_kernel_name(n) != ffi.NULL}
         back, dq = nodes["attention_back"], nodes["attention_dq"]
         ne, nb = ffi.new("int64_t[4]"), ffi.new("size_t[4]")
         lib.th_tensor_shape(back, ne, nb)
-        assert list(ne) == ([t, t, b * n_head, 1] if precision == "tf32" else [1, 1, b * n_head, 1])
+        forms_ds = stamp == "fp32" or (precision == "tf32" and kernels == "fp32")
+        assert list(ne) == ([t, t, b * n_head, 1] if forms_ds else [1, 1, b * n_head, 1]), (stamp, kernels)
         assert [lib.th_tensor_src(dq, i) for i in range(6)] == [lib.th_tensor_src(back, i) for i in range(6)]
         assert lib.th_tensor_src(dq, 6) == back
         galloc, size = lib.ggml_gallocr_new(get_engine("cpu").buffer_type), ffi.new("size_t[1]")
         lib.ggml_gallocr_reserve_n_size(galloc, graph, ffi.NULL, ffi.NULL, size)
         lib.ggml_gallocr_free(galloc)
-        sizes[precision] = size[0]
+        sizes[(stamp, kernels)] = size[0]
         prog.close()
-    assert sizes["tf32"] - sizes["bf16"] >= ds_bytes, sizes
+    assert sizes[("fp32", "")] - sizes[(precision, "")] >= ds_bytes, sizes
+    if precision == "tf32":
+        assert sizes[("fp32", "")] == sizes[("tf32", "fp32")], sizes
 
 
 def test_a_frozen_product_of_a_shape_the_bf16_kernels_do_not_take_is_refused_by_name():

@@ -1,16 +1,17 @@
 // Fused causal attention, forward and backward, fp32 (issue 21): the (B*H, T, T) scores and
 // probabilities never reach memory in the forward, and the backward writes the scores' gradient
-// once. th_cuda_rewrite (native/cuda_rewrite.c, th_rewrite_attention) hands these kernels the
+// once (at tf32 and bf16 not at all: dQ's kernel computes its tiles again). th_cuda_rewrite (native/cuda_rewrite.c, th_rewrite_attention) hands these kernels the
 // nodes that ggml's autograd built for blocks.attention; custom_ops.h fixes the layouts.
 //
 //   forward  (P's node):   O = softmax(scale Q K^T + mask) V and L = logsumexp per query row,
 //                          one pass over the key blocks (online softmax, FlashAttention-2's order)
 //   prep     (dP's node):  D = rowsum(dO * O)
 //   backward (dS's node):  per key block, over the query blocks it sees: P again from Q, K and L,
-//                          dP = dO V^T, dS = scale P (dP - D) (written: what SOFT_MAX_BACK gives),
-//                          dV += P^T dO, dK += dS^T Q (both into the prep node's buffer)
-//   dQ       (dq's node):  per query block, dQ = dS K over the key blocks it sees (bf16: dS's
-//                          tiles computed again, the backward writing none), written in the
+//                          dP = dO V^T, dS = scale P (dP - D) (written: what SOFT_MAX_BACK gives;
+//                          tf32 and bf16: not written), dV += P^T dO, dK += dS^T Q (both into the
+//                          prep node's buffer)
+//   dQ       (dq's node):  per query block, dQ = dS K over the key blocks it sees (tf32 and bf16:
+//                          dS's tiles computed again from Q, K, V, dO, L and D), written in the
 //                          layout its node wants (the projection's (B, T, H, hd) where a CONT
 //                          permuted it back: that CONT is the node)
 //
@@ -715,37 +716,6 @@ static __device__ __forceinline__ int th_key_blocks(const th_attn_args & a, cons
     return ((a.causal ? q_end : a.T) + TH_MM_B - 1) / TH_MM_B;
 }
 
-// dQ's kernels: stage dS's rows q0 .. q0 + QR, keys k0 .. k0 + TH_MM_B (elements E, 16-byte copies;
-// past T zeros) into st[r][key], unpadded
-template <typename E, int QR, int NT>
-static __device__ __forceinline__ void th_stage_ds(E * st, const E * ds, const int q0, const int k0, const int T) {
-    constexpr int V = 16 / sizeof(E);                               // elements a copy
-    for (int i = threadIdx.x; i < QR * TH_MM_B / V; i += NT) {
-        const int r = i / (TH_MM_B / V), cc = V * (i % (TH_MM_B / V));
-        const bool in = q0 + r < T && k0 + cc < T;
-        th_cp_async<16>(st + r * TH_MM_B + cc, in ? ds + (int64_t) (q0 + r) * T + k0 + cc : ds, in);
-    }
-}
-
-// and copy them from the staging into the padded tile Ss (ld LDT), or load them where not staged
-template <typename E, int QR, int NT, int LDT>
-static __device__ __forceinline__ void th_fill_ds(E * Ss, const E * st, const bool staged, const E * ds, const int q0,
-                                                  const int k0, const int T) {
-    constexpr int V = 16 / sizeof(E);
-    if (staged) {
-        for (int i = threadIdx.x; i < QR * TH_MM_B / V; i += NT) {
-            const int r = i / (TH_MM_B / V), cc = V * (i % (TH_MM_B / V));
-            *(uint4 *) (Ss + r * LDT + cc) = *(const uint4 *) (st + r * TH_MM_B + cc);
-        }
-        return;
-    }
-    for (int i = threadIdx.x; i < QR * TH_MM_B; i += NT) {
-        const int r = i / TH_MM_B, cc = i % TH_MM_B;
-        const bool in = q0 + r < T && k0 + cc < T;
-        Ss[r * LDT + cc] = in ? ds[(int64_t) (q0 + r) * T + k0 + cc] : E(0.0f);
-    }
-}
-
 // a warp's 16 rows (from w0; C fragments, 16 x HD) times `scale` (one a row) into out's head h
 template <int HD>
 static __device__ __forceinline__ void th_put_rows(const float (&x)[HD / 8][4], const float (&scale)[2], float * h,
@@ -780,15 +750,13 @@ static __device__ __forceinline__ void th_put_o(const float (&o)[HD / 8][4], con
 }
 
 // The backward's chunk of 16 queries (from qc) against a warp's 16 keys (from w0): P from the
-// scores s and L, dS = scale P (dP - D) from dP, each written to dS's node as DS (fp32 holding
-// TF32 values: dS then rounded to TF32 in dp too) through ds_at(nt, e), or (DS void: bf16, whose
-// dQ computes dS again) not written. Lq and Dq: the
-// step's L and D from its first query, qc - q0 = 16 j. A chunk with keys all past its queries
-// (causal) takes th_chunk_zero_ds instead.
-template <typename DS, typename At>
+// scores s and L, dS = scale P (dP - D) from dP (TF32: dS rounded to TF32, as it enters dK's
+// product), neither written: dQ's kernel computes dS again. Lq and Dq: the step's L and D from its
+// first query, qc - q0 = 16 j. A chunk with keys all past its queries (causal) is skipped.
+template <bool TF32>
 static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&dp)[2][4], const float * Lq,
                                                      const float * Dq, const int j, const th_attn_args & a,
-                                                     const int w0, const int qc, At ds_at) {
+                                                     const int w0, const int qc) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
     float lq[2][2], dq[2][2];
 #pragma unroll
@@ -798,7 +766,7 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
         lq[nt][0] = l2.x, lq[nt][1] = l2.y, dq[nt][0] = d2.x, dq[nt][1] = d2.y;
     }
     // WHOLE: a chunk inside the sequence whose every key every query sees, so no element to mask
-    // or to leave unwritten (its tests compile away)
+    // (its tests compile away)
     auto p_and_ds = [&](auto whole_chunk) {
         constexpr bool WHOLE = decltype(whole_chunk)::value;
 #pragma unroll
@@ -806,15 +774,11 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
-                const bool inside = WHOLE || (key < T && qr < T);
-                const bool seen = WHOLE || (inside && !(a.causal && key > qr));
+                const bool seen = WHOLE || (key < T && qr < T && !(a.causal && key > qr));
                 const float p = seen ? expf(s[nt][e] * a.scale - lq[nt][e % 2]) : 0.0f;
                 s[nt][e] = p;
                 dp[nt][e] = p * (dp[nt][e] - dq[nt][e % 2]) * a.scale;
-                if constexpr (std::is_same<DS, float>::value) {
-                    dp[nt][e] = th_tf32(dp[nt][e]);
-                    if (inside) *ds_at(nt, e) = dp[nt][e];
-                }
+                if constexpr (TF32) dp[nt][e] = th_tf32(dp[nt][e]);
             }
     };
     if (w0 + 16 <= T && qc + 16 <= T && !(a.causal && w0 + 15 > qc)) {
@@ -824,22 +788,46 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
     }
 }
 
-// th_chunk_p_ds's writer where dS is not written (bf16)
-struct th_no_ds {
-    float * operator()(int, int) const { return nullptr; }
-};
-
-// dS's zeros of a chunk no query of which sees the warp's keys (causal: w0 > qc + 15)
-template <typename DS, typename At>
-static __device__ __forceinline__ void th_chunk_zero_ds(const th_attn_args & a, const int w0, const int qc, At ds_at) {
+// dQ's P and dS of a warp's 16 queries (from w0, L lr and D dr of its rows g and g + 8) against 16
+// keys (from kc): the C fragments s (scores) and dp (dP) of Q K^T and dO V^T, element (nt, e) at
+// query w0 + g + 8 (e / 2), key kc + 8 nt + c + e % 2, turned into dS in dp with the backward's
+// expressions (th_chunk_p_ds: the same values)
+static __device__ __forceinline__ void th_dq_chunk_ds(const float (&s)[2][4], float (&dp)[2][4], const float (&lr)[2],
+                                                      const float (&dr)[2], const th_attn_args & a, const int w0,
+                                                      const int kc) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
+    auto p_and_ds = [&](auto whole_chunk) {            // WHOLE: every key seen by every query
+        constexpr bool WHOLE = decltype(whole_chunk)::value;
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
+        for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
-            if (key < T && qr < T) *ds_at(nt, e) = DS(0.0f);
-        }
+            for (int e = 0; e < 4; e++) {
+                const int row = w0 + g + 8 * (e / 2), key = kc + nt * 8 + c + e % 2;
+                const bool seen = WHOLE || (key < T && row < T && !(a.causal && key > row));
+                const float p = seen ? expf(s[nt][e] * a.scale - lr[e / 2]) : 0.0f;
+                dp[nt][e] = p * (dp[nt][e] - dr[e / 2]) * a.scale;
+            }
+    };
+    if (w0 + 16 <= T && kc + 16 <= T && !(a.causal && kc + 15 > w0)) {
+        p_and_ds(std::true_type{});
+    } else {
+        p_and_ds(std::false_type{});
+    }
+}
+
+// dQ's L and D of a warp's rows g and g + 8 (from w0; a row past T: 0)
+template <int HD>
+static __device__ __forceinline__ void th_dq_rows_ld(float (&lr)[2], float (&dr)[2], const th_attn_args & a,
+                                                     const int bh, const int w0) {
+    const int g = (threadIdx.x % 32) / 4, T = a.T;
+    const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
+    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = w0 + g + 8 * r;
+        lr[r] = row < T ? L[row] : 0.0f;
+        dr[r] = row < T ? D[row] : 0.0f;
+    }
 }
 
 // the forward: one CTA a (head, 16 WARPS queries), the last query blocks first; a warp's 16 queries
@@ -1076,7 +1064,7 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
                     th_mma16816(dp[0], af, bf[0], bf[1]);
                     th_mma16816(dp[1], af, bf[2], bf[3]);
                 }
-                th_chunk_p_ds<void>(s, dp, Lq, Dq, j, a, w0, qc, th_no_ds{});
+                th_chunk_p_ds<false>(s, dp, Lq, Dq, j, a, w0, qc);
                 // dV += P^T dO and dK += dS^T Q over the chunk's 16 queries (A: the C fragments
                 // above, rounded to bf16 as th_mm_acc rounds them)
                 const uint32_t pa[4] = {th_pack_bf16(s[0][0], s[0][1]), th_pack_bf16(s[0][2], s[0][3]),
@@ -1123,7 +1111,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     __nv_bfloat16 * Ks = Rs + QR * LDR;                            // [key][d]
     __nv_bfloat16 * Vs = Ks + TH_MM_B * LDR;                       // [key][d]
     float * Kst = (float *) (Vs + TH_MM_B * LDR), * Vst = Kst + TH_MM_B * HD;     // staging
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+    const int warp = threadIdx.x / 32;
     const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
@@ -1142,15 +1130,8 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     th_fill_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, nullptr, false, dout, a.dout, q0, T);
     __syncthreads();
     th_frag_a<HD>(of, Rs, LDR, 16 * warp);
-    const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
-    const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
     float lr[2], dr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = w0 + g + 8 * r;
-        lr[r] = row < T ? L[row] : 0.0f;
-        dr[r] = row < T ? D[row] : 0.0f;
-    }
+    th_dq_rows_ld<HD>(lr, dr, a, bh, w0);
     float acc[HD / 8][4];
     th_zero<HD>(acc);
     for (int kb = 0; kb < nkb; kb++) {
@@ -1184,25 +1165,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
                 th_mma16816(dp[0], of[kk], bf[0], bf[1]);
                 th_mma16816(dp[1], of[kk], bf[2], bf[3]);
             }
-            // P and dS: element (nt, e) at query w0 + g + 8 (e / 2), key kc + 8 nt + c + e % 2;
-            // WHOLE: every key of the chunk seen by every query (the tests compile away)
-            auto p_and_ds = [&](auto whole_chunk) {
-                constexpr bool WHOLE = decltype(whole_chunk)::value;
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int row = w0 + g + 8 * (e / 2), key = kc + nt * 8 + c + e % 2;
-                        const bool seen = WHOLE || (key < T && row < T && !(a.causal && key > row));
-                        const float p = seen ? expf(s[nt][e] * a.scale - lr[e / 2]) : 0.0f;
-                        dp[nt][e] = p * (dp[nt][e] - dr[e / 2]) * a.scale;
-                    }
-            };
-            if (w0 + 16 <= T && kc + 16 <= T && !(a.causal && kc + 15 > w0)) {
-                p_and_ds(std::true_type{});
-            } else {
-                p_and_ds(std::false_type{});
-            }
+            th_dq_chunk_ds(s, dp, lr, dr, a, w0, kc);
             const uint32_t sa[4] = {th_pack_bf16(dp[0][0], dp[0][1]), th_pack_bf16(dp[0][2], dp[0][3]),
                                     th_pack_bf16(dp[1][0], dp[1][1]), th_pack_bf16(dp[1][2], dp[1][3])};
 #pragma unroll
@@ -1222,7 +1185,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
 // Under precision = tf32 the forward, the backward and dQ multiply on the tensor cores in TF32
 // (mma.sync m16n8k8, fp32 accumulation), as the products of a tf32 step do in cuBLAS: each operand
 // rounded to nearest TF32 (cvt.rna) as a tile reaches shared memory, P and dS as they enter a
-// product; scores, the online softmax, L, D and every sum fp32, dS written fp32 (TF32 values). The
+// product; scores, the online softmax, L, D and every sum fp32 (dS not written, as at bf16). The
 // tiles and steps are the bf16 kernels' (64-row tiles, a warp 16 rows, the backward by chunks of
 // 16 queries), in fp32 rows padded to HD + 4 floats, so that the fragments' 32-bit reads hit 32
 // banks. Where a product sums over keys (P V) or queries (P^T dO, dS^T Q) the k index runs in a
@@ -1279,9 +1242,8 @@ static constexpr size_t th_bwd_tf_smem() {
     return 4 * ((size_t) (2 * 16 * WARPS + 2 * TH_MM_B) * (HD + TH_TF_PAD) + (size_t) 2 * TH_MM_B * HD + 4 * TH_MM_B);
 }
 template <int HD, int WARPS>
-static constexpr size_t th_dq_tf_smem() {
-    return 4 * ((size_t) 16 * WARPS * (TH_MM_B + 2 * TH_TF_PAD) + (size_t) TH_MM_B * (HD + TH_TF_PAD) +
-                (size_t) 16 * WARPS * TH_MM_B + (size_t) TH_MM_B * HD);
+static constexpr size_t th_dq_tf_smem() {           // the forward's: the rows (Q, then dO), K, V, staging
+    return th_fwd_tf_smem<HD, WARPS>();
 }
 
 // the forward in TF32: th_attn_fwd_mma_kernel's walk (a CTA 16 WARPS queries, a warp 16, key blocks
@@ -1333,8 +1295,8 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
 }
 
 // the backward in TF32: th_attn_bwd_chunk_kernel's walk (a CTA 16 WARPS keys of a query head, a
-// warp 16 keys, a step 64 queries by chunks of 16), K's and V's fragments from shared memory, dS
-// written fp32 (TF32 values) where fp32's kernel writes it. One CTA an SM (its tiles are fp32).
+// warp 16 keys, a step 64 queries by chunks of 16), K's and V's fragments from shared memory; dS
+// not written (dQ's kernel computes it again). One CTA an SM (its tiles are fp32).
 template <int HD, int WARPS>
 static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const th_attn_args a) {
     constexpr int LDF = HD + TH_TF_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
@@ -1361,16 +1323,10 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
         th_cp_commit();
         if (a.causal && w0 > q0 + TH_MM_B - 1) continue;
         const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
-        float * ds_out = a.out + kvh * ((int64_t) T * T) + (int64_t) (q0 + c) * T + w0 + g;
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
             const int qc = q0 + 16 * j;
-            // this thread's dS element (nt, e) of the chunk: query qc + 8 nt + c + e % 2, key w0 + g + 8 (e / 2)
-            auto ds_at = [&](const int nt, const int e) { return ds_out + ((16 * j + nt * 8 + e % 2) * T + 8 * (e / 2)); };
-            if (a.causal && w0 > qc + 15) {
-                th_chunk_zero_ds<float>(a, w0, qc, ds_at);
-                continue;
-            }
+            if (a.causal && w0 > qc + 15) continue;          // no query of the chunk sees the keys
             float s[2][4], dp[2][4];
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
@@ -1388,7 +1344,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
                     th_mma1688(dp[nt], v0f, v1f, v2f, v3f, po[nt * 8 * LDF], po[nt * 8 * LDF + 4]);
                 }
             }
-            th_chunk_p_ds<float>(s, dp, Lq, Dq, j, a, w0, qc, ds_at);
+            th_chunk_p_ds<true>(s, dp, Lq, Dq, j, a, w0, qc);
             // dV += P^T dO, dK += dS^T Q over the chunk's queries, 8 at a time (queries 8 nt + 2t, + 1)
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
@@ -1404,49 +1360,88 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
     th_bwd_put<HD>(a, kvh, w0, 1, 0, dk, dv);
 }
 
-// dQ = dS K in TF32, from the dS the backward wrote: one CTA a (head, 16 WARPS queries), a warp 16
-// queries, over the key blocks they see, keys in order, the next block's dS and K staged while
-// this one multiplies; dS's fp32 rows padded to 72 floats so that the
-// A fragments' pairs (keys 2t, 2t + 1: one 64-bit read) hit 32 banks a half warp
+// dQ = dS K in TF32 without dS in memory: th_attn_dq_mma_kernel's walk and steps with TF32's mma
+// (m16n8k8): per 16 keys S = Q K^T and dP = dO V^T over d in the backward's fragment order (the
+// same fp32 values as its S^T and dP^T), dS with its expressions, rounded to TF32 as it enters
+// dQ's product (A straight from the C fragments, keys in the permuted order as the backward's dK
+// product takes them), keys summed in the order the kernel that read the backward's dS summed
+// them. Q's fragments are held in registers, dO's read from its rows in shared memory: two CTAs
+// an SM (some registers spilled), 2.81 ms of a gpt2-small step against 3.37 with dO's fragments
+// in registers too (192 registers, one CTA an SM).
 template <int HD, int WARPS>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_kernel(const th_attn_args a) {
-    constexpr int LDT = TH_MM_B + 2 * TH_TF_PAD, LDF = HD + TH_TF_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
+    constexpr int LDF = HD + TH_TF_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
-    float * Ss = (float *) th_mma_smem;                            // [q][key]
-    float * Ks = Ss + QR * LDT;                                    // [key][d]
-    float * Sst = Ks + TH_MM_B * LDF, * Kst = Sst + QR * TH_MM_B;  // staging
+    float * Rs = (float *) th_mma_smem;                            // [q][d]: Q's rows, then dO's
+    float * Ks = Rs + QR * LDF, * Vs = Ks + TH_MM_B * LDF;         // [key][d]
+    float * Kst = Vs + TH_MM_B * LDF, * Vst = Kst + TH_MM_B * HD;  // staging
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, c = 2 * t;
+    const float * dOs = Rs + (16 * warp + g) * LDF + t;            // the warp's dO rows (a0 of d 0)
     const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
     const int w0 = q0 + 16 * warp;
-    const float * ds = a.ds + (int64_t) bh * T * T;
-    const float * k = th_head(a.k, bh);
-    const bool s_staged = T % 4 == 0 && (uintptr_t) ds % 16 == 0, k_staged = th_stageable(a.k, k);
-    auto stage = [&](const int k0) {
-        if (s_staged) th_stage_ds<float, QR, NT>(Sst, ds, q0, k0, T);
-        if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0, T);
-    };
+    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    const float * dout = th_head(a.dout, bh);
+    const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
+    const int nkb = th_key_blocks(a, q0, QR);
+    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    th_cp_commit();
+    // the warp's Q as A fragments (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of each 8 of d)
+    float qf[HD / 8][4];
+    th_fill_rows<float, HD, QR, NT>(Rs, LDF, nullptr, false, q, a.q, q0, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HD / 8; kk++) {
+        const float * p = Rs + (16 * warp + g) * LDF + kk * 8 + t;
+        qf[kk][0] = p[0], qf[kk][1] = p[8 * LDF], qf[kk][2] = p[4], qf[kk][3] = p[8 * LDF + 4];
+    }
+    __syncthreads();
+    th_fill_rows<float, HD, QR, NT>(Rs, LDF, nullptr, false, dout, a.dout, q0, T);   // the key loop's barriers order it
+    float lr[2], dr[2];
+    th_dq_rows_ld<HD>(lr, dr, a, bh, w0);
     float acc[HD / 8][4];
     th_zero<HD>(acc);
-    const int nkb = th_key_blocks(a, q0, QR);
-    stage(0);
-    th_cp_commit();
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_cp_wait();
-        __syncthreads();
-        th_fill_ds<float, QR, NT, LDT>(Ss, Sst, s_staged, ds, q0, k0, T);
+        __syncthreads();                                             // the staging holds kb; Ks, Vs free
         th_fill_rows<float, HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
-        __syncthreads();
-        if (kb + 1 < nkb) stage(k0 + TH_MM_B);
+        th_fill_rows<float, HD, TH_MM_B, NT>(Vs, LDF, Vst, v_staged, v, a.v, k0, T);
+        __syncthreads();                                             // Ks, Vs hold kb; the staging free
+        if (kb + 1 < nkb) {
+            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
+            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
+        }
         th_cp_commit();
-        if (a.causal && k0 > w0 + 15) continue;
 #pragma unroll
-        for (int kk = 0; kk < TH_MM_B / 8; kk++) {
-            const float2 a02 = *(const float2 *) (Ss + (16 * warp + g) * LDT + kk * 8 + c);
-            const float2 a13 = *(const float2 *) (Ss + (16 * warp + g + 8) * LDT + kk * 8 + c);
-            const float * pk = Ks + (kk * 8 + c) * LDF + g;
+        for (int j = 0; j < TH_MM_B / 16; j++) {
+            const int kc = k0 + 16 * j;                              // the chunk's first key
+            if (a.causal && kc > w0 + 15) break;                     // the same for the whole warp
+            float s[2][4], dp[2][4];
 #pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++) th_mma1688(acc[nt], a02.x, a13.x, a02.y, a13.y, pk[nt * 8], pk[LDF + nt * 8]);
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 8; kk++) {
+                const float * po = dOs + kk * 8;
+                const float o0 = po[0], o1 = po[8 * LDF], o2 = po[4], o3 = po[8 * LDF + 4];
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    const float * pk = Ks + (16 * j + nt * 8 + g) * LDF + kk * 8 + t;
+                    const float * pv = Vs + (16 * j + nt * 8 + g) * LDF + kk * 8 + t;
+                    th_mma1688(s[nt], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], pk[0], pk[4]);
+                    th_mma1688(dp[nt], o0, o1, o2, o3, pv[0], pv[4]);
+                }
+            }
+            th_dq_chunk_ds(s, dp, lr, dr, a, w0, kc);
+            // dQ += dS K over the chunk's keys, 8 at a time (keys 8 nt + 2t, + 1: this thread's columns)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const float * pk = Ks + (16 * j + nt * 8 + c) * LDF + g;
+#pragma unroll
+                for (int dn = 0; dn < HD / 8; dn++) th_mma1688_c(acc[dn], dp[nt], pk[dn * 8], pk[LDF + dn * 8]);
+            }
         }
     }
     const float one[2] = {1.0f, 1.0f};
@@ -1457,6 +1452,13 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
 // as before them; the backward's stamp decides for dQ, as at bf16)
 static bool th_tf32_attention(const ggml_tensor * node) {
     return th_precision_of(node) == TH_PRECISION_TF32 && !th_env_is("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32");
+}
+
+// whether the backward node `bwd` writes dS: fp32's kernels do (dQ's kernel reads it), the
+// tensor-core kernels (bf16, and tf32 unless TOYHARNESS_CUDA_TF32_ATTENTION=fp32) do not: their dQ
+// computes it again. native/cuda_precision.c shapes the node by the same rule.
+static bool th_attention_forms_ds(const ggml_tensor * bwd) {
+    return th_precision_of(bwd) != TH_PRECISION_BF16 && !th_tf32_attention(bwd);
 }
 
 // the tf32 kernels of `heads` heads (query heads: the backward takes grouped heads split, each
@@ -1721,29 +1723,30 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.dq = th_room_opd(dst, th_attention_map_of(dst, 0));
         const unsigned heads = (unsigned) bwd->ne[2];
         // the backward's stamp, not this node's, says whether dS was written (a graph's nodes are
-        // stamped alike, so the two agree; this reads what was written): at bf16 it was not, and
-        // the tensor-core kernel computes it again from the backward's sources
-        if (th_precision_of(bwd) == TH_PRECISION_BF16) {
+        // stamped alike, so the two agree; this reads what was written): by fp32's kernels only;
+        // the tensor-core kernels compute it again from the backward's sources
+        if (!th_attention_forms_ds(bwd)) {
             a.q = th_opd_of(dst->src[0], false), a.v = th_opd_of(dst->src[2], true), a.dout = th_opd_of(dst->src[3], false);
             a.v.g = ap.group;
             a.fwd = (const float *) dst->src[4]->data, a.scratch = (float *) dst->src[5]->data;
-            th_mma_launch<HD>(stream, kernel, a, heads);
+            if (bf16) {
+                th_mma_launch<HD>(stream, kernel, a, heads);
+            } else {
+                th_tf_launch<HD>(stream, kernel, a, heads);
+            }
             return;
         }
         a.ds = (const float *) bwd->data;
-        if (th_tf32_attention(bwd)) {
-            th_tf_launch<HD>(stream, kernel, a, heads);
-            return;
-        }
         const size_t smem = th_dq_smem(HD);
         TH_SET_SMEM_LIMIT(th_attn_dq_kernel<HD>, smem);
         th_attn_dq_kernel<HD><<<dim3(heads, (unsigned) nb), TH_AT_THREADS, smem, stream>>>(a);
     }
 }
 
-// the backward node's shape: dS (T, T, BH), or at bf16 no dS (1, 1, BH: native/cuda_precision.c)
+// the backward node's shape: dS (T, T, BH), or where the tensor-core kernels take it no dS (1, 1,
+// BH: native/cuda_precision.c, th_attention_drop_ds)
 static bool th_attention_ds_shape_ok(const ggml_tensor * bwd, const int64_t T) {
-    return th_precision_of(bwd) == TH_PRECISION_BF16 ? bwd->ne[0] == 1 && bwd->ne[1] == 1 : bwd->ne[0] == T && bwd->ne[1] == T;
+    return th_attention_forms_ds(bwd) ? bwd->ne[0] == T && bwd->ne[1] == T : bwd->ne[0] == 1 && bwd->ne[1] == 1;
 }
 
 bool th_attention_supported(const ggml_tensor * op, const int kernel) {
@@ -1762,7 +1765,7 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
         case TH_CUDA_ATTN_PREP:
             return op->ne[0] == th_attention_prep_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
                    th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1];
-        case TH_CUDA_ATTN_BWD:                 // dS (T, T, BH), or at bf16 none (1, 1, BH)
+        case TH_CUDA_ATTN_BWD:                 // dS (T, T, BH), or none (1, 1, BH): th_attention_ds_shape_ok
             return th_attention_ds_shape_ok(op, T) && th_opd_ok(s[0], hd, T, op->ne[2]) && op->ne[2] % G == 0 &&
                    th_opd_ok(s[1], hd, T, op->ne[2] / G) && th_opd_ok(s[2], T, hd, op->ne[2] / G) &&
                    th_opd_ok(s[3], hd, T, op->ne[2]) && th_f32_contiguous(s[4]) && th_f32_contiguous(s[5]) &&
