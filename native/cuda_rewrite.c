@@ -319,7 +319,7 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         th_mark(node, TH_CUDA_ATTN_DQ);
         th_set_params(node, &params, sizeof(params));
         th_attention_map_set(node, 0, map);
-        /* the backward's sources (dQ's kernel at bf16 computes dS's tiles again from them), then dS */
+        /* the backward's sources (at tf32 and bf16 dQ's kernel computes dS's tiles again from them), then dS */
         th_set_srcs(node, q, k, vt, dout, fwd, dp);
         node->src[6] = ds;
         if (th_readers(graph, ds_t, &only) == 0) ds_t->op = GGML_OP_NONE;     /* as dO's view above */
