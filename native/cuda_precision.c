@@ -5,7 +5,6 @@
  * node's op_params when it marks it. */
 #include <stddef.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "ggml.h"
@@ -189,15 +188,12 @@ static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) 
     return taken;
 }
 
-/* Where attention's tensor-core kernels take it (bf16, and tf32 unless
- * TOYHARNESS_CUDA_TF32_ATTENTION=fp32 keeps fp32's kernels: th-attention.cu, th_attention_forms_ds),
- * an attention's backward node (ATTN_BWD) writes dK and dV alone: dQ's kernel computes the tiles of
- * dS again, so the (T, T, BH) scores' gradient is never formed and the node keeps no room for it,
- * (1, 1, BH) (its heads still in ne[2]). */
-static void th_attention_drop_ds(struct ggml_tensor * t, int precision) {
-    const char * tf32_attention = getenv("TOYHARNESS_CUDA_TF32_ATTENTION");
-    if (th_kernel_of(t) != TH_CUDA_ATTN_BWD) return;
-    if (precision == TH_PRECISION_TF32 && tf32_attention != NULL && strcmp(tf32_attention, "fp32") == 0) return;
+/* Where attention's tensor-core kernels take it (custom_ops.h, th_attention_on_tensor_cores), an
+ * attention's backward node (ATTN_BWD, stamped) writes dK and dV alone: dQ's kernel computes the
+ * tiles of dS again, so the (T, T, BH) scores' gradient is never formed and the node keeps no room
+ * for it, (1, 1, BH) (its heads still in ne[2]). */
+static void th_attention_drop_ds(struct ggml_tensor * t) {
+    if (th_kernel_of(t) != TH_CUDA_ATTN_BWD || !th_attention_on_tensor_cores(t)) return;
     t->ne[0] = 1, t->ne[1] = 1;
     for (int d = 1; d < GGML_MAX_DIMS; d++) t->nb[d] = t->nb[d - 1] * t->ne[d - 1];
 }
@@ -222,11 +218,11 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
             }
             return -2;
         }
-        if (precision != TH_PRECISION_FP32) th_attention_drop_ds(t, precision);
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD || th_kernel_of(t) != 0) {
             th_precision_set(t, precision);
             marked++;
         }
+        th_attention_drop_ds(t);
     }
     if (precision == TH_PRECISION_BF16 && th_swiglu_bf16(graph, why, why_size) < 0) return -2;
     return marked;

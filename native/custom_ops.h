@@ -235,3 +235,12 @@ static inline void th_precision_set(struct ggml_tensor * t, int precision) {
     const int32_t v = precision == TH_PRECISION_FP32 ? 0 : TH_PRECISION_TAG | precision;
     memcpy((char *) t->op_params + TH_PRECISION_SLOT * sizeof(int32_t), &v, sizeof(v));
 }
+/* Whether an attention node of ours, as stamped, runs on the tensor-core kernels
+ * (cuda/th-attention.cu): at bf16, and at tf32 unless TOYHARNESS_CUDA_TF32_ATTENTION=fp32 keeps
+ * fp32's. Their backward writes no dS (dQ's kernel computes its tiles again), so
+ * th_cuda_mark_precision shapes that node (1, 1, BH); fp32's write dS (T, T, BH) and read it. */
+static inline int th_attention_on_tensor_cores(const struct ggml_tensor * t) {
+    const int precision = th_precision_of(t);
+    return precision == TH_PRECISION_BF16 ||
+           (precision == TH_PRECISION_TF32 && !th_env_is("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32"));
+}

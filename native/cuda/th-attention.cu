@@ -1,7 +1,8 @@
 // Fused causal attention, forward and backward, fp32 (issue 21): the (B*H, T, T) scores and
 // probabilities never reach memory in the forward, and the backward writes the scores' gradient
-// once (at tf32 and bf16 not at all: dQ's kernel computes its tiles again). th_cuda_rewrite (native/cuda_rewrite.c, th_rewrite_attention) hands these kernels the
-// nodes that ggml's autograd built for blocks.attention; custom_ops.h fixes the layouts.
+// once (at tf32 and bf16 not at all: dQ's kernel computes its tiles again). th_cuda_rewrite
+// (native/cuda_rewrite.c, th_rewrite_attention) hands these kernels the nodes that ggml's
+// autograd built for blocks.attention; custom_ops.h fixes the layouts.
 //
 //   forward  (P's node):   O = softmax(scale Q K^T + mask) V and L = logsumexp per query row,
 //                          one pass over the key blocks (online softmax, FlashAttention-2's order)
@@ -749,6 +750,16 @@ static __device__ __forceinline__ void th_put_o(const float (&o)[HD / 8][4], con
     }
 }
 
+// The tensor-core kernels' P = exp(scale S - L) of a score s the query sees (else 0) and dS = scale
+// P (dP - D): one definition for the backward and dQ's kernels, which compute dS each, so that they
+// compute the same values
+static __device__ __forceinline__ float th_p_of(const float s, const float L, const float scale, const bool seen) {
+    return seen ? expf(s * scale - L) : 0.0f;
+}
+static __device__ __forceinline__ float th_ds_of(const float p, const float dp, const float D, const float scale) {
+    return p * (dp - D) * scale;
+}
+
 // The backward's chunk of 16 queries (from qc) against a warp's 16 keys (from w0): P from the
 // scores s and L, dS = scale P (dP - D) from dP (TF32: dS rounded to TF32, as it enters dK's
 // product), neither written: dQ's kernel computes dS again. Lq and Dq: the step's L and D from its
@@ -775,9 +786,9 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
             for (int e = 0; e < 4; e++) {
                 const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
                 const bool seen = WHOLE || (key < T && qr < T && !(a.causal && key > qr));
-                const float p = seen ? expf(s[nt][e] * a.scale - lq[nt][e % 2]) : 0.0f;
+                const float p = th_p_of(s[nt][e], lq[nt][e % 2], a.scale, seen);
                 s[nt][e] = p;
-                dp[nt][e] = p * (dp[nt][e] - dq[nt][e % 2]) * a.scale;
+                dp[nt][e] = th_ds_of(p, dp[nt][e], dq[nt][e % 2], a.scale);
                 if constexpr (TF32) dp[nt][e] = th_tf32(dp[nt][e]);
             }
     };
@@ -790,8 +801,8 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
 
 // dQ's P and dS of a warp's 16 queries (from w0, L lr and D dr of its rows g and g + 8) against 16
 // keys (from kc): the C fragments s (scores) and dp (dP) of Q K^T and dO V^T, element (nt, e) at
-// query w0 + g + 8 (e / 2), key kc + 8 nt + c + e % 2, turned into dS in dp with the backward's
-// expressions (th_chunk_p_ds: the same values)
+// query w0 + g + 8 (e / 2), key kc + 8 nt + c + e % 2, turned into dS in dp (th_p_of, th_ds_of:
+// the backward's values)
 static __device__ __forceinline__ void th_dq_chunk_ds(const float (&s)[2][4], float (&dp)[2][4], const float (&lr)[2],
                                                       const float (&dr)[2], const th_attn_args & a, const int w0,
                                                       const int kc) {
@@ -804,8 +815,7 @@ static __device__ __forceinline__ void th_dq_chunk_ds(const float (&s)[2][4], fl
             for (int e = 0; e < 4; e++) {
                 const int row = w0 + g + 8 * (e / 2), key = kc + nt * 8 + c + e % 2;
                 const bool seen = WHOLE || (key < T && row < T && !(a.causal && key > row));
-                const float p = seen ? expf(s[nt][e] * a.scale - lr[e / 2]) : 0.0f;
-                dp[nt][e] = p * (dp[nt][e] - dr[e / 2]) * a.scale;
+                dp[nt][e] = th_ds_of(th_p_of(s[nt][e], lr[e / 2], a.scale, seen), dp[nt][e], dr[e / 2], a.scale);
             }
     };
     if (w0 + 16 <= T && kc + 16 <= T && !(a.causal && kc + 15 > w0)) {
@@ -986,9 +996,9 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
                         const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
                         const bool inside = WHOLE || (key < T && qr < T);
                         const bool seen = WHOLE || (inside && !(a.causal && key > qr));
-                        const float p = seen ? expf(s[nt][e] * a.scale - Lq[qi]) : 0.0f;
+                        const float p = th_p_of(s[nt][e], Lq[qi], a.scale, seen);
                         s[nt][e] = p;
-                        dp[nt][e] = p * (dp[nt][e] - Dq[qi]) * a.scale;
+                        dp[nt][e] = th_ds_of(p, dp[nt][e], Dq[qi], a.scale);
                     }
             };
             if (w0 + 16 <= T && q0 + TH_MM_B <= T && !(a.causal && w0 + 15 > q0)) {
@@ -1451,14 +1461,14 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
 // whether a node stamped tf32 takes the TF32 kernels (TOYHARNESS_CUDA_TF32_ATTENTION=fp32: fp32's,
 // as before them; the backward's stamp decides for dQ, as at bf16)
 static bool th_tf32_attention(const ggml_tensor * node) {
-    return th_precision_of(node) == TH_PRECISION_TF32 && !th_env_is("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32");
+    return th_precision_of(node) == TH_PRECISION_TF32 && th_attention_on_tensor_cores(node);
 }
 
 // whether the backward node `bwd` writes dS: fp32's kernels do (dQ's kernel reads it), the
-// tensor-core kernels (bf16, and tf32 unless TOYHARNESS_CUDA_TF32_ATTENTION=fp32) do not: their dQ
-// computes it again. native/cuda_precision.c shapes the node by the same rule.
+// tensor-core kernels do not (custom_ops.h, th_attention_on_tensor_cores: the rule by which
+// native/cuda_precision.c shapes the node)
 static bool th_attention_forms_ds(const ggml_tensor * bwd) {
-    return th_precision_of(bwd) != TH_PRECISION_BF16 && !th_tf32_attention(bwd);
+    return !th_attention_on_tensor_cores(bwd);
 }
 
 // the tf32 kernels of `heads` heads (query heads: the backward takes grouped heads split, each
