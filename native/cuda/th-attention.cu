@@ -539,18 +539,6 @@ static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, con
     }
 }
 
-// B fragments of k rows k0 .. k0 + 15 and columns n0 .. n0 + 7 of a row-major [k][n] tile (what
-// the product's B is, k x n): ldmatrix's transposing load gives each thread its (2 tig, 2 tig + 1;
-// g) pairs of both 8 x 8 halves. Lanes 0-15 name the 16 rows (16-byte aligned: ld a multiple of 8).
-static __device__ __forceinline__ void th_frag_b_trans(uint32_t & b0, uint32_t & b1, const __nv_bfloat16 * t,
-                                                       const int ld, const int k0, const int n0) {
-    const int lane = threadIdx.x % 32;
-    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(t + (k0 + lane % 16) * ld + n0);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(b0), "=r"(b1)
-                 : "r"(addr));
-}
-
 // the A fragments (16 rows x HD, HD / 16 steps of k) of rows r0 .. r0 + 15 of a row-major tile
 template <int HD>
 static __device__ __forceinline__ void th_frag_a(uint32_t (&f)[HD / 16][4], const __nv_bfloat16 * t, const int ld,
@@ -607,25 +595,30 @@ static __device__ __forceinline__ void th_ldsm_b_trans(uint32_t (&b)[4], const _
 }
 
 // acc[nt] (16 x 64: 8 tiles of 8 columns) = A (16 x HD, fragments) times B^T, B a row-major
-// 64 x HD tile (B's row n is output column n): the scores' product
+// 64 x HD tile (B's row n is output column n): the scores' product. Two tiles' B fragments a
+// ldmatrix (th_ldsm_bt: the registers two 32-bit loads a tile gave); each sum in kk's order.
 template <int HD>
 static __device__ __forceinline__ void th_mm_rows(float (&acc)[8][4], const uint32_t (&a)[HD / 16][4],
                                                   const __nv_bfloat16 * b, const int ld) {
-    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
 #pragma unroll
+    for (int np = 0; np < 4; np++) {
+#pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {
-            const __nv_bfloat16 * p = b + (nt * 8 + g) * ld + kk * 16 + c;
-            th_mma16816(acc[nt], a[kk], th_ld_pair(p), th_ld_pair(p + 8));
+            uint32_t bf[4];
+            th_ldsm_bt(bf, b, ld, 16 * np, 16 * kk);
+            th_mma16816(acc[2 * np], a[kk], bf[0], bf[1]);
+            th_mma16816(acc[2 * np + 1], a[kk], bf[2], bf[3]);
         }
     }
 }
 
 // acc[nt] (16 x HD) += X (16 x 64, as the C fragments x[8][4] of a product, rounded to bf16 here)
-// times Y (64 x HD), Y a row-major tile y[r][d] (ld ld)
+// times Y (64 x HD), Y a row-major tile y[r][d] (ld ld); two tiles' B fragments a transposing
+// ldmatrix (th_ldsm_b_trans)
 template <int HD>
 static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const float (&x)[8][4],
                                                  const __nv_bfloat16 * y, const int ld) {
@@ -635,10 +628,11 @@ static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const 
                                th_pack_bf16(x[2 * j + 1][0], x[2 * j + 1][1]),
                                th_pack_bf16(x[2 * j + 1][2], x[2 * j + 1][3])};
 #pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++) {
-            uint32_t b0, b1;
-            th_frag_b_trans(b0, b1, y, ld, j * 16, nt * 8);
-            th_mma16816(acc[nt], a, b0, b1);
+        for (int np = 0; np < HD / 16; np++) {
+            uint32_t b[4];
+            th_ldsm_b_trans(b, y, ld, j * 16, np * 16);
+            th_mma16816(acc[2 * np], a, b[0], b[1]);
+            th_mma16816(acc[2 * np + 1], a, b[2], b[3]);
         }
     }
 }
