@@ -10,7 +10,7 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 16  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 17  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -19,7 +19,8 @@
                                            (th_cuda_dequantize_bf16), SwiGLU over frozen
                                            products in bf16, CROSS_ENTROPY_BACK; 15:
                                            CROSS_ENTROPY, SWIGLU; 16: ATTN_DQ's
-                                           sources, no dS at tf32 and bf16 */
+                                           sources, no dS at tf32 and bf16; 17:
+                                           th_cuda_bf16_copies_alone (writers' copies alone) */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:

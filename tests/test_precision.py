@@ -572,7 +572,8 @@ doc = goldens.compute(sys.argv[1], "cuda")
 converted, reused = ffi.new("int64_t *"), ffi.new("int64_t *")
 lib.th_cuda_bf16_copies(converted, reused)
 print(json.dumps({"hex": [x["hex"] for x in doc["losses"]], "converted": converted[0], "reused": reused[0],
-                  "held": lib.th_cuda_bf16_copy_bytes(), "peak": lib.th_cuda_bf16_copy_peak_bytes()}))
+                  "held": lib.th_cuda_bf16_copy_bytes(), "peak": lib.th_cuda_bf16_copy_peak_bytes(),
+                  "alone": lib.th_cuda_bf16_copies_alone()}))
 """
 
 
@@ -634,3 +635,23 @@ def test_writers_put_their_outputs_bf16_copy_beside_it_with_the_same_bits(name):
     assert written["hex"] == converted["hex"]
     assert written["converted"] < converted["converted"]
     assert written["converted"] + written["reused"] == converted["converted"] + converted["reused"]
+
+
+@pytest.mark.parametrize("name, writes_alone", [pytest.param(n, a, marks=needs("cuda")) for n, a in (
+    ("gpt2@bf16", True), ("vit_tiny@bf16", True), ("llama@bf16", True),
+    # a frozen base keeps its copies within a horizon of nodes (Program.bf16_horizon), which may drop
+    # a copy before its last reader: nothing is written alone there
+    ("lora@q4_k@bf16", False))])
+def test_writers_read_only_by_products_write_their_bf16_copy_alone_with_the_same_bits(name, writes_alone):
+    """A writer whose output only products read, each through its bf16 copy (GELU's output, its
+    backward's, a norm's affine output, a sum of gradients), writes the copy alone, not the f32
+    values (th-precision.cu, th_copy_alone_ok): the bits of the run that writes both
+    (TOYHARNESS_BF16_COPY_ALONE=0), the same conversions and reuses, and writers really wrote
+    alone where no horizon drops copies (a product reading those bytes otherwise would have
+    aborted the run)."""
+    alone, both = bf16_run(name, True), bf16_run(name, True, {"TOYHARNESS_BF16_COPY_ALONE": "0"})
+    print(f"{name}: writers that wrote their copy alone {alone['alone']} (switch off: {both['alone']}); operands "
+          f"converted {alone['converted']} ({both['converted']}), reused {alone['reused']} ({both['reused']})")
+    assert alone["hex"] == both["hex"]
+    assert (alone["alone"] > 0) == writes_alone and both["alone"] == 0
+    assert (alone["converted"], alone["reused"]) == (both["converted"], both["reused"])

@@ -213,6 +213,7 @@ void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
 int64_t th_cuda_bf16_copy_bytes(void);
 int64_t th_cuda_bf16_copy_peak_bytes(void);
+int64_t th_cuda_bf16_copies_alone(void);
 void th_cuda_bf16_keep_nodes(int nodes);
 int th_cuda_dequantize_bf16(int type, const void * src, int64_t n, uint16_t * dst, int ours);
 int64_t th_cuda_frozen_products(void);
@@ -359,7 +360,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 16
+CUDA_KERNELS_VERSION = 17
 
 
 def cuda_kernels_built() -> bool:

@@ -76,7 +76,7 @@ static __device__ __forceinline__ void th_store_bf16x4(__nv_bfloat16 * p, const 
 // ADD. A float4 at a time where n is a multiple of 4 and every pointer 16-aligned (vec4), else a
 // float; elementwise, so every element's bits are the same run to run. With y16 (copy16) each value
 // also as bf16 rounded to nearest even: the copy a bf16 product would otherwise convert
-// (th_copy_for_writer), 8 bytes a float4.
+// (th_copy_for_writer), 8 bytes a float4; y nullptr: the copy alone (only products read y).
 template <bool vec4, bool copy16, class Op>
 static __global__ void th_map_kernel(const Op op, const float * __restrict__ a, const float * __restrict__ b,
                                      float * __restrict__ y, __nv_bfloat16 * __restrict__ y16, const int64_t n) {
@@ -85,11 +85,11 @@ static __global__ void th_map_kernel(const Op op, const float * __restrict__ a, 
         if (vec4) {
             const float4 u = ((const float4 *) a)[i], v = Op::binary ? ((const float4 *) b)[i] : u;
             const float4 r = make_float4(op(u.x, v.x), op(u.y, v.y), op(u.z, v.z), op(u.w, v.w));
-            ((float4 *) y)[i] = r;
+            if (y != nullptr) ((float4 *) y)[i] = r;
             if (copy16) th_store_bf16x4(y16 + 4 * i, r);
         } else {
             const float r = op(a[i], Op::binary ? b[i] : 0.0f);
-            y[i] = r;
+            if (y != nullptr) y[i] = r;
             if (copy16) y16[i] = __float2bfloat16_rn(r);
         }
     }
@@ -109,17 +109,26 @@ struct th_add_op {
 };
 
 
-// y16: y's bf16 copy to write beside it (th_copy_for_writer), or nullptr
+// Where a writer of ours puts `dst`'s values: the f32 memory it returns (nullptr: none, the copy
+// alone) and *y16, the bf16 copy where products read them at bf16 (th_copy_for_writer), or nullptr
+static float * th_writer_outputs(cudaStream_t stream, const ggml_tensor * dst, __nv_bfloat16 ** y16) {
+    bool alone = false;
+    *y16 = th_copy_for_writer(stream, dst, &alone);
+    return alone ? nullptr : (float *) dst->data;
+}
+
+// copies: y's bf16 copy written beside it, or instead of it, where products read it (th_writer_outputs)
 template <class Op>
 static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * y,
-                   __nv_bfloat16 * y16 = nullptr) {
+                   const bool copies = false) {
     const int64_t n = ggml_nelements(y);
     const bool vec4 = n % 4 == 0 && th_aligned16(a->data) && th_aligned16(b->data) && th_aligned16(y->data);
     const int64_t items = vec4 ? n / 4 : n;
     const int64_t wanted = (items + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
     const int blocks = (int) (wanted < 65535 ? wanted : 65535);
     const float * pa = (const float *) a->data, * pb = (const float *) b->data;
-    float * py = (float *) y->data;
+    __nv_bfloat16 * y16 = nullptr;
+    float * py = copies ? th_writer_outputs(stream, y, &y16) : (float *) y->data;
     if (vec4 && y16 != nullptr) {          // (a copy's memory is 256-byte aligned)
         th_map_kernel<true, true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, y16, n);
     } else if (vec4) {
@@ -335,10 +344,10 @@ template <bool gain>
 static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, const float * __restrict__ x,
                                                  const float * __restrict__ g, const float * __restrict__ r_add,
                                                  float * __restrict__ dx, const int64_t n, const int64_t rows,
-                                                 const float eps) {
+                                                 const float eps, __nv_bfloat16 * __restrict__ dx16) {
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
         const float * xr = x + r * n, * dyr = dy + r * n;
-        float * dxr = dx + r * n;
+        float * dxr = dx != nullptr ? dx + r * n : nullptr;
         float mean, rstd;
         th_row_moments(xr, n, eps, &mean, &rstd);
         float sum_dt = 0.0f, sum_dt_t = 0.0f, sum_t = 0.0f;
@@ -353,7 +362,9 @@ static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, 
         for (int64_t i = threadIdx.x; i < n; i += 32) {
             const float ti = (xr[i] - mean) * rstd, dti = gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
             const float dxi = rstd * (dti - ti * mean_dt_t - shift);
-            dxr[i] = r_add != nullptr ? __fadd_rn(dxi, r_add[r * n + i]) : dxi;
+            const float out = r_add != nullptr ? __fadd_rn(dxi, r_add[r * n + i]) : dxi;
+            if (dx != nullptr) dxr[i] = out;
+            if (dx16 != nullptr) dx16[r * n + i] = __float2bfloat16_rn(out);
         }
     }
 }
@@ -366,12 +377,13 @@ static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool bac
     if (backward) {
         const float * dy = (const float *) dst->src[0]->data, * x = (const float *) dst->src[1]->data;
         const float * r = dst->src[3] != nullptr ? (const float *) dst->src[3]->data : nullptr;
+        __nv_bfloat16 * dx16 = nullptr;     // (at bf16 dx's copy beside it, or alone, where products read it)
+        float * dx = th_writer_outputs(stream, dst, &dx16);
         if (dst->src[2] != nullptr) {
             th_layer_norm_back_kernel<true><<<grid, block, 0, stream>>>(dy, x, (const float *) dst->src[2]->data, r,
-                                                                        (float *) dst->data, n, rows, eps);
+                                                                        dx, n, rows, eps, dx16);
         } else {
-            th_layer_norm_back_kernel<false><<<grid, block, 0, stream>>>(dy, x, nullptr, r, (float *) dst->data, n,
-                                                                         rows, eps);
+            th_layer_norm_back_kernel<false><<<grid, block, 0, stream>>>(dy, x, nullptr, r, dx, n, rows, eps, dx16);
         }
     } else {
         th_layer_norm_kernel<<<grid, block, 0, stream>>>((const float *) dst->src[0]->data, (float *) dst->data, n,
@@ -497,7 +509,8 @@ static __device__ __forceinline__ float th_rows_value(const th_rows_form form, c
 // y (n, m) by `form` (above): a warp a row, blockDim (32, 8); float4 at a time when `vec4` (n a
 // multiple of 4, every pointer given 16-aligned). ggml's broadcasting MUL took 41 us for a gain
 // over nano llama's 16384 x 384 rows, this 13 us.
-// With y16 (copy16) each value also as bf16 rounded to nearest even (th_map_kernel's copy).
+// With y16 (copy16) each value also as bf16 rounded to nearest even (th_map_kernel's copy); y
+// nullptr: the copy alone.
 template <th_rows_form form, bool vec4, bool copy16 = false>
 static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const float * __restrict__ g,
                                              const float * __restrict__ b, float * __restrict__ y, const int64_t n,
@@ -505,20 +518,20 @@ static __global__ void th_rows_affine_kernel(const float * __restrict__ t, const
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < m; r += (int64_t) gridDim.x * blockDim.y) {
         if (vec4) {
             const float4 * t4 = (const float4 *) (t + r * n), * g4 = (const float4 *) g, * b4 = (const float4 *) b;
-            float4 * y4 = (float4 *) (y + r * n);
+            float4 * y4 = y != nullptr ? (float4 *) (y + r * n) : nullptr;
             for (int64_t i = threadIdx.x; i < n / 4; i += 32) {
                 const float4 ti = form != TH_ROWS_BIAS ? t4[i] : float4{}, gi = form != TH_ROWS_BIAS ? g4[i] : float4{};
                 const float4 bi = form != TH_ROWS_GAIN ? b4[i] : float4{};
                 const float4 yi = make_float4(th_rows_value(form, ti.x, gi.x, bi.x), th_rows_value(form, ti.y, gi.y, bi.y),
                                               th_rows_value(form, ti.z, gi.z, bi.z), th_rows_value(form, ti.w, gi.w, bi.w));
-                y4[i] = yi;
+                if (y != nullptr) y4[i] = yi;
                 if (copy16) th_store_bf16x4(y16 + r * n + 4 * i, yi);
             }
         } else {
             for (int64_t i = threadIdx.x; i < n; i += 32) {
                 const float yi = th_rows_value(form, form != TH_ROWS_BIAS ? t[r * n + i] : 0.0f,
                                                form != TH_ROWS_BIAS ? g[i] : 0.0f, form != TH_ROWS_GAIN ? b[i] : 0.0f);
-                y[r * n + i] = yi;
+                if (y != nullptr) y[r * n + i] = yi;
                 if (copy16) y16[r * n + i] = __float2bfloat16_rn(yi);
             }
         }
@@ -637,10 +650,12 @@ static __global__ void th_column_total_kernel(const float * __restrict__ partial
     out[col] = total;
 }
 
-static void th_affine(cudaStream_t stream, ggml_tensor * dst) {     // (at bf16 a norm's output's copy beside it)
+static void th_affine(cudaStream_t stream, ggml_tensor * dst) {     // (at bf16 a norm's output's copy beside it,
+    __nv_bfloat16 * y16 = nullptr;                                   // or alone)
+    float * y = th_writer_outputs(stream, dst, &y16);
     th_rows_affine(stream, (const float *) dst->src[0]->data, (const float *) dst->src[1]->data,
-                   dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr, (float *) dst->data,
-                   dst->ne[0], ggml_nrows(dst), th_copy_for_writer(stream, dst));
+                   dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr, y, dst->ne[0],
+                   ggml_nrows(dst), y16);
 }
 
 static void th_column_dot(cudaStream_t stream, ggml_tensor * dst) {
@@ -1034,11 +1049,11 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
 
 bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * dst) {
     switch (th_kernel_of(dst)) {
-        case TH_CUDA_GELU:              // (at bf16 its output's copy beside it: the next product's operand)
-            th_map(stream, th_gelu_op(), dst->src[0], dst->src[0], dst, th_copy_for_writer(stream, dst));
+        case TH_CUDA_GELU:              // (at bf16 its output's copy beside it, or alone: the next products' operand)
+            th_map(stream, th_gelu_op(), dst->src[0], dst->src[0], dst, true);
             return true;
         case TH_CUDA_GELU_BACK:
-            th_map(stream, th_gelu_back_op(), dst->src[0], dst->src[1], dst, th_copy_for_writer(stream, dst));
+            th_map(stream, th_gelu_back_op(), dst->src[0], dst->src[1], dst, true);
             return true;
         case TH_CUDA_CONT:
             th_cont_of(stream, dst->src[0], dst);
@@ -1079,8 +1094,8 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
         case TH_CUDA_SWIGLU:
             th_swiglu(stream, dst);
             return true;
-        case TH_CUDA_ADD:
-            th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst);
+        case TH_CUDA_ADD:               // (at bf16 a copy beside the sum, or alone, where products read it)
+            th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst, true);
             return true;
         case TH_CUDA_SILU_BACK_MUL:
         case TH_CUDA_SWIGLU_BACK:

@@ -237,6 +237,16 @@ static int th_prev_node = -1;                       // index of the last node th
 static const ggml_tensor * th_node = nullptr;       // the node computing now (when in th_graph)
 static bool th_reuse = false;
 static bool th_writer_copies = true;                // TOYHARNESS_BF16_WRITER_COPIES=0: none (th_copy_for_writer)
+static bool th_copies_alone = true;                 // TOYHARNESS_BF16_COPY_ALONE=0: f32 always written too
+// A writer writing its copy alone (th_copy_for_writer), this pass: its bytes and the later nodes
+// reading them that have not computed yet
+struct th_alone {
+    const ggml_tensor * writer;
+    uintptr_t lo, hi;
+    std::vector<const ggml_tensor *> readers;
+};
+static std::vector<th_alone> th_alones;
+static int64_t th_alone_count = 0;
 static int64_t th_copy_counts[2];                   // operands converted (kept or not), reused
 static int th_keep_nodes = 0;                       // the horizon in nodes (0: none)
 static int64_t th_copies_held = 0, th_copies_peak = 0;  // bytes of chunks copies take now, at most
@@ -258,6 +268,9 @@ extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_copy_byte
 
 // the most bytes of chunks the kept copies took at once (what the chunks need)
 extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_copy_peak_bytes(void) { return th_copies_peak; }
+
+// how many writers wrote their bf16 copy alone, not their f32 values (th_copy_for_writer; this process)
+extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_copies_alone(void) { return th_alone_count; }
 
 static void th_chunk_free(th_chunk & c, size_t off, size_t bytes) {
     th_copies_held -= (int64_t) bytes;
@@ -306,13 +319,23 @@ static bool th_chunk_alloc(const int device, const size_t bytes, int * chunk, si
     return true;
 }
 
+// a copy goes: a writer's copy alone goes with it (its tensor's life is over: what reads its bytes
+// later reads another tensor)
+static void th_copy_gone(const th_copy & k) {
+    th_chunk_free(th_chunks[k.chunk], k.off, k.bytes);
+    if (k.writer == nullptr) return;
+    th_alones.erase(std::remove_if(th_alones.begin(), th_alones.end(),
+                                   [&](const th_alone & w) { return w.writer == k.writer; }),
+                    th_alones.end());
+}
+
 // the copies of bytes [lo, hi) (all: every copy) dropped, but those `spare` wrote beside them
 static void th_drop_copies_if(const uintptr_t lo, const uintptr_t hi, const bool all,
                               const ggml_tensor * spare = nullptr) {
     for (size_t i = 0; i < th_copies.size();) {
         const th_copy & k = th_copies[i];
         if (k.device == th_graph_device && (all || (k.lo < hi && lo < k.hi)) && (spare == nullptr || k.writer != spare)) {
-            th_chunk_free(th_chunks[k.chunk], k.off, k.bytes);
+            th_copy_gone(k);
             th_copies.erase(th_copies.begin() + i);
         } else {
             i++;
@@ -326,19 +349,46 @@ static void th_drop_tensor(const ggml_tensor * t, const ggml_tensor * spare = nu
     th_drop_copies_if(lo, lo + ggml_nbytes(t), false, spare);
 }
 
-// what `node` writes, as ggml-cuda computes it: the copies of those bytes dropped
-static void th_writes(const ggml_tensor * node) {
-    if ((node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0 || ggml_is_empty(node)) return;   // ggml-cuda skips it
+// whether ggml-cuda runs no kernel for `node` (skipped, or a view)
+static bool th_computes_nothing(const ggml_tensor * node) {
+    if ((node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0 || ggml_is_empty(node)) return true;   // ggml-cuda skips it
     switch (node->op) {
         case GGML_OP_NONE: case GGML_OP_RESHAPE: case GGML_OP_VIEW: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
-            return;                                         // no kernel
-        case GGML_OP_OPT_STEP_ADAMW: case GGML_OP_OPT_STEP_SGD:
-            th_drop_copies_if(0, 0, true);                  // parameters and moments, in place
-            return;
-        case GGML_OP_CUSTOM: break;
+            return true;
         default:
-            th_drop_tensor(node);
-            return;
+            return false;
+    }
+}
+
+// whether what `node` writes is known to be its own bytes and those th_writes names (else every
+// copy goes when it computes: ggml's optimizer steps, our AdamW run, a kernel not listed there)
+static bool th_writes_known(const ggml_tensor * node) {
+    if (node->op == GGML_OP_OPT_STEP_ADAMW || node->op == GGML_OP_OPT_STEP_SGD) return false;   // in place
+    if (node->op != GGML_OP_CUSTOM) return true;
+    switch (th_kernel_of(node)) {
+        case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
+        case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
+        case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
+        case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
+        case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU: case TH_CUDA_CROSS_ENTROPY:
+        case TH_CUDA_SWIGLU_BACK: case TH_CUDA_COLUMN_DOT: case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP:
+        case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ: case TH_CUDA_SLICE:
+            return true;
+        default:
+            return false;
+    }
+}
+
+// what `node` writes, as ggml-cuda computes it: the copies of those bytes dropped
+static void th_writes(const ggml_tensor * node) {
+    if (th_computes_nothing(node)) return;
+    if (!th_writes_known(node)) {                           // a new kernel of ours belongs in th_writes_known and
+        th_drop_copies_if(0, 0, true);                      // below, else every copy goes here (test_precision:
+        return;                                             // the conversions' count)
+    }
+    if (node->op != GGML_OP_CUSTOM) {
+        th_drop_tensor(node);
+        return;
     }
     switch (th_kernel_of(node)) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
@@ -359,14 +409,28 @@ static void th_writes(const ggml_tensor * node) {
             th_drop_tensor(node);
             for (int j = 0; j < GGML_MAX_SRC; j++) th_drop_tensor(node->src[j]);
             return;
-        default:                                            // AdamW's run (other nodes' tensors), unknown: a
-            th_drop_copies_if(0, 0, true);                  // new kernel of ours belongs above, else every copy
-                                                            // goes here (test_precision: the conversions' count)
+        default:                                            // (th_writes_known's list: none left)
+            th_drop_copies_if(0, 0, true);
             return;
     }
 }
 
+// The node that computed last (th_node) read no copy-alone tensor but through its copy: one that
+// did would have read f32 values never written. th_copy_alone_ok admits only readers that take the
+// copy (none of the tests' graphs has another); this says so loudly where one does not.
+static void th_alone_readers_served(void) {
+    if (th_node == nullptr) return;
+    for (const th_alone & w : th_alones) {
+        if (std::find(w.readers.begin(), w.readers.end(), th_node) != w.readers.end()) {
+            GGML_ABORT("toyharness: node %s read %s's values, which were written as their bf16 copy alone, without "
+                       "that copy (set TOYHARNESS_BF16_COPY_ALONE=0 to write both)", th_node->name, w.writer->name);
+        }
+    }
+}
+
 static void th_reuse_end(void) {
+    th_alone_readers_served();
+    th_alones.clear();
     if (th_graph != nullptr) th_drop_copies_if(0, 0, true);
     th_graph = nullptr;
     th_node = nullptr;
@@ -386,12 +450,14 @@ void th_cuda_graph_begin(const ggml_cgraph * graph) {
     th_reuse = !th_env_is("TOYHARNESS_BF16_REUSE", "0") && !(streams != nullptr && atoi(streams) == 1);
     th_graph = th_reuse ? graph : nullptr;
     th_writer_copies = !th_env_is("TOYHARNESS_BF16_WRITER_COPIES", "0");
+    th_copies_alone = !th_env_is("TOYHARNESS_BF16_COPY_ALONE", "0");
 }
 
 void th_cuda_graph_end(void) { th_reuse_end(); }
 
 // `node` is about to compute: the writes of the nodes since the last such node, its own included
 static void th_reuse_before(const ggml_tensor * node) {
+    th_alone_readers_served();
     th_node = nullptr;
     if (th_graph == nullptr) return;
     int at = -1;
@@ -409,7 +475,7 @@ static void th_reuse_before(const ggml_tensor * node) {
     for (size_t i = 0; i < th_copies.size();) {              // past their horizon's last reader
         const th_copy & k = th_copies[i];
         if (k.device == th_graph_device && k.until < at) {
-            th_chunk_free(th_chunks[k.chunk], k.off, k.bytes);
+            th_copy_gone(k);
             th_copies.erase(th_copies.begin() + i);
         } else {
             i++;
@@ -452,15 +518,25 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
         inside = s != nullptr && s->data != nullptr && lo >= (uintptr_t) s->data &&
                  hi <= (uintptr_t) s->data + ggml_nbytes(s);
     }
-    if (!inside) return nullptr;
     for (th_copy & k : th_copies) {
-        if (k.device == th_graph_device && k.stream == stream && k.src == src && k.type == GGML_TYPE_F32 &&
+        if (inside && k.device == th_graph_device && k.stream == stream && k.src == src && k.type == GGML_TYPE_F32 &&
             k.rows == rows && k.cols == cols && k.ld == ld && k.count == count && k.stride == stride) {
             th_copy_counts[1]++;
             k.until = std::max(k.until, th_copy_until(k.lo, k.hi));
+            for (th_alone & w : th_alones) {                 // a reader of a copy-alone tensor served
+                if (w.writer == k.writer) w.readers.erase(std::remove(w.readers.begin(), w.readers.end(), th_node),
+                                                          w.readers.end());
+            }
             return (const __nv_bfloat16 *) (th_chunks[k.chunk].ptr + k.off);
         }
     }
+    for (const th_alone & w : th_alones) {   // a copy-alone tensor's f32 bytes, never written: loudly
+        if (w.lo < hi && lo < w.hi) {
+            GGML_ABORT("toyharness: node %s reads %s's values otherwise than through their bf16 copy, which was "
+                       "written alone (set TOYHARNESS_BF16_COPY_ALONE=0 to write both)", th_node->name, w.writer->name);
+        }
+    }
+    if (!inside) return nullptr;
     const size_t bytes = ((size_t) rows * cols * count * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
     int chunk = 0;
     size_t off = 0;
@@ -473,6 +549,54 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     return dst;
 }
 
+// Whether a product `u` takes its f32 operands as bf16 copies through th_copy_of (ggml's OUT_PROD,
+// MUL_MAT where ggml-cuda gives it to cuBLAS: f32, more than a few columns; ours)
+static bool th_reads_copies(const ggml_tensor * u) {
+    switch (th_kernel_of(u)) {
+        case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM: case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD:
+            return true;
+        default:
+            break;
+    }
+    const bool f32 = u->type == GGML_TYPE_F32 && u->src[0] != nullptr && u->src[1] != nullptr &&
+                     u->src[0]->type == GGML_TYPE_F32 && u->src[1]->type == GGML_TYPE_F32;
+    if (u->op == GGML_OP_OUT_PROD) return f32;
+    // (ggml-cuda's own f32 kernels take up to 16 columns, mmvf 8 and mmf 16, or src0 of one row
+    // and src1 as the matrix; cuBLAS the rest)
+    return u->op == GGML_OP_MUL_MAT && f32 && u->src[1]->ne[1] > 16 && u->src[0]->ne[1] > 1;
+}
+
+// Whether the f32 values of `dst` (the node computing now, index th_prev_node) need not be written
+// beside their bf16 copy: no one else reads them. It is not an output, parameter or input; no
+// horizon drops copies; every later node that reads its bytes, up to the first that writes them,
+// is a product that takes copies (th_reads_copies: in the copy's shape, or th_copy_of aborts), and
+// no node that drops every copy computes before the last such reader. `readers`: those products.
+static bool th_copy_alone_ok(const ggml_tensor * dst, const uintptr_t lo, const uintptr_t hi,
+                             std::vector<const ggml_tensor *> & readers) {
+    const int32_t kept = GGML_TENSOR_FLAG_INPUT | GGML_TENSOR_FLAG_OUTPUT | GGML_TENSOR_FLAG_PARAM | GGML_TENSOR_FLAG_LOSS;
+    if (!th_copies_alone || th_keep_nodes > 0 || (dst->flags & kept) != 0 || dst->view_src != nullptr) return false;
+    ggml_cgraph * graph = (ggml_cgraph *) th_graph;
+    bool dropped = false;                // a node that drops every copy has computed
+    for (int i = th_prev_node + 1; i < ggml_graph_n_nodes(graph); i++) {
+        const ggml_tensor * u = ggml_graph_node(graph, i);
+        const int kernel = th_kernel_of(u);
+        if (th_computes_nothing(u) || kernel == TH_CUDA_FOLDED || kernel == TH_CUDA_ROOM) continue;
+        bool reads = false;
+        for (int j = 0; j < GGML_MAX_SRC && !reads; j++) {
+            const ggml_tensor * src = u->src[j];
+            reads = src != nullptr && src->data != nullptr && (uintptr_t) src->data < hi &&
+                    lo < (uintptr_t) src->data + ggml_nbytes(src);
+        }
+        if (reads && (dropped || !th_reads_copies(u))) return false;
+        if (reads) readers.push_back(u);
+        // a node that writes these bytes ends dst's life (ggml-alloc gives them to a later tensor
+        // after dst's last reader): what reads them after it reads that tensor
+        if (u->data != nullptr && (uintptr_t) u->data < hi && lo < (uintptr_t) u->data + ggml_nbytes(u)) break;
+        dropped = dropped || !th_writes_known(u);
+    }
+    return !readers.empty();
+}
+
 // A copy its writer fills as it writes `dst` (f32, contiguous: rows ne[0], cols its rows, as a
 // product reads it), where a bf16 product will convert it otherwise: at bf16, reuse on, `dst` the
 // node computing now, a later product of the graph reading its bytes (one that reads them in
@@ -481,7 +605,11 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
 // (the writer's own writes aside). nullptr: none wanted or no memory (the writer writes f32 alone).
 // Not counted as a conversion (a product that uses it counts a reuse). TOYHARNESS_BF16_WRITER_COPIES=0:
 // none (every such operand converted by its first product, as before).
-__nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst) {
+// *alone (where given): the writer writes the copy alone, not its f32 values (th_copy_alone_ok:
+// only products read them, each through this copy); a writer that cannot write the copy alone
+// passes nullptr. TOYHARNESS_BF16_COPY_ALONE=0: never alone.
+__nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst, bool * alone) {
+    if (alone != nullptr) *alone = false;
     if (!th_writer_copies || th_precision_current != TH_PRECISION_BF16 || th_node != dst || dst->type != GGML_TYPE_F32 ||
         !ggml_is_contiguous(dst) || dst->ne[0] > INT_MAX || ggml_nrows(dst) > INT_MAX) {
         return nullptr;
@@ -510,6 +638,12 @@ __nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst)
     if (!th_chunk_alloc(th_graph_device, bytes, &chunk, &off)) return nullptr;
     th_copies.push_back({th_graph_device, stream, (const float *) dst->data, GGML_TYPE_F32, rows, cols, rows, 1, 0, lo,
                          hi, chunk, off, bytes, th_copy_until(lo, hi), dst});
+    std::vector<const ggml_tensor *> readers;
+    if (alone != nullptr && th_copy_alone_ok(dst, lo, hi, readers)) {
+        th_alones.push_back({dst, lo, hi, std::move(readers)});
+        th_alone_count++;
+        *alone = true;
+    }
     return (__nv_bfloat16 *) (th_chunks[chunk].ptr + off);
 }
 

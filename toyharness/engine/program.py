@@ -165,6 +165,7 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_CUDA_DEQUANT": ("ours", "ggml"),
     "TOYHARNESS_BF16_REUSE": ("1", "0"),                # bf16 operand copies kept for later products
     "TOYHARNESS_BF16_WRITER_COPIES": ("1", "0"),
+    "TOYHARNESS_BF16_COPY_ALONE": ("1", "0"),           # a writer read only by products writes its bf16 copy alone
     "TOYHARNESS_BF16_SWIGLU": ("bf16", "f32"),
 }
 
