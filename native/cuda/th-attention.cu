@@ -711,6 +711,27 @@ static __device__ __forceinline__ int th_key_blocks(const th_attn_args & a, cons
     return ((a.causal ? q_end : a.T) + TH_MM_B - 1) / TH_MM_B;
 }
 
+// A walk over key blocks (the forward's, dQ's) takes block kb: the staged K and V (or, unstaged,
+// read from memory) into the tiles Ks and Vs of E (th_fill_rows, row ld), and the next block's
+// staging started; the barriers around keep the tiles and the staging apart
+template <typename E, int HD, int NT>
+static __device__ __forceinline__ void th_kv_block(const th_attn_args & a, const float * k, const float * v, E * Ks,
+                                                   E * Vs, const int ld, float * Kst, float * Vst,
+                                                   const bool k_staged, const bool v_staged, const int kb,
+                                                   const int nkb) {
+    const int k0 = kb * TH_MM_B, T = a.T;
+    th_cp_wait();
+    __syncthreads();                                                 // the staging holds kb; Ks, Vs free
+    th_fill_rows<E, HD, TH_MM_B, NT>(Ks, ld, Kst, k_staged, k, a.k, k0, T);
+    th_fill_rows<E, HD, TH_MM_B, NT>(Vs, ld, Vst, v_staged, v, a.v, k0, T);
+    __syncthreads();                                                 // Ks, Vs hold kb; the staging free
+    if (kb + 1 < nkb) {
+        if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
+        if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
+    }
+    th_cp_commit();
+}
+
 // a warp's 16 rows (from w0; C fragments, 16 x HD) times `scale` (one a row) into out's head h
 template <int HD>
 static __device__ __forceinline__ void th_put_rows(const float (&x)[HD / 8][4], const float (&scale)[2], float * h,
@@ -861,16 +882,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     th_zero<HD>(o);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        th_cp_wait();
-        __syncthreads();                                             // the staging holds kb; Ks, Vs free
-        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
-        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Vs, LDR, Vst, v_staged, v, a.v, k0, T);
-        __syncthreads();                                             // Ks, Vs hold kb; the staging free
-        if (kb + 1 < nkb) {
-            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
-            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
-        }
-        th_cp_commit();
+        th_kv_block<__nv_bfloat16, HD, NT>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
         if (a.causal && k0 > w0 + 15) continue;                    // the same for the whole warp
         float s[8][4];
         th_mm_rows<HD>(s, qf, Ks, LDR);
@@ -1140,16 +1152,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     th_zero<HD>(acc);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        th_cp_wait();
-        __syncthreads();                                             // the staging holds kb; Ks, Vs free
-        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Ks, LDR, Kst, k_staged, k, a.k, k0, T);
-        th_fill_rows<__nv_bfloat16, HD, TH_MM_B, NT>(Vs, LDR, Vst, v_staged, v, a.v, k0, T);
-        __syncthreads();                                             // Ks, Vs hold kb; the staging free
-        if (kb + 1 < nkb) {
-            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
-            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
-        }
-        th_cp_commit();
+        th_kv_block<__nv_bfloat16, HD, NT>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
             const int kc = k0 + 16 * j;                              // the chunk's first key
@@ -1273,16 +1276,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
     th_zero<HD>(o);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        th_cp_wait();
-        __syncthreads();
-        th_fill_rows<float, HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
-        th_fill_rows<float, HD, TH_MM_B, NT>(Vs, LDF, Vst, v_staged, v, a.v, k0, T);
-        __syncthreads();
-        if (kb + 1 < nkb) {
-            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
-            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
-        }
-        th_cp_commit();
+        th_kv_block<float, HD, NT>(a, k, v, Ks, Vs, LDF, Kst, Vst, k_staged, v_staged, kb, nkb);
         if (a.causal && k0 > w0 + 15) continue;
         float s[8][4];
         th_tf_rows<HD>(s, Qs, 16 * warp, Ks, LDF);
@@ -1407,16 +1401,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
     th_zero<HD>(acc);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        th_cp_wait();
-        __syncthreads();                                             // the staging holds kb; Ks, Vs free
-        th_fill_rows<float, HD, TH_MM_B, NT>(Ks, LDF, Kst, k_staged, k, a.k, k0, T);
-        th_fill_rows<float, HD, TH_MM_B, NT>(Vs, LDF, Vst, v_staged, v, a.v, k0, T);
-        __syncthreads();                                             // Ks, Vs hold kb; the staging free
-        if (kb + 1 < nkb) {
-            if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
-            if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
-        }
-        th_cp_commit();
+        th_kv_block<float, HD, NT>(a, k, v, Ks, Vs, LDF, Kst, Vst, k_staged, v_staged, kb, nkb);
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
             const int kc = k0 + 16 * j;                              // the chunk's first key

@@ -549,15 +549,21 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     return dst;
 }
 
-// Whether a product `u` takes its f32 operands as bf16 copies through th_copy_of (ggml's OUT_PROD,
-// MUL_MAT where ggml-cuda gives it to cuBLAS: f32, more than a few columns; ours)
-static bool th_reads_copies(const ggml_tensor * u) {
+// whether `u` is a matrix product: ggml's, or ours (whose bf16 operands are copies)
+static bool th_is_product(const ggml_tensor * u) {
     switch (th_kernel_of(u)) {
         case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM: case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD:
             return true;
         default:
-            break;
+            return u->op == GGML_OP_MUL_MAT || u->op == GGML_OP_OUT_PROD;
     }
+}
+
+// Whether a product `u` takes its f32 operands as bf16 copies through th_copy_of (ours; ggml's
+// OUT_PROD, and MUL_MAT where ggml-cuda gives it to cuBLAS: f32, more than a few columns)
+static bool th_reads_copies(const ggml_tensor * u) {
+    if (!th_is_product(u)) return false;
+    if (u->op != GGML_OP_MUL_MAT && u->op != GGML_OP_OUT_PROD) return true;
     const bool f32 = u->type == GGML_TYPE_F32 && u->src[0] != nullptr && u->src[1] != nullptr &&
                      u->src[0]->type == GGML_TYPE_F32 && u->src[1]->type == GGML_TYPE_F32;
     if (u->op == GGML_OP_OUT_PROD) return f32;
@@ -619,11 +625,7 @@ __nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst,
     ggml_cgraph * graph = (ggml_cgraph *) th_graph;
     for (int i = th_prev_node + 1; i < ggml_graph_n_nodes(graph) && !product_reads; i++) {
         const ggml_tensor * u = ggml_graph_node(graph, i);
-        const int kernel = th_kernel_of(u);
-        if (u->op != GGML_OP_MUL_MAT && u->op != GGML_OP_OUT_PROD && kernel != TH_CUDA_LINEAR_BIAS &&
-            kernel != TH_CUDA_PRODUCT_SUM && kernel != TH_CUDA_FROZEN_MUL_MAT && kernel != TH_CUDA_FROZEN_OUT_PROD) {
-            continue;
-        }
+        if (!th_is_product(u)) continue;
         for (int j = 0; j < GGML_MAX_SRC && !product_reads; j++) {
             const ggml_tensor * src = u->src[j];
             product_reads = src != nullptr && src->data != nullptr && (uintptr_t) src->data < hi &&
