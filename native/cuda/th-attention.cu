@@ -507,6 +507,15 @@ static __device__ __forceinline__ void th_stage(float * st, const float * h, con
     }
 }
 
+// four floats into a tile of E at p (16-byte aligned for fp32, 8 for bf16): bf16 rounded to nearest
+// even, or fp32 rounded to nearest TF32
+static __device__ __forceinline__ void th_put4(__nv_bfloat16 * p, const float4 x) {
+    *(uint2 *) p = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
+}
+static __device__ __forceinline__ void th_put4(float * p, const float4 x) {
+    *(float4 *) p = make_float4(th_tf32(x.x), th_tf32(x.y), th_tf32(x.z), th_tf32(x.w));
+}
+
 // NR rows from row0 of head h into smem as rows[r][d] of E (ld ldr): bf16 rounded to nearest even,
 // or fp32 rounded to nearest TF32 (th_tf32); rows at or past T zeros. From the staging where the
 // operand is stageable (staged before), else loaded now along whichever of t and d is adjacent in
@@ -518,12 +527,7 @@ static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, con
     if (staged) {
         for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
             const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
-            const float4 x = *(const float4 *) (st + r * HD + d);
-            if constexpr (TF32) {
-                *(float4 *) (rows + r * ldr + d) = make_float4(th_tf32(x.x), th_tf32(x.y), th_tf32(x.z), th_tf32(x.w));
-            } else {
-                *(uint2 *) (rows + r * ldr + d) = make_uint2(th_pack_bf16(x.x, x.y), th_pack_bf16(x.z, x.w));
-            }
+            th_put4(rows + r * ldr + d, *(const float4 *) (st + r * HD + d));
         }
         return;
     }
@@ -537,6 +541,36 @@ static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, con
             rows[r * ldr + d] = __float2bfloat16_rn(x);
         }
     }
+}
+
+// th_fill_rows of rows not staged (loaded now): by 16-byte loads where the operand is stageable, 4
+// of a thread's issued before any is used (the latency of a CTA's first tiles), else as
+// th_fill_rows loads them. The same values either way. (Not inside th_fill_rows: its walks'
+// calls would carry this path's registers.)
+template <typename E, int HD, int NR, int NT>
+static __device__ __forceinline__ void th_load_rows(E * rows, const int ldr, const float * h, const th_opd & o,
+                                                    const int row0, const int T) {
+    if (th_stageable(o, h)) {
+        constexpr int N = (NR * HD / 4 + NT - 1) / NT, NB = N < 4 ? N : 4;
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += NB) {
+            float4 x[NB];
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 4), d = 4 * (i % (HD / 4));
+                const bool in = n0 + n < N && i < NR * HD / 4 && row0 + r < T;
+                x[n] = in ? *(const float4 *) (h + (int64_t) (row0 + r) * o.st + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 4), d = 4 * (i % (HD / 4));
+                if (n0 + n >= N || i >= NR * HD / 4) break;
+                th_put4(rows + r * ldr + d, x[n]);
+            }
+        }
+        return;
+    }
+    th_fill_rows<E, HD, NR, NT>(rows, ldr, nullptr, false, h, o, row0, T);
 }
 
 // the A fragments (16 rows x HD, HD / 16 steps of k) of rows r0 .. r0 + 15 of a row-major tile
@@ -596,7 +630,8 @@ static __device__ __forceinline__ void th_ldsm_b_trans(uint32_t (&b)[4], const _
 
 // acc[nt] (16 x 64: 8 tiles of 8 columns) = A (16 x HD, fragments) times B^T, B a row-major
 // 64 x HD tile (B's row n is output column n): the scores' product. Two tiles' B fragments a
-// ldmatrix (th_ldsm_bt: the registers two 32-bit loads a tile gave); each sum in kk's order.
+// ldmatrix (th_ldsm_bt: the registers two 32-bit loads a tile gave); each sum in kk's order, the
+// eight sums a step at a time (so that a warp is not waiting on one mma's result for the next).
 template <int HD>
 static __device__ __forceinline__ void th_mm_rows(float (&acc)[8][4], const uint32_t (&a)[HD / 16][4],
                                                   const __nv_bfloat16 * b, const int ld) {
@@ -605,13 +640,14 @@ static __device__ __forceinline__ void th_mm_rows(float (&acc)[8][4], const uint
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
 #pragma unroll
-    for (int np = 0; np < 4; np++) {
+    for (int kk = 0; kk < HD / 16; kk++) {     // kk outer: 7 other sums between a sum's two steps
+        uint32_t bf[4][4];
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            uint32_t bf[4];
-            th_ldsm_bt(bf, b, ld, 16 * np, 16 * kk);
-            th_mma16816(acc[2 * np], a[kk], bf[0], bf[1]);
-            th_mma16816(acc[2 * np + 1], a[kk], bf[2], bf[3]);
+        for (int np = 0; np < 4; np++) th_ldsm_bt(bf[np], b, ld, 16 * np, 16 * kk);
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            th_mma16816(acc[2 * np], a[kk], bf[np][0], bf[np][1]);
+            th_mma16816(acc[2 * np + 1], a[kk], bf[np][2], bf[np][3]);
         }
     }
 }
@@ -665,7 +701,9 @@ static __device__ __forceinline__ void th_zero(float (&x)[HD / 8][4]) {
 // The online softmax over a 64-key block (keys from k0) of a warp's 16 rows (from w0), their scores
 // s (C fragments: rows g and g + 8, columns 2t, 2t + 1 of each 8) turned into P = exp(scale s - m)
 // in place; the running maximum m, sum l and the output o rescaled (FlashAttention-2's order).
-template <int HD>
+// WHOLE: a block inside the sequence whose every key every row sees, so no score to mask (the
+// tests compile away; a finite score gives the same P either way).
+template <int HD, bool WHOLE>
 static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float (&o)[HD / 8][4], float (&m)[2],
                                                         float (&l)[2], const th_attn_args & a, const int w0,
                                                         const int k0) {
@@ -680,7 +718,7 @@ static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float 
             for (int e = 0; e < 2; e++) {
                 const int col = k0 + nt * 8 + c + e;
                 float & x = s[nt][2 * r + e];
-                x = col >= T || (a.causal && col > row) ? -INFINITY : x * a.scale;
+                x = !WHOLE && (col >= T || (a.causal && col > row)) ? -INFINITY : x * a.scale;
                 mx = fmaxf(mx, x);
             }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
@@ -693,7 +731,7 @@ static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float 
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float & x = s[nt][2 * r + e];
-                x = x == -INFINITY ? 0.0f : expf(x - m_new);
+                x = !WHOLE && x == -INFINITY ? 0.0f : expf(x - m_new);
                 sum += x;
             }
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
@@ -702,6 +740,16 @@ static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float 
         m[r] = m_new;
 #pragma unroll
         for (int nt = 0; nt < HD / 8; nt++) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
+    }
+}
+template <int HD>
+static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float (&o)[HD / 8][4], float (&m)[2],
+                                                        float (&l)[2], const th_attn_args & a, const int w0,
+                                                        const int k0) {
+    if (k0 + TH_MM_B <= a.T && !(a.causal && k0 + TH_MM_B - 1 > w0)) {
+        th_softmax_block<HD, true>(s, o, m, l, a, w0, k0);
+    } else {
+        th_softmax_block<HD, false>(s, o, m, l, a, w0, k0);
     }
 }
 
@@ -874,7 +922,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
     if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
     th_cp_commit();
-    th_fill_rows<__nv_bfloat16, HD, QR, NT>(Qs, LDR, nullptr, false, q, a.q, q0, T);
+    th_load_rows<__nv_bfloat16, HD, QR, NT>(Qs, LDR, q, a.q, q0, T);
     __syncthreads();
     uint32_t qf[HD / 16][4];
     th_frag_a<HD>(qf, Qs, LDR, 16 * warp);
@@ -972,8 +1020,8 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
     };
     stage(0);
     th_cp_commit();
-    th_fill_rows<__nv_bfloat16, HD, KR, NT>(Qs, LDR, nullptr, false, k, a.k, k0, T);
-    th_fill_rows<__nv_bfloat16, HD, KR, NT>(dOs, LDR, nullptr, false, v, a.v, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT>(Qs, LDR, k, a.k, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT>(dOs, LDR, v, a.v, k0, T);
     __syncthreads();
     uint32_t kf[HD / 16][4], vf[HD / 16][4];
     th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
@@ -1046,8 +1094,8 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
     };
     stage(0, qb0, 0);
     th_cp_commit();
-    th_fill_rows<__nv_bfloat16, HD, KR, NT>(Ks, LDR, nullptr, false, k, a.k, k0, T);
-    th_fill_rows<__nv_bfloat16, HD, KR, NT>(Vs, LDR, nullptr, false, v, a.v, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT>(Ks, LDR, k, a.k, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT>(Vs, LDR, v, a.v, k0, T);
     float dv[HD / 8][4], dk[HD / 8][4];
     int gr = 0, qb = qb0;                                            // step i: head kvh G + gr, query block qb
     for (int i = 0; i < G * nq; i++) {
@@ -1139,11 +1187,11 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     th_cp_commit();
     // the warp's Q and dO as A fragments, and L and D of its rows g and g + 8 (a row past T: 0)
     uint32_t qf[HD / 16][4], of[HD / 16][4];
-    th_fill_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, nullptr, false, q, a.q, q0, T);
+    th_load_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, q, a.q, q0, T);
     __syncthreads();
     th_frag_a<HD>(qf, Rs, LDR, 16 * warp);
     __syncthreads();
-    th_fill_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, nullptr, false, dout, a.dout, q0, T);
+    th_load_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, dout, a.dout, q0, T);
     __syncthreads();
     th_frag_a<HD>(of, Rs, LDR, 16 * warp);
     float lr[2], dr[2];
@@ -1162,25 +1210,32 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
             for (int nt = 0; nt < 2; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.0f;
+            // step kk's fragments loaded while step kk - 1 multiplies (two sets of registers)
+            uint32_t bk[2][4], bv[2][4];
+            th_ldsm_bt(bk[0], Ks, LDR, 16 * j, 0);
+            th_ldsm_bt(bv[0], Vs, LDR, 16 * j, 0);
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
-                uint32_t bf[4];
-                th_ldsm_bt(bf, Ks, LDR, 16 * j, 16 * kk);
-                th_mma16816(s[0], qf[kk], bf[0], bf[1]);
-                th_mma16816(s[1], qf[kk], bf[2], bf[3]);
-                th_ldsm_bt(bf, Vs, LDR, 16 * j, 16 * kk);
-                th_mma16816(dp[0], of[kk], bf[0], bf[1]);
-                th_mma16816(dp[1], of[kk], bf[2], bf[3]);
+                const int n = kk % 2;
+                if (kk + 1 < HD / 16) {
+                    th_ldsm_bt(bk[1 - n], Ks, LDR, 16 * j, 16 * (kk + 1));
+                    th_ldsm_bt(bv[1 - n], Vs, LDR, 16 * j, 16 * (kk + 1));
+                }
+                th_mma16816(s[0], qf[kk], bk[n][0], bk[n][1]);
+                th_mma16816(s[1], qf[kk], bk[n][2], bk[n][3]);
+                th_mma16816(dp[0], of[kk], bv[n][0], bv[n][1]);
+                th_mma16816(dp[1], of[kk], bv[n][2], bv[n][3]);
             }
             th_dq_chunk_ds(s, dp, lr, dr, a, w0, kc);
             const uint32_t sa[4] = {th_pack_bf16(dp[0][0], dp[0][1]), th_pack_bf16(dp[0][2], dp[0][3]),
                                     th_pack_bf16(dp[1][0], dp[1][1]), th_pack_bf16(dp[1][2], dp[1][3])};
+            uint32_t b[HD / 16][4];                                  // every step's fragments first
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt += 2) th_ldsm_b_trans(b[nt / 2], Ks, LDR, 16 * j, nt * 8);
 #pragma unroll
             for (int nt = 0; nt < HD / 8; nt += 2) {
-                uint32_t b[4];
-                th_ldsm_b_trans(b, Ks, LDR, 16 * j, nt * 8);
-                th_mma16816(acc[nt], sa, b[0], b[1]);
-                th_mma16816(acc[nt + 1], sa, b[2], b[3]);
+                th_mma16816(acc[nt], sa, b[nt / 2][0], b[nt / 2][1]);
+                th_mma16816(acc[nt + 1], sa, b[nt / 2][2], b[nt / 2][3]);
             }
         }
     }
@@ -1271,7 +1326,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
     if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
     if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
     th_cp_commit();
-    th_fill_rows<float, HD, QR, NT>(Qs, LDF, nullptr, false, q, a.q, q0, T);
+    th_load_rows<float, HD, QR, NT>(Qs, LDF, q, a.q, q0, T);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
     th_zero<HD>(o);
     for (int kb = 0; kb < nkb; kb++) {
@@ -1310,8 +1365,8 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
     const float * k = th_head(a.k, kvh), * v = th_head(a.v, kvh);
     th_bwd_stage<HD, NT>(a, kvh, qb0 * TH_MM_B, Qst, dOst, LD);
     th_cp_commit();
-    th_fill_rows<float, HD, KR, NT>(Ks, LDF, nullptr, false, k, a.k, k0, T);
-    th_fill_rows<float, HD, KR, NT>(Vs, LDF, nullptr, false, v, a.v, k0, T);
+    th_load_rows<float, HD, KR, NT>(Ks, LDF, k, a.k, k0, T);
+    th_load_rows<float, HD, KR, NT>(Vs, LDF, v, a.v, k0, T);
     float dv[HD / 8][4], dk[HD / 8][4];
     th_zero<HD>(dv), th_zero<HD>(dk);
     for (int qb = qb0; qb < nqb; qb++) {
@@ -1386,7 +1441,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
     th_cp_commit();
     // the warp's Q as A fragments (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of each 8 of d)
     float qf[HD / 8][4];
-    th_fill_rows<float, HD, QR, NT>(Rs, LDF, nullptr, false, q, a.q, q0, T);
+    th_load_rows<float, HD, QR, NT>(Rs, LDF, q, a.q, q0, T);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < HD / 8; kk++) {
@@ -1394,7 +1449,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
         qf[kk][0] = p[0], qf[kk][1] = p[8 * LDF], qf[kk][2] = p[4], qf[kk][3] = p[8 * LDF + 4];
     }
     __syncthreads();
-    th_fill_rows<float, HD, QR, NT>(Rs, LDF, nullptr, false, dout, a.dout, q0, T);   // the key loop's barriers order it
+    th_load_rows<float, HD, QR, NT>(Rs, LDF, dout, a.dout, q0, T);   // the key loop's barriers order it
     float lr[2], dr[2];
     th_dq_rows_ld<HD>(lr, dr, a, bh, w0);
     float acc[HD / 8][4];
