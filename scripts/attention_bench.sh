@@ -12,7 +12,8 @@ W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 mkdir -p "$W/rev"
 git show "$REV:native/cuda/th-attention.cu" > "$W/rev/th-attention.cu"
-cp native/cuda/th-custom.cuh "$W/rev/"
+git show "$REV:native/cuda/th-custom.cuh" > "$W/rev/th-custom.cuh"     # found beside the .cu first
+git show "$REV:native/custom_ops.h" > "$W/rev/custom_ops.h"
 build() {      # $1: the folder of th-attention.cu, $2: the binary, then nvcc's options
     local dir=$1 bin=$2
     shift 2
