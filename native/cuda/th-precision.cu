@@ -485,6 +485,17 @@ static void th_reuse_before(const ggml_tensor * node) {
     th_node = node;
 }
 
+// whether tensor t's bytes overlap [lo, hi); whether node u reads any of them (a source's do)
+static bool th_tensor_overlaps(const ggml_tensor * t, const uintptr_t lo, const uintptr_t hi) {
+    return t != nullptr && t->data != nullptr && (uintptr_t) t->data < hi && lo < (uintptr_t) t->data + ggml_nbytes(t);
+}
+static bool th_reads_bytes(const ggml_tensor * u, const uintptr_t lo, const uintptr_t hi) {
+    for (int j = 0; j < GGML_MAX_SRC; j++) {
+        if (th_tensor_overlaps(u->src[j], lo, hi)) return true;
+    }
+    return false;
+}
+
 // With a horizon, the last node among the next th_keep_nodes after the one computing now whose
 // sources overlap the bytes [lo, hi) (the node computing now when none does); INT_MAX without one.
 static int th_copy_until(const uintptr_t lo, const uintptr_t hi) {
@@ -492,13 +503,7 @@ static int th_copy_until(const uintptr_t lo, const uintptr_t hi) {
     ggml_cgraph * graph = (ggml_cgraph *) th_graph;
     const int last = std::min(ggml_graph_n_nodes(graph) - 1, th_prev_node + th_keep_nodes);
     for (int i = last; i > th_prev_node; i--) {
-        const ggml_tensor * u = ggml_graph_node(graph, i);
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            const ggml_tensor * s = u->src[j];
-            if (s == nullptr || s->data == nullptr) continue;
-            const uintptr_t a = (uintptr_t) s->data;
-            if (a < hi && lo < a + ggml_nbytes(s)) return i;
-        }
+        if (th_reads_bytes(ggml_graph_node(graph, i), lo, hi)) return i;
     }
     return th_prev_node;
 }
@@ -587,17 +592,12 @@ static bool th_copy_alone_ok(const ggml_tensor * dst, const uintptr_t lo, const 
         const ggml_tensor * u = ggml_graph_node(graph, i);
         const int kernel = th_kernel_of(u);
         if (th_computes_nothing(u) || kernel == TH_CUDA_FOLDED || kernel == TH_CUDA_ROOM) continue;
-        bool reads = false;
-        for (int j = 0; j < GGML_MAX_SRC && !reads; j++) {
-            const ggml_tensor * src = u->src[j];
-            reads = src != nullptr && src->data != nullptr && (uintptr_t) src->data < hi &&
-                    lo < (uintptr_t) src->data + ggml_nbytes(src);
-        }
+        const bool reads = th_reads_bytes(u, lo, hi);
         if (reads && (dropped || !th_reads_copies(u))) return false;
         if (reads) readers.push_back(u);
         // a node that writes these bytes ends dst's life (ggml-alloc gives them to a later tensor
         // after dst's last reader): what reads them after it reads that tensor
-        if (u->data != nullptr && (uintptr_t) u->data < hi && lo < (uintptr_t) u->data + ggml_nbytes(u)) break;
+        if (th_tensor_overlaps(u, lo, hi)) break;
         dropped = dropped || !th_writes_known(u);
     }
     return !readers.empty();
@@ -625,12 +625,7 @@ __nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst,
     ggml_cgraph * graph = (ggml_cgraph *) th_graph;
     for (int i = th_prev_node + 1; i < ggml_graph_n_nodes(graph) && !product_reads; i++) {
         const ggml_tensor * u = ggml_graph_node(graph, i);
-        if (!th_is_product(u)) continue;
-        for (int j = 0; j < GGML_MAX_SRC && !product_reads; j++) {
-            const ggml_tensor * src = u->src[j];
-            product_reads = src != nullptr && src->data != nullptr && (uintptr_t) src->data < hi &&
-                            lo < (uintptr_t) src->data + ggml_nbytes(src);
-        }
+        product_reads = th_is_product(u) && th_reads_bytes(u, lo, hi);
     }
     if (!product_reads) return nullptr;
     const int rows = (int) dst->ne[0], cols = (int) ggml_nrows(dst);
