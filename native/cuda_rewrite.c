@@ -1202,14 +1202,5 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
 
 /* the kernel's name for a node marked here (bench --profile), else NULL */
 TH_EXPORT const char * th_cuda_kernel_name(const struct ggml_tensor * t) {
-    static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
-                                   "attention_back", "slice", "layer_norm", "layer_norm_back",
-                                   "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
-                                   "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
-                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
-                                   "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu"};
-    for (int k = 1; k < (int) (sizeof(names) / sizeof(*names)); k++) {
-        if (th_marked(t, k)) return names[k];
-    }
-    return NULL;
+    return th_cuda_kernel_name_of(th_kernel_of(t));
 }

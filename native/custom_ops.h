@@ -136,6 +136,16 @@ static inline int th_kernel_of(const struct ggml_tensor * t) {
     memcpy(p, t->op_params, sizeof(p));
     return t->op == GGML_OP_CUSTOM && p[0] == TH_CUDA_MAGIC ? p[1] : 0;
 }
+/* the name of cuda kernel `k` (th_kernel_of), NULL for 0 (a node not marked) or one not known */
+static inline const char * th_cuda_kernel_name_of(int k) {
+    static const char * names[] = {NULL, "gelu", "gelu_back", "cont", "attention", "attention_prep",
+                                   "attention_back", "slice", "layer_norm", "layer_norm_back",
+                                   "linear_bias", "folded", "affine", "column_dot", "get_rows_back",
+                                   "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
+                                   "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
+                                   "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu"};
+    return k > 0 && k < (int) (sizeof(names) / sizeof(*names)) ? names[k] : NULL;
+}
 /* whether the environment variable `name` is set to `value` (a comparison switch: "ggml" keeps
  * ggml's node, "f32" keeps f32, "0" turns a path off) */
 static inline int th_env_is(const char * name, const char * value) {

@@ -22,6 +22,12 @@ bool ggml_is_contiguous(const struct ggml_tensor *) { return true; }
 int64_t ggml_nelements(const struct ggml_tensor *) { return 0; }
 }
 
+// th-precision.cu's bf16 copy for dQ's readers (th-attention.cu's launcher, not used here): none
+__nv_bfloat16 * th_copy_for_writer(cudaStream_t, const ggml_tensor *, bool * alone, const ggml_tensor *) {
+    if (alone != nullptr) *alone = false;
+    return nullptr;
+}
+
 #define CHECK(x)                                                                        \
     do {                                                                                \
         cudaError_t e = (x);                                                            \

@@ -7,6 +7,7 @@ The cuda tests skip, saying why, where no cuda build or GPU is present (`nox -s 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -587,7 +588,7 @@ def bf16_run(name: str, reuse: bool, env: dict[str, str] | None = None) -> dict:
     env = {**os.environ, **(env or {}), "TOYHARNESS_BF16_REUSE": "1" if reuse else "0"}
     done = subprocess.run([sys.executable, "-c", BF16_RUN, name], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "stderr": done.stderr}
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "llama", "vit_tiny")])
@@ -635,6 +636,30 @@ def test_writers_put_their_outputs_bf16_copy_beside_it_with_the_same_bits(name):
     assert written["hex"] == converted["hex"]
     assert written["converted"] < converted["converted"]
     assert written["converted"] + written["reused"] == converted["converted"] + converted["reused"]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs("cuda")) for n in ("gpt2@bf16", "llama@bf16")])
+def test_the_bf16_trace_names_each_conversion_and_the_attention_output_writes_its_copy(name):
+    """TOYHARNESS_BF16_TRACE=1 prints a line for each operand a bf16 product converts, naming the
+    source tensor: as many lines as conversions counted. The copy that moves an attention's output
+    from heads into rows (a CONT) writes its bf16 copy as it writes the rows, and the products that
+    read those rows as a (C, rows) matrix find it (th_copy_of: a packed copy in another shape), so
+    no product converts a CONT's output. Without grouped heads (gpt2) the attention's backward and
+    dQ kernels write dK's, dV's and dQ's copies: no gradient product of q, k or v converts its
+    operand. The losses keep the bits of the run without writers' copies."""
+    traced = bf16_run(name, True, {"TOYHARNESS_BF16_TRACE": "1"})
+    without = bf16_run(name, True, {"TOYHARNESS_BF16_WRITER_COPIES": "0"})
+    lines = [ln for ln in traced["stderr"].splitlines() if ln.startswith("toyharness bf16 convert: ")]
+    print(f"{name}: {len(lines)} conversions traced, {traced['converted']} counted "
+          f"({without['converted']} without writers' copies)", *sorted(set(ln[25:] for ln in lines)), sep="\n  ")
+    assert len(lines) == traced["converted"] > 0
+    assert not [ln for ln in lines if "(cont)" in ln], "a product converted a CONT's output"
+    if name == "gpt2@bf16":
+        assert not [ln for ln in lines if re.match(r"toyharness bf16 convert: grad for blk\.\d+\.attn_[qkv]\.", ln)]
+    assert any("(cont)" in ln for ln in
+               bf16_run(name, True, {"TOYHARNESS_BF16_TRACE": "1", "TOYHARNESS_BF16_WRITER_COPIES": "0"})["stderr"]
+               .splitlines()), "without writers' copies a CONT's output is converted (so this test sees one)"
+    assert traced["hex"] == without["hex"]
 
 
 @pytest.mark.parametrize("name, writes_alone", [pytest.param(n, a, marks=needs("cuda")) for n, a in (

@@ -29,6 +29,7 @@
 // At precision bf16 and tf32 the same nodes run on tensor cores instead (the sections "bf16" and
 // "tf32" below; th_precision_of(node) picks): bf16 or TF32 tiles, fp32 softmax and sums.
 #include "th-custom.cuh"
+#include "th-precision.cuh"                 // th_copy_for_writer: dQ's bf16 copy
 
 extern "C" {
 #include "custom_ops.h"
@@ -73,6 +74,26 @@ static __device__ __forceinline__ void th_put_grouped(float * p, const float x, 
     }
 }
 
+// A bf16 copy a kernel writes beside its f32 output (th_copy_for_writer), for the products that
+// read that output: p (nullptr: none) holds the element that lies at `base + i` at p + i; alone:
+// the copy alone, the f32 values not written
+struct th_copy16 {
+    __nv_bfloat16 * p;
+    const float * base;
+    int alone;
+};
+
+static __device__ __forceinline__ __nv_bfloat16 * th_copy_at(const th_copy16 & c, const float * at) {
+    return c.p != nullptr ? c.p + (at - c.base) : nullptr;
+}
+
+// the copy of `written` (f32, contiguous), which `writer` (the node computing now) writes
+static th_copy16 th_copy16_of(cudaStream_t stream, const ggml_tensor * writer, const ggml_tensor * written) {
+    bool alone = false;
+    __nv_bfloat16 * p = th_copy_for_writer(stream, writer, &alone, written);
+    return {p, (const float *) written->data, alone};
+}
+
 struct th_attn_args {
     th_opd q, k, v;       // (t, d) of Q, K and V (the node reads V^T: its strides swapped)
     th_opd dout;          // dO (backward)
@@ -82,6 +103,7 @@ struct th_attn_args {
     float * scratch;      // the prep node: per head dK (T x hd), dV^T (hd x T), D (T)
     const float * ds;     // the backward node's dS (BH, T, T) (the dQ node at fp32 and tf32)
     float * out;          // the node's own output
+    th_copy16 dq16, dk16, dv16;  // at bf16 the copies of dQ, dK and dV that products read, or none
     int T;
     float scale;
     int causal;
@@ -781,20 +803,33 @@ static __device__ __forceinline__ void th_kv_block(const th_attn_args & a, const
 }
 
 // a warp's 16 rows (from w0; C fragments, 16 x HD) times `scale` (one a row) into out's head h
+// h16: the same elements' bf16 copy (each value rounded to nearest even, as th_to_bf16 would),
+// the copy's element for h's at h16; f32 false: the copy alone
 template <int HD>
 static __device__ __forceinline__ void th_put_rows(const float (&x)[HD / 8][4], const float (&scale)[2], float * h,
-                                                   const th_opd & out, const int w0, const int T) {
+                                                   const th_opd & out, const int w0, const int T,
+                                                   __nv_bfloat16 * h16 = nullptr, const bool f32 = true) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = w0 + g + 8 * r;
         if (row >= T) continue;
 #pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                h[(int64_t) row * out.st + (int64_t) (nt * 8 + c + e) * out.sd] = x[nt][2 * r + e] * scale[r];
+        for (int nt = 0; nt < HD / 8; nt++) {
+            const float v0 = x[nt][2 * r] * scale[r], v1 = x[nt][2 * r + 1] * scale[r];
+            const int64_t at = (int64_t) row * out.st + (int64_t) (nt * 8 + c) * out.sd;
+            // (a copy's rows: the pair side by side, 4-byte aligned where every stride is even)
+            if (h16 != nullptr && out.sd == 1 && ((out.st | out.sh | out.sb) & 1) == 0) {
+                *(__nv_bfloat162 *) (h16 + at) = __floats2bfloat162_rn(v0, v1);
+            } else if (h16 != nullptr) {
+                h16[at] = __float2bfloat16_rn(v0);
+                h16[at + out.sd] = __float2bfloat16_rn(v1);
             }
+            if (f32) {
+                h[at] = v0;
+                h[at + out.sd] = v1;
+            }
+        }
     }
 }
 
@@ -978,6 +1013,12 @@ static __device__ __forceinline__ void th_bwd_put(const th_attn_args & a, const 
                                                   const float (&dv)[HD / 8][4]) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
     float * dk_out = th_head(a.dk, kvh), * dv_out = th_head(a.dv, kvh);
+    if (a.dk16.p != nullptr || a.dv16.p != nullptr) {   // (bf16 copies: one query head a kv head, G 1)
+        const float one[2] = {1.0f, 1.0f};
+        th_put_rows<HD>(dk, one, dk_out, a.dk, w0, a.T, th_copy_at(a.dk16, dk_out), !a.dk16.alone);
+        th_put_rows<HD>(dv, one, dv_out, a.dv, w0, a.T, th_copy_at(a.dv16, dv_out), !a.dv16.alone);
+        return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int key = w0 + g + 8 * h;
@@ -1240,7 +1281,8 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
         }
     }
     const float one[2] = {1.0f, 1.0f};
-    th_put_rows<HD>(acc, one, th_head(a.dq, bh), a.dq, w0, T);
+    float * h = th_head(a.dq, bh);
+    th_put_rows<HD>(acc, one, h, a.dq, w0, T, th_copy_at(a.dq16, h), !a.dq16.alone);
 }
 
 // --- tf32: the three kernels on tensor cores at precision = tf32 (issue 32) --------------------
@@ -1745,6 +1787,11 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
             return;
         }
         if (bf16) {
+            // dK's and dV's bf16 copies beside them, or alone, where products read them (k's and
+            // v's weight, bias and input gradients): into their rooms, written by this node
+            // (grouped heads sum into their rooms head by head: no copy there)
+            if (dst->src[6] != nullptr && ap.group == 1) a.dk16 = th_copy16_of(stream, dst, dst->src[6]);
+            if (dst->src[7] != nullptr && ap.group == 1) a.dv16 = th_copy16_of(stream, dst, dst->src[7]);
             th_mma_launch<HD>(stream, kernel, a, ctas);
             return;
         }
@@ -1774,6 +1821,9 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
             a.v.g = ap.group;
             a.fwd = (const float *) dst->src[4]->data, a.scratch = (float *) dst->src[5]->data;
             if (bf16) {
+                // dQ's bf16 copy beside it, or alone, where products read it (q's weight, bias
+                // and input gradients): the conversion each would otherwise make
+                a.dq16 = th_copy16_of(stream, dst, dst);
                 th_mma_launch<HD>(stream, kernel, a, heads);
             } else {
                 th_tf_launch<HD>(stream, kernel, a, heads);

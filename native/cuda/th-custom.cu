@@ -843,18 +843,39 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
                            (float *) dst->data, (int) n) == CUBLAS_STATUS_SUCCESS;
 }
 
-// rows of ne[0] floats (the source's nb[0] is a float): a warp a row, blockDim (32, 8)
-static __global__ void th_cont_rows_kernel(const char * __restrict__ src, float * __restrict__ dst, const int64_t ne0,
-                                           const int64_t ne1, const int64_t ne2, const int64_t ne3, const int64_t nb1,
-                                           const int64_t nb2, const int64_t nb3) {
+// rows of ne[0] floats (the source's nb[0] is a float): a warp a row, blockDim (32, 8); with y16
+// (copy16) each value also as bf16 rounded to nearest even (th_map_kernel's copy), y nullptr: the
+// copy alone
+template <bool copy16>
+static __global__ void th_cont_rows_kernel(const char * __restrict__ src, float * __restrict__ dst,
+                                           __nv_bfloat16 * __restrict__ y16, const int64_t ne0, const int64_t ne1,
+                                           const int64_t ne2, const int64_t ne3, const int64_t nb1, const int64_t nb2,
+                                           const int64_t nb3) {
     const int64_t rows = ne1 * ne2 * ne3;
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
         const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
         const float * s = (const float *) (src + i1 * nb1 + i2 * nb2 + i3 * nb3);
-        float * d = dst + r * ne0;
         for (int64_t i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x) {
-            d[i0] = s[i0];
+            if (dst != nullptr) dst[r * ne0 + i0] = s[i0];
+            if (copy16) y16[r * ne0 + i0] = __float2bfloat16_rn(s[i0]);
         }
+    }
+}
+
+// The same, a float4 a thread (ne0 a multiple of 4, the source's rows and both pointers 16-byte
+// aligned), a grid-stride loop over the whole: a warp a row of 64 floats (a head) moved 2 scalar
+// floats a thread, 26 us for gpt2-small's attention output on the H200 (1.9 TB/s)
+template <bool copy16>
+static __global__ void th_cont_rows4_kernel(const char * __restrict__ src, float * __restrict__ dst,
+                                            __nv_bfloat16 * __restrict__ y16, const int64_t ne0, const int64_t ne1,
+                                            const int64_t ne2, const int64_t ne3, const int64_t nb1, const int64_t nb2,
+                                            const int64_t nb3) {
+    const int64_t per_row = ne0 / 4, n = per_row * ne1 * ne2 * ne3, step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t e = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; e < n; e += step) {
+        const int64_t r = e / per_row, i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
+        const float4 v = ((const float4 *) (src + i1 * nb1 + i2 * nb2 + i3 * nb3))[e % per_row];
+        if (dst != nullptr) ((float4 *) dst)[e] = v;
+        if (copy16) th_store_bf16x4(y16 + 4 * e, v);
     }
 }
 
@@ -893,16 +914,38 @@ static __global__ void th_cont_transpose_kernel(const char * __restrict__ src, f
     }
 }
 
-// dst = a copy of the f32 elements `src` (ne, nb, data) describes, in dst's order
+// dst = a copy of the f32 elements `src` (ne, nb, data) describes, in dst's order. Rows along
+// axis 0 (an attention's output, heads into rows) also write dst's bf16 copy at bf16 where
+// products read it (th_writer_outputs: beside dst, or alone)
 static void th_cont_of(cudaStream_t stream, const ggml_tensor * src, ggml_tensor * dst) {
     const int c = th_cont_axis(src);
     const dim3 block(32, 8);
     if (c == 0) {
-        const int64_t rows = src->ne[1] * src->ne[2] * src->ne[3];
+        __nv_bfloat16 * y16 = nullptr;
+        float * y = th_writer_outputs(stream, dst, &y16);
+        const char * from = (const char *) src->data;
+        const int64_t ne0 = src->ne[0], ne1 = src->ne[1], ne2 = src->ne[2], ne3 = src->ne[3];
+        const int64_t nb1 = (int64_t) src->nb[1], nb2 = (int64_t) src->nb[2], nb3 = (int64_t) src->nb[3];
+        if (ne0 % 4 == 0 && nb1 % 16 == 0 && nb2 % 16 == 0 && nb3 % 16 == 0 && th_aligned16(from) &&
+            th_aligned16(dst->data)) {
+            const int64_t wanted = (ggml_nelements(dst) / 4 + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
+            const int grid = (int) (wanted < 65535 ? wanted : 65535);
+            if (y16 != nullptr) {
+                th_cont_rows4_kernel<true><<<grid, TH_CUDA_BLOCK, 0, stream>>>(from, y, y16, ne0, ne1, ne2, ne3, nb1,
+                                                                               nb2, nb3);
+            } else {
+                th_cont_rows4_kernel<false><<<grid, TH_CUDA_BLOCK, 0, stream>>>(from, y, nullptr, ne0, ne1, ne2, ne3,
+                                                                                nb1, nb2, nb3);
+            }
+            return;
+        }
+        const int64_t rows = ne1 * ne2 * ne3;
         const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
-        th_cont_rows_kernel<<<grid, block, 0, stream>>>((const char *) src->data, (float *) dst->data, src->ne[0],
-                                                        src->ne[1], src->ne[2], src->ne[3], (int64_t) src->nb[1],
-                                                        (int64_t) src->nb[2], (int64_t) src->nb[3]);
+        if (y16 != nullptr) {
+            th_cont_rows_kernel<true><<<grid, block, 0, stream>>>(from, y, y16, ne0, ne1, ne2, ne3, nb1, nb2, nb3);
+        } else {
+            th_cont_rows_kernel<false><<<grid, block, 0, stream>>>(from, y, nullptr, ne0, ne1, ne2, ne3, nb1, nb2, nb3);
+        }
         return;
     }
     th_cont_args a;

@@ -236,6 +236,10 @@ static int th_graph_device = -1;
 static int th_prev_node = -1;                       // index of the last node that may call cuBLAS
 static const ggml_tensor * th_node = nullptr;       // the node computing now (when in th_graph)
 static bool th_reuse = false;
+// TOYHARNESS_BF16_TRACE=1: a line on stderr for each operand a bf16 product converts (not a kept
+// copy): the product, the source tensor it reads and that tensor's op, the shape converted. Which
+// writers could write a copy for their readers shows here.
+static bool th_trace = false;
 static bool th_writer_copies = true;                // TOYHARNESS_BF16_WRITER_COPIES=0: none (th_copy_for_writer)
 static bool th_copies_alone = true;                 // TOYHARNESS_BF16_COPY_ALONE=0: f32 always written too
 // A writer writing its copy alone (th_copy_for_writer), this pass: its bytes and the later nodes
@@ -325,7 +329,7 @@ static void th_copy_gone(const th_copy & k) {
     th_chunk_free(th_chunks[k.chunk], k.off, k.bytes);
     if (k.writer == nullptr) return;
     th_alones.erase(std::remove_if(th_alones.begin(), th_alones.end(),
-                                   [&](const th_alone & w) { return w.writer == k.writer; }),
+                                   [&](const th_alone & w) { return w.lo == k.lo && w.hi == k.hi; }),
                     th_alones.end());
 }
 
@@ -406,8 +410,8 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_COLUMN_DOT:                            // and its partial sums, in src 2
         case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP: case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ:
         case TH_CUDA_SLICE:                                 // D, dK, dV^T, the rooms: into sources
-            th_drop_tensor(node);
-            for (int j = 0; j < GGML_MAX_SRC; j++) th_drop_tensor(node->src[j]);
+            th_drop_tensor(node, node);                     // (the copies it wrote kept: dQ's, dK's
+            for (int j = 0; j < GGML_MAX_SRC; j++) th_drop_tensor(node->src[j], node);  // and dV's rooms')
             return;
         default:                                            // (th_writes_known's list: none left)
             th_drop_copies_if(0, 0, true);
@@ -451,6 +455,7 @@ void th_cuda_graph_begin(const ggml_cgraph * graph) {
     th_graph = th_reuse ? graph : nullptr;
     th_writer_copies = !th_env_is("TOYHARNESS_BF16_WRITER_COPIES", "0");
     th_copies_alone = !th_env_is("TOYHARNESS_BF16_COPY_ALONE", "0");
+    th_trace = th_env_is("TOYHARNESS_BF16_TRACE", "1");
 }
 
 void th_cuda_graph_end(void) { th_reuse_end(); }
@@ -510,6 +515,28 @@ static int th_copy_until(const uintptr_t lo, const uintptr_t hi) {
 
 // the copy of an operand, converted now or kept from an earlier product; nullptr where it cannot
 // be kept (then the caller converts into scratch)
+static void th_trace_conversion(const float * src, const int rows, const int cols, const int ld, const int count,
+                                const bool inside) {
+    const ggml_tensor * from = nullptr;
+    for (int j = 0; j < GGML_MAX_SRC && from == nullptr; j++) {
+        const ggml_tensor * s = th_node->src[j];
+        if (s != nullptr && s->data != nullptr && (uintptr_t) src >= (uintptr_t) s->data &&
+            (uintptr_t) src < (uintptr_t) s->data + ggml_nbytes(s)) from = s;
+    }
+    const char * ours = th_cuda_kernel_name_of(th_kernel_of(th_node));
+    const char * from_ours = from != nullptr ? th_cuda_kernel_name_of(th_kernel_of(from)) : nullptr;
+    fprintf(stderr, "toyharness bf16 convert: %s (%s) reads %s (%s) %dx%d ld %d x%d%s\n", th_node->name,
+            ours != nullptr ? ours : ggml_op_desc(th_node), from != nullptr ? from->name : "?",
+            from_ours != nullptr ? from_ours : from != nullptr ? ggml_op_desc(from) : "-", rows, cols, ld, count,
+            inside ? "" : " (not a source's memory)");
+}
+
+// whether `count` rows x cols matrices (leading dimension ld, each `stride` floats after the one
+// before) are floats in order, with no gap
+static bool th_packed(const int rows, const int cols, const int ld, const int count, const long long stride) {
+    return ld == rows && (count == 1 || stride == (long long) rows * cols);
+}
+
 static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, const long long stride, const int rows,
                                         const int cols, const int ld, const int count) {
     if (th_node == nullptr || src == nullptr || rows <= 0 || cols <= 0 || count <= 0 || stride < 0 || ld < rows) {
@@ -523,14 +550,21 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
         inside = s != nullptr && s->data != nullptr && lo >= (uintptr_t) s->data &&
                  hi <= (uintptr_t) s->data + ggml_nbytes(s);
     }
+    const bool packed = th_packed(rows, cols, ld, count, stride);
     for (th_copy & k : th_copies) {
+        // the same matrices, or the same packed floats read in another shape (an attention's
+        // output written as heads, read as rows): a packed copy is the floats in order either way
+        const bool same = (k.rows == rows && k.cols == cols && k.ld == ld && k.count == count && k.stride == stride) ||
+                          (packed && th_packed(k.rows, k.cols, k.ld, k.count, k.stride) &&
+                           (long long) k.rows * k.cols * k.count == (long long) rows * cols * count);
         if (inside && k.device == th_graph_device && k.stream == stream && k.src == src && k.type == GGML_TYPE_F32 &&
-            k.rows == rows && k.cols == cols && k.ld == ld && k.count == count && k.stride == stride) {
+            same) {
             th_copy_counts[1]++;
             k.until = std::max(k.until, th_copy_until(k.lo, k.hi));
             for (th_alone & w : th_alones) {                 // a reader of a copy-alone tensor served
-                if (w.writer == k.writer) w.readers.erase(std::remove(w.readers.begin(), w.readers.end(), th_node),
-                                                          w.readers.end());
+                if (w.lo == k.lo && w.hi == k.hi) {
+                    w.readers.erase(std::remove(w.readers.begin(), w.readers.end(), th_node), w.readers.end());
+                }
             }
             return (const __nv_bfloat16 *) (th_chunks[k.chunk].ptr + k.off);
         }
@@ -541,6 +575,7 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
                        "written alone (set TOYHARNESS_BF16_COPY_ALONE=0 to write both)", th_node->name, w.writer->name);
         }
     }
+    if (th_trace) th_trace_conversion(src, rows, cols, ld, count, inside);
     if (!inside) return nullptr;
     const size_t bytes = ((size_t) rows * cols * count * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
     int chunk = 0;
@@ -614,10 +649,14 @@ static bool th_copy_alone_ok(const ggml_tensor * dst, const uintptr_t lo, const 
 // *alone (where given): the writer writes the copy alone, not its f32 values (th_copy_alone_ok:
 // only products read them, each through this copy); a writer that cannot write the copy alone
 // passes nullptr. TOYHARNESS_BF16_COPY_ALONE=0: never alone.
-__nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst, bool * alone) {
+// `written` (where given): a tensor other than dst that dst's kernel writes (the attention
+// backward's rooms for dK and dV), whose copy this is; dst stays its writer.
+__nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * writer, bool * alone,
+                                   const ggml_tensor * written) {
     if (alone != nullptr) *alone = false;
-    if (!th_writer_copies || th_precision_current != TH_PRECISION_BF16 || th_node != dst || dst->type != GGML_TYPE_F32 ||
-        !ggml_is_contiguous(dst) || dst->ne[0] > INT_MAX || ggml_nrows(dst) > INT_MAX) {
+    const ggml_tensor * dst = written != nullptr ? written : writer;
+    if (!th_writer_copies || th_precision_current != TH_PRECISION_BF16 || th_node != writer || dst->data == nullptr ||
+        dst->type != GGML_TYPE_F32 || !ggml_is_contiguous(dst) || dst->ne[0] > INT_MAX || ggml_nrows(dst) > INT_MAX) {
         return nullptr;
     }
     const uintptr_t lo = (uintptr_t) dst->data, hi = lo + ggml_nbytes(dst);
@@ -634,10 +673,10 @@ __nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst,
     size_t off = 0;
     if (!th_chunk_alloc(th_graph_device, bytes, &chunk, &off)) return nullptr;
     th_copies.push_back({th_graph_device, stream, (const float *) dst->data, GGML_TYPE_F32, rows, cols, rows, 1, 0, lo,
-                         hi, chunk, off, bytes, th_copy_until(lo, hi), dst});
+                         hi, chunk, off, bytes, th_copy_until(lo, hi), writer});
     std::vector<const ggml_tensor *> readers;
     if (alone != nullptr && th_copy_alone_ok(dst, lo, hi, readers)) {
-        th_alones.push_back({dst, lo, hi, std::move(readers)});
+        th_alones.push_back({writer, lo, hi, std::move(readers)});
         th_alone_count++;
         *alone = true;
     }

@@ -61,8 +61,10 @@ bool th_bf16_operands(cudaStream_t stream, const float * a, long long sa, int a_
 // bf16 copy (rows ne[0], cols its rows), which its writer fills beside it, each value rounded to
 // nearest even; nullptr where none is wanted or none can be had. *alone (a writer that can skip
 // its f32 values passes it): true where only products read them, each through the copy: the
-// writer then writes the copy alone
-__nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst, bool * alone = nullptr);
+// writer then writes the copy alone. `written`: the tensor whose copy it is, where dst's kernel
+// writes another tensor (the attention backward's rooms; dst stays the writer)
+__nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * dst, bool * alone = nullptr,
+                                   const ggml_tensor * written = nullptr);
 
 // device memory of at least `bytes` on the current device for work on its stream that ends within
 // one node (the bf16 products' operand copies, the loss's row values): one buffer a device, reused

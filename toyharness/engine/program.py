@@ -167,6 +167,7 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_BF16_WRITER_COPIES": ("1", "0"),
     "TOYHARNESS_BF16_COPY_ALONE": ("1", "0"),           # a writer read only by products writes its bf16 copy alone
     "TOYHARNESS_BF16_SWIGLU": ("bf16", "f32"),
+    "TOYHARNESS_BF16_TRACE": ("0", "1"),                # a stderr line for each operand a bf16 product converts
 }
 
 
