@@ -1079,7 +1079,7 @@ def swiglu_gradients(backend: str, monkeypatch, how: str, rows: int, d: int) -> 
     monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", how)
     prog, trainer = swiglu_program(backend, rows, d)
     trainer.grads_only({})
-    assert ("swiglu_back" in kernel_names(trainer.gb_grad)) == (how == "fused")
+    assert ("swiglu_back" in kernel_names(trainer.gb_grad)) == (how == "ours")
     return {n: prog.read(trainer.grad_acc[n]) for n in ("g", "u")}
 
 
@@ -1090,7 +1090,7 @@ def test_swiglus_backward_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, 
     which ggml-cuda fuses itself): every bit of both gradients."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    fused = swiglu_gradients(backend, monkeypatch, "fused", rows, d)
+    fused = swiglu_gradients(backend, monkeypatch, "ours", rows, d)
     ggml = swiglu_gradients(backend, monkeypatch, "ggml", rows, d)
     for name in ("g", "u"):
         assert np.isfinite(fused[name]).all(), name
