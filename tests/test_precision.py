@@ -615,13 +615,19 @@ def test_our_kernels_keep_the_bf16_copies_that_ggmls_nodes_keep(name):
     """A node of ours that th-precision.cu does not know to write only its own bytes drops every
     bf16 copy (the safe default): the backward then converts again what the forward had converted.
     With our cross-entropy and SwiGLU kernels the step converts as many operands as with ggml's nodes
-    (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml, TOYHARNESS_CUDA_SWIGLU=ggml), with the same bits."""
-    ours = bf16_run(name, True)
-    ggmls = bf16_run(name, True, {"TOYHARNESS_CUDA_CROSS_ENTROPY": "ggml", "TOYHARNESS_CUDA_SWIGLU": "ggml"})
-    print(f"{name}: operands converted {ours['converted']} (ggml's nodes: {ggmls['converted']}), "
-          f"reused {ours['reused']} ({ggmls['reused']})")
-    assert ours["hex"] == ggmls["hex"]
+    (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml, TOYHARNESS_CUDA_SWIGLU=ggml), with the same bits, where
+    no writer writes a copy (TOYHARNESS_BF16_WRITER_COPIES=0). With writers' copies our SwiGLU also
+    writes its output's copy: no more conversions than that, as many operands, the same bits."""
+    off = {"TOYHARNESS_BF16_WRITER_COPIES": "0"}
+    ours = bf16_run(name, True, off)
+    ggmls = bf16_run(name, True, {**off, "TOYHARNESS_CUDA_CROSS_ENTROPY": "ggml", "TOYHARNESS_CUDA_SWIGLU": "ggml"})
+    written = bf16_run(name, True)
+    print(f"{name}: operands converted {ours['converted']} (ggml's nodes: {ggmls['converted']}; with writers' "
+          f"copies {written['converted']}), reused {ours['reused']} ({ggmls['reused']}; {written['reused']})")
+    assert ours["hex"] == ggmls["hex"] == written["hex"]
     assert (ours["converted"], ours["reused"]) == (ggmls["converted"], ggmls["reused"])
+    assert written["converted"] <= ours["converted"]
+    assert written["converted"] + written["reused"] == ours["converted"] + ours["reused"]
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=needs("cuda"))
@@ -646,7 +652,9 @@ def test_the_bf16_trace_names_each_conversion_and_the_attention_output_writes_it
     read those rows as a (C, rows) matrix find it (th_copy_of: a packed copy in another shape), so
     no product converts a CONT's output. Without grouped heads (gpt2) the attention's backward and
     dQ kernels write dK's, dV's and dQ's copies: no gradient product of q, k or v converts its
-    operand. The losses keep the bits of the run without writers' copies."""
+    operand. With rotary positions (llama) the rotation's backward writes q's and k's, and
+    SwiGLU's backward gate's and up's: none of their weights' gradients converts its operand. The
+    losses keep the bits of the run without writers' copies."""
     traced = bf16_run(name, True, {"TOYHARNESS_BF16_TRACE": "1"})
     without = bf16_run(name, True, {"TOYHARNESS_BF16_WRITER_COPIES": "0"})
     lines = [ln for ln in traced["stderr"].splitlines() if ln.startswith("toyharness bf16 convert: ")]
@@ -654,8 +662,8 @@ def test_the_bf16_trace_names_each_conversion_and_the_attention_output_writes_it
           f"({without['converted']} without writers' copies)", *sorted(set(ln[25:] for ln in lines)), sep="\n  ")
     assert len(lines) == traced["converted"] > 0
     assert not [ln for ln in lines if "(cont)" in ln], "a product converted a CONT's output"
-    if name == "gpt2@bf16":
-        assert not [ln for ln in lines if re.match(r"toyharness bf16 convert: grad for blk\.\d+\.attn_[qkv]\.", ln)]
+    served = r"attn_[qkv]" if name == "gpt2@bf16" else r"(attn_[qk]|ffn_gate|ffn_up)"
+    assert not [ln for ln in lines if re.match(rf"toyharness bf16 convert: grad for blk\.\d+\.{served}\.", ln)]
     assert any("(cont)" in ln for ln in
                bf16_run(name, True, {"TOYHARNESS_BF16_TRACE": "1", "TOYHARNESS_BF16_WRITER_COPIES": "0"})["stderr"]
                .splitlines()), "without writers' copies a CONT's output is converted (so this test sees one)"

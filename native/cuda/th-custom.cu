@@ -186,8 +186,12 @@ static __device__ __forceinline__ float th_load1(const __nv_bfloat16 * p, const 
 // with op_silu: the same expression, __float2bfloat16's rounding), 16 bytes of each a thread
 // (four f32 values or eight bf16) where every pointer is 16-aligned and n a multiple of the
 // vector, else a value a thread
-static __device__ __forceinline__ void th_swiglu_store(float * y, const int64_t i, const float4 g, const float4 u) {
-    ((float4 *) y)[i] = make_float4(th_silu(g.x) * u.x, th_silu(g.y) * u.y, th_silu(g.z) * u.z, th_silu(g.w) * u.w);
+// y16 (f32 only): y's bf16 copy beside it (th_map_kernel's), y nullptr: the copy alone
+static __device__ __forceinline__ void th_swiglu_store(float * y, __nv_bfloat16 * y16, const int64_t i, const float4 g,
+                                                       const float4 u) {
+    const float4 r = make_float4(th_silu(g.x) * u.x, th_silu(g.y) * u.y, th_silu(g.z) * u.z, th_silu(g.w) * u.w);
+    if (y != nullptr) ((float4 *) y)[i] = r;
+    if (y16 != nullptr) th_store_bf16x4(y16 + 4 * i, r);
 }
 static __device__ __forceinline__ __nv_bfloat162 th_swiglu_pair(const __nv_bfloat162 g, const __nv_bfloat162 u) {
     const float2 gf = __bfloat1622float2(g), uf = __bfloat1622float2(u);
@@ -195,19 +199,20 @@ static __device__ __forceinline__ __nv_bfloat162 th_swiglu_pair(const __nv_bfloa
 }
 template <bool vec, typename T>
 static __global__ void th_swiglu_kernel(const T * __restrict__ gate, const T * __restrict__ up, T * __restrict__ y,
-                                        const int64_t n) {
+                                        __nv_bfloat16 * __restrict__ y16, const int64_t n) {
     constexpr int width = sizeof(T) == 4 ? 4 : 8;           // values in 16 bytes
     const int64_t step = (int64_t) gridDim.x * blockDim.x;
     for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec ? n / width : n); i += step) {
         if constexpr (!vec) {
             const float v = th_silu(th_load1(gate, i)) * th_load1(up, i);
             if constexpr (sizeof(T) == 4) {
-                y[i] = v;
+                if (y != nullptr) y[i] = v;
+                if (y16 != nullptr) y16[i] = __float2bfloat16_rn(v);
             } else {
                 y[i] = __float2bfloat16(v);
             }
         } else if constexpr (sizeof(T) == 4) {
-            th_swiglu_store((float *) y, i, ((const float4 *) gate)[i], ((const float4 *) up)[i]);
+            th_swiglu_store((float *) y, y16, i, ((const float4 *) gate)[i], ((const float4 *) up)[i]);
         } else {
             const uint4 g = ((const uint4 *) gate)[i], u = ((const uint4 *) up)[i];
             __nv_bfloat162 gp[4], up2[4], out[4];
@@ -222,16 +227,19 @@ static __global__ void th_swiglu_kernel(const T * __restrict__ gate, const T * _
     }
 }
 
+// (y: where y's values go; y16 (f32 only) their bf16 copy, or nullptr; `at` y's memory, for the
+// alignment test when y is nullptr: the copy alone)
 template <typename T>
-static void th_swiglu_of(cudaStream_t stream, const T * gate, const T * up, T * y, const int64_t n) {
+static void th_swiglu_of(cudaStream_t stream, const T * gate, const T * up, T * y, const int64_t n,
+                         __nv_bfloat16 * y16 = nullptr, const void * at = nullptr) {
     constexpr int width = sizeof(T) == 4 ? 4 : 8;
-    const bool vec = n % width == 0 && th_aligned16(gate) && th_aligned16(up) && th_aligned16(y);
+    const bool vec = n % width == 0 && th_aligned16(gate) && th_aligned16(up) && th_aligned16(at != nullptr ? at : y);
     const int64_t wanted = ((vec ? n / width : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
     const int blocks = (int) (wanted < 65535 ? wanted : 65535);
     if (vec) {
-        th_swiglu_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, n);
+        th_swiglu_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, y16, n);
     } else {
-        th_swiglu_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, n);
+        th_swiglu_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, y16, n);
     }
 }
 
@@ -240,9 +248,11 @@ static void th_swiglu(cudaStream_t stream, ggml_tensor * dst) {
     if (dst->type == GGML_TYPE_BF16) {          // kept in bf16 (th_swiglu_bf16)
         th_swiglu_of(stream, (const __nv_bfloat16 *) gate->data, (const __nv_bfloat16 *) up->data,
                      (__nv_bfloat16 *) dst->data, ggml_nelements(dst));
-    } else {
-        th_swiglu_of(stream, (const float *) gate->data, (const float *) up->data, (float *) dst->data,
-                     ggml_nelements(dst));
+    } else {                                    // (at bf16 y's copy beside it, or alone: the down product's operand)
+        __nv_bfloat16 * y16 = nullptr;
+        float * y = th_writer_outputs(stream, dst, &y16);
+        th_swiglu_of(stream, (const float *) gate->data, (const float *) up->data, y, ggml_nelements(dst), y16,
+                     dst->data);
     }
 }
 
@@ -250,22 +260,31 @@ static void th_swiglu(cudaStream_t stream, ggml_tensor * dst) {
 // du = silu(gate) * grad, from grad, up and gate read once (5 passes where ggml's nodes make 7,
 // SILU_BACK_MUL and ggml's fused SILU + MUL); up and gate f32, or bf16 (th_swiglu_bf16: their
 // values, exactly, as floats)
+// dg16, du16: their bf16 copies (th_map_kernel's) or nullptr; dg or du nullptr: its copy alone
 template <bool vec4, typename T>
 static __global__ void th_swiglu_back_kernel(const float * __restrict__ grad, const T * __restrict__ up,
                                              const T * __restrict__ gate, float * __restrict__ dg,
-                                             float * __restrict__ du, const int64_t n) {
+                                             float * __restrict__ du, const int64_t n,
+                                             __nv_bfloat16 * __restrict__ dg16, __nv_bfloat16 * __restrict__ du16) {
     const int64_t step = (int64_t) gridDim.x * blockDim.x;
     for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
         if (vec4) {
             const float4 d = ((const float4 *) grad)[i], u = th_load4(up, i), x = th_load4(gate, i);
-            ((float4 *) dg)[i] = make_float4(th_silu_back(__fmul_rn(d.x, u.x), x.x), th_silu_back(__fmul_rn(d.y, u.y), x.y),
-                                             th_silu_back(__fmul_rn(d.z, u.z), x.z), th_silu_back(__fmul_rn(d.w, u.w), x.w));
-            ((float4 *) du)[i] = make_float4(__fmul_rn(th_silu(x.x), d.x), __fmul_rn(th_silu(x.y), d.y),
-                                             __fmul_rn(th_silu(x.z), d.z), __fmul_rn(th_silu(x.w), d.w));
+            const float4 g4 = make_float4(th_silu_back(__fmul_rn(d.x, u.x), x.x), th_silu_back(__fmul_rn(d.y, u.y), x.y),
+                                          th_silu_back(__fmul_rn(d.z, u.z), x.z), th_silu_back(__fmul_rn(d.w, u.w), x.w));
+            const float4 u4 = make_float4(__fmul_rn(th_silu(x.x), d.x), __fmul_rn(th_silu(x.y), d.y),
+                                          __fmul_rn(th_silu(x.z), d.z), __fmul_rn(th_silu(x.w), d.w));
+            if (dg != nullptr) ((float4 *) dg)[i] = g4;
+            if (du != nullptr) ((float4 *) du)[i] = u4;
+            if (dg16 != nullptr) th_store_bf16x4(dg16 + 4 * i, g4);
+            if (du16 != nullptr) th_store_bf16x4(du16 + 4 * i, u4);
         } else {
             const float d = grad[i], x = th_load1(gate, i);
-            dg[i] = th_silu_back(__fmul_rn(d, th_load1(up, i)), x);
-            du[i] = __fmul_rn(th_silu(x), d);
+            const float g1 = th_silu_back(__fmul_rn(d, th_load1(up, i)), x), u1 = __fmul_rn(th_silu(x), d);
+            if (dg != nullptr) dg[i] = g1;
+            if (du != nullptr) du[i] = u1;
+            if (dg16 != nullptr) dg16[i] = __float2bfloat16_rn(g1);
+            if (du16 != nullptr) du16[i] = __float2bfloat16_rn(u1);
         }
     }
 }
@@ -283,18 +302,24 @@ static void th_silu_back_mul(cudaStream_t stream, ggml_tensor * dst) {
         const bool v4 = vec4 && th_aligned16(room->data);
         const int64_t want = ((v4 ? n / 4 : n) + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
         const int nb = (int) (want < 65535 ? want : 65535);
-        float * dg = (float *) dst->data, * du = (float *) room->data;
+        // at bf16 gate's and up's gradients' copies beside them, or alone, where products read
+        // them (their weights' and inputs' gradients); up's is the room's, which this node writes
+        __nv_bfloat16 * dg16 = nullptr;
+        float * dg = th_writer_outputs(stream, dst, &dg16);
+        bool du_alone = false;
+        __nv_bfloat16 * du16 = th_copy_for_writer(stream, dst, &du_alone, room);
+        float * du = du_alone ? nullptr : (float *) room->data;
         if (b->type == GGML_TYPE_BF16) {            // up and gate kept in bf16 (th_swiglu_bf16)
             const __nv_bfloat16 * up = (const __nv_bfloat16 *) b->data, * gate = (const __nv_bfloat16 *) x->data;
             if (v4) {
-                th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, up, gate, dg, du, n);
+                th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, up, gate, dg, du, n, dg16, du16);
             } else {
-                th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, up, gate, dg, du, n);
+                th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, up, gate, dg, du, n, dg16, du16);
             }
         } else if (v4) {
-            th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
+            th_swiglu_back_kernel<true><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n, dg16, du16);
         } else {
-            th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n);
+            th_swiglu_back_kernel<false><<<nb, TH_CUDA_BLOCK, 0, stream>>>(pa, pb, px, dg, du, n, dg16, du16);
         }
         return;
     }
@@ -446,20 +471,26 @@ static void th_rms_norm(cudaStream_t stream, ggml_tensor * dst) {
 // takes a pair and a warp 32 adjacent pairs of consecutive rows; each pair is rotated by ggml's
 // formula, written as there, so the bits are ggml's. Without YaRN's extrapolation (ext_factor 0,
 // the rewrite marks no other): toyharness refuses YaRN files (architectures/spec.py).
+// (y16: y's bf16 copy beside it (th_map_kernel's) or nullptr; y nullptr: the copy alone)
+static __device__ __forceinline__ void th_put_pair(float * y, __nv_bfloat16 * y16, const int64_t a, const float va,
+                                                   const int64_t b, const float vb) {
+    if (y != nullptr) y[a] = va, y[b] = vb;
+    if (y16 != nullptr) y16[a] = __float2bfloat16_rn(va), y16[b] = __float2bfloat16_rn(vb);
+}
+
 template <bool forward, bool neox>
 static __global__ void th_rope_kernel(const float * __restrict__ x, float * __restrict__ y, const int ne00,
                                       const int ne01, const int ne02, const int64_t pairs, const int n_dims,
                                       const int32_t * __restrict__ pos, const float freq_scale,
-                                      const float attn_factor, const float theta_scale, const float * __restrict__ ff) {
+                                      const float attn_factor, const float theta_scale, const float * __restrict__ ff,
+                                      __nv_bfloat16 * __restrict__ y16) {
     const int64_t k = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
     if (k >= pairs) return;
     const int64_t row = k / (ne00 / 2);
     const int i0 = 2 * (int) (k % (ne00 / 2));
     const float * xr = x + row * ne00;
-    float * yr = y + row * ne00;
     if (i0 >= n_dims) {                                  // past the rotated dims: copied
-        yr[i0] = xr[i0];
-        yr[i0 + 1] = xr[i0 + 1];
+        th_put_pair(y, y16, row * ne00 + i0, xr[i0], row * ne00 + i0 + 1, xr[i0 + 1]);
         return;
     }
     const int i2 = (int) ((row / ne01) % ne02);          // the position
@@ -471,8 +502,7 @@ static __global__ void th_rope_kernel(const float * __restrict__ x, float * __re
     if (!forward) sin_theta *= -1.0f;
     const int a = neox ? i0 / 2 : i0, b = neox ? i0 / 2 + n_dims / 2 : i0 + 1;
     const float x0 = xr[a], x1 = xr[b];
-    yr[a] = x0 * cos_theta - x1 * sin_theta;
-    yr[b] = x0 * sin_theta + x1 * cos_theta;
+    th_put_pair(y, y16, row * ne00 + a, x0 * cos_theta - x1 * sin_theta, row * ne00 + b, x0 * sin_theta + x1 * cos_theta);
 }
 
 static void th_rope(cudaStream_t stream, ggml_tensor * dst) {
@@ -484,11 +514,13 @@ static void th_rope(cudaStream_t stream, ggml_tensor * dst) {
     const unsigned grid = (unsigned) ((pairs + block - 1) / block);
     const float * ff = dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr;
     const bool neox = p.mode == GGML_ROPE_TYPE_NEOX;
+    __nv_bfloat16 * y16 = nullptr;         // (at bf16 the backward's copy, or alone, for q's and k's products)
+    float * y = th_writer_outputs(stream, dst, &y16);
 #define TH_ROPE_LAUNCH(F, N)                                                                                      \
-    th_rope_kernel<F, N><<<grid, block, 0, stream>>>((const float *) x->data, (float *) dst->data, (int) x->ne[0], \
-                                                     (int) x->ne[1], (int) x->ne[2], pairs, p.n_dims,              \
+    th_rope_kernel<F, N><<<grid, block, 0, stream>>>((const float *) x->data, y, (int) x->ne[0], (int) x->ne[1],   \
+                                                     (int) x->ne[2], pairs, p.n_dims,                              \
                                                      (const int32_t *) dst->src[1]->data, p.freq_scale,            \
-                                                     p.attn_factor, theta_scale, ff)
+                                                     p.attn_factor, theta_scale, ff, y16)
     if (p.forward && neox) TH_ROPE_LAUNCH(true, true);
     else if (p.forward) TH_ROPE_LAUNCH(true, false);
     else if (neox) TH_ROPE_LAUNCH(false, true);

@@ -404,8 +404,8 @@ static void th_writes(const ggml_tensor * node) {
             th_drop_tensor(node, node);                     // its own bytes only (FOLDED, ROOM: written by others),
             return;                                         // the copy it wrote beside them kept
         case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)
-            th_drop_tensor(node);
-            th_drop_tensor(node->src[3]);
+            th_drop_tensor(node, node);                     // (the copies it wrote of both kept)
+            th_drop_tensor(node->src[3], node);
             return;
         case TH_CUDA_COLUMN_DOT:                            // and its partial sums, in src 2
         case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP: case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ:
