@@ -29,7 +29,7 @@
 // At precision bf16 and tf32 the same nodes run on tensor cores instead (the sections "bf16" and
 // "tf32" below; th_precision_of(node) picks): bf16 or TF32 tiles, fp32 softmax and sums.
 #include "th-custom.cuh"
-#include "th-precision.cuh"                 // th_copy_for_writer: dQ's bf16 copy
+#include "th-precision.cuh"                 // th_copy_for_writer: dQ's, dK's and dV's bf16 copies
 
 extern "C" {
 #include "custom_ops.h"

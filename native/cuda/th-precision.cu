@@ -513,8 +513,7 @@ static int th_copy_until(const uintptr_t lo, const uintptr_t hi) {
     return th_prev_node;
 }
 
-// the copy of an operand, converted now or kept from an earlier product; nullptr where it cannot
-// be kept (then the caller converts into scratch)
+// the trace's line for an operand th_copy_of converts (TOYHARNESS_BF16_TRACE=1)
 static void th_trace_conversion(const float * src, const int rows, const int cols, const int ld, const int count,
                                 const bool inside) {
     const ggml_tensor * from = nullptr;
@@ -537,6 +536,8 @@ static bool th_packed(const int rows, const int cols, const int ld, const int co
     return ld == rows && (count == 1 || stride == (long long) rows * cols);
 }
 
+// the copy of an operand, converted now or kept from an earlier product; nullptr where it cannot
+// be kept (then the caller converts into scratch)
 static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, const long long stride, const int rows,
                                         const int cols, const int ld, const int count) {
     if (th_node == nullptr || src == nullptr || rows <= 0 || cols <= 0 || count <= 0 || stride < 0 || ld < rows) {
