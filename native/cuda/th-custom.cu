@@ -110,11 +110,13 @@ struct th_add_op {
 
 
 // Where a writer of ours puts `dst`'s values: the f32 memory it returns (nullptr: none, the copy
-// alone) and *y16, the bf16 copy where products read them at bf16 (th_copy_for_writer), or nullptr
-static float * th_writer_outputs(cudaStream_t stream, const ggml_tensor * dst, __nv_bfloat16 ** y16) {
+// alone) and *y16, the bf16 copy where products read them at bf16 (th_copy_for_writer), or nullptr.
+// `written`: another tensor dst's kernel writes (a room), whose values these are
+static float * th_writer_outputs(cudaStream_t stream, const ggml_tensor * dst, __nv_bfloat16 ** y16,
+                                 const ggml_tensor * written = nullptr) {
     bool alone = false;
-    *y16 = th_copy_for_writer(stream, dst, &alone);
-    return alone ? nullptr : (float *) dst->data;
+    *y16 = th_copy_for_writer(stream, dst, &alone, written);
+    return alone ? nullptr : (float *) (written != nullptr ? written : dst)->data;
 }
 
 // copies: y's bf16 copy written beside it, or instead of it, where products read it (th_writer_outputs)
@@ -304,11 +306,8 @@ static void th_silu_back_mul(cudaStream_t stream, ggml_tensor * dst) {
         const int nb = (int) (want < 65535 ? want : 65535);
         // at bf16 gate's and up's gradients' copies beside them, or alone, where products read
         // them (their weights' and inputs' gradients); up's is the room's, which this node writes
-        __nv_bfloat16 * dg16 = nullptr;
-        float * dg = th_writer_outputs(stream, dst, &dg16);
-        bool du_alone = false;
-        __nv_bfloat16 * du16 = th_copy_for_writer(stream, dst, &du_alone, room);
-        float * du = du_alone ? nullptr : (float *) room->data;
+        __nv_bfloat16 * dg16 = nullptr, * du16 = nullptr;
+        float * dg = th_writer_outputs(stream, dst, &dg16), * du = th_writer_outputs(stream, dst, &du16, room);
         if (b->type == GGML_TYPE_BF16) {            // up and gate kept in bf16 (th_swiglu_bf16)
             const __nv_bfloat16 * up = (const __nv_bfloat16 *) b->data, * gate = (const __nv_bfloat16 *) x->data;
             if (v4) {
@@ -474,8 +473,14 @@ static void th_rms_norm(cudaStream_t stream, ggml_tensor * dst) {
 // (y16: y's bf16 copy beside it (th_map_kernel's) or nullptr; y nullptr: the copy alone)
 static __device__ __forceinline__ void th_put_pair(float * y, __nv_bfloat16 * y16, const int64_t a, const float va,
                                                    const int64_t b, const float vb) {
-    if (y != nullptr) y[a] = va, y[b] = vb;
-    if (y16 != nullptr) y16[a] = __float2bfloat16_rn(va), y16[b] = __float2bfloat16_rn(vb);
+    if (y != nullptr) {
+        y[a] = va;
+        y[b] = vb;
+    }
+    if (y16 != nullptr) {
+        y16[a] = __float2bfloat16_rn(va);
+        y16[b] = __float2bfloat16_rn(vb);
+    }
 }
 
 template <bool forward, bool neox>
@@ -876,9 +881,8 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
 }
 
 // rows of ne[0] floats (the source's nb[0] is a float): a warp a row, blockDim (32, 8); with y16
-// (copy16) each value also as bf16 rounded to nearest even (th_map_kernel's copy), y nullptr: the
-// copy alone
-template <bool copy16>
+// each value also as bf16 rounded to nearest even (th_map_kernel's copy), dst nullptr: the copy
+// alone
 static __global__ void th_cont_rows_kernel(const char * __restrict__ src, float * __restrict__ dst,
                                            __nv_bfloat16 * __restrict__ y16, const int64_t ne0, const int64_t ne1,
                                            const int64_t ne2, const int64_t ne3, const int64_t nb1, const int64_t nb2,
@@ -889,7 +893,7 @@ static __global__ void th_cont_rows_kernel(const char * __restrict__ src, float 
         const float * s = (const float *) (src + i1 * nb1 + i2 * nb2 + i3 * nb3);
         for (int64_t i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x) {
             if (dst != nullptr) dst[r * ne0 + i0] = s[i0];
-            if (copy16) y16[r * ne0 + i0] = __float2bfloat16_rn(s[i0]);
+            if (y16 != nullptr) y16[r * ne0 + i0] = __float2bfloat16_rn(s[i0]);
         }
     }
 }
@@ -897,7 +901,6 @@ static __global__ void th_cont_rows_kernel(const char * __restrict__ src, float 
 // The same, a float4 a thread (ne0 a multiple of 4, the source's rows and both pointers 16-byte
 // aligned), a grid-stride loop over the whole: a warp a row of 64 floats (a head) moved 2 scalar
 // floats a thread, 26 us for gpt2-small's attention output on the H200 (1.9 TB/s)
-template <bool copy16>
 static __global__ void th_cont_rows4_kernel(const char * __restrict__ src, float * __restrict__ dst,
                                             __nv_bfloat16 * __restrict__ y16, const int64_t ne0, const int64_t ne1,
                                             const int64_t ne2, const int64_t ne3, const int64_t nb1, const int64_t nb2,
@@ -907,7 +910,7 @@ static __global__ void th_cont_rows4_kernel(const char * __restrict__ src, float
         const int64_t r = e / per_row, i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
         const float4 v = ((const float4 *) (src + i1 * nb1 + i2 * nb2 + i3 * nb3))[e % per_row];
         if (dst != nullptr) ((float4 *) dst)[e] = v;
-        if (copy16) th_store_bf16x4(y16 + 4 * e, v);
+        if (y16 != nullptr) th_store_bf16x4(y16 + 4 * e, v);
     }
 }
 
@@ -962,22 +965,12 @@ static void th_cont_of(cudaStream_t stream, const ggml_tensor * src, ggml_tensor
             th_aligned16(dst->data)) {
             const int64_t wanted = (ggml_nelements(dst) / 4 + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
             const int grid = (int) (wanted < 65535 ? wanted : 65535);
-            if (y16 != nullptr) {
-                th_cont_rows4_kernel<true><<<grid, TH_CUDA_BLOCK, 0, stream>>>(from, y, y16, ne0, ne1, ne2, ne3, nb1,
-                                                                               nb2, nb3);
-            } else {
-                th_cont_rows4_kernel<false><<<grid, TH_CUDA_BLOCK, 0, stream>>>(from, y, nullptr, ne0, ne1, ne2, ne3,
-                                                                                nb1, nb2, nb3);
-            }
+            th_cont_rows4_kernel<<<grid, TH_CUDA_BLOCK, 0, stream>>>(from, y, y16, ne0, ne1, ne2, ne3, nb1, nb2, nb3);
             return;
         }
         const int64_t rows = ne1 * ne2 * ne3;
         const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
-        if (y16 != nullptr) {
-            th_cont_rows_kernel<true><<<grid, block, 0, stream>>>(from, y, y16, ne0, ne1, ne2, ne3, nb1, nb2, nb3);
-        } else {
-            th_cont_rows_kernel<false><<<grid, block, 0, stream>>>(from, y, nullptr, ne0, ne1, ne2, ne3, nb1, nb2, nb3);
-        }
+        th_cont_rows_kernel<<<grid, block, 0, stream>>>(from, y, y16, ne0, ne1, ne2, ne3, nb1, nb2, nb3);
         return;
     }
     th_cont_args a;
