@@ -32,6 +32,19 @@ def test_recipes_lists_distribution_and_version():
     (["run", "gpt2", "--set", "data=/no/such/corpus.txt"], "data '/no/such/corpus.txt': no such file or folder"),
     (["run", "nosuchrecipe"], "unknown recipe 'nosuchrecipe'; installed:"),
     (["run", "gpt2", "--config", "/no/such.toml"], "config file /no/such.toml not found"),
+    # each bad value named by its option, never a traceback (n_head=0 divided by zero, seed=-1
+    # reached numpy) nor a silent empty model (n_layer=0 trained one)
+    (["run", "gpt2", "--set", "seed=-1"], "toyharness: error: option 'seed': must be >= 0, got -1"),
+    (["run", "gpt2", "--set", "n_head=0"], "toyharness: error: option 'n_head': must be > 0, got 0"),
+    (["run", "gpt2", "--set", "n_layer=0"], "toyharness: error: option 'n_layer': must be > 0, got 0"),
+    (["run", "gpt2", "--set", "d_model=0"], "toyharness: error: option 'd_model': must be > 0, got 0"),
+    (["run", "llama", "--set", "n_kv_head=0"], "toyharness: error: option 'n_kv_head': must be > 0, got 0"),
+    (["run", "gpt2", "--set", "lr=inf"], "toyharness: error: option 'lr': must be > 0 and finite, got inf"),
+    (["run", "gpt2", "--set", "init_scale=0"],
+     "toyharness: error: option 'init_scale': must be > 0 and finite, got 0.0"),
+    (["run", "gpt2", "--set", "weight_decay=inf"],
+     "toyharness: error: option 'weight_decay': must be >= 0 and finite, got inf"),
+    (["run", "gpt2", "--set", "warmup=-5"], "toyharness: error: option 'warmup': must be >= 0, got -5"),
 ])
 def test_input_errors_exit_2_with_one_line(args, message, tmp_path):
     res = cli(*args, "--out", str(tmp_path / "run"))
