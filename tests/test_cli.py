@@ -54,6 +54,20 @@ def test_input_errors_exit_2_with_one_line(args, message, tmp_path):
     assert not (tmp_path / "run").exists(), "a run folder was left behind"
 
 
+@pytest.mark.parametrize("args,message", [
+    (["run", "gpt2", "--threads", "0"], "toyharness: error: --threads must be >= 1, got 0"),
+    (["sample", "RUN", "--threads", "0"], "toyharness: error: --threads must be >= 1, got 0"),
+    (["bench", "gpt2", "--profile", "--threads", "0"], "toyharness: error: --threads must be >= 1, got 0"),
+    (["bench", "gpt2", "--profile", "--warmup", "-1"], "toyharness: error: --warmup must be >= 0, got -1"),
+])
+def test_counts_no_command_takes_exit_2(args, message, tmp_path):
+    """--threads 0 used to mean the default, silently; --warmup -1 went through."""
+    res = cli(*[str(tmp_path) if a == "RUN" else a for a in args])
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == message
+    assert res.stdout == ""
+
+
 def test_unknown_flag_exits_2():
     assert cli("run", "gpt2", "--bogus").returncode == 2
 

@@ -150,7 +150,8 @@ def test_failing_points_are_shown_and_the_others_go_on(tmp_path):
     (["--grid", "lr=1e-3", "--seeds", "0"], "--seeds 0: must be >= 1"),
     (["--grid", "lr=1e-3", "--workers", str(len(os.sched_getaffinity(0)) + 1), "--threads", "1"],
      "threads is more than this machine's"),
-    (["--grid", "lr=1e-3", "--threads", "0"], "--workers and --threads must be >= 1"),
+    (["--grid", "lr=1e-3", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--grid", "lr=1e-3", "--workers", "0"], "--workers must be >= 1, got 0"),
 ])
 def test_bad_input_exits_2_naming_it_before_anything_runs(args, message, tmp_path, capsys):
     assert main(["sweep", "llama", *args, "--out", str(tmp_path / "s"), "--no-progress"]) == 2

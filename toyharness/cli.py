@@ -201,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_counts(args)
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
                 "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse}[args.command](args)
     except ToyharnessError as exc:
@@ -212,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:      # e.g. `toyharness bench --profile | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
         return 141
+
+
+def check_counts(args) -> None:
+    """Counts no command can take, refused by name before anything loads (`--threads 0` would
+    otherwise quietly mean "the default")."""
+    from .errors import InputError
+
+    for flag, least in (("threads", 1), ("workers", 1), ("warmup", 0)):
+        value = getattr(args, flag, None)
+        if value is not None and value < least:
+            raise InputError(f"--{flag} must be >= {least}, got {value}")
 
 
 def cmd_recipes(args) -> int:
