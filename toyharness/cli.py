@@ -278,9 +278,17 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_golden(args) -> int:
     from . import goldens
+    from .engine import get_engine
+    from .errors import InputError
     from .plugins import discover
 
     root = Path(args.dir) if args.dir else None
+    if root is not None and args.action == "check" and not root.is_dir():
+        raise InputError(f"--dir {root}: no such folder")
+    if args.recipes:
+        get_engine(args.backend)    # a backend this build lacks, named before a precision it would compute
+    for name in args.recipes:
+        goldens.check_name(name, args.backend)
     names = args.recipes or [name for recipe in discover() for name in goldens.golden_names(recipe, args.backend)]
     failed = 0
     for name in names:
