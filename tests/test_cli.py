@@ -125,3 +125,17 @@ def test_resume_after_kill_is_bit_identical(tmp_path, recipe):
     b = [json.loads(x)["loss_hex"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
     assert len(a) == len(b) == steps
     assert a == b
+
+
+def test_every_argument_of_every_command_has_help():
+    """sample's --prompt, --tokens, --temperature, --top-k, --seed, the --backend flags and golden's
+    check|record showed bare in --help."""
+    import argparse
+
+    from toyharness.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"{name} {a.option_strings or a.dest}" for name, parser in sub.choices.items() for a in parser._actions
+            if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert bare == []
+    assert set(sub.choices) == {"recipes", "run", "golden", "bench", "sweep", "fuse", "sample"}
