@@ -139,3 +139,23 @@ def test_every_argument_of_every_command_has_help():
             if not a.help and not isinstance(a, argparse._HelpAction)]
     assert bare == []
     assert set(sub.choices) == {"recipes", "run", "golden", "bench", "sweep", "fuse", "sample"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "gpt2", "--plan", "--steps", "0", "--out", "x"],
+     "toyharness: error: --steps, --out: not used by --plan (it prints the memory plan and exits, training nothing)"),
+    (["run", "gpt2", "--plan", "--save-init", "--log", "tensorboard"],
+     "toyharness: error: --save-init, --log: not used by --plan (it prints the memory plan and exits, training "
+     "nothing)"),
+    (["bench", "gpt2", "--profile", "--steps", "5", "--out", "b.json"],
+     "toyharness: error: --steps, --out: not used by --profile (it times one step node by node, without PyTorch, "
+     "and writes nothing)"),
+])
+def test_flags_a_mode_does_not_use_are_refused_by_name(args, message, tmp_path):
+    """run --plan dropped --steps, --out, --save-init, --save-batches and --log without a word; bench
+    --profile dropped --out, --warmup, --torch-device and --torch-modes, and refused --steps 5 for a
+    median it does not take."""
+    res = cli(*args, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == message
+    assert res.stdout == "" and not list(tmp_path.iterdir())

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "speedup (PyTorch ms / toyharness ms), matmul GFLOP/s against this machine's "
                                    "measured FP32 sgemm ceiling, and the host overhead of a step.")
     b.add_argument("recipes", nargs="*", help="default: every installed recipe with a PyTorch reference")
-    b.add_argument("--steps", type=int, default=20, help="timed steps per side (median; default 20)")
-    b.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (default 3)")
+    b.add_argument("--steps", type=int, help="timed steps per side (median; default 20)")
+    b.add_argument("--warmup", type=int, help="untimed steps per side first (default 3)")
     b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
     b.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
@@ -257,9 +257,16 @@ def log_names(values: list[str] | None) -> str | None:
 
 
 def cmd_run(args) -> int:
+    from .errors import InputError
     from .runner import plan_run, train
 
     if args.plan:
+        flags = (("--steps", args.steps), ("--out", args.out), ("--save-init", args.save_init),
+                 ("--save-batches", args.save_batches), ("--log", args.log))
+        unused = [flag for flag, value in flags if value is not None and value is not False]
+        if unused:
+            raise InputError(f"{', '.join(unused)}: not used by --plan (it prints the memory plan and exits, "
+                             "training nothing)")
         print(plan_run(args.recipe, backend=args.backend, threads=args.threads, config=args.config, sets=args.sets,
                        resume=args.resume).table())
         return 0
@@ -337,6 +344,15 @@ def cmd_bench(args) -> int:
     unknown = [n for n in args.recipes if n not in known]
     if unknown:
         raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
+    if args.profile:
+        unused = [flag for flag, value in (("--steps", args.steps), ("--warmup", args.warmup),
+                                           ("--torch-device", args.torch_device), ("--torch-modes", args.torch_modes),
+                                           ("--out", args.out)) if value is not None]
+        if unused:
+            raise InputError(f"{', '.join(unused)}: not used by --profile (it times one step node by node, without "
+                             "PyTorch, and writes nothing)")
+    args.steps = 20 if args.steps is None else args.steps
+    args.warmup = 3 if args.warmup is None else args.warmup
     if args.steps < 10:
         raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
     if args.size != "default" and not args.recipes:
