@@ -159,3 +159,14 @@ def test_flags_a_mode_does_not_use_are_refused_by_name(args, message, tmp_path):
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip() == message
     assert res.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_save_init_with_resume_is_refused_by_name(tmp_path):
+    """--save-init on a resumed run wrote no init.gguf and said nothing."""
+    (tmp_path / "config.toml").write_text('recipe = "gpt2"\n')
+    (tmp_path / "checkpoint.gguf").write_bytes(b"")
+    res = cli("run", "gpt2", "--resume", str(tmp_path), "--save-init", "--steps", "3")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == (f"toyharness: error: --save-init with --resume {tmp_path}: a resumed run has no step "
+                                  "0 to save (init.gguf is written by the run that starts)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.gguf", "config.toml"]

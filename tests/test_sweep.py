@@ -152,6 +152,8 @@ def test_failing_points_are_shown_and_the_others_go_on(tmp_path):
      "threads is more than this machine's"),
     (["--grid", "lr=1e-3", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["--grid", "lr=1e-3", "--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--grid", "lr=1e-3", "--keep-models"],
+     "--keep-models is for --ray (local points keep their model files where they ran)"),   # was ignored
 ])
 def test_bad_input_exits_2_naming_it_before_anything_runs(args, message, tmp_path, capsys):
     assert main(["sweep", "llama", *args, "--out", str(tmp_path / "s"), "--no-progress"]) == 2

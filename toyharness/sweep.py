@@ -825,6 +825,8 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
 
 def main(args) -> int:
     """`toyharness sweep`: exit 0 when every point finished, 1 when one failed, 2 on bad input."""
+    if args.keep_models and not args.ray:
+        raise InputError("--keep-models is for --ray (local points keep their model files where they ran)")
     if args.resume:
         out_dir = Path(args.resume)
         given = [flag for flag, v in (("--grid", args.grid), ("--set", args.sets), ("--seeds", args.seeds),
