@@ -276,3 +276,12 @@ def test_ray_gives_the_local_pools_bits_and_sends_back_the_small_files(ray_clust
     finally:
         for p in (plan, one):
             shutil.rmtree(Path(tempfile.gettempdir()) / "toyharness-sweep" / p.sweep_id, ignore_errors=True)
+
+
+def test_an_unwritable_sweep_folder_is_one_line_exit_1(capsys):
+    """mkdir of DIR/points in a folder that cannot be written was an OSError traceback; /proc takes
+    no new folder, even from root (chmod 555 does not stop root)."""
+    assert main(["sweep", "llama", "--grid", "lr=1e-3", "--steps", "2", "--out", "/proc/toyharness-sweep",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("toyharness: error: cannot write /proc/toyharness-sweep/points: "), err
