@@ -32,6 +32,19 @@ def test_recipes_lists_distribution_and_version():
     (["run", "gpt2", "--set", "data=/no/such/corpus.txt"], "data '/no/such/corpus.txt': no such file or folder"),
     (["run", "nosuchrecipe"], "unknown recipe 'nosuchrecipe'; installed:"),
     (["run", "gpt2", "--config", "/no/such.toml"], "config file /no/such.toml not found"),
+    # each bad value named by its option, never a traceback (n_head=0 divided by zero, seed=-1
+    # reached numpy) nor a silent empty model (n_layer=0 trained one)
+    (["run", "gpt2", "--set", "seed=-1"], "toyharness: error: option 'seed': must be >= 0, got -1"),
+    (["run", "gpt2", "--set", "n_head=0"], "toyharness: error: option 'n_head': must be > 0, got 0"),
+    (["run", "gpt2", "--set", "n_layer=0"], "toyharness: error: option 'n_layer': must be > 0, got 0"),
+    (["run", "gpt2", "--set", "d_model=0"], "toyharness: error: option 'd_model': must be > 0, got 0"),
+    (["run", "llama", "--set", "n_kv_head=0"], "toyharness: error: option 'n_kv_head': must be > 0, got 0"),
+    (["run", "gpt2", "--set", "lr=inf"], "toyharness: error: option 'lr': must be > 0 and finite, got inf"),
+    (["run", "gpt2", "--set", "init_scale=0"],
+     "toyharness: error: option 'init_scale': must be > 0 and finite, got 0.0"),
+    (["run", "gpt2", "--set", "weight_decay=inf"],
+     "toyharness: error: option 'weight_decay': must be >= 0 and finite, got inf"),
+    (["run", "gpt2", "--set", "warmup=-5"], "toyharness: error: option 'warmup': must be >= 0, got -5"),
 ])
 def test_input_errors_exit_2_with_one_line(args, message, tmp_path):
     res = cli(*args, "--out", str(tmp_path / "run"))
@@ -39,6 +52,20 @@ def test_input_errors_exit_2_with_one_line(args, message, tmp_path):
     assert message in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "run").exists(), "a run folder was left behind"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "gpt2", "--threads", "0"], "toyharness: error: --threads must be >= 1, got 0"),
+    (["sample", "RUN", "--threads", "0"], "toyharness: error: --threads must be >= 1, got 0"),
+    (["bench", "gpt2", "--profile", "--threads", "0"], "toyharness: error: --threads must be >= 1, got 0"),
+    (["bench", "gpt2", "--profile", "--warmup", "-1"], "toyharness: error: --warmup must be >= 0, got -1"),
+])
+def test_counts_no_command_takes_exit_2(args, message, tmp_path):
+    """--threads 0 used to mean the default, silently; --warmup -1 went through."""
+    res = cli(*[str(tmp_path) if a == "RUN" else a for a in args])
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == message
+    assert res.stdout == ""
 
 
 def test_unknown_flag_exits_2():
@@ -98,3 +125,48 @@ def test_resume_after_kill_is_bit_identical(tmp_path, recipe):
     b = [json.loads(x)["loss_hex"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
     assert len(a) == len(b) == steps
     assert a == b
+
+
+def test_every_argument_of_every_command_has_help():
+    """sample's --prompt, --tokens, --temperature, --top-k, --seed, the --backend flags and golden's
+    check|record showed bare in --help."""
+    import argparse
+
+    from toyharness.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"{name} {a.option_strings or a.dest}" for name, parser in sub.choices.items() for a in parser._actions
+            if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert bare == []
+    assert set(sub.choices) == {"recipes", "run", "golden", "bench", "sweep", "fuse", "sample"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "gpt2", "--plan", "--steps", "0", "--out", "x"],
+     "toyharness: error: --steps, --out: not used by --plan (it prints the memory plan and exits, training nothing)"),
+    (["run", "gpt2", "--plan", "--save-init", "--log", "tensorboard"],
+     "toyharness: error: --save-init, --log: not used by --plan (it prints the memory plan and exits, training "
+     "nothing)"),
+    (["bench", "gpt2", "--profile", "--steps", "5", "--out", "b.json"],
+     "toyharness: error: --steps, --out: not used by --profile (it times one step node by node, without PyTorch, "
+     "and writes nothing)"),
+])
+def test_flags_a_mode_does_not_use_are_refused_by_name(args, message, tmp_path):
+    """run --plan dropped --steps, --out, --save-init, --save-batches and --log without a word; bench
+    --profile dropped --out, --warmup, --torch-device and --torch-modes, and refused --steps 5 for a
+    median it does not take."""
+    res = cli(*args, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == message
+    assert res.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_save_init_with_resume_is_refused_by_name(tmp_path):
+    """--save-init on a resumed run wrote no init.gguf and said nothing."""
+    (tmp_path / "config.toml").write_text('recipe = "gpt2"\n')
+    (tmp_path / "checkpoint.gguf").write_bytes(b"")
+    res = cli("run", "gpt2", "--resume", str(tmp_path), "--save-init", "--steps", "3")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == (f"toyharness: error: --save-init with --resume {tmp_path}: a resumed run has no step "
+                                  "0 to save (init.gguf is written by the run that starts)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.gguf", "config.toml"]

@@ -191,3 +191,28 @@ def test_a_full_disk_is_one_line_exit_1_and_no_file(tmp_path, capsys, monkeypatc
     assert capsys.readouterr().err.strip().splitlines() == [
         f"toyharness: error: cannot write {target}: {os.strerror(code)}"]
     assert list(target.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["folder", "export"])
+def test_a_model_without_base_that_cannot_be_written_names_the_file(tmp_path, capsys, monkeypatch, where):
+    """A run without a base (gpt2) is exported to a temporary folder first: a read-only folder was
+    a traceback from tempfile (exit 1), a full disk named the temporary export, not --out."""
+    import tempfile
+
+    run = tmp_path / "run"
+    train("gpt2", steps=2, sets=TINY[:4] + ["n_layer=1", "d_model=32", "n_head=2"], out=str(run), progress=False)
+    target = tmp_path / "out" / "fused.gguf"
+    target.parent.mkdir()
+
+    def fail(*args, **kwargs):
+        code = errno.EROFS if where == "folder" else errno.ENOSPC
+        raise OSError(code, os.strerror(code))
+
+    if where == "folder":
+        monkeypatch.setattr(tempfile, "mkdtemp", fail)
+    else:
+        monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", fail)
+    assert main(["fuse", str(run), "--out", str(target)]) == 1
+    reason = os.strerror(errno.EROFS if where == "folder" else errno.ENOSPC)
+    assert capsys.readouterr().err.strip().splitlines() == [f"toyharness: error: cannot write {target}: {reason}"]
+    assert list(target.parent.iterdir()) == []

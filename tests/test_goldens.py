@@ -64,3 +64,21 @@ def test_ten_runs_and_three_thread_counts_give_the_same_bits():
         assert goldens.compare(ref, goldens.compute("llama", threads=2)) is None
     for threads in (1, 4):
         assert goldens.compare(ref, goldens.compute("llama", threads=threads)) is None, f"{threads} threads"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check", "nosuch"], "unknown recipe 'nosuch'; installed: gpt2, llama, lora"),
+    (["check", "gpt2@nosuch"], "recipe gpt2 has no golden variant 'nosuch'"),
+    (["check", "lora@nosuch"], "recipe lora has no golden variant 'nosuch' (it has: q4_k, q8_0,"),
+    (["check", "gpt2@bf16"], "golden gpt2@bf16: precision bf16 is for the cuda backend"),
+    (["check", "gpt2", "--dir", "NOWHERE"], "--dir NOWHERE: no such folder"),
+])
+def test_a_name_or_folder_that_is_not_there_exits_2(args, message, tmp_path, capsys):
+    """These were 'SKIP ...: record one with `toyharness golden record nosuch`', exit 0."""
+    from toyharness.cli import main
+
+    where = str(tmp_path / "nowhere")
+    assert main(["golden", *[where if a == "NOWHERE" else a for a in args]]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("toyharness: error: " + message.replace("NOWHERE", where)), out.err
+    assert len(out.err.strip().splitlines()) == 1 and out.out == ""

@@ -150,7 +150,10 @@ def test_failing_points_are_shown_and_the_others_go_on(tmp_path):
     (["--grid", "lr=1e-3", "--seeds", "0"], "--seeds 0: must be >= 1"),
     (["--grid", "lr=1e-3", "--workers", str(len(os.sched_getaffinity(0)) + 1), "--threads", "1"],
      "threads is more than this machine's"),
-    (["--grid", "lr=1e-3", "--threads", "0"], "--workers and --threads must be >= 1"),
+    (["--grid", "lr=1e-3", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--grid", "lr=1e-3", "--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--grid", "lr=1e-3", "--keep-models"],
+     "--keep-models is for --ray (local points keep their model files where they ran)"),   # was ignored
 ])
 def test_bad_input_exits_2_naming_it_before_anything_runs(args, message, tmp_path, capsys):
     assert main(["sweep", "llama", *args, "--out", str(tmp_path / "s"), "--no-progress"]) == 2
@@ -273,3 +276,12 @@ def test_ray_gives_the_local_pools_bits_and_sends_back_the_small_files(ray_clust
     finally:
         for p in (plan, one):
             shutil.rmtree(Path(tempfile.gettempdir()) / "toyharness-sweep" / p.sweep_id, ignore_errors=True)
+
+
+def test_an_unwritable_sweep_folder_is_one_line_exit_1(capsys):
+    """mkdir of DIR/points in a folder that cannot be written was an OSError traceback; /proc takes
+    no new folder, even from root (chmod 555 does not stop root)."""
+    assert main(["sweep", "llama", "--grid", "lr=1e-3", "--steps", "2", "--out", "/proc/toyharness-sweep",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("toyharness: error: cannot write /proc/toyharness-sweep/points: "), err

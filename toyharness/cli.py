@@ -39,6 +39,9 @@ examples:
 """
 
 
+BACKEND_HELP = ("where ggml computes (default cpu); cuda and vulkan if this build has them "
+                "(TOYHARNESS_BACKENDS at install), metal on macOS")
+
 LOG_HELP = ("observers to log to (toyharness.observers entry points, listed by `toyharness recipes`): "
             "tensorboard, mlflow, or a plugin's; the option `log`")
 
@@ -58,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train a recipe and write a run folder",
                        description="Train RECIPE and write its run folder (config.toml, metrics.jsonl, "
                                    "summary.json, loss.png, checkpoint.gguf, model.gguf).")
-    r.add_argument("recipe")
+    r.add_argument("recipe", help="an installed recipe (`toyharness recipes` lists them)")
     r.add_argument("--steps", type=int, help="number of training steps (default: the recipe's)")
-    r.add_argument("--backend", default="cpu", choices=BACKENDS)
+    r.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
     r.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
     r.add_argument("--config", help="TOML file of options")
     r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -77,27 +80,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("golden", help="check or record golden losses",
                        description="Compare each recipe's first 16 losses with goldens/<fingerprint>/, bit for bit.")
-    g.add_argument("action", choices=["check", "record"])
+    g.add_argument("action", choices=["check", "record"],
+                   help="check: run each golden config and compare (exit 1 on a mismatch, naming the first "
+                        "diverging step); record: rewrite the golden files (intentional changes only)")
     g.add_argument("recipes", nargs="*", help="recipes, or RECIPE@VARIANT for a recipe's extra golden config "
                                               "(e.g. lora@q4_k); default: every installed recipe and its variants")
-    g.add_argument("--backend", default="cpu", choices=BACKENDS)
+    g.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
     g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
     g.add_argument("--mode", default="auto", choices=["auto", "fast", "portable"],
                    help="fast: goldens/<this build's fingerprint>/; portable: goldens/cpu-portable/, run in the "
                         "portable mode (the same bits on every CPU); auto (default): fast where that golden "
                         "exists, else portable")
 
-    b = sub.add_parser("bench", help="ms/step, tokens/s, peak RSS beside PyTorch eager; writes runs/bench-*.json",
+    b = sub.add_parser("bench", help="ms/step, items/s (tokens or images), peak RSS beside PyTorch eager; writes "
+                                    "runs/bench-*.json",
                        description="Time each recipe's training step at its bench config (its defaults) beside an "
                                    "equivalent PyTorch eager model with AdamW (toyharness/reference.py, needs torch), "
                                    "in alternating rounds, each side in its own process. Reports medians, the "
                                    "speedup (PyTorch ms / toyharness ms), matmul GFLOP/s against this machine's "
                                    "measured FP32 sgemm ceiling, and the host overhead of a step.")
     b.add_argument("recipes", nargs="*", help="default: every installed recipe with a PyTorch reference")
-    b.add_argument("--steps", type=int, default=20, help="timed steps per side (median; default 20)")
-    b.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (default 3)")
+    b.add_argument("--steps", type=int, help="timed steps per side (median; default 20)")
+    b.add_argument("--warmup", type=int, help="untimed steps per side first (default 3)")
     b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
-    b.add_argument("--backend", default="cpu", choices=BACKENDS)
+    b.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
     b.add_argument("--size", default="default", choices=list(SIZES),
                    help="model size: default (each recipe's bench config), nano (n_layer 6, d_model 384, n_head 6, "
@@ -156,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "general.name and toyharness.fuse.* name the run. For runs without a base "
                                    "(warm_start, llama, gpt2) the trained model, its matrices in the type named. "
                                    "Exit 1 if the file cannot be written (nothing is left under its name).")
-    f.add_argument("run_dir")
+    f.add_argument("run_dir", help="a finished run folder (config.toml and checkpoint.gguf)")
     f.add_argument("--type", dest="dtype", default="same", choices=FUSE_TYPES,
                    help="same (default): each tensor in the base's type; or every matrix in this type (norms stay "
                         "f32). A small adapter can drown in a coarse type's rounding: check with a held-out set "
@@ -171,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sequence or of turn. --prompts FILE asks every prompt of a file and writes one "
                                    "JSONL reply a line (prompt, reply, tokens; with the file's expected reply, "
                                    "completion and match), then the exact-match rate.")
-    s.add_argument("run_dir")
-    s.add_argument("--prompt", default="")
+    s.add_argument("run_dir", help="a finished run folder of a language model (config.toml and checkpoint.gguf)")
+    s.add_argument("--prompt", default="", help="the text to continue (default: empty); with --chat, the user's "
+                                                "message")
     s.add_argument("--prompts", metavar="FILE",
                    help="a prompt per line, or JSONL: {\"prompt\": ..., \"completion\": ...} (a pair is asked through "
                         "the chat template where the tokenizer has one, as training renders it) or "
@@ -180,10 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", metavar="FILE.jsonl", help="with --prompts: write the replies here (default stdout)")
     s.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the tokenizer's chat template; print the reply")
-    s.add_argument("--tokens", type=int, default=200)
-    s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", type=int, default=40)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tokens", type=int, default=200, help="new tokens at most (default 200; fewer where the "
+                                                              "model ends its sequence or turn)")
+    s.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature (default 0.8); 0: greedy, the most likely token each time")
+    s.add_argument("--top-k", type=int, default=40,
+                   help="sample among the K most likely tokens only (default 40; 0: all of them)")
+    s.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0): the same seed, the "
+                                                       "same text")
     s.add_argument("--context", type=int,
                    help="positions the KV cache holds (default: the run's t_seq; longer text slides a window of "
                         "that many tokens, recomputed, as --no-cache does)")
@@ -192,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "4x the base's memory")
     s.add_argument("--no-cache", action="store_true",
                    help="no KV cache: the whole window's forward for each new token (the reference)")
-    s.add_argument("--backend", default="cpu", choices=BACKENDS)
+    s.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
     s.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar (--prompts)")
     return p
@@ -201,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_counts(args)
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
                 "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse}[args.command](args)
     except ToyharnessError as exc:
@@ -212,6 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:      # e.g. `toyharness bench --profile | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
         return 141
+
+
+def check_counts(args) -> None:
+    """Counts no command can take, refused by name before anything loads (`--threads 0` would
+    otherwise quietly mean "the default")."""
+    from .errors import InputError
+
+    for flag, least in (("threads", 1), ("workers", 1), ("warmup", 0)):
+        value = getattr(args, flag, None)
+        if value is not None and value < least:
+            raise InputError(f"--{flag} must be >= {least}, got {value}")
 
 
 def cmd_recipes(args) -> int:
@@ -234,9 +257,16 @@ def log_names(values: list[str] | None) -> str | None:
 
 
 def cmd_run(args) -> int:
+    from .errors import InputError
     from .runner import plan_run, train
 
     if args.plan:
+        flags = (("--steps", args.steps), ("--out", args.out), ("--save-init", args.save_init),
+                 ("--save-batches", args.save_batches), ("--log", args.log))
+        unused = [flag for flag, value in flags if value is not None and value is not False]
+        if unused:
+            raise InputError(f"{', '.join(unused)}: not used by --plan (it prints the memory plan and exits, "
+                             "training nothing)")
         print(plan_run(args.recipe, backend=args.backend, threads=args.threads, config=args.config, sets=args.sets,
                        resume=args.resume).table())
         return 0
@@ -266,9 +296,17 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_golden(args) -> int:
     from . import goldens
+    from .engine import get_engine
+    from .errors import InputError
     from .plugins import discover
 
     root = Path(args.dir) if args.dir else None
+    if root is not None and args.action == "check" and not root.is_dir():
+        raise InputError(f"--dir {root}: no such folder")
+    if args.recipes:
+        get_engine(args.backend)    # a backend this build lacks, named before a precision it would compute
+    for name in args.recipes:
+        goldens.check_name(name, args.backend)
     names = args.recipes or [name for recipe in discover() for name in goldens.golden_names(recipe, args.backend)]
     failed = 0
     for name in names:
@@ -306,6 +344,15 @@ def cmd_bench(args) -> int:
     unknown = [n for n in args.recipes if n not in known]
     if unknown:
         raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
+    if args.profile:
+        unused = [flag for flag, value in (("--steps", args.steps), ("--warmup", args.warmup),
+                                           ("--torch-device", args.torch_device), ("--torch-modes", args.torch_modes),
+                                           ("--out", args.out)) if value is not None]
+        if unused:
+            raise InputError(f"{', '.join(unused)}: not used by --profile (it times one step node by node, without "
+                             "PyTorch, and writes nothing)")
+    args.steps = 20 if args.steps is None else args.steps
+    args.warmup = 3 if args.warmup is None else args.warmup
     if args.steps < 10:
         raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
     if args.size != "default" and not args.recipes:

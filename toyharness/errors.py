@@ -40,7 +40,7 @@ class WriteError(ToyharnessError):
     def __init__(self, path, cause: BaseException | str):
         reason = cause if isinstance(cause, str) else (getattr(cause, "strerror", None) or str(cause))
         super().__init__(f"cannot write {path}: {reason}")
-        self.path = path
+        self.path, self.reason = path, reason
 
 
 class DoesNotFit(InputError):

@@ -22,7 +22,7 @@ import numpy as np
 
 from .engine import quant
 from .engine.gguf_io import GGUFFile, TypedValue, _write_atomic
-from .errors import GGUFError, InputError
+from .errors import GGUFError, InputError, WriteError
 from .runner import load_finished_run
 
 # `--type`: `same` (each tensor keeps its type) or one of the frozen types (engine/quant.py)
@@ -106,8 +106,16 @@ def _fuse_plain(obj, opts, ckpt: Path, out: Path, dtype: str, note: dict) -> Fus
     vocab = _vocab(obj, opts)
     params = obj.params_for_sampling(ckpt, opts, vocab)
     # the recipe's own export (lens folded in, its metadata and tokenizer), then re-stored
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.is_dir() else None) as tmp:
-        exported = obj.write_model(Path(tmp) / "model.gguf", params, opts, vocab)
+    # the intermediate export sits beside `out` (same disk); a failure to write it is `out`'s
+    try:
+        tmpdir = tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent if out.parent.is_dir() else None)
+    except OSError as exc:
+        raise WriteError(out, exc) from None
+    with tmpdir as tmp:
+        try:
+            exported = obj.write_model(Path(tmp) / "model.gguf", params, opts, vocab)
+        except WriteError as exc:
+            raise WriteError(out, exc.reason) from None
         report = FuseReport(out)
         with GGUFFile(exported) as f:
             arch = f.field("general.architecture")

@@ -76,6 +76,32 @@ def golden_names(recipe: str, backend: str = "cpu") -> list[str]:
     return names
 
 
+def known_variants(recipe: str, variant: str | None, obj) -> dict:
+    """The recipe's golden variants; InputError naming `variant` if it is not one of them."""
+    variants = getattr(obj, "golden_variants", {}) or {}
+    if variant is not None and variant not in variants:
+        raise InputError(f"recipe {recipe} has no golden variant {variant!r}"
+                         + (f" (it has: {', '.join(variants)})" if variants else ""))
+    return variants
+
+
+def check_name(name: str, backend: str = "cpu") -> None:
+    """A golden name a user typed (RECIPE, RECIPE@VARIANT, either @tf32 or @bf16): an unknown
+    recipe, variant or a precision the backend does not compute is an InputError naming it, before
+    anything runs (a missing golden file of a known name is a SKIP, not this)."""
+    from .engine.backend import check_precision
+    from .plugins import get_recipe
+
+    base, precision = split_precision(name)
+    recipe, variant = split_name(base)
+    _, obj = get_recipe(recipe)
+    known_variants(recipe, variant, obj)
+    try:
+        check_precision(backend, precision)
+    except InputError as exc:
+        raise InputError(f"golden {name}: {exc}") from None
+
+
 def golden_sets_for(name: str) -> list[str]:
     """The fixed config: options the recipe does not have are left out; a recipe object may add
     its own with a ``golden_sets`` list (e.g. sizes only it has), and a variant's come last."""
@@ -85,10 +111,7 @@ def golden_sets_for(name: str) -> list[str]:
     name, precision = split_precision(name)
     recipe, variant = split_name(name)
     _, obj = get_recipe(recipe)
-    variants = getattr(obj, "golden_variants", {}) or {}
-    if variant is not None and variant not in variants:
-        raise InputError(f"recipe {recipe} has no golden variant {variant!r}"
-                         + (f" (it has: {', '.join(variants)})" if variants else ""))
+    variants = known_variants(recipe, variant, obj)
     defaults = resolve_options(obj, None, [], {})
     fields = set(defaults.__class__.__dataclass_fields__)
     extra = getattr(obj, "golden_sets", [])

@@ -8,6 +8,7 @@ Unknown keys and bad values raise `InputError` naming the key and what is allowe
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 # Sizes, counts and seeds beyond this are typos or hostile input (ggml's dims and our int32 ids
 # cannot use them); refusing them here keeps a config from sizing an allocation.
 MAX_INT = 2**31 - 1
+
+# Model sizes (of the recipes that have them): each must be > 0.
+SIZE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "patch", "donor_d_in", "rank")
 
 
 def choice(default: Any, choices: tuple) -> Any:
@@ -211,13 +215,19 @@ def validate(opts: Options) -> None:
     for key in positive:
         if getattr(opts, key) <= 0:
             raise _invalid(key, f"option {key!r}: must be > 0, got {getattr(opts, key)}")
-    for key in ("lr", "eps"):
-        if not getattr(opts, key) > 0:
+    # model sizes of any recipe that has them (a 0 would build an empty tensor, divide by zero or
+    # silently drop every block)
+    for key in SIZE_KEYS:
+        if isinstance(getattr(opts, key, None), int) and getattr(opts, key) <= 0:
             raise _invalid(key, f"option {key!r}: must be > 0, got {getattr(opts, key)}")
+    for key in ("lr", "eps", "init_scale"):
+        if not 0 < getattr(opts, key) < math.inf:
+            raise _invalid(key, f"option {key!r}: must be > 0 and finite, got {getattr(opts, key)}")
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(opts, key) < 1:
             raise _invalid(key, f"option {key!r}: must be in [0, 1), got {getattr(opts, key)}")
-    for key, bad in (("warmup", opts.warmup < 0), ("weight_decay", not opts.weight_decay >= 0),
-                     ("init_scale", not opts.init_scale > 0)):
-        if bad:
-            raise _invalid(key, "options 'warmup' and 'weight_decay' must be >= 0 and 'init_scale' > 0")
+    if not 0 <= opts.weight_decay < math.inf:
+        raise _invalid("weight_decay", f"option 'weight_decay': must be >= 0 and finite, got {opts.weight_decay}")
+    for key in ("warmup", "seed"):
+        if getattr(opts, key) < 0:
+            raise _invalid(key, f"option {key!r}: must be >= 0, got {getattr(opts, key)}")

@@ -130,6 +130,9 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     if resume_dir is not None:
         if not (resume_dir / "config.toml").is_file() or not (resume_dir / "checkpoint.gguf").is_file():
             raise InputError(f"--resume {resume_dir}: needs config.toml and checkpoint.gguf there")
+        if save_init:
+            raise InputError(f"--save-init with --resume {resume_dir}: a resumed run has no step 0 to save "
+                             "(init.gguf is written by the run that starts)")
         saved = read_toml(resume_dir / "config.toml")
         if saved.get("recipe") != recipe:
             raise InputError(f"--resume {resume_dir}: that run is recipe {saved.get('recipe')!r}, not {recipe!r}")

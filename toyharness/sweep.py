@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import __version__
-from .errors import InputError, ToyharnessError
+from .errors import InputError, ToyharnessError, WriteError
 from .hookspecs import hookimpl
 
 # What a Ray worker always sends back; model and checkpoint files only with --keep-models.
@@ -795,7 +795,10 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
               "recipe": plan.recipe, "sets": list(p.sets), "steps": plan.steps, "backend": plan.backend,
               "threads": threads, "tags": tags[p.index]}
              for p in plan.points if records[p.index]["status"] != DONE]
-    (out_dir / "points").mkdir(parents=True, exist_ok=True)
+    try:
+        (out_dir / "points").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(out_dir / "points", exc) from None
     info = SweepInfo(plan.recipe, plan.sweep_id, out_dir.resolve(), plan.backend)
     bus.emit("sweep_start", sweep=info, grid={k: list(v) for k, v in plan.grid.items()}, seeds=list(plan.seeds),
              points=[{"index": p.index, "name": p.name, "dir": str(Path(records[p.index]["dir"]).resolve()),
@@ -825,6 +828,8 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
 
 def main(args) -> int:
     """`toyharness sweep`: exit 0 when every point finished, 1 when one failed, 2 on bad input."""
+    if args.keep_models and not args.ray:
+        raise InputError("--keep-models is for --ray (local points keep their model files where they ran)")
     if args.resume:
         out_dir = Path(args.resume)
         given = [flag for flag, v in (("--grid", args.grid), ("--set", args.sets), ("--seeds", args.seeds),
