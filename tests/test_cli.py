@@ -170,3 +170,28 @@ def test_save_init_with_resume_is_refused_by_name(tmp_path):
     assert res.stderr.strip() == (f"toyharness: error: --save-init with --resume {tmp_path}: a resumed run has no step "
                                   "0 to save (init.gguf is written by the run that starts)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.gguf", "config.toml"]
+
+
+def test_resume_of_a_missing_folder_says_so(tmp_path):
+    """--resume /no/such said "needs config.toml and checkpoint.gguf there", as if the folder were there."""
+    res = cli("run", "gpt2", "--resume", str(tmp_path / "nosuch"), "--steps", "3")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == f"toyharness: error: --resume {tmp_path / 'nosuch'}: no such folder"
+
+
+def test_save_batches_after_a_resume_holds_every_step(tmp_path):
+    """A resumed run's batches.npz held only the resumed steps; DESIGN.md has it hold every step's inputs,
+    the same arrays as the run that was never stopped."""
+    import numpy as np
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli("run", "gpt2", "--steps", "8", *TINY, "--out", str(full), "--save-batches",
+               "--no-progress").returncode == 0
+    assert cli("run", "gpt2", "--steps", "4", *TINY, "--out", str(part), "--no-progress").returncode == 0
+    res = cli("run", "gpt2", "--steps", "8", "--resume", str(part), "--save-batches", "--no-progress")
+    assert res.returncode == 0, res.stderr
+    a, b = np.load(full / "batches.npz"), np.load(part / "batches.npz")
+    assert sorted(a.files) == sorted(b.files) == ["targets", "tokens"]
+    for name in a.files:
+        assert a[name].shape[0] == 8
+        assert np.array_equal(a[name], b[name]), name

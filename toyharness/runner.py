@@ -128,6 +128,8 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     `tags` reach the observers' run_start (a sweep point's grid values and seed)."""
     resume_dir = Path(resume) if resume else None
     if resume_dir is not None:
+        if not resume_dir.is_dir():
+            raise InputError(f"--resume {resume_dir}: no such folder")
         if not (resume_dir / "config.toml").is_file() or not (resume_dir / "checkpoint.gguf").is_file():
             raise InputError(f"--resume {resume_dir}: needs config.toml and checkpoint.gguf there")
         if save_init:
@@ -215,6 +217,10 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     run_box.append(run)
 
     batches_log: dict[str, list] = {}
+    if save_batches:    # a resumed run's file holds every step too: the batches before `start` made again
+        for i in range(start):
+            for k, v in batch_for(data, "train", i, options).items():
+                batches_log.setdefault(k, []).append(v)
     per_batch = items_per_batch(data, options)
     t_run = time.perf_counter()
     bar = _Progress(options.steps - start, recipe, enabled=progress)
