@@ -195,3 +195,20 @@ def test_save_batches_after_a_resume_holds_every_step(tmp_path):
     for name in a.files:
         assert a[name].shape[0] == 8
         assert np.array_equal(a[name], b[name]), name
+
+
+def test_a_resume_with_no_step_left_into_another_folder_leaves_a_resumable_run(tmp_path):
+    """--resume DIR --steps N --out OTHER, DIR already at step N, wrote OTHER without checkpoint.gguf
+    or metrics.jsonl: a run folder nothing could resume. OTHER now resumes as DIR does, bit for bit."""
+    part, other = tmp_path / "part", tmp_path / "other"
+    assert cli("run", "gpt2", "--steps", "4", *TINY, "--out", str(part), "--no-progress").returncode == 0
+    res = cli("run", "gpt2", "--steps", "4", "--resume", str(part), "--out", str(other), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    assert (other / "checkpoint.gguf").read_bytes() == (part / "checkpoint.gguf").read_bytes()
+    assert (other / "metrics.jsonl").read_text() == (part / "metrics.jsonl").read_text()
+    for run in (other, part):       # other first: part's files must still be as the first run left them
+        res = cli("run", "gpt2", "--steps", "8", "--resume", str(run), "--no-progress")
+        assert res.returncode == 0, res.stderr
+    a, b = ([json.loads(x)["loss_hex"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+            for run in (part, other))
+    assert len(a) == 8 and a == b

@@ -225,6 +225,10 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     t_run = time.perf_counter()
     bar = _Progress(options.steps - start, recipe, enabled=progress)
     try:
+        if write_files and start == options.steps and out_dir != resume_dir:
+            # a resume with no step left, into another folder: that folder can be resumed too
+            atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
+            save_checkpoint(out_dir, trainer, options, start)
         for i in range(start, options.steps):
             batch = batch_for(data, "train", i, options)
             if save_batches:
