@@ -72,6 +72,17 @@ static __device__ __forceinline__ void th_store_bf16x4(__nv_bfloat16 * p, const 
     *(uint2 *) p = packed;
 }
 
+// A writer's value at i: into y (nullptr: not written, the copy alone) and its bf16 copy y16
+// (nullptr: none), rounded to nearest even; th_put4: the float4 at i, the four copies at 4 i
+static __device__ __forceinline__ void th_put1(float * y, __nv_bfloat16 * y16, const int64_t i, const float v) {
+    if (y != nullptr) y[i] = v;
+    if (y16 != nullptr) y16[i] = __float2bfloat16_rn(v);
+}
+static __device__ __forceinline__ void th_put4(float * y, __nv_bfloat16 * y16, const int64_t i, const float4 v) {
+    if (y != nullptr) ((float4 *) y)[i] = v;
+    if (y16 != nullptr) th_store_bf16x4(y16 + 4 * i, v);
+}
+
 // y[i] = op(a[i], b[i]) over n floats (b read only by a binary op): GELU, its backward, same-shape
 // ADD. A float4 at a time where n is a multiple of 4 and every pointer 16-aligned (vec4), else a
 // float; elementwise, so every element's bits are the same run to run. With y16 (copy16) each value
@@ -85,12 +96,9 @@ static __global__ void th_map_kernel(const Op op, const float * __restrict__ a, 
         if (vec4) {
             const float4 u = ((const float4 *) a)[i], v = Op::binary ? ((const float4 *) b)[i] : u;
             const float4 r = make_float4(op(u.x, v.x), op(u.y, v.y), op(u.z, v.z), op(u.w, v.w));
-            if (y != nullptr) ((float4 *) y)[i] = r;
-            if (copy16) th_store_bf16x4(y16 + 4 * i, r);
+            th_put4(y, copy16 ? y16 : nullptr, i, r);
         } else {
-            const float r = op(a[i], Op::binary ? b[i] : 0.0f);
-            if (y != nullptr) y[i] = r;
-            if (copy16) y16[i] = __float2bfloat16_rn(r);
+            th_put1(y, copy16 ? y16 : nullptr, i, op(a[i], Op::binary ? b[i] : 0.0f));
         }
     }
 }
@@ -192,8 +200,7 @@ static __device__ __forceinline__ float th_load1(const __nv_bfloat16 * p, const 
 static __device__ __forceinline__ void th_swiglu_store(float * y, __nv_bfloat16 * y16, const int64_t i, const float4 g,
                                                        const float4 u) {
     const float4 r = make_float4(th_silu(g.x) * u.x, th_silu(g.y) * u.y, th_silu(g.z) * u.z, th_silu(g.w) * u.w);
-    if (y != nullptr) ((float4 *) y)[i] = r;
-    if (y16 != nullptr) th_store_bf16x4(y16 + 4 * i, r);
+    th_put4(y, y16, i, r);
 }
 static __device__ __forceinline__ __nv_bfloat162 th_swiglu_pair(const __nv_bfloat162 g, const __nv_bfloat162 u) {
     const float2 gf = __bfloat1622float2(g), uf = __bfloat1622float2(u);
@@ -208,8 +215,7 @@ static __global__ void th_swiglu_kernel(const T * __restrict__ gate, const T * _
         if constexpr (!vec) {
             const float v = th_silu(th_load1(gate, i)) * th_load1(up, i);
             if constexpr (sizeof(T) == 4) {
-                if (y != nullptr) y[i] = v;
-                if (y16 != nullptr) y16[i] = __float2bfloat16_rn(v);
+                th_put1((float *) y, y16, i, v);
             } else {
                 y[i] = __float2bfloat16(v);
             }
@@ -276,17 +282,13 @@ static __global__ void th_swiglu_back_kernel(const float * __restrict__ grad, co
                                           th_silu_back(__fmul_rn(d.z, u.z), x.z), th_silu_back(__fmul_rn(d.w, u.w), x.w));
             const float4 u4 = make_float4(__fmul_rn(th_silu(x.x), d.x), __fmul_rn(th_silu(x.y), d.y),
                                           __fmul_rn(th_silu(x.z), d.z), __fmul_rn(th_silu(x.w), d.w));
-            if (dg != nullptr) ((float4 *) dg)[i] = g4;
-            if (du != nullptr) ((float4 *) du)[i] = u4;
-            if (dg16 != nullptr) th_store_bf16x4(dg16 + 4 * i, g4);
-            if (du16 != nullptr) th_store_bf16x4(du16 + 4 * i, u4);
+            th_put4(dg, dg16, i, g4);
+            th_put4(du, du16, i, u4);
         } else {
             const float d = grad[i], x = th_load1(gate, i);
             const float g1 = th_silu_back(__fmul_rn(d, th_load1(up, i)), x), u1 = __fmul_rn(th_silu(x), d);
-            if (dg != nullptr) dg[i] = g1;
-            if (du != nullptr) du[i] = u1;
-            if (dg16 != nullptr) dg16[i] = __float2bfloat16_rn(g1);
-            if (du16 != nullptr) du16[i] = __float2bfloat16_rn(u1);
+            th_put1(dg, dg16, i, g1);
+            th_put1(du, du16, i, u1);
         }
     }
 }
@@ -892,8 +894,7 @@ static __global__ void th_cont_rows_kernel(const char * __restrict__ src, float 
         const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
         const float * s = (const float *) (src + i1 * nb1 + i2 * nb2 + i3 * nb3);
         for (int64_t i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x) {
-            if (dst != nullptr) dst[r * ne0 + i0] = s[i0];
-            if (y16 != nullptr) y16[r * ne0 + i0] = __float2bfloat16_rn(s[i0]);
+            th_put1(dst, y16, r * ne0 + i0, s[i0]);
         }
     }
 }
@@ -909,8 +910,7 @@ static __global__ void th_cont_rows4_kernel(const char * __restrict__ src, float
     for (int64_t e = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; e < n; e += step) {
         const int64_t r = e / per_row, i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
         const float4 v = ((const float4 *) (src + i1 * nb1 + i2 * nb2 + i3 * nb3))[e % per_row];
-        if (dst != nullptr) ((float4 *) dst)[e] = v;
-        if (y16 != nullptr) th_store_bf16x4(y16 + 4 * e, v);
+        th_put4(dst, y16, e, v);
     }
 }
 

@@ -513,15 +513,21 @@ static int th_copy_until(const uintptr_t lo, const uintptr_t hi) {
     return th_prev_node;
 }
 
+// the source of the node computing now whose memory holds the bytes [lo, hi), or nullptr
+static const ggml_tensor * th_source_holding(const uintptr_t lo, const uintptr_t hi) {
+    for (int j = 0; j < GGML_MAX_SRC; j++) {
+        const ggml_tensor * s = th_node->src[j];
+        if (s != nullptr && s->data != nullptr && lo >= (uintptr_t) s->data && hi <= (uintptr_t) s->data + ggml_nbytes(s)) {
+            return s;
+        }
+    }
+    return nullptr;
+}
+
 // the trace's line for an operand th_copy_of converts (TOYHARNESS_BF16_TRACE=1)
 static void th_trace_conversion(const float * src, const int rows, const int cols, const int ld, const int count,
                                 const bool inside) {
-    const ggml_tensor * from = nullptr;
-    for (int j = 0; j < GGML_MAX_SRC && from == nullptr; j++) {
-        const ggml_tensor * s = th_node->src[j];
-        if (s != nullptr && s->data != nullptr && (uintptr_t) src >= (uintptr_t) s->data &&
-            (uintptr_t) src < (uintptr_t) s->data + ggml_nbytes(s)) from = s;
-    }
+    const ggml_tensor * from = th_source_holding((uintptr_t) src, (uintptr_t) src + 1);
     const char * ours = th_cuda_kernel_name_of(th_kernel_of(th_node));
     const char * from_ours = from != nullptr ? th_cuda_kernel_name_of(th_kernel_of(from)) : nullptr;
     fprintf(stderr, "toyharness bf16 convert: %s (%s) reads %s (%s) %dx%d ld %d x%d%s\n", th_node->name,
@@ -545,12 +551,7 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     }
     const uintptr_t lo = (uintptr_t) src;
     const uintptr_t hi = lo + sizeof(float) * (uintptr_t) ((long long) (count - 1) * stride + (long long) (cols - 1) * ld + rows);
-    bool inside = false;                 // memory of one of the node's sources (not ggml's pool)
-    for (int j = 0; j < GGML_MAX_SRC && !inside; j++) {
-        const ggml_tensor * s = th_node->src[j];
-        inside = s != nullptr && s->data != nullptr && lo >= (uintptr_t) s->data &&
-                 hi <= (uintptr_t) s->data + ggml_nbytes(s);
-    }
+    const bool inside = th_source_holding(lo, hi) != nullptr;    // (not ggml's pool)
     const bool packed = th_packed(rows, cols, ld, count, stride);
     for (th_copy & k : th_copies) {
         // the same matrices, or the same packed floats read in another shape (an attention's
