@@ -27,6 +27,25 @@ def test_too_few_steps_exits_2():
     assert "--steps 5" in res.stderr + res.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch not installed: the check of transformers comes after PyTorch's")
+def test_a_base_that_needs_transformers_without_it_is_one_line(tmp_path, monkeypatch, capsys):
+    """bench lora over a qwen3 base without transformers ended in a worker's ModuleNotFoundError traceback;
+    transformers' absence is simulated, so the test runs where it is installed too."""
+    from toyharness import cli
+    from toyharness.architectures import example_shape, write_example
+
+    base = write_example(tmp_path / "q.gguf", example_shape("qwen3", n_layer=1, d_model=32, n_head=2, n_kv_head=1,
+                                                            d_ff=64, vocab=300))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert cli.main(["bench", "lora", "--set", f"base={base}", "--steps", "10"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"toyharness: error: bench lora over {base}: PyTorch's side is transformers' model of that architecture "
+        "(toyharness/architectures/hf.py): pip install transformers")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (nox -s bench installs it)")
 def test_side_by_side_run_writes_both_sides(tmp_path):
     # no --out: the default lands under runs/ of the working folder (ignored by git), named by build

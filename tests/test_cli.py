@@ -179,6 +179,30 @@ def test_resume_of_a_missing_folder_says_so(tmp_path):
     assert res.stderr.strip() == f"toyharness: error: --resume {tmp_path / 'nosuch'}: no such folder"
 
 
+def test_resume_with_fewer_steps_than_the_checkpoint_says_what_to_pass(tmp_path):
+    """--resume of a run at step 4 with --steps 2 said "checkpoint step 4 is not a step count in [0, 2]"."""
+    part = tmp_path / "part"
+    assert cli("run", "gpt2", "--steps", "4", *TINY, "--out", str(part), "--no-progress").returncode == 0
+    before = {p.name: p.read_bytes() for p in part.iterdir()}
+    res = cli("run", "gpt2", "--steps", "2", "--resume", str(part), "--no-progress")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == (f"toyharness: error: {part / 'checkpoint.gguf'}: the checkpoint is at step 4, past "
+                                  "the run's 2 steps; resume with --steps 4 or more")
+    assert {p.name: p.read_bytes() for p in part.iterdir()} == before
+
+
+def test_chat_on_the_byte_tokenizer_names_it(tmp_path):
+    """sample --chat on a run of the byte tokenizer began "bytes: has no chat template", as if a file
+    called bytes lacked one."""
+    run = tmp_path / "run"
+    assert cli("run", "gpt2", "--steps", "1", *TINY, "--out", str(run), "--no-progress").returncode == 0
+    res = cli("sample", str(run), "--chat", "--prompt", "hi")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == ("toyharness: error: the byte tokenizer has no chat template; chat data and --chat "
+                                  "need a GGUF tokenizer with tokenizer.chat_template (lora's base, or --set "
+                                  "tokenizer=FILE.gguf)")
+
+
 def test_save_batches_after_a_resume_holds_every_step(tmp_path):
     """A resumed run's batches.npz held only the resumed steps; DESIGN.md has it hold every step's inputs,
     the same arrays as the run that was never stopped."""

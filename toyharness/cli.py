@@ -374,6 +374,12 @@ def cmd_bench(args) -> int:
     if no_ref:
         raise InputError(f"no PyTorch reference for {', '.join(no_ref)} (toyharness/reference.py has "
                          f"{', '.join(MODELS)})")
+    if importlib.util.find_spec("transformers") is None:
+        for name in names:
+            base = getattr(bench.bench_options(name, sets[name])[1], "base", "")
+            if base and not bench.plain_llama(base):
+                raise InputError(f"bench {name} over {base}: PyTorch's side is transformers' model of that "
+                                 "architecture (toyharness/architectures/hf.py): pip install transformers")
     threads = args.threads or default_threads()
     engine = get_engine(args.backend, threads)   # fails early on a backend this build lacks
     ceiling = bench.matmul_ceiling(threads) if args.backend == "cpu" else None

@@ -363,8 +363,11 @@ def read_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]], seed: int,
     with GGUFFile(path) as f:
         step = f.require_field("toyharness.step")
         saved_seed = f.require_field("toyharness.seed")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (steps is not None and step > steps):
-            raise GGUFError(f"{path}: checkpoint step {step!r} is not a step count in [0, {steps}]")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise GGUFError(f"{path}: checkpoint step {step!r} is not a step count")
+        if steps is not None and step > steps:
+            raise InputError(f"{path}: the checkpoint is at step {step}, past the run's {steps} steps; resume "
+                             f"with --steps {step} or more")
         if not isinstance(saved_seed, int) or saved_seed != seed:
             raise GGUFError(f"{path}: checkpoint seed {saved_seed!r} differs from the run's seed {seed}")
         state = {}

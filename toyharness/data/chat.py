@@ -41,6 +41,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     """The conversation as text, through the tokenizer file's chat template."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
+        if tokenizer.source == "bytes":     # the recipes' default: raw bytes, no GGUF behind it
+            raise InputError("the byte tokenizer has no chat template; chat data and --chat need a GGUF "
+                             "tokenizer with tokenizer.chat_template (lora's base, or --set tokenizer=FILE.gguf)")
         raise InputError(f"{tokenizer.source}: has no chat template (tokenizer.chat_template); chat data and "
                          "--chat need one")
     names = {key: tokenizer.tokens[tid] if tid is not None else ""
