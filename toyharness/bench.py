@@ -93,13 +93,16 @@ def reference_config(options, with_frozen: bool = True) -> tuple[dict[str, Any],
     return cfg, frozen
 
 
-def plain_llama(base: str) -> bool:
-    """A `llama` base without rope scaling: toyharness/reference.py's llama is its PyTorch model;
-    any other architecture's is transformers' (toyharness/architectures/hf.py)."""
+def transformers_side(base: str | None) -> bool:
+    """Whether PyTorch's side of a run over `base` is transformers' model of it
+    (toyharness/architectures/hf.py): every base but a `llama` one without rope scaling, whose
+    PyTorch model is toyharness/reference.py's llama."""
     from .architectures import read_model
 
+    if not base:
+        return False
     s = read_model(base).shape
-    return s.arch == "llama" and s.rope_factors is None and all(lay.rope_scale == 1.0 for lay in s.layers)
+    return not (s.arch == "llama" and s.rope_factors is None and all(lay.rope_scale == 1.0 for lay in s.layers))
 
 
 def base_arrays(path: str) -> dict[str, np.ndarray]:
@@ -387,7 +390,7 @@ def _torch_worker(conn, recipe: str, device: str, threads: int, payload: dict, m
     # adapters fp32 master weights under bf16 autocast, as ours
     base_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     forward, loss_fn, cfg = reference.MODELS[recipe], reference.LOSSES[recipe], payload["cfg"]
-    if base and not plain_llama(base):
+    if transformers_side(base):
         # a base of another architecture (or with rope scaling): transformers' model of it, with the
         # adapters wrapped in (toyharness/architectures/hf.py); in bf16 with PyTorch's fused
         # attention (SDPA), transformers' default, in fp32/tf32 the eager attention of the parity tests

@@ -377,7 +377,7 @@ def cmd_bench(args) -> int:
     if importlib.util.find_spec("transformers") is None:
         for name in names:
             base = getattr(bench.bench_options(name, sets[name])[1], "base", "")
-            if base and not bench.plain_llama(base):
+            if bench.transformers_side(base):
                 raise InputError(f"bench {name} over {base}: PyTorch's side is transformers' model of that "
                                  "architecture (toyharness/architectures/hf.py): pip install transformers")
     threads = args.threads or default_threads()
