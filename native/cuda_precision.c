@@ -188,6 +188,66 @@ static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) 
     return taken;
 }
 
+/* Whether the MLP's hidden activation `fh` (a LINEAR_BIAS with its reshapes) can be, or is, bf16
+ * in `graph` (`type` what it is now): every reader of it a member, a GELU of it (src 0), a
+ * GELU_BACK of it (src 1, its gradient src 0 not a member) or a node of ours that computes nothing.
+ * Else the reader that is not in *other (NULL: an output or another layout). */
+static int th_gelu_input_ok(struct ggml_cgraph * graph, const th_family * fh, enum ggml_type type,
+                            struct ggml_tensor ** other) {
+    *other = NULL;
+    if (!th_family_plain(fh, type)) return 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        int reads = 0;
+        for (int k = 0; k < fh->n; k++) reads |= th_reads(u, fh->t[k]);
+        if (!reads || th_in(fh, u)) continue;
+        const int kernel = th_kernel_of(u);
+        if (kernel == TH_CUDA_FOLDED || kernel == TH_CUDA_ROOM || (kernel == TH_CUDA_GELU && th_in(fh, u->src[0])) ||
+            (kernel == TH_CUDA_GELU_BACK && th_in(fh, u->src[1]) && !th_in(fh, u->src[0]))) {
+            continue;
+        }
+        *other = u;
+        return 0;
+    }
+    return 1;
+}
+
+/* At bf16, a GELU over a product with a bias (LINEAR_BIAS: the MLP's first product in gpt2 and
+ * ViT) keeps that product's output, its hidden activation, as bf16 (TOYHARNESS_BF16_GELU=f32: f32
+ * as before): cuBLASLt rounds the fp32 sums plus the bias (as bf16, as autocast casts it) to bf16
+ * once, what bf16 autocast's linear returns, and GELU and its backward compute in fp32 on those
+ * values. Half the bytes the product writes, GELU reads and GELU_BACK reads again (4 x d_model
+ * floats a token, each pass). Taken only where th_gelu_input_ok says; found by the GELU or by its
+ * GELU_BACK alone (a recomputed product). Returns the products taken, or -2 (`why`) where one
+ * already bf16 (taken in another graph of the program) has a reader here that would read it as f32. */
+static int th_gelu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
+    if (th_env_is("TOYHARNESS_BF16_GELU", "f32")) return 0;
+    int taken = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * n = ggml_graph_node(graph, i), * other = NULL;
+        const int kernel = th_kernel_of(n);
+        /* a product kept bf16 by another graph is checked wherever it is, GELU here or not */
+        struct ggml_tensor * h = kernel == TH_CUDA_LINEAR_BIAS && n->type == GGML_TYPE_BF16 ? n
+                               : kernel == TH_CUDA_GELU ? th_under_reshapes(n->src[0])
+                               : kernel == TH_CUDA_GELU_BACK ? th_under_reshapes(n->src[1]) : NULL;
+        th_family fh;
+        if (h == NULL || th_kernel_of(h) != TH_CUDA_LINEAR_BIAS || !th_family_of(graph, h, &fh)) continue;
+        if (h->type == GGML_TYPE_BF16) {
+            if (th_gelu_input_ok(graph, &fh, GGML_TYPE_BF16, &other)) continue;         /* taken before */
+            if (why != NULL && why_size > 0) {
+                snprintf(why, (size_t) why_size, "GELU's input %s, kept bf16 in another graph: %s %s reads it here",
+                         h->name, other != NULL ? ggml_op_desc(other) : "an output or another layout",
+                         other != NULL ? other->name : "");
+            }
+            return -2;
+        }
+        if (!th_gelu_input_ok(graph, &fh, GGML_TYPE_F32, &other)) continue;
+        th_family_retype(&fh);
+        taken++;
+    }
+    return taken;
+}
+
 /* Where attention's tensor-core kernels take it (custom_ops.h, th_attention_on_tensor_cores), an
  * attention's backward node (ATTN_BWD, stamped) writes dK and dV alone: dQ's kernel computes the
  * tiles of dS again, so the (T, T, BH) scores' gradient is never formed and the node keeps no room
@@ -200,10 +260,11 @@ static void th_attention_drop_ds(struct ggml_tensor * t) {
 
 /* Stamps `precision` (TH_PRECISION_*) on the graph's product nodes; returns how many, -1 for a
  * precision it does not know, or -2 where bf16 meets a frozen weight's product of a shape the
- * frozen bf16 products do not take, or a SwiGLU kept bf16 that a node here reads as f32 (its name
- * in `why`). fp32 clears a stamp (a node keeps no other precision's). At bf16, products of frozen
+ * frozen bf16 products do not take, or a SwiGLU or a GELU's input kept bf16 that a node here reads
+ * as f32 (its name in `why`). fp32 clears a stamp (a node keeps no other precision's). At bf16, products of frozen
  * weights become ours first (th_mark_frozen), then SwiGLUs over them keep bf16 (th_swiglu_bf16),
- * and at tf32 and bf16 attention's backward nodes drop dS (th_attention_drop_ds). */
+ * as do GELUs' inputs (th_gelu_bf16), and at tf32 and bf16 attention's backward nodes drop dS
+ * (th_attention_drop_ds). */
 TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, char * why, int why_size) {
     if (precision != TH_PRECISION_FP32 && precision != TH_PRECISION_TF32 && precision != TH_PRECISION_BF16) return -1;
     int marked = 0;
@@ -218,6 +279,13 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
             }
             return -2;
         }
+        if (precision != TH_PRECISION_BF16 && th_kernel_of(t) == TH_CUDA_LINEAR_BIAS && t->type == GGML_TYPE_BF16) {
+            if (why != NULL && why_size > 0) {      /* only bf16's kernels write it (th_gelu_bf16) */
+                snprintf(why, (size_t) why_size, "GELU's input %s, kept bf16 at precision bf16, in a graph at another "
+                         "precision", t->name);
+            }
+            return -2;
+        }
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_OUT_PROD || th_kernel_of(t) != 0) {
             th_precision_set(t, precision);
             marked++;
@@ -225,6 +293,7 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
         th_attention_drop_ds(t);
     }
     if (precision == TH_PRECISION_BF16 && th_swiglu_bf16(graph, why, why_size) < 0) return -2;
+    if (precision == TH_PRECISION_BF16 && th_gelu_bf16(graph, why, why_size) < 0) return -2;
     return marked;
 }
 

@@ -10,6 +10,13 @@
 #                                    [frozen] [goldens-frozen-bf16] [bench-lora-bf16] [bench-lora-fp32]
 #                                    [profile-lora-bf16] [fused] [recompute] [bench-lora-bf16-recompute]
 #                                    [bench-lora-bf16-recompute-keepall] [grouped] [plan-lora-bf16] [kept-all]
+#                                    [gelu-bf16] [gelu-bf16-goldens] [gelu-bf16-profile]
+#
+# gelu-bf16: a GELU's input product kept in bf16 (native/cuda_precision.c, th_gelu_bf16): its tests
+# and the bf16 tests it touches (tests/test_precision.py), tests/test_cuda_kernels.py whole;
+# gelu-bf16-goldens: every cuda golden checked (of those, only gpt2@bf16 and vit_tiny@bf16 may move),
+# then those two recorded and checked again (OUT/goldens_gelu.tar); gelu-bf16-profile: a bf16
+# gpt2-small step by kernel with GELU's input f32 (TOYHARNESS_BF16_GELU=f32), then bf16, ours only.
 #
 # grouped: grouped-query heads read in place by the fused attention (iss-32f): the attention tests
 # of tests/test_cuda_kernels.py (the grouped kernels' bits against the repeats' included), the cuda
@@ -80,6 +87,31 @@ if [[ $phases == *" fused "* ]]; then
     step "iss-32d's fusions on cuda: SwiGLU's gate gradient in one kernel, the LoRA scale on the rank product, frozen terms in product sums"
     tests_phase fused.log tests/test_cuda_kernels.py "swiglu or silu or lora or frozen or product_sum or products_summed" \
         "^frozen product sum|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+if [[ $phases == *" gelu-bf16 "* ]]; then
+    step "a GELU's input kept in bf16: its tests, the bf16 tests it touches, and the cuda kernels' tests"
+    tests_phase gelu.log tests/test_precision.py "gelu or first_16 or reuse or trace or alone or writer" \
+        "GELU|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    tests_phase kernels.log tests/test_cuda_kernels.py "" "passed|failed|FAILED|ERROR"
+fi
+
+if [[ $phases == *" gelu-bf16-goldens "* ]]; then
+    step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
+    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
+    names+=("${FROZEN_BF16[@]}")
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
+    record_goldens goldens_gelu.tar "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
+fi
+
+if [[ $phases == *" gelu-bf16-profile "* ]]; then
+    for kept in f32 bf16 f32 bf16; do
+        step "a bf16 gpt2-small step by kernel, ours, GELU's input $kept"
+        TOYHARNESS_BF16_GELU=$kept python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 --rows 40 \
+            >"$out/profile_gpt2_bf16_gelu_$kept.txt" 2>&1 || status=1
+        grep "^==" "$out/profile_gpt2_bf16_gelu_$kept.txt" | tee -a "$log"
+    done
 fi
 
 if [[ $phases == *" kept-all "* ]]; then

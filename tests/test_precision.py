@@ -272,6 +272,81 @@ def test_a_graph_that_reads_a_swiglu_product_kept_in_bf16_as_f32_is_refused_by_n
     assert text.startswith("SwiGLU") and "kept bf16 in another graph" in text and "SCALE" in text, text
 
 
+def gelu_inputs(trainer) -> list:
+    """The products whose output a GELU reads, in the training graph (through RESHAPEs)."""
+    from test_recompute import _name, _nodes
+
+    def under(t):
+        while _name(t) == "RESHAPE":
+            t = lib.th_tensor_src(t, 0)
+        return t
+
+    return [under(lib.th_tensor_src(g, 0)) for g in _nodes(trainer.gb_opt) if _name(g) == "gelu"]
+
+
+@pytest.mark.parametrize("recipe, sets", [("gpt2", ["n_layer=2"]), ("vit_tiny", ["n_layer=2"])])
+def test_at_bf16_the_gelu_input_is_kept_in_bf16(recipe, sets, monkeypatch):
+    """gpt2's and ViT's training graphs, built on cpu as cuda builds them: at bf16 each block's
+    first MLP product (a LINEAR_BIAS, read by the GELU and its backward alone) is a bf16 tensor,
+    half the bytes; at tf32, and at bf16 with TOYHARNESS_BF16_GELU=f32, it stays f32."""
+    from test_recompute import _as_cuda_builds_it, _name
+
+    for precision, env, want in (("bf16", None, GGML_TYPE_BF16), ("tf32", None, GGML_TYPE_F32),
+                                 ("bf16", "f32", GGML_TYPE_F32)):
+        if env is None:
+            monkeypatch.delenv("TOYHARNESS_BF16_GELU", raising=False)
+        else:
+            monkeypatch.setenv("TOYHARNESS_BF16_GELU", env)
+        _, trainer, _ = _as_cuda_builds_it(recipe, sets, precision, monkeypatch)
+        fcs = gelu_inputs(trainer)
+        assert len(fcs) == 2, (recipe, precision)
+        assert [_name(t) for t in fcs] == ["linear_bias"] * 2
+        assert [lib.th_tensor_type(t) for t in fcs] == [want] * 2, (recipe, precision, env)
+        if want == GGML_TYPE_BF16:
+            ne = ffi.new("int64_t[4]")
+            lib.th_tensor_shape(fcs[0], ne, ffi.new("size_t[4]"))
+            assert lib.ggml_nbytes(fcs[0]) == 2 * ne[0] * ne[1] * ne[2] * ne[3]
+
+
+def test_a_gelu_input_read_otherwise_stays_f32_and_a_later_graph_reading_it_as_f32_is_refused_by_name(monkeypatch):
+    """A GELU over a product with a bias whose output the loss also reads (a SUM of it) keeps it
+    f32. Once a graph kept it bf16, a later graph whose node reads it as f32 (a SCALE) is refused: -2
+    and a line naming the product and the reader, never computed wrong; so is the graph itself
+    stamped at another precision (whose kernels would write it as f32)."""
+    def mlp(read_h: bool):
+        prog = get_engine("cpu").program()
+        prog.cpu_kernels = prog.cpu_folds = False       # built as cuda builds it (test_recompute's)
+        prog.cuda_kernels = prog.grads_as_outputs = prog.column_sums_as_products = True
+        x = prog.param("x", RNG.normal(size=(8, 16)).astype(np.float32))
+        w1, w2 = (prog.param(n, RNG.normal(size=s).astype(np.float32)) for n, s in (("w1", (32, 16)), ("w2", (16, 32))))
+        b1 = prog.param("b1", RNG.normal(size=(32,)).astype(np.float32))
+        h = blocks.linear(x, w1, b1)
+        loss = blocks.gelu_tanh(h).matmul_t(w2).sum()
+        if read_h:
+            loss = loss + h.sum()
+        return prog.trainer(prog.scalar_loss(loss), "bias_corrected"), h, prog
+
+    monkeypatch.delenv("TOYHARNESS_BF16_GELU", raising=False)
+    trainer, h, _prog = mlp(read_h=True)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "gelu_back" in kernel_names(trainer.gb_grad)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert "linear_bias" in kernel_names(trainer.gb_grad) and lib.th_tensor_type(h.ptr) == GGML_TYPE_F32
+
+    trainer, h, _prog2 = mlp(read_h=False)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert lib.th_tensor_type(h.ptr) == GGML_TYPE_BF16
+    scaled = h.scale(3.0)
+    graph = lib.ggml_new_graph_custom(scaled._ctx, 64, False)
+    lib.ggml_build_forward_expand(graph, scaled.ptr)
+    why = ffi.new("char[512]")
+    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], why, 512) == -2
+    text = ffi.string(why).decode()
+    assert text.startswith("GELU's input") and "kept bf16 in another graph" in text and "SCALE" in text, text
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["fp32"], why, 512) == -2
+    assert "kept bf16 at precision bf16, in a graph at another precision" in ffi.string(why).decode()
+
+
 def test_the_bf16_copies_horizon_is_on_for_a_base_kept_in_its_type_and_the_environment_sets_it(monkeypatch):
     """Program.bf16_horizon: BF16_KEEP_NODES where a frozen weight stays in its type (a LoRA base's
     bf16 copies would otherwise live from the forward to the backward), none for f32 frozen weights
@@ -360,6 +435,50 @@ def test_a_product_rounds_its_inputs_to_the_precision_and_sums_in_fp32(precision
     if precision != "fp32":
         # rounding moves the exact product by about u/sqrt(k) of the scale: far above fp32's sums
         assert err_exact > 0.05 * UNIT_ROUNDOFF[precision]
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_at_bf16_a_gelus_input_is_the_bias_product_rounded_once_to_bf16(backend, aligned):
+    """y = gelu(x W^T + b) at bf16: the product, written in bf16 (th_gelu_bf16), is the sum of the
+    bf16 copies' products plus b's bf16 copy, rounded once to bf16 (cuBLASLt's epilogue; with b a
+    view 4 bytes off 16-byte alignment, the plain path: b's bf16 values in the rows, the product
+    added, beta 1), and GELU computes on it in fp32. Against float64 on the same roundings: where
+    fp32's sum and float64's straddle a bf16 rounding boundary they round one bf16 ulp apart
+    (2^-7 of |h| at most), and GELU's slope is below 1.13; and the bf16 rounding really happened
+    (float64's GELU of the unrounded sum is further off)."""
+    from test_cpu_kernels import gelu_tanh_f64
+
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    rows, d_in, d_out = 64, 32, 48
+    x = RNG.normal(size=(rows, d_in)).astype(np.float32)
+    w, b = RNG.normal(size=(d_out, d_in)).astype(np.float32), RNG.normal(size=d_out).astype(np.float32)
+    engine = get_engine(backend)
+    engine.set_precision("bf16")
+    try:
+        calls = linear_bias_calls()
+        prog = engine.program()
+        if aligned:
+            bias = prog.param("b", b)
+        else:                             # one float in: b's data 4 bytes past 16-byte alignment
+            bias = prog.param("b2", np.concatenate([[0.0], b]).astype(np.float32)[None, :]).view_columns(1, d_out)
+            bias = bias.reshape(d_out)
+        h = blocks.linear(prog.constant("x", x), prog.param("w", w), bias)
+        fg = prog.forward({"y": blocks.gelu_tanh(h)})
+        y = fg.run({})["y"].astype(np.float64)
+        lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
+        kept = lib.th_tensor_type(h.ptr)
+    finally:
+        engine.set_precision("fp32")
+    assert kept == GGML_TYPE_BF16 and "gelu" in kernel_names(fg.graph)
+    assert (lt >= 1 and plain == 0) if aligned else (lt == 0 and plain >= 1), (lt, plain)
+    exact = round_mantissa(x, 7) @ round_mantissa(w, 7).T + round_mantissa(b, 7)
+    h16 = round_mantissa(exact.astype(np.float32), 7)
+    want = gelu_tanh_f64(h16)[0]
+    assert (np.abs(y - want) <= 1.13 * 2.0**-7 * np.abs(h16) + 1e-5 * (1 + np.abs(want))).all()
+    assert np.mean(np.abs(y - want) <= 1e-5 * (1 + np.abs(want))) > 0.95     # ulp flips are rare
+    assert np.abs(y - gelu_tanh_f64(exact)[0]).max() > 1e-3
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
@@ -562,6 +681,27 @@ def test_lora_over_a_frozen_mlp_at_bf16_keeps_swiglu_in_bf16_repeats_and_agrees_
         rel = np.abs(np.array([x["value"] for x in doc["losses"]]) - ref) / np.abs(ref)
         print(f"lora@q4_k@bf16 targets q,k,v,o, SwiGLU {'f32' if doc is kept_f32 else 'bf16'}: largest relative "
               f"difference to fp32 over 16 steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
+        assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "vit_tiny")])
+def test_at_bf16_a_gelu_over_its_input_in_bf16_repeats_and_agrees_with_fp32(recipe, monkeypatch):
+    """The golden config at bf16 with each block's first MLP product written in bf16 (th_gelu_bf16:
+    cuBLASLt rounds sum plus bf16 bias once, as autocast's linear does; GELU and its backward read
+    it): the 16 losses' bits repeat run to run, each within 2 u of fp32's (one more rounding of a
+    product's output, a relative change of at most u, as every product input already has), and
+    they are not the bits of the same run with TOYHARNESS_BF16_GELU=f32 (so the path ran), which
+    agrees with fp32 as closely."""
+    ref = np.array([x["value"] for x in goldens.compute(recipe, "cuda")["losses"]])
+    first, second = goldens.compute(f"{recipe}@bf16", "cuda"), goldens.compute(f"{recipe}@bf16", "cuda")
+    monkeypatch.setenv("TOYHARNESS_BF16_GELU", "f32")
+    kept_f32 = goldens.compute(f"{recipe}@bf16", "cuda")
+    assert goldens.compare(first, second) is None, "not run-to-run deterministic"
+    assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in kept_f32["losses"]]
+    for doc in (first, kept_f32):
+        rel = np.abs(np.array([x["value"] for x in doc["losses"]]) - ref) / np.abs(ref)
+        print(f"{recipe}@bf16, GELU's input {'f32' if doc is kept_f32 else 'bf16'}: largest relative difference "
+              f"to fp32 over 16 steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
         assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
 
 

@@ -83,22 +83,37 @@ static __device__ __forceinline__ void th_put4(float * y, __nv_bfloat16 * y16, c
     if (y16 != nullptr) th_store_bf16x4(y16 + 4 * i, v);
 }
 
+// four values from i * 4 of f32 or bf16 (16- or 8-byte aligned), and one, as floats
+static __device__ __forceinline__ float4 th_load4(const float * p, const int64_t i) { return ((const float4 *) p)[i]; }
+static __device__ __forceinline__ float4 th_load4(const __nv_bfloat16 * p, const int64_t i) {
+    const uint2 r = ((const uint2 *) p)[i];
+    __nv_bfloat162 lo, hi;
+    memcpy(&lo, &r.x, sizeof(lo));
+    memcpy(&hi, &r.y, sizeof(hi));
+    const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+static __device__ __forceinline__ float th_load1(const float * p, const int64_t i) { return p[i]; }
+static __device__ __forceinline__ float th_load1(const __nv_bfloat16 * p, const int64_t i) { return __bfloat162float(p[i]); }
+
 // y[i] = op(a[i], b[i]) over n floats (b read only by a binary op): GELU, its backward, same-shape
 // ADD. A float4 at a time where n is a multiple of 4 and every pointer 16-aligned (vec4), else a
 // float; elementwise, so every element's bits are the same run to run. With y16 (copy16) each value
 // also as bf16 rounded to nearest even: the copy a bf16 product would otherwise convert
 // (th_copy_for_writer), 8 bytes a float4; y nullptr: the copy alone (only products read y).
-template <bool vec4, bool copy16, class Op>
-static __global__ void th_map_kernel(const Op op, const float * __restrict__ a, const float * __restrict__ b,
+// a and b f32, or bf16 (TA, TB: a GELU's input kept bf16, th_gelu_bf16), each value widened
+// exactly: op computes in fp32 either way.
+template <bool vec4, bool copy16, class Op, class TA = float, class TB = float>
+static __global__ void th_map_kernel(const Op op, const TA * __restrict__ a, const TB * __restrict__ b,
                                      float * __restrict__ y, __nv_bfloat16 * __restrict__ y16, const int64_t n) {
     const int64_t step = (int64_t) gridDim.x * blockDim.x;
     for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < (vec4 ? n / 4 : n); i += step) {
         if (vec4) {
-            const float4 u = ((const float4 *) a)[i], v = Op::binary ? ((const float4 *) b)[i] : u;
+            const float4 u = th_load4(a, i), v = Op::binary ? th_load4(b, i) : u;
             const float4 r = make_float4(op(u.x, v.x), op(u.y, v.y), op(u.z, v.z), op(u.w, v.w));
             th_put4(y, copy16 ? y16 : nullptr, i, r);
         } else {
-            th_put1(y, copy16 ? y16 : nullptr, i, op(a[i], Op::binary ? b[i] : 0.0f));
+            th_put1(y, copy16 ? y16 : nullptr, i, op(th_load1(a, i), Op::binary ? th_load1(b, i) : 0.0f));
         }
     }
 }
@@ -127,18 +142,12 @@ static float * th_writer_outputs(cudaStream_t stream, const ggml_tensor * dst, _
     return alone ? nullptr : (float *) (written != nullptr ? written : dst)->data;
 }
 
-// copies: y's bf16 copy written beside it, or instead of it, where products read it (th_writer_outputs)
-template <class Op>
-static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * y,
-                   const bool copies = false) {
-    const int64_t n = ggml_nelements(y);
-    const bool vec4 = n % 4 == 0 && th_aligned16(a->data) && th_aligned16(b->data) && th_aligned16(y->data);
+template <class Op, class TA, class TB>
+static void th_map_typed(cudaStream_t stream, const Op op, const TA * pa, const TB * pb, float * py,
+                         __nv_bfloat16 * y16, const int64_t n, const bool vec4) {
     const int64_t items = vec4 ? n / 4 : n;
     const int64_t wanted = (items + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK;
     const int blocks = (int) (wanted < 65535 ? wanted : 65535);
-    const float * pa = (const float *) a->data, * pb = (const float *) b->data;
-    __nv_bfloat16 * y16 = nullptr;
-    float * py = copies ? th_writer_outputs(stream, y, &y16) : (float *) y->data;
     if (vec4 && y16 != nullptr) {          // (a copy's memory is 256-byte aligned)
         th_map_kernel<true, true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, y16, n);
     } else if (vec4) {
@@ -147,6 +156,27 @@ static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, cons
         th_map_kernel<false, true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, y16, n);
     } else {
         th_map_kernel<false, false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(op, pa, pb, py, nullptr, n);
+    }
+}
+
+// copies: y's bf16 copy written beside it, or instead of it, where products read it (th_writer_outputs).
+// a and b read as their types say: f32, or bf16 (GELU's input and GELU_BACK's x, th_gelu_bf16)
+template <class Op>
+static void th_map(cudaStream_t stream, const Op op, const ggml_tensor * a, const ggml_tensor * b, ggml_tensor * y,
+                   const bool copies = false) {
+    const int64_t n = ggml_nelements(y);
+    const bool vec4 = n % 4 == 0 && th_aligned16(a->data) && th_aligned16(b->data) && th_aligned16(y->data);
+    __nv_bfloat16 * y16 = nullptr;
+    float * py = copies ? th_writer_outputs(stream, y, &y16) : (float *) y->data;
+    const bool a16 = a->type == GGML_TYPE_BF16, b16 = b->type == GGML_TYPE_BF16;
+    if (a16 && b16) {
+        th_map_typed(stream, op, (const __nv_bfloat16 *) a->data, (const __nv_bfloat16 *) b->data, py, y16, n, vec4);
+    } else if (a16) {
+        th_map_typed(stream, op, (const __nv_bfloat16 *) a->data, (const float *) b->data, py, y16, n, vec4);
+    } else if (b16) {
+        th_map_typed(stream, op, (const float *) a->data, (const __nv_bfloat16 *) b->data, py, y16, n, vec4);
+    } else {
+        th_map_typed(stream, op, (const float *) a->data, (const float *) b->data, py, y16, n, vec4);
     }
 }
 
@@ -178,19 +208,6 @@ static __global__ void th_silu_back_mul_kernel(const float * __restrict__ a, con
 // ggml-cuda's op_silu (ggml_cuda_op_silu_single, unary.cuh): SWIGLU_BACK's up gradient must be the
 // bits of ggml's fused SILU + MUL (unary_gated: op_silu(x) * g)
 static __device__ __forceinline__ float th_silu(const float x) { return x / (1.0f + expf(-x)); }
-
-// four values from i * 4 of f32 or bf16 (16- or 8-byte aligned), and one, as floats
-static __device__ __forceinline__ float4 th_load4(const float * p, const int64_t i) { return ((const float4 *) p)[i]; }
-static __device__ __forceinline__ float4 th_load4(const __nv_bfloat16 * p, const int64_t i) {
-    const uint2 r = ((const uint2 *) p)[i];
-    __nv_bfloat162 lo, hi;
-    memcpy(&lo, &r.x, sizeof(lo));
-    memcpy(&hi, &r.y, sizeof(hi));
-    const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-static __device__ __forceinline__ float th_load1(const float * p, const int64_t i) { return p[i]; }
-static __device__ __forceinline__ float th_load1(const __nv_bfloat16 * p, const int64_t i) { return __bfloat162float(p[i]); }
 
 // SwiGLU's forward, y = silu(gate) * up rounded to y's type (ggml-cuda's unary_gated_op_kernel
 // with op_silu: the same expression, __float2bfloat16's rounding), 16 bytes of each a thread
@@ -772,9 +789,11 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
 // documentation). A plan is also the precision's (th-precision.cuh): its compute type, and at bf16
 // its operands' type: the bf16 copies of w and x (packed) that the bf16 products use, fp32 out and
 // b fp32, where before bf16 took the plain path (the fill and the beta-1 product: 0.45 + ~0.9 ms
-// of a nano gpt2 step).
+// of a nano gpt2 step). A bf16 dst (a GELU's input, th_gelu_bf16): bf16 out, and b's bf16 copy
+// (cuBLASLt's bias has the output's type; bf16 autocast casts the bias so too).
 struct th_lt_bias_plan {
     int device, precision;
+    bool out_bf16;
     int64_t n, m, k, lda, ldb;
     bool found;                                  // cuBLASLt has an algorithm for it
     cublasLtMatmulDesc_t op;
@@ -792,18 +811,18 @@ extern "C" __attribute__((visibility("default"))) void th_cuda_linear_bias_calls
 }
 
 static th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t n, const int64_t m, const int64_t k,
-                                             const int64_t lda, const int64_t ldb) {
+                                             const int64_t lda, const int64_t ldb, const bool out_bf16) {
     int device = 0;
     cudaGetDevice(&device);
     const int precision = th_cuda_precision_now();
     for (th_lt_bias_plan * p : th_lt_plans) {
-        if (p->device == device && p->precision == precision && p->n == n && p->m == m && p->k == k && p->lda == lda &&
-            p->ldb == ldb) {
+        if (p->device == device && p->precision == precision && p->out_bf16 == out_bf16 && p->n == n && p->m == m &&
+            p->k == k && p->lda == lda && p->ldb == ldb) {
             return p;
         }
     }
-    th_lt_bias_plan * p =
-        new th_lt_bias_plan{device, precision, n, m, k, lda, ldb, false, nullptr, nullptr, nullptr, nullptr, {}};
+    th_lt_bias_plan * p = new th_lt_bias_plan{device,  precision, out_bf16, n,       m,       k,      lda,
+                                              ldb,     false,     nullptr,  nullptr, nullptr, nullptr, {}};
     const cublasComputeType_t compute = precision == TH_PRECISION_TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
@@ -820,7 +839,8 @@ static th_lt_bias_plan * th_lt_bias_plan_for(cublasLtHandle_t lt, const int64_t 
     const cudaDataType operands = precision == TH_PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;     // the copies at bf16
     ok = ok && cublasLtMatrixLayoutCreate(&p->a, operands, (uint64_t) k, (uint64_t) n, lda) == CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatrixLayoutCreate(&p->b, operands, (uint64_t) k, (uint64_t) m, ldb) == CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t) n, (uint64_t) m, n) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&p->c, out_bf16 ? CUDA_R_16BF : CUDA_R_32F, (uint64_t) n, (uint64_t) m, n) ==
+                   CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
     const cublasLtMatmulPreferenceAttributes_t alignments[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -853,17 +873,19 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
     const int64_t n = dst->ne[0], m = ggml_nrows(dst), k = w->ne[0];
     const int64_t lda = (int64_t) (w->nb[1] / sizeof(float)), ldb = (int64_t) (x->nb[1] / sizeof(float));
     const float one = 1.0f, zero = 0.0f;
+    const bool out_bf16 = dst->type == GGML_TYPE_BF16;      // a GELU's input at bf16 (th_gelu_bf16)
     {
         std::lock_guard<std::mutex> lock(th_lt_mutex);      // the plans, and the bias pointer set on one
         const bool bf16 = th_cuda_precision_now() == TH_PRECISION_BF16;     // operands: their bf16 copies
         if (th_aligned16(b->data) && th_aligned16(dst->data) &&
             (bf16 || (th_aligned16(w->data) && th_aligned16(x->data)))) {
             const cublasLtHandle_t lt = (cublasLtHandle_t) cublas;
-            th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, bf16 ? k : lda, bf16 ? k : ldb);
+            th_lt_bias_plan * p = th_lt_bias_plan_for(lt, n, m, k, bf16 ? k : lda, bf16 ? k : ldb, out_bf16);
             const void * bias = b->data, * wa = w->data, * xa = x->data;
             if (p->found && (!bf16 || th_bf16_operands(stream, (const float *) w->data, 0, (int) k, (int) n, (int) lda,
                                                        (const float *) x->data, 0, (int) k, (int) m, (int) ldb, 1, &wa,
-                                                       &xa)) &&
+                                                       &xa, out_bf16 ? (const float *) b->data : nullptr, (int) n,
+                                                       out_bf16 ? &bias : nullptr)) &&
                 cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)) ==
                     CUBLAS_STATUS_SUCCESS &&
                 cublasLtMatmul(lt, p->op, &one, wa, p->a, xa, p->b, &zero, dst->data, p->c, dst->data, p->c,
@@ -873,6 +895,21 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
             }
         }
         th_lt_bias_calls[1]++;
+    }
+    if (out_bf16) {
+        // bf16 out: b's bf16 values in every row, then the product of the bf16 copies added to
+        // them in fp32 (beta 1) and rounded once, as the epilogue would
+        const void * wa = nullptr, * xa = nullptr;
+        const float beta = 1.0f;
+        if (!th_bf16_operands(stream, (const float *) w->data, 0, (int) k, (int) n, (int) lda, (const float *) x->data,
+                              0, (int) k, (int) m, (int) ldb, 1, &wa, &xa)) {
+            return false;
+        }
+        th_rows_affine_launch<TH_ROWS_BIAS>(stream, nullptr, nullptr, (const float *) b->data, nullptr, n, m,
+                                            (__nv_bfloat16 *) dst->data);
+        return cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int) n, (int) m, (int) k, &one, wa, CUDA_R_16BF, (int) k,
+                            xa, CUDA_R_16BF, (int) k, &beta, dst->data, CUDA_R_16BF, (int) n, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
     }
     // the plain path: b in every row, then cuBLAS adds the product to it (beta 1: the call ggml's
     // MUL_MAT makes), y written, read and written again
@@ -1002,10 +1039,10 @@ static ggml_tensor th_slice_cont_source(const ggml_tensor * dst) {
 
 bool th_cuda_custom_supported(const ggml_tensor * op) {
     switch (th_kernel_of(op)) {
-        case TH_CUDA_GELU:
-            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_are_same_shape(op, op->src[0]);
+        case TH_CUDA_GELU:              // (the input f32, or bf16: th_gelu_bf16)
+            return th_f32_contiguous(op) && th_f32_or_bf16_contiguous(op->src[0]) && ggml_are_same_shape(op, op->src[0]);
         case TH_CUDA_GELU_BACK:
-            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_or_bf16_contiguous(op->src[1]) &&
                    ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
         case TH_CUDA_CONT:
             return th_f32_contiguous(op) && op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_F32 &&
@@ -1015,7 +1052,7 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_are_same_shape(op, op->src[0]);
         case TH_CUDA_LINEAR_BIAS: {
             const ggml_tensor * w = op->src[0], * x = op->src[1], * b = op->src[2];
-            return th_f32_contiguous(op) && th_f32_contiguous(w) && th_f32_contiguous(x) && th_f32_contiguous(b) &&
+            return th_f32_or_bf16_contiguous(op) && th_f32_contiguous(w) && th_f32_contiguous(x) && th_f32_contiguous(b) &&
                    ggml_nrows(w) == op->ne[0] && w->ne[0] == x->ne[0] && ggml_nrows(x) == ggml_nrows(op) &&
                    ggml_nelements(b) == op->ne[0] && ggml_nrows(op) <= INT32_MAX && w->ne[0] <= INT32_MAX;
         }

@@ -41,6 +41,10 @@ static inline P th_params_of(const ggml_tensor * t) {
 static inline bool th_f32_contiguous(const ggml_tensor * t) {
     return t != nullptr && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
 }
+// contiguous f32, or contiguous bf16 (a node kept in bf16 at precision bf16: native/cuda_precision.c)
+static inline bool th_f32_or_bf16_contiguous(const ggml_tensor * t) {
+    return t != nullptr && (t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_BF16) && ggml_is_contiguous(t);
+}
 
 // whether `op` is a node of ours that these kernels can compute
 bool th_cuda_custom_supported(const ggml_tensor * op);

@@ -690,21 +690,30 @@ __nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * writ
 // `a`/`b` strided by sa/sb, or pointer arrays `as`/`bs` (then c is `cs`); count products.
 bool th_bf16_operands(cudaStream_t stream, const float * a, const long long sa, const int a_rows, const int a_cols,
                       const int lda, const float * b, const long long sb, const int b_rows, const int b_cols,
-                      const int ldb, const int count, const void ** a16, const void ** b16) {
-    const size_t a_size = (size_t) a_rows * a_cols, b_size = (size_t) b_rows * b_cols;
+                      const int ldb, const int count, const void ** a16, const void ** b16, const float * c,
+                      const int c_n, const void ** c16) {
+    const size_t a_size = (size_t) a_rows * a_cols, b_size = (size_t) b_rows * b_cols, c_size = c != nullptr ? c_n : 0;
     const __nv_bfloat16 * a_kept = th_copy_of(stream, a, sa, a_rows, a_cols, lda, count);
     const __nv_bfloat16 * b_kept = th_copy_of(stream, b, sb, b_rows, b_cols, ldb, count);
-    const size_t bytes = ((a_kept ? 0 : a_size) + (b_kept ? 0 : b_size)) * count * sizeof(__nv_bfloat16) + 512;
-    char * scratch = a_kept != nullptr && b_kept != nullptr ? nullptr : (char *) th_scratch_for(bytes);
-    if (scratch == nullptr && (a_kept == nullptr || b_kept == nullptr)) return false;
-    th_copy_counts[0] += (a_kept == nullptr) + (b_kept == nullptr);
+    const __nv_bfloat16 * c_kept = c != nullptr ? th_copy_of(stream, c, 0, c_n, 1, c_n, 1) : nullptr;
+    const bool c_new_wanted = c != nullptr && c_kept == nullptr;
+    const size_t bytes =
+        (((a_kept ? 0 : a_size) + (b_kept ? 0 : b_size)) * count + (c_new_wanted ? c_size : 0)) * sizeof(__nv_bfloat16) + 768;
+    const bool all_kept = a_kept != nullptr && b_kept != nullptr && !c_new_wanted;
+    char * scratch = all_kept ? nullptr : (char *) th_scratch_for(bytes);
+    if (scratch == nullptr && !all_kept) return false;
+    th_copy_counts[0] += (a_kept == nullptr) + (b_kept == nullptr) + c_new_wanted;
     __nv_bfloat16 * a_new = (__nv_bfloat16 *) scratch;              // each copy 256-byte aligned
     if (a_kept == nullptr) th_to_bf16(stream, a, nullptr, sa, a_rows, a_cols, lda, count, a_new);
     __nv_bfloat16 * b_new = a_kept != nullptr ? a_new
                           : (__nv_bfloat16 *) (((uintptr_t) (a_new + a_size * count) + 255) & ~(uintptr_t) 255);
     if (b_kept == nullptr) th_to_bf16(stream, b, nullptr, sb, b_rows, b_cols, ldb, count, b_new);
+    __nv_bfloat16 * c_new = b_kept != nullptr ? b_new
+                          : (__nv_bfloat16 *) (((uintptr_t) (b_new + b_size * count) + 255) & ~(uintptr_t) 255);
+    if (c_new_wanted) th_to_bf16(stream, c, nullptr, 0, c_n, 1, c_n, 1, c_new);
     *a16 = a_kept != nullptr ? a_kept : a_new;
     *b16 = b_kept != nullptr ? b_kept : b_new;
+    if (c != nullptr) *c16 = c_kept != nullptr ? c_kept : c_new;
     return cudaGetLastError() == cudaSuccess;
 }
 

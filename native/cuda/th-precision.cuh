@@ -52,10 +52,12 @@ cublasStatus_t th_frozen_gemm_bf16(cublasHandle_t h, const ggml_tensor * w, cubl
 // the bf16 copies of a product's f32 operands a (a_rows x a_cols, leading dimension lda; count of
 // them, sa apart) and b, packed (leading dimension their rows), as the bf16 products make them: kept
 // within a graph pass where they can be, else converted into the scratch; false when the memory
-// cannot be had. The copies serve until the next product's (the scratch is reused).
+// cannot be had. The copies serve until the next product's (the scratch is reused). With c, also
+// the copy of c's c_n floats (a bias that a product with bf16 output adds in its epilogue) in *c16
+// (c16 is written only where c is given).
 bool th_bf16_operands(cudaStream_t stream, const float * a, long long sa, int a_rows, int a_cols, int lda,
                       const float * b, long long sb, int b_rows, int b_cols, int ldb, int count, const void ** a16,
-                      const void ** b16);
+                      const void ** b16, const float * c = nullptr, int c_n = 0, const void ** c16 = nullptr);
 
 // where `dst` (the node computing now, f32 and contiguous) is read by bf16 products: memory for its
 // bf16 copy (rows ne[0], cols its rows), which its writer fills beside it, each value rounded to
