@@ -262,14 +262,20 @@ def test_a_graph_that_reads_a_swiglu_product_kept_in_bf16_as_f32_is_refused_by_n
     lib.th_cuda_rewrite(trainer.gb_grad, 1)
     assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
     assert lib.th_tensor_type(up.ptr) == GGML_TYPE_BF16
-    scaled = up.scale(3.0)
+    text = refusal_of_a_scale_of(up, also=glu)
+    assert text.startswith("SwiGLU") and "kept bf16 in another graph" in text and "SCALE" in text, text
+
+
+def refusal_of_a_scale_of(t, also=None) -> str:
+    """A new graph of SCALE(t) (and `also`) stamped bf16: refused, -2; the line that says why."""
+    scaled = t.scale(3.0)
     graph = lib.ggml_new_graph_custom(scaled._ctx, 64, False)
-    lib.ggml_build_forward_expand(graph, glu.ptr)
+    if also is not None:
+        lib.ggml_build_forward_expand(graph, also.ptr)
     lib.ggml_build_forward_expand(graph, scaled.ptr)
     why = ffi.new("char[512]")
     assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], why, 512) == -2
-    text = ffi.string(why).decode()
-    assert text.startswith("SwiGLU") and "kept bf16 in another graph" in text and "SCALE" in text, text
+    return ffi.string(why).decode()
 
 
 def gelu_inputs(trainer) -> list:
@@ -336,13 +342,9 @@ def test_a_gelu_input_read_otherwise_stays_f32_and_a_later_graph_reading_it_as_f
     lib.th_cuda_rewrite(trainer.gb_grad, 1)
     assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
     assert lib.th_tensor_type(h.ptr) == GGML_TYPE_BF16
-    scaled = h.scale(3.0)
-    graph = lib.ggml_new_graph_custom(scaled._ctx, 64, False)
-    lib.ggml_build_forward_expand(graph, scaled.ptr)
-    why = ffi.new("char[512]")
-    assert lib.th_cuda_mark_precision(graph, PRECISION_CODES["bf16"], why, 512) == -2
-    text = ffi.string(why).decode()
+    text = refusal_of_a_scale_of(h)
     assert text.startswith("GELU's input") and "kept bf16 in another graph" in text and "SCALE" in text, text
+    why = ffi.new("char[512]")
     assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["fp32"], why, 512) == -2
     assert "kept bf16 at precision bf16, in a graph at another precision" in ffi.string(why).decode()
 
@@ -437,6 +439,27 @@ def test_a_product_rounds_its_inputs_to_the_precision_and_sums_in_fp32(precision
         assert err_exact > 0.05 * UNIT_ROUNDOFF[precision]
 
 
+def bias_product_at_bf16(backend: str, rows: int, d_in: int, d_out: int, gelu: bool) -> dict:
+    """y = x W^T + b (GELU of it where `gelu`) computed forward at bf16 on `backend`, random inputs:
+    them, y (float64), the graph, the LINEAR_BIAS calls cuBLASLt and the plain path made, and the
+    product's ggml type."""
+    x = RNG.normal(size=(rows, d_in)).astype(np.float32)
+    w, b = RNG.normal(size=(d_out, d_in)).astype(np.float32), RNG.normal(size=d_out).astype(np.float32)
+    engine = get_engine(backend)
+    engine.set_precision("bf16")
+    try:
+        calls = linear_bias_calls()
+        prog = engine.program()
+        h = blocks.linear(prog.constant("x", x), prog.param("w", w), prog.param("b", b))
+        fg = prog.forward({"y": blocks.gelu_tanh(h) if gelu else h})
+        y = fg.run({})["y"].astype(np.float64)
+        lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
+        return {"x": x, "w": w, "b": b, "y": y, "graph": fg.graph, "lt": lt, "plain": plain,
+                "type": lib.th_tensor_type(h.ptr), "kept": (prog, fg)}      # (the graph lives with them)
+    finally:
+        engine.set_precision("fp32")
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 def test_at_bf16_a_gelus_input_is_the_bias_product_rounded_once_to_bf16(backend):
     """y = gelu(x W^T + b) at bf16: the product, written in bf16 (th_gelu_bf16), is the sum of the
@@ -449,23 +472,10 @@ def test_at_bf16_a_gelus_input_is_the_bias_product_rounded_once_to_bf16(backend)
 
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    rows, d_in, d_out = 64, 32, 48
-    x = RNG.normal(size=(rows, d_in)).astype(np.float32)
-    w, b = RNG.normal(size=(d_out, d_in)).astype(np.float32), RNG.normal(size=d_out).astype(np.float32)
-    engine = get_engine(backend)
-    engine.set_precision("bf16")
-    try:
-        calls = linear_bias_calls()
-        prog = engine.program()
-        h = blocks.linear(prog.constant("x", x), prog.param("w", w), prog.param("b", b))
-        fg = prog.forward({"y": blocks.gelu_tanh(h)})
-        y = fg.run({})["y"].astype(np.float64)
-        lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
-        kept = lib.th_tensor_type(h.ptr)
-    finally:
-        engine.set_precision("fp32")
-    assert kept == GGML_TYPE_BF16 and "gelu" in kernel_names(fg.graph)
-    assert lt >= 1 and plain == 0, (lt, plain)
+    run = bias_product_at_bf16(backend, 64, 32, 48, gelu=True)
+    x, w, b, y = run["x"], run["w"], run["b"], run["y"]
+    assert run["type"] == GGML_TYPE_BF16 and "gelu" in kernel_names(run["graph"])
+    assert run["lt"] >= 1 and run["plain"] == 0, run
     exact = round_mantissa(x, 7) @ round_mantissa(w, 7).T + round_mantissa(b, 7)
     h16 = round_mantissa(exact.astype(np.float32), 7)
     want = gelu_tanh_f64(h16)[0]
@@ -481,20 +491,10 @@ def test_a_bias_product_at_bf16_is_cublaslts_on_the_bf16_copies(backend):
     rounded to bf16, plus b, to fp32's summation error."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    rows, d_in, d_out = 300, 256, 96
-    x = RNG.normal(size=(rows, d_in)).astype(np.float32)
-    w, b = RNG.normal(size=(d_out, d_in)).astype(np.float32), RNG.normal(size=d_out).astype(np.float32)
-    engine = get_engine(backend)
-    engine.set_precision("bf16")
-    try:
-        calls = linear_bias_calls()
-        prog = engine.program()
-        fg = prog.forward({"y": blocks.linear(prog.constant("x", x), prog.param("w", w), prog.param("b", b))})
-        y = fg.run({})["y"].astype(np.float64)
-        lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
-    finally:
-        engine.set_precision("fp32")
-    assert "linear_bias" in kernel_names(fg.graph) and lt >= 1 and plain == 0
+    d_in = 256
+    run = bias_product_at_bf16(backend, 300, d_in, 96, gelu=False)
+    x, w, b, y = run["x"], run["w"], run["b"], run["y"]
+    assert "linear_bias" in kernel_names(run["graph"]) and run["lt"] >= 1 and run["plain"] == 0
     want = round_mantissa(x, 7) @ round_mantissa(w, 7).T + b
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64) + np.abs(b)
     assert (np.abs(y - want) / scale).max() < d_in * 2.0**-24
@@ -668,12 +668,18 @@ def test_lora_over_a_frozen_mlp_at_bf16_keeps_swiglu_in_bf16_repeats_and_agrees_
     monkeypatch.delenv("TOYHARNESS_CUDA_SWIGLU")
     monkeypatch.setenv("TOYHARNESS_BF16_SWIGLU", "f32")
     kept_f32 = goldens.compute("lora@q4_k@bf16", backend, extra_sets=sets)
+    assert_kept_in_bf16_repeats_and_agrees("lora@q4_k@bf16 targets q,k,v,o, SwiGLU", first, second, kept_f32, ref)
+
+
+def assert_kept_in_bf16_repeats_and_agrees(label: str, first: dict, second: dict, kept_f32: dict, ref) -> None:
+    """Two runs with a tensor kept in bf16 (`first`, `second`) give the same bits, not those of the
+    run that keeps it f32 (so the path ran), and both agree with fp32's losses `ref` within 2 u."""
     assert goldens.compare(first, second) is None, "not run-to-run deterministic"
     assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in kept_f32["losses"]]
     for doc in (first, kept_f32):
         rel = np.abs(np.array([x["value"] for x in doc["losses"]]) - ref) / np.abs(ref)
-        print(f"lora@q4_k@bf16 targets q,k,v,o, SwiGLU {'f32' if doc is kept_f32 else 'bf16'}: largest relative "
-              f"difference to fp32 over 16 steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
+        print(f"{label} {'f32' if doc is kept_f32 else 'bf16'}: largest relative difference to fp32 over 16 "
+              f"steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
         assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
 
 
@@ -689,13 +695,7 @@ def test_at_bf16_a_gelu_over_its_input_in_bf16_repeats_and_agrees_with_fp32(reci
     first, second = goldens.compute(f"{recipe}@bf16", "cuda"), goldens.compute(f"{recipe}@bf16", "cuda")
     monkeypatch.setenv("TOYHARNESS_BF16_GELU", "f32")
     kept_f32 = goldens.compute(f"{recipe}@bf16", "cuda")
-    assert goldens.compare(first, second) is None, "not run-to-run deterministic"
-    assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in kept_f32["losses"]]
-    for doc in (first, kept_f32):
-        rel = np.abs(np.array([x["value"] for x in doc["losses"]]) - ref) / np.abs(ref)
-        print(f"{recipe}@bf16, GELU's input {'f32' if doc is kept_f32 else 'bf16'}: largest relative difference "
-              f"to fp32 over 16 steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
-        assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
+    assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16, GELU's input", first, second, kept_f32, ref)
 
 
 BF16_RUN = """
