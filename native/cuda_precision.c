@@ -46,6 +46,28 @@ static int th_is_swiglu(const struct ggml_tensor * u) {
     return (u->op == GGML_OP_GLU && ggml_get_glu_op(u) == GGML_GLU_OP_SWIGLU) || th_kernel_of(u) == TH_CUDA_SWIGLU;
 }
 
+static int th_is_attention_reader(const struct ggml_tensor * u) {
+    const int k = th_kernel_of(u);
+    return k == TH_CUDA_ATTN_FWD || k == TH_CUDA_ATTN_BWD || k == TH_CUDA_ATTN_DQ;
+}
+
+/* the product with a bias (LINEAR_BIAS) whose bytes src j of attention node u reads as q, k or v^T
+ * (a view of it: the head-permuted projection the attention reads in place), or NULL */
+static struct ggml_tensor * th_attention_product(const struct ggml_tensor * u, int j) {
+    struct ggml_tensor * s = th_is_attention_reader(u) && j < 3 ? u->src[j] : NULL;
+    if (s == NULL) return NULL;
+    struct ggml_tensor * root = s->view_src != NULL ? s->view_src : s;
+    return th_kernel_of(root) == TH_CUDA_LINEAR_BIAS ? root : NULL;
+}
+
+/* A product with a bias kept bf16 for attention (th_attention_inputs_bf16) says so in its
+ * op_params[2] (a LINEAR_BIAS has no parameters; one kept for a GELU holds 0 there), so that a
+ * later graph, wherever its readers are, checks it as an attention's input and names it so. */
+#define TH_KEPT_FOR_ATTENTION 0x71747461   /* "atte" */
+static int th_kept_for_attention(const struct ggml_tensor * t) {
+    return th_kernel_of(t) == TH_CUDA_LINEAR_BIAS && t->type == GGML_TYPE_BF16 && t->op_params[2] == TH_KEPT_FOR_ATTENTION;
+}
+
 static int th_reads(const struct ggml_tensor * u, const struct ggml_tensor * t) {
     for (int j = 0; j < GGML_MAX_SRC; j++) {
         if (u->src[j] == t) return 1;
@@ -227,7 +249,7 @@ static int th_gelu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
         struct ggml_tensor * n = ggml_graph_node(graph, i), * other = NULL;
         const int kernel = th_kernel_of(n);
         /* a product kept bf16 by another graph is checked wherever it is, GELU here or not */
-        struct ggml_tensor * h = kernel == TH_CUDA_LINEAR_BIAS && n->type == GGML_TYPE_BF16 ? n
+        struct ggml_tensor * h = kernel == TH_CUDA_LINEAR_BIAS && n->type == GGML_TYPE_BF16 && !th_kept_for_attention(n) ? n
                                : kernel == TH_CUDA_GELU ? th_under_reshapes(n->src[0])
                                : kernel == TH_CUDA_GELU_BACK ? th_under_reshapes(n->src[1]) : NULL;
         th_family fh;
@@ -246,6 +268,133 @@ static int th_gelu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
         taken++;
     }
     return taken;
+}
+
+/* ---- attention's q, k and v^T in bf16 ----------------------------------------------------- */
+
+/* `p` and every view of it among the graph's nodes and their sources (ggml keeps a view's storage
+ * in view_src, whatever views lie between); 0 when there are too many */
+static int th_views_of(struct ggml_cgraph * graph, struct ggml_tensor * p, th_family * f) {
+    f->n = 1;
+    f->t[0] = p;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = -1; j < GGML_MAX_SRC; j++) {
+            struct ggml_tensor * t = j < 0 ? u : u->src[j];
+            if (t == NULL || t->view_src != p || th_in(f, t)) continue;
+            if (f->n == TH_FAMILY) return 0;
+            f->t[f->n++] = t;
+        }
+    }
+    return 1;
+}
+
+/* Whether the product `fp` (a LINEAR_BIAS with its views, fp->t[0]) can be, or is, bf16 in `graph`
+ * (`type` what it is now): no output, its views' offsets whole bf16 elements, and every node that
+ * reads it a view of it, a node of ours that computes nothing (FOLDED, ROOM), or an attention node
+ * that reads it as q, k or v^T (src 0, 1, 2). Else the reader that is not in *other (NULL: an
+ * output or a layout). */
+static int th_attention_input_ok(struct ggml_cgraph * graph, const th_family * fp, enum ggml_type type,
+                                 struct ggml_tensor ** other) {
+    *other = NULL;
+    const struct ggml_tensor * p = fp->t[0];
+    if (p->type != type || !ggml_is_contiguous(p) || (p->flags & (GGML_TENSOR_FLAG_OUTPUT | GGML_TENSOR_FLAG_PARAM))) {
+        return 0;
+    }
+    for (int k = 1; k < fp->n; k++) {
+        if (fp->t[k]->type != type || fp->t[k]->view_offs % (type == GGML_TYPE_F32 ? 4 : 2) != 0) return 0;
+    }
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (th_in(fp, u)) continue;
+        const int kernel = th_kernel_of(u);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] == NULL || !th_in(fp, u->src[j])) continue;
+            if (kernel == TH_CUDA_FOLDED || kernel == TH_CUDA_ROOM || th_attention_product(u, j) == p) continue;
+            *other = u;
+            return 0;
+        }
+    }
+    return 1;
+}
+
+#define TH_ATTENTION_PRODUCTS 256
+
+/* At bf16, an attention whose q, k and v^T are products with a bias (LINEAR_BIAS: gpt2's and
+ * ViT's projections) reads them as bf16 (TOYHARNESS_BF16_ATTENTION_INPUTS=f32: f32 as before):
+ * cuBLASLt rounds the fp32 sums plus the bias (as bf16, as autocast casts it) to bf16 once, what
+ * bf16 autocast's linear returns and its attention reads, where the attention's kernels rounded
+ * the f32 product's values to bf16 as they loaded them. Half the bytes the products write and the
+ * forward, the backward and dQ read (each reads q, k and v^T again), and no conversion in those
+ * kernels. Taken for the three products of an attention together (the kernels read all three of
+ * one type), each where th_attention_input_ok says, with all its views (the head-permuted ones
+ * the attention reads). Returns the products taken, or -2 (`why`) where one already bf16 (taken
+ * in another graph of the program) has a reader here that would read it as f32. */
+static int th_attention_inputs_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
+    if (th_env_is("TOYHARNESS_BF16_ATTENTION_INPUTS", "f32")) return 0;
+    struct ggml_tensor * taken[TH_ATTENTION_PRODUCTS];
+    int n_taken = 0;
+    /* the candidates: every attention operand's product that may be bf16, and every product kept
+     * bf16 for attention (by another graph) wherever it is read here */
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i), * other = NULL;
+        for (int j = -1; j < 3; j++) {
+            struct ggml_tensor * p = j < 0 ? (th_kept_for_attention(u) ? u : NULL) : th_attention_product(u, j);
+            th_family fp;
+            int seen = 0;
+            for (int k = 0; k < n_taken; k++) seen |= taken[k] == p;
+            if (p == NULL || seen || !th_views_of(graph, p, &fp)) continue;
+            if (p->type == GGML_TYPE_BF16) {
+                if (th_attention_input_ok(graph, &fp, GGML_TYPE_BF16, &other)) continue;     /* taken before */
+                if (why != NULL && why_size > 0) {
+                    snprintf(why, (size_t) why_size, "attention's input %s, kept bf16 in another graph: %s %s reads it "
+                             "here", p->name, other != NULL ? ggml_op_desc(other) : "an output or another layout",
+                             other != NULL ? other->name : "");
+                }
+                return -2;
+            }
+            if (n_taken == TH_ATTENTION_PRODUCTS || !th_attention_input_ok(graph, &fp, GGML_TYPE_F32, &other)) continue;
+            taken[n_taken++] = p;
+        }
+    }
+    /* an attention node reads q, k and v^T of one type: one that cannot take all three bf16 drops
+     * its others, until every attention node takes three or none */
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+            const struct ggml_tensor * u = ggml_graph_node(graph, i);
+            if (!th_is_attention_reader(u)) continue;
+            int in[3] = {0, 0, 0}, all = 1;
+            for (int j = 0; j < 3; j++) {
+                const struct ggml_tensor * p = th_attention_product(u, j);
+                for (int k = 0; k < n_taken && p != NULL; k++) in[j] |= taken[k] == p;
+                all &= in[j] || (p != NULL && p->type == GGML_TYPE_BF16);
+            }
+            for (int j = 0; j < 3 && !all; j++) {
+                const struct ggml_tensor * p = th_attention_product(u, j);
+                for (int k = 0; k < n_taken && in[j]; k++) {
+                    if (taken[k] == p) {
+                        taken[k] = taken[--n_taken];
+                        changed = 1;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    for (int k = 0; k < n_taken; k++) {
+        th_family fp;
+        th_views_of(graph, taken[k], &fp);
+        th_retype_bf16(taken[k]);
+        taken[k]->op_params[2] = TH_KEPT_FOR_ATTENTION;
+        for (int v = 1; v < fp.n; v++) {         /* a view keeps its shape: its strides and offset halve */
+            struct ggml_tensor * t = fp.t[v];
+            t->type = GGML_TYPE_BF16;
+            for (int d = 0; d < GGML_MAX_DIMS; d++) t->nb[d] /= 2;
+            t->view_offs /= 2;
+        }
+    }
+    return n_taken;
 }
 
 /* Where attention's tensor-core kernels take it (custom_ops.h, th_attention_on_tensor_cores), an
@@ -280,9 +429,9 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
             return -2;
         }
         if (precision != TH_PRECISION_BF16 && th_kernel_of(t) == TH_CUDA_LINEAR_BIAS && t->type == GGML_TYPE_BF16) {
-            if (why != NULL && why_size > 0) {      /* only bf16's kernels write it (th_gelu_bf16) */
-                snprintf(why, (size_t) why_size, "GELU's input %s, kept bf16 at precision bf16, in a graph at another "
-                         "precision", t->name);
+            if (why != NULL && why_size > 0) {      /* only bf16's kernels write it (th_gelu_bf16, th_attention_inputs_bf16) */
+                snprintf(why, (size_t) why_size, "%s %s, kept bf16 at precision bf16, in a graph at another precision",
+                         th_kept_for_attention(t) ? "attention's input" : "GELU's input", t->name);
             }
             return -2;
         }
@@ -294,6 +443,7 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
     }
     if (precision == TH_PRECISION_BF16 && th_swiglu_bf16(graph, why, why_size) < 0) return -2;
     if (precision == TH_PRECISION_BF16 && th_gelu_bf16(graph, why, why_size) < 0) return -2;
+    if (precision == TH_PRECISION_BF16 && th_attention_inputs_bf16(graph, why, why_size) < 0) return -2;
     return marked;
 }
 

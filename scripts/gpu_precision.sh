@@ -11,6 +11,16 @@
 #                                    [profile-lora-bf16] [fused] [recompute] [bench-lora-bf16-recompute]
 #                                    [bench-lora-bf16-recompute-keepall] [grouped] [plan-lora-bf16] [kept-all]
 #                                    [gelu-bf16] [gelu-bf16-goldens] [gelu-bf16-profile]
+#                                    [qkv-bf16] [qkv-bf16-goldens] [qkv-bf16-profile]
+#
+# qkv-bf16: attention's q, k and v products kept in bf16 (native/cuda_precision.c,
+# th_attention_inputs_bf16): the bf16 kernels alone with bf16 inputs against fp32 inputs of the same
+# values (scripts/attention_bench.sh: the same bits), its tests and the bf16 tests it touches
+# (tests/test_precision.py), tests/test_cuda_kernels.py whole; qkv-bf16-goldens: every cuda golden
+# checked (of those, only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded and checked
+# again (OUT/goldens_qkv.tar); qkv-bf16-profile: a bf16 gpt2-small step by kernel with q, k, v f32
+# (TOYHARNESS_BF16_ATTENTION_INPUTS=f32), then bf16, ours only, twice each, then the bench beside
+# PyTorch's bf16 autocast + torch.compile, each way.
 #
 # gelu-bf16: a GELU's input product kept in bf16 (native/cuda_precision.c, th_gelu_bf16): its tests
 # and the bf16 tests it touches (tests/test_precision.py), tests/test_cuda_kernels.py whole;
@@ -94,6 +104,42 @@ if [[ $phases == *" gelu-bf16 "* ]]; then
     tests_phase gelu.log tests/test_precision.py "gelu or first_16 or reuse or trace or alone or writer" \
         "GELU|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
     tests_phase kernels.log tests/test_cuda_kernels.py "" "passed|failed|FAILED|ERROR"
+fi
+
+if [[ $phases == *" qkv-bf16 "* ]]; then
+    step "attention's q, k and v kept in bf16: the kernels alone (bf16 inputs against fp32's), the tests"
+    bash scripts/attention_bench.sh HEAD 8 1024 12 20 >"$out/attention_bench.log" 2>&1 || status=1
+    tail -8 "$out/attention_bench.log" | tee -a "$log"
+    tests_phase qkv.log tests/test_precision.py "attention or gelu or first_16 or reuse or trace or alone or writer" \
+        "attention|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    tests_phase kernels.log tests/test_cuda_kernels.py "" "passed|failed|FAILED|ERROR"
+fi
+
+if [[ $phases == *" qkv-bf16-goldens "* ]]; then
+    step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
+    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
+    names+=("${FROZEN_BF16[@]}")
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
+    record_goldens goldens_qkv.tar "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
+    step "the cuda memory plan equals ggml's buffers (the training graph reserved as rewritten)"
+    tests_phase plan.log tests/test_memory_plan.py cuda_plan "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    tests_phase recompute.log tests/test_recompute.py "keeps_each_goldens_bits and (gpt2 or vit)" \
+        "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+if [[ $phases == *" qkv-bf16-profile "* ]]; then
+    for kept in f32 bf16 f32 bf16; do
+        step "a bf16 gpt2-small step by kernel, ours, attention's q, k, v $kept"
+        TOYHARNESS_BF16_ATTENTION_INPUTS=$kept python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 \
+            --rows 40 >"$out/profile_gpt2_bf16_qkv_$kept.txt" 2>&1 || status=1
+        grep "^==" "$out/profile_gpt2_bf16_qkv_$kept.txt" | tee -a "$log"
+    done
+    for kept in f32 bf16; do
+        step "gpt2 at gpt2-small's size, bf16, beside PyTorch: attention's q, k, v $kept"
+        TOYHARNESS_BF16_ATTENTION_INPUTS=$kept toyharness bench gpt2 --backend cuda --size gpt2-small \
+            --precision bf16 --steps 10 --out "$out/bench_qkv_$kept.json" 2>&1 | tee -a "$log" || status=1
+    done
 fi
 
 if [[ $phases == *" gelu-bf16-goldens "* ]]; then

@@ -349,6 +349,78 @@ def test_a_gelu_input_read_otherwise_stays_f32_and_a_later_graph_reading_it_as_f
     assert "kept bf16 at precision bf16, in a graph at another precision" in ffi.string(why).decode()
 
 
+def attention_operand_types(graph) -> list[tuple[int, int, int]]:
+    """The ggml types of q, k and v^T as each attention node of `graph` reads them."""
+    from test_recompute import _name, _nodes
+
+    return [tuple(lib.th_tensor_type(lib.th_tensor_src(t, j)) for j in range(3)) for t in _nodes(graph)
+            if _name(t) in ("attention", "attention_back", "attention_dq")]
+
+
+@pytest.mark.parametrize("recipe, sets", [("gpt2", ["n_layer=2"]), ("vit_tiny", ["n_layer=2"])])
+def test_at_bf16_attention_reads_its_q_k_v_products_in_bf16(recipe, sets, monkeypatch):
+    """gpt2's and ViT's training graphs, built on cpu as cuda builds them: at bf16 each attention
+    node (forward, backward, dQ) reads q, k and v^T as bf16 views of the projections (LINEAR_BIAS),
+    which are bf16 tensors of half the bytes; at tf32, and at bf16 with
+    TOYHARNESS_BF16_ATTENTION_INPUTS=f32, all three stay f32 (GELU's inputs are bf16 at bf16 either way)."""
+    from test_recompute import _as_cuda_builds_it, _name, _nodes
+
+    for precision, env, want, bf16_products in (("bf16", None, GGML_TYPE_BF16, 8), ("tf32", None, GGML_TYPE_F32, 0),
+                                                ("bf16", "f32", GGML_TYPE_F32, 2)):
+        if env is None:
+            monkeypatch.delenv("TOYHARNESS_BF16_ATTENTION_INPUTS", raising=False)
+        else:
+            monkeypatch.setenv("TOYHARNESS_BF16_ATTENTION_INPUTS", env)
+        _, trainer, _ = _as_cuda_builds_it(recipe, sets, precision, monkeypatch)
+        assert attention_operand_types(trainer.gb_opt) == [(want,) * 3] * 6, (recipe, precision, env)
+        products = [t for t in _nodes(trainer.gb_opt) if _name(t) == "linear_bias"]
+        kept = [t for t in products if lib.th_tensor_type(t) == GGML_TYPE_BF16]
+        assert len(kept) == bf16_products, (recipe, precision, env)
+        for t in kept:
+            ne = ffi.new("int64_t[4]")
+            lib.th_tensor_shape(t, ne, ffi.new("size_t[4]"))
+            assert lib.ggml_nbytes(t) == 2 * ne[0] * ne[1] * ne[2] * ne[3]
+
+
+def test_an_attention_whose_q_is_read_otherwise_keeps_q_k_v_f32_and_a_later_graph_reading_it_as_f32_is_refused(
+        monkeypatch):
+    """An attention over products with a bias whose q product the loss also reads (a SUM of it)
+    keeps all three f32 (the kernels read q, k and v^T of one type). Without that reader all three
+    are bf16; then a later graph whose node reads q's product as f32 (a SCALE) is refused: -2 and a
+    line naming the product and the reader, never computed wrong; so is the graph itself stamped at
+    another precision (whose kernels would write the product as f32)."""
+    def attention(read_q: bool):
+        prog = get_engine("cpu").program()
+        prog.cpu_kernels = prog.cpu_folds = False       # built as cuda builds it (test_recompute's)
+        prog.cuda_kernels = prog.grads_as_outputs = prog.column_sums_as_products = True
+        x = prog.param("x", RNG.normal(size=(2, 8, 32)).astype(np.float32))
+        w = {n: prog.param(n, 0.2 * RNG.normal(size=(32, 32)).astype(np.float32)) for n in ("wq", "wk", "wv", "wo")}
+        b = {n: prog.param(n, RNG.normal(size=(32,)).astype(np.float32)) for n in ("bq", "bk", "bv")}
+        q = blocks.linear(x, w["wq"], b["bq"])
+        out = blocks.attention(x, w["wq"], w["wk"], w["wv"], w["wo"], 2, bk=b["bk"], bv=b["bv"], q_fn=lambda _: q)
+        loss = out.sum() + q.sum() if read_q else out.sum()
+        return prog.trainer(prog.scalar_loss(loss), "bias_corrected"), q, prog
+
+    monkeypatch.delenv("TOYHARNESS_BF16_ATTENTION_INPUTS", raising=False)
+    trainer, q, _prog = attention(read_q=True)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "attention_dq" in kernel_names(trainer.gb_grad)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert lib.th_tensor_type(q.ptr) == GGML_TYPE_F32
+    assert attention_operand_types(trainer.gb_grad) == [(GGML_TYPE_F32,) * 3] * 3
+
+    trainer, q, _prog2 = attention(read_q=False)
+    lib.th_cuda_rewrite(trainer.gb_grad, 1)
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
+    assert lib.th_tensor_type(q.ptr) == GGML_TYPE_BF16
+    assert attention_operand_types(trainer.gb_grad) == [(GGML_TYPE_BF16,) * 3] * 3
+    text = refusal_of_a_scale_of(q)
+    assert text.startswith("attention's input") and "kept bf16 in another graph" in text and "SCALE" in text, text
+    why = ffi.new("char[512]")
+    assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["fp32"], why, 512) == -2
+    assert ffi.string(why).decode().startswith("attention's input")
+    assert "kept bf16 at precision bf16, in a graph at another precision" in ffi.string(why).decode()
+
+
 def test_the_bf16_copies_horizon_is_on_for_a_base_kept_in_its_type_and_the_environment_sets_it(monkeypatch):
     """Program.bf16_horizon: BF16_KEEP_NODES where a frozen weight stays in its type (a LoRA base's
     bf16 copies would otherwise live from the forward to the backward), none for f32 frozen weights
@@ -696,6 +768,20 @@ def test_at_bf16_a_gelu_over_its_input_in_bf16_repeats_and_agrees_with_fp32(reci
     monkeypatch.setenv("TOYHARNESS_BF16_GELU", "f32")
     kept_f32 = goldens.compute(f"{recipe}@bf16", "cuda")
     assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16, GELU's input", first, second, kept_f32, ref)
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "vit_tiny")])
+def test_at_bf16_attention_over_q_k_v_in_bf16_repeats_and_agrees_with_fp32(recipe, monkeypatch):
+    """The golden config at bf16 with q, k and v written in bf16 (th_attention_inputs_bf16: cuBLASLt
+    rounds sum plus bf16 bias once, as autocast's linear does; the attention's kernels read them as
+    they are, where they rounded the f32 values as they loaded them): the 16 losses' bits repeat run
+    to run, each within 2 u of fp32's, and they are not the bits of the same run with
+    TOYHARNESS_BF16_ATTENTION_INPUTS=f32 (so the path ran), which agrees with fp32 as closely."""
+    ref = np.array([x["value"] for x in goldens.compute(recipe, "cuda")["losses"]])
+    first, second = goldens.compute(f"{recipe}@bf16", "cuda"), goldens.compute(f"{recipe}@bf16", "cuda")
+    monkeypatch.setenv("TOYHARNESS_BF16_ATTENTION_INPUTS", "f32")
+    kept_f32 = goldens.compute(f"{recipe}@bf16", "cuda")
+    assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16, attention's q, k, v", first, second, kept_f32, ref)
 
 
 BF16_RUN = """

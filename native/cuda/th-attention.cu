@@ -51,16 +51,32 @@ extern "C" {
 #define TH_AT_QLD (TH_AT_QB + TH_AT_PAD)
 
 // a head batch's (t, d) elements, floats: head bh starts at p + (h / H) sb + (h % H) sh, h = bh / g
-// (g: query heads a kv head, for k and v^T of grouped-query heads; else 1)
+// (g: query heads a kv head, for k and v^T of grouped-query heads; else 1). bf16: the elements are
+// bf16 (q, k and v^T kept in bf16 at precision bf16: native/cuda_precision.c,
+// th_attention_inputs_bf16), p their address and the strides in elements; the tensor-core kernels
+// read them through their loads' B16 instances (th_stage, th_fill_rows, th_load_rows).
+#define TH_ATTENTION_BF16_OPERANDS 1   // th_opd.bf16 exists (scripts/attention_bench.cu asks)
 struct th_opd {
     float * p;
     int64_t st, sd, sh, sb;
     int H, g;
+    int bf16 = 0;
 };
 
 static __device__ __forceinline__ float * th_head(const th_opd & o, int bh) {
     if (o.g > 1) bh /= o.g;
     return o.p + (int64_t) (bh / o.H) * o.sb + (int64_t) (bh % o.H) * o.sh;
+}
+
+// th_head of an operand whose elements are bf16 (B16) or f32: the head's first element's address
+template <bool B16>
+static __device__ __forceinline__ float * th_head_as(const th_opd & o, int bh) {
+    if constexpr (!B16) {
+        return th_head(o, bh);
+    } else {
+        if (o.g > 1) bh /= o.g;
+        return (float *) ((__nv_bfloat16 *) o.p + (int64_t) (bh / o.H) * o.sb + (int64_t) (bh % o.H) * o.sh);
+    }
 }
 
 // the backward's dK or dV element of a kv head: with grouped heads (group > 1) the sum over its
@@ -513,19 +529,31 @@ static __device__ __forceinline__ float th_tf32(const float x) {
 static __device__ __forceinline__ uint32_t th_ld_pair(const __nv_bfloat16 * p) { return *(const uint32_t *) p; }
 
 // whether head h of o can be staged by 16-byte copies: d adjacent, rows and the head 16-byte aligned
+template <bool B16 = false>
 static __device__ __forceinline__ bool th_stageable(const th_opd & o, const float * h) {
-    return o.sd == 1 && o.st % 4 == 0 && (uintptr_t) h % 16 == 0;
+    return o.sd == 1 && o.st % (B16 ? 8 : 4) == 0 && (uintptr_t) h % 16 == 0;
 }
 
 // stage NR rows from row0 of head h (fp32, st[r][d], HD floats a row; rows at or past T zeros) by
 // cp.async; completes at th_cp_wait. Only for th_stageable operands.
-template <int HD, int NR, int NT>
+// B16: a bf16 operand, its rows staged as they are (HD bf16 a row, in the staging's first half)
+template <int HD, int NR, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_stage(float * st, const float * h, const th_opd & o, const int row0,
                                                 const int T) {
-    for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
-        const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
-        const bool in = row0 + r < T;
-        th_cp_async<16>(st + r * HD + d, in ? h + (int64_t) (row0 + r) * o.st + d : h, in);
+    if constexpr (B16) {
+        __nv_bfloat16 * st16 = (__nv_bfloat16 *) st;
+        const __nv_bfloat16 * h16 = (const __nv_bfloat16 *) h;
+        for (int i = threadIdx.x; i < NR * HD / 8; i += NT) {
+            const int r = i / (HD / 8), d = 8 * (i % (HD / 8));
+            const bool in = row0 + r < T;
+            th_cp_async<16>(st16 + r * HD + d, in ? h16 + (int64_t) (row0 + r) * o.st + d : h16, in);
+        }
+    } else {
+        for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
+            const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
+            const bool in = row0 + r < T;
+            th_cp_async<16>(st + r * HD + d, in ? h + (int64_t) (row0 + r) * o.st + d : h, in);
+        }
     }
 }
 
@@ -542,11 +570,33 @@ static __device__ __forceinline__ void th_put4(float * p, const float4 x) {
 // or fp32 rounded to nearest TF32 (th_tf32); rows at or past T zeros. From the staging where the
 // operand is stageable (staged before), else loaded now along whichever of t and d is adjacent in
 // memory. The same values either way.
-template <typename E, int HD, int NR, int NT>
+// eight bf16 elements (16 bytes) into a tile of E at p (8-byte aligned): as they are, or widened
+// and rounded to TF32
+static __device__ __forceinline__ void th_put8(__nv_bfloat16 * p, const uint4 x) {
+    *(uint2 *) p = make_uint2(x.x, x.y);
+    *(uint2 *) (p + 4) = make_uint2(x.z, x.w);
+}
+static __device__ __forceinline__ void th_put8(float * p, const uint4 x) {
+    const __nv_bfloat16 * b = (const __nv_bfloat16 *) &x;
+#pragma unroll
+    for (int j = 0; j < 8; j++) p[j] = th_tf32(__bfloat162float(b[j]));
+}
+
+// (B16: a bf16 operand, staged as it is and copied, or loaded and widened exactly: the same values
+// as an f32 operand of those values gives)
+template <typename E, int HD, int NR, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, const float * st, const bool staged,
                                                     const float * h, const th_opd & o, const int row0, const int T) {
     constexpr bool TF32 = std::is_same<E, float>::value;
-    if (staged) {
+    if (B16 && staged) {
+        const __nv_bfloat16 * st16 = (const __nv_bfloat16 *) st;
+        for (int i = threadIdx.x; i < NR * HD / 8; i += NT) {
+            const int r = i / (HD / 8), d = 8 * (i % (HD / 8));
+            th_put8(rows + r * ldr + d, *(const uint4 *) (st16 + r * HD + d));
+        }
+        return;
+    }
+    if (!B16 && staged) {
         for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
             const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
             th_put4(rows + r * ldr + d, *(const float4 *) (st + r * HD + d));
@@ -556,7 +606,8 @@ static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, con
     const bool d_adjacent = o.sd == 1;
     for (int i = threadIdx.x; i < NR * HD; i += NT) {
         const int r = d_adjacent ? i / HD : i % NR, d = d_adjacent ? i % HD : i / NR;
-        const float x = row0 + r < T ? h[(int64_t) (row0 + r) * o.st + (int64_t) d * o.sd] : 0.0f;
+        const int64_t at = (int64_t) (row0 + r) * o.st + (int64_t) d * o.sd;
+        const float x = row0 + r >= T ? 0.0f : B16 ? __bfloat162float(((const __nv_bfloat16 *) h)[at]) : h[at];
         if constexpr (TF32) {
             rows[r * ldr + d] = th_tf32(x);
         } else {
@@ -569,10 +620,31 @@ static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, con
 // of a thread's issued before any is used (the latency of a CTA's first tiles), else as
 // th_fill_rows loads them. The same values either way. (Not inside th_fill_rows: its walks'
 // calls would carry this path's registers.)
-template <typename E, int HD, int NR, int NT>
+template <typename E, int HD, int NR, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_load_rows(E * rows, const int ldr, const float * h, const th_opd & o,
                                                     const int row0, const int T) {
-    if (th_stageable(o, h)) {
+    if (B16 && th_stageable<true>(o, h)) {      // 8 bf16 a load, 4 of a thread's in flight, copied as they are
+        constexpr int N = (NR * HD / 8 + NT - 1) / NT, NB = N < 4 ? N : 4;
+        const __nv_bfloat16 * h16 = (const __nv_bfloat16 *) h;
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += NB) {
+            uint4 x[NB];
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 8), d = 8 * (i % (HD / 8));
+                const bool in = n0 + n < N && i < NR * HD / 8 && row0 + r < T;
+                x[n] = in ? *(const uint4 *) (h16 + (int64_t) (row0 + r) * o.st + d) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 8), d = 8 * (i % (HD / 8));
+                if (n0 + n >= N || i >= NR * HD / 8) break;
+                th_put8(rows + r * ldr + d, x[n]);
+            }
+        }
+        return;
+    }
+    if (!B16 && th_stageable(o, h)) {
         constexpr int N = (NR * HD / 4 + NT - 1) / NT, NB = N < 4 ? N : 4;
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += NB) {
@@ -592,7 +664,7 @@ static __device__ __forceinline__ void th_load_rows(E * rows, const int ldr, con
         }
         return;
     }
-    th_fill_rows<E, HD, NR, NT>(rows, ldr, nullptr, false, h, o, row0, T);
+    th_fill_rows<E, HD, NR, NT, B16>(rows, ldr, nullptr, false, h, o, row0, T);
 }
 
 // the A fragments (16 rows x HD, HD / 16 steps of k) of rows r0 .. r0 + 15 of a row-major tile
@@ -784,7 +856,7 @@ static __device__ __forceinline__ int th_key_blocks(const th_attn_args & a, cons
 // A walk over key blocks (the forward's, dQ's) takes block kb: the staged K and V (or, unstaged,
 // read from memory) into the tiles Ks and Vs of E (th_fill_rows, row ld), and the next block's
 // staging started; the barriers around keep the tiles and the staging apart
-template <typename E, int HD, int NT>
+template <typename E, int HD, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_kv_block(const th_attn_args & a, const float * k, const float * v, E * Ks,
                                                    E * Vs, const int ld, float * Kst, float * Vst,
                                                    const bool k_staged, const bool v_staged, const int kb,
@@ -792,12 +864,12 @@ static __device__ __forceinline__ void th_kv_block(const th_attn_args & a, const
     const int k0 = kb * TH_MM_B, T = a.T;
     th_cp_wait();
     __syncthreads();                                                 // the staging holds kb; Ks, Vs free
-    th_fill_rows<E, HD, TH_MM_B, NT>(Ks, ld, Kst, k_staged, k, a.k, k0, T);
-    th_fill_rows<E, HD, TH_MM_B, NT>(Vs, ld, Vst, v_staged, v, a.v, k0, T);
+    th_fill_rows<E, HD, TH_MM_B, NT, B16>(Ks, ld, Kst, k_staged, k, a.k, k0, T);
+    th_fill_rows<E, HD, TH_MM_B, NT, B16>(Vs, ld, Vst, v_staged, v, a.v, k0, T);
     __syncthreads();                                                 // Ks, Vs hold kb; the staging free
     if (kb + 1 < nkb) {
-        if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, k0 + TH_MM_B, T);
-        if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, k0 + TH_MM_B, T);
+        if (k_staged) th_stage<HD, TH_MM_B, NT, B16>(Kst, k, a.k, k0 + TH_MM_B, T);
+        if (v_staged) th_stage<HD, TH_MM_B, NT, B16>(Vst, v, a.v, k0 + TH_MM_B, T);
     }
     th_cp_commit();
 }
@@ -940,7 +1012,7 @@ static __device__ __forceinline__ void th_dq_rows_ld(float (&lr)[2], float (&dr)
 
 // the forward: one CTA a (head, 16 WARPS queries), the last query blocks first; a warp's 16 queries
 // against the key blocks they see (causal: a warp skips the key blocks past its rows)
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool B16 = false>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
@@ -951,13 +1023,13 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     const int warp = threadIdx.x / 32;
     const int bh = blockIdx.x, nqb = gridDim.y, qb = nqb - 1 - blockIdx.y, q0 = qb * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
-    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
-    const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
+    const float * q = th_head_as<B16>(a.q, bh), * k = th_head_as<B16>(a.k, bh), * v = th_head_as<B16>(a.v, bh);
+    const bool k_staged = th_stageable<B16>(a.k, k), v_staged = th_stageable<B16>(a.v, v);
     const int nkb = th_key_blocks(a, q0, QR);
-    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
-    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    if (k_staged) th_stage<HD, TH_MM_B, NT, B16>(Kst, k, a.k, 0, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT, B16>(Vst, v, a.v, 0, T);
     th_cp_commit();
-    th_load_rows<__nv_bfloat16, HD, QR, NT>(Qs, LDR, q, a.q, q0, T);
+    th_load_rows<__nv_bfloat16, HD, QR, NT, B16>(Qs, LDR, q, a.q, q0, T);
     __syncthreads();
     uint32_t qf[HD / 16][4];
     th_frag_a<HD>(qf, Qs, LDR, 16 * warp);
@@ -965,7 +1037,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     th_zero<HD>(o);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        th_kv_block<__nv_bfloat16, HD, NT>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
+        th_kv_block<__nv_bfloat16, HD, NT, B16>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
         if (a.causal && k0 > w0 + 15) continue;                    // the same for the whole warp
         float s[8][4];
         th_mm_rows<HD>(s, qf, Ks, LDR);
@@ -977,12 +1049,12 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
 
 // The two backward kernels' shared steps. Stage a step's Q and dO (head bh, queries q0 ..) into
 // the fp32 staging where they can be copied by 16 bytes, and its L and D into ld (64 each).
-template <int HD, int NT>
+template <int HD, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_bwd_stage(const th_attn_args & a, const int bh, const int q0, float * Qst,
                                                     float * dOst, float * ld) {
     const int T = a.T;
-    const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
-    if (th_stageable(a.q, q)) th_stage<HD, TH_MM_B, NT>(Qst, q, a.q, q0, T);
+    const float * q = th_head_as<B16>(a.q, bh), * dout = th_head(a.dout, bh);
+    if (th_stageable<B16>(a.q, q)) th_stage<HD, TH_MM_B, NT, B16>(Qst, q, a.q, q0, T);
     if (th_stageable(a.dout, dout)) th_stage<HD, TH_MM_B, NT>(dOst, dout, a.dout, q0, T);
     const float * L = a.fwd + bh * ((int64_t) T * (HD + 1)) + (int64_t) T * HD;
     const float * D = a.scratch + bh * ((int64_t) T * (2 * HD + 1)) + 2 * (int64_t) T * HD;
@@ -994,13 +1066,13 @@ static __device__ __forceinline__ void th_bwd_stage(const th_attn_args & a, cons
 
 // a step of the backward starts: its Q and dO (head bh, queries q0 ..) staged (waited for here)
 // into the tiles Qs and dOs of E (th_fill_rows), the staging then free (the barriers around)
-template <typename E, int HD, int NT>
+template <typename E, int HD, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_bwd_step_tiles(const th_attn_args & a, const int bh, const int q0, E * Qs,
                                                          E * dOs, const int ld, const float * Qst, const float * dOst) {
-    const float * q = th_head(a.q, bh), * dout = th_head(a.dout, bh);
+    const float * q = th_head_as<B16>(a.q, bh), * dout = th_head(a.dout, bh);
     th_cp_wait();
     __syncthreads();                                                 // the step staged; Qs, dOs free
-    th_fill_rows<E, HD, TH_MM_B, NT>(Qs, ld, Qst, th_stageable(a.q, q), q, a.q, q0, a.T);
+    th_fill_rows<E, HD, TH_MM_B, NT, B16>(Qs, ld, Qst, th_stageable<B16>(a.q, q), q, a.q, q0, a.T);
     th_fill_rows<E, HD, TH_MM_B, NT>(dOs, ld, dOst, th_stageable(a.dout, dout), dout, a.dout, q0, a.T);
     __syncthreads();                                                 // Qs, dOs hold the step; the staging free
 }
@@ -1041,7 +1113,7 @@ static __device__ __forceinline__ void th_bwd_put(const th_attn_args & a, const 
 // steps run as one sequence, so the next step's Q, dO, L and D are staged while this one multiplies, across heads too. A warp whose keys
 // no query of a block sees skips it (causal: its first blocks, where the CTA's keys start before
 // them): it took no such step with 64 keys a CTA either.
-template <int HD, int WARPS, bool GROUPED>
+template <int HD, int WARPS, bool GROUPED, bool B16 = false>
 static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
     constexpr int ROWS = KR > TH_MM_B ? KR : TH_MM_B;
@@ -1054,15 +1126,15 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
     const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, k0 = blockIdx.y * KR, T = a.T;
     const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
     const int w0 = k0 + 16 * warp;                                   // the warp's first key
-    const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
+    const float * k = th_head_as<B16>(a.k, kvh * G), * v = th_head_as<B16>(a.v, kvh * G);
     // step i: query head kvh G + i / nq, query block qb0 + i % nq
     auto stage = [&](const int i) {
-        th_bwd_stage<HD, NT>(a, kvh * G + i / nq, (qb0 + i % nq) * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
+        th_bwd_stage<HD, NT, B16>(a, kvh * G + i / nq, (qb0 + i % nq) * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
     };
     stage(0);
     th_cp_commit();
-    th_load_rows<__nv_bfloat16, HD, KR, NT>(Qs, LDR, k, a.k, k0, T);
-    th_load_rows<__nv_bfloat16, HD, KR, NT>(dOs, LDR, v, a.v, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT, B16>(Qs, LDR, k, a.k, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT, B16>(dOs, LDR, v, a.v, k0, T);
     __syncthreads();
     uint32_t kf[HD / 16][4], vf[HD / 16][4];
     th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
@@ -1071,7 +1143,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
     for (int i = 0; i < G * nq; i++) {
         const int gr = i / nq, bh = kvh * G + gr, q0 = (qb0 + i % nq) * TH_MM_B;
         if (i % nq == 0) th_zero<HD>(dv), th_zero<HD>(dk);
-        th_bwd_step_tiles<__nv_bfloat16, HD, NT>(a, bh, q0, Qs, dOs, LDR, Qst, dOst);
+        th_bwd_step_tiles<__nv_bfloat16, HD, NT, B16>(a, bh, q0, Qs, dOs, LDR, Qst, dOst);
         if (i + 1 < G * nq) stage(i + 1);
         th_cp_commit();
         if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
@@ -1115,7 +1187,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(cons
 // A chunk whose queries see none of the warp's keys is skipped.
 // TOYHARNESS_CUDA_ATTN_BWD=rows takes th_attn_bwd_mma_kernel (comparisons; tests check the bits).
 // gpt2-small's bf16 step (H100): 3.95 -> 3.23 ms of backward, 24.97 -> 24.24 ms a step.
-template <int HD, int WARPS, bool GROUPED, int MINB>
+template <int HD, int WARPS, bool GROUPED, int MINB, bool B16 = false>
 static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
@@ -1129,20 +1201,20 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
     const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, k0 = blockIdx.y * KR, T = a.T;
     const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
     const int w0 = k0 + 16 * warp;                                   // the warp's first key
-    const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
+    const float * k = th_head_as<B16>(a.k, kvh * G), * v = th_head_as<B16>(a.v, kvh * G);
     auto stage = [&](const int gr, const int qb, const int i) {
-        th_bwd_stage<HD, NT>(a, kvh * G + gr, qb * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
+        th_bwd_stage<HD, NT, B16>(a, kvh * G + gr, qb * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
     };
     stage(0, qb0, 0);
     th_cp_commit();
-    th_load_rows<__nv_bfloat16, HD, KR, NT>(Ks, LDR, k, a.k, k0, T);
-    th_load_rows<__nv_bfloat16, HD, KR, NT>(Vs, LDR, v, a.v, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT, B16>(Ks, LDR, k, a.k, k0, T);
+    th_load_rows<__nv_bfloat16, HD, KR, NT, B16>(Vs, LDR, v, a.v, k0, T);
     float dv[HD / 8][4], dk[HD / 8][4];
     int gr = 0, qb = qb0;                                            // step i: head kvh G + gr, query block qb
     for (int i = 0; i < G * nq; i++) {
         const int bh = kvh * G + gr, q0 = qb * TH_MM_B;
         if (qb == qb0) th_zero<HD>(dv), th_zero<HD>(dk);
-        th_bwd_step_tiles<__nv_bfloat16, HD, NT>(a, bh, q0, Qs, dOs, LDR, Qst, dOst);
+        th_bwd_step_tiles<__nv_bfloat16, HD, NT, B16>(a, bh, q0, Qs, dOs, LDR, Qst, dOst);
         const int next_gr = qb + 1 < nqb ? gr : gr + 1, next_qb = qb + 1 < nqb ? qb + 1 : qb0;
         if (i + 1 < G * nq) stage(next_gr, next_qb, i + 1);
         th_cp_commit();
@@ -1208,7 +1280,7 @@ static constexpr size_t th_bwd_chunk_smem() {
 // straight from the C fragments), in the order the kernel that read the backward's dS summed:
 // so the same bits, and the (B*H, T, T) dS (192 MiB a gpt2-small layer) is never formed, for two
 // more products a tile. Keys past every row of the warp (causal) are skipped: their dS is 0.
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool B16 = false>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
@@ -1219,16 +1291,16 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     const int warp = threadIdx.x / 32;
     const int bh = blockIdx.x, nqb = gridDim.y, q0 = (nqb - 1 - blockIdx.y) * QR, T = a.T;
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
-    const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
+    const float * q = th_head_as<B16>(a.q, bh), * k = th_head_as<B16>(a.k, bh), * v = th_head_as<B16>(a.v, bh);
     const float * dout = th_head(a.dout, bh);
-    const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
+    const bool k_staged = th_stageable<B16>(a.k, k), v_staged = th_stageable<B16>(a.v, v);
     const int nkb = th_key_blocks(a, q0, QR);
-    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
-    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    if (k_staged) th_stage<HD, TH_MM_B, NT, B16>(Kst, k, a.k, 0, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT, B16>(Vst, v, a.v, 0, T);
     th_cp_commit();
     // the warp's Q and dO as A fragments, and L and D of its rows g and g + 8 (a row past T: 0)
     uint32_t qf[HD / 16][4], of[HD / 16][4];
-    th_load_rows<__nv_bfloat16, HD, QR, NT>(Rs, LDR, q, a.q, q0, T);
+    th_load_rows<__nv_bfloat16, HD, QR, NT, B16>(Rs, LDR, q, a.q, q0, T);
     __syncthreads();
     th_frag_a<HD>(qf, Rs, LDR, 16 * warp);
     __syncthreads();
@@ -1241,7 +1313,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     th_zero<HD>(acc);
     for (int kb = 0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
-        th_kv_block<__nv_bfloat16, HD, NT>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
+        th_kv_block<__nv_bfloat16, HD, NT, B16>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
             const int kc = k0 + 16 * j;                              // the chunk's first key
@@ -1590,13 +1662,15 @@ static size_t th_dq_smem(int hd) { return sizeof(float) * (TH_AT_B * TH_AT_LD + 
 // an operand's (t, d) elements: a (hd, T, H, B) tensor, or with `t_first` a (T, hd, H, B) one (V^T)
 static th_opd th_opd_of(const ggml_tensor * x, const bool t_first) {
     th_opd o;
+    const size_t size = x->type == GGML_TYPE_BF16 ? 2 : sizeof(float);     // a bf16 operand's, or f32
     o.p = (float *) x->data;
-    o.st = (int64_t) (x->nb[t_first ? 0 : 1] / sizeof(float));
-    o.sd = (int64_t) (x->nb[t_first ? 1 : 0] / sizeof(float));
-    o.sh = (int64_t) (x->nb[2] / sizeof(float));
-    o.sb = (int64_t) (x->nb[3] / sizeof(float));
+    o.st = (int64_t) (x->nb[t_first ? 0 : 1] / size);
+    o.sd = (int64_t) (x->nb[t_first ? 1 : 0] / size);
+    o.sh = (int64_t) (x->nb[2] / size);
+    o.sb = (int64_t) (x->nb[3] / size);
     o.H = (int) x->ne[2];
     o.g = 1;
+    o.bf16 = x->type == GGML_TYPE_BF16;
     return o;
 }
 
@@ -1638,12 +1712,14 @@ static bool th_room_ok(const ggml_tensor * room, const th_attention_map m, const
     return h * b == heads;
 }
 
-static bool th_opd_ok(const ggml_tensor * x, const int64_t ne0, const int64_t ne1, const int64_t heads) {
-    if (x == nullptr || x->type != GGML_TYPE_F32 || x->ne[0] != ne0 || x->ne[1] != ne1 || x->ne[2] * x->ne[3] != heads) {
+// an operand of ne0 x ne1 a head, of `type` (f32; bf16: q, k and v^T kept in bf16 at precision bf16)
+static bool th_opd_ok(const ggml_tensor * x, const int64_t ne0, const int64_t ne1, const int64_t heads,
+                      const ggml_type type = GGML_TYPE_F32) {
+    if (x == nullptr || x->type != type || x->ne[0] != ne0 || x->ne[1] != ne1 || x->ne[2] * x->ne[3] != heads) {
         return false;
     }
     for (int i = 0; i < GGML_MAX_DIMS; i++) {
-        if (x->nb[i] % sizeof(float) != 0) return false;
+        if (x->nb[i] % (type == GGML_TYPE_BF16 ? 2 : sizeof(float)) != 0) return false;
     }
     return true;
 }
@@ -1679,47 +1755,52 @@ static bool th_group_split() {
 }
 
 // the bf16 kernels (fwd, bwd, dq) of `heads` heads (kv heads for the backward), WARPS warps a CTA
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool B16>
 static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
     const dim3 grid(heads, (unsigned) ((a.T + 16 * WARPS - 1) / (16 * WARPS)));
     if (kernel == TH_CUDA_ATTN_FWD) {
         constexpr size_t smem = th_fwd_mma_smem<HD, WARPS>();
-        TH_SET_SMEM_LIMIT((th_attn_fwd_mma_kernel<HD, WARPS>), smem);
-        th_attn_fwd_mma_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+        TH_SET_SMEM_LIMIT((th_attn_fwd_mma_kernel<HD, WARPS, B16>), smem);
+        th_attn_fwd_mma_kernel<HD, WARPS, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
     } else if (kernel == TH_CUDA_ATTN_BWD && !th_env_is("TOYHARNESS_CUDA_ATTN_BWD", "rows")) {
         constexpr size_t smem = th_bwd_chunk_smem<HD, WARPS>();
         constexpr int MINB = WARPS == 8 ? 2 : 4;
         if (a.group > 1) {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB>), smem);
-            th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB><<<grid, 32 * WARPS, smem, stream>>>(a);
+            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB, B16>), smem);
+            th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
         } else {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB>), smem);
-            th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB><<<grid, 32 * WARPS, smem, stream>>>(a);
+            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16>), smem);
+            th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
         }
     } else if (kernel == TH_CUDA_ATTN_BWD) {
         constexpr size_t smem = th_bwd_mma_smem<HD, WARPS>();
         if (a.group > 1) {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, true>), smem);
-            th_attn_bwd_mma_kernel<HD, WARPS, true><<<grid, 32 * WARPS, smem, stream>>>(a);
+            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, true, B16>), smem);
+            th_attn_bwd_mma_kernel<HD, WARPS, true, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
         } else {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, false>), smem);
-            th_attn_bwd_mma_kernel<HD, WARPS, false><<<grid, 32 * WARPS, smem, stream>>>(a);
+            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, false, B16>), smem);
+            th_attn_bwd_mma_kernel<HD, WARPS, false, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
         }
     } else {
         constexpr size_t smem = th_dq_mma_smem<HD, WARPS>();
-        TH_SET_SMEM_LIMIT((th_attn_dq_mma_kernel<HD, WARPS>), smem);
-        th_attn_dq_mma_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+        TH_SET_SMEM_LIMIT((th_attn_dq_mma_kernel<HD, WARPS, B16>), smem);
+        th_attn_dq_mma_kernel<HD, WARPS, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
     }
 }
 
 // 8 warps a CTA (128 rows), or 4 where TOYHARNESS_CUDA_ATTENTION_ROWS=64 (the tiles before; the
 // same bits: toyharness/engine/program.py checks the value)
+// (q, k and v^T bf16, th_attention_inputs_bf16: the kernels' B16 instances; th_attention_supported
+// takes the three of one type)
 template <int HD>
 static void th_mma_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
-    if (th_env_is("TOYHARNESS_CUDA_ATTENTION_ROWS", "64")) {
-        th_mma_launch_warps<HD, 4>(stream, kernel, a, heads);
+    const bool rows64 = th_env_is("TOYHARNESS_CUDA_ATTENTION_ROWS", "64");
+    if (a.q.bf16) {
+        rows64 ? th_mma_launch_warps<HD, 4, true>(stream, kernel, a, heads)
+               : th_mma_launch_warps<HD, 8, true>(stream, kernel, a, heads);
     } else {
-        th_mma_launch_warps<HD, 8>(stream, kernel, a, heads);
+        rows64 ? th_mma_launch_warps<HD, 4, false>(stream, kernel, a, heads)
+               : th_mma_launch_warps<HD, 8, false>(stream, kernel, a, heads);
     }
 }
 
@@ -1852,16 +1933,20 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
     if (!th_attention_head_dim_ok(ap.hd) || ap.T <= 0 || ap.group < 1) return false;
     const int64_t hd = ap.hd, T = ap.T, G = ap.group;     // k, vt and the rooms: heads / G kv heads
     const ggml_tensor * const * s = op->src;
+    // q, k and v^T: all f32, or all bf16 where the tensor-core kernels read them (th_attention_inputs_bf16)
+    const ggml_type b = kernel != TH_CUDA_ATTN_PREP && s[0] != nullptr && s[0]->type == GGML_TYPE_BF16 &&
+                        th_precision_of(op) == TH_PRECISION_BF16 ? GGML_TYPE_BF16 : GGML_TYPE_F32;
     switch (kernel) {
         case TH_CUDA_ATTN_FWD:
-            return op->ne[0] == th_attention_fwd_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
-                   op->ne[1] % G == 0 && th_opd_ok(s[1], hd, T, op->ne[1] / G) && th_opd_ok(s[2], T, hd, op->ne[1] / G);
+            return op->ne[0] == th_attention_fwd_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1], b) &&
+                   op->ne[1] % G == 0 && th_opd_ok(s[1], hd, T, op->ne[1] / G, b) &&
+                   th_opd_ok(s[2], T, hd, op->ne[1] / G, b);
         case TH_CUDA_ATTN_PREP:
             return op->ne[0] == th_attention_prep_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
                    th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1];
         case TH_CUDA_ATTN_BWD:                 // dS (T, T, BH), or none (1, 1, BH): th_attention_ds_shape_ok
-            return th_attention_ds_shape_ok(op, T) && th_opd_ok(s[0], hd, T, op->ne[2]) && op->ne[2] % G == 0 &&
-                   th_opd_ok(s[1], hd, T, op->ne[2] / G) && th_opd_ok(s[2], T, hd, op->ne[2] / G) &&
+            return th_attention_ds_shape_ok(op, T) && th_opd_ok(s[0], hd, T, op->ne[2], b) && op->ne[2] % G == 0 &&
+                   th_opd_ok(s[1], hd, T, op->ne[2] / G, b) && th_opd_ok(s[2], T, hd, op->ne[2] / G, b) &&
                    th_opd_ok(s[3], hd, T, op->ne[2]) && th_f32_contiguous(s[4]) && th_f32_contiguous(s[5]) &&
                    ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * op->ne[2] &&
                    ggml_nelements(s[5]) == th_attention_prep_floats(hd, T) * op->ne[2] &&
@@ -1874,8 +1959,8 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
                 return false;
             }
             const int64_t heads = bwd->ne[2];
-            return heads % G == 0 && th_opd_ok(s[0], hd, T, heads) && th_opd_ok(s[1], hd, T, heads / G) &&
-                   th_opd_ok(s[2], T, hd, heads / G) && th_opd_ok(s[3], hd, T, heads) && th_f32_contiguous(s[4]) &&
+            return heads % G == 0 && th_opd_ok(s[0], hd, T, heads, b) && th_opd_ok(s[1], hd, T, heads / G, b) &&
+                   th_opd_ok(s[2], T, hd, heads / G, b) && th_opd_ok(s[3], hd, T, heads) && th_f32_contiguous(s[4]) &&
                    th_f32_contiguous(s[5]) && ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * heads &&
                    ggml_nelements(s[5]) == th_attention_prep_floats(hd, T) * heads &&
                    th_room_ok(op, th_attention_map_of(op, 0), hd, T, heads);

@@ -168,6 +168,7 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_BF16_COPY_ALONE": ("1", "0"),           # a writer read only by products writes its bf16 copy alone
     "TOYHARNESS_BF16_SWIGLU": ("bf16", "f32"),
     "TOYHARNESS_BF16_GELU": ("bf16", "f32"),             # a GELU's input product kept in bf16 at bf16
+    "TOYHARNESS_BF16_ATTENTION_INPUTS": ("bf16", "f32"),   # attention's q, k, v products kept in bf16 at bf16
     "TOYHARNESS_BF16_TRACE": ("0", "1"),                # a stderr line for each operand a bf16 product converts
 }
 
@@ -775,7 +776,7 @@ class Program:
                 marked = lib.th_cuda_mark_precision(graph, PRECISION_CODES[self.precision], why, 512)
                 if marked == -2:
                     text = ffi.string(why).decode()
-                    if text.startswith(("SwiGLU", "GELU's input")):     # kept bf16 (native/cuda_precision.c)
+                    if text.startswith(("SwiGLU", "GELU's input", "attention's input")):   # kept bf16
                         raise BackendError(f"precision {self.precision}: {text}; not computed")
                     raise BackendError(f"precision {self.precision}: the frozen bf16 products (native/cuda/"
                                        f"th-frozen.cu) do not take {text}")
