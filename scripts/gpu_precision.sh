@@ -91,6 +91,26 @@ record_goldens() {
     tar cf "$out/$tar" $glob 2>>"$log"
 }
 
+# cuda_golden_names: every cuda golden (fp32, @tf32, @bf16, LoRA over quantized bases and other
+# architectures) into `names`
+cuda_golden_names() {
+    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
+    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
+    names+=("${FROZEN_BF16[@]}")
+}
+
+# profile_switch VAR TAG WHAT: a bf16 gpt2-small step by kernel, ours, with VAR=f32 then bf16, twice
+# (interleaved), each into OUT/profile_gpt2_bf16_TAG_VALUE.txt
+profile_switch() {
+    local var=$1 tag=$2 what=$3 kept
+    for kept in f32 bf16 f32 bf16; do
+        step "a bf16 gpt2-small step by kernel, ours, $what $kept"
+        env "$var=$kept" python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 --rows 40 \
+            >"$out/profile_gpt2_bf16_${tag}_$kept.txt" 2>&1 || status=1
+        grep "^==" "$out/profile_gpt2_bf16_${tag}_$kept.txt" | tee -a "$log"
+    done
+}
+
 if [[ $phases == *" build "* ]]; then build_cuda; fi
 
 if [[ $phases == *" fused "* ]]; then
@@ -117,9 +137,7 @@ fi
 
 if [[ $phases == *" qkv-bf16-goldens "* ]]; then
     step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
-    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
-    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
-    names+=("${FROZEN_BF16[@]}")
+    cuda_golden_names
     toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
     record_goldens goldens_qkv.tar "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
     step "the cuda memory plan equals ggml's buffers (the training graph reserved as rewritten)"
@@ -129,12 +147,7 @@ if [[ $phases == *" qkv-bf16-goldens "* ]]; then
 fi
 
 if [[ $phases == *" qkv-bf16-profile "* ]]; then
-    for kept in f32 bf16 f32 bf16; do
-        step "a bf16 gpt2-small step by kernel, ours, attention's q, k, v $kept"
-        TOYHARNESS_BF16_ATTENTION_INPUTS=$kept python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 \
-            --rows 40 >"$out/profile_gpt2_bf16_qkv_$kept.txt" 2>&1 || status=1
-        grep "^==" "$out/profile_gpt2_bf16_qkv_$kept.txt" | tee -a "$log"
-    done
+    profile_switch TOYHARNESS_BF16_ATTENTION_INPUTS qkv "attention's q, k, v"
     for kept in f32 bf16; do
         step "gpt2 at gpt2-small's size, bf16, beside PyTorch: attention's q, k, v $kept"
         TOYHARNESS_BF16_ATTENTION_INPUTS=$kept toyharness bench gpt2 --backend cuda --size gpt2-small \
@@ -144,27 +157,18 @@ fi
 
 if [[ $phases == *" gelu-bf16-goldens "* ]]; then
     step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
-    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
-    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
-    names+=("${FROZEN_BF16[@]}")
+    cuda_golden_names
     toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
     record_goldens goldens_gelu.tar "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
 fi
 
 if [[ $phases == *" gelu-bf16-profile "* ]]; then
-    for kept in f32 bf16 f32 bf16; do
-        step "a bf16 gpt2-small step by kernel, ours, GELU's input $kept"
-        TOYHARNESS_BF16_GELU=$kept python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 --rows 40 \
-            >"$out/profile_gpt2_bf16_gelu_$kept.txt" 2>&1 || status=1
-        grep "^==" "$out/profile_gpt2_bf16_gelu_$kept.txt" | tee -a "$log"
-    done
+    profile_switch TOYHARNESS_BF16_GELU gelu "GELU's input"
 fi
 
 if [[ $phases == *" kept-all "* ]]; then
     step "every cuda golden keeps its bits (fp32, @tf32, @bf16, LoRA over quantized bases and other architectures)"
-    names=(gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start lora@llama3 lora@qwen3 lora@gemma3 lora@phi3)
-    for r in "${PRECISION_RECIPES[@]}"; do names+=("$r@tf32" "$r@bf16"); done
-    names+=("${FROZEN_BF16[@]}")
+    cuda_golden_names
     toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log" || status=1
     step "the cuda memory plan equals ggml's buffers (the training graph reserved as rewritten)"
     tests_phase plan.log tests/test_memory_plan.py cuda_plan "passed|failed|FAILED|ERROR|skipped|SKIPPED"

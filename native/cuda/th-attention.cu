@@ -536,24 +536,21 @@ static __device__ __forceinline__ bool th_stageable(const th_opd & o, const floa
 
 // stage NR rows from row0 of head h (fp32, st[r][d], HD floats a row; rows at or past T zeros) by
 // cp.async; completes at th_cp_wait. Only for th_stageable operands.
-// B16: a bf16 operand, its rows staged as they are (HD bf16 a row, in the staging's first half)
+// An operand's elements (B16: a bf16 operand's, else f32), and 16 bytes of them, PER elements
+template <bool B16> using th_elem = std::conditional_t<B16, __nv_bfloat16, float>;
+template <bool B16> using th_vec16 = std::conditional_t<B16, uint4, float4>;
+
+// (B16: a bf16 operand, its rows staged as they are: HD bf16 a row, in the staging's first half)
 template <int HD, int NR, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_stage(float * st, const float * h, const th_opd & o, const int row0,
                                                 const int T) {
-    if constexpr (B16) {
-        __nv_bfloat16 * st16 = (__nv_bfloat16 *) st;
-        const __nv_bfloat16 * h16 = (const __nv_bfloat16 *) h;
-        for (int i = threadIdx.x; i < NR * HD / 8; i += NT) {
-            const int r = i / (HD / 8), d = 8 * (i % (HD / 8));
-            const bool in = row0 + r < T;
-            th_cp_async<16>(st16 + r * HD + d, in ? h16 + (int64_t) (row0 + r) * o.st + d : h16, in);
-        }
-    } else {
-        for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
-            const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
-            const bool in = row0 + r < T;
-            th_cp_async<16>(st + r * HD + d, in ? h + (int64_t) (row0 + r) * o.st + d : h, in);
-        }
+    constexpr int PER = 16 / sizeof(th_elem<B16>);
+    th_elem<B16> * to = (th_elem<B16> *) st;
+    const th_elem<B16> * from = (const th_elem<B16> *) h;
+    for (int i = threadIdx.x; i < NR * HD / PER; i += NT) {
+        const int r = i / (HD / PER), d = PER * (i % (HD / PER));
+        const bool in = row0 + r < T;
+        th_cp_async<16>(to + r * HD + d, in ? from + (int64_t) (row0 + r) * o.st + d : from, in);
     }
 }
 
@@ -570,13 +567,15 @@ static __device__ __forceinline__ void th_put4(float * p, const float4 x) {
 // or fp32 rounded to nearest TF32 (th_tf32); rows at or past T zeros. From the staging where the
 // operand is stageable (staged before), else loaded now along whichever of t and d is adjacent in
 // memory. The same values either way.
-// eight bf16 elements (16 bytes) into a tile of E at p (8-byte aligned): as they are, or widened
-// and rounded to TF32
-static __device__ __forceinline__ void th_put8(__nv_bfloat16 * p, const uint4 x) {
+// 16 bytes of an operand (th_vec16) into a tile of E at p (8-byte aligned): four floats as th_put4
+// rounds them, or eight bf16 as they are (widened and rounded to TF32 for a TF32 tile)
+static __device__ __forceinline__ void th_put16(__nv_bfloat16 * p, const float4 x) { th_put4(p, x); }
+static __device__ __forceinline__ void th_put16(float * p, const float4 x) { th_put4(p, x); }
+static __device__ __forceinline__ void th_put16(__nv_bfloat16 * p, const uint4 x) {
     *(uint2 *) p = make_uint2(x.x, x.y);
     *(uint2 *) (p + 4) = make_uint2(x.z, x.w);
 }
-static __device__ __forceinline__ void th_put8(float * p, const uint4 x) {
+static __device__ __forceinline__ void th_put16(float * p, const uint4 x) {
     const __nv_bfloat16 * b = (const __nv_bfloat16 *) &x;
 #pragma unroll
     for (int j = 0; j < 8; j++) p[j] = th_tf32(__bfloat162float(b[j]));
@@ -588,18 +587,11 @@ template <typename E, int HD, int NR, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, const float * st, const bool staged,
                                                     const float * h, const th_opd & o, const int row0, const int T) {
     constexpr bool TF32 = std::is_same<E, float>::value;
-    if (B16 && staged) {
-        const __nv_bfloat16 * st16 = (const __nv_bfloat16 *) st;
-        for (int i = threadIdx.x; i < NR * HD / 8; i += NT) {
-            const int r = i / (HD / 8), d = 8 * (i % (HD / 8));
-            th_put8(rows + r * ldr + d, *(const uint4 *) (st16 + r * HD + d));
-        }
-        return;
-    }
-    if (!B16 && staged) {
-        for (int i = threadIdx.x; i < NR * HD / 4; i += NT) {
-            const int r = i / (HD / 4), d = 4 * (i % (HD / 4));
-            th_put4(rows + r * ldr + d, *(const float4 *) (st + r * HD + d));
+    constexpr int PER = 16 / sizeof(th_elem<B16>);
+    if (staged) {
+        for (int i = threadIdx.x; i < NR * HD / PER; i += NT) {
+            const int r = i / (HD / PER), d = PER * (i % (HD / PER));
+            th_put16(rows + r * ldr + d, *(const th_vec16<B16> *) ((const th_elem<B16> *) st + r * HD + d));
         }
         return;
     }
@@ -623,43 +615,23 @@ static __device__ __forceinline__ void th_fill_rows(E * rows, const int ldr, con
 template <typename E, int HD, int NR, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_load_rows(E * rows, const int ldr, const float * h, const th_opd & o,
                                                     const int row0, const int T) {
-    if (B16 && th_stageable<true>(o, h)) {      // 8 bf16 a load, 4 of a thread's in flight, copied as they are
-        constexpr int N = (NR * HD / 8 + NT - 1) / NT, NB = N < 4 ? N : 4;
-        const __nv_bfloat16 * h16 = (const __nv_bfloat16 *) h;
+    if (th_stageable<B16>(o, h)) {               // 16 bytes a load (th_vec16), 4 of a thread's in flight
+        constexpr int PER = 16 / sizeof(th_elem<B16>), N = (NR * HD / PER + NT - 1) / NT, NB = N < 4 ? N : 4;
+        const th_elem<B16> * from = (const th_elem<B16> *) h;
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += NB) {
-            uint4 x[NB];
+            th_vec16<B16> x[NB];
 #pragma unroll
             for (int n = 0; n < NB; n++) {
-                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 8), d = 8 * (i % (HD / 8));
-                const bool in = n0 + n < N && i < NR * HD / 8 && row0 + r < T;
-                x[n] = in ? *(const uint4 *) (h16 + (int64_t) (row0 + r) * o.st + d) : make_uint4(0, 0, 0, 0);
+                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / PER), d = PER * (i % (HD / PER));
+                const bool in = n0 + n < N && i < NR * HD / PER && row0 + r < T;
+                x[n] = in ? *(const th_vec16<B16> *) (from + (int64_t) (row0 + r) * o.st + d) : th_vec16<B16>{};
             }
 #pragma unroll
             for (int n = 0; n < NB; n++) {
-                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 8), d = 8 * (i % (HD / 8));
-                if (n0 + n >= N || i >= NR * HD / 8) break;
-                th_put8(rows + r * ldr + d, x[n]);
-            }
-        }
-        return;
-    }
-    if (!B16 && th_stageable(o, h)) {
-        constexpr int N = (NR * HD / 4 + NT - 1) / NT, NB = N < 4 ? N : 4;
-#pragma unroll
-        for (int n0 = 0; n0 < N; n0 += NB) {
-            float4 x[NB];
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 4), d = 4 * (i % (HD / 4));
-                const bool in = n0 + n < N && i < NR * HD / 4 && row0 + r < T;
-                x[n] = in ? *(const float4 *) (h + (int64_t) (row0 + r) * o.st + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / 4), d = 4 * (i % (HD / 4));
-                if (n0 + n >= N || i >= NR * HD / 4) break;
-                th_put4(rows + r * ldr + d, x[n]);
+                const int i = threadIdx.x + (n0 + n) * NT, r = i / (HD / PER), d = PER * (i % (HD / PER));
+                if (n0 + n >= N || i >= NR * HD / PER) break;
+                th_put16(rows + r * ldr + d, x[n]);
             }
         }
         return;
