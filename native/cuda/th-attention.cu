@@ -534,13 +534,13 @@ static __device__ __forceinline__ bool th_stageable(const th_opd & o, const floa
     return o.sd == 1 && o.st % (B16 ? 8 : 4) == 0 && (uintptr_t) h % 16 == 0;
 }
 
-// stage NR rows from row0 of head h (fp32, st[r][d], HD floats a row; rows at or past T zeros) by
-// cp.async; completes at th_cp_wait. Only for th_stageable operands.
-// An operand's elements (B16: a bf16 operand's, else f32), and 16 bytes of them, PER elements
+// An operand's elements (B16: a bf16 operand's, else f32), and 16 bytes of them
 template <bool B16> using th_elem = std::conditional_t<B16, __nv_bfloat16, float>;
 template <bool B16> using th_vec16 = std::conditional_t<B16, uint4, float4>;
 
-// (B16: a bf16 operand, its rows staged as they are: HD bf16 a row, in the staging's first half)
+// stage NR rows from row0 of head h (st[r][d], HD elements a row, as they are: fp32, or with B16 a
+// bf16 operand's in the staging's first half; rows at or past T zeros) by cp.async, 16 bytes a
+// copy; completes at th_cp_wait. Only for th_stageable operands.
 template <int HD, int NR, int NT, bool B16 = false>
 static __device__ __forceinline__ void th_stage(float * st, const float * h, const th_opd & o, const int row0,
                                                 const int T) {
@@ -563,10 +563,6 @@ static __device__ __forceinline__ void th_put4(float * p, const float4 x) {
     *(float4 *) p = make_float4(th_tf32(x.x), th_tf32(x.y), th_tf32(x.z), th_tf32(x.w));
 }
 
-// NR rows from row0 of head h into smem as rows[r][d] of E (ld ldr): bf16 rounded to nearest even,
-// or fp32 rounded to nearest TF32 (th_tf32); rows at or past T zeros. From the staging where the
-// operand is stageable (staged before), else loaded now along whichever of t and d is adjacent in
-// memory. The same values either way.
 // 16 bytes of an operand (th_vec16) into a tile of E at p (8-byte aligned): four floats as th_put4
 // rounds them, or eight bf16 as they are (widened and rounded to TF32 for a TF32 tile)
 static __device__ __forceinline__ void th_put16(__nv_bfloat16 * p, const float4 x) { th_put4(p, x); }
@@ -581,6 +577,10 @@ static __device__ __forceinline__ void th_put16(float * p, const uint4 x) {
     for (int j = 0; j < 8; j++) p[j] = th_tf32(__bfloat162float(b[j]));
 }
 
+// NR rows from row0 of head h into smem as rows[r][d] of E (ld ldr): bf16 rounded to nearest even,
+// or fp32 rounded to nearest TF32 (th_tf32); rows at or past T zeros. From the staging where the
+// operand is stageable (staged before), else loaded now along whichever of t and d is adjacent in
+// memory. The same values either way.
 // (B16: a bf16 operand, staged as it is and copied, or loaded and widened exactly: the same values
 // as an f32 operand of those values gives)
 template <typename E, int HD, int NR, int NT, bool B16 = false>
