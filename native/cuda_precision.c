@@ -121,6 +121,17 @@ static void th_family_retype(const th_family * f) {
     for (int k = 0; k < f->n; k++) th_retype_bf16(f->t[k]);
 }
 
+/* The refusal of a graph that would read `what` (a tensor kept bf16 by an earlier graph of the
+ * program, named) as f32: its line in `why`, naming the reader `other` (NULL: an output or another
+ * layout); -2, th_cuda_mark_precision's answer. */
+static int th_kept_elsewhere(char * why, int why_size, const char * what, const struct ggml_tensor * other) {
+    if (why != NULL && why_size > 0) {
+        snprintf(why, (size_t) why_size, "%s, kept bf16 in another graph: %s %s reads it here", what,
+                 other != NULL ? ggml_op_desc(other) : "an output or another layout", other != NULL ? other->name : "");
+    }
+    return -2;
+}
+
 #define TH_SWIGLU_GLUS 4
 
 /* Whether gate's and up's products (with their reshapes: fg, fu) can be, or are, bf16 in `graph`
@@ -194,12 +205,9 @@ static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) 
         if (!th_family_of(graph, gate, &fg) || !th_family_of(graph, up, &fu)) continue;
         if (gate->type == GGML_TYPE_BF16 || up->type == GGML_TYPE_BF16) {
             if (th_swiglu_pair_ok(graph, &fg, &fu, GGML_TYPE_BF16, fo, &n_glus, &other)) continue;   /* taken before */
-            if (why != NULL && why_size > 0) {
-                snprintf(why, (size_t) why_size, "SwiGLU over %s and %s, kept bf16 in another graph: %s %s reads it here",
-                         gate->name, up->name, other != NULL ? ggml_op_desc(other) : "an output or another layout",
-                         other != NULL ? other->name : "");
-            }
-            return -2;
+            char what[2 * GGML_MAX_NAME + 32];
+            snprintf(what, sizeof what, "SwiGLU over %s and %s", gate->name, up->name);
+            return th_kept_elsewhere(why, why_size, what, other);
         }
         if (!th_swiglu_pair_ok(graph, &fg, &fu, GGML_TYPE_F32, fo, &n_glus, &other)) continue;
         th_family_retype(&fg);
@@ -256,12 +264,9 @@ static int th_gelu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
         if (h == NULL || th_kernel_of(h) != TH_CUDA_LINEAR_BIAS || !th_family_of(graph, h, &fh)) continue;
         if (h->type == GGML_TYPE_BF16) {
             if (th_gelu_input_ok(graph, &fh, GGML_TYPE_BF16, &other)) continue;         /* taken before */
-            if (why != NULL && why_size > 0) {
-                snprintf(why, (size_t) why_size, "GELU's input %s, kept bf16 in another graph: %s %s reads it here",
-                         h->name, other != NULL ? ggml_op_desc(other) : "an output or another layout",
-                         other != NULL ? other->name : "");
-            }
-            return -2;
+            char what[GGML_MAX_NAME + 32];
+            snprintf(what, sizeof what, "GELU's input %s", h->name);
+            return th_kept_elsewhere(why, why_size, what, other);
         }
         if (!th_gelu_input_ok(graph, &fh, GGML_TYPE_F32, &other)) continue;
         th_family_retype(&fh);
@@ -346,12 +351,9 @@ static int th_attention_inputs_bf16(struct ggml_cgraph * graph, char * why, int 
             if (p == NULL || seen || !th_views_of(graph, p, &fp)) continue;
             if (p->type == GGML_TYPE_BF16) {
                 if (th_attention_input_ok(graph, &fp, GGML_TYPE_BF16, &other)) continue;     /* taken before */
-                if (why != NULL && why_size > 0) {
-                    snprintf(why, (size_t) why_size, "attention's input %s, kept bf16 in another graph: %s %s reads it "
-                             "here", p->name, other != NULL ? ggml_op_desc(other) : "an output or another layout",
-                             other != NULL ? other->name : "");
-                }
-                return -2;
+                char what[GGML_MAX_NAME + 32];
+                snprintf(what, sizeof what, "attention's input %s", p->name);
+                return th_kept_elsewhere(why, why_size, what, other);
             }
             if (n_taken == TH_ATTENTION_PRODUCTS || !th_attention_input_ok(graph, &fp, GGML_TYPE_F32, &other)) continue;
             taken[n_taken++] = p;
