@@ -411,10 +411,11 @@ static void th_attention_drop_ds(struct ggml_tensor * t) {
 
 /* Stamps `precision` (TH_PRECISION_*) on the graph's product nodes; returns how many, -1 for a
  * precision it does not know, or -2 where bf16 meets a frozen weight's product of a shape the
- * frozen bf16 products do not take, or a SwiGLU or a GELU's input kept bf16 that a node here reads
+ * frozen bf16 products do not take, or a SwiGLU, a GELU's or an attention's input kept bf16 that a node here reads
  * as f32 (its name in `why`). fp32 clears a stamp (a node keeps no other precision's). At bf16, products of frozen
  * weights become ours first (th_mark_frozen), then SwiGLUs over them keep bf16 (th_swiglu_bf16),
- * as do GELUs' inputs (th_gelu_bf16), and at tf32 and bf16 attention's backward nodes drop dS
+ * as do GELUs' inputs (th_gelu_bf16) and attention's q, k and v (th_attention_inputs_bf16), and at tf32
+ * and bf16 attention's backward nodes drop dS
  * (th_attention_drop_ds). */
 TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, char * why, int why_size) {
     if (precision != TH_PRECISION_FP32 && precision != TH_PRECISION_TF32 && precision != TH_PRECISION_BF16) return -1;

@@ -789,7 +789,8 @@ static bool th_product_sum_supported(const ggml_tensor * op) {
 // documentation). A plan is also the precision's (th-precision.cuh): its compute type, and at bf16
 // its operands' type: the bf16 copies of w and x (packed) that the bf16 products use, fp32 out and
 // b fp32, where before bf16 took the plain path (the fill and the beta-1 product: 0.45 + ~0.9 ms
-// of a nano gpt2 step). A bf16 dst (a GELU's input, th_gelu_bf16): bf16 out, and b's bf16 copy
+// of a nano gpt2 step). A bf16 dst (a GELU's or attention's input, th_gelu_bf16 and
+// th_attention_inputs_bf16): bf16 out, and b's bf16 copy
 // (cuBLASLt's bias has the output's type; bf16 autocast casts the bias so too).
 struct th_lt_bias_plan {
     int device, precision;
@@ -873,7 +874,7 @@ static bool th_linear_bias(cudaStream_t stream, cublasHandle_t cublas, ggml_tens
     const int64_t n = dst->ne[0], m = ggml_nrows(dst), k = w->ne[0];
     const int64_t lda = (int64_t) (w->nb[1] / sizeof(float)), ldb = (int64_t) (x->nb[1] / sizeof(float));
     const float one = 1.0f, zero = 0.0f;
-    const bool out_bf16 = dst->type == GGML_TYPE_BF16;      // a GELU's input at bf16 (th_gelu_bf16)
+    const bool out_bf16 = dst->type == GGML_TYPE_BF16;      // kept bf16 (th_gelu_bf16, th_attention_inputs_bf16)
     {
         std::lock_guard<std::mutex> lock(th_lt_mutex);      // the plans, and the bias pointer set on one
         const bool bf16 = th_cuda_precision_now() == TH_PRECISION_BF16;     // operands: their bf16 copies
