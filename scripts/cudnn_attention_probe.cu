@@ -58,14 +58,23 @@ static std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph & g,
     return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(d).set_stride(st));
 }
 
-static std::shared_ptr<fe::graph::Graph> fwd_graph(cudnnHandle_t h, const Shape & x, float scale) {
+// a graph of bf16 tensors, fp32 intermediates and compute, holding q, k and v as the product's views
+static std::shared_ptr<fe::graph::Graph> qkv_graph(const Shape & x, std::shared_ptr<fe::graph::Tensor_attributes> & Q,
+                                                   std::shared_ptr<fe::graph::Tensor_attributes> & K,
+                                                   std::shared_ptr<fe::graph::Tensor_attributes> & V) {
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
-    auto Q = input(*g, "Q", Q_UID, dims(x), qkv_stride(x));
-    auto K = input(*g, "K", K_UID, dims(x), qkv_stride(x));
-    auto V = input(*g, "V", V_UID, dims(x), qkv_stride(x));
+    Q = input(*g, "Q", Q_UID, dims(x), qkv_stride(x));
+    K = input(*g, "K", K_UID, dims(x), qkv_stride(x));
+    V = input(*g, "V", V_UID, dims(x), qkv_stride(x));
+    return g;
+}
+
+static std::shared_ptr<fe::graph::Graph> fwd_graph(cudnnHandle_t h, const Shape & x, float scale) {
+    std::shared_ptr<fe::graph::Tensor_attributes> Q, K, V;
+    auto g = qkv_graph(x, Q, K, V);
     auto opts = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(true).set_attn_scale(scale).set_causal_mask(
         x.causal);
     auto [O, Stats] = g->sdpa(Q, K, V, opts);
@@ -80,13 +89,8 @@ static std::shared_ptr<fe::graph::Graph> fwd_graph(cudnnHandle_t h, const Shape 
 }
 
 static std::shared_ptr<fe::graph::Graph> bwd_graph(cudnnHandle_t h, const Shape & x, float scale, bool det) {
-    auto g = std::make_shared<fe::graph::Graph>();
-    g->set_io_data_type(fe::DataType_t::BFLOAT16)
-        .set_intermediate_data_type(fe::DataType_t::FLOAT)
-        .set_compute_data_type(fe::DataType_t::FLOAT);
-    auto Q = input(*g, "Q", Q_UID, dims(x), qkv_stride(x));
-    auto K = input(*g, "K", K_UID, dims(x), qkv_stride(x));
-    auto V = input(*g, "V", V_UID, dims(x), qkv_stride(x));
+    std::shared_ptr<fe::graph::Tensor_attributes> Q, K, V;
+    auto g = qkv_graph(x, Q, K, V);
     auto O = input(*g, "O", O_UID, dims(x), bhsd(x));
     auto dO = input(*g, "dO", DO_UID, dims(x), bhsd(x));
     auto Stats = input(*g, "Stats", STATS_UID, {x.b, x.h, x.s, 1}, {x.h * x.s, x.s, 1, 1});
