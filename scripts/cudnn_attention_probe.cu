@@ -13,11 +13,13 @@
 #include <cuda_bf16.h>
 #include <cudnn_frontend.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <unordered_map>
 #include <vector>
 
 namespace fe = cudnn_frontend;
