@@ -743,14 +743,16 @@ def test_lora_over_a_frozen_mlp_at_bf16_keeps_swiglu_in_bf16_repeats_and_agrees_
     assert_kept_in_bf16_repeats_and_agrees("lora@q4_k@bf16 targets q,k,v,o, SwiGLU", first, second, kept_f32, ref)
 
 
-def assert_kept_in_bf16_repeats_and_agrees(label: str, first: dict, second: dict, kept_f32: dict, ref) -> None:
+def assert_kept_in_bf16_repeats_and_agrees(label: str, first: dict, second: dict, kept_f32: dict, ref,
+                                           ways: tuple[str, str] = ("bf16", "f32")) -> None:
     """Two runs with a tensor kept in bf16 (`first`, `second`) give the same bits, not those of the
-    run that keeps it f32 (so the path ran), and both agree with fp32's losses `ref` within 2 u."""
+    run that keeps it f32 (so the path ran), and both agree with fp32's losses `ref` within 2 u.
+    `ways` names the two paths in the printed lines."""
     assert goldens.compare(first, second) is None, "not run-to-run deterministic"
     assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in kept_f32["losses"]]
     for doc in (first, kept_f32):
         rel = np.abs(np.array([x["value"] for x in doc["losses"]]) - ref) / np.abs(ref)
-        print(f"{label} {'f32' if doc is kept_f32 else 'bf16'}: largest relative difference to fp32 over 16 "
+        print(f"{label} {ways[1] if doc is kept_f32 else ways[0]}: largest relative difference to fp32 over 16 "
               f"steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
         assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
 
@@ -803,7 +805,8 @@ def test_at_bf16_cudnn_attention_repeats_and_agrees_with_fp32(backend, monkeypat
     second = goldens.compute("gpt2@bf16", backend, extra_sets=CUDNN_SETS)
     monkeypatch.setenv("TOYHARNESS_CUDNN_ATTENTION", "0")
     ours = goldens.compute("gpt2@bf16", backend, extra_sets=CUDNN_SETS)
-    assert_kept_in_bf16_repeats_and_agrees("gpt2@bf16 (head size 32), cuDNN's attention", first, second, ours, ref)
+    assert_kept_in_bf16_repeats_and_agrees("gpt2@bf16 (head size 32), attention", first, second, ours, ref,
+                                           ways=("cuDNN's", "ours"))
 
 
 BF16_RUN = """
