@@ -257,10 +257,10 @@ static inline int th_attention_on_tensor_cores(const struct ggml_tensor * t) {
 }
 /* Whether an attention, by its forward node `fwd` (ATTN_FWD), runs on cuDNN's fused attention
  * (cudnn/th_cudnn.cpp, cuda/th-attention.cu's "cuDNN" section): a build with cuDNN
- * (TH_CUDNN_ATTENTION: native/build.py), stamped bf16 with q, k and v^T kept bf16
- * (native/cuda_precision.c, th_attention_inputs_bf16), a query head a kv head, head size 32 or 64,
- * T a multiple of 8 (the softmax statistics' rows 16-byte aligned), and TOYHARNESS_CUDNN_ATTENTION
- * not 0. Its prep, backward and dQ nodes follow their forward (src[1], src[4], src[4]): the
+ * (TH_CUDNN_ATTENTION: native/build.py), stamped bf16, its q, k and v^T all bf16 (read in place:
+ * native/cuda_precision.c, th_attention_inputs_bf16) or all f32 (narrowed to bf16 for cuDNN:
+ * llama's, after RoPE), grouped-query heads or not, head size 32 or 64, T a multiple of 8 (the
+ * softmax statistics' rows 16-byte aligned), and TOYHARNESS_CUDNN_ATTENTION not 0. Its prep, backward and dQ nodes follow their forward (src[1], src[4], src[4]): the
  * backward then holds dQ, dK and dV in bf16, (3 hd T / 2, 1, BH) floats (th_cuda_mark_precision). */
 static inline int th_attention_cudnn(const struct ggml_tensor * fwd) {
 #ifdef TH_CUDNN_ATTENTION
@@ -270,11 +270,11 @@ static inline int th_attention_cudnn(const struct ggml_tensor * fwd) {
     }
     th_attention_params ap;
     memcpy(&ap, (const char *) fwd->op_params + 2 * sizeof(int32_t), sizeof(ap));
-    if (ap.group != 1 || (ap.hd != 32 && ap.hd != 64) || ap.T % 8 != 0) return 0;
-    for (int j = 0; j < 3; j++) {
-        if (fwd->src[j] == NULL || fwd->src[j]->type != GGML_TYPE_BF16) return 0;
+    if ((ap.hd != 32 && ap.hd != 64) || ap.T % 8 != 0) return 0;
+    for (int j = 0; j < 3; j++) {    /* all three bf16 (read in place) or all f32 (narrowed) */
+        if (fwd->src[j] == NULL || fwd->src[j]->type != fwd->src[0]->type) return 0;
     }
-    return 1;
+    return fwd->src[0]->type == GGML_TYPE_BF16 || fwd->src[0]->type == GGML_TYPE_F32;
 #else
     (void) fwd;
     return 0;

@@ -787,25 +787,27 @@ def test_at_bf16_attention_over_q_k_v_in_bf16_repeats_and_agrees_with_fp32(recip
 
 
 # the golden config with head size 32 (d_model 64, 2 heads), which cuDNN's attention takes
-# (custom_ops.h, th_attention_cudnn: head size 32 or 64); the golden config's 16 keeps our kernels
+# (custom_ops.h, th_attention_cudnn: head size 32 or 64); the golden config's 16 keeps our kernels.
+# gpt2's q, k and v are bf16 products, read in place; llama's (RoPE's outputs, f32) are narrowed,
+# and its 2 query heads share 1 kv head (the golden config's n_kv_head=1)
 CUDNN_SETS = ["d_model=64"]
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-def test_at_bf16_cudnn_attention_repeats_and_agrees_with_fp32(backend, monkeypatch):
-    """gpt2 at bf16 with its attention on cuDNN's fused attention (q, k and v bf16, the backward
-    deterministic): the 16 losses' bits repeat run to run, each within 2 u of fp32's, and they
-    are not the bits of the same run on our kernels (TOYHARNESS_CUDNN_ATTENTION=0, so cuDNN ran),
-    which agrees with fp32 as closely."""
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "llama")])
+def test_at_bf16_cudnn_attention_repeats_and_agrees_with_fp32(recipe, monkeypatch):
+    """The golden config at bf16 and head size 32 with its attention on cuDNN's fused attention (the
+    backward deterministic): the 16 losses' bits repeat run to run, each within 2 u of fp32's, and
+    they are not the bits of the same run on our kernels (TOYHARNESS_CUDNN_ATTENTION=0, so cuDNN
+    ran), which agrees with fp32 as closely."""
     if not lib.th_cudnn_attention_built():
         pytest.skip("this cuda build has no cuDNN attention (native/build.py: TOYHARNESS_CUDNN, "
                     "pip install nvidia-cudnn-cu13 nvidia-cudnn-frontend)")
-    ref = np.array([x["value"] for x in goldens.compute("gpt2", backend, extra_sets=CUDNN_SETS)["losses"]])
-    first = goldens.compute("gpt2@bf16", backend, extra_sets=CUDNN_SETS)
-    second = goldens.compute("gpt2@bf16", backend, extra_sets=CUDNN_SETS)
+    ref = np.array([x["value"] for x in goldens.compute(recipe, "cuda", extra_sets=CUDNN_SETS)["losses"]])
+    first = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=CUDNN_SETS)
+    second = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=CUDNN_SETS)
     monkeypatch.setenv("TOYHARNESS_CUDNN_ATTENTION", "0")
-    ours = goldens.compute("gpt2@bf16", backend, extra_sets=CUDNN_SETS)
-    assert_kept_in_bf16_repeats_and_agrees("gpt2@bf16 (head size 32), attention", first, second, ours, ref,
+    ours = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=CUDNN_SETS)
+    assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16 (head size 32), attention", first, second, ours, ref,
                                            ways=("cuDNN's", "ours"))
 
 

@@ -1853,15 +1853,23 @@ static unsigned th_elementwise_blocks(const int64_t total) {
     return (unsigned) (blocks < (1 << 20) ? blocks : (1 << 20));
 }
 
-// cuDNN's view of the attention whose forward node is `fwd`: q, k and v^T (bf16) through their
-// strides, the statistics in the forward node's L rows (head bh's at (hd + 1) T bh + hd T)
+// cuDNN's view of the attention whose forward node is `fwd`: q (B x H heads), k and v^T (B x Hk
+// heads: grouped-query heads share a kv head) read in place through their strides where they are
+// bf16, else narrowed into the plan's buffer (inputs16: packed, th_cudnn_inputs); the statistics
+// in the forward node's L rows (head bh's at (hd + 1) T bh + hd T)
 static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_params & ap, const int64_t heads) {
     const th_opd opd[3] = {th_opd_of(fwd->src[0], false), th_opd_of(fwd->src[1], false), th_opd_of(fwd->src[2], true)};
     th_sdpa_shape s = {};
-    s.H = opd[0].H, s.B = heads / opd[0].H, s.T = ap.T, s.D = ap.hd;
+    s.H = opd[0].H, s.Hk = opd[1].H, s.B = heads / opd[0].H, s.T = ap.T, s.D = ap.hd;
+    s.inputs16 = !opd[0].bf16;
     int64_t * strides[3] = {s.q, s.k, s.v};
     for (int j = 0; j < 3; j++) {
-        strides[j][0] = opd[j].sb, strides[j][1] = opd[j].sh, strides[j][2] = opd[j].st, strides[j][3] = opd[j].sd;
+        const int64_t h = j == 0 ? s.H : s.Hk;
+        if (s.inputs16) {
+            strides[j][0] = h * s.T * s.D, strides[j][1] = s.T * s.D, strides[j][2] = s.D, strides[j][3] = 1;
+        } else {
+            strides[j][0] = opd[j].sb, strides[j][1] = opd[j].sh, strides[j][2] = opd[j].st, strides[j][3] = opd[j].sd;
+        }
     }
     const int64_t per_head = th_attention_fwd_floats(ap.hd, ap.T);
     s.stats[0] = s.H * per_head, s.stats[1] = per_head, s.stats[2] = 1;
@@ -1873,6 +1881,24 @@ static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_para
     GGML_ABORT("toyharness attention: %s (TOYHARNESS_CUDNN_ATTENTION=0 runs toyharness's own kernels)", why);
 }
 
+// q, k and v as cuDNN reads them, for a node whose src[0..2] are the attention's q, k and v^T: in
+// place (bf16), or narrowed into the plan's buffer (f32 ones: llama's, after RoPE), packed
+template <int HD>
+static void th_cudnn_inputs(cudaStream_t stream, const ggml_tensor * node, const th_sdpa_shape & s, const bool backward,
+                            const void * (&qkv)[3], char * why, const size_t why_size) {
+    if (!s.inputs16) {
+        for (int j = 0; j < 3; j++) qkv[j] = node->src[j]->data;
+        return;
+    }
+    __nv_bfloat16 * q16 = (__nv_bfloat16 *) th_sdpa_inputs(stream, &s, backward, why, why_size);
+    if (q16 == nullptr) th_cudnn_failed(why);
+    __nv_bfloat16 * k16 = q16 + s.B * s.H * s.T * s.D, * v16 = k16 + s.B * s.Hk * s.T * s.D;
+    th_narrow_kernel<HD><<<th_cvt_grid(s.B * s.H, s.T), 256, 0, stream>>>(th_opd_of(node->src[0], false), q16, (int) s.T);
+    th_narrow_kernel<HD><<<th_cvt_grid(s.B * s.Hk, s.T), 256, 0, stream>>>(th_opd_of(node->src[1], false), k16, (int) s.T);
+    th_narrow_kernel<HD><<<th_cvt_grid(s.B * s.Hk, s.T), 256, 0, stream>>>(th_opd_of(node->src[2], true), v16, (int) s.T);
+    qkv[0] = q16, qkv[1] = k16, qkv[2] = v16;
+}
+
 template <int HD>
 static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
     const int64_t T = ap.T;
@@ -1882,8 +1908,9 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const int64_t heads = dst->ne[1];
         float * out = (float *) dst->data;
         const th_sdpa_shape shape = th_sdpa_of(dst, ap, heads);
-        const void * o16 = th_sdpa_forward(stream, &shape, dst->src[0]->data, dst->src[1]->data,
-                                           dst->src[2]->data, out + HD * T, why, sizeof why);
+        const void * qkv[3];
+        th_cudnn_inputs<HD>(stream, dst, shape, false, qkv, why, sizeof why);
+        const void * o16 = th_sdpa_forward(stream, &shape, qkv[0], qkv[1], qkv[2], out + HD * T, why, sizeof why);
         if (o16 == nullptr) th_cudnn_failed(why);
         const th_opd o = th_opd_at(out, HD, 1, th_attention_fwd_floats(HD, T), heads);
         th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>((const __nv_bfloat16 *) o16, o, no_copy, (int) T);
@@ -1902,9 +1929,12 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         __nv_bfloat16 * dq16 = (__nv_bfloat16 *) dst->data;
         th_sdpa_shape shape = th_sdpa_of(fwd, ap, heads);
         shape.stats[0] = shape.H * T, shape.stats[1] = T, shape.stats[2] = 1;   // packed by the prep node
-        if (!th_sdpa_backward(stream, &shape, dst->src[0]->data, dst->src[1]->data,
-                              dst->src[2]->data, o16, o16 + n, (const float *) (o16 + 2 * n), dq16, dq16 + n,
-                              dq16 + 2 * n, why, sizeof why)) {
+        const void * qkv[3];
+        th_cudnn_inputs<HD>(stream, dst, shape, true, qkv, why, sizeof why);
+        // dK and dV of the kv heads (B x Hk), summed over their groups by cuDNN
+        const int64_t kv_heads = shape.B * shape.Hk, n_kv = kv_heads * T * HD;
+        if (!th_sdpa_backward(stream, &shape, qkv[0], qkv[1], qkv[2], o16, o16 + n, (const float *) (o16 + 2 * n),
+                              dq16, dq16 + n, dq16 + n + n_kv, why, sizeof why)) {
             th_cudnn_failed(why);
         }
         // dK and dV into their rooms, or the prep node's scratch as the other kernels write them
@@ -1914,10 +1944,12 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
                                                  : th_opd_at(scratch, HD, 1, per_head_floats, heads);
         const th_opd dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
                                                  : th_opd_at(scratch + T * HD, 1, T, per_head_floats, heads);
-        const th_copy16 dk_copy = dst->src[6] != nullptr ? th_copy16_of(stream, dst, dst->src[6]) : no_copy;
-        const th_copy16 dv_copy = dst->src[7] != nullptr ? th_copy16_of(stream, dst, dst->src[7]) : no_copy;
-        th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>(dq16 + n, dk, dk_copy, (int) T);
-        th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>(dq16 + 2 * n, dv, dv_copy, (int) T);
+        // (grouped heads' rooms have no bf16 copy: as the tensor-core kernels, which sum into them)
+        const bool copies = ap.group == 1;
+        const th_copy16 dk_copy = copies && dst->src[6] != nullptr ? th_copy16_of(stream, dst, dst->src[6]) : no_copy;
+        const th_copy16 dv_copy = copies && dst->src[7] != nullptr ? th_copy16_of(stream, dst, dst->src[7]) : no_copy;
+        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n, dk, dk_copy, (int) T);
+        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n + n_kv, dv, dv_copy, (int) T);
     } else {
         const ggml_tensor * bwd = dst->src[6];
         th_widen_kernel<HD><<<th_cvt_grid(bwd->ne[2], T), 256, 0, stream>>>(

@@ -9,14 +9,18 @@
 #include <cstddef>
 #include <cstdint>
 
-// One attention's shapes: B batches of H heads, T tokens, head size D; q, k and v bf16 through
-// their element strides (b, h, t, d); O, dO, dQ, dK and dV bf16 and contiguous (b, h, t, d); the
-// softmax statistics (logsumexp per row, fp32) through their float strides (b, h, t).
+// One attention's shapes: B batches of H query heads and Hk kv heads (H a multiple of Hk: grouped
+// query heads share one), T tokens, head size D; q (H heads), k and v (Hk heads) bf16 through their
+// element strides (b, h, t, d); O, dO and dQ (H heads), dK and dV (Hk heads) bf16 and contiguous
+// (b, h, t, d); the softmax statistics (logsumexp per row, fp32) through their float strides
+// (b, h, t). inputs16: the plan keeps a buffer for q, k and v (th_sdpa_inputs), packed, which the
+// caller fills (its q, k and v are f32) and passes.
 struct th_sdpa_shape {
-    int64_t B, H, T, D;
+    int64_t B, H, Hk, T, D;
     int64_t q[4], k[4], v[4];
     int64_t stats[3];
     int causal;
+    int inputs16;
     float scale;
 };
 
@@ -28,6 +32,11 @@ struct th_sdpa_shape {
 TH_CUDNN_API const void * th_sdpa_forward(cudaStream_t stream, const th_sdpa_shape * s, const void * q,
                                           const void * k, const void * v, float * stats, char * why,
                                           size_t why_size);
+
+// The plan's buffer for q, k and v (inputs16; bf16, packed: q, then k, then v), built with the
+// plan at its first call; nullptr with `why`.
+TH_CUDNN_API void * th_sdpa_inputs(cudaStream_t stream, const th_sdpa_shape * s, bool backward, char * why,
+                                   size_t why_size);
 
 // The backward, deterministic (cuDNN's dP-workspace algorithm: the same bits run to run);
 // false with `why` where cuDNN cannot take it. Before cuDNN 9.26 the statistics it reads must be
@@ -41,6 +50,7 @@ static inline const void * th_sdpa_forward(cudaStream_t, const th_sdpa_shape *, 
                                            const void *, float *, char *, size_t) {
     return nullptr;
 }
+static inline void * th_sdpa_inputs(cudaStream_t, const th_sdpa_shape *, bool, char *, size_t) { return nullptr; }
 static inline bool th_sdpa_backward(cudaStream_t, const th_sdpa_shape *, const void *, const void *, const void *,
                                     const void *, const void *, const float *, void *, void *, void *, char *, size_t) {
     return false;

@@ -28,6 +28,7 @@ struct th_plan {
     std::shared_ptr<fe::graph::Graph> graph;
     void * workspace = nullptr;
     void * o = nullptr;           // the forward's bf16 O
+    void * inputs = nullptr;      // q, k and v in bf16 where the caller narrows them (inputs16)
 };
 
 std::mutex th_plans_mutex;
@@ -35,7 +36,7 @@ std::map<std::vector<int64_t>, th_plan> th_plans;
 std::map<int, cudnnHandle_t> th_handles;
 
 std::vector<int64_t> th_key(const int device, const int backward, const th_sdpa_shape & s) {
-    std::vector<int64_t> key = {device, backward, s.B, s.H, s.T, s.D, s.causal};
+    std::vector<int64_t> key = {device, backward, s.B, s.H, s.Hk, s.T, s.D, s.causal, s.inputs16};
     for (const int64_t * a : {s.q, s.k, s.v}) key.insert(key.end(), a, a + 4);
     key.insert(key.end(), s.stats, s.stats + 3);
     int32_t scale_bits;
@@ -44,8 +45,11 @@ std::vector<int64_t> th_key(const int device, const int backward, const th_sdpa_
     return key;
 }
 
-std::vector<int64_t> th_dims(const th_sdpa_shape & s) { return {s.B, s.H, s.T, s.D}; }
-std::vector<int64_t> th_packed(const th_sdpa_shape & s) { return {s.H * s.T * s.D, s.T * s.D, s.D, 1}; }
+// (b, h, t, d) of the query heads (kv false) or the kv heads, and their packed strides
+std::vector<int64_t> th_dims(const th_sdpa_shape & s, const bool kv = false) { return {s.B, kv ? s.Hk : s.H, s.T, s.D}; }
+std::vector<int64_t> th_packed(const th_sdpa_shape & s, const bool kv = false) {
+    return {(kv ? s.Hk : s.H) * s.T * s.D, s.T * s.D, s.D, 1};
+}
 
 std::shared_ptr<fe::graph::Tensor_attributes> th_tensor(fe::graph::Graph & g, const char * name, const int64_t uid,
                                                         const std::vector<int64_t> & dims,
@@ -58,10 +62,11 @@ std::shared_ptr<fe::graph::Graph> th_graph(const th_sdpa_shape & s, const bool b
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
-    const std::vector<int64_t> dims = th_dims(s), packed = th_packed(s);
+    const std::vector<int64_t> dims = th_dims(s), packed = th_packed(s), kv_dims = th_dims(s, true),
+                               kv_packed = th_packed(s, true);
     auto Q = th_tensor(*g, "Q", Q_UID, dims, {s.q[0], s.q[1], s.q[2], s.q[3]});
-    auto K = th_tensor(*g, "K", K_UID, dims, {s.k[0], s.k[1], s.k[2], s.k[3]});
-    auto V = th_tensor(*g, "V", V_UID, dims, {s.v[0], s.v[1], s.v[2], s.v[3]});
+    auto K = th_tensor(*g, "K", K_UID, kv_dims, {s.k[0], s.k[1], s.k[2], s.k[3]});
+    auto V = th_tensor(*g, "V", V_UID, kv_dims, {s.v[0], s.v[1], s.v[2], s.v[3]});
     const std::vector<int64_t> stats_dims = {s.B, s.H, s.T, 1}, stats_strides = {s.stats[0], s.stats[1], s.stats[2], 1};
     if (!backward) {
         auto opts = fe::graph::SDPA_attributes()
@@ -88,8 +93,8 @@ std::shared_ptr<fe::graph::Graph> th_graph(const th_sdpa_shape & s, const bool b
                         .set_deterministic_algorithm(true);   // dQ summed in a fixed order
         auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, stats, opts);
         dQ->set_output(true).set_dim(dims).set_stride(packed).set_uid(DQ_UID);
-        dK->set_output(true).set_dim(dims).set_stride(packed).set_uid(DK_UID);
-        dV->set_output(true).set_dim(dims).set_stride(packed).set_uid(DV_UID);
+        dK->set_output(true).set_dim(kv_dims).set_stride(kv_packed).set_uid(DK_UID);
+        dV->set_output(true).set_dim(kv_dims).set_stride(kv_packed).set_uid(DV_UID);
     }
     return g;
 }
@@ -127,16 +132,17 @@ th_plan * th_plan_of(cudaStream_t stream, const th_sdpa_shape & s, const bool ba
     plan.graph = th_graph(s, backward);
     fe::error_t built = plan.graph->build(*handle, {fe::HeurMode_t::A});
     if (!built.is_good()) {
-        snprintf(why, why_size, "cuDNN %zu cannot take the attention %s (B %lld, H %lld, T %lld, D %lld): %s",
+        snprintf(why, why_size, "cuDNN %zu cannot take the attention %s (B %lld, H %lld, kv heads %lld, T %lld, D %lld): %s",
                  cudnnGetVersion(), backward ? "backward" : "forward", (long long) s.B, (long long) s.H,
-                 (long long) s.T, (long long) s.D, built.get_message().c_str());
+                 (long long) s.Hk, (long long) s.T, (long long) s.D, built.get_message().c_str());
         return nullptr;
     }
     int64_t workspace = 0;
     if (!plan.graph->get_workspace_size(workspace).is_good() ||
         cudaMalloc(&plan.workspace, workspace > 0 ? (size_t) workspace : 16) != cudaSuccess ||
-        (!backward && cudaMalloc(&plan.o, (size_t) (s.B * s.H * s.T * s.D * 2)) != cudaSuccess)) {
-        snprintf(why, why_size, "cuDNN's attention %s: cannot allocate its workspace (%lld bytes)",
+        (!backward && cudaMalloc(&plan.o, (size_t) (s.B * s.H * s.T * s.D * 2)) != cudaSuccess) ||
+        (s.inputs16 && cudaMalloc(&plan.inputs, (size_t) ((s.H + 2 * s.Hk) * s.B * s.T * s.D * 2)) != cudaSuccess)) {
+        snprintf(why, why_size, "cuDNN's attention %s: cannot allocate its workspace (%lld bytes) or buffers",
                  backward ? "backward" : "forward", (long long) workspace);
         return nullptr;
     }
@@ -166,6 +172,14 @@ TH_CUDNN_API const void * th_sdpa_forward(cudaStream_t stream, const th_sdpa_sha
     std::unordered_map<int64_t, void *> pack = {{Q_UID, (void *) q}, {K_UID, (void *) k}, {V_UID, (void *) v},
                                                 {O_UID, plan->o}, {STATS_UID, stats}};
     return th_execute(stream, handle, *plan, pack, why, why_size) ? plan->o : nullptr;
+}
+
+TH_CUDNN_API void * th_sdpa_inputs(cudaStream_t stream, const th_sdpa_shape * shape, const bool backward, char * why,
+                                   const size_t why_size) {
+    cudnnHandle_t handle;
+    th_plan * plan = th_plan_of(stream, *shape, backward, &handle, why, why_size);
+    if (plan != nullptr && plan->inputs == nullptr) snprintf(why, why_size, "cuDNN's attention: no input buffer");
+    return plan != nullptr ? plan->inputs : nullptr;
 }
 
 TH_CUDNN_API bool th_sdpa_backward(cudaStream_t stream, const th_sdpa_shape * shape, const void * q, const void * k,
