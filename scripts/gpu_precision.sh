@@ -17,8 +17,8 @@
 # cudnn: bf16 attention on cuDNN's fused attention (native/cudnn/th_cudnn.cpp): its test and the
 # attention tests of tests/test_precision.py and tests/test_cuda_kernels.py; cudnn-debug: a cuDNN
 # run under cuda-gdb, its whole output in OUT/cudnn_gdb.txt (the backtrace of a crash); cudnn-profile: a bf16
-# gpt2-small step by kernel on our attention kernels (TOYHARNESS_CUDNN_ATTENTION=0), then cuDNN's,
-# twice each, interleaved; cudnn-bench: gpt2 and llama at BENCH_SIZES, bf16, beside PyTorch's bf16
+# gpt2-small step of each of PROFILE_RECIPES (default gpt2 llama) by kernel on our attention kernels
+# (TOYHARNESS_CUDNN_ATTENTION=0), then cuDNN's, twice each, interleaved; cudnn-bench: gpt2 and llama at BENCH_SIZES, bf16, beside PyTorch's bf16
 # autocast + torch.compile, on cuDNN's attention then ours.
 # qkv-bf16: attention's q, k and v products kept in bf16 (native/cuda_precision.c,
 # th_attention_inputs_bf16): the bf16 kernels alone with bf16 inputs against fp32 inputs of the same
@@ -109,12 +109,12 @@ cuda_golden_names() {
 # profile_switch VAR TAG WHAT [OFF ON]: a bf16 gpt2-small step by kernel, ours, with VAR=OFF then ON
 # (default f32, bf16), twice (interleaved), each into OUT/profile_gpt2_bf16_TAG_VALUE.txt
 profile_switch() {
-    local var=$1 tag=$2 what=$3 off=${4:-f32} on=${5:-bf16} kept
+    local var=$1 tag=$2 what=$3 off=${4:-f32} on=${5:-bf16} kept recipe=${PROFILE_RECIPE:-gpt2}
     for kept in "$off" "$on" "$off" "$on"; do
-        step "a bf16 gpt2-small step by kernel, ours, $what $kept"
-        env "$var=$kept" python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 --rows 40 \
-            >"$out/profile_gpt2_bf16_${tag}_$kept.txt" 2>&1 || status=1
-        grep "^==" "$out/profile_gpt2_bf16_${tag}_$kept.txt" | tee -a "$log"
+        step "a bf16 $recipe gpt2-small step by kernel, ours, $what $kept"
+        env "$var=$kept" python3 scripts/cuda_kernels.py "$recipe" gpt2-small --precision bf16 --rows 40 \
+            >"$out/profile_${recipe}_bf16_${tag}_$kept.txt" 2>&1 || status=1
+        grep "^==" "$out/profile_${recipe}_bf16_${tag}_$kept.txt" | tee -a "$log"
     done
 }
 
@@ -184,7 +184,9 @@ if [[ $phases == *" cudnn-debug "* ]]; then
 fi
 
 if [[ $phases == *" cudnn-profile "* ]]; then
-    profile_switch TOYHARNESS_CUDNN_ATTENTION cudnn "cuDNN's attention" 0 1
+    for PROFILE_RECIPE in ${PROFILE_RECIPES:-gpt2 llama}; do
+        profile_switch TOYHARNESS_CUDNN_ATTENTION cudnn "cuDNN's attention" 0 1
+    done
 fi
 
 if [[ $phases == *" cudnn-bench "* ]]; then
