@@ -187,6 +187,7 @@ if [[ $phases == *" cudnn-profile "* ]]; then
     for PROFILE_RECIPE in ${PROFILE_RECIPES:-gpt2 llama}; do
         profile_switch TOYHARNESS_CUDNN_ATTENTION cudnn "cuDNN's attention" 0 1
     done
+    unset PROFILE_RECIPE    # (the other phases' profiles: gpt2)
 fi
 
 if [[ $phases == *" cudnn-bench "* ]]; then
