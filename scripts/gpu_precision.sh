@@ -15,7 +15,8 @@
 #                                    [cudnn] [cudnn-debug] [cudnn-profile] [cudnn-bench]
 #
 # cudnn: bf16 attention on cuDNN's fused attention (native/cudnn/th_cudnn.cpp): its test and the
-# attention tests of tests/test_precision.py and tests/test_cuda_kernels.py; cudnn-debug: a cuDNN
+# attention tests of tests/test_precision.py and tests/test_cuda_kernels.py (cuDNN's against float64,
+# grouped heads read in place against ggml's REPEATs); cudnn-debug: a cuDNN
 # run under cuda-gdb, its whole output in OUT/cudnn_gdb.txt (the backtrace of a crash); cudnn-profile: a bf16
 # gpt2-small step of each of PROFILE_RECIPES (default gpt2 llama) by kernel on our attention kernels
 # (TOYHARNESS_CUDNN_ATTENTION=0), then cuDNN's, twice each, interleaved; cudnn-bench: gpt2 and llama at BENCH_SIZES, bf16, beside PyTorch's bf16
@@ -166,7 +167,8 @@ if [[ $phases == *" cudnn "* ]]; then
     step "bf16 attention on cuDNN's fused attention: its test, the attention tests"
     tests_phase cudnn.log tests/test_precision.py "cudnn or attention" \
         "cuDNN|attention|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
-    tests_phase kernels.log tests/test_cuda_kernels.py "attention or attn" "passed|failed|FAILED|ERROR"
+    tests_phase kernels.log tests/test_cuda_kernels.py "attention or attn or heads" \
+        "cuDNN's attention|passed|failed|FAILED|ERROR"
 fi
 
 if [[ $phases == *" cudnn-debug "* ]]; then

@@ -1797,14 +1797,21 @@ static void th_mma_launch(cudaStream_t stream, const int kernel, const th_attn_a
 
 static __device__ __forceinline__ bool th_rows_adjacent(const th_opd & o) { return o.sd == 1 || o.st != 1; }
 
-// bf16 (bh, t, d), packed, into an fp32 operand's layout, and its bf16 copy where one is read
+// bf16 (bh, t, d), packed, into an fp32 operand's layout, and its bf16 copy where one is read;
+// with group > 1 head bh of dst takes the sum of src's heads bh G .. bh G + G - 1, added in head
+// order in fp32 (as th_attn_group_sum_kernel adds our kernels' per-head dK and dV)
 template <int HD>
 static __global__ void __launch_bounds__(256) th_widen_kernel(const __nv_bfloat16 * __restrict__ src, const th_opd dst,
-                                                              const th_copy16 copy, const int T) {
+                                                              const th_copy16 copy, const int T, const int group) {
     __shared__ float tile[TH_CVT_ROWS][HD + 1];
     const int bh = blockIdx.y, t0 = blockIdx.x * TH_CVT_ROWS, rows = min(TH_CVT_ROWS, T - t0);
-    const __nv_bfloat16 * from = src + ((int64_t) bh * T + t0) * HD;
-    for (int i = threadIdx.x; i < rows * HD; i += blockDim.x) tile[i / HD][i % HD] = __bfloat162float(from[i]);
+    for (int i = threadIdx.x; i < rows * HD; i += blockDim.x) {
+        float sum = 0.0f;
+        for (int gr = 0; gr < group; gr++) {
+            sum = __fadd_rn(sum, __bfloat162float(src[((int64_t) (bh * group + gr) * T + t0) * HD + i]));
+        }
+        tile[i / HD][i % HD] = sum;
+    }
     __syncthreads();
     float * head = th_head(dst, bh);
     const bool by_rows = th_rows_adjacent(dst);
@@ -1817,17 +1824,19 @@ static __global__ void __launch_bounds__(256) th_widen_kernel(const __nv_bfloat1
     }
 }
 
-// an fp32 operand's (bh, t, d) elements, rounded to bf16, packed
-template <int HD>
+// an operand's (bh, t, d) elements (fp32, rounded to bf16, or bf16: B16), packed; src.g > 1 repeats
+// each kv head for its group's query heads
+template <int HD, bool B16>
 static __global__ void __launch_bounds__(256) th_narrow_kernel(const th_opd src, __nv_bfloat16 * __restrict__ dst,
                                                                const int T) {
     __shared__ float tile[TH_CVT_ROWS][HD + 1];
     const int bh = blockIdx.y, t0 = blockIdx.x * TH_CVT_ROWS, rows = min(TH_CVT_ROWS, T - t0);
-    const float * head = th_head(src, bh);
+    const float * head = th_head_as<B16>(src, bh);
     const bool by_rows = th_rows_adjacent(src);
     for (int i = threadIdx.x; i < TH_CVT_ROWS * HD; i += blockDim.x) {
         const int r = by_rows ? i / HD : i % TH_CVT_ROWS, d = by_rows ? i % HD : i / TH_CVT_ROWS;
-        if (r < rows) tile[r][d] = head[(int64_t) (t0 + r) * src.st + (int64_t) d * src.sd];
+        const int64_t at = (int64_t) (t0 + r) * src.st + (int64_t) d * src.sd;
+        if (r < rows) tile[r][d] = B16 ? __bfloat162float(((const __nv_bfloat16 *) head)[at]) : head[at];
     }
     __syncthreads();
     __nv_bfloat16 * to = dst + ((int64_t) bh * T + t0) * HD;
@@ -1854,14 +1863,21 @@ static unsigned th_elementwise_blocks(const int64_t total) {
 }
 
 // cuDNN's view of the attention whose forward node is `fwd`: q (B x H heads), k and v^T (B x Hk
-// heads: grouped-query heads share a kv head) read in place through their strides where they are
-// bf16, else narrowed into the plan's buffer (inputs16: packed, th_cudnn_inputs); the statistics
-// in the forward node's L rows (head bh's at (hd + 1) T bh + hd T)
-static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_params & ap, const int64_t heads) {
+// heads: grouped-query heads share a kv head, query head h kv head h / group) read in place through
+// their strides where they are bf16, else narrowed into the plan's buffer (inputs16: packed,
+// th_cudnn_inputs); the statistics in the forward node's L rows (head bh's at (hd + 1) T bh + hd T).
+// An operand's axis 2 holds its heads of one batch, or of all batches (folded: a REPEAT's output,
+// or a view with ne[3] 1); where q, k and v do not fold alike, cuDNN sees one batch of all the heads
+// (B 1), every operand narrowed through th_head, which reads either. `repeat`: k and v repeated to
+// the H query heads in that buffer (Hk = H)
+static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_params & ap, const int64_t heads,
+                                const bool repeat = false) {
     const th_opd opd[3] = {th_opd_of(fwd->src[0], false), th_opd_of(fwd->src[1], false), th_opd_of(fwd->src[2], true)};
+    const bool alike = opd[1].H * ap.group == opd[0].H && opd[2].H * ap.group == opd[0].H && heads % opd[0].H == 0;
     th_sdpa_shape s = {};
-    s.H = opd[0].H, s.Hk = opd[1].H, s.B = heads / opd[0].H, s.T = ap.T, s.D = ap.hd;
-    s.inputs16 = !opd[0].bf16;
+    s.H = alike ? opd[0].H : heads, s.B = heads / s.H, s.T = ap.T, s.D = ap.hd;
+    s.Hk = repeat ? s.H : s.H / ap.group;
+    s.inputs16 = repeat || !alike || !opd[0].bf16;
     int64_t * strides[3] = {s.q, s.k, s.v};
     for (int j = 0; j < 3; j++) {
         const int64_t h = j == 0 ? s.H : s.Hk;
@@ -1881,8 +1897,23 @@ static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_para
     GGML_ABORT("toyharness attention: %s (TOYHARNESS_CUDNN_ATTENTION=0 runs toyharness's own kernels)", why);
 }
 
+// an operand's heads into `dst` (th_narrow_kernel), bf16 or f32, each kv head repeated for the
+// s.Hk / x's heads query heads of its group
+template <int HD>
+static void th_cudnn_narrow(cudaStream_t stream, const ggml_tensor * x, const bool t_first, const int64_t heads,
+                            __nv_bfloat16 * dst, const int64_t T) {
+    th_opd o = th_opd_of(x, t_first);
+    o.g = (int) (heads / (ggml_nelements(x) / (HD * T)));
+    if (o.bf16) {
+        th_narrow_kernel<HD, true><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, dst, (int) T);
+    } else {
+        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, dst, (int) T);
+    }
+}
+
 // q, k and v as cuDNN reads them, for a node whose src[0..2] are the attention's q, k and v^T: in
-// place (bf16), or narrowed into the plan's buffer (f32 ones: llama's, after RoPE), packed
+// place (bf16), or narrowed into the plan's buffer (f32 ones: llama's, after RoPE; or k and v
+// repeated to the query heads), packed
 template <int HD>
 static void th_cudnn_inputs(cudaStream_t stream, const ggml_tensor * node, const th_sdpa_shape & s, const bool backward,
                             const void * (&qkv)[3], char * why, const size_t why_size) {
@@ -1893,9 +1924,9 @@ static void th_cudnn_inputs(cudaStream_t stream, const ggml_tensor * node, const
     __nv_bfloat16 * q16 = (__nv_bfloat16 *) th_sdpa_inputs(stream, &s, backward, why, why_size);
     if (q16 == nullptr) th_cudnn_failed(why);
     __nv_bfloat16 * k16 = q16 + s.B * s.H * s.T * s.D, * v16 = k16 + s.B * s.Hk * s.T * s.D;
-    th_narrow_kernel<HD><<<th_cvt_grid(s.B * s.H, s.T), 256, 0, stream>>>(th_opd_of(node->src[0], false), q16, (int) s.T);
-    th_narrow_kernel<HD><<<th_cvt_grid(s.B * s.Hk, s.T), 256, 0, stream>>>(th_opd_of(node->src[1], false), k16, (int) s.T);
-    th_narrow_kernel<HD><<<th_cvt_grid(s.B * s.Hk, s.T), 256, 0, stream>>>(th_opd_of(node->src[2], true), v16, (int) s.T);
+    th_cudnn_narrow<HD>(stream, node->src[0], false, s.B * s.H, q16, s.T);
+    th_cudnn_narrow<HD>(stream, node->src[1], false, s.B * s.Hk, k16, s.T);
+    th_cudnn_narrow<HD>(stream, node->src[2], true, s.B * s.Hk, v16, s.T);
     qkv[0] = q16, qkv[1] = k16, qkv[2] = v16;
 }
 
@@ -1913,13 +1944,14 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const void * o16 = th_sdpa_forward(stream, &shape, qkv[0], qkv[1], qkv[2], out + HD * T, why, sizeof why);
         if (o16 == nullptr) th_cudnn_failed(why);
         const th_opd o = th_opd_at(out, HD, 1, th_attention_fwd_floats(HD, T), heads);
-        th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>((const __nv_bfloat16 *) o16, o, no_copy, (int) T);
+        th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>((const __nv_bfloat16 *) o16, o, no_copy, (int) T, 1);
     } else if (kernel == TH_CUDA_ATTN_PREP) {
         const int64_t heads = dst->ne[1], n = heads * T * HD;
         __nv_bfloat16 * o16 = (__nv_bfloat16 *) dst->data;
         const th_opd o = th_opd_at((float *) dst->src[1]->data, HD, 1, th_attention_fwd_floats(HD, T), heads);
-        th_narrow_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, o16, (int) T);
-        th_narrow_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>(th_opd_of(dst->src[0], false), o16 + n, (int) T);
+        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, o16, (int) T);
+        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(th_opd_of(dst->src[0], false), o16 + n,
+                                                                              (int) T);
         th_pack_stats_kernel<HD><<<th_elementwise_blocks(heads * T), 256, 0, stream>>>(
             (const float *) dst->src[1]->data, (float *) (o16 + 2 * n), (int) T, heads * T);
     } else if (kernel == TH_CUDA_ATTN_BWD) {
@@ -1927,12 +1959,17 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const ggml_tensor * fwd = dst->src[4];
         const __nv_bfloat16 * o16 = (const __nv_bfloat16 *) dst->src[5]->data;
         __nv_bfloat16 * dq16 = (__nv_bfloat16 *) dst->data;
-        th_sdpa_shape shape = th_sdpa_of(fwd, ap, heads);
+        // grouped heads: k and v repeated for each query head, and each group's dK and dV summed
+        // here in fp32 (th_widen_kernel), as our kernels sum them (th_attn_group_sum_kernel), not
+        // by cuDNN (its per-head dK and dV summed into bf16)
+        const bool repeat = ap.group > 1;
+        th_sdpa_shape shape = th_sdpa_of(fwd, ap, heads, repeat);
         shape.stats[0] = shape.H * T, shape.stats[1] = T, shape.stats[2] = 1;   // packed by the prep node
         const void * qkv[3];
         th_cudnn_inputs<HD>(stream, dst, shape, true, qkv, why, sizeof why);
-        // dK and dV of the kv heads (B x Hk), summed over their groups by cuDNN
-        const int64_t kv_heads = shape.B * shape.Hk, n_kv = kv_heads * T * HD;
+        // dK and dV of cuDNN's kv heads (B x Hk: each query head's where k and v were repeated)
+        const int64_t n_kv = shape.B * shape.Hk * T * HD, kv_heads = heads / ap.group;
+        const int sums = repeat ? ap.group : 1;
         if (!th_sdpa_backward(stream, &shape, qkv[0], qkv[1], qkv[2], o16, o16 + n, (const float *) (o16 + 2 * n),
                               dq16, dq16 + n, dq16 + n + n_kv, why, sizeof why)) {
             th_cudnn_failed(why);
@@ -1948,13 +1985,13 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const bool copies = ap.group == 1;
         const th_copy16 dk_copy = copies && dst->src[6] != nullptr ? th_copy16_of(stream, dst, dst->src[6]) : no_copy;
         const th_copy16 dv_copy = copies && dst->src[7] != nullptr ? th_copy16_of(stream, dst, dst->src[7]) : no_copy;
-        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n, dk, dk_copy, (int) T);
-        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n + n_kv, dv, dv_copy, (int) T);
+        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n, dk, dk_copy, (int) T, sums);
+        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n + n_kv, dv, dv_copy, (int) T, sums);
     } else {
         const ggml_tensor * bwd = dst->src[6];
         th_widen_kernel<HD><<<th_cvt_grid(bwd->ne[2], T), 256, 0, stream>>>(
             (const __nv_bfloat16 *) bwd->data, th_room_opd(dst, th_attention_map_of(dst, 0)),
-            th_copy16_of(stream, dst, dst), (int) T);
+            th_copy16_of(stream, dst, dst), (int) T, 1);
     }
 }
 
