@@ -23,6 +23,12 @@ Environment:
   TOYHARNESS_SIMD=native|avx2|none    SIMD level of ggml-cpu and our kernels (default native: this
                                       CPU's; avx2: x86-64 with AVX2 and FMA; none: no SIMD code of
                                       ggml's, baseline ISA). For proving the portable goldens.
+  TOYHARNESS_CUDNN=auto|on|off        cuda: bf16 attention on cuDNN's fused attention (default auto:
+                                      where cuDNN, the nvidia-cudnn-cu13 or -cu12 package, and its
+                                      frontend's headers, nvidia-cudnn-frontend, are installed; on:
+                                      an error where they are not)
+  TOYHARNESS_CUDNN_ROOT=DIR           cuDNN's folder (include/cudnn.h, lib/libcudnn.so.9) elsewhere
+  TOYHARNESS_CUDNN_FRONTEND=DIR       the folder holding cudnn_frontend.h, elsewhere
 """
 
 from __future__ import annotations
@@ -242,9 +248,57 @@ def cmake_options(backends: list[str]) -> list[str]:
         # of small kernels skip a launch each (off by default outside llama.cpp's own build;
         # GGML_CUDA_DISABLE_GRAPHS=1 turns it off at run time).
         opts.append("-DGGML_CUDA_GRAPHS=ON")
+        opts.extend(cudnn_options())
     if platform.system() == "Darwin":
         opts.append("-DGGML_METAL=" + ("ON" if "metal" in backends or "cuda" not in backends else "OFF"))
     return opts
+
+
+def _cudnn_root() -> Path | None:
+    """cuDNN's folder: TOYHARNESS_CUDNN_ROOT, else the nvidia-cudnn package's (as PyTorch installs it)."""
+    if os.environ.get("TOYHARNESS_CUDNN_ROOT"):
+        return Path(os.environ["TOYHARNESS_CUDNN_ROOT"])
+    import importlib.util
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("nvidia.cudnn")
+        if spec is not None and spec.submodule_search_locations:
+            return Path(list(spec.submodule_search_locations)[0])
+    return None
+
+
+def _cudnn_frontend() -> Path | None:
+    """The folder holding cudnn_frontend.h: TOYHARNESS_CUDNN_FRONTEND, else the include/ folder the
+    nvidia-cudnn-frontend wheel installs beside its Python package."""
+    if os.environ.get("TOYHARNESS_CUDNN_FRONTEND"):
+        return Path(os.environ["TOYHARNESS_CUDNN_FRONTEND"])
+    for entry in sys.path:
+        if entry and (Path(entry) / "include" / "cudnn_frontend.h").is_file():
+            return Path(entry) / "include"
+    return None
+
+
+def cudnn_options() -> list[str]:
+    """A cuda build's cuDNN options (native/CMakeLists.txt, native/cudnn/th_cudnn.cpp): none where
+    TOYHARNESS_CUDNN is off, or auto and cuDNN or its frontend's headers are not found."""
+    mode = os.environ.get("TOYHARNESS_CUDNN", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise BuildError(f"TOYHARNESS_CUDNN: unknown value {mode!r}; use auto, on or off")
+    if mode == "off":
+        return []
+    root, frontend = _cudnn_root(), _cudnn_frontend()
+    library = root / "lib" / "libcudnn.so.9" if root is not None else None
+    missing = [what for what, ok in (
+        ("cuDNN (pip install nvidia-cudnn-cu13, or TOYHARNESS_CUDNN_ROOT)",
+         root is not None and (root / "include" / "cudnn.h").is_file() and library.is_file()),
+        ("cuDNN's frontend headers (pip install nvidia-cudnn-frontend, or TOYHARNESS_CUDNN_FRONTEND)",
+         frontend is not None and (frontend / "cudnn_frontend.h").is_file())) if not ok]
+    if missing:
+        if mode == "on":
+            raise BuildError("TOYHARNESS_CUDNN=on: not found: " + "; ".join(missing))
+        log("cuDNN attention: off, not found: " + "; ".join(missing))
+        return []
+    log(f"cuDNN attention: {library}, frontend {frontend}")
+    return [f"-DTOYHARNESS_CUDNN_INCLUDE={root / 'include'};{frontend}", f"-DTOYHARNESS_CUDNN_LIBRARY={library}"]
 
 
 def find_tool(name: str) -> str | None:
@@ -497,7 +551,8 @@ def run(cmd: list[str], cwd: Path, quiet: bool) -> None:
         raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
 
 
-LIB_NAMES = ("ggml-base", "ggml-cpu", "ggml-cuda", "ggml-vulkan", "ggml-metal", "ggml-blas", "ggml", "toyharness_shim")
+LIB_NAMES = ("ggml-base", "ggml-cpu", "ggml-cuda", "ggml-vulkan", "ggml-metal", "ggml-blas", "ggml", "toyharness_shim",
+             "toyharness_cudnn")
 
 
 def built_libraries(bdir: Path) -> dict[str, Path]:

@@ -409,6 +409,21 @@ static void th_attention_drop_ds(struct ggml_tensor * t) {
     for (int d = 1; d < GGML_MAX_DIMS; d++) t->nb[d] = t->nb[d - 1] * t->ne[d - 1];
 }
 
+/* An attention on cuDNN's fused attention (custom_ops.h, th_attention_cudnn) keeps dQ, dK and dV
+ * in bf16, as cuDNN writes them, in its backward node until its dQ node and the backward itself
+ * widen them into their fp32 rooms: (3 hd T / 2, 1, BH) floats. Once q, k and v are typed
+ * (th_attention_inputs_bf16), which the choice reads. */
+static void th_attention_cudnn_room(struct ggml_cgraph * graph) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (th_kernel_of(t) != TH_CUDA_ATTN_BWD || !th_attention_cudnn(t->src[4])) continue;
+        th_attention_params ap;
+        memcpy(&ap, (const char *) t->op_params + 2 * sizeof(int32_t), sizeof(ap));
+        t->ne[0] = 3 * (int64_t) ap.hd * ap.T / 2, t->ne[1] = 1;
+        for (int d = 1; d < GGML_MAX_DIMS; d++) t->nb[d] = t->nb[d - 1] * t->ne[d - 1];
+    }
+}
+
 /* Stamps `precision` (TH_PRECISION_*) on the graph's product nodes; returns how many, -1 for a
  * precision it does not know, or -2 where bf16 meets a frozen weight's product of a shape the
  * frozen bf16 products do not take, or a SwiGLU, a GELU's or an attention's input kept bf16 that a node here reads
@@ -447,8 +462,18 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
     if (precision == TH_PRECISION_BF16 && th_swiglu_bf16(graph, why, why_size) < 0) return -2;
     if (precision == TH_PRECISION_BF16 && th_gelu_bf16(graph, why, why_size) < 0) return -2;
     if (precision == TH_PRECISION_BF16 && th_attention_inputs_bf16(graph, why, why_size) < 0) return -2;
+    if (precision == TH_PRECISION_BF16) th_attention_cudnn_room(graph);
     return marked;
 }
 
 /* a node's stamp (tests) */
 TH_EXPORT int th_cuda_precision_of(const struct ggml_tensor * t) { return th_precision_of(t); }
+
+/* whether this build takes bf16 attention to cuDNN (native/build.py, TOYHARNESS_CUDNN; tests) */
+TH_EXPORT int th_cudnn_attention_built(void) {
+#ifdef TH_CUDNN_ATTENTION
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -255,3 +255,28 @@ static inline int th_attention_on_tensor_cores(const struct ggml_tensor * t) {
     return precision == TH_PRECISION_BF16 ||
            (precision == TH_PRECISION_TF32 && !th_env_is("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32"));
 }
+/* Whether an attention, by its forward node `fwd` (ATTN_FWD), runs on cuDNN's fused attention
+ * (cudnn/th_cudnn.cpp, cuda/th-attention.cu's "cuDNN" section): a build with cuDNN
+ * (TH_CUDNN_ATTENTION: native/build.py), stamped bf16, its q, k and v^T all bf16 (read in place:
+ * native/cuda_precision.c, th_attention_inputs_bf16) or all f32 (narrowed to bf16 for cuDNN:
+ * llama's, after RoPE), grouped-query heads or not, head size 32 or 64, T a multiple of 8 (the
+ * softmax statistics' rows 16-byte aligned), and TOYHARNESS_CUDNN_ATTENTION not 0. Its prep, backward and dQ nodes follow their forward (src[1], src[4], src[4]): the
+ * backward then holds dQ, dK and dV in bf16, (3 hd T / 2, 1, BH) floats (th_cuda_mark_precision). */
+static inline int th_attention_cudnn(const struct ggml_tensor * fwd) {
+#ifdef TH_CUDNN_ATTENTION
+    if (fwd == NULL || th_kernel_of(fwd) != TH_CUDA_ATTN_FWD || th_precision_of(fwd) != TH_PRECISION_BF16 ||
+        th_env_is("TOYHARNESS_CUDNN_ATTENTION", "0")) {
+        return 0;
+    }
+    th_attention_params ap;
+    memcpy(&ap, (const char *) fwd->op_params + 2 * sizeof(int32_t), sizeof(ap));
+    if ((ap.hd != 32 && ap.hd != 64) || ap.T % 8 != 0) return 0;
+    for (int j = 0; j < 3; j++) {    /* all three bf16 (read in place) or all f32 (narrowed) */
+        if (fwd->src[j] == NULL || fwd->src[j]->type != fwd->src[0]->type) return 0;
+    }
+    return fwd->src[0]->type == GGML_TYPE_BF16 || fwd->src[0]->type == GGML_TYPE_F32;
+#else
+    (void) fwd;
+    return 0;
+#endif
+}

@@ -12,7 +12,15 @@
 #                                    [bench-lora-bf16-recompute-keepall] [grouped] [plan-lora-bf16] [kept-all]
 #                                    [gelu-bf16] [gelu-bf16-goldens] [gelu-bf16-profile]
 #                                    [qkv-bf16] [qkv-bf16-goldens] [qkv-bf16-profile]
+#                                    [cudnn] [cudnn-debug] [cudnn-profile] [cudnn-bench]
 #
+# cudnn: bf16 attention on cuDNN's fused attention (native/cudnn/th_cudnn.cpp): its test and the
+# attention tests of tests/test_precision.py and tests/test_cuda_kernels.py (cuDNN's against float64,
+# grouped heads read in place against ggml's REPEATs); cudnn-debug: a cuDNN
+# run under cuda-gdb, its whole output in OUT/cudnn_gdb.txt (the backtrace of a crash); cudnn-profile: a bf16
+# gpt2-small step of each of PROFILE_RECIPES (default gpt2 llama) by kernel on our attention kernels
+# (TOYHARNESS_CUDNN_ATTENTION=0), then cuDNN's, twice each, interleaved; cudnn-bench: gpt2 and llama at BENCH_SIZES, bf16, beside PyTorch's bf16
+# autocast + torch.compile, on cuDNN's attention then ours.
 # qkv-bf16: attention's q, k and v products kept in bf16 (native/cuda_precision.c,
 # th_attention_inputs_bf16): the bf16 kernels alone with bf16 inputs against fp32 inputs of the same
 # values (scripts/attention_bench.sh: the same bits), its tests and the bf16 tests it touches
@@ -99,15 +107,15 @@ cuda_golden_names() {
     names+=("${FROZEN_BF16[@]}")
 }
 
-# profile_switch VAR TAG WHAT: a bf16 gpt2-small step by kernel, ours, with VAR=f32 then bf16, twice
-# (interleaved), each into OUT/profile_gpt2_bf16_TAG_VALUE.txt
+# profile_switch VAR TAG WHAT [OFF ON]: a bf16 gpt2-small step by kernel, ours, with VAR=OFF then ON
+# (default f32, bf16), twice (interleaved), each into OUT/profile_gpt2_bf16_TAG_VALUE.txt
 profile_switch() {
-    local var=$1 tag=$2 what=$3 kept
-    for kept in f32 bf16 f32 bf16; do
-        step "a bf16 gpt2-small step by kernel, ours, $what $kept"
-        env "$var=$kept" python3 scripts/cuda_kernels.py gpt2 gpt2-small --precision bf16 --rows 40 \
-            >"$out/profile_gpt2_bf16_${tag}_$kept.txt" 2>&1 || status=1
-        grep "^==" "$out/profile_gpt2_bf16_${tag}_$kept.txt" | tee -a "$log"
+    local var=$1 tag=$2 what=$3 off=${4:-f32} on=${5:-bf16} kept recipe=${PROFILE_RECIPE:-gpt2}
+    for kept in "$off" "$on" "$off" "$on"; do
+        step "a bf16 $recipe gpt2-small step by kernel, ours, $what $kept"
+        env "$var=$kept" python3 scripts/cuda_kernels.py "$recipe" gpt2-small --precision bf16 --rows 40 \
+            >"$out/profile_${recipe}_bf16_${tag}_$kept.txt" 2>&1 || status=1
+        grep "^==" "$out/profile_${recipe}_bf16_${tag}_$kept.txt" | tee -a "$log"
     done
 }
 
@@ -152,6 +160,45 @@ if [[ $phases == *" qkv-bf16-profile "* ]]; then
         step "gpt2 at gpt2-small's size, bf16, beside PyTorch: attention's q, k, v $kept"
         TOYHARNESS_BF16_ATTENTION_INPUTS=$kept toyharness bench gpt2 --backend cuda --size gpt2-small \
             --precision bf16 --steps 10 --out "$out/bench_qkv_$kept.json" 2>&1 | tee -a "$log" || status=1
+    done
+fi
+
+if [[ $phases == *" cudnn "* ]]; then
+    step "bf16 attention on cuDNN's fused attention: its test, the attention tests"
+    tests_phase cudnn.log tests/test_precision.py "cudnn or attention" \
+        "cuDNN|attention|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    tests_phase kernels.log tests/test_cuda_kernels.py "attention or attn or heads" \
+        "cuDNN's attention|passed|failed|FAILED|ERROR"
+fi
+
+if [[ $phases == *" cudnn-debug "* ]]; then
+    step "the cuDNN glue's libraries: what they link and export (OUT/cudnn_libs.txt)"
+    for lib in $(find . -name "libtoyharness_cudnn.so*" -o -name "libggml-cuda.so*" | grep -v "^./.device"); do
+        { echo "== $lib"; ldd "$lib"; echo "-- dynamic symbols defined"; nm -DC --defined-only "$lib" | grep -v " [ABbDdRr] " | head -40
+          echo "-- unique (STB_GNU_UNIQUE)"; nm -DC "$lib" | grep " u " | head -20; } >>"$out/cudnn_libs.txt" 2>&1
+    done
+    step "gpt2@bf16 at head size 32 on cuDNN's attention, under cuda-gdb: the whole backtrace of a crash"
+    TOYHARNESS_CUDNN_ATTENTION=1 timeout 180 cuda-gdb -q -batch -ex "set pagination off" \
+        -ex "set cuda break_on_launch none" -ex run -ex bt -ex "info sharedlibrary" --args python3 -X faulthandler -c \
+        'from toyharness import goldens; print([x["value"] for x in goldens.compute("gpt2@bf16", "cuda", extra_sets=["d_model=64"])["losses"]])' \
+        >"$out/cudnn_gdb.txt" 2>&1 || status=1
+    grep -v "^\[New Thread\|^\[Thread" "$out/cudnn_gdb.txt" | grep -B2 -A30 "SIGSEGV\|^\[[0-9]" | head -60 | tee -a "$log"
+fi
+
+if [[ $phases == *" cudnn-profile "* ]]; then
+    for PROFILE_RECIPE in ${PROFILE_RECIPES:-gpt2 llama}; do
+        profile_switch TOYHARNESS_CUDNN_ATTENTION cudnn "cuDNN's attention" 0 1
+    done
+    unset PROFILE_RECIPE    # (the other phases' profiles: gpt2)
+fi
+
+if [[ $phases == *" cudnn-bench "* ]]; then
+    for size in ${BENCH_SIZES:-nano gpt2-small}; do
+        for on in 1 0; do
+            step "gpt2 and llama at $size, bf16, beside PyTorch: TOYHARNESS_CUDNN_ATTENTION=$on"
+            TOYHARNESS_CUDNN_ATTENTION=$on toyharness bench gpt2 llama --backend cuda --size "$size" \
+                --precision bf16 --steps 10 --out "$out/bench_cudnn${on}_$size.json" 2>&1 | tee -a "$log" || status=1
+        done
     done
 fi
 

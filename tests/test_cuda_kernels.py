@@ -987,6 +987,47 @@ def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats
         assert not np.array_equal(got, fp32[name]), name
 
 
+# attentions that cuDNN takes at bf16 (head size 32 or 64, T a multiple of 8)
+CUDNN_ATTENTION_SHAPES = [
+    dict(b=3, t=200, d=64, n_head=2),                         # head size 32, partial tiles
+    dict(b=2, t=24, d=64, n_head=2, n_kv_head=1),             # llama's golden config, head size 32: 2 heads on 1 kv
+    dict(b=2, t=64, d=64, n_head=2, n_kv_head=1),             # the same, 64 tokens
+    dict(b=2, t=200, d=256, n_head=8, n_kv_head=2),           # groups of 4
+    dict(b=1, t=256, d=512, n_head=8, n_kv_head=4),           # head size 64, groups of 2
+]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("inputs", ["bf16", "f32"])
+@pytest.mark.parametrize("shape", CUDNN_ATTENTION_SHAPES)
+def test_cudnn_attention_in_bf16_matches_float64_as_ours_does(backend, shape, inputs, monkeypatch):
+    """cuDNN's fused attention at bf16 (th-attention.cu, "cuDNN"): q, k and v read in place (bf16
+    products) or narrowed (f32: TOYHARNESS_BF16_ATTENTION_INPUTS=f32, as RoPE's outputs are), grouped
+    heads' backward with k and v repeated and each group's dK and dV summed by us. Against the
+    float64 block within 4 u of each output's largest element (the bound of our bf16 kernels' test
+    above), beside our kernels for scale; the same bits on a second run, and not ours (so cuDNN ran).
+    (Operands whose batches are laid out unlike each other's, as in llama's graph, are run by
+    tests/test_precision.py, test_at_bf16_cudnn_attention_repeats_and_agrees_with_fp32[llama].)"""
+    if not lib.th_cudnn_attention_built():
+        pytest.skip("this cuda build has no cuDNN attention (native/build.py: TOYHARNESS_CUDNN)")
+    u = 2.0**-8
+    monkeypatch.setenv("TOYHARNESS_BF16_ATTENTION_INPUTS", inputs)
+    cudnn, again = attention_values_at(monkeypatch, "bf16", ("fused", "fused"), **shape)
+    monkeypatch.setenv("TOYHARNESS_CUDNN_ATTENTION", "0")
+    (ours,) = attention_values_at(monkeypatch, "bf16", ("fused",), **shape)
+    errors = {}
+    for name, want in attention_float64(**shape).items():
+        assert np.isfinite(cudnn[name]).all(), name
+        err, err_ours = (float(np.abs(m[name] - want).max() / np.abs(want).max()) for m in (cudnn, ours))
+        errors[name] = err
+        print(f"cuDNN's attention {shape} inputs {inputs}, {name}: {err:.3g} of the largest "
+              f"element from float64 (ours: {err_ours:.3g})")
+    for name, err in errors.items():
+        assert err < 4 * u, (name, err)
+        assert np.array_equal(cudnn[name], again[name]), name
+    assert any(not np.array_equal(cudnn[name], ours[name]) for name in errors)
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("shape", [
     *ATTENTION_SHAPES,

@@ -101,3 +101,53 @@ def test_broken_build_folder_is_built_again_but_a_compile_error_is_reported(nati
     with pytest.raises(native.BuildError, match="undefined_name"):
         build(native, clone, bdir)
     assert "from scratch" not in capsys.readouterr().err
+
+
+@pytest.fixture
+def build_module():
+    spec = importlib.util.spec_from_file_location("toyharness_native_build_cudnn", ROOT / "native" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_cudnn(folder: Path) -> tuple[Path, Path]:
+    """A cuDNN folder (include/cudnn.h, lib/libcudnn.so.9) and a frontend's include folder, empty files."""
+    (folder / "cudnn" / "include").mkdir(parents=True)
+    (folder / "cudnn" / "lib").mkdir()
+    (folder / "cudnn" / "include" / "cudnn.h").write_text("")
+    (folder / "cudnn" / "lib" / "libcudnn.so.9").write_text("")
+    (folder / "frontend").mkdir()
+    (folder / "frontend" / "cudnn_frontend.h").write_text("")
+    return folder / "cudnn", folder / "frontend"
+
+
+def test_cudnn_options_name_the_found_folders(build_module, monkeypatch, tmp_path):
+    root, frontend = fake_cudnn(tmp_path)
+    monkeypatch.setenv("TOYHARNESS_CUDNN_ROOT", str(root))
+    monkeypatch.setenv("TOYHARNESS_CUDNN_FRONTEND", str(frontend))
+    for mode in ("auto", "on"):
+        monkeypatch.setenv("TOYHARNESS_CUDNN", mode)
+        assert build_module.cudnn_options() == [f"-DTOYHARNESS_CUDNN_INCLUDE={root / 'include'};{frontend}",
+                                                f"-DTOYHARNESS_CUDNN_LIBRARY={root / 'lib' / 'libcudnn.so.9'}"]
+        # a build without cuda has no cuDNN option (and so keeps its build folder's key)
+        assert not any("CUDNN" in option for option in build_module.cmake_options(["cpu"]))
+    monkeypatch.setenv("TOYHARNESS_CUDNN", "off")
+    assert build_module.cudnn_options() == []
+
+
+def test_cudnn_missing_is_off_for_auto_and_an_error_naming_what_for_on(build_module, monkeypatch, tmp_path, capsys):
+    root, frontend = fake_cudnn(tmp_path)
+    (frontend / "cudnn_frontend.h").unlink()
+    monkeypatch.setenv("TOYHARNESS_CUDNN_ROOT", str(root))
+    monkeypatch.setenv("TOYHARNESS_CUDNN_FRONTEND", str(frontend))
+    monkeypatch.setenv("TOYHARNESS_CUDNN", "auto")
+    assert build_module.cudnn_options() == []
+    assert "cuDNN attention: off, not found: cuDNN's frontend headers" in capsys.readouterr().err
+    monkeypatch.setenv("TOYHARNESS_CUDNN", "on")
+    with pytest.raises(build_module.BuildError, match=r"TOYHARNESS_CUDNN=on: not found: cuDNN's frontend headers "
+                                                       r"\(pip install nvidia-cudnn-frontend"):
+        build_module.cudnn_options()
+    monkeypatch.setenv("TOYHARNESS_CUDNN", "maybe")
+    with pytest.raises(build_module.BuildError, match="TOYHARNESS_CUDNN: unknown value 'maybe'; use auto, on or off"):
+        build_module.cudnn_options()

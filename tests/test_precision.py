@@ -743,14 +743,16 @@ def test_lora_over_a_frozen_mlp_at_bf16_keeps_swiglu_in_bf16_repeats_and_agrees_
     assert_kept_in_bf16_repeats_and_agrees("lora@q4_k@bf16 targets q,k,v,o, SwiGLU", first, second, kept_f32, ref)
 
 
-def assert_kept_in_bf16_repeats_and_agrees(label: str, first: dict, second: dict, kept_f32: dict, ref) -> None:
+def assert_kept_in_bf16_repeats_and_agrees(label: str, first: dict, second: dict, kept_f32: dict, ref,
+                                           ways: tuple[str, str] = ("bf16", "f32")) -> None:
     """Two runs with a tensor kept in bf16 (`first`, `second`) give the same bits, not those of the
-    run that keeps it f32 (so the path ran), and both agree with fp32's losses `ref` within 2 u."""
+    run that keeps it f32 (so the path ran), and both agree with fp32's losses `ref` within 2 u.
+    `ways` names the two paths in the printed lines."""
     assert goldens.compare(first, second) is None, "not run-to-run deterministic"
     assert [x["hex"] for x in first["losses"]] != [x["hex"] for x in kept_f32["losses"]]
     for doc in (first, kept_f32):
         rel = np.abs(np.array([x["value"] for x in doc["losses"]]) - ref) / np.abs(ref)
-        print(f"{label} {'f32' if doc is kept_f32 else 'bf16'}: largest relative difference to fp32 over 16 "
+        print(f"{label} {ways[1] if doc is kept_f32 else ways[0]}: largest relative difference to fp32 over 16 "
               f"steps {rel.max():.3g}; tolerance {2 * UNIT_ROUNDOFF['bf16']:.3g}")
         assert rel.max() < 2 * UNIT_ROUNDOFF["bf16"]
 
@@ -782,6 +784,31 @@ def test_at_bf16_attention_over_q_k_v_in_bf16_repeats_and_agrees_with_fp32(recip
     monkeypatch.setenv("TOYHARNESS_BF16_ATTENTION_INPUTS", "f32")
     kept_f32 = goldens.compute(f"{recipe}@bf16", "cuda")
     assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16, attention's q, k, v", first, second, kept_f32, ref)
+
+
+# the golden config with head size 32 (d_model 64, 2 heads), which cuDNN's attention takes
+# (custom_ops.h, th_attention_cudnn: head size 32 or 64); the golden config's 16 keeps our kernels.
+# gpt2's q, k and v are bf16 products, read in place; llama's (RoPE's outputs, f32) are narrowed,
+# and its 2 query heads share 1 kv head (the golden config's n_kv_head=1)
+CUDNN_SETS = ["d_model=64"]
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "llama")])
+def test_at_bf16_cudnn_attention_repeats_and_agrees_with_fp32(recipe, monkeypatch):
+    """The golden config at bf16 and head size 32 with its attention on cuDNN's fused attention (the
+    backward deterministic): the 16 losses' bits repeat run to run, each within 2 u of fp32's, and
+    they are not the bits of the same run on our kernels (TOYHARNESS_CUDNN_ATTENTION=0, so cuDNN
+    ran), which agrees with fp32 as closely."""
+    if not lib.th_cudnn_attention_built():
+        pytest.skip("this cuda build has no cuDNN attention (native/build.py: TOYHARNESS_CUDNN, "
+                    "pip install nvidia-cudnn-cu13 nvidia-cudnn-frontend)")
+    ref = np.array([x["value"] for x in goldens.compute(recipe, "cuda", extra_sets=CUDNN_SETS)["losses"]])
+    first = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=CUDNN_SETS)
+    second = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=CUDNN_SETS)
+    monkeypatch.setenv("TOYHARNESS_CUDNN_ATTENTION", "0")
+    ours = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=CUDNN_SETS)
+    assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16 (head size 32), attention", first, second, ours, ref,
+                                           ways=("cuDNN's", "ours"))
 
 
 BF16_RUN = """

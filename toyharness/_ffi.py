@@ -208,6 +208,7 @@ int th_cuda_rewrite(ggml_cgraph * graph, int attention);
 const char * th_cuda_kernel_name(const ggml_tensor * t);
 int th_cuda_mark_precision(ggml_cgraph * graph, int precision, char * why, int why_size);
 int th_cuda_precision_of(const ggml_tensor * t);
+int th_cudnn_attention_built(void);
 int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);

@@ -30,6 +30,7 @@
 // "tf32" below; th_precision_of(node) picks): bf16 or TF32 tiles, fp32 softmax and sums.
 #include "th-custom.cuh"
 #include "th-precision.cuh"                 // th_copy_for_writer: dQ's, dK's and dV's bf16 copies
+#include "th-cudnn.cuh"                     // cuDNN's fused attention (the section "cuDNN" below)
 
 extern "C" {
 #include "custom_ops.h"
@@ -1776,8 +1777,230 @@ static void th_mma_launch(cudaStream_t stream, const int kernel, const th_attn_a
     }
 }
 
+// ---- cuDNN ----
+// An attention that custom_ops.h's th_attention_cudnn gives to cuDNN (bf16 q, k and v^T, as
+// PyTorch's compiled step runs it: cuDNN's flash attention on wgmma, its backward deterministic)
+// keeps its nodes and their fp32 layouts; these convert between them and cuDNN's bf16 tensors:
+//   forward:  cuDNN writes O (bf16, its plan's buffer) and L (its softmax statistics, into the
+//             node's L rows); O widened into the node's O rows
+//   prep:     O and dO narrowed to bf16 into the node (O's values are bf16's: exact), and L packed
+//             (b, h, t) after them: cuDNN before 9.26 reads a backward's statistics packed only
+//   backward: cuDNN writes dQ, dK and dV (bf16) into the node; dK and dV widened into their rooms
+//             (and their bf16 copies, where products read them)
+//   dQ:       the backward's dQ widened into its room (and its bf16 copy)
+// So O, dQ, dK and dV are rounded to bf16 once, as autocast's attention returns them.
+
+// The conversions move a tile of TH_CVT_ROWS rows (t) x HD of one head through shared memory, so
+// that both sides are read and written in runs: cuDNN's side packed (bh, t, d), ours along
+// whichever of d (sd == 1: O, dQ, dK) or t (st == 1: dV^T) is adjacent.
+#define TH_CVT_ROWS 32
+
+static __device__ __forceinline__ bool th_rows_adjacent(const th_opd & o) { return o.sd == 1 || o.st != 1; }
+
+// bf16 (bh, t, d), packed, into an fp32 operand's layout, and its bf16 copy where one is read;
+// with group > 1 head bh of dst takes the sum of src's heads bh G .. bh G + G - 1, added in head
+// order in fp32 (as th_attn_group_sum_kernel adds our kernels' per-head dK and dV)
+template <int HD>
+static __global__ void __launch_bounds__(256) th_widen_kernel(const __nv_bfloat16 * __restrict__ src, const th_opd dst,
+                                                              const th_copy16 copy, const int T, const int group) {
+    __shared__ float tile[TH_CVT_ROWS][HD + 1];
+    const int bh = blockIdx.y, t0 = blockIdx.x * TH_CVT_ROWS, rows = min(TH_CVT_ROWS, T - t0);
+    for (int i = threadIdx.x; i < rows * HD; i += blockDim.x) {
+        float sum = 0.0f;
+        for (int gr = 0; gr < group; gr++) {
+            sum = __fadd_rn(sum, __bfloat162float(src[((int64_t) (bh * group + gr) * T + t0) * HD + i]));
+        }
+        tile[i / HD][i % HD] = sum;
+    }
+    __syncthreads();
+    float * head = th_head(dst, bh);
+    const bool by_rows = th_rows_adjacent(dst);
+    for (int i = threadIdx.x; i < TH_CVT_ROWS * HD; i += blockDim.x) {
+        const int r = by_rows ? i / HD : i % TH_CVT_ROWS, d = by_rows ? i % HD : i / TH_CVT_ROWS;
+        if (r >= rows) continue;
+        float * at = head + (int64_t) (t0 + r) * dst.st + (int64_t) d * dst.sd;
+        if (!copy.alone) *at = tile[r][d];
+        if (copy.p != nullptr) *th_copy_at(copy, at) = __float2bfloat16_rn(tile[r][d]);   // exact: a bf16 value
+    }
+}
+
+// an operand's (bh, t, d) elements (fp32, rounded to bf16, or bf16: B16), packed; src.g > 1 repeats
+// each kv head for its group's query heads
+template <int HD, bool B16>
+static __global__ void __launch_bounds__(256) th_narrow_kernel(const th_opd src, __nv_bfloat16 * __restrict__ dst,
+                                                               const int T) {
+    __shared__ float tile[TH_CVT_ROWS][HD + 1];
+    const int bh = blockIdx.y, t0 = blockIdx.x * TH_CVT_ROWS, rows = min(TH_CVT_ROWS, T - t0);
+    const float * head = th_head_as<B16>(src, bh);
+    const bool by_rows = th_rows_adjacent(src);
+    for (int i = threadIdx.x; i < TH_CVT_ROWS * HD; i += blockDim.x) {
+        const int r = by_rows ? i / HD : i % TH_CVT_ROWS, d = by_rows ? i % HD : i / TH_CVT_ROWS;
+        const int64_t at = (int64_t) (t0 + r) * src.st + (int64_t) d * src.sd;
+        if (r < rows) tile[r][d] = B16 ? __bfloat162float(((const __nv_bfloat16 *) head)[at]) : head[at];
+    }
+    __syncthreads();
+    __nv_bfloat16 * to = dst + ((int64_t) bh * T + t0) * HD;
+    for (int i = threadIdx.x; i < rows * HD; i += blockDim.x) to[i] = __float2bfloat16_rn(tile[i / HD][i % HD]);
+}
+
+// the grid of a conversion of `heads` heads of T rows
+static dim3 th_cvt_grid(const int64_t heads, const int64_t T) {
+    return dim3((unsigned) ((T + TH_CVT_ROWS - 1) / TH_CVT_ROWS), (unsigned) heads);
+}
+
+// the forward node's L rows (head bh's at (hd + 1) T bh + hd T), packed (bh, t)
+template <int HD>
+static __global__ void th_pack_stats_kernel(const float * __restrict__ fwd, float * __restrict__ packed, const int T,
+                                            const int64_t total) {
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < total; i += (int64_t) gridDim.x * blockDim.x) {
+        packed[i] = fwd[(i / T) * (int64_t) (HD + 1) * T + (int64_t) HD * T + i % T];
+    }
+}
+
+static unsigned th_elementwise_blocks(const int64_t total) {
+    const int64_t blocks = (total + 255) / 256;
+    return (unsigned) (blocks < (1 << 20) ? blocks : (1 << 20));
+}
+
+// cuDNN's view of the attention whose forward node is `fwd`: q (B x H heads), k and v^T (B x Hk
+// heads: grouped-query heads share a kv head, query head h kv head h / group) read in place through
+// their strides where they are bf16, else narrowed into the plan's buffer (inputs16: packed,
+// th_cudnn_inputs); the statistics in the forward node's L rows (head bh's at (hd + 1) T bh + hd T).
+// An operand's axis 2 holds its heads of one batch, or of all batches (folded: a REPEAT's output,
+// or a view with ne[3] 1); where q, k and v do not fold alike, cuDNN sees one batch of all the heads
+// (B 1), every operand narrowed through th_head, which reads either. `repeat`: k and v repeated to
+// the H query heads in that buffer (Hk = H)
+static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_params & ap, const int64_t heads,
+                                const bool repeat = false) {
+    const th_opd opd[3] = {th_opd_of(fwd->src[0], false), th_opd_of(fwd->src[1], false), th_opd_of(fwd->src[2], true)};
+    const bool alike = opd[1].H * ap.group == opd[0].H && opd[2].H * ap.group == opd[0].H && heads % opd[0].H == 0;
+    th_sdpa_shape s = {};
+    s.H = alike ? opd[0].H : heads, s.B = heads / s.H, s.T = ap.T, s.D = ap.hd;
+    s.Hk = repeat ? s.H : s.H / ap.group;
+    s.inputs16 = repeat || !alike || !opd[0].bf16;
+    int64_t * strides[3] = {s.q, s.k, s.v};
+    for (int j = 0; j < 3; j++) {
+        const int64_t h = j == 0 ? s.H : s.Hk;
+        if (s.inputs16) {
+            strides[j][0] = h * s.T * s.D, strides[j][1] = s.T * s.D, strides[j][2] = s.D, strides[j][3] = 1;
+        } else {
+            strides[j][0] = opd[j].sb, strides[j][1] = opd[j].sh, strides[j][2] = opd[j].st, strides[j][3] = opd[j].sd;
+        }
+    }
+    const int64_t per_head = th_attention_fwd_floats(ap.hd, ap.T);
+    s.stats[0] = s.H * per_head, s.stats[1] = per_head, s.stats[2] = 1;
+    s.causal = ap.causal, s.scale = ap.scale;
+    return s;
+}
+
+[[noreturn]] static void th_cudnn_failed(const char * why) {
+    GGML_ABORT("toyharness attention: %s (TOYHARNESS_CUDNN_ATTENTION=0 runs toyharness's own kernels)", why);
+}
+
+// an operand's heads into `dst` (th_narrow_kernel), bf16 or f32, each kv head repeated for the
+// s.Hk / x's heads query heads of its group
+template <int HD>
+static void th_cudnn_narrow(cudaStream_t stream, const ggml_tensor * x, const bool t_first, const int64_t heads,
+                            __nv_bfloat16 * dst, const int64_t T) {
+    th_opd o = th_opd_of(x, t_first);
+    o.g = (int) (heads / (ggml_nelements(x) / (HD * T)));
+    if (o.bf16) {
+        th_narrow_kernel<HD, true><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, dst, (int) T);
+    } else {
+        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, dst, (int) T);
+    }
+}
+
+// q, k and v as cuDNN reads them, for a node whose src[0..2] are the attention's q, k and v^T: in
+// place (bf16), or narrowed into the plan's buffer (f32 ones: llama's, after RoPE; or k and v
+// repeated to the query heads), packed
+template <int HD>
+static void th_cudnn_inputs(cudaStream_t stream, const ggml_tensor * node, const th_sdpa_shape & s, const bool backward,
+                            const void * (&qkv)[3], char * why, const size_t why_size) {
+    if (!s.inputs16) {
+        for (int j = 0; j < 3; j++) qkv[j] = node->src[j]->data;
+        return;
+    }
+    __nv_bfloat16 * q16 = (__nv_bfloat16 *) th_sdpa_inputs(stream, &s, backward, why, why_size);
+    if (q16 == nullptr) th_cudnn_failed(why);
+    __nv_bfloat16 * k16 = q16 + s.B * s.H * s.T * s.D, * v16 = k16 + s.B * s.Hk * s.T * s.D;
+    th_cudnn_narrow<HD>(stream, node->src[0], false, s.B * s.H, q16, s.T);
+    th_cudnn_narrow<HD>(stream, node->src[1], false, s.B * s.Hk, k16, s.T);
+    th_cudnn_narrow<HD>(stream, node->src[2], true, s.B * s.Hk, v16, s.T);
+    qkv[0] = q16, qkv[1] = k16, qkv[2] = v16;
+}
+
+template <int HD>
+static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
+    const int64_t T = ap.T;
+    const th_copy16 no_copy = {nullptr, nullptr, 0};
+    char why[768] = "";
+    if (kernel == TH_CUDA_ATTN_FWD) {
+        const int64_t heads = dst->ne[1];
+        float * out = (float *) dst->data;
+        const th_sdpa_shape shape = th_sdpa_of(dst, ap, heads);
+        const void * qkv[3];
+        th_cudnn_inputs<HD>(stream, dst, shape, false, qkv, why, sizeof why);
+        const void * o16 = th_sdpa_forward(stream, &shape, qkv[0], qkv[1], qkv[2], out + HD * T, why, sizeof why);
+        if (o16 == nullptr) th_cudnn_failed(why);
+        const th_opd o = th_opd_at(out, HD, 1, th_attention_fwd_floats(HD, T), heads);
+        th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>((const __nv_bfloat16 *) o16, o, no_copy, (int) T, 1);
+    } else if (kernel == TH_CUDA_ATTN_PREP) {
+        const int64_t heads = dst->ne[1], n = heads * T * HD;
+        __nv_bfloat16 * o16 = (__nv_bfloat16 *) dst->data;
+        const th_opd o = th_opd_at((float *) dst->src[1]->data, HD, 1, th_attention_fwd_floats(HD, T), heads);
+        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, o16, (int) T);
+        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(th_opd_of(dst->src[0], false), o16 + n,
+                                                                              (int) T);
+        th_pack_stats_kernel<HD><<<th_elementwise_blocks(heads * T), 256, 0, stream>>>(
+            (const float *) dst->src[1]->data, (float *) (o16 + 2 * n), (int) T, heads * T);
+    } else if (kernel == TH_CUDA_ATTN_BWD) {
+        const int64_t heads = dst->ne[2], n = heads * T * HD, per_head_floats = th_attention_prep_floats(HD, T);
+        const ggml_tensor * fwd = dst->src[4];
+        const __nv_bfloat16 * o16 = (const __nv_bfloat16 *) dst->src[5]->data;
+        __nv_bfloat16 * dq16 = (__nv_bfloat16 *) dst->data;
+        // grouped heads: k and v repeated for each query head, and each group's dK and dV summed
+        // here in fp32 (th_widen_kernel), as our kernels sum them (th_attn_group_sum_kernel), not
+        // by cuDNN (its per-head dK and dV summed into bf16)
+        const bool repeat = ap.group > 1;
+        th_sdpa_shape shape = th_sdpa_of(fwd, ap, heads, repeat);
+        shape.stats[0] = shape.H * T, shape.stats[1] = T, shape.stats[2] = 1;   // packed by the prep node
+        const void * qkv[3];
+        th_cudnn_inputs<HD>(stream, dst, shape, true, qkv, why, sizeof why);
+        // dK and dV of cuDNN's kv heads (B x Hk: each query head's where k and v were repeated)
+        const int64_t n_kv = shape.B * shape.Hk * T * HD, kv_heads = heads / ap.group;
+        const int sums = repeat ? ap.group : 1;
+        if (!th_sdpa_backward(stream, &shape, qkv[0], qkv[1], qkv[2], o16, o16 + n, (const float *) (o16 + 2 * n),
+                              dq16, dq16 + n, dq16 + n + n_kv, why, sizeof why)) {
+            th_cudnn_failed(why);
+        }
+        // dK and dV into their rooms, or the prep node's scratch as the other kernels write them
+        // (O's and dO's bf16 there read by now)
+        float * scratch = (float *) dst->src[5]->data;
+        const th_opd dk = dst->src[6] != nullptr ? th_room_opd(dst->src[6], th_attention_map_of(dst, 0))
+                                                 : th_opd_at(scratch, HD, 1, per_head_floats, heads);
+        const th_opd dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
+                                                 : th_opd_at(scratch + T * HD, 1, T, per_head_floats, heads);
+        // (grouped heads' rooms have no bf16 copy: as the tensor-core kernels, which sum into them)
+        const bool copies = ap.group == 1;
+        const th_copy16 dk_copy = copies && dst->src[6] != nullptr ? th_copy16_of(stream, dst, dst->src[6]) : no_copy;
+        const th_copy16 dv_copy = copies && dst->src[7] != nullptr ? th_copy16_of(stream, dst, dst->src[7]) : no_copy;
+        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n, dk, dk_copy, (int) T, sums);
+        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n + n_kv, dv, dv_copy, (int) T, sums);
+    } else {
+        const ggml_tensor * bwd = dst->src[6];
+        th_widen_kernel<HD><<<th_cvt_grid(bwd->ne[2], T), 256, 0, stream>>>(
+            (const __nv_bfloat16 *) bwd->data, th_room_opd(dst, th_attention_map_of(dst, 0)),
+            th_copy16_of(stream, dst, dst), (int) T, 1);
+    }
+}
+
 template <int HD>
 static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
+    if (th_attention_cudnn(kernel == TH_CUDA_ATTN_FWD ? dst : kernel == TH_CUDA_ATTN_PREP ? dst->src[1] : dst->src[4])) {
+        th_cudnn_launch<HD>(stream, dst, kernel, ap);
+        return;
+    }
     th_attn_args a = {};
     a.T = ap.T, a.scale = ap.scale, a.causal = ap.causal, a.out = (float *) dst->data, a.group = ap.group;
     const int nb = (a.T + TH_AT_B - 1) / TH_AT_B;
@@ -1892,7 +2115,9 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
 
 // the backward node's shape: dS (T, T, BH), or where the tensor-core kernels take it no dS (1, 1,
 // BH: native/cuda_precision.c, th_attention_drop_ds)
-static bool th_attention_ds_shape_ok(const ggml_tensor * bwd, const int64_t T) {
+// (cuDNN's: dQ, dK and dV in bf16, (3 hd T / 2, 1, BH) floats: native/cuda_precision.c, th_attention_cudnn_room)
+static bool th_attention_ds_shape_ok(const ggml_tensor * bwd, const int64_t hd, const int64_t T) {
+    if (th_attention_cudnn(bwd->src[4])) return bwd->ne[0] == 3 * hd * T / 2 && bwd->ne[1] == 1;
     return th_attention_forms_ds(bwd) ? bwd->ne[0] == T && bwd->ne[1] == T : bwd->ne[0] == 1 && bwd->ne[1] == 1;
 }
 
@@ -1917,7 +2142,7 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
             return op->ne[0] == th_attention_prep_floats(hd, T) && th_opd_ok(s[0], hd, T, op->ne[1]) &&
                    th_f32_contiguous(s[1]) && ggml_nelements(s[1]) == th_attention_fwd_floats(hd, T) * op->ne[1];
         case TH_CUDA_ATTN_BWD:                 // dS (T, T, BH), or none (1, 1, BH): th_attention_ds_shape_ok
-            return th_attention_ds_shape_ok(op, T) && th_opd_ok(s[0], hd, T, op->ne[2], b) && op->ne[2] % G == 0 &&
+            return th_attention_ds_shape_ok(op, hd, T) && th_opd_ok(s[0], hd, T, op->ne[2], b) && op->ne[2] % G == 0 &&
                    th_opd_ok(s[1], hd, T, op->ne[2] / G, b) && th_opd_ok(s[2], T, hd, op->ne[2] / G, b) &&
                    th_opd_ok(s[3], hd, T, op->ne[2]) && th_f32_contiguous(s[4]) && th_f32_contiguous(s[5]) &&
                    ggml_nelements(s[4]) == th_attention_fwd_floats(hd, T) * op->ne[2] &&
@@ -1927,7 +2152,7 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
         case TH_CUDA_ATTN_DQ: {                // the backward's sources, then the backward (dS)
             const ggml_tensor * bwd = s[6];
             if (bwd == nullptr || th_kernel_of(bwd) != TH_CUDA_ATTN_BWD || !th_f32_contiguous(bwd) ||
-                !th_attention_ds_shape_ok(bwd, T) || th_precision_of(bwd) != th_precision_of(op)) {
+                !th_attention_ds_shape_ok(bwd, hd, T) || th_precision_of(bwd) != th_precision_of(op)) {
                 return false;
             }
             const int64_t heads = bwd->ne[2];

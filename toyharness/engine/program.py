@@ -169,6 +169,7 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_BF16_SWIGLU": ("bf16", "f32"),
     "TOYHARNESS_BF16_GELU": ("bf16", "f32"),             # a GELU's input product kept in bf16 at bf16
     "TOYHARNESS_BF16_ATTENTION_INPUTS": ("bf16", "f32"),   # attention's q, k, v products kept in bf16 at bf16
+    "TOYHARNESS_CUDNN_ATTENTION": ("1", "0"),          # bf16 attention on cuDNN's, where the build has it
     "TOYHARNESS_BF16_TRACE": ("0", "1"),                # a stderr line for each operand a bf16 product converts
 }
 
