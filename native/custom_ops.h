@@ -260,8 +260,9 @@ static inline int th_attention_on_tensor_cores(const struct ggml_tensor * t) {
  * (TH_CUDNN_ATTENTION: native/build.py), stamped bf16, its q, k and v^T all bf16 (read in place:
  * native/cuda_precision.c, th_attention_inputs_bf16) or all f32 (narrowed to bf16 for cuDNN:
  * llama's, after RoPE), grouped-query heads or not, head size 32 or 64, T a multiple of 8 (the
- * softmax statistics' rows 16-byte aligned), and TOYHARNESS_CUDNN_ATTENTION not 0. Its prep, backward and dQ nodes follow their forward (src[1], src[4], src[4]): the
- * backward then holds dQ, dK and dV in bf16, (3 hd T / 2, 1, BH) floats (th_cuda_mark_precision). */
+ * softmax statistics' rows 16-byte aligned), and TOYHARNESS_CUDNN_ATTENTION not 0. Its prep,
+ * backward and dQ nodes follow their forward (src[1], src[4], src[4]): the backward then holds dQ,
+ * dK and dV in bf16, (3 hd T / 2, 1, BH) floats (th_cuda_mark_precision). */
 static inline int th_attention_cudnn(const struct ggml_tensor * fwd) {
 #ifdef TH_CUDNN_ATTENTION
     if (fwd == NULL || th_kernel_of(fwd) != TH_CUDA_ATTN_FWD || th_precision_of(fwd) != TH_PRECISION_BF16 ||

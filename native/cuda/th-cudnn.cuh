@@ -1,6 +1,6 @@
 // cuDNN's fused attention (SDPA), forward and its deterministic backward, for the bf16 attention
-// nodes whose q, k and v are bf16 (custom_ops.h, th_attention_cudnn); th-attention.cu calls these
-// and converts between them and the nodes' fp32 layouts. Built where native/build.py found cuDNN's
+// nodes that custom_ops.h's th_attention_cudnn gives it; th-attention.cu calls these and converts
+// between them and the nodes' fp32 layouts. Built where native/build.py found cuDNN's
 // and its frontend's headers (TH_CUDNN_ATTENTION); the functions exist in every cuda build.
 #pragma once
 
@@ -14,7 +14,8 @@
 // element strides (b, h, t, d); O, dO and dQ (H heads), dK and dV (Hk heads) bf16 and contiguous
 // (b, h, t, d); the softmax statistics (logsumexp per row, fp32) through their float strides
 // (b, h, t). inputs16: the plan keeps a buffer for q, k and v (th_sdpa_inputs), packed, which the
-// caller fills (its q, k and v are f32) and passes.
+// caller fills and passes (where its q, k and v are f32, laid out unlike each other, or k and v
+// are repeated for each query head).
 struct th_sdpa_shape {
     int64_t B, H, Hk, T, D;
     int64_t q[4], k[4], v[4];
