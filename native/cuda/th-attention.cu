@@ -1893,6 +1893,28 @@ static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_para
     return s;
 }
 
+// cuDNN's view of the attention's backward: grouped heads' k and v repeated for each query head
+// (each group's dK and dV summed in fp32 by th_widen_kernel, as our kernels sum them, not by cuDNN,
+// which would sum them into bf16), the statistics packed by the prep node
+static th_sdpa_shape th_sdpa_backward_of(const ggml_tensor * fwd, const th_attention_params & ap, const int64_t heads) {
+    th_sdpa_shape s = th_sdpa_of(fwd, ap, heads, ap.group > 1);
+    s.stats[0] = s.H * ap.T, s.stats[1] = ap.T, s.stats[2] = 1;
+    return s;
+}
+
+// Whether cuDNN takes the attention whose forward node is `fwd` (custom_ops.h's th_attention_cudnn
+// offered it): its forward's and its backward's plans both built, at the forward's first
+// evaluation (which ggml-cuda does not capture), or found. Else (cuDNN refused a plan: said once
+// on stderr) our kernels run all four of the attention's nodes, each of which asks alike; at bf16
+// they fit the nodes sized for cuDNN's (the backward's larger room they do not read).
+static bool th_cudnn_takes(cudaStream_t stream, const ggml_tensor * fwd, const th_attention_params & ap) {
+    char why[768] = "";
+    const int64_t heads = fwd->ne[1];
+    const th_sdpa_shape forward = th_sdpa_of(fwd, ap, heads), backward = th_sdpa_backward_of(fwd, ap, heads);
+    return th_sdpa_prepare(stream, &forward, false, why, sizeof why) &&
+           th_sdpa_prepare(stream, &backward, true, why, sizeof why);
+}
+
 [[noreturn]] static void th_cudnn_failed(const char * why) {
     GGML_ABORT("toyharness attention: %s (TOYHARNESS_CUDNN_ATTENTION=0 runs toyharness's own kernels)", why);
 }
@@ -1959,12 +1981,8 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const ggml_tensor * fwd = dst->src[4];
         const __nv_bfloat16 * o16 = (const __nv_bfloat16 *) dst->src[5]->data;
         __nv_bfloat16 * dq16 = (__nv_bfloat16 *) dst->data;
-        // grouped heads: k and v repeated for each query head, and each group's dK and dV summed
-        // here in fp32 (th_widen_kernel), as our kernels sum them (th_attn_group_sum_kernel), not
-        // by cuDNN (its per-head dK and dV summed into bf16)
-        const bool repeat = ap.group > 1;
-        th_sdpa_shape shape = th_sdpa_of(fwd, ap, heads, repeat);
-        shape.stats[0] = shape.H * T, shape.stats[1] = T, shape.stats[2] = 1;   // packed by the prep node
+        const bool repeat = ap.group > 1;       // (th_sdpa_backward_of)
+        const th_sdpa_shape shape = th_sdpa_backward_of(fwd, ap, heads);
         const void * qkv[3];
         th_cudnn_inputs<HD>(stream, dst, shape, true, qkv, why, sizeof why);
         // dK and dV of cuDNN's kv heads (B x Hk: each query head's where k and v were repeated)
@@ -1997,7 +2015,8 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
 
 template <int HD>
 static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
-    if (th_attention_cudnn(kernel == TH_CUDA_ATTN_FWD ? dst : kernel == TH_CUDA_ATTN_PREP ? dst->src[1] : dst->src[4])) {
+    const ggml_tensor * fwd = kernel == TH_CUDA_ATTN_FWD ? dst : kernel == TH_CUDA_ATTN_PREP ? dst->src[1] : dst->src[4];
+    if (th_attention_cudnn(fwd) && th_cudnn_takes(stream, fwd, ap)) {
         th_cudnn_launch<HD>(stream, dst, kernel, ap);
         return;
     }
