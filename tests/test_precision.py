@@ -811,6 +811,27 @@ def test_at_bf16_cudnn_attention_repeats_and_agrees_with_fp32(recipe, monkeypatc
                                            ways=("cuDNN's", "ours"))
 
 
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "llama")])
+def test_at_bf16_an_attention_cudnn_refuses_runs_on_our_kernels(recipe, monkeypatch, capfd):
+    """Where cuDNN refuses an attention's plans (TOYHARNESS_CUDNN_PLANS=refuse stands in for a shape,
+    a GPU or a cuDNN it cannot take, or a workspace it cannot allocate), all four of the attention's
+    nodes run on our kernels: the losses are the bits of the same run with TOYHARNESS_CUDNN_ATTENTION=0,
+    and stderr says so once, naming the shape. (t_seq 32: a shape no other test builds plans for.)"""
+    if not lib.th_cudnn_attention_built():
+        pytest.skip("this cuda build has no cuDNN attention (native/build.py: TOYHARNESS_CUDNN)")
+    sets = CUDNN_SETS + ["t_seq=32"]
+    monkeypatch.setenv("TOYHARNESS_CUDNN_PLANS", "refuse")
+    capfd.readouterr()
+    refused = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=sets)
+    said = [line for line in capfd.readouterr().err.splitlines() if "TOYHARNESS_CUDNN_PLANS=refuse" in line]
+    monkeypatch.delenv("TOYHARNESS_CUDNN_PLANS")
+    monkeypatch.setenv("TOYHARNESS_CUDNN_ATTENTION", "0")
+    ours = goldens.compute(f"{recipe}@bf16", "cuda", extra_sets=sets)
+    assert [x["hex"] for x in refused["losses"]] == [x["hex"] for x in ours["losses"]]
+    assert len(said) == 1 and "the attention forward" in said[0] and "T 32, D 32" in said[0], said
+    assert said[0].endswith("toyharness's attention kernels run it"), said
+
+
 BF16_RUN = """
 import json, sys
 from toyharness import goldens

@@ -1848,6 +1848,96 @@ static dim3 th_cvt_grid(const int64_t heads, const int64_t T) {
     return dim3((unsigned) ((T + TH_CVT_ROWS - 1) / TH_CVT_ROWS), (unsigned) heads);
 }
 
+// Where the fp32 side's d is adjacent (O, dQ, dK; not dV^T) a row needs no tile: a thread takes 8
+// elements of a row, 16 bytes of bf16 and two float4s, where the addresses allow it
+// (th_rows_aligned). The same values as the tiled kernels, the same sums.
+template <int HD>
+static __global__ void __launch_bounds__(256) th_widen_rows_kernel(const __nv_bfloat16 * __restrict__ src, const th_opd dst,
+                                                                   const th_copy16 copy, const int T, const int group) {
+    const int bh = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * (HD / 8)) return;
+    const int t = i / (HD / 8), d0 = (i % (HD / 8)) * 8;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = 0.0f;
+    for (int gr = 0; gr < group; gr++) {
+        const uint4 x = *(const uint4 *) (src + ((int64_t) (bh * group + gr) * T + t) * HD + d0);
+        const __nv_bfloat16 * b = (const __nv_bfloat16 *) &x;
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = __fadd_rn(v[j], __bfloat162float(b[j]));
+    }
+    float * at = th_head(dst, bh) + (int64_t) t * dst.st + d0;
+    if (!copy.alone) {
+        ((float4 *) at)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4 *) at)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    if (copy.p != nullptr) {
+        uint4 c;
+        __nv_bfloat16 * b = (__nv_bfloat16 *) &c;
+#pragma unroll
+        for (int j = 0; j < 8; j++) b[j] = __float2bfloat16_rn(v[j]);     // exact: bf16 values (or their sums' rounding)
+        *(uint4 *) th_copy_at(copy, at) = c;
+    }
+}
+
+template <int HD, bool B16>
+static __global__ void __launch_bounds__(256) th_narrow_rows_kernel(const th_opd src, __nv_bfloat16 * __restrict__ dst,
+                                                                    const int T) {
+    const int bh = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * (HD / 8)) return;
+    const int t = i / (HD / 8), d0 = (i % (HD / 8)) * 8;
+    const int64_t at = (int64_t) t * src.st + d0;
+    uint4 c;
+    if constexpr (B16) {
+        c = *(const uint4 *) ((const __nv_bfloat16 *) th_head_as<true>(src, bh) + at);
+    } else {
+        const float4 * x = (const float4 *) (th_head(src, bh) + at);
+        const float4 lo = x[0], hi = x[1];
+        __nv_bfloat16 * b = (__nv_bfloat16 *) &c;
+        b[0] = __float2bfloat16_rn(lo.x), b[1] = __float2bfloat16_rn(lo.y), b[2] = __float2bfloat16_rn(lo.z);
+        b[3] = __float2bfloat16_rn(lo.w), b[4] = __float2bfloat16_rn(hi.x), b[5] = __float2bfloat16_rn(hi.y);
+        b[6] = __float2bfloat16_rn(hi.z), b[7] = __float2bfloat16_rn(hi.w);
+    }
+    *(uint4 *) (dst + ((int64_t) bh * T + t) * HD + d0) = c;
+}
+
+// whether an operand's rows can go 16 bytes at a time: d adjacent, and every row's first element
+// (and its bf16 copy's, if any) 16-byte aligned. `elems`: the operand's elements in 16 bytes (4
+// f32, 8 bf16).
+static bool th_rows_aligned(const th_opd & o, const int elems, const th_copy16 & copy) {
+    if (o.sd != 1 || ((uintptr_t) o.p) % 16 != 0 || o.st % elems != 0 || o.sh % elems != 0 || o.sb % elems != 0) {
+        return false;
+    }
+    // the copy mirrors the fp32 layout: its rows start at the same element offsets, 8 of which
+    // are 16 bytes of bf16
+    return copy.p == nullptr || (((uintptr_t) copy.p) % 16 == 0 && (o.p - copy.base) % 8 == 0 && o.st % 8 == 0 &&
+                                 o.sh % 8 == 0 && o.sb % 8 == 0);
+}
+
+// bf16 (bh, t, d), packed, heads x group of them summed a head, into `dst` (th_widen_kernel)
+template <int HD>
+static void th_widen(cudaStream_t stream, const __nv_bfloat16 * src, const th_opd & dst, const th_copy16 & copy,
+                     const int64_t T, const int64_t heads, const int group) {
+    if (th_rows_aligned(dst, 4, copy)) {
+        const dim3 grid((unsigned) ((T * (HD / 8) + 255) / 256), (unsigned) heads);
+        th_widen_rows_kernel<HD><<<grid, 256, 0, stream>>>(src, dst, copy, (int) T, group);
+    } else {
+        th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>(src, dst, copy, (int) T, group);
+    }
+}
+
+// an operand's heads (fp32 or bf16: B16) into bf16 (bh, t, d), packed (th_narrow_kernel)
+template <int HD, bool B16>
+static void th_narrow(cudaStream_t stream, const th_opd & src, __nv_bfloat16 * dst, const int64_t T, const int64_t heads) {
+    const th_copy16 no_copy = {nullptr, nullptr, 0};
+    if (th_rows_aligned(src, B16 ? 8 : 4, no_copy)) {
+        const dim3 grid((unsigned) ((T * (HD / 8) + 255) / 256), (unsigned) heads);
+        th_narrow_rows_kernel<HD, B16><<<grid, 256, 0, stream>>>(src, dst, (int) T);
+    } else {
+        th_narrow_kernel<HD, B16><<<th_cvt_grid(heads, T), 256, 0, stream>>>(src, dst, (int) T);
+    }
+}
+
 // the forward node's L rows (head bh's at (hd + 1) T bh + hd T), packed (bh, t)
 template <int HD>
 static __global__ void th_pack_stats_kernel(const float * __restrict__ fwd, float * __restrict__ packed, const int T,
@@ -1893,6 +1983,28 @@ static th_sdpa_shape th_sdpa_of(const ggml_tensor * fwd, const th_attention_para
     return s;
 }
 
+// cuDNN's view of the attention's backward: grouped heads' k and v repeated for each query head
+// (each group's dK and dV summed in fp32 by th_widen_kernel, as our kernels sum them, not by cuDNN,
+// which would sum them into bf16), the statistics packed by the prep node
+static th_sdpa_shape th_sdpa_backward_of(const ggml_tensor * fwd, const th_attention_params & ap, const int64_t heads) {
+    th_sdpa_shape s = th_sdpa_of(fwd, ap, heads, ap.group > 1);
+    s.stats[0] = s.H * ap.T, s.stats[1] = ap.T, s.stats[2] = 1;
+    return s;
+}
+
+// Whether cuDNN takes the attention whose forward node is `fwd` (custom_ops.h's th_attention_cudnn
+// offered it): its forward's and its backward's plans both built, at the forward's first
+// evaluation (which ggml-cuda does not capture), or found. Else (cuDNN refused a plan: said once
+// on stderr) our kernels run all four of the attention's nodes, each of which asks alike; at bf16
+// they fit the nodes sized for cuDNN's (the backward's larger room they do not read).
+static bool th_cudnn_takes(cudaStream_t stream, const ggml_tensor * fwd, const th_attention_params & ap) {
+    char why[768] = "";
+    const int64_t heads = fwd->ne[1];
+    const th_sdpa_shape forward = th_sdpa_of(fwd, ap, heads), backward = th_sdpa_backward_of(fwd, ap, heads);
+    return th_sdpa_prepare(stream, &forward, false, why, sizeof why) &&
+           th_sdpa_prepare(stream, &backward, true, why, sizeof why);
+}
+
 [[noreturn]] static void th_cudnn_failed(const char * why) {
     GGML_ABORT("toyharness attention: %s (TOYHARNESS_CUDNN_ATTENTION=0 runs toyharness's own kernels)", why);
 }
@@ -1905,9 +2017,9 @@ static void th_cudnn_narrow(cudaStream_t stream, const ggml_tensor * x, const bo
     th_opd o = th_opd_of(x, t_first);
     o.g = (int) (heads / (ggml_nelements(x) / (HD * T)));
     if (o.bf16) {
-        th_narrow_kernel<HD, true><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, dst, (int) T);
+        th_narrow<HD, true>(stream, o, dst, T, heads);
     } else {
-        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, dst, (int) T);
+        th_narrow<HD, false>(stream, o, dst, T, heads);
     }
 }
 
@@ -1944,14 +2056,13 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const void * o16 = th_sdpa_forward(stream, &shape, qkv[0], qkv[1], qkv[2], out + HD * T, why, sizeof why);
         if (o16 == nullptr) th_cudnn_failed(why);
         const th_opd o = th_opd_at(out, HD, 1, th_attention_fwd_floats(HD, T), heads);
-        th_widen_kernel<HD><<<th_cvt_grid(heads, T), 256, 0, stream>>>((const __nv_bfloat16 *) o16, o, no_copy, (int) T, 1);
+        th_widen<HD>(stream, (const __nv_bfloat16 *) o16, o, no_copy, T, heads, 1);
     } else if (kernel == TH_CUDA_ATTN_PREP) {
         const int64_t heads = dst->ne[1], n = heads * T * HD;
         __nv_bfloat16 * o16 = (__nv_bfloat16 *) dst->data;
         const th_opd o = th_opd_at((float *) dst->src[1]->data, HD, 1, th_attention_fwd_floats(HD, T), heads);
-        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(o, o16, (int) T);
-        th_narrow_kernel<HD, false><<<th_cvt_grid(heads, T), 256, 0, stream>>>(th_opd_of(dst->src[0], false), o16 + n,
-                                                                              (int) T);
+        th_narrow<HD, false>(stream, o, o16, T, heads);
+        th_narrow<HD, false>(stream, th_opd_of(dst->src[0], false), o16 + n, T, heads);
         th_pack_stats_kernel<HD><<<th_elementwise_blocks(heads * T), 256, 0, stream>>>(
             (const float *) dst->src[1]->data, (float *) (o16 + 2 * n), (int) T, heads * T);
     } else if (kernel == TH_CUDA_ATTN_BWD) {
@@ -1959,12 +2070,8 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const ggml_tensor * fwd = dst->src[4];
         const __nv_bfloat16 * o16 = (const __nv_bfloat16 *) dst->src[5]->data;
         __nv_bfloat16 * dq16 = (__nv_bfloat16 *) dst->data;
-        // grouped heads: k and v repeated for each query head, and each group's dK and dV summed
-        // here in fp32 (th_widen_kernel), as our kernels sum them (th_attn_group_sum_kernel), not
-        // by cuDNN (its per-head dK and dV summed into bf16)
-        const bool repeat = ap.group > 1;
-        th_sdpa_shape shape = th_sdpa_of(fwd, ap, heads, repeat);
-        shape.stats[0] = shape.H * T, shape.stats[1] = T, shape.stats[2] = 1;   // packed by the prep node
+        const bool repeat = ap.group > 1;       // (th_sdpa_backward_of)
+        const th_sdpa_shape shape = th_sdpa_backward_of(fwd, ap, heads);
         const void * qkv[3];
         th_cudnn_inputs<HD>(stream, dst, shape, true, qkv, why, sizeof why);
         // dK and dV of cuDNN's kv heads (B x Hk: each query head's where k and v were repeated)
@@ -1985,19 +2092,19 @@ static void th_cudnn_launch(cudaStream_t stream, ggml_tensor * dst, const int ke
         const bool copies = ap.group == 1;
         const th_copy16 dk_copy = copies && dst->src[6] != nullptr ? th_copy16_of(stream, dst, dst->src[6]) : no_copy;
         const th_copy16 dv_copy = copies && dst->src[7] != nullptr ? th_copy16_of(stream, dst, dst->src[7]) : no_copy;
-        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n, dk, dk_copy, (int) T, sums);
-        th_widen_kernel<HD><<<th_cvt_grid(kv_heads, T), 256, 0, stream>>>(dq16 + n + n_kv, dv, dv_copy, (int) T, sums);
+        th_widen<HD>(stream, dq16 + n, dk, dk_copy, T, kv_heads, sums);
+        th_widen<HD>(stream, dq16 + n + n_kv, dv, dv_copy, T, kv_heads, sums);
     } else {
         const ggml_tensor * bwd = dst->src[6];
-        th_widen_kernel<HD><<<th_cvt_grid(bwd->ne[2], T), 256, 0, stream>>>(
-            (const __nv_bfloat16 *) bwd->data, th_room_opd(dst, th_attention_map_of(dst, 0)),
-            th_copy16_of(stream, dst, dst), (int) T, 1);
+        th_widen<HD>(stream, (const __nv_bfloat16 *) bwd->data, th_room_opd(dst, th_attention_map_of(dst, 0)),
+                     th_copy16_of(stream, dst, dst), T, bwd->ne[2], 1);
     }
 }
 
 template <int HD>
 static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const int kernel, const th_attention_params & ap) {
-    if (th_attention_cudnn(kernel == TH_CUDA_ATTN_FWD ? dst : kernel == TH_CUDA_ATTN_PREP ? dst->src[1] : dst->src[4])) {
+    const ggml_tensor * fwd = kernel == TH_CUDA_ATTN_FWD ? dst : kernel == TH_CUDA_ATTN_PREP ? dst->src[1] : dst->src[4];
+    if (th_attention_cudnn(fwd) && th_cudnn_takes(stream, fwd, ap)) {
         th_cudnn_launch<HD>(stream, dst, kernel, ap);
         return;
     }

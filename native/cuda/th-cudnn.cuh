@@ -28,6 +28,13 @@ struct th_sdpa_shape {
 #ifdef TH_CUDNN_ATTENTION
 #define TH_CUDNN_API extern "C" __attribute__((visibility("default")))
 
+// Whether cuDNN takes an attention of shape `s`, forward or backward: its plan built (the first
+// time, outside a CUDA graph's capture) or found; false with `why` where cuDNN refuses it (or
+// cannot allocate its buffers, or TOYHARNESS_CUDNN_PLANS=refuse), said once on stderr and
+// remembered, so that the attention's every node runs on our kernels alike.
+TH_CUDNN_API bool th_sdpa_prepare(cudaStream_t stream, const th_sdpa_shape * s, bool backward, char * why,
+                                  size_t why_size);
+
 // The forward: the statistics into `stats`; O into a buffer of the plan's, whose address it
 // returns (valid until the next forward of that shape on the stream), or nullptr with `why`.
 TH_CUDNN_API const void * th_sdpa_forward(cudaStream_t stream, const th_sdpa_shape * s, const void * q,
@@ -47,6 +54,7 @@ TH_CUDNN_API bool th_sdpa_backward(cudaStream_t stream, const th_sdpa_shape * s,
                                    void * dk, void * dv, char * why, size_t why_size);
 #else
 // a build without cuDNN: no attention is given to it (custom_ops.h, th_attention_cudnn)
+static inline bool th_sdpa_prepare(cudaStream_t, const th_sdpa_shape *, bool, char *, size_t) { return false; }
 static inline const void * th_sdpa_forward(cudaStream_t, const th_sdpa_shape *, const void *, const void *,
                                            const void *, float *, char *, size_t) {
     return nullptr;

@@ -15,6 +15,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -34,6 +36,8 @@ struct th_plan {
 std::mutex th_plans_mutex;
 std::map<std::vector<int64_t>, th_plan> th_plans;
 std::map<int, cudnnHandle_t> th_handles;
+std::map<std::vector<int64_t>, std::string> th_refused;    // shapes cuDNN refused, and why
+std::set<std::vector<int64_t>> th_said;                     // refusals said on stderr
 
 std::vector<int64_t> th_key(const int device, const int backward, const th_sdpa_shape & s) {
     std::vector<int64_t> key = {device, backward, s.B, s.H, s.Hk, s.T, s.D, s.causal, s.inputs16};
@@ -99,14 +103,36 @@ std::shared_ptr<fe::graph::Graph> th_graph(const th_sdpa_shape & s, const bool b
     return g;
 }
 
+// nullptr, once `why` is said on stderr (once a shape: th-attention.cu's th_cudnn_takes asks at
+// each of an attention's launches); remembered where cuDNN itself refused
+th_plan * th_refuse(const std::vector<int64_t> & key, const bool remember, const char * why) {
+    if (th_said.insert(key).second) fprintf(stderr, "toyharness: %s; toyharness's attention kernels run it\n", why);
+    if (remember) th_refused.emplace(key, why);
+    return nullptr;
+}
+
 // the plan of (backward, s) on this device, built and its buffers allocated at the first call;
-// nullptr with `why`
+// nullptr with `why` where cuDNN refuses it (or TOYHARNESS_CUDNN_PLANS=refuse, which stands in for
+// a refusal in tests)
 th_plan * th_plan_of(cudaStream_t stream, const th_sdpa_shape & s, const bool backward, cudnnHandle_t * handle,
                      char * why, const size_t why_size) {
     int device = 0;
     cudaGetDevice(&device);
     std::lock_guard<std::mutex> lock(th_plans_mutex);
     const std::vector<int64_t> key = th_key(device, backward, s);
+    const char * what = backward ? "backward" : "forward";
+    const char * plans = getenv("TOYHARNESS_CUDNN_PLANS");
+    if (plans != nullptr && strcmp(plans, "refuse") == 0) {
+        snprintf(why, why_size, "cuDNN's plans refused (TOYHARNESS_CUDNN_PLANS=refuse): the attention %s (B %lld, "
+                 "H %lld, kv heads %lld, T %lld, D %lld)", what, (long long) s.B, (long long) s.H, (long long) s.Hk,
+                 (long long) s.T, (long long) s.D);
+        return th_refuse(key, false, why);
+    }
+    auto refused = th_refused.find(key);
+    if (refused != th_refused.end()) {
+        snprintf(why, why_size, "%s", refused->second.c_str());
+        return nullptr;
+    }
     auto found = th_plans.find(key);
     auto h = th_handles.find(device);
     if (found != th_plans.end() && h != th_handles.end()) {
@@ -117,13 +143,13 @@ th_plan * th_plan_of(cudaStream_t stream, const th_sdpa_shape & s, const bool ba
     cudaStreamIsCapturing(stream, &capturing);
     if (capturing != cudaStreamCaptureStatusNone) {
         snprintf(why, why_size, "cuDNN's attention plan would be built inside a CUDA graph's capture");
-        return nullptr;
+        return th_refuse(key, false, why);
     }
     if (h == th_handles.end()) {
         cudnnHandle_t created;
         if (cudnnCreate(&created) != CUDNN_STATUS_SUCCESS) {
             snprintf(why, why_size, "cudnnCreate failed (cuDNN %zu)", cudnnGetVersion());
-            return nullptr;
+            return th_refuse(key, true, why);
         }
         h = th_handles.emplace(device, created).first;
     }
@@ -133,18 +159,18 @@ th_plan * th_plan_of(cudaStream_t stream, const th_sdpa_shape & s, const bool ba
     fe::error_t built = plan.graph->build(*handle, {fe::HeurMode_t::A});
     if (!built.is_good()) {
         snprintf(why, why_size, "cuDNN %zu cannot take the attention %s (B %lld, H %lld, kv heads %lld, T %lld, D %lld): %s",
-                 cudnnGetVersion(), backward ? "backward" : "forward", (long long) s.B, (long long) s.H,
-                 (long long) s.Hk, (long long) s.T, (long long) s.D, built.get_message().c_str());
-        return nullptr;
+                 cudnnGetVersion(), what, (long long) s.B, (long long) s.H, (long long) s.Hk, (long long) s.T,
+                 (long long) s.D, built.get_message().c_str());
+        return th_refuse(key, true, why);
     }
     int64_t workspace = 0;
     if (!plan.graph->get_workspace_size(workspace).is_good() ||
         cudaMalloc(&plan.workspace, workspace > 0 ? (size_t) workspace : 16) != cudaSuccess ||
         (!backward && cudaMalloc(&plan.o, (size_t) (s.B * s.H * s.T * s.D * 2)) != cudaSuccess) ||
         (s.inputs16 && cudaMalloc(&plan.inputs, (size_t) ((s.H + 2 * s.Hk) * s.B * s.T * s.D * 2)) != cudaSuccess)) {
-        snprintf(why, why_size, "cuDNN's attention %s: cannot allocate its workspace (%lld bytes) or buffers",
-                 backward ? "backward" : "forward", (long long) workspace);
-        return nullptr;
+        snprintf(why, why_size, "cuDNN's attention %s: cannot allocate its workspace (%lld bytes) or buffers", what,
+                 (long long) workspace);
+        return th_refuse(key, true, why);
     }
     return &th_plans.emplace(key, plan).first->second;
 }
@@ -161,6 +187,12 @@ bool th_execute(cudaStream_t stream, cudnnHandle_t handle, const th_plan & plan,
 }
 
 }  // namespace
+
+TH_CUDNN_API bool th_sdpa_prepare(cudaStream_t stream, const th_sdpa_shape * shape, const bool backward, char * why,
+                                  const size_t why_size) {
+    cudnnHandle_t handle;
+    return th_plan_of(stream, *shape, backward, &handle, why, why_size) != nullptr;
+}
 
 TH_CUDNN_API const void * th_sdpa_forward(cudaStream_t stream, const th_sdpa_shape * shape, const void * q,
                                           const void * k, const void * v, float * stats, char * why,

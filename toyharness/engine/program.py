@@ -170,6 +170,7 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_BF16_GELU": ("bf16", "f32"),             # a GELU's input product kept in bf16 at bf16
     "TOYHARNESS_BF16_ATTENTION_INPUTS": ("bf16", "f32"),   # attention's q, k, v products kept in bf16 at bf16
     "TOYHARNESS_CUDNN_ATTENTION": ("1", "0"),          # bf16 attention on cuDNN's, where the build has it
+    "TOYHARNESS_CUDNN_PLANS": ("build", "refuse"),     # refuse: as cuDNN may refuse plans (tests the fallback)
     "TOYHARNESS_BF16_TRACE": ("0", "1"),                # a stderr line for each operand a bf16 product converts
 }
 
