@@ -14,6 +14,7 @@ from attention_cases import attention_float64, attention_program
 
 from toyharness._ffi import blas, cpu_kernels, ffi, lib
 from toyharness.engine import blocks, get_engine
+from toyharness.engine.lowering import op_name
 
 pytestmark = pytest.mark.skipif(not cpu_kernels, reason="TOYHARNESS_CPU_KERNELS=0: ggml's own kernels only")
 RNG = np.random.default_rng(7)
@@ -445,6 +446,32 @@ def test_causal_attention_products_leave_out_the_masked_terms(shape):
         assert rel_err(runs[0][name], want) < 2e-6, name
         for other in runs[1:]:
             np.testing.assert_array_equal(other[name], runs[0][name], err_msg=name)
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+@pytest.mark.parametrize("shape", [dict(b=2, t=96, d=96, n_head=6, n_kv_head=2),
+                                   dict(b=1, t=70, d=64, n_head=4, n_kv_head=1)])
+def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(shape, monkeypatch):
+    """Grouped-query heads on the cpu kernels: the products read each kv head in place for its group
+    (no REPEAT node, no copies: a smaller compute buffer) against ggml's REPEATs
+    (TOYHARNESS_CPU_KV_IN_PLACE=0): the forward reads the same values and REPEAT_BACK sums each
+    group's dK and dV in the same order, so y and every gradient keep their bits."""
+    runs = {}
+    for in_place in ("1", "0"):
+        monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", in_place)
+        prog, trainer, fg = attention_program("cpu", **shape)
+        got = {"y": fg.run({})["y"]}
+        trainer.grads_only({})
+        got.update({n: prog.read(trainer.grad_acc[n]).copy() for n in ("x", "wq", "wk", "wv", "wo")})
+        g = trainer.gb_grad
+        ops = [op_name(lib.ggml_graph_node(g, i)) for i in range(lib.ggml_graph_n_nodes(g))]
+        runs[in_place] = got, ops.count("REPEAT"), prog.compute_buffer_bytes()
+    (in_place, repeats, in_place_bytes), (repeated, copies, repeated_bytes) = runs["1"], runs["0"]
+    assert copies - repeats == 2 and in_place_bytes < repeated_bytes     # k's and v's REPEATs gone
+    for name, want in repeated.items():
+        np.testing.assert_array_equal(in_place[name], want, err_msg=name)
+    for name, want in attention_float64(**shape).items():
+        assert rel_err(in_place[name], want) < 2e-6, name
 
 
 @pytest.mark.skipif(blas is None or blas.corename != "SkylakeX",

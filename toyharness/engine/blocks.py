@@ -234,16 +234,23 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
         if not causal:
             raise ShapeError("attention: a KV cache is for causal attention")
         return linear(cache.attend(q, k, v, hd, 1.0 / math.sqrt(hd) if scale is None else scale, window), wo, bo)
-    rep = n_head // n_kv_head
-    k = k.repeat_heads(rep)                   # (B, H, T, hd)
-    vt = v.permute(0, 2, 3, 1).cont().repeat_heads(rep)   # (B, H, hd, T)
+    # Grouped heads (Program.kv_in_place, cpu): the products read each kv head in place for its
+    # group of query heads, by mul_mat's broadcast over the flattened B*H axis (query head b*H + j
+    # reads kv head (b*H + j) // g = b*Hkv + j // g, g = H / Hkv), and ggml's backward sums each
+    # group's gradient with the REPEAT_BACK that REPEAT's backward was: the same bits, without
+    # ggml's REPEAT (one thread copying every kv head g times) or the copies' memory. Elsewhere the
+    # copies stay: the cuda rewrite reads them in place itself, and device lowerings take REPEAT.
+    in_place = x.prog.kv_in_place
+    rep = 1 if in_place else n_head // n_kv_head
+    k = k.repeat_heads(rep)                   # (B, Hkv or H, T, hd)
+    vt = v.permute(0, 2, 3, 1).cont().repeat_heads(rep)   # (B, Hkv or H, hd, T)
     # Batch and heads as one axis (B*H): each batched product and its gradients is then one
     # strided cuBLAS call (ggml-cuda loops over a 4th axis, one call per batch element). On cpu
     # every head's product is the same sgemm call either way: the bits do not change.
-    heads = bsz * n_head
-    scores = q.reshape(heads, seq, hd).bmm_t(k.reshape(heads, seq, hd))      # (B*H, Tq, Tk)
+    heads, kv_heads = bsz * n_head, bsz * (n_kv_head if in_place else n_head)
+    scores = q.reshape(heads, seq, hd).bmm_t(k.reshape(kv_heads, seq, hd))      # (B*H, Tq, Tk)
     probs = scores.softmax(scale=1.0 / math.sqrt(hd) if scale is None else scale, causal=causal, window=window)
-    out = probs.bmm_t(vt.reshape(heads, hd, seq)).reshape(bsz, n_head, seq, hd)
+    out = probs.bmm_t(vt.reshape(kv_heads, hd, seq)).reshape(bsz, n_head, seq, hd)
     out = out.permute(0, 2, 1, 3).cont().reshape(bsz, seq, n_head * hd)
     return linear(out, wo, bo)
 

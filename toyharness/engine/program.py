@@ -251,6 +251,11 @@ class Program:
                 raise BackendError("TOYHARNESS_LOWERING is not for the portable mode (its kernels are custom nodes)")
             self.cpu_kernels = self.cuda_kernels = False
         self.lowering = Lowering(self, declares_for(engine, self.lowering_target))
+        # With the cpu kernels (not under a lowering), whether attention's products read each
+        # shared kv head in place for its group of query heads (blocks.attention) instead of
+        # ggml's REPEAT copying it per query head; TOYHARNESS_CPU_KV_IN_PLACE=0 keeps the copies,
+        # for comparison (the same bits)
+        self.kv_in_place = self.cpu_kernels and os.environ.get("TOYHARNESS_CPU_KV_IN_PLACE", "1") != "0"
         # Whether cross_entropy builds its one-hot targets in the graph (FILL, then SET_ROWS of
         # ones at the flat indices) instead of uploading them: on cuda a step's upload of
         # rows x vocab floats (200 MB for 1024 tokens of a 49152-token vocabulary) was 40% of
