@@ -7,6 +7,7 @@ difference checks of tests/test_engine_ops.py run through the same kernels."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -472,6 +473,15 @@ def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(shape, monkeypatch
         np.testing.assert_array_equal(in_place[name], want, err_msg=name)
     for name, want in attention_float64(**shape).items():
         assert rel_err(in_place[name], want) < 2e-6, name
+
+
+def test_a_mistyped_kv_switch_is_refused_by_name(monkeypatch):
+    """TOYHARNESS_CPU_KV_IN_PLACE takes 1 or 0: anything else would silently mean 1."""
+    from toyharness.errors import InputError
+
+    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "off")
+    with pytest.raises(InputError, match=re.escape("TOYHARNESS_CPU_KV_IN_PLACE='off': use 1 or 0")):
+        get_engine("cpu").program()
 
 
 @pytest.mark.skipif(blas is None or blas.corename != "SkylakeX",

@@ -33,8 +33,10 @@ def native_build():
 @pytest.fixture(autouse=True)
 def graphs_as_cuda_builds_them(monkeypatch):
     """The rewrite's tests build on cpu the graphs cuda would compute: a cpu Trainer's folds of
-    products into ADDs (th_cpu_fold) are not cuda's, so they stay off here."""
+    products into ADDs (th_cpu_fold) and grouped kv heads read in place without their REPEATs
+    (Program.kv_in_place) are not cuda's, so they stay off here."""
     monkeypatch.setenv("TOYHARNESS_CPU_FOLDS", "0")
+    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "0")
 
 
 def ops_of(graph) -> list[str]:

@@ -321,7 +321,7 @@ def test_a_gelu_input_read_otherwise_stays_f32_and_a_later_graph_reading_it_as_f
     stamped at another precision (whose kernels would write it as f32)."""
     def mlp(read_h: bool):
         prog = get_engine("cpu").program()
-        prog.cpu_kernels = prog.cpu_folds = False       # built as cuda builds it (test_recompute's)
+        prog.cpu_kernels = prog.cpu_folds = prog.kv_in_place = False    # built as cuda builds it (test_recompute's)
         prog.cuda_kernels = prog.grads_as_outputs = prog.column_sums_as_products = True
         x = prog.param("x", RNG.normal(size=(8, 16)).astype(np.float32))
         w1, w2 = (prog.param(n, RNG.normal(size=s).astype(np.float32)) for n, s in (("w1", (32, 16)), ("w2", (16, 32))))
@@ -391,7 +391,7 @@ def test_an_attention_whose_q_is_read_otherwise_keeps_q_k_v_f32_and_a_later_grap
     another precision (whose kernels would write the product as f32)."""
     def attention(read_q: bool):
         prog = get_engine("cpu").program()
-        prog.cpu_kernels = prog.cpu_folds = False       # built as cuda builds it (test_recompute's)
+        prog.cpu_kernels = prog.cpu_folds = prog.kv_in_place = False    # built as cuda builds it (test_recompute's)
         prog.cuda_kernels = prog.grads_as_outputs = prog.column_sums_as_products = True
         x = prog.param("x", RNG.normal(size=(2, 8, 32)).astype(np.float32))
         w = {n: prog.param(n, 0.2 * RNG.normal(size=(32, 32)).astype(np.float32)) for n in ("wq", "wk", "wv", "wo")}

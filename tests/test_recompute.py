@@ -104,7 +104,7 @@ def _as_cuda_builds_it(recipe: str, sets: list[str], precision: str, monkeypatch
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        self.cpu_kernels = self.cpu_folds = False
+        self.cpu_kernels = self.cpu_folds = self.kv_in_place = False
         self.cuda_kernels = self.onehot_in_graph = self.column_sums_as_products = self.grads_as_outputs = True
         self.precision, self.frozen_bf16 = precision, precision == "bf16"
 

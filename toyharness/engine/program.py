@@ -153,7 +153,7 @@ def fused_attention() -> int:
 # The cuda kernels' comparison switches: environment variables that native/ reads (th_env_is) to
 # take the kernel before ours, or another form of ours, with the values each takes (its default
 # first, except the attention's rows, named in ascending order). Checked where a program starts
-# (check_cuda_switches), where a mistyped value can be named instead of ignored.
+# (check_switches), where a mistyped value can be named instead of ignored.
 CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_CUDA_ATTENTION_ROWS": ("64", "128"),    # rows a CTA of the bf16 attention (128: 8 warps)
     "TOYHARNESS_CUDA_ATTN_BWD": ("chunks", "rows"),     # the bf16 backward by 16 queries, or a step's 64
@@ -175,9 +175,16 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
 }
 
 
-def check_cuda_switches() -> None:
-    """Each of CUDA_SWITCHES that is set holds one of its values (InputError naming it if not)."""
-    for name, values in CUDA_SWITCHES.items():
+# The cpu kernels' comparison switches that the Python side reads, checked the same way.
+CPU_SWITCHES: dict[str, tuple[str, ...]] = {
+    "TOYHARNESS_CPU_KV_IN_PLACE": ("1", "0"),           # grouped kv heads read in place, or repeated
+}
+
+
+def check_switches() -> None:
+    """Each of CUDA_SWITCHES and CPU_SWITCHES that is set holds one of its values (InputError naming
+    it if not)."""
+    for name, values in {**CUDA_SWITCHES, **CPU_SWITCHES}.items():
         raw = os.environ.get(name, "")
         if raw and raw not in values:
             raise InputError(f"{name}={raw!r}: use {' or '.join(values)}")
@@ -186,7 +193,7 @@ def check_cuda_switches() -> None:
 def attention_rows() -> int:
     """Rows a CTA of the bf16 attention kernels takes on cuda (native/cuda/th-attention.cu reads
     TOYHARNESS_CUDA_ATTENTION_ROWS): 128 (8 warps), or 64 (4 warps, the tiles before; the same
-    bits; checked by check_cuda_switches)."""
+    bits; checked by check_switches)."""
     return int(os.environ.get("TOYHARNESS_CUDA_ATTENTION_ROWS", "") or 128)
 
 
@@ -277,7 +284,7 @@ class Program:
         self.grads_as_outputs = os.environ.get("TOYHARNESS_GRAD_ACCUMULATORS", "0") != "1"
         # on cuda, attention's nodes become our fused kernels (see fused_attention)
         self.fused_attention = fused_attention()
-        check_cuda_switches()
+        check_switches()
         self.attention_rows = attention_rows()
         # the precision of this program's matrix products (Engine.set_precision): on cuda each
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
