@@ -91,8 +91,8 @@ def test_the_plan_reads_a_graph_rewritten_for_cuda_as_its_buffer_holds_it(monkey
     from toyharness.memory_plan import Planner
 
     sets = ["n_layer=2", "d_model=64", "n_head=4", "t_seq=1024", "t_batch=2"]
-    # built as on a device, without the cpu kernels' forms (its kv heads repeated: the rewrite reads the repeats)
-    monkeypatch.setattr("toyharness.engine.program.cpu_kernels", False)
+    # its kv heads repeated, as cuda's graph has them (the rewrite reads the repeats)
+    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "0")
     pm, engine, options, data = _realized("llama", sets)
     trainer = pm.hook.realize(engine=engine, options=options, data=data).trainer
     planner, probabilities = Planner(engine), 2 * 2 * 4 * 1024 * 1024 * 4

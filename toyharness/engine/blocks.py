@@ -240,14 +240,13 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     # group's gradient with the REPEAT_BACK that REPEAT's backward was: the same bits, without
     # ggml's REPEAT (one thread copying every kv head g times) or the copies' memory. Elsewhere the
     # copies stay: the cuda rewrite reads them in place itself, and device lowerings take REPEAT.
-    in_place = x.prog.kv_in_place
-    rep = 1 if in_place else n_head // n_kv_head
+    rep = 1 if x.prog.kv_in_place else n_head // n_kv_head
     k = k.repeat_heads(rep)                   # (B, Hkv or H, T, hd)
     vt = v.permute(0, 2, 3, 1).cont().repeat_heads(rep)   # (B, Hkv or H, hd, T)
     # Batch and heads as one axis (B*H): each batched product and its gradients is then one
     # strided cuBLAS call (ggml-cuda loops over a 4th axis, one call per batch element). On cpu
     # every head's product is the same sgemm call either way: the bits do not change.
-    heads, kv_heads = bsz * n_head, bsz * (n_kv_head if in_place else n_head)
+    heads, kv_heads = bsz * n_head, bsz * k.shape[1]
     scores = q.reshape(heads, seq, hd).bmm_t(k.reshape(kv_heads, seq, hd))      # (B*H, Tq, Tk)
     probs = scores.softmax(scale=1.0 / math.sqrt(hd) if scale is None else scale, causal=causal, window=window)
     out = probs.bmm_t(vt.reshape(kv_heads, hd, seq)).reshape(bsz, n_head, seq, hd)
