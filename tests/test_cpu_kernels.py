@@ -418,6 +418,31 @@ def test_tiled_products_and_their_folds_keep_their_bits_at_any_thread_count(m, n
             np.testing.assert_array_equal(got, same)
 
 
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+@pytest.mark.parametrize("rows, n", [(1100, 40), (128, 300), (1024, 512), (37, 9)])
+def test_a_bias_gradient_sums_its_column_in_blocks_of_128_rows_at_any_thread_count(rows, n):
+    """ones^T dY (th_column_product): each column summed down the rows in float32, 128 rows a block
+    and the blocks' sums in turn; numpy's sequential float32 sums give the same bits, float64's
+    within float32's error, and 1, 2 and 3 threads the same bits."""
+    x = RNG.normal(size=(rows, 16)).astype(np.float32)
+    w = RNG.normal(size=(n, 16)).astype(np.float32)
+    b = RNG.normal(size=n).astype(np.float32)
+    dy = RNG.normal(size=(rows, n)).astype(np.float32)
+    got = []
+    for threads in (1, 2, 3):
+        prog = get_engine("cpu", threads).program()
+        out = blocks.linear(prog.param("x", x), prog.param("wl", w), prog.param("b", b))
+        tr, gb = grad_of(prog, out, "b", dy)
+        got.append(gb.copy())
+    total = np.zeros(n, np.float32)
+    for k0 in range(0, rows, 128):
+        total = total + np.cumsum(dy[k0:k0 + 128], axis=0, dtype=np.float32)[-1]
+    np.testing.assert_array_equal(got[0], total)
+    assert rel_err(got[0], dy.astype(np.float64).sum(0)) < 1e-5
+    for other in got[1:]:
+        np.testing.assert_array_equal(other, got[0])
+
+
 def causal_attention(shape: dict, block: int, threads: int = 2) -> dict[str, np.ndarray]:
     """attention_program's output and gradients, its causal products in blocks of `block` (0: whole);
     checks that the six products of causal attention took their causal form."""
