@@ -144,10 +144,10 @@ static int th_operand(const struct ggml_tensor * t, int want_transposed, int * t
 /* One output column (N = 1) of an OUT_PROD: c[i] = sum_k b[k][i] a[k], b's rows contiguous (a bias
  * gradient: ones^T dY, a column sum of dY). sgemm took such a product as a strided matrix-vector
  * product: 16-29 us for dY of 1024 x 128, 0.37-0.62 ms of the default gpt2 step's 15.6 on the AVX2
- * build (bench --profile), against 0.13 ms here. Here it is a pass down b's rows, each row one
- * vector operation into the partial sums. Each element's sum runs over k in the same fixed order whatever the tile or thread (blocks
- * of TH_COLUMN_BLOCK terms, each block's sum added to the total), so the bits follow the shape
- * alone; blocks keep the rounding error near a pairwise sum's rather than a K-term running sum's. */
+ * build (bench --profile); this pass down b's rows, each row one vector operation into the partial
+ * sums, takes 0.13 ms. Each element's sum runs over k in one fixed order whatever the tile or thread
+ * (blocks of TH_COLUMN_BLOCK terms, each block's sum added to the total), so the bits follow the
+ * shape alone; the blocks keep the rounding error near a pairwise sum's, not a K-term running sum's. */
 enum { TH_COLUMN_BLOCK = 128, TH_COLUMN_STRIPE = 64 };
 
 static void th_column_product(float * c, int64_t ldc, const char * b, size_t kb, const char * a, size_t ka,
