@@ -414,37 +414,63 @@ static int th_silu_back_ok(const struct ggml_tensor * t) {
  * SILU_BACK(grad, x); the rewrite turns that pair into these two kernels. With
  * s = sigmoid(2u), 2u = x (k1 + k3 x^2), k1 = 2 sqrt(2/pi), k3 = 0.044715 k1:
  *   y  = x s                                  (= 0.5 x (1 + tanh u))
- *   dx = dy (s + x s (1 - s) (k1 + 3 k3 x^2))
- * Both elementwise: dst may share a buffer with x or dy. */
+ *   dx = dy (s + x s (1 - s) (k1 + 3 k3 x^2))  (the slope; kept from the forward: th_keep_gelu_slopes)
+ * Both elementwise: dst may share a buffer with x or dy. Both ways take s from th_gelu_sigmoid
+ * (one division; y = x s), so the slope the forward keeps and the one the backward would take
+ * again are the same bits. */
 static const char TH_GELU_NAME[] = "th.gelu_tanh";
 /* TH_GELU_K1, TH_GELU_K3: custom_ops.h (the cuda kernels use the same) */
 
+/* s = 1 / (1 + exp(-2u)), with 2u rounded as x (k1 + (k3 x) x); y = x s, and the slope at x */
+static inline float th_gelu_sigmoid(float xi) {
+    return 1.0f / (1.0f + th_expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * xi * xi)));
+}
+
+static inline float th_gelu_slope(float xi, float s) {
+    return s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * (xi * xi));
+}
+
+/* userdata: NULL, or the backward node it keeps the slope for (th_keep_gelu_slopes): then the
+ * slope overwrites x in place once y is written, and the backward reads it instead of taking the
+ * exp again. Not where y is x's buffer (a forward-only graph may compute it in place: no
+ * backward reads x there). */
 static void th_gelu_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
-    (void) userdata;
-    const float * x = (const float *) src->data;
+    float * x = (float *) src->data;
     float * y = (float *) dst->data;
+    const int keep = userdata != NULL && dst->data != src->data;
     int64_t taken = 0, i0, i1;
     while (th_next_chunk(ggml_nelements(dst), ith, nth, &taken, &i0, &i1)) {
+        if (keep) {
 #pragma GCC ivdep
-        for (int64_t i = i0; i < i1; i++) {
-            const float xi = x[i];
-            y[i] = xi / (1.0f + th_expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * xi * xi)));
+            for (int64_t i = i0; i < i1; i++) {
+                const float xi = x[i], si = th_gelu_sigmoid(xi);
+                y[i] = xi * si;
+                x[i] = th_gelu_slope(xi, si);
+            }
+        } else {
+#pragma GCC ivdep
+            for (int64_t i = i0; i < i1; i++) y[i] = x[i] * th_gelu_sigmoid(x[i]);
         }
     }
 }
 
+/* userdata: NULL, or the forward node that keeps the slope in its input (th_keep_gelu_slopes). b
+ * is the slope there while this node still reads that input; a backward pointed at a recomputed
+ * copy of x (engine/recompute.py) reads x itself and takes the slope again, the same bits. */
 static void th_gelu_back_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
                             int ith, int nth, void * userdata) {
-    (void) userdata;
+    const struct ggml_tensor * forward = (const struct ggml_tensor *) userdata;
+    const int kept = forward != NULL && forward->src[0] == b;
     const float * dy = (const float *) a->data, * x = (const float *) b->data;
     float * dx = (float *) dst->data;
     int64_t taken = 0, i0, i1;
     while (th_next_chunk(ggml_nelements(dst), ith, nth, &taken, &i0, &i1)) {
+        if (kept) {
 #pragma GCC ivdep
-        for (int64_t i = i0; i < i1; i++) {
-            const float xi = x[i], x2 = xi * xi;
-            const float s = 1.0f / (1.0f + th_expf(-xi * (TH_GELU_K1 + TH_GELU_K3 * x2)));
-            dx[i] = dy[i] * (s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * x2));
+            for (int64_t i = i0; i < i1; i++) dx[i] = dy[i] * x[i];
+        } else {
+#pragma GCC ivdep
+            for (int64_t i = i0; i < i1; i++) dx[i] = dy[i] * th_gelu_slope(x[i], th_gelu_sigmoid(x[i]));
         }
     }
 }
@@ -471,6 +497,32 @@ static int th_is_custom(const struct ggml_tensor * t, void * fun) {
         return (void *) p.fun == fun;
     }
     return 0;
+}
+
+/* A custom op's userdata, set again (th_keep_gelu_slopes) */
+static void th_set_userdata(struct ggml_tensor * t, void * ud) {
+    if (t->op == GGML_OP_MAP_CUSTOM1) {
+        struct ggml_map_custom1_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        p.userdata = ud;
+        memcpy(t->op_params, &p, sizeof(p));
+    } else if (t->op == GGML_OP_MAP_CUSTOM2) {
+        struct ggml_map_custom2_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        p.userdata = ud;
+        memcpy(t->op_params, &p, sizeof(p));
+    }
+}
+
+static void * th_userdata(const struct ggml_tensor * t) {
+    if (t->op == GGML_OP_MAP_CUSTOM1) {
+        struct ggml_map_custom1_op_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        return p.userdata;
+    }
+    struct ggml_map_custom2_op_params p;
+    memcpy(&p, t->op_params, sizeof(p));
+    return p.userdata;
 }
 
 /* ---- SOFT_MAX: softmax(scale * x + mask) per row ---------------------------------------------
@@ -887,6 +939,9 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         memcpy(&p, t->op_params, sizeof(p));
         if (p.fun == th_gemm_op && ((intptr_t) p.userdata >> 1) != TH_CAUSAL_NONE) return "sgemm causal";
     }
+    /* a GELU pair that keeps the slope (th_keep_gelu_slopes) */
+    if (th_is_custom(t, (void *) th_gelu_op) && th_userdata(t) != NULL) return "gelu+slope";
+    if (th_is_custom(t, (void *) th_gelu_back_op) && th_userdata(t) != NULL) return "gelu_back (kept slope)";
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
     }
@@ -970,6 +1025,50 @@ static int th_rewrite_gelu(struct ggml_cgraph * graph) {
     static const struct th_gelu_kernels cpu = {th_cpu_gelu_forward, th_cpu_gelu_backward, th_cpu_is_gelu,
                                                th_cpu_is_gelu_back};
     return th_rewrite_gelu_pairs(graph, &cpu);
+}
+
+/* GELU's slope kept from the forward: the forward takes exp once for y and its slope, and
+ * writes the slope over its input x, which only the backward reads after it (a product's output:
+ * the product's own backward reads its input and dY, not x). The backward is then one product
+ * by dY instead of exp and a division again (0.18 -> 0.04 ms a GELU of 1024 x 512 on the
+ * AVX2 build; no more memory: x is kept for the backward either way). Taken for a pair in this
+ * graph when x is computed here (not a leaf, a view, an input, an output or a parameter) and
+ * no node but the two reads x or views it; a pair taken by an earlier graph whose x this graph
+ * reads otherwise is given back (both nodes: the backward takes the slope from x again).
+ * Returns how many pairs are kept. */
+static int th_keep_gelu_slopes(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int kept = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (!th_is_custom(t, (void *) th_gelu_op)) continue;
+        const struct ggml_tensor * x = t->src[0];
+        struct ggml_tensor * b = (struct ggml_tensor *) th_userdata(t);
+        int others = x->op == GGML_OP_NONE || x->view_src != NULL ||
+                     (x->flags & (GGML_TENSOR_FLAG_INPUT | GGML_TENSOR_FLAG_OUTPUT | GGML_TENSOR_FLAG_PARAM)) != 0;
+        struct ggml_tensor * partner = NULL;
+        for (int j = 0; j < n && !others; j++) {
+            struct ggml_tensor * u = ggml_graph_node(graph, j);
+            if (u == t) continue;
+            if (u->view_src == x) others = 1;
+            for (int k = 0; k < GGML_MAX_SRC && !others; k++) {
+                if (u->src[k] != x) continue;
+                if (k == 1 && th_is_custom(u, (void *) th_gelu_back_op) && partner == NULL) partner = u;
+                else others = 1;
+            }
+        }
+        if (others) {
+            if (b != NULL) {             /* kept by an earlier graph: given back, both ways */
+                th_set_userdata(b, NULL);
+                th_set_userdata(t, NULL);
+            }
+        } else if (partner != NULL && (b == NULL || b == partner)) {
+            th_set_userdata(t, partner);
+            th_set_userdata(partner, t);
+            kept++;
+        }
+    }
+    return kept;
 }
 
 /* The bias-row fusions (see th_add_rows_op). For each P named TH_BIAS_ROWS_NAME: its one reader
@@ -1334,6 +1433,7 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
     const int gelu = th_rewrite_gelu(graph), bias_rows = th_rewrite_bias_rows(graph), frozen = th_rewrite_frozen(graph);
     if (gelu < 0 || bias_rows < 0 || frozen < 0) return -1;
     int changed = gelu + bias_rows + frozen + th_mark_causal(graph);
+    th_keep_gelu_slopes(graph);
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (th_centre_ok(t)) {

@@ -207,6 +207,59 @@ def test_gelu_stand_in_agrees_with_the_composed_form_and_any_graph_order():
     assert rel_err(fused[0], composed[0]) < 2e-6 and rel_err(fused[1], composed[1]) < 2e-6
 
 
+def kernel_names(graph) -> list[str]:
+    names = [lib.th_kernel_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph))]
+    return [ffi.string(n).decode() for n in names if n != ffi.NULL]
+
+
+def gelu_of_a_product(x_out: str):
+    """GELU of x = a * c (a node the program computes, which only GELU's two nodes read), the
+    gradient of sum(GELU(x) * dy) in a, and the values of y and x. `x_out`: "before", x is
+    also a forward graph's output from the start (the slope cannot be kept in it); "after", that
+    graph is built once the training graph has kept the slope (it must give it back); "" never."""
+    rng = np.random.default_rng(11)       # the same values for each x_out
+    a = (rng.normal(size=(48, 40)) * 2).astype(np.float32)
+    c = np.linspace(0.5, 1.5, 40, dtype=np.float32)
+    dy = rng.normal(size=a.shape).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    x = prog.param("a", a) * prog.constant("c", c)
+    y = blocks.gelu_tanh(x)
+    outputs = prog.forward({"x": x, "y": y}) if x_out == "before" else None
+    tr = prog.trainer(prog.scalar_loss((y * prog.constant("w", dy)).sum()), "bias_corrected")
+    tr.grads_only({})
+    grads = [prog.read(tr.grad_acc["a"])]
+    names = kernel_names(tr.gb_grad)
+    if x_out == "after":
+        outputs = prog.forward({"x": x, "y": y})
+    values = outputs.run({}) if outputs is not None else prog.forward({"y": y}).run({})
+    tr.grads_only({})
+    grads.append(prog.read(tr.grad_acc["a"]))
+    return a * c, dy, values, grads, names, kernel_names(tr.gb_grad)
+
+
+def test_gelu_keeps_its_slope_from_the_forward_with_the_bits_of_taking_it_again():
+    kept, dy, values, grads, names, _ = gelu_of_a_product("")
+    assert "gelu+slope" in names and "gelu_back (kept slope)" in names     # the slope kept ...
+    apart, _, values_apart, grads_apart, names_apart, _ = gelu_of_a_product("before")
+    assert "gelu" in names_apart and "gelu+slope" not in names_apart       # ... not where x is an output
+    np.testing.assert_array_equal(values_apart["x"], kept)                 # x itself, not its slope
+    np.testing.assert_array_equal(values["y"], values_apart["y"])
+    for g in grads + grads_apart:
+        np.testing.assert_array_equal(g, grads[0])                         # the same bits either way
+    xd = kept.astype(np.float64)
+    y64, d64 = gelu_tanh_f64(xd)
+    assert rel_err(values["y"], y64) < 2e-6
+    c = np.linspace(0.5, 1.5, 40, dtype=np.float64)
+    assert rel_err(grads[0], dy * d64 * c) < 2e-6
+
+
+def test_a_later_graph_reading_gelus_input_gives_the_kept_slope_back():
+    kept, _, values, grads, names, names_after = gelu_of_a_product("after")
+    assert "gelu+slope" in names and "gelu+slope" not in names_after
+    np.testing.assert_array_equal(values["x"], kept)       # the forward graph reads x, not its slope
+    np.testing.assert_array_equal(grads[1], grads[0])      # and the backward takes the slope again
+
+
 def bias_program(cpu_kernels: bool, y: np.ndarray, b: np.ndarray):
     prog = get_engine("cpu", 2).program()
     prog.cpu_kernels = cpu_kernels
