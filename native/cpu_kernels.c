@@ -1390,7 +1390,7 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
         struct ggml_tensor * sm = ggml_graph_node(graph, i);
         const int64_t T = sm->ne[0];
         if ((sm->op != GGML_OP_SOFT_MAX && !th_is_custom(sm, (void *) th_soft_max_op)) || sm->type != GGML_TYPE_F32 ||
-            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) ||
+            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) || sm->src[1] == NULL ||
             (sm->src[1] != mask_checked && !th_is_causal_mask(sm->src[1], T))) {
             continue;
         }

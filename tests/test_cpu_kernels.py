@@ -528,6 +528,22 @@ def test_causal_attention_products_leave_out_the_masked_terms(shape):
 
 
 @pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
+@pytest.mark.parametrize("shape", [dict(b=2, t=65, d=64, n_head=4), dict(b=1, t=200, d=64, n_head=2)])
+def test_attention_without_a_mask_takes_no_causal_form(shape):
+    """A softmax with no mask (ViT's attention) is not causal: every product contracts over every
+    term and the softmax reads whole rows (stop 66: a mask-less softmax passed th_mark_causal's
+    check, and at 128 keys or more its products left terms out), float64's values."""
+    prog, trainer, fg = attention_program("cpu", **shape, causal=False)
+    got = {"y": fg.run({})["y"]}
+    trainer.grads_only({})
+    got.update({n: prog.read(trainer.grad_acc[n]).copy() for n in ("x", "wq", "wk", "wv", "wo")})
+    names = kernel_names(trainer.gb_grad)
+    assert "sgemm" in names and not [n for n in names if "causal" in n]
+    for name, want in attention_float64(**shape, causal=False).items():
+        assert rel_err(got[name], want) < 2e-6, name
+
+
+@pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
 @pytest.mark.parametrize("shape", [dict(b=2, t=96, d=96, n_head=6, n_kv_head=2),
                                    dict(b=1, t=70, d=64, n_head=4, n_kv_head=1)])
 def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(shape, monkeypatch):
