@@ -528,10 +528,14 @@ static void * th_userdata(const struct ggml_tensor * t) {
 /* ---- SOFT_MAX: softmax(scale * x + mask) per row ---------------------------------------------
  * ggml's kernel spends most of its time per row (a 64-wide attention row takes ~60 ns there).
  * Here: one pass for scale, mask and max, one for exp and the sum (TH_LANES partial sums), one
- * to normalise. Only the plain form: f32 mask or none, no ALiBi slope, no sinks. */
+ * to normalise. Only the plain form: f32 mask or none, no ALiBi slope, no sinks.
+ * userdata non-NULL: the mask is the causal one (th_mark_causal), -inf right of each row's
+ * diagonal. Those entries' exps are exact zeros that add nothing to their lane's sum, so a row
+ * stops at the end of the TH_LANES block that holds its diagonal and writes zeros after it: the
+ * same bits, about half the exps. */
 static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * mask,
                            int ith, int nth, void * userdata) {
-    (void) userdata;
+    const int causal = userdata != NULL;
     float scale;
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
@@ -541,11 +545,13 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
             const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
             const float * xp = (const float *) ((const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3]);
             float * y = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
-            th_softmax_input(y, xp, mask, i1, i2, i3, nc, scale);
-            const float max = th_row_max(y, nc);
+            const int64_t seen = (i1 + TH_LANES) / TH_LANES * TH_LANES;     /* blocks up to column i1's */
+            const int64_t n = causal && seen < nc ? seen : nc;
+            th_softmax_input(y, xp, mask, i1, i2, i3, n, scale);
+            const float max = th_row_max(y, n);
             float lane[TH_LANES] = {0};
             int64_t k = 0;
-            for (; k + TH_LANES <= nc; k += TH_LANES) {
+            for (; k + TH_LANES <= n; k += TH_LANES) {
                 for (int j = 0; j < TH_LANES; j++) {
                     y[k + j] = th_expf(y[k + j] - max);
                     lane[j] += y[k + j];
@@ -553,12 +559,13 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
             }
             float sum = 0.0f;
             for (int j = 0; j < TH_LANES; j++) sum += lane[j];
-            for (; k < nc; k++) {
+            for (; k < n; k++) {
                 y[k] = th_expf(y[k] - max);
                 sum += y[k];
             }
             const float inv = 1.0f / sum;
-            for (k = 0; k < nc; k++) y[k] *= inv;
+            for (k = 0; k < n; k++) y[k] *= inv;
+            for (; k < nc; k++) y[k] = 0.0f;
         }
     }
 }
@@ -939,9 +946,10 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         memcpy(&p, t->op_params, sizeof(p));
         if (p.fun == th_gemm_op && ((intptr_t) p.userdata >> 1) != TH_CAUSAL_NONE) return "sgemm causal";
     }
-    /* a GELU pair that keeps the slope (th_keep_gelu_slopes) */
+    /* a GELU pair that keeps the slope (th_keep_gelu_slopes); a softmax under the causal mask */
     if (th_is_custom(t, (void *) th_gelu_op) && th_userdata(t) != NULL) return "gelu+slope";
     if (th_is_custom(t, (void *) th_gelu_back_op) && th_userdata(t) != NULL) return "gelu_back (kept slope)";
+    if (th_is_custom(t, (void *) th_soft_max_op) && th_userdata(t) != NULL) return "softmax causal";
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
     }
@@ -1382,6 +1390,18 @@ static int th_mark_gemm(struct ggml_tensor * t, int causal) {
     return 1;
 }
 
+/* a SOFT_MAX (or our softmax already) to our kernel; causal: its mask is the causal one */
+static void th_set_soft_max(struct ggml_tensor * t, int causal) {
+    if (t->op == GGML_OP_SOFT_MAX) {
+        if (!th_soft_max_ok(t)) return;
+        float scale;
+        memcpy(&scale, t->op_params, sizeof(float));
+        th_set_custom2(t, th_soft_max_op, NULL, GGML_N_TASKS_MAX);
+        memcpy((float *) t->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
+    }
+    if (causal) th_set_userdata(t, (void *) 1);
+}
+
 static int th_mark_causal(struct ggml_cgraph * graph) {
     int marked = 0;
     const struct ggml_tensor * mask_checked = NULL;     /* the layers share one mask: its values read once */
@@ -1395,6 +1415,7 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
             continue;
         }
         mask_checked = sm->src[1];
+        th_set_soft_max(sm, 1);
         struct ggml_tensor * ds = NULL;
         for (int j = i + 1; j < n && ds == NULL; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
@@ -1445,10 +1466,7 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
         } else if (th_silu_back_ok(t)) {
             th_set_custom2(t, th_silu_back_op, NULL, GGML_N_TASKS_MAX);
         } else if (th_soft_max_ok(t)) {
-            float scale;
-            memcpy(&scale, t->op_params, sizeof(float));
-            th_set_custom2(t, th_soft_max_op, NULL, GGML_N_TASKS_MAX);
-            memcpy((float *) t->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
+            th_set_soft_max(t, 0);
         } else if (th_rms_norm_ok(t) || th_rms_norm_back_ok(t)) {
             float eps;
             memcpy(&eps, t->op_params, sizeof(float));

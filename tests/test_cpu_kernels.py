@@ -509,8 +509,9 @@ def causal_attention(shape: dict, block: int, threads: int = 2) -> dict[str, np.
         lib.th_set_causal_block(int(os.environ.get("TOYHARNESS_CAUSAL_BLOCK", "64")))
     g = trainer.gb_grad
     names = [lib.th_kernel_name(lib.ggml_graph_node(g, i)) for i in range(lib.ggml_graph_n_nodes(g))]
-    # S and P V; dP, P^T dO, dS^T Q and dS K
+    # S and P V; dP, P^T dO, dS^T Q and dS K; and the softmax
     assert sum(ffi.string(n).decode() == "sgemm causal" for n in names if n != ffi.NULL) == 6
+    assert sum(ffi.string(n).decode() == "softmax causal" for n in names if n != ffi.NULL) == 1
     return got
 
 
@@ -525,6 +526,27 @@ def test_causal_attention_products_leave_out_the_masked_terms(shape):
         assert rel_err(runs[0][name], want) < 2e-6, name
         for other in runs[1:]:
             np.testing.assert_array_equal(other[name], runs[0][name], err_msg=name)
+
+
+@pytest.mark.parametrize("T", [5, 37, 64, 70])
+def test_a_causal_softmax_stops_at_each_rows_diagonal_block_with_the_bits_of_whole_rows(T):
+    """Under the causal mask a row's exps right of its diagonal are exact zeros: the kernel stops
+    at the end of the 16-wide block that holds the diagonal. The same bits as the whole rows
+    (the same mask's values under another name, which the rewrite does not take as causal), and
+    float64's softmax."""
+    x = (RNG.normal(size=(3, T, T)) * 3).astype(np.float32)
+    prog = get_engine("cpu", 2).program()
+    t = prog.param("x", x)
+    masked = np.triu(np.full((T, T), -np.inf, np.float32), k=1)
+    plain_mask = prog.constant("other_mask", masked)
+    plain = t._new(lib.ggml_soft_max_ext(t._ctx, t.ptr, plain_mask.ptr, 0.5, 0.0))
+    fg = prog.forward({"causal": t.softmax(scale=0.5, causal=True), "plain": plain})
+    got = fg.run({})
+    assert sorted(kernel_names(fg.graph)) == ["softmax", "softmax causal"]
+    np.testing.assert_array_equal(got["causal"], got["plain"])
+    z = x.astype(np.float64) * 0.5 + masked
+    want = np.exp(z - z.max(-1, keepdims=True))
+    assert rel_err(got["causal"], want / want.sum(-1, keepdims=True)) < 1e-6
 
 
 @pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
