@@ -843,6 +843,53 @@ static int th_cross_entropy_ok(const struct ggml_tensor * t) {
            ggml_are_same_shape(a, b) && ggml_nrows(a) == a->ne[1] && a->ne[0] > 0;
 }
 
+/* ---- CROSS_ENTROPY_LOSS_BACK: dx = (softmax(x) - t) * grad / rows ----------------------------
+ * ggml's kernel takes each row's softmax with its own exp, one row a task. Here one exp pass per
+ * row (the exps kept in dx, TH_LANES partial sums as the softmax kernel's), then one pass for the
+ * difference, rows shared out in tasks of about TH_EW_CHUNK elements. Each element depends on its
+ * row alone: the bits do not follow the thread count. srcs: the loss's gradient (a scalar), the
+ * logits, the one-hot targets. */
+static void th_cross_entropy_back_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * grad = dst->src[0], * a = dst->src[1], * b = dst->src[2];
+    const int64_t nc = a->ne[0], nr = ggml_nrows(a);
+    const float scale = *(const float *) grad->data / (float) nr;
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(nr, nc, ith, nth, &taken, &r0, &r1)) {
+        for (int64_t r = r0; r < r1; r++) {
+            const float * x = (const float *) ((const char *) a->data + r * a->nb[1]);
+            const float * t = (const float *) ((const char *) b->data + r * b->nb[1]);
+            float * dx = (float *) ((char *) dst->data + r * dst->nb[1]);
+            const float max = th_row_max(x, nc);
+            float lane[TH_LANES] = {0};
+            int64_t k = 0;
+            for (; k + TH_LANES <= nc; k += TH_LANES) {
+                for (int j = 0; j < TH_LANES; j++) {
+                    dx[k + j] = th_expf(x[k + j] - max);
+                    lane[j] += dx[k + j];
+                }
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < TH_LANES; j++) sum += lane[j];
+            for (; k < nc; k++) {
+                dx[k] = th_expf(x[k] - max);
+                sum += dx[k];
+            }
+            const float inv = 1.0f / sum;
+            for (k = 0; k < nc; k++) dx[k] = (dx[k] * inv - t[k]) * scale;
+        }
+    }
+}
+
+static int th_cross_entropy_back_ok(const struct ggml_tensor * t) {
+    if (t->op != GGML_OP_CROSS_ENTROPY_LOSS_BACK) return 0;
+    const struct ggml_tensor * g = t->src[0], * a = t->src[1], * b = t->src[2];
+    return t->type == GGML_TYPE_F32 && g->type == GGML_TYPE_F32 && a->type == GGML_TYPE_F32 &&
+           b->type == GGML_TYPE_F32 && ggml_nelements(g) == 1 && ggml_are_same_shape(t, a) &&
+           ggml_are_same_shape(a, b) && ggml_is_contiguous(t) && a->nb[0] == sizeof(float) &&
+           b->nb[0] == sizeof(float) && ggml_nrows(a) == a->ne[1] && a->ne[0] > 0;
+}
+
 /* ---- row centring: x @ (I - 1/d), as LayerNorm writes it -------------------------------------
  * blocks.layer_norm centres with a product by the cached constant "centring.<d>" so that ggml
  * can differentiate it; the backward is a product by the same (symmetric) matrix. Both become
@@ -938,6 +985,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_rms_norm_op, "rms_norm"},   {(void *) th_rms_norm_back_op, "rms_norm_back"},
         {(void *) th_add_rows_op, "add_rows"},   {(void *) th_rope_op, "rope"},
         {(void *) th_cross_entropy_op, "cross_entropy"}, {(void *) th_centre_op, "centre"},
+        {(void *) th_cross_entropy_back_op, "cross_entropy_back"},
         {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
         {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
     };
@@ -1484,6 +1532,8 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
             th_keep_rope_params(t, rope_params, sin_sign);
         } else if (th_cross_entropy_ok(t)) {
             th_set_custom2(t, th_cross_entropy_op, NULL, 1);
+        } else if (th_cross_entropy_back_ok(t)) {
+            th_set_custom(t, th_cross_entropy_back_op);
         } else if (th_adamw_ok(t)) {
             th_set_custom(t, th_adamw_op);
         } else {

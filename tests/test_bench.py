@@ -141,7 +141,8 @@ def test_profile_names_the_kernel_that_took_each_op():
     rows = {(o.op, o.kernel) for o in prof.ops}
     assert ("OPT_STEP_ADAMW", "adamw" if cpu_kernels else "ggml") in rows
     if cpu_kernels:       # the kernel of native/cpu_kernels.c that took each op, by name
-        assert {("OUT_PROD", "sgemm"), ("SOFT_MAX", "softmax"), ("SILU", "gelu+slope")} <= rows
+        assert {("OUT_PROD", "sgemm"), ("SOFT_MAX", "softmax causal"), ("SILU", "gelu+slope")} <= rows
+        assert {("CROSS_ENTROPY_LOSS", "cross_entropy"), ("CROSS_ENTROPY_LOSS_BACK", "cross_entropy_back")} <= rows
         assert ("SILU_BACK", "gelu_back (kept slope)") in rows    # GELU's slope, kept from the forward
         assert ("ADD", "add_rows") in rows                       # a bias, its ones @ b product fused away
     # attention's products, apart; causal ones contract only over what the mask leaves (th_mark_causal)

@@ -133,6 +133,30 @@ def test_cross_entropy_value_matches_numpy_and_the_thread_invariant_report():
     assert len({v[0] for v in values}) == 1, f"train loss moved with the thread count: {values}"
 
 
+def test_cross_entropy_gradient_is_softmax_minus_targets_over_rows_at_any_thread_count():
+    """CROSS_ENTROPY_LOSS_BACK on our kernel (rows of 37 and 300 classes: a partial lane block):
+    (softmax(x) - onehot) / rows against float64, the same bits at 1, 2 and 3 threads; and the
+    report is the train loss itself (no second softmax in the graph)."""
+    for vocab, rows in ((37, 90), (300, 70)):
+        logits = (RNG.normal(size=(rows, vocab)) * 4).astype(np.float32)
+        targets = RNG.integers(0, vocab, size=rows)
+        grads = []
+        for threads in (1, 2, 3):
+            prog = get_engine("cpu", threads).program()
+            loss = prog.cross_entropy(prog.param("logits", logits), "targets")
+            assert loss.report is loss.train
+            tr = prog.trainer(loss, "bias_corrected")
+            tr.grads_only({"targets": targets})
+            grads.append(prog.read(tr.grad_acc["logits"]).copy())
+            assert "cross_entropy_back" in kernel_names(tr.gb_grad) and "softmax" not in kernel_names(tr.gb_grad)
+        z = logits.astype(np.float64)
+        p = np.exp(z - z.max(1, keepdims=True))
+        want = (p / p.sum(1, keepdims=True) - np.eye(vocab)[targets]) / rows
+        assert rel_err(grads[0], want) < 1e-6
+        for g in grads[1:]:
+            np.testing.assert_array_equal(g, grads[0])
+
+
 @pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
 def test_bias_outer_product_is_exact():
     """K = 1 products (our bias broadcast) are written as x * y: the same bits as numpy."""

@@ -635,13 +635,19 @@ class Program:
         `train` is ggml's cross_entropy_loss (its CPU kernel adds per-thread partial sums, so
         its scalar moves in the last bits with the thread count). `report` is the same mean,
         computed per row (softmax, pick the target, log) and summed by one thread in a fixed
-        order: the loss we report, thread-count invariant.
+        order: the loss we report, thread-count invariant. On the cpu fast path `train` is
+        our kernel's (native/cpu_kernels.c: rows summed in order by one thread, invariant
+        already), and it is the report too: no second softmax over the logits each step.
         """
         tg, onehot = self._new_targets(logits, targets, "cross_entropy")
         rows, vocab, flat = math.prod(tg.shape), tg.vocab, tg.flat_index
         logits2 = logits.reshape(rows, vocab)
         train = logits2._new(lib.ggml_cross_entropy_loss(self._ctx_compute, logits2.ptr, onehot.ptr), 0)
         lib.ggml_set_loss(train.ptr)
+        if self.cpu_kernels:
+            lib.ggml_set_output(train.ptr)
+            named = train.named(f"{targets}.loss")
+            return CrossEntropy(named, named, targets)
         picked = logits2.softmax().reshape(rows * vocab, 1).get_rows(flat)
         report = picked.log().sum().scale(-1.0 / rows)
         lib.ggml_set_output(report.ptr)
