@@ -808,17 +808,20 @@ static void th_keep_rope_params(struct ggml_tensor * t, const int32_t * rope_par
 }
 
 /* ---- CROSS_ENTROPY_LOSS: -mean over rows of sum_v t_v log softmax(x)_v ------------------------
- * ggml's kernel calls scalar expf and logf per element. Only the loss's value is computed here
- * (its backward, CROSS_ENTROPY_LOSS_BACK, recomputes the softmax itself), in one task: the rows
- * are summed in order, so the scalar no longer depends on the thread count. */
-static void th_cross_entropy_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
-                                int ith, int nth, void * userdata) {
-    (void) nth;
-    (void) userdata;
-    if (ith != 0) return;
-    const int64_t nc = a->ne[0], nr = ggml_nrows(a);
+ * ggml's kernel calls scalar expf and logf per element and adds per-thread partial sums. Here
+ * the rows are cut into TH_CE_BLOCKS blocks fixed by the shape; each thread sums its blocks'
+ * rows in order into the node's spare op_params slots, and the thread that finishes last adds
+ * the blocks in order: the scalar does not depend on the thread count. Only the loss's value is
+ * computed here (its backward is th_cross_entropy_back_op). */
+enum { TH_CE_BLOCKS = 8 };
+_Static_assert(TH_PARAM_SLOT + TH_CE_BLOCKS <= GGML_MAX_OP_PARAMS / sizeof(int32_t), "the blocks' sums fit op_params");
+_Static_assert(sizeof(struct ggml_map_custom2_op_params) <= (TH_PARAM_SLOT - 1) * sizeof(int32_t),
+               "the counter's slot is past the custom op's parameters");
+
+static float th_cross_entropy_rows(const struct ggml_tensor * a, const struct ggml_tensor * b, int64_t r0, int64_t r1) {
+    const int64_t nc = a->ne[0];
     float total = 0.0f;
-    for (int64_t r = 0; r < nr; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const float * x = (const float *) ((const char *) a->data + r * a->nb[1]);
         const float * t = (const float *) ((const char *) b->data + r * b->nb[1]);
         const float max = th_row_max(x, nc);
@@ -833,7 +836,25 @@ static void th_cross_entropy_op(struct ggml_tensor * dst, const struct ggml_tens
         for (; k < nc; k++) row += t[k] * ((x[k] - max) - log_sum);
         total += row;
     }
+    return total;
+}
+
+static void th_cross_entropy_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                                int ith, int nth, void * userdata) {
+    (void) userdata;
+    const int64_t nr = ggml_nrows(a);
+    /* op_params: the custom op's own in slots 0-5, then a counter of finished threads, then the
+     * blocks' sums (TH_PARAM_SLOT + TH_CE_BLOCKS <= 16 slots) */
+    int32_t * done = dst->op_params + TH_PARAM_SLOT - 1;
+    float * part = (float *) (dst->op_params + TH_PARAM_SLOT);
+    for (int blk = ith; blk < TH_CE_BLOCKS; blk += nth) {
+        part[blk] = th_cross_entropy_rows(a, b, nr * blk / TH_CE_BLOCKS, nr * (blk + 1) / TH_CE_BLOCKS);
+    }
+    if (__atomic_add_fetch(done, 1, __ATOMIC_ACQ_REL) != nth) return;
+    float total = 0.0f;
+    for (int blk = 0; blk < TH_CE_BLOCKS; blk++) total += part[blk];
     *(float *) dst->data = total * (-1.0f / (float) nr);
+    __atomic_store_n(done, 0, __ATOMIC_RELAXED);
 }
 
 static int th_cross_entropy_ok(const struct ggml_tensor * t) {
@@ -1531,7 +1552,7 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
             th_set_custom2(t, th_rope_op, NULL, GGML_N_TASKS_MAX);
             th_keep_rope_params(t, rope_params, sin_sign);
         } else if (th_cross_entropy_ok(t)) {
-            th_set_custom2(t, th_cross_entropy_op, NULL, 1);
+            th_set_custom2(t, th_cross_entropy_op, NULL, GGML_N_TASKS_MAX);
         } else if (th_cross_entropy_back_ok(t)) {
             th_set_custom(t, th_cross_entropy_back_op);
         } else if (th_adamw_ok(t)) {

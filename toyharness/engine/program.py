@@ -103,7 +103,8 @@ class _Targets:
 
 @dataclass
 class CrossEntropy:
-    """`train` drives the backward (ggml's op); `report` is the same loss, thread-invariant."""
+    """`train` drives the backward (ggml's op); `report` is the same loss, thread-invariant (on the
+    cpu fast path the same tensor: our kernel's train loss is invariant already)."""
 
     train: Tensor
     report: Tensor
