@@ -32,7 +32,7 @@
 
 #define TH_EXPORT __attribute__((visibility("default")))
 
-enum { TH_CE_TILE = 256, TH_CE_MAX_CHUNKS = 16, TH_CE_STATS = 3, TH_CE_LANES = 16 };
+enum { TH_CE_TILE = 256, TH_CE_MAX_CHUNKS = 16, TH_CE_STATS = 3 };
 
 /* per-thread buffers: a dequantized tile of W (TH_CE_TILE x d) and its logits (R x TH_CE_TILE) */
 static _Thread_local float * th_ce_buf = NULL;
@@ -59,25 +59,6 @@ static void th_ce_logits(const struct ggml_tensor * h, const struct ggml_tensor 
     th_dequantize(w, v0, n, 0, d, tile);
     th_frozen_gemm(0, 1, R, n, d, (const float *) h->data, (int64_t) (h->nb[1] / sizeof(float)), tile, d, 0.0f, z,
                    TH_CE_TILE);
-}
-
-/* z[j] = exp(z[j] - shift) for j < n; returns their sum (TH_CE_LANES partial sums, in a fixed order) */
-static float th_ce_exp_row(float * z, int64_t n, float shift) {
-    float lane[TH_CE_LANES] = {0};
-    int64_t j = 0;
-    for (; j + TH_CE_LANES <= n; j += TH_CE_LANES) {
-        for (int l = 0; l < TH_CE_LANES; l++) {
-            z[j + l] = th_expf(z[j + l] - shift);
-            lane[l] += z[j + l];
-        }
-    }
-    float sum = 0.0f;
-    for (int l = 0; l < TH_CE_LANES; l++) sum += lane[l];
-    for (; j < n; j++) {
-        z[j] = th_expf(z[j] - shift);
-        sum += z[j];
-    }
-    return sum;
 }
 
 /* detach: the hidden rows' bytes into an i32 tensor of the same shape */
@@ -131,7 +112,7 @@ static void th_ce_chunk_op(struct ggml_tensor * dst, int ith, int nth, void * us
                     row[d] = top;
                 }
                 if (id[r] >= v0 && id[r] < v0 + n) row[d + 2] = zr[id[r] - v0];
-                row[d + 1] += th_ce_exp_row(zr, n, row[d]);
+                row[d + 1] += th_exp_row(zr, zr, n, row[d]);
             }
             /* acc += exp(z - m) . W's tile */
             th_frozen_gemm(0, 0, R, d, n, z, TH_CE_TILE, tile, d, 1.0f, out, ld);

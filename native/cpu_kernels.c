@@ -361,8 +361,6 @@ static int th_cont_ok(const struct ggml_tensor * t) {
  * ggml calls glibc's scalar expf per element; th_expf (cpu_kernels.h) is branch-free so the
  * loop vectorises. */
 
-enum { TH_LANES = 16 };      /* partial sums of a row reduction */
-
 /* max of a row (exact in any order, so the compiler may vectorise it: -fopenmp-simd) */
 static float th_row_max(const float * x, int64_t n) {
     float max = -INFINITY;
@@ -548,23 +546,9 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
             const int64_t seen = (i1 + TH_LANES) / TH_LANES * TH_LANES;     /* blocks up to column i1's */
             const int64_t n = causal && seen < nc ? seen : nc;
             th_softmax_input(y, xp, mask, i1, i2, i3, n, scale);
-            const float max = th_row_max(y, n);
-            float lane[TH_LANES] = {0};
+            const float inv = 1.0f / th_exp_row(y, y, n, th_row_max(y, n));
             int64_t k = 0;
-            for (; k + TH_LANES <= n; k += TH_LANES) {
-                for (int j = 0; j < TH_LANES; j++) {
-                    y[k + j] = th_expf(y[k + j] - max);
-                    lane[j] += y[k + j];
-                }
-            }
-            float sum = 0.0f;
-            for (int j = 0; j < TH_LANES; j++) sum += lane[j];
-            for (; k < n; k++) {
-                y[k] = th_expf(y[k] - max);
-                sum += y[k];
-            }
-            const float inv = 1.0f / sum;
-            for (k = 0; k < n; k++) y[k] *= inv;
+            for (; k < n; k++) y[k] *= inv;
             for (; k < nc; k++) y[k] = 0.0f;
         }
     }
@@ -881,23 +865,8 @@ static void th_cross_entropy_back_op(struct ggml_tensor * dst, int ith, int nth,
             const float * x = (const float *) ((const char *) a->data + r * a->nb[1]);
             const float * t = (const float *) ((const char *) b->data + r * b->nb[1]);
             float * dx = (float *) ((char *) dst->data + r * dst->nb[1]);
-            const float max = th_row_max(x, nc);
-            float lane[TH_LANES] = {0};
-            int64_t k = 0;
-            for (; k + TH_LANES <= nc; k += TH_LANES) {
-                for (int j = 0; j < TH_LANES; j++) {
-                    dx[k + j] = th_expf(x[k + j] - max);
-                    lane[j] += dx[k + j];
-                }
-            }
-            float sum = 0.0f;
-            for (int j = 0; j < TH_LANES; j++) sum += lane[j];
-            for (; k < nc; k++) {
-                dx[k] = th_expf(x[k] - max);
-                sum += dx[k];
-            }
-            const float inv = 1.0f / sum;
-            for (k = 0; k < nc; k++) dx[k] = (dx[k] * inv - t[k]) * scale;
+            const float inv = 1.0f / th_exp_row(dx, x, nc, th_row_max(x, nc));
+            for (int64_t k = 0; k < nc; k++) dx[k] = (dx[k] * inv - t[k]) * scale;
         }
     }
 }

@@ -64,6 +64,28 @@ static inline float th_expf(float x0) {
 
 enum { TH_EW_CHUNK = 4096 }; /* elements per task of an elementwise kernel */
 
+enum { TH_LANES = 16 };      /* partial sums of a row reduction */
+
+/* y[k] = exp(x[k] - shift) for k < n (y may be x); returns their sum, TH_LANES partial sums
+ * combined in a fixed order. Inline: each kernel file computes it under its own compile flags. */
+static inline float th_exp_row(float * y, const float * x, int64_t n, float shift) {
+    float lane[TH_LANES] = {0};
+    int64_t k = 0;
+    for (; k + TH_LANES <= n; k += TH_LANES) {
+        for (int j = 0; j < TH_LANES; j++) {
+            y[k + j] = th_expf(x[k + j] - shift);
+            lane[j] += y[k + j];
+        }
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < TH_LANES; j++) sum += lane[j];
+    for (; k < n; k++) {
+        y[k] = th_expf(x[k] - shift);
+        sum += y[k];
+    }
+    return sum;
+}
+
 /* Rows per task of a row-wise kernel: about TH_EW_CHUNK elements, at least one row. Fixed by the
  * shape; short rows (a 17-wide attention row) would otherwise make tasks so small that their
  * overhead costs more than their work. */
