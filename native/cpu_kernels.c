@@ -1090,20 +1090,13 @@ static int th_keep_gelu_slopes(struct ggml_cgraph * graph) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (!th_is_custom(t, (void *) th_gelu_op)) continue;
         const struct ggml_tensor * x = t->src[0];
-        struct ggml_tensor * b = (struct ggml_tensor *) th_userdata(t);
-        int others = x->op == GGML_OP_NONE || x->view_src != NULL ||
-                     (x->flags & (GGML_TENSOR_FLAG_INPUT | GGML_TENSOR_FLAG_OUTPUT | GGML_TENSOR_FLAG_PARAM)) != 0;
-        struct ggml_tensor * partner = NULL;
-        for (int j = 0; j < n && !others; j++) {
-            struct ggml_tensor * u = ggml_graph_node(graph, j);
-            if (u == t) continue;
-            if (u->view_src == x) others = 1;
-            for (int k = 0; k < GGML_MAX_SRC && !others; k++) {
-                if (u->src[k] != x) continue;
-                if (k == 1 && th_is_custom(u, (void *) th_gelu_back_op) && partner == NULL) partner = u;
-                else others = 1;
-            }
-        }
+        struct ggml_tensor * b = (struct ggml_tensor *) th_userdata(t), * last;
+        /* x's readers (its views among them): the forward and, last, its backward; or t alone */
+        const int readers = th_readers(graph, x, &last);
+        struct ggml_tensor * partner =
+            readers == 2 && th_is_custom(last, (void *) th_gelu_back_op) && last->src[1] == x ? last : NULL;
+        const int others = x->op == GGML_OP_NONE || x->view_src != NULL || (readers > 1 && partner == NULL) ||
+                           (x->flags & (GGML_TENSOR_FLAG_INPUT | GGML_TENSOR_FLAG_OUTPUT | GGML_TENSOR_FLAG_PARAM));
         if (others) {
             if (b != NULL) {             /* kept by an earlier graph: given back, both ways */
                 th_set_userdata(b, NULL);
