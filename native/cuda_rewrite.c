@@ -57,6 +57,9 @@
  *     Its gain and bias, ADD(MUL(t, g), b), are one pass; the backward's MUL(dy, g) is formed
  *     inside LayerNorm's backward, and the gain's gradient, a column sum of MUL(t, dy), is one
  *     kernel that reads t and dy. A product or MUL folded into a later node computes nothing.
+ *   - A norm (LayerNorm's or RMSNorm's) and its gain (and bias), and the residual's ADD whose sum
+ *     the norm reads: one pass, the AFFINE's, writing the sum and t into the ADD's and the norm's
+ *     nodes (rooms) as it writes y; the same bits (th_fuse_norm_affines).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -916,6 +919,77 @@ static int th_rewrite_layer_norms(struct ggml_cgraph * graph) {
     return marked;
 }
 
+/* t under its RESHAPE views */
+static struct ggml_tensor * th_under_reshape_views(struct ggml_tensor * t) {
+    while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
+    return t;
+}
+
+/* The norm node whose output an AFFINE node reads as t (src 0, through RESHAPE views): LAYER_NORM or
+ * RMS_NORM of ours, or the room of an AFFINE that computes its norm (th_fuse_norm_affines) */
+static struct ggml_tensor * th_norm_under_affine(const struct ggml_tensor * u) {
+    return th_under_reshape_views(u->src[0]);
+}
+
+/* whether a node of `graph` before index `before`, other than a view (which computes nothing),
+ * reads t or a view of it */
+static int th_read_before(struct ggml_cgraph * graph, const struct ggml_tensor * t, const int before) {
+    for (int k = 0; k < before; k++) {
+        const struct ggml_tensor * v = ggml_graph_node(graph, k);
+        if (v->view_src != NULL) continue;
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
+        }
+    }
+    return 0;
+}
+
+/* A norm (LAYER_NORM or RMS_NORM of ours) whose output t an AFFINE reads (its gain, and bias),
+ * every other reader of t after that AFFINE (the gain's gradient's COLUMN_DOT, in the backward):
+ * the AFFINE computes the norm as well, writing t into the norm's node (a room, no sources) as it
+ * writes y. Where the norm's input is a residual's ADD (ours: two tensors of one shape) read by no
+ * node before the AFFINE, the AFFINE computes that sum too, into the ADD's node (a room), as it
+ * reads it. One pass over the rows where the ADD, the norm and the AFFINE each read them again.
+ * The sum is rounded as the ADD rounds it, t computed by the norm's own code and y by the
+ * AFFINE's, so the bits do not change. op_params[2..]: th_norm_affine_params; src 3: the norm's
+ * input; srcs 4 and 5: the ADD's, where it computes the sum. TOYHARNESS_CUDA_NORM_AFFINE=norm
+ * leaves the ADD its own node, =separate the norm too (comparisons). Returns the nodes marked. */
+static int th_fuse_norm_affines(struct ggml_cgraph * graph) {
+    if (th_env_is("TOYHARNESS_CUDA_NORM_AFFINE", "separate")) return 0;
+    const int sums = !th_env_is("TOYHARNESS_CUDA_NORM_AFFINE", "norm");
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (!th_marked(u, TH_CUDA_AFFINE) || u->src[3] != NULL) continue;
+        struct ggml_tensor * t = th_norm_under_affine(u), * x = t != NULL ? t->src[0] : NULL;
+        const int norm = t == NULL ? 0 : th_marked(t, TH_CUDA_LAYER_NORM) ? TH_CUDA_LAYER_NORM
+                                       : th_marked(t, TH_CUDA_RMS_NORM)   ? TH_CUDA_RMS_NORM
+                                                                          : 0;
+        if (norm == 0 || (t->flags & GGML_TENSOR_FLAG_OUTPUT) || !th_f32_contiguous(t) || x == NULL ||
+            !th_f32_contiguous(x) || !ggml_are_same_shape(t, x) || ggml_nelements(t) != ggml_nelements(u) ||
+            t->ne[0] != u->ne[0] || t->ne[0] > INT32_MAX || th_read_before(graph, t, i)) {
+            continue;
+        }
+        th_norm_affine_params params = {th_eps_of(t, 2), norm, 0};
+        u->src[3] = x;
+        th_mark(t, TH_CUDA_ROOM);
+        th_set_srcs(t, NULL, NULL, NULL, NULL, NULL, NULL);
+        marked++;
+        struct ggml_tensor * a = th_under_reshape_views(x);
+        if (sums && th_marked(a, TH_CUDA_ADD) && !(a->flags & GGML_TENSOR_FLAG_OUTPUT) && th_f32_contiguous(a) &&
+            ggml_nelements(a) == ggml_nelements(x) && !th_read_before(graph, a, i)) {
+            params.add = 1;
+            u->src[4] = a->src[0], u->src[5] = a->src[1];
+            th_mark(a, TH_CUDA_ROOM);
+            th_set_srcs(a, NULL, NULL, NULL, NULL, NULL, NULL);
+            marked++;
+        }
+        th_set_params(u, &params, sizeof(params));
+    }
+    return marked;
+}
+
 /* a contiguous f32 node's shape as (ne0, ne1, ne2) (the same elements) */
 static void th_set_3d(struct ggml_tensor * t, const int64_t ne0, const int64_t ne1, const int64_t ne2) {
     t->ne[0] = ne0, t->ne[1] = ne1, t->ne[2] = ne2, t->ne[3] = 1;
@@ -998,8 +1072,11 @@ static int th_check_group_rooms(struct ggml_cgraph * graph) {
 
 /* A room comes before the node that writes it, in every graph (graphs share nodes, not their
  * order): it computes nothing and reads nothing, so it can move up to just before its writer.
- * Returns -1 when a graph holds a room but not its writer (it would read what nothing wrote). */
-static int th_order_rooms(struct ggml_cgraph * graph) {
+ * Returns -1 when a graph holds a room but not its writer (it would read what nothing wrote),
+ * unless `copies`: a graph of recomputed blocks alone (engine/recompute.py), which reads the
+ * forward's block inputs, some of them rooms the forward's graph writes (a residual's sum that the
+ * next block's first norm computes); the graphs built from it are checked again whole. */
+static int th_order_rooms(struct ggml_cgraph * graph, const int copies) {
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
@@ -1009,11 +1086,21 @@ static int th_order_rooms(struct ggml_cgraph * graph) {
             const struct ggml_tensor * u = ggml_graph_node(graph, w);
             if (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t)) break;
             if (th_marked(u, TH_CUDA_SWIGLU_BACK) && u->src[3] == t) break;
+            if (th_marked(u, TH_CUDA_AFFINE) && u->src[3] != NULL &&
+                (th_norm_under_affine(u) == t || (u->src[4] != NULL && th_under_reshape_views(u->src[3]) == t))) {
+                break;
+            }
         }
+        if (w == n && copies) continue;
         if (w == n) return -1;
         if (w < i) {
             memmove(graph->nodes + w + 1, graph->nodes + w, sizeof(*graph->nodes) * (size_t) (i - w));
             graph->nodes[w] = t;
+        }
+        /* a norm's output or a sum (th_fuse_norm_affines) is read elsewhere, not only after its writer */
+        if (th_marked(ggml_graph_node(graph, w > i ? w : w + 1), TH_CUDA_AFFINE) &&
+            th_read_before(graph, t, w > i ? w : w + 1)) {
+            return -1;
         }
     }
     return 0;
@@ -1129,9 +1216,11 @@ static int th_check_adamw_runs(struct ggml_cgraph * graph) {
  * be computed: it would compute silu where GELU is meant, RMSNorm where LayerNorm is), when an
  * attention's backward cannot follow its fused forward, a folded product is read, or a node
  * that another one computes (a room, an AdamW step of a run) is here without that one.
- * `attention`: whether to fuse attention (1), and with 2 also the kv heads of grouped-query
- * attention read in place (th_attention_group) rather than repeated. */
-TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
+ * `flags`: 1, fuse attention, and with 2 also the kv heads of grouped-query attention read in
+ * place (th_attention_group) rather than repeated; 4, `graph` holds recomputed blocks alone
+ * (th_order_rooms). */
+TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int flags) {
+    const int attention = flags & 3;
     static const struct th_gelu_kernels cuda = {th_gelu_forward, th_gelu_backward, th_is_gelu, th_is_gelu_back};
     const int gelu = th_rewrite_gelu_pairs(graph, &cuda);
     if (gelu < 0) return -1;
@@ -1191,10 +1280,10 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int attention) {
             singles++;
         }
     }
-    singles += th_attention_rooms(graph) + th_merge_slice_conts(graph);
+    singles += th_fuse_norm_affines(graph) + th_attention_rooms(graph) + th_merge_slice_conts(graph);
     const int adamw = th_rewrite_adamw_runs(graph);
     if (th_check_folded(graph) < 0 || th_check_group_rooms(graph) < 0 || th_order_attention_copies(graph) < 0 ||
-        th_order_rooms(graph) < 0 || th_check_adamw_runs(graph) < 0) {
+        th_order_rooms(graph, (flags & 4) != 0) < 0 || th_check_adamw_runs(graph) < 0) {
         return -1;
     }
     return gelu + fused + norms + biases + affines + sums + residuals + silu_backs + singles + adamw;

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 17  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 18  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -20,7 +20,8 @@
                                            products in bf16, CROSS_ENTROPY_BACK; 15:
                                            CROSS_ENTROPY, SWIGLU; 16: ATTN_DQ's
                                            sources, no dS at tf32 and bf16; 17:
-                                           th_cuda_bf16_copies_alone (writers' copies alone) */
+                                           th_cuda_bf16_copies_alone (writers' copies alone); 18:
+                                           AFFINE computing its norm (th_norm_affine_params) */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -61,7 +62,12 @@ enum {
      *   AFFINE      srcs t (n, rows), g (n), b (n); y = t g + b, rounded as MUL then ADD were;
      *               without b (a gain alone, MUL(t, g): RMSNorm's, and any gain's backward) y = t g
      *   COLUMN_DOT  srcs a, c (n, rows), scratch (n, rows); per column the sum over rows of a c
-     *   LAYER_NORM_BACK takes the gain as src 2 when its dt was MUL(dy, g): dt formed in place */
+     *   LAYER_NORM_BACK takes the gain as src 2 when its dt was MUL(dy, g): dt formed in place
+     *   AFFINE with src 3 x: t is a norm of x (LAYER_NORM or RMS_NORM, th_norm_affine_params), which
+     *               the AFFINE computes with that norm's code and writes into t's node (a ROOM) as
+     *               it writes y; with srcs 4 and 5 (`add`) x is their sum (a residual's ADD), which
+     *               it computes too, into x's node (a ROOM) (native/cuda_rewrite.c,
+     *               th_fuse_norm_affines) */
     TH_CUDA_AFFINE = 12, TH_CUDA_COLUMN_DOT = 13,
     /* GET_ROWS_BACK (an embedding's gradient): srcs grad (n, R) f32, ids (R) i32; dst (n, V) */
     TH_CUDA_GET_ROWS_BACK = 14,
@@ -152,6 +158,13 @@ static inline int th_env_is(const char * name, const char * value) {
     const char * v = getenv(name);
     return v != NULL && strcmp(v, value) == 0;
 }
+/* op_params of an AFFINE node that computes its norm (after TH_CUDA_MAGIC and the kernel): the
+ * norm's eps and kernel, TH_CUDA_LAYER_NORM or TH_CUDA_RMS_NORM; add 1: the norm's input is the
+ * sum of srcs 4 and 5, which the AFFINE writes into src 3 */
+typedef struct {
+    float eps;
+    int32_t norm, add;
+} th_norm_affine_params;
 /* op_params of a ROPE node of ours (after TH_CUDA_MAGIC and the kernel) */
 typedef struct {
     int32_t forward, n_dims, mode, n_ctx_orig;

@@ -13,6 +13,14 @@
 #                                    [gelu-bf16] [gelu-bf16-goldens] [gelu-bf16-profile]
 #                                    [qkv-bf16] [qkv-bf16-goldens] [qkv-bf16-profile]
 #                                    [cudnn] [cudnn-debug] [cudnn-profile] [cudnn-bench]
+#                                    [norm] [norm-profile]
+#
+# norm: a norm computed by its AFFINE (and the residual's sum before it), the norms' rows in
+# registers (native/cuda/th-custom.cu): their tests in tests/test_cuda_kernels.py, each against
+# the kernels before it bit for bit, and our RMS_NORM against ggml-cuda's; norm-profile: a
+# bf16 gpt2-small step of each of PROFILE_RECIPES (default gpt2 llama) by kernel with the kernels
+# before (TOYHARNESS_CUDA_NORM_AFFINE=separate TOYHARNESS_CUDA_NORM_ROWS=memory), then now,
+# twice each, interleaved.
 #
 # cudnn: bf16 attention on cuDNN's fused attention (native/cudnn/th_cudnn.cpp): its test and the
 # attention tests of tests/test_precision.py and tests/test_cuda_kernels.py (cuDNN's against float64,
@@ -190,6 +198,25 @@ if [[ $phases == *" cudnn-profile "* ]]; then
         profile_switch TOYHARNESS_CUDNN_ATTENTION cudnn "cuDNN's attention" 0 1
     done
     unset PROFILE_RECIPE    # (the other phases' profiles: gpt2)
+fi
+
+if [[ $phases == *" norm "* ]]; then
+    step "norms computed by their AFFINE, the norms' rows in registers: their tests"
+    tests_phase norm.log tests/test_cuda_kernels.py "norm or affine or gain or column or residual" \
+        "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+if [[ $phases == *" norm-profile "* ]]; then
+    for recipe in ${PROFILE_RECIPES:-gpt2 llama}; do
+        for how in before now before now; do
+            step "a bf16 $recipe gpt2-small step by kernel, ours, the norms' kernels $how"
+            switches=(TOYHARNESS_CUDA_NORM_AFFINE=fused)
+            [[ $how == before ]] && switches=(TOYHARNESS_CUDA_NORM_AFFINE=separate TOYHARNESS_CUDA_NORM_ROWS=memory)
+            env "${switches[@]}" python3 scripts/cuda_kernels.py "$recipe" gpt2-small --precision bf16 --rows 45 \
+                >"$out/profile_${recipe}_bf16_norm_$how.txt" 2>&1 || status=1
+            grep "^==" "$out/profile_${recipe}_bf16_norm_$how.txt" | tee -a "$log"
+        done
+    done
 fi
 
 if [[ $phases == *" cudnn-bench "* ]]; then

@@ -173,25 +173,56 @@ def layer_norm_f64(x, gain, bias, dy, eps=1e-5):
 def test_the_cuda_rewrite_marks_each_layer_norm_stand_in_and_its_backward():
     """Built on cpu (never computed here): the stand-in RMS_NORM and its RMS_NORM_BACK become our
     kernels' nodes, no centring nodes are built, and the gain and bias fold in: ADD(MUL(t, g), b)
-    one pass, MUL(dy, g) formed inside the backward, the gain's gradient one COLUMN_DOT."""
+    one pass, which computes the normalization too (t into the norm's node, a room before it in
+    every graph), MUL(dy, g) formed inside the backward, the gain's gradient one COLUMN_DOT."""
     prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True)
     assert "SUM_ROWS" not in ops_of(fg.graph)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1
     assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "column_dot", "folded", "folded", "folded",
-                                                      "layer_norm", "layer_norm_back"]
+                                                      "layer_norm_back", "room"]
     ops = ops_of(trainer.gb_grad)
     assert "RMS_NORM" not in ops and "RMS_NORM_BACK" not in ops
     assert ops.count("MUL") == 2 and ops.count("OUT_PROD") == 1       # the loss's weights; the bias's column sum
     # the same nodes, marked already, and AdamW's steps (one a parameter): one run
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == len(prog.params) >= 2
+    for graph in (trainer.gb_grad, trainer.gb_opt, fg.graph):
+        lib.th_cuda_rewrite(graph, 1)
+        names = kernel_names_in_order(graph)
+        assert names.index("room") < names.index("affine")
+
+
+def test_the_cuda_rewrite_keeps_the_norm_apart_from_its_affine_when_told_to(monkeypatch):
+    """TOYHARNESS_CUDA_NORM_AFFINE=separate: the normalization stays its own node (LAYER_NORM)."""
+    monkeypatch.setenv("TOYHARNESS_CUDA_NORM_AFFINE", "separate")
+    prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2
+    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "column_dot", "folded", "folded", "folded",
+                                                      "layer_norm", "layer_norm_back"]
+
+
+def test_the_cuda_rewrite_keeps_a_norm_whose_output_is_read_before_its_affine():
+    """t read by another node ahead of the AFFINE (here the loss reads the normalization itself
+    too, and ggml orders that product first): the AFFINE cannot be what writes t, so the norm
+    keeps its own node."""
+    rng = np.random.default_rng(3)
+    prog = get_engine("cpu").program()
+    prog.column_sums_as_products = prog.grads_as_outputs = True
+    x = prog.param("x", rng.normal(size=(6, 16)).astype(np.float32))
+    t = x.rms_norm(1e-5)
+    w = prog.constant("w", rng.normal(size=(6, 16)).astype(np.float32))
+    y = blocks.scale_columns(t, prog.param("gain", rng.normal(size=16).astype(np.float32)))
+    trainer = prog.trainer(prog.scalar_loss((t * w).sum() + y.sum()), "bias_corrected")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+    names = kernel_names_in_order(trainer.gb_grad)
+    assert "rms_norm" in names and "room" not in names
 
 
 def test_the_cuda_rewrite_adds_a_residuals_gradient_inside_layer_norms_backward():
     """x + LayerNorm(x): x's gradient is ADD(dy, LAYER_NORM_BACK(...)); the backward's kernel adds
     dy as it writes, and the ADD's node computes it (the backward's own node folds)."""
     prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True, residual=True)
-    # LayerNorm's 7 (see above), the forward's residual ADD, and its gradient's (marked, folding one)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1 + 2
+    # LayerNorm's 8 (see above), the forward's residual ADD, and its gradient's (marked, folding one)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1 + 1 + 2
     names = kernel_names(trainer.gb_grad)
     assert names.count("layer_norm_back") == 1 and names.count("add") == 1
     assert ops_of(trainer.gb_grad).count("ADD") == 0
@@ -213,13 +244,14 @@ def gain_program(backend: str, rows: int, d: int, norm: bool = True, seed: int =
 def test_the_cuda_rewrite_takes_a_gain_alone_each_way():
     """Built on cpu (never computed here): RMSNorm's gain, MUL(t, g), and the backward's MUL(dy, g)
     become AFFINE without a bias (ggml's broadcasting MUL computes each element's place), the
-    normalization RMS_NORM; the loss's MULs of one shape and the gain's gradient (a column dot)
-    are not gains, and RMS_NORM_BACK stays ggml's."""
+    normalization RMS_NORM, computed by the forward's AFFINE (the norm's node a room); the loss's
+    MULs of one shape and the gain's gradient (a column dot) are not gains, and RMS_NORM_BACK stays
+    ggml's."""
     prog, trainer, fg, _ = gain_program("cpu", 6, 16)
     before = ops_of(trainer.gb_grad).count("MUL")
-    # the two gains, the norm, the column dot and its MUL
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 1 + 2
-    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "affine", "column_dot", "folded", "rms_norm"]
+    # the two gains, the norm, the column dot and its MUL, the norm taken into the forward's gain
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 1 + 2 + 1
+    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "affine", "column_dot", "folded", "room"]
     ops = ops_of(trainer.gb_grad)
     assert ops.count("MUL") == before - 3 and "RMS_NORM" not in ops and "RMS_NORM_BACK" in ops
 
@@ -240,10 +272,11 @@ def test_a_gain_alone_on_cuda_is_ours_and_rounds_as_one_float32_product(backend,
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("rows, d", [(33, 384), (5, 1000), (4, 1024), (3, 2051), (2, 5)])
+@pytest.mark.parametrize("rows, d", [(33, 384), (9, 768), (5, 1000), (4, 1024), (3, 2051), (2, 5)])
 def test_rms_norm_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, d):
     """Our RMS_NORM (a warp a row) sums in the order of ggml-cuda's block of 256 threads (d < 1024)
-    or 1024: its output equals ggml-cuda's own kernel's, bit for bit, at partial blocks too."""
+    or 1024: its output equals ggml-cuda's own kernel's, bit for bit, at partial blocks too, and
+    where it keeps a row in registers (384, 768 and 1024 wide)."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     x = (RNG.normal(size=(rows, d)) * 3).astype(np.float32)
@@ -347,6 +380,95 @@ def test_layer_norm_on_cuda_is_one_kernel_each_way_matches_float64_and_repeats_i
         assert np.abs(ours[k] - w).max() <= 2e-6 * scale, (k, np.abs(ours[k] - w).max() / scale)
         # ggml's own nodes (centring, RMS_NORM and their backward) are no closer to float64
         assert np.abs(ours[k] - w).max() <= 2 * np.abs(composed[k] - w).max() + 1e-7 * scale, k
+
+
+def summed_norm_program(backend: str, kind: str, rows: int, d: int, seed: int = 9):
+    """r + z (two parameters of one shape: a residual's ADD) into LayerNorm with gain and bias
+    (`kind` "layer", as blocks build it for our cuda kernels) or RMSNorm with a gain ("rms"), the
+    loss a weighted sum of the norm's output plus the sum's (the next residual reads the sum
+    too): (program, trainer, forward graph of y, the parameters' names). The norm's backward
+    reads the sum: r's and z's gradients have its bits in them."""
+    rng = np.random.default_rng(seed)
+    r, z, w = ((rng.normal(size=(rows, d)) * 2 + rng.normal(size=(rows, 1)) * 3).astype(np.float32) for _ in range(3))
+    gain, bias = rng.normal(size=d).astype(np.float32), rng.normal(size=d).astype(np.float32)
+    prog = get_engine(backend).program()
+    prog.cuda_kernels = True
+    prog.column_sums_as_products = prog.grads_as_outputs = True           # as on cuda
+    s = prog.param("r", r) + prog.param("z", z)
+    if kind == "layer":
+        y = blocks.layer_norm(s, prog.param("gain", gain), prog.param("bias", bias))
+    else:
+        y = blocks.rms_norm(s, prog.param("gain", gain))
+    trainer = prog.trainer(prog.scalar_loss((y * prog.constant("w", w)).sum() + s.sum()), "bias_corrected")
+    names = ("r", "z", "gain", "bias") if kind == "layer" else ("r", "z", "gain")
+    return prog, trainer, prog.forward({"y": y}), names
+
+
+def test_the_cuda_rewrite_computes_a_residuals_sum_in_the_norms_affine(monkeypatch):
+    """Built on cpu: the ADD whose sum a norm reads, read by nothing before the AFFINE, becomes a
+    room that the AFFINE writes (before it in every graph); =norm leaves the ADD its own node."""
+    for kind, how, rooms in (("layer", "fused", 2), ("rms", "fused", 2), ("layer", "norm", 1), ("rms", "norm", 1)):
+        monkeypatch.setenv("TOYHARNESS_CUDA_NORM_AFFINE", how)
+        prog, trainer, fg, _ = summed_norm_program("cpu", kind, 6, 16)
+        for graph in (trainer.gb_grad, trainer.gb_opt, fg.graph):
+            assert lib.th_cuda_rewrite(graph, 1) >= 0
+            names = kernel_names_in_order(graph)
+            assert names.count("room") == rooms, (kind, how, names)
+            assert max(i for i, k in enumerate(names) if k == "room") < names.index("affine")
+        # the forward's ADD is gone where it is fused (the gradients' ADDs remain)
+        assert ("add" in kernel_names(fg.graph)) == (how == "norm"), (kind, how)
+
+
+def norm_affine_outputs(backend: str, monkeypatch, how: str, kind: str, rows: int, d: int) -> dict[str, np.ndarray]:
+    """The forward's outputs and every gradient of summed_norm_program, the norm (and the sum)
+    computed by its AFFINE (`how` "fused"), the norm alone ("norm"), or each by its own kernel
+    ("separate")"""
+    monkeypatch.setenv("TOYHARNESS_CUDA_NORM_AFFINE", how)
+    prog, trainer, fg, names = summed_norm_program(backend, kind, rows, d)
+    out = fg.run({})
+    trainer.grads_only({})
+    rooms = kernel_names(fg.graph).count("room")
+    assert rooms == {"fused": 2, "norm": 1, "separate": 0}[how], (how, kernel_names(fg.graph))
+    out.update({n: prog.read(trainer.grad_acc[n]) for n in names})
+    return out
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("rows, d", [(300, 384), (7, 100), (5, 1030)])
+def test_a_norm_computed_by_its_affine_on_cuda_keeps_every_bit(backend, kind, rows, d, monkeypatch):
+    """The AFFINE that computes the residual's sum and its norm (one pass), or the norm alone,
+    against the ADD's, the norm's and the AFFINE's kernels each: the sum, y, and the gradients that
+    read the t it wrote into the norm's node (the gain's column dot) and the sum it wrote into the
+    ADD's (the norm's backward), bit for bit; d 1030: RMSNorm's sums in the order of ggml's
+    block of 1024."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    separate = norm_affine_outputs(backend, monkeypatch, "separate", kind, rows, d)
+    for how in ("fused", "norm"):
+        got = norm_affine_outputs(backend, monkeypatch, how, kind, rows, d)
+        assert got.keys() == separate.keys()
+        for name, value in got.items():
+            assert np.isfinite(value).all(), (how, name)
+            assert np.array_equal(value.view(np.uint32), separate[name].view(np.uint32)), (how, name)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("d", [384, 512, 768, 1024])
+def test_norm_rows_held_in_registers_on_cuda_keep_every_bit(backend, kind, d, monkeypatch):
+    """At the widths whose rows the norms' kernels hold in registers (a lane's d / 32 elements),
+    against the same kernels reading the row from memory on each pass
+    (TOYHARNESS_CUDA_NORM_ROWS=memory): the residual's sum, y and every gradient, bit for bit
+    (384 and 768: where a quotient by d is inexact, and the two first differed)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    got = {}
+    for how in ("registers", "memory"):
+        monkeypatch.setenv("TOYHARNESS_CUDA_NORM_ROWS", how)
+        got[how] = norm_affine_outputs(backend, monkeypatch, "fused", kind, 40, d)
+    for name, value in got["registers"].items():
+        assert np.array_equal(value.view(np.uint32), got["memory"][name].view(np.uint32)), name
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])

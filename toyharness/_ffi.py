@@ -204,7 +204,7 @@ int th_chunked_cross_entropy(ggml_context * ctx, ggml_tensor * logits, ggml_tens
 int th_portable_dequantize(int type, const void * src, float * dst, int64_t n);
 int th_graph_profile(ggml_backend_t backend, ggml_cgraph * graph, double * us_per_node);
 int64_t th_column_sum_rows(const ggml_tensor * t);
-int th_cuda_rewrite(ggml_cgraph * graph, int attention);
+int th_cuda_rewrite(ggml_cgraph * graph, int flags);
 const char * th_cuda_kernel_name(const ggml_tensor * t);
 int th_cuda_mark_precision(ggml_cgraph * graph, int precision, char * why, int why_size);
 int th_cuda_precision_of(const ggml_tensor * t);
@@ -361,7 +361,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 17
+CUDA_KERNELS_VERSION = 18
 
 
 def cuda_kernels_built() -> bool:

@@ -354,30 +354,147 @@ static __device__ float th_warp_sum(float v) {
     return __shfl_sync(0xffffffffu, v, 0);
 }
 
-// a row's mean and 1 / sqrt(variance + eps), read from global memory twice
+// What th_rows_affine_kernel writes in each row: t g + b (AFFINE), t g (AFFINE without a bias: an
+// RMSNorm's gain, forward and backward), or b (LINEAR_BIAS's plain path)
+enum th_rows_form { TH_ROWS_AFFINE, TH_ROWS_GAIN, TH_ROWS_BIAS };
+
+static __device__ __forceinline__ float th_rows_value(const th_rows_form form, const float ti, const float gi,
+                                                      const float bi) {
+    // rounded as ggml's MUL then ADD round: no fused multiply-add
+    return form == TH_ROWS_AFFINE ? __fadd_rn(__fmul_rn(ti, gi), bi) : form == TH_ROWS_GAIN ? __fmul_rn(ti, gi) : bi;
+}
+
+// A norm's output t at i of row r, and where an AFFINE computes its norm (custom_ops.h) y = t g + b
+// (t g without b) by th_rows_value beside it: into y (nullptr: not written, the copy alone) and its
+// bf16 copy y16 (nullptr: none). g nullptr: t alone (the norm's own node).
+struct th_norm_out {
+    const float * g, * b;
+    float * y;
+    __nv_bfloat16 * y16;
+};
+
+static __device__ __forceinline__ void th_norm_put(float * __restrict__ tr, const th_norm_out & o, const int64_t r,
+                                                   const int64_t n, const int64_t i, const float ti) {
+    tr[i] = ti;
+    if (o.g == nullptr) return;
+    const float yi = o.b != nullptr ? th_rows_value(TH_ROWS_AFFINE, ti, o.g[i], o.b[i])
+                                    : th_rows_value(TH_ROWS_GAIN, ti, o.g[i], 0.0f);
+    th_put1(o.y, o.y16, r * n + i, yi);
+}
+
+// A row's sum over its n elements, as LayerNorm's kernels take their means: divided with
+// round-to-nearest. ggml-cuda builds with -use_fast_math, where `/` is a reciprocal times the
+// numerator that ptxas may fuse with what follows (x - s / n as one FFMA, the mean never rounded)
+// in one kernel and not in another: the kernel that keeps a row in registers and the one that reads
+// it from memory differed in the last bit at 384 and 768 wide. An exact quotient is the same value
+// wherever it is taken (and at power-of-2 widths the reciprocal's, so the goldens keep their bits).
+static __device__ __forceinline__ float th_row_mean(const float total, const int64_t n) {
+    return __fdiv_rn(total, (float) n);
+}
+
+// element i of a row that is x, or x + b (a residual's sum, rounded as th_add_op rounds it) where b
+// is given. Each pass forms the sum again rather than reading back what the first wrote: x and b
+// are read through the read-only cache, which a kernel's own stores do not reach.
+static __device__ __forceinline__ float th_row_at(const float * __restrict__ x, const float * __restrict__ b,
+                                                  const int64_t i) {
+    return b != nullptr ? x[i] + b[i] : x[i];
+}
+
+// a row's mean and 1 / sqrt(variance + eps), read from global memory twice. With b the row is
+// x + b (th_row_at), also written into `sum` by the first pass: the moments of that sum.
 static __device__ void th_row_moments(const float * __restrict__ x, const int64_t n, const float eps, float * mean,
-                                      float * rstd) {
+                                      float * rstd, const float * __restrict__ b = nullptr, float * sum = nullptr) {
     float s = 0.0f;
-    for (int64_t i = threadIdx.x; i < n; i += 32) s += x[i];
-    const float m = th_warp_sum(s) / (float) n;
+    for (int64_t i = threadIdx.x; i < n; i += 32) {
+        const float xi = th_row_at(x, b, i);
+        if (b != nullptr) sum[i] = xi;
+        s += xi;
+    }
+    const float m = th_row_mean(th_warp_sum(s), n);
     float v = 0.0f;
     for (int64_t i = threadIdx.x; i < n; i += 32) {
-        const float c = x[i] - m;
+        const float c = th_row_at(x, b, i) - m;
         v += c * c;
     }
     *mean = m;
-    *rstd = rsqrtf(th_warp_sum(v) / (float) n + eps);
+    *rstd = rsqrtf(th_row_mean(th_warp_sum(v), n) + eps);
 }
 
-// rows of n floats: a warp a row, blockDim (32, 8)
+// th_row_moments of the row whose lane elements (lane + 32 k) v holds: the same sums in the same order
+template <int K>
+static __device__ __forceinline__ void th_reg_moments(const float (&v)[K], const int64_t n, const float eps,
+                                                      float * mean, float * rstd) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) s += v[k];
+    const float m = th_row_mean(th_warp_sum(s), n);
+    float var = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        const float c = v[k] - m;
+        var += c * c;
+    }
+    *mean = m;
+    *rstd = rsqrtf(th_row_mean(th_warp_sum(var), n) + eps);
+}
+
+// the elements a lane holds of a row of n floats that the norms' kernels keep in registers (n =
+// 32 K), or 0: read from memory on each pass (other widths; TOYHARNESS_CUDA_NORM_ROWS=memory, read
+// at each launch so that a test can compare the two in one process)
+static int th_norm_rows_k(const int64_t n) {
+    if (th_env_is("TOYHARNESS_CUDA_NORM_ROWS", "memory")) return 0;
+    return n == 384 || n == 512 || n == 768 || n == 1024 ? (int) (n / 32) : 0;
+}
+
+// rows of n floats: a warp a row, blockDim (32, 8). o: an AFFINE's outputs beside t (th_norm_out);
+// b: the rows are x + b (th_row_at), also written into `sum`.
 static __global__ void th_layer_norm_kernel(const float * __restrict__ x, float * __restrict__ t, const int64_t n,
-                                            const int64_t rows, const float eps) {
+                                            const int64_t rows, const float eps, const th_norm_out o,
+                                            const float * __restrict__ b = nullptr, float * sum = nullptr) {
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
         const float * xr = x + r * n;
         float * tr = t + r * n;
         float mean, rstd;
-        th_row_moments(xr, n, eps, &mean, &rstd);
-        for (int64_t i = threadIdx.x; i < n; i += 32) tr[i] = (xr[i] - mean) * rstd;
+        const float * br = b != nullptr ? b + r * n : nullptr;
+        th_row_moments(xr, n, eps, &mean, &rstd, br, sum != nullptr ? sum + r * n : nullptr);
+        for (int64_t i = threadIdx.x; i < n; i += 32) th_norm_put(tr, o, r, n, i, (th_row_at(xr, br, i) - mean) * rstd);
+    }
+}
+
+// th_layer_norm_kernel with a lane's K elements of the row (n = 32 K) in registers: x (or x + b)
+// read once where that kernel reads it three times; the same arithmetic in the same order
+template <int K>
+static __global__ void __launch_bounds__(256) th_layer_norm_rows_kernel(const float * __restrict__ x, float * __restrict__ t,
+                                                                        const int64_t n, const int64_t rows,
+                                                                        const float eps, const th_norm_out o,
+                                                                        const float * __restrict__ b, float * sum) {
+    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
+        float v[K];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int64_t i = r * n + threadIdx.x + 32 * k;
+            v[k] = th_row_at(x, b, i);
+            if (b != nullptr) sum[i] = v[k];
+        }
+        float mean, rstd;
+        th_reg_moments<K>(v, n, eps, &mean, &rstd);
+        float * tr = t + r * n;
+#pragma unroll
+        for (int k = 0; k < K; k++) th_norm_put(tr, o, r, n, threadIdx.x + 32 * k, (v[k] - mean) * rstd);
+    }
+}
+
+// LayerNorm's rows (x + b into `sum` where b is given) into t, and o beside it (th_norm_out)
+static void th_layer_norm_rows(cudaStream_t stream, const float * x, float * t, const int64_t n, const int64_t rows,
+                               const float eps, const th_norm_out & o, const float * b = nullptr, float * sum = nullptr) {
+    const dim3 block(32, 8);
+    const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
+    switch (th_norm_rows_k(n)) {
+        case 12: th_layer_norm_rows_kernel<12><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        case 16: th_layer_norm_rows_kernel<16><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        case 24: th_layer_norm_rows_kernel<24><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        case 32: th_layer_norm_rows_kernel<32><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        default: th_layer_norm_kernel<<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
     }
 }
 
@@ -400,8 +517,8 @@ static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, 
             sum_dt_t += dti * ti;
             sum_t += ti;
         }
-        const float mean_dt = th_warp_sum(sum_dt) / (float) n, mean_dt_t = th_warp_sum(sum_dt_t) / (float) n;
-        const float shift = mean_dt - mean_dt_t * (th_warp_sum(sum_t) / (float) n);
+        const float mean_dt = th_row_mean(th_warp_sum(sum_dt), n), mean_dt_t = th_row_mean(th_warp_sum(sum_dt_t), n);
+        const float shift = mean_dt - mean_dt_t * th_row_mean(th_warp_sum(sum_t), n);
         for (int64_t i = threadIdx.x; i < n; i += 32) {
             const float ti = (xr[i] - mean) * rstd, dti = gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
             const float dxi = rstd * (dti - ti * mean_dt_t - shift);
@@ -412,25 +529,80 @@ static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, 
     }
 }
 
+// th_layer_norm_back_kernel with a lane's K elements of x and dy (n = 32 K) in registers, and of
+// the gain (the same every row): each read once where that kernel reads x 4 times and dy twice;
+// the same arithmetic in the same order
+template <bool gain, int K>
+static __global__ void __launch_bounds__(256) th_layer_norm_back_rows_kernel(
+    const float * __restrict__ dy, const float * __restrict__ x, const float * __restrict__ g,
+    const float * __restrict__ r_add, float * __restrict__ dx, const int64_t n, const int64_t rows, const float eps,
+    __nv_bfloat16 * __restrict__ dx16) {
+    float gk[gain ? K : 1];
+    if (gain) {
+#pragma unroll
+        for (int k = 0; k < K; k++) gk[k] = g[threadIdx.x + 32 * k];
+    }
+    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
+        float xv[K], dv[K];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            xv[k] = x[r * n + threadIdx.x + 32 * k];
+            dv[k] = dy[r * n + threadIdx.x + 32 * k];
+        }
+        float mean, rstd;
+        th_reg_moments<K>(xv, n, eps, &mean, &rstd);
+        float sum_dt = 0.0f, sum_dt_t = 0.0f, sum_t = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const float ti = (xv[k] - mean) * rstd, dti = gain ? __fmul_rn(dv[k], gk[gain ? k : 0]) : dv[k];
+            sum_dt += dti;
+            sum_dt_t += dti * ti;
+            sum_t += ti;
+        }
+        const float mean_dt = th_row_mean(th_warp_sum(sum_dt), n), mean_dt_t = th_row_mean(th_warp_sum(sum_dt_t), n);
+        const float shift = mean_dt - mean_dt_t * th_row_mean(th_warp_sum(sum_t), n);
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int64_t i = r * n + threadIdx.x + 32 * k;
+            const float ti = (xv[k] - mean) * rstd, dti = gain ? __fmul_rn(dv[k], gk[gain ? k : 0]) : dv[k];
+            const float dxi = rstd * (dti - ti * mean_dt_t - shift);
+            const float out = r_add != nullptr ? __fadd_rn(dxi, r_add[i]) : dxi;
+            if (dx != nullptr) dx[i] = out;
+            if (dx16 != nullptr) dx16[i] = __float2bfloat16_rn(out);
+        }
+    }
+}
+
+template <bool gain>
+static void th_layer_norm_back_rows(cudaStream_t stream, const float * dy, const float * x, const float * g,
+                                    const float * r, float * dx, const int64_t n, const int64_t rows, const float eps,
+                                    __nv_bfloat16 * dx16) {
+    const dim3 block(32, 8);
+    const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
+    switch (th_norm_rows_k(n)) {
+        case 12: th_layer_norm_back_rows_kernel<gain, 12><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
+        case 16: th_layer_norm_back_rows_kernel<gain, 16><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
+        case 24: th_layer_norm_back_rows_kernel<gain, 24><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
+        case 32: th_layer_norm_back_rows_kernel<gain, 32><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
+        default: th_layer_norm_back_kernel<gain><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
+    }
+}
+
 static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool backward) {
     const float eps = th_params_of<float>(dst);
     const int64_t n = dst->ne[0], rows = ggml_nrows(dst);
-    const dim3 block(32, 8);
-    const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
     if (backward) {
         const float * dy = (const float *) dst->src[0]->data, * x = (const float *) dst->src[1]->data;
         const float * r = dst->src[3] != nullptr ? (const float *) dst->src[3]->data : nullptr;
         __nv_bfloat16 * dx16 = nullptr;     // (at bf16 dx's copy beside it, or alone, where products read it)
         float * dx = th_writer_outputs(stream, dst, &dx16);
         if (dst->src[2] != nullptr) {
-            th_layer_norm_back_kernel<true><<<grid, block, 0, stream>>>(dy, x, (const float *) dst->src[2]->data, r,
-                                                                        dx, n, rows, eps, dx16);
+            th_layer_norm_back_rows<true>(stream, dy, x, (const float *) dst->src[2]->data, r, dx, n, rows, eps, dx16);
         } else {
-            th_layer_norm_back_kernel<false><<<grid, block, 0, stream>>>(dy, x, nullptr, r, dx, n, rows, eps, dx16);
+            th_layer_norm_back_rows<false>(stream, dy, x, nullptr, r, dx, n, rows, eps, dx16);
         }
     } else {
-        th_layer_norm_kernel<<<grid, block, 0, stream>>>((const float *) dst->src[0]->data, (float *) dst->data, n,
-                                                         rows, eps);
+        th_layer_norm_rows(stream, (const float *) dst->src[0]->data, (float *) dst->data, n, rows, eps, th_norm_out{});
     }
 }
 
@@ -440,20 +612,34 @@ static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool bac
 // warps' sums the same way). Here a warp takes a row and lane l plays thread 32 w + l of each of
 // ggml's B/32 warps w, so the sums are the same, in the same order: ggml's block of 256 for 384
 // floats left most of its threads idle and took 36 us for nano llama's 16384 rows.
-template <int WARPS>                                 // ggml's warps a row: B / 32
+// WARPS: ggml's warps a row (B / 32). K > 0: n = 32 K, and a lane keeps its K elements (column
+// lane + 32 k: ggml's warp k % WARPS, in the k / WARPS-th stride of its block) in registers, each
+// read once; each warp's sum takes the same elements in the same order. o: an AFFINE's outputs
+// beside y (th_norm_out); b: the rows are x + b (th_row_at), also written into `sum`.
+template <int WARPS, int K = 0>
 static __global__ void th_rms_norm_kernel(const float * __restrict__ x, float * __restrict__ y, const int n,
-                                          const int64_t rows, const float eps) {
+                                          const int64_t rows, const float eps, const th_norm_out o,
+                                          const float * __restrict__ b, float * sum) {
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
-        const float * xr = x + r * n;
-        float part[WARPS];
+        const float * xr = x + r * n, * br = b != nullptr ? b + r * n : nullptr;
+        float part[WARPS], v[K > 0 ? K : 1];
 #pragma unroll
         for (int w = 0; w < WARPS; w++) part[w] = 0.0f;
-        for (int c0 = 0; c0 < n; c0 += 32 * WARPS) {
+        if constexpr (K > 0) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                v[k] = th_row_at(xr, br, threadIdx.x + 32 * k);
+                if (b != nullptr) sum[r * n + threadIdx.x + 32 * k] = v[k];
+                part[k % WARPS] += v[k] * v[k];              // as ggml writes it (the same contraction)
+            }
+        }
+        for (int c0 = 0; K == 0 && c0 < n; c0 += 32 * WARPS) {
 #pragma unroll
             for (int w = 0; w < WARPS; w++) {
                 const int col = c0 + 32 * w + (int) threadIdx.x;
                 if (col < n) {
-                    const float xi = xr[col];
+                    const float xi = th_row_at(xr, br, col);
+                    if (b != nullptr) sum[r * n + col] = xi;
                     part[w] += xi * xi;                      // as ggml writes it (the same contraction)
                 }
             }
@@ -468,19 +654,34 @@ static __global__ void th_rms_norm_kernel(const float * __restrict__ x, float * 
         const float mean = tmp / n;
         const float scale = rsqrtf(mean + eps);
         float * yr = y + r * n;
-        for (int col = threadIdx.x; col < n; col += 32) yr[col] = scale * xr[col];
+        if constexpr (K > 0) {
+#pragma unroll
+            for (int k = 0; k < K; k++) th_norm_put(yr, o, r, n, threadIdx.x + 32 * k, scale * v[k]);
+        } else {
+            for (int col = threadIdx.x; col < n; col += 32) th_norm_put(yr, o, r, n, col, scale * th_row_at(xr, br, col));
+        }
+    }
+}
+
+// RMS_NORM of x (x + b into `sum` where b is given) into t (o: an AFFINE's outputs beside it, th_norm_out)
+static void th_rms_norm_rows(cudaStream_t stream, const float * x, float * t, const int n, const int64_t rows,
+                             const float eps, const th_norm_out & o, const float * b = nullptr, float * sum = nullptr) {
+    const dim3 block(32, 8);
+    const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
+    switch (th_norm_rows_k(n)) {
+        case 12: th_rms_norm_kernel<8, 12><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        case 16: th_rms_norm_kernel<8, 16><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        case 24: th_rms_norm_kernel<8, 24><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        case 32: th_rms_norm_kernel<32, 32><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
+        default:
+            if (n < 1024) th_rms_norm_kernel<8><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum);
+            else th_rms_norm_kernel<32><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum);
     }
 }
 
 static void th_rms_norm(cudaStream_t stream, ggml_tensor * dst) {
-    const float eps = th_params_of<float>(dst);
-    const int n = (int) dst->ne[0];
-    const int64_t rows = ggml_nrows(dst);
-    const dim3 block(32, 8);
-    const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
-    const float * x = (const float *) dst->src[0]->data;
-    if (n < 1024) th_rms_norm_kernel<8><<<grid, block, 0, stream>>>(x, (float *) dst->data, n, rows, eps);
-    else th_rms_norm_kernel<32><<<grid, block, 0, stream>>>(x, (float *) dst->data, n, rows, eps);
+    th_rms_norm_rows(stream, (const float *) dst->src[0]->data, (float *) dst->data, (int) dst->ne[0], ggml_nrows(dst),
+                     th_params_of<float>(dst), th_norm_out{});
 }
 
 // ROPE and ROPE_BACK (modes normal and neox, no offset): ggml-cuda's rope_norm and rope_neox give
@@ -550,16 +751,6 @@ static void th_rope(cudaStream_t stream, ggml_tensor * dst) {
     else if (neox) TH_ROPE_LAUNCH(false, true);
     else TH_ROPE_LAUNCH(false, false);
 #undef TH_ROPE_LAUNCH
-}
-
-// What th_rows_affine_kernel writes in each row: t g + b (AFFINE), t g (AFFINE without a bias: an
-// RMSNorm's gain, forward and backward), or b (LINEAR_BIAS's plain path)
-enum th_rows_form { TH_ROWS_AFFINE, TH_ROWS_GAIN, TH_ROWS_BIAS };
-
-static __device__ __forceinline__ float th_rows_value(const th_rows_form form, const float ti, const float gi,
-                                                      const float bi) {
-    // rounded as ggml's MUL then ADD round: no fused multiply-add
-    return form == TH_ROWS_AFFINE ? __fadd_rn(__fmul_rn(ti, gi), bi) : form == TH_ROWS_GAIN ? __fmul_rn(ti, gi) : bi;
 }
 
 // y (n, m) by `form` (above): a warp a row, blockDim (32, 8); float4 at a time when `vec4` (n a
@@ -709,6 +900,22 @@ static __global__ void th_column_total_kernel(const float * __restrict__ partial
 static void th_affine(cudaStream_t stream, ggml_tensor * dst) {     // (at bf16 a norm's output's copy beside it,
     __nv_bfloat16 * y16 = nullptr;                                   // or alone)
     float * y = th_writer_outputs(stream, dst, &y16);
+    if (dst->src[3] != nullptr) {              // the norm too, t into its room (and its input, the sum
+        const th_norm_affine_params p = th_params_of<th_norm_affine_params>(dst);     // of srcs 4 and 5)
+        float * sum = p.add ? (float *) dst->src[3]->data : nullptr;
+        const float * x = (const float *) dst->src[p.add ? 4 : 3]->data;
+        const float * b = p.add ? (const float *) dst->src[5]->data : nullptr;
+        float * t = (float *) dst->src[0]->data;
+        const th_norm_out o = {(const float *) dst->src[1]->data,
+                               dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr, y, y16};
+        const int64_t n = dst->ne[0], rows = ggml_nrows(dst);
+        if (p.norm == TH_CUDA_RMS_NORM) {
+            th_rms_norm_rows(stream, x, t, (int) n, rows, p.eps, o, b, sum);
+        } else {
+            th_layer_norm_rows(stream, x, t, n, rows, p.eps, o, b, sum);
+        }
+        return;
+    }
     th_rows_affine(stream, (const float *) dst->src[0]->data, (const float *) dst->src[1]->data,
                    dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr, y, dst->ne[0],
                    ggml_nrows(dst), y16);
@@ -1027,6 +1234,21 @@ static ggml_tensor th_slice_cont_source(const ggml_tensor * dst) {
     return view;
 }
 
+// an AFFINE that computes its norm (src 3 its input), and that input as the sum of srcs 4 and 5
+// where `add` (custom_ops.h)
+static bool th_norm_affine_supported(const ggml_tensor * op) {
+    const th_norm_affine_params p = th_params_of<th_norm_affine_params>(op);
+    const ggml_tensor * x = op->src[3];
+    bool ok = th_f32_contiguous(x) && ggml_nelements(x) == ggml_nelements(op) && x->ne[0] == op->ne[0] &&
+              op->ne[0] <= INT32_MAX && (p.norm == TH_CUDA_LAYER_NORM || p.norm == TH_CUDA_RMS_NORM);
+    for (int j = 4; j < 6; j++) {
+        ok = ok && (p.add ? op->src[j] != nullptr && th_f32_contiguous(op->src[j]) &&
+                                ggml_nelements(op->src[j]) == ggml_nelements(op)
+                          : op->src[j] == nullptr);
+    }
+    return ok;
+}
+
 bool th_cuda_custom_supported(const ggml_tensor * op) {
     switch (th_kernel_of(op)) {
         case TH_CUDA_GELU:              // (the input f32, or bf16: th_gelu_bf16)
@@ -1119,7 +1341,8 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && ggml_nelements(op->src[0]) == ggml_nelements(op) &&
                    op->src[0]->ne[0] == op->ne[0] && th_f32_contiguous(op->src[1]) &&
                    ggml_nelements(op->src[1]) == op->ne[0] &&
-                   (op->src[2] == nullptr || (th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[2]) == op->ne[0]));
+                   (op->src[2] == nullptr || (th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[2]) == op->ne[0])) &&
+                   (op->src[3] == nullptr || th_norm_affine_supported(op));
         case TH_CUDA_COLUMN_DOT: {
             const ggml_tensor * a = op->src[0], * c = op->src[1], * scratch = op->src[2];
             return th_f32_contiguous(op) && th_f32_contiguous(a) && th_f32_contiguous(c) && ggml_are_same_shape(a, c) &&

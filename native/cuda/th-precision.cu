@@ -397,7 +397,7 @@ static void th_writes(const ggml_tensor * node) {
     switch (th_kernel_of(node)) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
-        case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
+        case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
         case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU:
         case TH_CUDA_CROSS_ENTROPY:                         // (and th_scratch_for's memory: no copy there)
@@ -406,6 +406,11 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)
             th_drop_tensor(node, node);                     // (the copies it wrote of both kept)
             th_drop_tensor(node->src[3], node);
+            return;
+        case TH_CUDA_AFFINE:                                // and, computing its norm (src 3 its input),
+            th_drop_tensor(node, node);                     // t into the norm's room (src 0), and the
+            if (node->src[3] != nullptr) th_drop_tensor(node->src[0], node);       // sum of srcs 4 and 5
+            if (node->src[4] != nullptr) th_drop_tensor(node->src[3], node);       // into src 3's room
             return;
         case TH_CUDA_COLUMN_DOT:                            // and its partial sums, in src 2
         case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP: case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ:

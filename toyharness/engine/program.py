@@ -163,6 +163,10 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_CUDA_CROSS_ENTROPY": ("ours", "ggml"),
     "TOYHARNESS_CUDA_SWIGLU": ("ours", "ggml"),
     "TOYHARNESS_CUDA_SILU_BACK": ("ours", "ggml"),
+    # a norm (and a residual's sum before it) computed by its gain's (and bias's) kernel, or the sum
+    # apart (norm), or all three apart (separate)
+    "TOYHARNESS_CUDA_NORM_AFFINE": ("fused", "norm", "separate"),
+    "TOYHARNESS_CUDA_NORM_ROWS": ("registers", "memory"),   # the norms' rows held in registers (384-1024 wide)
     "TOYHARNESS_CUDA_DEQUANT": ("ours", "ggml"),
     "TOYHARNESS_BF16_REUSE": ("1", "0"),                # bf16 operand copies kept for later products
     "TOYHARNESS_BF16_WRITER_COPIES": ("1", "0"),
@@ -772,9 +776,11 @@ class Program:
         them back (iss-32f). (A cpu program that builds graphs as cuda does, in tests, computes none.)"""
         return self.cuda_kernels and self.engine.backend == "cuda"
 
-    def _prepare(self, graph) -> None:
+    def _prepare(self, graph, recomputed: bool = False) -> None:
         """Once per graph, before its first compute (and in a memory plan, before it is measured):
-        the backend's rewrites, then the check that the backend declares every node."""
+        the backend's rewrites, then the check that the backend declares every node.
+        `recomputed`: a graph of recomputed blocks alone (engine/recompute.py), which may read a
+        block input that a node of the forward's graph writes (the cuda rewrite's rooms)."""
         if graph not in self._gemm_rewritten:
             # On cpu, hot nodes get our kernels (native/cpu_kernels.c: sgemm, copies, SILU_BACK,
             # LayerNorm centring); no backward can be built through a rewritten node, so a
@@ -787,7 +793,7 @@ class Program:
             elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
-            elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention) < 0:
+            elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention | (4 if recomputed else 0)) < 0:
                 raise RuntimeError("a stand-in node could not take its cuda kernel, an attention's backward "
                                    "could not follow its fused forward, or the graph holds a node another one "
                                    "writes but not that one (native/cuda_rewrite.c, th_cuda_rewrite): "

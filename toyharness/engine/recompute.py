@@ -134,7 +134,7 @@ def apply(prog: Program, gf, graphs: list) -> list:
                              + len(prog.inputs) + 16, False)
     for out in rec.outputs:
         lib.ggml_build_forward_expand(copies, out)
-    prog._prepare(copies)
+    prog._prepare(copies, recomputed=True)
     forward = {_addr(lib.ggml_graph_node(gf, i)) for i in range(lib.ggml_graph_n_nodes(gf))}
     graph = graphs[-1]
     for i in range(lib.ggml_graph_n_nodes(graph)):
