@@ -419,6 +419,23 @@ def test_the_cuda_rewrite_computes_a_residuals_sum_in_the_norms_affine(monkeypat
         assert ("add" in kernel_names(fg.graph)) == (how == "norm"), (kind, how)
 
 
+def test_a_graph_holding_a_room_the_norms_affine_writes_but_not_that_affine_is_refused():
+    """Once the residual's sum and the norm's t are rooms their AFFINE writes, a graph of one of
+    them alone would read what nothing wrote: refused (-1). A graph of recomputed blocks (flag 4)
+    reads such a block input from the forward's graph, and is taken (recompute.py checks the graphs
+    built from it whole)."""
+    prog, trainer, fg, _ = summed_norm_program("cpu", "layer", 6, 16)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+    rooms = [lib.ggml_graph_node(fg.graph, i) for i, name in enumerate(kernel_names_in_order(fg.graph))
+             if name == "room"]
+    assert len(rooms) == 2
+    for room in rooms:
+        alone = prog._new_graph(16, False)
+        lib.ggml_build_forward_expand(alone, room)
+        assert lib.th_cuda_rewrite(alone, 1) == -1
+        assert lib.th_cuda_rewrite(alone, 1 | 4) >= 0
+
+
 def norm_affine_outputs(backend: str, monkeypatch, how: str, kind: str, rows: int, d: int) -> dict[str, np.ndarray]:
     """The forward's outputs and every gradient of summed_norm_program, the norm (and the sum)
     computed by its AFFINE (`how` "fused"), the norm alone ("norm"), or each by its own kernel
