@@ -102,12 +102,6 @@ static int th_family_of(struct ggml_cgraph * graph, struct ggml_tensor * root, t
     return 1;
 }
 
-/* the tensor under RESHAPEs */
-static struct ggml_tensor * th_under_reshapes(struct ggml_tensor * t) {
-    while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
-    return t;
-}
-
 /* every member of `f` contiguous, no output, of `type` */
 static int th_family_plain(const th_family * f, enum ggml_type type) {
     for (int k = 0; k < f->n; k++) {
@@ -195,7 +189,8 @@ static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) 
         struct ggml_tensor * n = ggml_graph_node(graph, i), * other = NULL;
         const int glu = th_is_swiglu(n), back = th_kernel_of(n) == TH_CUDA_SWIGLU_BACK;
         if (!glu && !back) continue;
-        struct ggml_tensor * gate = th_under_reshapes(glu ? n->src[0] : n->src[2]), * up = th_under_reshapes(n->src[1]);
+        struct ggml_tensor * gate = th_under_reshape_views(glu ? n->src[0] : n->src[2]);
+        struct ggml_tensor * up = th_under_reshape_views(n->src[1]);
         if (gate == NULL || up == NULL || th_kernel_of(gate) != TH_CUDA_FROZEN_MUL_MAT ||
             th_kernel_of(up) != TH_CUDA_FROZEN_MUL_MAT) {
             continue;
@@ -258,8 +253,8 @@ static int th_gelu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
         const int kernel = th_kernel_of(n);
         /* a product kept bf16 by another graph is checked wherever it is, GELU here or not */
         struct ggml_tensor * h = kernel == TH_CUDA_LINEAR_BIAS && n->type == GGML_TYPE_BF16 && !th_kept_for_attention(n) ? n
-                               : kernel == TH_CUDA_GELU ? th_under_reshapes(n->src[0])
-                               : kernel == TH_CUDA_GELU_BACK ? th_under_reshapes(n->src[1]) : NULL;
+                               : kernel == TH_CUDA_GELU ? th_under_reshape_views(n->src[0])
+                               : kernel == TH_CUDA_GELU_BACK ? th_under_reshape_views(n->src[1]) : NULL;
         th_family fh;
         if (h == NULL || th_kernel_of(h) != TH_CUDA_LINEAR_BIAS || !th_family_of(graph, h, &fh)) continue;
         if (h->type == GGML_TYPE_BF16) {

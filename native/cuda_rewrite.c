@@ -133,7 +133,7 @@ static struct ggml_tensor * th_repeated_of(const struct ggml_tensor * t) {
  * same operand before and after a fold (graphs share nodes: an earlier graph may have folded it). */
 static const struct ggml_tensor * th_operand_source(const struct ggml_tensor * t) {
     for (;;) {          /* through a REPEAT folded for grouped heads: its nodes now read what it repeated */
-        while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
+        t = th_under_reshape_views((struct ggml_tensor *) t);
         const struct ggml_tensor * r = th_repeated_of(t);
         if (r == NULL) break;
         t = r;
@@ -917,12 +917,6 @@ static int th_rewrite_layer_norms(struct ggml_cgraph * graph) {
         marked++;
     }
     return marked;
-}
-
-/* t under its RESHAPE views */
-static struct ggml_tensor * th_under_reshape_views(struct ggml_tensor * t) {
-    while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
-    return t;
 }
 
 /* The norm node whose output an AFFINE node reads as t (src 0, through RESHAPE views): LAYER_NORM or

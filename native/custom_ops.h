@@ -152,6 +152,11 @@ static inline const char * th_cuda_kernel_name_of(int k) {
                                    "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu"};
     return k > 0 && k < (int) (sizeof(names) / sizeof(*names)) ? names[k] : NULL;
 }
+/* t under its RESHAPE views (the node whose memory they are) */
+static inline struct ggml_tensor * th_under_reshape_views(struct ggml_tensor * t) {
+    while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
+    return t;
+}
 /* whether the environment variable `name` is set to `value` (a comparison switch: "ggml" keeps
  * ggml's node, "f32" keeps f32, "0" turns a path off) */
 static inline int th_env_is(const char * name, const char * value) {

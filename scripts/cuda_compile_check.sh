@@ -56,8 +56,9 @@ for source in native/cuda/th-*.cu; do
     grep -E "error|warning" "$work/$name.log" | grep -v "^ptxas info" || true
     # registers and spills of each of our kernels (ptxas info lines follow "Compiling entry function")
     awk '/Compiling entry function/ { match($0, /_Z[0-9]+th_[A-Za-z0-9_]+/); name = substr($0, RSTART, RLENGTH) }
+         /Function properties for/ { match($0, /for [^ ]+/); props = substr($0, RSTART + 4, RLENGTH - 4) }
          /Used [0-9]+ registers/ && name != "" { match($0, /Used [0-9]+ registers/); print "   " name ": " substr($0, RSTART + 5, RLENGTH - 5); name = "" }
-         /spill stores/ && $0 !~ / 0 bytes spill stores/ { print "   spills: " $0 }' "$work/$name.log" | sort -u
+         /spill stores/ && $0 !~ / 0 bytes spill stores/ { sub(/^ +/, ""); print "   spills in " props ": " $0 }' "$work/$name.log" | sort -u
 done
 if [ -n "$sass" ] && [ $status -eq 0 ]; then
     wheel nvidia-cuda-cuobjdump

@@ -45,6 +45,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 extern "C" {
@@ -446,130 +447,119 @@ static int th_norm_rows_k(const int64_t n) {
     return n == 384 || n == 512 || n == 768 || n == 1024 ? (int) (n / 32) : 0;
 }
 
-// rows of n floats: a warp a row, blockDim (32, 8). o: an AFFINE's outputs beside t (th_norm_out);
-// b: the rows are x + b (th_row_at), also written into `sum`.
-static __global__ void th_layer_norm_kernel(const float * __restrict__ x, float * __restrict__ t, const int64_t n,
-                                            const int64_t rows, const float eps, const th_norm_out o,
-                                            const float * __restrict__ b = nullptr, float * sum = nullptr) {
-    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
-        const float * xr = x + r * n;
-        float * tr = t + r * n;
-        float mean, rstd;
-        const float * br = b != nullptr ? b + r * n : nullptr;
-        th_row_moments(xr, n, eps, &mean, &rstd, br, sum != nullptr ? sum + r * n : nullptr);
-        for (int64_t i = threadIdx.x; i < n; i += 32) th_norm_put(tr, o, r, n, i, (th_row_at(xr, br, i) - mean) * rstd);
+// body(i, k) for each element of a row of n that a lane takes: i = lane + 32 k, for k < K where
+// the row is held in registers (n = 32 K: unrolled), else (K 0) while i < n
+template <int K, class F>
+static __device__ __forceinline__ void th_lane_elements(const int64_t n, F && body) {
+    if constexpr (K > 0) {
+#pragma unroll
+        for (int k = 0; k < K; k++) body((int64_t) threadIdx.x + 32 * k, k);
+    } else {
+        for (int64_t i = threadIdx.x; i < n; i += 32) body(i, 0);
     }
 }
 
-// th_layer_norm_kernel with a lane's K elements of the row (n = 32 K) in registers: x (or x + b)
-// read once where that kernel reads it three times; the same arithmetic in the same order
-template <int K>
-static __global__ void __launch_bounds__(256) th_layer_norm_rows_kernel(const float * __restrict__ x, float * __restrict__ t,
-                                                                        const int64_t n, const int64_t rows,
-                                                                        const float eps, const th_norm_out o,
-                                                                        const float * __restrict__ b, float * sum) {
+// launch(std::integral_constant<int, K>) with K = th_norm_rows_k(n): the norm kernels' instance
+// for n (0: the row read from memory on each pass)
+template <class F>
+static void th_norm_rows_dispatch(const int64_t n, F && launch) {
+    switch (th_norm_rows_k(n)) {
+        case 12: launch(std::integral_constant<int, 12>()); return;
+        case 16: launch(std::integral_constant<int, 16>()); return;
+        case 24: launch(std::integral_constant<int, 24>()); return;
+        case 32: launch(std::integral_constant<int, 32>()); return;
+        default: launch(std::integral_constant<int, 0>()); return;
+    }
+}
+
+// rows of n floats: a warp a row, blockDim (32, 8). K > 0: n = 32 K, and a lane keeps its K
+// elements of the row (x, or x + b) in registers, read once where K 0 reads them three times; the
+// same arithmetic in the same order either way. o: an AFFINE's outputs beside t (th_norm_out);
+// b: the rows are x + b (th_row_at), also written into `sum`.
+template <int K = 0>
+static __global__ void __launch_bounds__(256) th_layer_norm_kernel(const float * __restrict__ x, float * __restrict__ t,
+                                                                   const int64_t n, const int64_t rows, const float eps,
+                                                                   const th_norm_out o, const float * __restrict__ b,
+                                                                   float * sum) {
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
-        float v[K];
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            const int64_t i = r * n + threadIdx.x + 32 * k;
-            v[k] = th_row_at(x, b, i);
-            if (b != nullptr) sum[i] = v[k];
+        const float * xr = x + r * n, * br = b != nullptr ? b + r * n : nullptr;
+        float * sr = sum != nullptr ? sum + r * n : nullptr, * tr = t + r * n;
+        float v[K > 0 ? K : 1], mean, rstd;
+        if constexpr (K > 0) {
+            th_lane_elements<K>(n, [&](const int64_t i, const int k) {
+                v[k] = th_row_at(xr, br, i);
+                if (br != nullptr) sr[i] = v[k];
+            });
+            th_reg_moments<K>(v, n, eps, &mean, &rstd);
+        } else {
+            th_row_moments(xr, n, eps, &mean, &rstd, br, sr);
         }
-        float mean, rstd;
-        th_reg_moments<K>(v, n, eps, &mean, &rstd);
-        float * tr = t + r * n;
-#pragma unroll
-        for (int k = 0; k < K; k++) th_norm_put(tr, o, r, n, threadIdx.x + 32 * k, (v[k] - mean) * rstd);
+        th_lane_elements<K>(n, [&](const int64_t i, const int k) {
+            float xi;
+            if constexpr (K > 0) xi = v[k];
+            else xi = th_row_at(xr, br, i);
+            th_norm_put(tr, o, r, n, i, (xi - mean) * rstd);
+        });
     }
 }
 
 // LayerNorm's rows (x + b into `sum` where b is given) into t, and o beside it (th_norm_out)
 static void th_layer_norm_rows(cudaStream_t stream, const float * x, float * t, const int64_t n, const int64_t rows,
                                const float eps, const th_norm_out & o, const float * b = nullptr, float * sum = nullptr) {
-    const dim3 block(32, 8);
     const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
-    switch (th_norm_rows_k(n)) {
-        case 12: th_layer_norm_rows_kernel<12><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        case 16: th_layer_norm_rows_kernel<16><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        case 24: th_layer_norm_rows_kernel<24><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        case 32: th_layer_norm_rows_kernel<32><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        default: th_layer_norm_kernel<<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-    }
+    th_norm_rows_dispatch(n, [&](auto k) {
+        th_layer_norm_kernel<decltype(k)::value><<<grid, dim3(32, 8), 0, stream>>>(x, t, n, rows, eps, o, b, sum);
+    });
 }
 
 // dt = dy g when `gain` is given (rounded as ggml's MUL of them), else dy; plus r (a residual's
-// gradient) when given, rounded as the ADD it stands for
-template <bool gain>
-static __global__ void th_layer_norm_back_kernel(const float * __restrict__ dy, const float * __restrict__ x,
-                                                 const float * __restrict__ g, const float * __restrict__ r_add,
-                                                 float * __restrict__ dx, const int64_t n, const int64_t rows,
-                                                 const float eps, __nv_bfloat16 * __restrict__ dx16) {
-    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
-        const float * xr = x + r * n, * dyr = dy + r * n;
-        float * dxr = dx != nullptr ? dx + r * n : nullptr;
-        float mean, rstd;
-        th_row_moments(xr, n, eps, &mean, &rstd);
-        float sum_dt = 0.0f, sum_dt_t = 0.0f, sum_t = 0.0f;
-        for (int64_t i = threadIdx.x; i < n; i += 32) {
-            const float ti = (xr[i] - mean) * rstd, dti = gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
-            sum_dt += dti;
-            sum_dt_t += dti * ti;
-            sum_t += ti;
-        }
-        const float mean_dt = th_row_mean(th_warp_sum(sum_dt), n), mean_dt_t = th_row_mean(th_warp_sum(sum_dt_t), n);
-        const float shift = mean_dt - mean_dt_t * th_row_mean(th_warp_sum(sum_t), n);
-        for (int64_t i = threadIdx.x; i < n; i += 32) {
-            const float ti = (xr[i] - mean) * rstd, dti = gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
-            const float dxi = rstd * (dti - ti * mean_dt_t - shift);
-            const float out = r_add != nullptr ? __fadd_rn(dxi, r_add[r * n + i]) : dxi;
-            if (dx != nullptr) dxr[i] = out;
-            if (dx16 != nullptr) dx16[r * n + i] = __float2bfloat16_rn(out);
-        }
-    }
-}
-
-// th_layer_norm_back_kernel with a lane's K elements of x and dy (n = 32 K) in registers, and of
-// the gain (the same every row): each read once where that kernel reads x 4 times and dy twice;
-// the same arithmetic in the same order
-template <bool gain, int K>
-static __global__ void __launch_bounds__(256) th_layer_norm_back_rows_kernel(
+// gradient) when given, rounded as the ADD it stands for. K > 0: n = 32 K, and a lane keeps its K
+// elements of x and dy, and of the gain (the same every row), in registers: each read once where
+// K 0 reads x 4 times and dy twice; the same arithmetic in the same order either way.
+template <bool gain, int K = 0>
+static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
     const float * __restrict__ dy, const float * __restrict__ x, const float * __restrict__ g,
     const float * __restrict__ r_add, float * __restrict__ dx, const int64_t n, const int64_t rows, const float eps,
     __nv_bfloat16 * __restrict__ dx16) {
-    float gk[gain ? K : 1];
-    if (gain) {
-#pragma unroll
-        for (int k = 0; k < K; k++) gk[k] = g[threadIdx.x + 32 * k];
-    }
+    float gk[gain && K > 0 ? K : 1];
+    if constexpr (gain && K > 0) th_lane_elements<K>(n, [&](const int64_t i, const int k) { gk[k] = g[i]; });
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
-        float xv[K], dv[K];
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            xv[k] = x[r * n + threadIdx.x + 32 * k];
-            dv[k] = dy[r * n + threadIdx.x + 32 * k];
+        const float * xr = x + r * n, * dyr = dy + r * n;
+        float xv[K > 0 ? K : 1], dv[K > 0 ? K : 1], mean, rstd;
+        if constexpr (K > 0) {
+            th_lane_elements<K>(n, [&](const int64_t i, const int k) {
+                xv[k] = xr[i];
+                dv[k] = dyr[i];
+            });
+            th_reg_moments<K>(xv, n, eps, &mean, &rstd);
+        } else {
+            th_row_moments(xr, n, eps, &mean, &rstd);
         }
-        float mean, rstd;
-        th_reg_moments<K>(xv, n, eps, &mean, &rstd);
+        // the lane's element i (its k-th): t, and dt
+        const auto t_at = [&](const int64_t i, const int k) {
+            if constexpr (K > 0) return (xv[k] - mean) * rstd;
+            else return (xr[i] - mean) * rstd;
+        };
+        const auto dt_at = [&](const int64_t i, const int k) {
+            if constexpr (K > 0) return gain ? __fmul_rn(dv[k], gk[gain ? k : 0]) : dv[k];
+            else return gain ? __fmul_rn(dyr[i], g[i]) : dyr[i];
+        };
         float sum_dt = 0.0f, sum_dt_t = 0.0f, sum_t = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            const float ti = (xv[k] - mean) * rstd, dti = gain ? __fmul_rn(dv[k], gk[gain ? k : 0]) : dv[k];
+        th_lane_elements<K>(n, [&](const int64_t i, const int k) {
+            const float ti = t_at(i, k), dti = dt_at(i, k);
             sum_dt += dti;
             sum_dt_t += dti * ti;
             sum_t += ti;
-        }
+        });
         const float mean_dt = th_row_mean(th_warp_sum(sum_dt), n), mean_dt_t = th_row_mean(th_warp_sum(sum_dt_t), n);
         const float shift = mean_dt - mean_dt_t * th_row_mean(th_warp_sum(sum_t), n);
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            const int64_t i = r * n + threadIdx.x + 32 * k;
-            const float ti = (xv[k] - mean) * rstd, dti = gain ? __fmul_rn(dv[k], gk[gain ? k : 0]) : dv[k];
+        th_lane_elements<K>(n, [&](const int64_t i, const int k) {
+            const float ti = t_at(i, k), dti = dt_at(i, k);
             const float dxi = rstd * (dti - ti * mean_dt_t - shift);
-            const float out = r_add != nullptr ? __fadd_rn(dxi, r_add[i]) : dxi;
-            if (dx != nullptr) dx[i] = out;
-            if (dx16 != nullptr) dx16[i] = __float2bfloat16_rn(out);
-        }
+            const float out = r_add != nullptr ? __fadd_rn(dxi, r_add[r * n + i]) : dxi;
+            if (dx != nullptr) dx[r * n + i] = out;
+            if (dx16 != nullptr) dx16[r * n + i] = __float2bfloat16_rn(out);
+        });
     }
 }
 
@@ -577,15 +567,11 @@ template <bool gain>
 static void th_layer_norm_back_rows(cudaStream_t stream, const float * dy, const float * x, const float * g,
                                     const float * r, float * dx, const int64_t n, const int64_t rows, const float eps,
                                     __nv_bfloat16 * dx16) {
-    const dim3 block(32, 8);
     const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
-    switch (th_norm_rows_k(n)) {
-        case 12: th_layer_norm_back_rows_kernel<gain, 12><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
-        case 16: th_layer_norm_back_rows_kernel<gain, 16><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
-        case 24: th_layer_norm_back_rows_kernel<gain, 24><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
-        case 32: th_layer_norm_back_rows_kernel<gain, 32><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
-        default: th_layer_norm_back_kernel<gain><<<grid, block, 0, stream>>>(dy, x, g, r, dx, n, rows, eps, dx16); return;
-    }
+    th_norm_rows_dispatch(n, [&](auto k) {
+        th_layer_norm_back_kernel<gain, decltype(k)::value><<<grid, dim3(32, 8), 0, stream>>>(dy, x, g, r, dx, n, rows,
+                                                                                            eps, dx16);
+    });
 }
 
 static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool backward) {
@@ -668,15 +654,16 @@ static void th_rms_norm_rows(cudaStream_t stream, const float * x, float * t, co
                              const float eps, const th_norm_out & o, const float * b = nullptr, float * sum = nullptr) {
     const dim3 block(32, 8);
     const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
-    switch (th_norm_rows_k(n)) {
-        case 12: th_rms_norm_kernel<8, 12><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        case 16: th_rms_norm_kernel<8, 16><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        case 24: th_rms_norm_kernel<8, 24><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        case 32: th_rms_norm_kernel<32, 32><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum); return;
-        default:
-            if (n < 1024) th_rms_norm_kernel<8><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum);
-            else th_rms_norm_kernel<32><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum);
-    }
+    th_norm_rows_dispatch(n, [&](auto k) {
+        constexpr int K = decltype(k)::value;
+        if constexpr (K > 0) {                      // (ggml's block of 1024 threads from 1024 wide)
+            th_rms_norm_kernel<K < 32 ? 8 : 32, K><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum);
+        } else if (n < 1024) {
+            th_rms_norm_kernel<8><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum);
+        } else {
+            th_rms_norm_kernel<32><<<grid, block, 0, stream>>>(x, t, n, rows, eps, o, b, sum);
+        }
+    });
 }
 
 static void th_rms_norm(cudaStream_t stream, ggml_tensor * dst) {
