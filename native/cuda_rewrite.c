@@ -60,6 +60,8 @@
  *   - A norm (LayerNorm's or RMSNorm's) and its gain (and bias), and the residual's ADD whose sum
  *     the norm reads: one pass, the AFFINE's, writing the sum and t into the ADD's and the norm's
  *     nodes (rooms) as it writes y; the same bits (th_fuse_norm_affines).
+ *   - LayerNorm's gain's gradient (the COLUMN_DOT of t and dy): summed by LayerNorm's backward,
+ *     which holds both, in the COLUMN_DOT's order; the same bits (th_fuse_gain_sums).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -558,7 +560,8 @@ static int th_is_folded(const struct ggml_tensor * t) {
 }
 
 /* 0, or -1 when a node folded into a later one (graphs share nodes: maybe by an earlier graph) is
- * read in `graph` by a node that is not a view of it (COLUMN_DOT's scratch aside), or is an
+ * read in `graph` by a node that is not a view of it (COLUMN_DOT's scratch aside, which LAYER_NORM_BACK
+ * may take over: th_fuse_gain_sums), or is an
  * output: it holds no value. */
 static int th_check_folded(struct ggml_cgraph * graph) {
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
@@ -566,7 +569,10 @@ static int th_check_folded(struct ggml_cgraph * graph) {
         if ((u->flags & GGML_TENSOR_FLAG_OUTPUT) && th_is_folded(u)) return -1;
         if (u->view_src != NULL) continue;
         for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (th_is_folded(u->src[j]) && !(th_marked(u, TH_CUDA_COLUMN_DOT) && j == 2)) return -1;
+            if (th_is_folded(u->src[j]) && !(th_marked(u, TH_CUDA_COLUMN_DOT) && j == 2) &&
+                !(th_marked(u, TH_CUDA_LAYER_NORM_BACK) && j == 5)) {
+                return -1;
+            }
         }
     }
     return 0;
@@ -938,6 +944,65 @@ static int th_read_before(struct ggml_cgraph * graph, const struct ggml_tensor *
     return 0;
 }
 
+/* x, where `t` is LayerNorm's output of it: a LAYER_NORM node of ours, or the room of an AFFINE in
+ * `graph` that computes that norm (th_fuse_norm_affines); its eps into *eps. Else NULL. */
+static struct ggml_tensor * th_layer_norm_input(struct ggml_cgraph * graph, struct ggml_tensor * t, float * eps) {
+    if (t == NULL) return NULL;
+    if (th_marked(t, TH_CUDA_LAYER_NORM)) {
+        *eps = th_eps_of(t, 2);
+        return t->src[0];
+    }
+    if (!th_marked(t, TH_CUDA_ROOM)) return NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * a = ggml_graph_node(graph, i);
+        if (!th_marked(a, TH_CUDA_AFFINE) || a->src[3] == NULL || th_under_reshape_views(a->src[0]) != t) continue;
+        th_norm_affine_params params;
+        memcpy(&params, a->op_params + 2, sizeof(params));
+        if (params.norm != TH_CUDA_LAYER_NORM) return NULL;
+        *eps = params.eps;
+        return a->src[3];
+    }
+    return NULL;
+}
+
+/* LayerNorm's gain's gradient, COLUMN_DOT(t, dy) (either order) of the norm's output t and the
+ * gradient dy that its backward reads (LAYER_NORM_BACK with the gain, src 2): that backward holds
+ * t (formed again from x, as the forward formed it) and dy already, and sums t dy as well, in the
+ * COLUMN_DOT's order (a block a chunk of rows, its 8 warps' partial sums added in order, then the
+ * chunks in order: the same bits), into the COLUMN_DOT's node (a room: src 4) through its scratch
+ * (src 5). A pass over t and dy fewer a norm. Only for rows of at most TH_GAIN_SUMS_MAX_COLUMNS
+ * floats, and where no node between the COLUMN_DOT and the backward reads the gradient (the room
+ * then stands before its writer with every reader after it). TOYHARNESS_CUDA_GAIN_SUMS=separate
+ * keeps the COLUMN_DOT (comparisons). Returns the nodes marked. */
+static int th_fuse_gain_sums(struct ggml_cgraph * graph) {
+    if (th_env_is("TOYHARNESS_CUDA_GAIN_SUMS", "separate")) return 0;
+    const int n = ggml_graph_n_nodes(graph);
+    int marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (!th_marked(u, TH_CUDA_COLUMN_DOT) || u->src[0] == NULL || u->src[1] == NULL) continue;
+        for (int j = i + 1; j < n; j++) {
+            struct ggml_tensor * b = ggml_graph_node(graph, j);
+            if (!th_marked(b, TH_CUDA_LAYER_NORM_BACK) || b->src[2] == NULL || b->src[4] != NULL) continue;
+            const int dy_at = u->src[0] == b->src[0] ? 0 : u->src[1] == b->src[0] ? 1 : -1;
+            if (dy_at < 0) continue;
+            float eps = 0.0f;
+            const struct ggml_tensor * x = th_layer_norm_input(graph, th_under_reshape_views(u->src[1 - dy_at]), &eps);
+            if (x != NULL && th_under_reshape_views((struct ggml_tensor *) x) == th_under_reshape_views(b->src[1]) &&
+                eps == th_eps_of(b, 2) && b->ne[0] <= TH_GAIN_SUMS_MAX_COLUMNS && u->src[0]->ne[0] == b->ne[0] &&
+                ggml_nelements(u->src[0]) == ggml_nelements(b) && ggml_nelements(u) == b->ne[0] &&
+                !th_read_before(graph, u, j)) {
+                b->src[4] = u, b->src[5] = u->src[2];
+                th_mark(u, TH_CUDA_ROOM);
+                th_set_srcs(u, NULL, NULL, NULL, NULL, NULL, NULL);
+                marked++;
+            }
+            break;
+        }
+    }
+    return marked;
+}
+
 /* A norm (LAYER_NORM or RMS_NORM of ours) whose output t an AFFINE reads (its gain, and bias),
  * every other reader of t after that AFFINE (the gain's gradient's COLUMN_DOT, in the backward):
  * the AFFINE computes the norm as well, writing t into the norm's node (a room, no sources) as it
@@ -1080,6 +1145,7 @@ static int th_order_rooms(struct ggml_cgraph * graph, const int copies) {
             const struct ggml_tensor * u = ggml_graph_node(graph, w);
             if (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t)) break;
             if (th_marked(u, TH_CUDA_SWIGLU_BACK) && u->src[3] == t) break;
+            if (th_marked(u, TH_CUDA_LAYER_NORM_BACK) && u->src[4] == t) break;
             if (th_marked(u, TH_CUDA_AFFINE) && u->src[3] != NULL &&
                 (th_norm_under_affine(u) == t || (u->src[4] != NULL && th_under_reshape_views(u->src[3]) == t))) {
                 break;
@@ -1091,8 +1157,10 @@ static int th_order_rooms(struct ggml_cgraph * graph, const int copies) {
             memmove(graph->nodes + w + 1, graph->nodes + w, sizeof(*graph->nodes) * (size_t) (i - w));
             graph->nodes[w] = t;
         }
-        /* a norm's output or a sum (th_fuse_norm_affines) is read elsewhere, not only after its writer */
-        if (th_marked(ggml_graph_node(graph, w > i ? w : w + 1), TH_CUDA_AFFINE) &&
+        /* a norm's output or a sum (th_fuse_norm_affines), or a gain's gradient (th_fuse_gain_sums),
+         * is read elsewhere, not only after its writer */
+        const struct ggml_tensor * writer = ggml_graph_node(graph, w > i ? w : w + 1);
+        if ((th_marked(writer, TH_CUDA_AFFINE) || th_marked(writer, TH_CUDA_LAYER_NORM_BACK)) &&
             th_read_before(graph, t, w > i ? w : w + 1)) {
             return -1;
         }
@@ -1274,7 +1342,8 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int flags) {
             singles++;
         }
     }
-    singles += th_fuse_norm_affines(graph) + th_attention_rooms(graph) + th_merge_slice_conts(graph);
+    singles += th_fuse_gain_sums(graph) + th_fuse_norm_affines(graph) + th_attention_rooms(graph) +
+               th_merge_slice_conts(graph);
     const int adamw = th_rewrite_adamw_runs(graph);
     if (th_check_folded(graph) < 0 || th_check_group_rooms(graph) < 0 || th_order_attention_copies(graph) < 0 ||
         th_order_rooms(graph, (flags & 4) != 0) < 0 || th_check_adamw_runs(graph) < 0) {

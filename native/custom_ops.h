@@ -10,7 +10,10 @@
 #include <string.h>
 
 #define TH_CUDA_MAGIC 0x75636874          /* "thcu", op_params[0] of a node of ours */
-#define TH_CUDA_KERNELS_VERSION 18  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+/* the widest rows whose gain's gradient LAYER_NORM_BACK sums (its block's 8 warps keep a partial
+ * sum of every column in shared memory: 8 x 1536 floats, 48 KiB) */
+#define TH_GAIN_SUMS_MAX_COLUMNS 1536
+#define TH_CUDA_KERNELS_VERSION 19  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -21,7 +24,8 @@
                                            CROSS_ENTROPY, SWIGLU; 16: ATTN_DQ's
                                            sources, no dS at tf32 and bf16; 17:
                                            th_cuda_bf16_copies_alone (writers' copies alone); 18:
-                                           AFFINE computing its norm (th_norm_affine_params) */
+                                           AFFINE computing its norm (th_norm_affine_params);
+                                           19: LAYER_NORM_BACK summing its gain's gradient */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -50,7 +54,10 @@ enum {
     /* LayerNorm's normalization (blocks.layer_norm), op_params[2] eps:
      *   LAYER_NORM       src x (n, rows); t = (x - mean) / sqrt(mean((x - mean)^2) + eps) per row
      *   LAYER_NORM_BACK  srcs dt, x, [g], [r]; dx (what the centring and RMS_NORM_BACK of ggml's
-     *                    nodes give), plus r when given (a residual's gradient: ADD(r, dx)) */
+     *                    nodes give), plus r when given (a residual's gradient: ADD(r, dx));
+     *                    with srcs 4 and 5 (g given) the gain's gradient too, COLUMN_DOT(t, dy)'s
+     *                    bits into src 4 (that node, now a ROOM) through the scratch of src 5
+     *                    (native/cuda_rewrite.c, th_fuse_gain_sums) */
     TH_CUDA_LAYER_NORM = 8, TH_CUDA_LAYER_NORM_BACK = 9,
     /* A bias added to a product's rows (blocks.linear):
      *   LINEAR_BIAS  srcs w (k, n), x (k, m), b (n); y (n, m) = x w^T + b, b added in the product's

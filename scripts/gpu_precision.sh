@@ -13,14 +13,16 @@
 #                                    [gelu-bf16] [gelu-bf16-goldens] [gelu-bf16-profile]
 #                                    [qkv-bf16] [qkv-bf16-goldens] [qkv-bf16-profile]
 #                                    [cudnn] [cudnn-debug] [cudnn-profile] [cudnn-bench]
-#                                    [norm] [norm-profile]
+#                                    [norm] [norm-profile] [gain-profile]
 #
 # norm: a norm computed by its AFFINE (and the residual's sum before it), the norms' rows in
 # registers (native/cuda/th-custom.cu): their tests in tests/test_cuda_kernels.py, each against
 # the kernels before it bit for bit, and our RMS_NORM against ggml-cuda's; norm-profile: a
 # bf16 gpt2-small step of each of PROFILE_RECIPES (default gpt2 llama) by kernel with the kernels
 # before (TOYHARNESS_CUDA_NORM_AFFINE=separate TOYHARNESS_CUDA_NORM_ROWS=memory), then now,
-# twice each, interleaved.
+# twice each, interleaved. gain-profile: a bf16 gpt2-small gpt2 step by kernel with LayerNorm's
+# gain's gradient summed by a COLUMN_DOT of its own (TOYHARNESS_CUDA_GAIN_SUMS=separate), then by
+# LayerNorm's backward (fused), twice each, interleaved (the norm phase runs its tests).
 #
 # cudnn: bf16 attention on cuDNN's fused attention (native/cudnn/th_cudnn.cpp): its test and the
 # attention tests of tests/test_precision.py and tests/test_cuda_kernels.py (cuDNN's against float64,
@@ -217,6 +219,10 @@ if [[ $phases == *" norm-profile "* ]]; then
             grep "^==" "$out/profile_${recipe}_bf16_norm_$how.txt" | tee -a "$log"
         done
     done
+fi
+
+if [[ $phases == *" gain-profile "* ]]; then
+    profile_switch TOYHARNESS_CUDA_GAIN_SUMS gain "the gain's gradient" separate fused
 fi
 
 if [[ $phases == *" cudnn-bench "* ]]; then

@@ -174,12 +174,13 @@ def test_the_cuda_rewrite_marks_each_layer_norm_stand_in_and_its_backward():
     """Built on cpu (never computed here): the stand-in RMS_NORM and its RMS_NORM_BACK become our
     kernels' nodes, no centring nodes are built, and the gain and bias fold in: ADD(MUL(t, g), b)
     one pass, which computes the normalization too (t into the norm's node, a room before it in
-    every graph), MUL(dy, g) formed inside the backward, the gain's gradient one COLUMN_DOT."""
+    every graph), MUL(dy, g) formed inside the backward, the gain's gradient a COLUMN_DOT whose
+    sums the backward takes (th_fuse_gain_sums: its node a room)."""
     prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True)
     assert "SUM_ROWS" not in ops_of(fg.graph)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1
-    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "column_dot", "folded", "folded", "folded",
-                                                      "layer_norm_back", "room"]
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1 + 1
+    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "folded", "folded", "folded", "layer_norm_back",
+                                                      "room", "room"]
     ops = ops_of(trainer.gb_grad)
     assert "RMS_NORM" not in ops and "RMS_NORM_BACK" not in ops
     assert ops.count("MUL") == 2 and ops.count("OUT_PROD") == 1       # the loss's weights; the bias's column sum
@@ -195,9 +196,35 @@ def test_the_cuda_rewrite_keeps_the_norm_apart_from_its_affine_when_told_to(monk
     """TOYHARNESS_CUDA_NORM_AFFINE=separate: the normalization stays its own node (LAYER_NORM)."""
     monkeypatch.setenv("TOYHARNESS_CUDA_NORM_AFFINE", "separate")
     prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2
-    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "column_dot", "folded", "folded", "folded",
-                                                      "layer_norm", "layer_norm_back"]
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1
+    assert sorted(kernel_names(trainer.gb_grad)) == ["affine", "folded", "folded", "folded", "layer_norm",
+                                                      "layer_norm_back", "room"]
+
+
+def test_the_cuda_rewrite_hands_the_gains_column_sums_to_layer_norms_backward(monkeypatch):
+    """Built on cpu: the gain's gradient (COLUMN_DOT of t and dy) becomes a room that LayerNorm's
+    backward writes (src 4, the COLUMN_DOT's scratch src 5), before it in every graph, every reader
+    after it; TOYHARNESS_CUDA_GAIN_SUMS=separate, or rows wider than the backward's shared memory
+    holds, keep the COLUMN_DOT."""
+    prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True, residual=True)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+    for graph in (trainer.gb_grad, trainer.gb_opt):
+        assert lib.th_cuda_rewrite(graph, 1) >= 0
+        nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+        names = kernel_names_in_order(graph)
+        back = nodes[names.index("layer_norm_back")]
+        room, scratch = lib.th_tensor_src(back, 4), lib.th_tensor_src(back, 5)
+        assert ffi.string(lib.ggml_get_name(room)).decode() == "grad for gain"
+        at = next(i for i, node in enumerate(nodes) if node == room)
+        assert names[at] == "room" and at < names.index("layer_norm_back")
+        assert names[next(i for i, node in enumerate(nodes) if node == scratch)] == "folded"
+        assert "column_dot" not in names
+    for how, d in (("separate", 16), ("fused", 1537)):
+        monkeypatch.setenv("TOYHARNESS_CUDA_GAIN_SUMS", how)
+        prog, trainer, fg, _ = layer_norm_program("cpu", 6, d, stand_in=True)
+        assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+        names = kernel_names(trainer.gb_grad)
+        assert "column_dot" in names and names.count("room") == 1, (how, d)       # the norm's t alone
 
 
 def test_the_cuda_rewrite_keeps_a_norm_whose_output_is_read_before_its_affine():
@@ -221,8 +248,8 @@ def test_the_cuda_rewrite_adds_a_residuals_gradient_inside_layer_norms_backward(
     """x + LayerNorm(x): x's gradient is ADD(dy, LAYER_NORM_BACK(...)); the backward's kernel adds
     dy as it writes, and the ADD's node computes it (the backward's own node folds)."""
     prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True, residual=True)
-    # LayerNorm's 8 (see above), the forward's residual ADD, and its gradient's (marked, folding one)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1 + 1 + 2
+    # LayerNorm's 9 (see above), the forward's residual ADD, and its gradient's (marked, folding one)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2 + 2 + 1 + 2 + 1 + 1 + 1 + 2
     names = kernel_names(trainer.gb_grad)
     assert names.count("layer_norm_back") == 1 and names.count("add") == 1
     assert ops_of(trainer.gb_grad).count("ADD") == 0
@@ -406,7 +433,9 @@ def summed_norm_program(backend: str, kind: str, rows: int, d: int, seed: int = 
 
 def test_the_cuda_rewrite_computes_a_residuals_sum_in_the_norms_affine(monkeypatch):
     """Built on cpu: the ADD whose sum a norm reads, read by nothing before the AFFINE, becomes a
-    room that the AFFINE writes (before it in every graph); =norm leaves the ADD its own node."""
+    room that the AFFINE writes (before it in every graph); =norm leaves the ADD its own node. (The
+    gain's gradient kept a COLUMN_DOT: its room would be the backward's, th_fuse_gain_sums.)"""
+    monkeypatch.setenv("TOYHARNESS_CUDA_GAIN_SUMS", "separate")
     for kind, how, rooms in (("layer", "fused", 2), ("rms", "fused", 2), ("layer", "norm", 1), ("rms", "norm", 1)):
         monkeypatch.setenv("TOYHARNESS_CUDA_NORM_AFFINE", how)
         prog, trainer, fg, _ = summed_norm_program("cpu", kind, 6, 16)
@@ -486,6 +515,27 @@ def test_norm_rows_held_in_registers_on_cuda_keep_every_bit(backend, kind, d, mo
         got[how] = norm_affine_outputs(backend, monkeypatch, "fused", kind, 40, d)
     for name, value in got["registers"].items():
         assert np.array_equal(value.view(np.uint32), got["memory"][name].view(np.uint32)), name
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, d", [(300, 384), (40, 768), (7, 100), (5, 1030), (70000, 32), (64, 1536)])
+def test_the_gains_sums_in_layer_norms_backward_on_cuda_are_the_column_dots_bits(backend, rows, d, monkeypatch):
+    """LayerNorm's backward summing its gain's gradient (th_fuse_gain_sums) against the COLUMN_DOT
+    kernel (TOYHARNESS_CUDA_GAIN_SUMS=separate): the gain's gradient and every other, bit for bit.
+    Rows held in registers (384, 768) and read from memory; 300 rows: 5 chunks of 60; 70000: 1015
+    chunks of 69 (warps of 8 and 9 rows); 1536: the widest it takes (48 KiB of shared memory)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    got = {}
+    for how in ("fused", "separate"):
+        monkeypatch.setenv("TOYHARNESS_CUDA_GAIN_SUMS", how)
+        prog, trainer, fg, names = summed_norm_program(backend, "layer", rows, d)
+        trainer.grads_only({})
+        assert ("column_dot" in kernel_names(trainer.gb_grad)) == (how == "separate")
+        got[how] = {n: prog.read(trainer.grad_acc[n]) for n in names}
+    for name, value in got["fused"].items():
+        assert np.isfinite(value).all(), name
+        assert np.array_equal(value.view(np.uint32), got["separate"][name].view(np.uint32)), name
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])

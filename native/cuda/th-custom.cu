@@ -20,6 +20,8 @@
 // and the gain's gradient, per column the sum over rows of t dy: a block sums 32 columns of a
 // chunk of rows (each thread its rows in order, then the block's 8 partial sums in order) into
 // scratch, then one thread a column sums the chunks in order: the bits repeat run to run.
+// LayerNorm's backward, which holds t and dy, takes that first pass where the rewrite hands it
+// (th_fuse_gain_sums): a block a chunk, its warps the same rows in the same order (the same bits).
 //
 // GET_ROWS_BACK, dst (n, V) row v = the sum of the gradient's rows r with ids[r] = v, in the order
 // of r from 0, as ggml-cuda's kernel sums (the same bits): a thread an output element, as there,
@@ -512,18 +514,74 @@ static void th_layer_norm_rows(cudaStream_t stream, const float * x, float * t, 
     });
 }
 
+#define TH_COLUMN_ROWS 64   // rows a block of the column sums' first pass sums at least
+
+// partial[chunk][c] = sum over the chunk's rows of a c: blockDim (32, 8), grid (columns / 32, chunks)
+static __global__ void th_column_dot_kernel(const float * __restrict__ a, const float * __restrict__ c,
+                                            float * __restrict__ partial, const int64_t n, const int64_t m,
+                                            const int64_t chunk) {
+    __shared__ float sums[8][33];
+    const int64_t col = blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * chunk;
+    const int64_t r1 = r0 + chunk < m ? r0 + chunk : m;
+    float s = 0.0f;
+    if (col < n) {
+        for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) s += __fmul_rn(a[r * n + col], c[r * n + col]);
+    }
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < n) {
+        float total = sums[0][threadIdx.x];
+        for (int k = 1; k < 8; k++) total += sums[k][threadIdx.x];
+        partial[blockIdx.y * n + col] = total;
+    }
+}
+
+static __global__ void th_column_total_kernel(const float * __restrict__ partial, float * __restrict__ out,
+                                              const int64_t n, const int chunks) {
+    const int64_t col = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
+    if (col >= n) return;
+    float total = partial[col];
+    for (int k = 1; k < chunks; k++) total += partial[k * n + col];
+    out[col] = total;
+}
+
+// th_column_dot_kernel's chunks of m rows: enough blocks to fill the device, each at least
+// TH_COLUMN_ROWS rows, at most 1024 chunks; returns how many, each of *chunk rows (the last fewer)
+static int64_t th_column_chunks(const int64_t m, int64_t * chunk) {
+    int64_t chunks = (m + TH_COLUMN_ROWS - 1) / TH_COLUMN_ROWS;
+    chunks = chunks < 1024 ? chunks : 1024;
+    *chunk = (m + chunks - 1) / chunks;
+    return (m + *chunk - 1) / *chunk;
+}
+
 // dt = dy g when `gain` is given (rounded as ggml's MUL of them), else dy; plus r (a residual's
 // gradient) when given, rounded as the ADD it stands for. K > 0: n = 32 K, and a lane keeps its K
 // elements of x and dy, and of the gain (the same every row), in registers: each read once where
 // K 0 reads x 4 times and dy twice; the same arithmetic in the same order either way.
-template <bool gain, int K = 0>
+// `sums` (the gain's gradient, th_fuse_gain_sums): block b takes chunk b of `chunk` rows and warp w
+// its rows w, w + 8, ... of it in order, each lane adding t dy (__fmul_rn) of its columns to a sum
+// from 0 (in registers where K > 0, else in the warp's row of shared memory, 8 n floats); the
+// block then adds its 8 warps' sums in order into partial[b]: th_column_dot_kernel's sums of t and
+// dy, each in its order, so the same bits (t is formed as the forward formed it).
+template <bool gain, int K = 0, bool sums = false>
 static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
     const float * __restrict__ dy, const float * __restrict__ x, const float * __restrict__ g,
     const float * __restrict__ r_add, float * __restrict__ dx, const int64_t n, const int64_t rows, const float eps,
-    __nv_bfloat16 * __restrict__ dx16) {
-    float gk[gain && K > 0 ? K : 1];
+    __nv_bfloat16 * __restrict__ dx16, float * __restrict__ partial, const int64_t chunk) {
+    extern __shared__ float th_warp_columns[];      // (sums) 8 rows of n: warp w's sums in row w
+    float * const own = th_warp_columns + threadIdx.y * n;
+    float gk[gain && K > 0 ? K : 1], acc[sums && K > 0 ? K : 1];
     if constexpr (gain && K > 0) th_lane_elements<K>(n, [&](const int64_t i, const int k) { gk[k] = g[i]; });
-    for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
+    if constexpr (sums) {
+        th_lane_elements<K>(n, [&](const int64_t i, const int k) {
+            if constexpr (K > 0) acc[k] = 0.0f;
+            else own[i] = 0.0f;
+        });
+    }
+    const int64_t first = sums ? blockIdx.x * chunk : blockIdx.x * (int64_t) blockDim.y;
+    const int64_t end = sums ? (first + chunk < rows ? first + chunk : rows) : rows;
+    const int64_t step = sums ? (int64_t) blockDim.y : (int64_t) gridDim.x * blockDim.y;
+    for (int64_t r = first + threadIdx.y; r < end; r += step) {
         const float * xr = x + r * n, * dyr = dy + r * n;
         float xv[K > 0 ? K : 1], dv[K > 0 ? K : 1], mean, rstd;
         if constexpr (K > 0) {
@@ -535,10 +593,14 @@ static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
         } else {
             th_row_moments(xr, n, eps, &mean, &rstd);
         }
-        // the lane's element i (its k-th): t, and dt
+        // the lane's element i (its k-th): t, dy, and dt
         const auto t_at = [&](const int64_t i, const int k) {
             if constexpr (K > 0) return (xv[k] - mean) * rstd;
             else return (xr[i] - mean) * rstd;
+        };
+        const auto dy_at = [&](const int64_t i, const int k) {
+            if constexpr (K > 0) return dv[k];
+            else return dyr[i];
         };
         const auto dt_at = [&](const int64_t i, const int k) {
             if constexpr (K > 0) return gain ? __fmul_rn(dv[k], gk[gain ? k : 0]) : dv[k];
@@ -550,6 +612,11 @@ static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
             sum_dt += dti;
             sum_dt_t += dti * ti;
             sum_t += ti;
+            if constexpr (sums) {
+                const float p = __fmul_rn(ti, dy_at(i, k));
+                if constexpr (K > 0) acc[k] += p;
+                else own[i] += p;
+            }
         });
         const float mean_dt = th_row_mean(th_warp_sum(sum_dt), n), mean_dt_t = th_row_mean(th_warp_sum(sum_dt_t), n);
         const float shift = mean_dt - mean_dt_t * th_row_mean(th_warp_sum(sum_t), n);
@@ -561,16 +628,43 @@ static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
             if (dx16 != nullptr) dx16[r * n + i] = __float2bfloat16_rn(out);
         });
     }
+    if constexpr (sums) {
+        if constexpr (K > 0) th_lane_elements<K>(n, [&](const int64_t i, const int k) { own[i] = acc[k]; });
+        __syncthreads();
+        for (int64_t c = threadIdx.y * 32 + threadIdx.x; c < n; c += 256) {
+            float total = th_warp_columns[c];
+            for (int w = 1; w < 8; w++) total += th_warp_columns[w * n + c];
+            partial[blockIdx.x * n + c] = total;
+        }
+    }
 }
 
+// LayerNorm's backward over `rows` rows of n; with `column` (the gain's gradient, n floats) also
+// the column sums of t dy, through `partial` (th_column_chunks' chunks x n floats): the first pass
+// inside the backward's kernel, then th_column_total_kernel as th_column_dot runs it
 template <bool gain>
 static void th_layer_norm_back_rows(cudaStream_t stream, const float * dy, const float * x, const float * g,
                                     const float * r, float * dx, const int64_t n, const int64_t rows, const float eps,
-                                    __nv_bfloat16 * dx16) {
+                                    __nv_bfloat16 * dx16, float * column = nullptr, float * partial = nullptr) {
+    if constexpr (gain) {
+        if (column != nullptr) {
+            int64_t chunk;
+            const int64_t chunks = th_column_chunks(rows, &chunk);
+            const size_t shared = 8 * (size_t) n * sizeof(float);
+            th_norm_rows_dispatch(n, [&](auto k) {
+                constexpr int K = decltype(k)::value;
+                th_layer_norm_back_kernel<gain, K, true><<<(unsigned) chunks, dim3(32, 8), shared, stream>>>(
+                    dy, x, g, r, dx, n, rows, eps, dx16, partial, chunk);
+            });
+            th_column_total_kernel<<<(unsigned) ((n + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK), TH_CUDA_BLOCK, 0, stream>>>(
+                partial, column, n, (int) chunks);
+            return;
+        }
+    }
     const int grid = (int) ((rows + 7) / 8 < 65535 ? (rows + 7) / 8 : 65535);
     th_norm_rows_dispatch(n, [&](auto k) {
         th_layer_norm_back_kernel<gain, decltype(k)::value><<<grid, dim3(32, 8), 0, stream>>>(dy, x, g, r, dx, n, rows,
-                                                                                            eps, dx16);
+                                                                                            eps, dx16, nullptr, 0);
     });
 }
 
@@ -582,8 +676,11 @@ static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool bac
         const float * r = dst->src[3] != nullptr ? (const float *) dst->src[3]->data : nullptr;
         __nv_bfloat16 * dx16 = nullptr;     // (at bf16 dx's copy beside it, or alone, where products read it)
         float * dx = th_writer_outputs(stream, dst, &dx16);
-        if (dst->src[2] != nullptr) {
-            th_layer_norm_back_rows<true>(stream, dy, x, (const float *) dst->src[2]->data, r, dx, n, rows, eps, dx16);
+        if (dst->src[2] != nullptr) {     // (and the gain's gradient into src 4, th_fuse_gain_sums)
+            float * column = dst->src[4] != nullptr ? (float *) dst->src[4]->data : nullptr;
+            float * partial = dst->src[4] != nullptr ? (float *) dst->src[5]->data : nullptr;
+            th_layer_norm_back_rows<true>(stream, dy, x, (const float *) dst->src[2]->data, r, dx, n, rows, eps, dx16,
+                                          column, partial);
         } else {
             th_layer_norm_back_rows<false>(stream, dy, x, nullptr, r, dx, n, rows, eps, dx16);
         }
@@ -853,37 +950,6 @@ static void th_rows_affine(cudaStream_t stream, const float * t, const float * g
     else th_rows_affine_launch<TH_ROWS_AFFINE>(stream, t, g, b, y, n, m, y16);
 }
 
-#define TH_COLUMN_ROWS 64   // rows a block of the column sums' first pass sums at least
-
-// partial[chunk][c] = sum over the chunk's rows of a c: blockDim (32, 8), grid (columns / 32, chunks)
-static __global__ void th_column_dot_kernel(const float * __restrict__ a, const float * __restrict__ c,
-                                            float * __restrict__ partial, const int64_t n, const int64_t m,
-                                            const int64_t chunk) {
-    __shared__ float sums[8][33];
-    const int64_t col = blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * chunk;
-    const int64_t r1 = r0 + chunk < m ? r0 + chunk : m;
-    float s = 0.0f;
-    if (col < n) {
-        for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) s += __fmul_rn(a[r * n + col], c[r * n + col]);
-    }
-    sums[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && col < n) {
-        float total = sums[0][threadIdx.x];
-        for (int k = 1; k < 8; k++) total += sums[k][threadIdx.x];
-        partial[blockIdx.y * n + col] = total;
-    }
-}
-
-static __global__ void th_column_total_kernel(const float * __restrict__ partial, float * __restrict__ out,
-                                              const int64_t n, const int chunks) {
-    const int64_t col = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
-    if (col >= n) return;
-    float total = partial[col];
-    for (int k = 1; k < chunks; k++) total += partial[k * n + col];
-    out[col] = total;
-}
-
 static void th_affine(cudaStream_t stream, ggml_tensor * dst) {     // (at bf16 a norm's output's copy beside it,
     __nv_bfloat16 * y16 = nullptr;                                   // or alone)
     float * y = th_writer_outputs(stream, dst, &y16);
@@ -911,11 +977,8 @@ static void th_affine(cudaStream_t stream, ggml_tensor * dst) {     // (at bf16 
 static void th_column_dot(cudaStream_t stream, ggml_tensor * dst) {
     const ggml_tensor * a = dst->src[0];
     const int64_t n = a->ne[0], m = ggml_nrows(a);
-    // enough blocks to fill the device, each at least TH_COLUMN_ROWS rows: at most 1024 chunks
-    int64_t chunks = (m + TH_COLUMN_ROWS - 1) / TH_COLUMN_ROWS;
-    chunks = chunks < 1024 ? chunks : 1024;
-    const int64_t chunk = (m + chunks - 1) / chunks;
-    chunks = (m + chunk - 1) / chunk;
+    int64_t chunk;
+    const int64_t chunks = th_column_chunks(m, &chunk);
     float * partial = (float *) dst->src[2]->data;      // chunks * n <= m * n floats
     th_column_dot_kernel<<<dim3((unsigned) ((n + 31) / 32), (unsigned) chunks), dim3(32, 8), 0, stream>>>(
         (const float *) a->data, (const float *) dst->src[1]->data, partial, n, m, chunk);
@@ -1321,7 +1384,11 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    (op->src[2] == nullptr ||
                     (th_f32_contiguous(op->src[2]) && ggml_nelements(op->src[2]) == op->ne[0])) &&
                    (op->src[3] == nullptr ||
-                    (th_f32_contiguous(op->src[3]) && ggml_nelements(op->src[3]) == ggml_nelements(op)));
+                    (th_f32_contiguous(op->src[3]) && ggml_nelements(op->src[3]) == ggml_nelements(op))) &&
+                   (op->src[4] == nullptr ||          // the gain's gradient, and the scratch of its partial sums
+                    (op->src[2] != nullptr && th_f32_contiguous(op->src[4]) && ggml_nelements(op->src[4]) == op->ne[0] &&
+                     op->ne[0] <= TH_GAIN_SUMS_MAX_COLUMNS && op->src[5] != nullptr &&
+                     op->src[5]->type == GGML_TYPE_F32 && ggml_nelements(op->src[5]) >= ggml_nelements(op)));
         case TH_CUDA_PRODUCT_SUM:
             return th_product_sum_supported(op);
         case TH_CUDA_AFFINE:

@@ -395,8 +395,15 @@ static void th_writes(const ggml_tensor * node) {
         return;
     }
     switch (th_kernel_of(node)) {
+        case TH_CUDA_LAYER_NORM_BACK:                       // and, summing its gain's gradient, into its
+            th_drop_tensor(node, node);                     // room (src 4) and the scratch (src 5)
+            if (node->src[4] != nullptr) {
+                th_drop_tensor(node->src[4], node);
+                th_drop_tensor(node->src[5], node);
+            }
+            return;
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
-        case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
+        case TH_CUDA_LAYER_NORM: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
         case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU:
