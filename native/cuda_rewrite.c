@@ -944,6 +944,33 @@ static int th_read_before(struct ggml_cgraph * graph, const struct ggml_tensor *
     return 0;
 }
 
+/* whether a node of `graph` other than `reader`, and other than a view (which computes nothing),
+ * reads t or a view of it */
+static int th_read_elsewhere(struct ggml_cgraph * graph, const struct ggml_tensor * t,
+                             const struct ggml_tensor * reader) {
+    for (int k = 0; k < ggml_graph_n_nodes(graph); k++) {
+        const struct ggml_tensor * v = ggml_graph_node(graph, k);
+        if (v->view_src != NULL || v == reader) continue;
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
+        }
+    }
+    return 0;
+}
+
+/* whether `graph` holds a LAYER_NORM_BACK of the rows x that sums its gain's gradient
+ * (th_fuse_gain_sums): LayerNorm's t of x then serves no gradient */
+static int th_gain_summed_by_backward(struct ggml_cgraph * graph, struct ggml_tensor * x) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * b = ggml_graph_node(graph, i);
+        if (th_marked(b, TH_CUDA_LAYER_NORM_BACK) && b->src[4] != NULL &&
+            th_under_reshape_views(b->src[1]) == th_under_reshape_views(x)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* x, where `t` is LayerNorm's output of it: a LAYER_NORM node of ours, or the room of an AFFINE in
  * `graph` that computes that norm (th_fuse_norm_affines); its eps into *eps. Else NULL. */
 static struct ggml_tensor * th_layer_norm_input(struct ggml_cgraph * graph, struct ggml_tensor * t, float * eps) {
@@ -1030,7 +1057,11 @@ static int th_fuse_norm_affines(struct ggml_cgraph * graph) {
             t->ne[0] != u->ne[0] || t->ne[0] > INT32_MAX || th_read_before(graph, t, i)) {
             continue;
         }
-        th_norm_affine_params params = {th_eps_of(t, 2), norm, 0};
+        /* t read by nothing else, in a graph that holds the backward (a graph built later reads
+         * the same nodes: th_check_unread_norms refuses one that reads t) */
+        const int unread = norm == TH_CUDA_LAYER_NORM && !th_read_elsewhere(graph, t, u) &&
+                           th_gain_summed_by_backward(graph, x);
+        th_norm_affine_params params = {th_eps_of(t, 2), norm, 0, unread};
         u->src[3] = x;
         th_mark(t, TH_CUDA_ROOM);
         th_set_srcs(t, NULL, NULL, NULL, NULL, NULL, NULL);
@@ -1164,6 +1195,19 @@ static int th_order_rooms(struct ggml_cgraph * graph, const int copies) {
             th_read_before(graph, t, w > i ? w : w + 1)) {
             return -1;
         }
+    }
+    return 0;
+}
+
+/* -1 when a node other than its AFFINE reads a norm's t that the AFFINE leaves unwritten
+ * (th_norm_affine_params.unread: decided in the graph that marked it), else 0 */
+static int th_check_unread_norms(struct ggml_cgraph * graph) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        const struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (!th_marked(u, TH_CUDA_AFFINE) || u->src[3] == NULL) continue;
+        th_norm_affine_params params;
+        memcpy(&params, u->op_params + 2, sizeof(params));
+        if (params.unread && th_read_elsewhere(graph, th_norm_under_affine(u), u)) return -1;
     }
     return 0;
 }
@@ -1342,11 +1386,12 @@ TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int flags) {
             singles++;
         }
     }
-    singles += th_fuse_gain_sums(graph) + th_fuse_norm_affines(graph) + th_attention_rooms(graph) +
-               th_merge_slice_conts(graph);
+    singles += th_fuse_gain_sums(graph);            /* (before the norms: whether t is read) */
+    singles += th_fuse_norm_affines(graph) + th_attention_rooms(graph) + th_merge_slice_conts(graph);
     const int adamw = th_rewrite_adamw_runs(graph);
     if (th_check_folded(graph) < 0 || th_check_group_rooms(graph) < 0 || th_order_attention_copies(graph) < 0 ||
-        th_order_rooms(graph, (flags & 4) != 0) < 0 || th_check_adamw_runs(graph) < 0) {
+        th_order_rooms(graph, (flags & 4) != 0) < 0 || th_check_unread_norms(graph) < 0 ||
+        th_check_adamw_runs(graph) < 0) {
         return -1;
     }
     return gelu + fused + norms + biases + affines + sums + residuals + silu_backs + singles + adamw;

@@ -25,7 +25,8 @@
                                            sources, no dS at tf32 and bf16; 17:
                                            th_cuda_bf16_copies_alone (writers' copies alone); 18:
                                            AFFINE computing its norm (th_norm_affine_params);
-                                           19: LAYER_NORM_BACK summing its gain's gradient */
+                                           19: LAYER_NORM_BACK summing its gain's gradient,
+                                           an AFFINE's t not written where unread */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -74,7 +75,7 @@ enum {
      *               the AFFINE computes with that norm's code and writes into t's node (a ROOM) as
      *               it writes y; with srcs 4 and 5 (`add`) x is their sum (a residual's ADD), which
      *               it computes too, into x's node (a ROOM) (native/cuda_rewrite.c,
-     *               th_fuse_norm_affines) */
+     *               th_fuse_norm_affines); t is left unwritten where nothing else reads it */
     TH_CUDA_AFFINE = 12, TH_CUDA_COLUMN_DOT = 13,
     /* GET_ROWS_BACK (an embedding's gradient): srcs grad (n, R) f32, ids (R) i32; dst (n, V) */
     TH_CUDA_GET_ROWS_BACK = 14,
@@ -172,10 +173,11 @@ static inline int th_env_is(const char * name, const char * value) {
 }
 /* op_params of an AFFINE node that computes its norm (after TH_CUDA_MAGIC and the kernel): the
  * norm's eps and kernel, TH_CUDA_LAYER_NORM or TH_CUDA_RMS_NORM; add 1: the norm's input is the
- * sum of srcs 4 and 5, which the AFFINE writes into src 3 */
+ * sum of srcs 4 and 5, which the AFFINE writes into src 3; unread 1: no node but the AFFINE reads
+ * t (LayerNorm's backward forms it again and sums the gain's gradient), so t is not written */
 typedef struct {
     float eps;
-    int32_t norm, add;
+    int32_t norm, add, unread;
 } th_norm_affine_params;
 /* op_params of a ROPE node of ours (after TH_CUDA_MAGIC and the kernel) */
 typedef struct {

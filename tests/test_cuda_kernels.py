@@ -227,6 +227,27 @@ def test_the_cuda_rewrite_hands_the_gains_column_sums_to_layer_norms_backward(mo
         assert "column_dot" in names and names.count("room") == 1, (how, d)       # the norm's t alone
 
 
+def test_a_layer_norms_t_left_unwritten_is_refused_where_another_node_reads_it(monkeypatch):
+    """Built on cpu: once LayerNorm's backward sums the gain's gradient, nothing but the forward's
+    AFFINE reads t, and the AFFINE leaves it unwritten. A graph built after that which reads t
+    (here its SUM beside the AFFINE) is refused (-1), not computed from memory never written; with
+    the COLUMN_DOT kept (=separate) t is written and the same graph is taken. A forward graph
+    rewritten before the backward (no backward there to say t is unread) writes t too."""
+    for how, first, want in (("fused", "grad", -1), ("separate", "grad", 0), ("fused", "forward", 0)):
+        monkeypatch.setenv("TOYHARNESS_CUDA_GAIN_SUMS", how)
+        prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True)
+        assert lib.th_cuda_rewrite(fg.graph if first == "forward" else trainer.gb_grad, 1) > 0
+        assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 0
+        names = kernel_names_in_order(fg.graph)
+        t = lib.ggml_graph_node(fg.graph, names.index("room"))
+        affine = lib.ggml_graph_node(fg.graph, names.index("affine"))
+        graph = prog._new_graph(64, False)
+        lib.ggml_build_forward_expand(graph, affine)
+        lib.ggml_build_forward_expand(graph, lib.ggml_sum(prog._ctx_compute, t))
+        got = lib.th_cuda_rewrite(graph, 1)
+        assert (got < 0) == (want < 0), (how, first, got)
+
+
 def test_the_cuda_rewrite_keeps_a_norm_whose_output_is_read_before_its_affine():
     """t read by another node ahead of the AFFINE (here the loss reads the normalization itself
     too, and ggml orders that product first): the AFFINE cannot be what writes t, so the norm

@@ -367,7 +367,8 @@ static __device__ __forceinline__ float th_rows_value(const th_rows_form form, c
     return form == TH_ROWS_AFFINE ? __fadd_rn(__fmul_rn(ti, gi), bi) : form == TH_ROWS_GAIN ? __fmul_rn(ti, gi) : bi;
 }
 
-// A norm's output t at i of row r, and where an AFFINE computes its norm (custom_ops.h) y = t g + b
+// A norm's output t at i of row r (into tr; nullptr: not written, where nothing reads it), and
+// where an AFFINE computes its norm (custom_ops.h) y = t g + b
 // (t g without b) by th_rows_value beside it: into y (nullptr: not written, the copy alone) and its
 // bf16 copy y16 (nullptr: none). g nullptr: t alone (the norm's own node).
 struct th_norm_out {
@@ -378,7 +379,7 @@ struct th_norm_out {
 
 static __device__ __forceinline__ void th_norm_put(float * __restrict__ tr, const th_norm_out & o, const int64_t r,
                                                    const int64_t n, const int64_t i, const float ti) {
-    tr[i] = ti;
+    if (tr != nullptr) tr[i] = ti;
     if (o.g == nullptr) return;
     const float yi = o.b != nullptr ? th_rows_value(TH_ROWS_AFFINE, ti, o.g[i], o.b[i])
                                     : th_rows_value(TH_ROWS_GAIN, ti, o.g[i], 0.0f);
@@ -485,7 +486,7 @@ static __global__ void __launch_bounds__(256) th_layer_norm_kernel(const float *
                                                                    float * sum) {
     for (int64_t r = blockIdx.x * (int64_t) blockDim.y + threadIdx.y; r < rows; r += (int64_t) gridDim.x * blockDim.y) {
         const float * xr = x + r * n, * br = b != nullptr ? b + r * n : nullptr;
-        float * sr = sum != nullptr ? sum + r * n : nullptr, * tr = t + r * n;
+        float * sr = sum != nullptr ? sum + r * n : nullptr, * tr = t != nullptr ? t + r * n : nullptr;
         float v[K > 0 ? K : 1], mean, rstd;
         if constexpr (K > 0) {
             th_lane_elements<K>(n, [&](const int64_t i, const int k) {
@@ -958,7 +959,7 @@ static void th_affine(cudaStream_t stream, ggml_tensor * dst) {     // (at bf16 
         float * sum = p.add ? (float *) dst->src[3]->data : nullptr;
         const float * x = (const float *) dst->src[p.add ? 4 : 3]->data;
         const float * b = p.add ? (const float *) dst->src[5]->data : nullptr;
-        float * t = (float *) dst->src[0]->data;
+        float * t = p.unread ? nullptr : (float *) dst->src[0]->data;     // (read by nothing else)
         const th_norm_out o = {(const float *) dst->src[1]->data,
                                dst->src[2] != nullptr ? (const float *) dst->src[2]->data : nullptr, y, y16};
         const int64_t n = dst->ne[0], rows = ggml_nrows(dst);
