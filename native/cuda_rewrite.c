@@ -560,9 +560,8 @@ static int th_is_folded(const struct ggml_tensor * t) {
 }
 
 /* 0, or -1 when a node folded into a later one (graphs share nodes: maybe by an earlier graph) is
- * read in `graph` by a node that is not a view of it (COLUMN_DOT's scratch aside, which LAYER_NORM_BACK
- * may take over: th_fuse_gain_sums), or is an
- * output: it holds no value. */
+ * read in `graph` by a node that is not a view of it (COLUMN_DOT's scratch aside, and LAYER_NORM_BACK's
+ * when it took that over: th_fuse_gain_sums), or is an output: it holds no value. */
 static int th_check_folded(struct ggml_cgraph * graph) {
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         const struct ggml_tensor * u = ggml_graph_node(graph, i);
@@ -931,29 +930,29 @@ static struct ggml_tensor * th_norm_under_affine(const struct ggml_tensor * u) {
     return th_under_reshape_views(u->src[0]);
 }
 
-/* whether a node of `graph` before index `before`, other than a view (which computes nothing),
- * reads t or a view of it */
-static int th_read_before(struct ggml_cgraph * graph, const struct ggml_tensor * t, const int before) {
-    for (int k = 0; k < before; k++) {
-        const struct ggml_tensor * v = ggml_graph_node(graph, k);
-        if (v->view_src != NULL) continue;
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
-        }
+/* whether node v, not a view (which computes nothing), reads t or a view of it */
+static int th_reads(const struct ggml_tensor * v, const struct ggml_tensor * t) {
+    if (v->view_src != NULL) return 0;
+    for (int j = 0; j < GGML_MAX_SRC; j++) {
+        if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
     }
     return 0;
 }
 
-/* whether a node of `graph` other than `reader`, and other than a view (which computes nothing),
- * reads t or a view of it */
+/* whether a node of `graph` before index `before` reads t (th_reads) */
+static int th_read_before(struct ggml_cgraph * graph, const struct ggml_tensor * t, const int before) {
+    for (int k = 0; k < before; k++) {
+        if (th_reads(ggml_graph_node(graph, k), t)) return 1;
+    }
+    return 0;
+}
+
+/* whether a node of `graph` other than `reader` reads t (th_reads) */
 static int th_read_elsewhere(struct ggml_cgraph * graph, const struct ggml_tensor * t,
                              const struct ggml_tensor * reader) {
     for (int k = 0; k < ggml_graph_n_nodes(graph); k++) {
         const struct ggml_tensor * v = ggml_graph_node(graph, k);
-        if (v->view_src != NULL || v == reader) continue;
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
-        }
+        if (v != reader && th_reads(v, t)) return 1;
     }
     return 0;
 }
