@@ -565,17 +565,12 @@ static __device__ __forceinline__ void th_put4(float * p, const float4 x) {
 }
 
 // 16 bytes of an operand (th_vec16) into a tile of E at p (8-byte aligned): four floats as th_put4
-// rounds them, or eight bf16 as they are (widened and rounded to TF32 for a TF32 tile)
+// rounds them, or eight bf16 as they are into a bf16 tile (a bf16 operand never fills a TF32 one)
 static __device__ __forceinline__ void th_put16(__nv_bfloat16 * p, const float4 x) { th_put4(p, x); }
 static __device__ __forceinline__ void th_put16(float * p, const float4 x) { th_put4(p, x); }
 static __device__ __forceinline__ void th_put16(__nv_bfloat16 * p, const uint4 x) {
     *(uint2 *) p = make_uint2(x.x, x.y);
     *(uint2 *) (p + 4) = make_uint2(x.z, x.w);
-}
-static __device__ __forceinline__ void th_put16(float * p, const uint4 x) {
-    const __nv_bfloat16 * b = (const __nv_bfloat16 *) &x;
-#pragma unroll
-    for (int j = 0; j < 8; j++) p[j] = th_tf32(__bfloat162float(b[j]));
 }
 
 // NR rows from row0 of head h into smem as rows[r][d] of E (ld ldr): bf16 rounded to nearest even,
