@@ -1319,8 +1319,9 @@ static int th_check_adamw_runs(struct ggml_cgraph * graph) {
 
 /* Returns how many nodes were marked, or -1 when a stand-in cannot be (the graph must then not
  * be computed: it would compute silu where GELU is meant, RMSNorm where LayerNorm is), when an
- * attention's backward cannot follow its fused forward, a folded product is read, or a node
- * that another one computes (a room, an AdamW step of a run) is here without that one.
+ * attention's backward cannot follow its fused forward, a folded product is read, a node that
+ * another one computes (a room, an AdamW step of a run) is here without that one, or a node reads
+ * a LayerNorm's t that its AFFINE leaves unwritten (th_check_unread_norms).
  * `flags`: 1, fuse attention, and with 2 also the kv heads of grouped-query attention read in
  * place (th_attention_group) rather than repeated; 4, `graph` holds recomputed blocks alone
  * (th_order_rooms). */

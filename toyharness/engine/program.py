@@ -798,9 +798,9 @@ class Program:
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
             elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention | (4 if recomputed else 0)) < 0:
                 raise RuntimeError("a stand-in node could not take its cuda kernel, an attention's backward "
-                                   "could not follow its fused forward, or the graph holds a node another one "
-                                   "writes but not that one (native/cuda_rewrite.c, th_cuda_rewrite): "
-                                   "not computed")
+                                   "could not follow its fused forward, the graph holds a node another one "
+                                   "writes but not that one, or it reads a LayerNorm output that the forward "
+                                   "no longer writes (native/cuda_rewrite.c, th_cuda_rewrite): not computed")
             if self.precision != "fp32":
                 why = ffi.new("char[512]")
                 marked = lib.th_cuda_mark_precision(graph, PRECISION_CODES[self.precision], why, 512)
