@@ -419,6 +419,63 @@ static void th_attention_cudnn_room(struct ggml_cgraph * graph) {
     }
 }
 
+/* ---- LayerNorm's bias's gradient in its backward ------------------------------------------ */
+
+/* whether a node of `graph` before index `before` reads t or a view of it */
+static int th_read_before_node(struct ggml_cgraph * graph, const struct ggml_tensor * t, const int before) {
+    for (int k = 0; k < before; k++) {
+        const struct ggml_tensor * v = ggml_graph_node(graph, k);
+        if (v->view_src != NULL) continue;
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
+        }
+    }
+    return 0;
+}
+
+/* At bf16, LayerNorm's bias's gradient, OUT_PROD(dy, ones) (the column sums of the dy that the
+ * norm's AFFINE received), is a bf16 product: dy rounded to bf16 by a conversion pass of its own
+ * (24 of a gpt2-small step's 148), then cuBLAS's split-K product and its reduction. Where the
+ * norm's backward (LAYER_NORM_BACK, reading that dy) already sums its gain's gradient
+ * (th_fuse_gain_sums), it sums dy's columns too, in fp32 from dy's fp32 values, in the gain's
+ * order (a block a chunk of rows, its warps' sums in order, then the chunks in order), into the
+ * OUT_PROD's node (a ROOM: its src 6), the partials after the gain's in its scratch (src 5, dy's
+ * size: 2 x chunks x n floats fit where rows >= 2). The sum is the reduction autocast would do in
+ * fp32, without rounding its terms: the bits move (gpt2's and ViT's @bf16 goldens), fp32's and
+ * tf32's keep their products. Only where the OUT_PROD comes before the backward and nothing reads
+ * it before the backward. TOYHARNESS_CUDA_BIAS_SUMS=separate keeps the product (comparisons).
+ * Returns the nodes taken. */
+static int th_layer_norm_bias_sums(struct ggml_cgraph * graph) {
+    if (th_env_is("TOYHARNESS_CUDA_BIAS_SUMS", "separate")) return 0;
+    const int n = ggml_graph_n_nodes(graph);
+    int taken = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        const struct ggml_tensor * ones = u->src[1];
+        if (u->op != GGML_OP_OUT_PROD || u->type != GGML_TYPE_F32 || !ggml_is_contiguous(u) || u->src[0] == NULL ||
+            ones == NULL ||
+            strncmp(ones->name, "ones.", 5) != 0 || ones->ne[0] != 1 || ggml_nelements(u) != u->src[0]->ne[0]) {
+            continue;
+        }
+        for (int j = i + 1; j < n; j++) {
+            struct ggml_tensor * b = ggml_graph_node(graph, j);
+            if (th_kernel_of(b) != TH_CUDA_LAYER_NORM_BACK || b->src[4] == NULL || b->src[6] != NULL ||
+                th_under_reshape_views(b->src[0]) != th_under_reshape_views(u->src[0])) {
+                continue;
+            }
+            if (u->src[0]->ne[0] == b->ne[0] && ggml_nelements(u->src[0]) == ggml_nelements(b) &&
+                ones->ne[1] == ggml_nrows(b) && ggml_nrows(b) >= 2 && !th_read_before_node(graph, u, j)) {
+                b->src[6] = u;
+                th_mark(u, TH_CUDA_ROOM);
+                memset(u->src, 0, sizeof(u->src));
+                taken++;
+            }
+            break;
+        }
+    }
+    return taken;
+}
+
 /* Stamps `precision` (TH_PRECISION_*) on the graph's product nodes; returns how many, -1 for a
  * precision it does not know, or -2 where bf16 meets a frozen weight's product of a shape the
  * frozen bf16 products do not take, or a SwiGLU, a GELU's or an attention's input kept bf16 that a node here reads
@@ -426,9 +483,11 @@ static void th_attention_cudnn_room(struct ggml_cgraph * graph) {
  * weights become ours first (th_mark_frozen), then SwiGLUs over them keep bf16 (th_swiglu_bf16),
  * as do GELUs' inputs (th_gelu_bf16) and attention's q, k and v (th_attention_inputs_bf16), and at tf32
  * and bf16 attention's backward nodes drop dS
- * (th_attention_drop_ds). */
+ * (th_attention_drop_ds). Before all that, at bf16, LayerNorm's backward takes its bias's gradient
+ * (th_layer_norm_bias_sums). */
 TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, char * why, int why_size) {
     if (precision != TH_PRECISION_FP32 && precision != TH_PRECISION_TF32 && precision != TH_PRECISION_BF16) return -1;
+    if (precision == TH_PRECISION_BF16) th_layer_norm_bias_sums(graph);    /* (rooms now: stamped below) */
     int marked = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);

@@ -1175,7 +1175,7 @@ static int th_order_rooms(struct ggml_cgraph * graph, const int copies) {
             const struct ggml_tensor * u = ggml_graph_node(graph, w);
             if (th_marked(u, TH_CUDA_ATTN_BWD) && (u->src[6] == t || u->src[7] == t)) break;
             if (th_marked(u, TH_CUDA_SWIGLU_BACK) && u->src[3] == t) break;
-            if (th_marked(u, TH_CUDA_LAYER_NORM_BACK) && u->src[4] == t) break;
+            if (th_marked(u, TH_CUDA_LAYER_NORM_BACK) && (u->src[4] == t || u->src[6] == t)) break;
             if (th_marked(u, TH_CUDA_AFFINE) && u->src[3] != NULL &&
                 (th_norm_under_affine(u) == t || (u->src[4] != NULL && th_under_reshape_views(u->src[3]) == t))) {
                 break;

@@ -13,7 +13,7 @@
 /* the widest rows whose gain's gradient LAYER_NORM_BACK sums (its block's 8 warps keep a partial
  * sum of every column in shared memory: 8 x 1536 floats, 48 KiB) */
 #define TH_GAIN_SUMS_MAX_COLUMNS 1536
-#define TH_CUDA_KERNELS_VERSION 19  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 20  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -26,7 +26,8 @@
                                            th_cuda_bf16_copies_alone (writers' copies alone); 18:
                                            AFFINE computing its norm (th_norm_affine_params);
                                            19: LAYER_NORM_BACK summing its gain's gradient,
-                                           an AFFINE's t not written where unread */
+                                           an AFFINE's t not written where unread; 20: and
+                                           at bf16 its bias's (src 6) */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -58,7 +59,10 @@ enum {
      *                    nodes give), plus r when given (a residual's gradient: ADD(r, dx));
      *                    with srcs 4 and 5 (g given) the gain's gradient too, COLUMN_DOT(t, dy)'s
      *                    bits into src 4 (that node, now a ROOM) through the scratch of src 5
-     *                    (native/cuda_rewrite.c, th_fuse_gain_sums) */
+     *                    (native/cuda_rewrite.c, th_fuse_gain_sums); at bf16 with src 6 the
+     *                    bias's gradient too, the column sums of dt's dy in the same order, into
+     *                    src 6 (a ROOM; its partials after the gain's in src 5: native/
+     *                    cuda_precision.c, th_layer_norm_bias_sums) */
     TH_CUDA_LAYER_NORM = 8, TH_CUDA_LAYER_NORM_BACK = 9,
     /* A bias added to a product's rows (blocks.linear):
      *   LINEAR_BIAS  srcs w (k, n), x (k, m), b (n); y (n, m) = x w^T + b, b added in the product's

@@ -13,7 +13,7 @@
 #                                    [gelu-bf16] [gelu-bf16-goldens] [gelu-bf16-profile]
 #                                    [qkv-bf16] [qkv-bf16-goldens] [qkv-bf16-profile]
 #                                    [cudnn] [cudnn-debug] [cudnn-profile] [cudnn-bench]
-#                                    [norm] [norm-profile] [gain-profile]
+#                                    [norm] [norm-profile] [gain-profile] [bias-goldens] [bias] [bias-profile]
 #
 # norm: a norm computed by its AFFINE (and the residual's sum before it), the norms' rows in
 # registers (native/cuda/th-custom.cu): their tests in tests/test_cuda_kernels.py, each against
@@ -23,6 +23,12 @@
 # twice each, interleaved. gain-profile: a bf16 gpt2-small gpt2 step by kernel with LayerNorm's
 # gain's gradient summed by a COLUMN_DOT of its own (TOYHARNESS_CUDA_GAIN_SUMS=separate), then by
 # LayerNorm's backward (fused), twice each, interleaved (the norm phase runs its tests).
+# bias-goldens: every cuda golden checked, then gpt2@bf16 and vit_tiny@bf16 recorded (and checked
+# again) into OUT/goldens_bias.tar: at bf16 LayerNorm's backward sums its bias's gradient
+# (native/cuda_precision.c, th_layer_norm_bias_sums), which moves their bits; bias: its tests
+# (the sums against numpy's in their order, the 16 losses against fp32's); bias-profile: a bf16
+# gpt2-small gpt2 step by kernel with the bias's bf16 product (TOYHARNESS_CUDA_BIAS_SUMS=separate),
+# then summed by the backward, twice each, interleaved.
 #
 # cudnn: bf16 attention on cuDNN's fused attention (native/cudnn/th_cudnn.cpp): its test and the
 # attention tests of tests/test_precision.py and tests/test_cuda_kernels.py (cuDNN's against float64,
@@ -223,6 +229,24 @@ fi
 
 if [[ $phases == *" gain-profile "* ]]; then
     profile_switch TOYHARNESS_CUDA_GAIN_SUMS gain "the gain's gradient" separate fused
+fi
+
+if [[ $phases == *" bias-goldens "* ]]; then
+    step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
+    cuda_golden_names
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
+    record_goldens goldens_bias.tar "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
+fi
+
+if [[ $phases == *" bias "* ]]; then
+    step "at bf16 LayerNorm's bias's gradient summed by its backward: its tests"
+    tests_phase bias.log tests/test_cuda_kernels.py "bias_sums or bias_gradient" "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    tests_phase bias_precision.log tests/test_precision.py "bias_gradient or first_16" \
+        "bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
+fi
+
+if [[ $phases == *" bias-profile "* ]]; then
+    profile_switch TOYHARNESS_CUDA_BIAS_SUMS bias "LayerNorm's bias's gradient" separate fused
 fi
 
 if [[ $phases == *" cudnn-bench "* ]]; then

@@ -227,6 +227,45 @@ def test_the_cuda_rewrite_hands_the_gains_column_sums_to_layer_norms_backward(mo
         assert "column_dot" in names and names.count("room") == 1, (how, d)       # the norm's t alone
 
 
+def test_at_bf16_layer_norms_backward_takes_its_bias_gradient_too(monkeypatch):
+    """Built on cpu: stamped bf16, LayerNorm's bias's gradient (OUT_PROD of dy and ones, a bf16
+    product) becomes a room that the backward writes (src 6), before it in every graph, every
+    reader after it; stamped fp32 or tf32 the product stays, as it does at bf16 with
+    TOYHARNESS_CUDA_BIAS_SUMS=separate, or without the gain's sums (=separate) to go with."""
+    from toyharness.engine.program import PRECISION_CODES
+
+    def stamped(precision, env=()):
+        for name, value in env:
+            monkeypatch.setenv(name, value)
+        prog, trainer, fg, _ = layer_norm_program("cpu", 6, 16, stand_in=True, residual=True)
+        assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+        assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES[precision], ffi.NULL, 0) > 0
+        for name, _ in env:
+            monkeypatch.delenv(name)
+        return trainer
+
+    trainer = stamped("bf16")
+    for graph in (trainer.gb_grad, trainer.gb_opt):
+        assert lib.th_cuda_rewrite(graph, 1) >= 0
+        nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+        names = kernel_names_in_order(graph)
+        back = names.index("layer_norm_back")
+        room = lib.th_tensor_src(nodes[back], 6)
+        assert room != ffi.NULL, "the backward does not write the bias's gradient"
+        assert ffi.string(lib.ggml_get_name(room)).decode() == "grad for bias"
+        at = nodes.index(room)
+        assert names[at] == "room" and at < back and lib.th_tensor_src(room, 0) == ffi.NULL
+        assert not [i for i, node in enumerate(nodes[:back]) if any(
+            lib.th_tensor_src(node, j) == room for j in range(10))], "the bias's gradient read before it is written"
+        assert "OUT_PROD" not in ops_of(graph)
+    for precision, env in (("fp32", ()), ("tf32", ()), ("bf16", [("TOYHARNESS_CUDA_BIAS_SUMS", "separate")]),
+                           ("bf16", [("TOYHARNESS_CUDA_GAIN_SUMS", "separate")])):
+        trainer = stamped(precision, env)
+        back = lib.ggml_graph_node(trainer.gb_grad, kernel_names_in_order(trainer.gb_grad).index("layer_norm_back"))
+        assert lib.th_tensor_src(back, 6) == ffi.NULL, (precision, env)
+        assert ops_of(trainer.gb_grad).count("OUT_PROD") == 1, (precision, env)
+
+
 def test_a_layer_norms_t_left_unwritten_is_refused_where_another_node_reads_it(monkeypatch):
     """Built on cpu: once LayerNorm's backward sums the gain's gradient, nothing but the forward's
     AFFINE reads t, and the AFFINE leaves it unwritten. A graph built after that which reads t
@@ -430,15 +469,20 @@ def test_layer_norm_on_cuda_is_one_kernel_each_way_matches_float64_and_repeats_i
         assert np.abs(ours[k] - w).max() <= 2 * np.abs(composed[k] - w).max() + 1e-7 * scale, k
 
 
+def summed_norm_inputs(rows: int, d: int, seed: int = 9) -> tuple[np.ndarray, ...]:
+    """summed_norm_program's r, z, w (the gradient its norm's output receives), gain and bias"""
+    rng = np.random.default_rng(seed)
+    r, z, w = ((rng.normal(size=(rows, d)) * 2 + rng.normal(size=(rows, 1)) * 3).astype(np.float32) for _ in range(3))
+    return r, z, w, rng.normal(size=d).astype(np.float32), rng.normal(size=d).astype(np.float32)
+
+
 def summed_norm_program(backend: str, kind: str, rows: int, d: int, seed: int = 9):
     """r + z (two parameters of one shape: a residual's ADD) into LayerNorm with gain and bias
     (`kind` "layer", as blocks build it for our cuda kernels) or RMSNorm with a gain ("rms"), the
     loss a weighted sum of the norm's output plus the sum's (the next residual reads the sum
     too): (program, trainer, forward graph of y, the parameters' names). The norm's backward
     reads the sum: r's and z's gradients have its bits in them."""
-    rng = np.random.default_rng(seed)
-    r, z, w = ((rng.normal(size=(rows, d)) * 2 + rng.normal(size=(rows, 1)) * 3).astype(np.float32) for _ in range(3))
-    gain, bias = rng.normal(size=d).astype(np.float32), rng.normal(size=d).astype(np.float32)
+    r, z, w, gain, bias = summed_norm_inputs(rows, d, seed)
     prog = get_engine(backend).program()
     prog.cuda_kernels = True
     prog.column_sums_as_products = prog.grads_as_outputs = True           # as on cuda
@@ -557,6 +601,63 @@ def test_the_gains_sums_in_layer_norms_backward_on_cuda_are_the_column_dots_bits
     for name, value in got["fused"].items():
         assert np.isfinite(value).all(), name
         assert np.array_equal(value.view(np.uint32), got["separate"][name].view(np.uint32)), name
+
+
+def column_sums_in_chunk_order(dy: np.ndarray) -> np.ndarray:
+    """dy's column sums in float32, in the order of th_column_chunks' chunks (th-custom.cu): rows
+    cut into chunks (at least 64 rows, at most 1024 chunks), in a chunk warp w's rows w, w + 8, ...
+    summed in order from 0, the 8 warps' sums added in order, then the chunks' in order."""
+    m = dy.shape[0]
+    chunks = min(-(-m // 64), 1024)
+    chunk = -(-m // chunks)
+    total = None
+    for first in range(0, m, chunk):
+        block = dy[first:first + chunk]
+        warps = []
+        for w in range(8):
+            s = np.zeros(dy.shape[1], np.float32)
+            for row in block[w::8]:
+                s = s + row
+            warps.append(s)
+        part = warps[0]
+        for s in warps[1:]:
+            part = part + s
+        total = part if total is None else total + part
+    return total
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, d", [(300, 384), (40, 768), (7, 100), (5, 1030), (70000, 32), (64, 1536)])
+def test_at_bf16_the_bias_sums_in_layer_norms_backward_are_fp32_sums_of_dy(backend, rows, d, monkeypatch):
+    """At bf16 LayerNorm's backward sums its bias's gradient (th_layer_norm_bias_sums) from dy's
+    fp32 values, in the gain's chunk order: equal bit for bit to numpy's float32 sums in that order,
+    where the bf16 product it replaces (=separate) rounded dy to bf16 first (further from float64);
+    every other gradient keeps its bits. The shapes of the gain's test: rows in registers (384,
+    768) and in shared memory, 16 rows of it at 1030 and 1536 wide (above 48 KiB)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine(backend)
+    engine.set_precision("bf16")
+    got = {}
+    try:
+        for how in ("fused", "separate"):
+            monkeypatch.setenv("TOYHARNESS_CUDA_BIAS_SUMS", how)
+            prog, trainer, fg, names = summed_norm_program(backend, "layer", rows, d)
+            trainer.grads_only({})
+            assert ("room" in kernel_names(trainer.gb_grad)) and (
+                ops_of(trainer.gb_grad).count("OUT_PROD") == (how == "separate")), how
+            got[how] = {n: prog.read(trainer.grad_acc[n]) for n in names}
+    finally:
+        engine.set_precision("fp32")
+    for name in ("r", "z", "gain"):
+        assert np.array_equal(got["fused"][name].view(np.uint32), got["separate"][name].view(np.uint32)), name
+    w = summed_norm_inputs(rows, d)[2]              # the gradient of the norm's output: the bias's dy
+    want = column_sums_in_chunk_order(w)
+    assert np.array_equal(got["fused"]["bias"].view(np.uint32), want.view(np.uint32))
+    exact = w.astype(np.float64).sum(axis=0)
+    fused_err = np.abs(got["fused"]["bias"] - exact).max()
+    separate_err = np.abs(got["separate"]["bias"] - exact).max()
+    assert fused_err < separate_err, (fused_err, separate_err)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])

@@ -786,6 +786,20 @@ def test_at_bf16_attention_over_q_k_v_in_bf16_repeats_and_agrees_with_fp32(recip
     assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16, attention's q, k, v", first, second, kept_f32, ref)
 
 
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=needs("cuda")) for r in ("gpt2", "vit_tiny")])
+def test_at_bf16_layer_norms_bias_gradient_summed_by_its_backward_repeats_and_agrees_with_fp32(recipe, monkeypatch):
+    """The golden config at bf16 with each LayerNorm's bias's gradient summed by the norm's backward
+    from dy's fp32 values (th_layer_norm_bias_sums), where a bf16 product summed dy rounded to bf16
+    (TOYHARNESS_CUDA_BIAS_SUMS=separate): the 16 losses' bits repeat run to run, are not the
+    product's bits (so the path ran), and both agree with fp32's within 2 u."""
+    ref = np.array([x["value"] for x in goldens.compute(recipe, "cuda")["losses"]])
+    first, second = goldens.compute(f"{recipe}@bf16", "cuda"), goldens.compute(f"{recipe}@bf16", "cuda")
+    monkeypatch.setenv("TOYHARNESS_CUDA_BIAS_SUMS", "separate")
+    product = goldens.compute(f"{recipe}@bf16", "cuda")
+    assert_kept_in_bf16_repeats_and_agrees(f"{recipe}@bf16, LayerNorm's bias's gradient", first, second, product, ref,
+                                           ways=("summed by the backward", "a bf16 product"))
+
+
 # the golden config with head size 32 (d_model 64, 2 heads), which cuDNN's attention takes
 # (custom_ops.h, th_attention_cudnn: head size 32 or 64); the golden config's 16 keeps our kernels.
 # gpt2's q, k and v are bf16 products, read in place; llama's (RoPE's outputs, f32) are narrowed,

@@ -127,21 +127,6 @@ struct th_attn_args {
     int group;            // query heads a kv head (the backward: one CTA a kv head, its heads in turn)
 };
 
-// a kernel's dynamic shared memory above the 48 KB default, raised once per device (as ggml-cuda does)
-#define TH_SET_SMEM_LIMIT(kernel, nbytes)                                                                    \
-    do {                                                                                                     \
-        static bool raised[64] = {false};                                                                    \
-        int device = 0;                                                                                      \
-        cudaGetDevice(&device);                                                                              \
-        if (device < 64 && !raised[device]) {                                                                \
-            if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) (nbytes)) != \
-                cudaSuccess) {                                                                               \
-                GGML_ABORT("toyharness attention: cannot raise the shared memory limit to %zu", (size_t) (nbytes)); \
-            }                                                                                                \
-            raised[device] = true;                                                                           \
-        }                                                                                                    \
-    } while (0)
-
 static __device__ __forceinline__ float4 th_ld4(const float * p) { return *(const float4 *) p; }
 
 // DN consecutive floats from shared memory (16-byte aligned where DN is a multiple of 4)

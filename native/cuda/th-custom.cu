@@ -537,10 +537,13 @@ static __global__ void th_column_dot_kernel(const float * __restrict__ a, const 
     }
 }
 
+// out[c] = the sum over chunks of partial[chunk][c], in chunk order; with out2 (n more columns, a
+// second sum's partials after the first's: partial + chunks n) out2[c] too, in the same launch
 static __global__ void th_column_total_kernel(const float * __restrict__ partial, float * __restrict__ out,
-                                              const int64_t n, const int chunks) {
-    const int64_t col = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
-    if (col >= n) return;
+                                              const int64_t n, const int chunks, float * __restrict__ out2 = nullptr) {
+    int64_t col = blockIdx.x * (int64_t) blockDim.x + threadIdx.x;
+    if (col >= (out2 != nullptr ? 2 * n : n)) return;
+    if (col >= n) partial += (int64_t) chunks * n, out = out2, col -= n;
     float total = partial[col];
     for (int k = 1; k < chunks; k++) total += partial[k * n + col];
     out[col] = total;
@@ -554,6 +557,10 @@ static int64_t th_column_chunks(const int64_t m, int64_t * chunk) {
     *chunk = (m + chunks - 1) / chunks;
     return (m + *chunk - 1) / *chunk;
 }
+static int64_t th_column_chunk_count(const int64_t m) {
+    int64_t chunk;
+    return th_column_chunks(m, &chunk);
+}
 
 // dt = dy g when `gain` is given (rounded as ggml's MUL of them), else dy; plus r (a residual's
 // gradient) when given, rounded as the ADD it stands for. K > 0: n = 32 K, and a lane keeps its K
@@ -564,19 +571,26 @@ static int64_t th_column_chunks(const int64_t m, int64_t * chunk) {
 // from 0 (in registers where K > 0, else in the warp's row of shared memory, 8 n floats); the
 // block then adds its 8 warps' sums in order into partial[b]: th_column_dot_kernel's sums of t and
 // dy, each in its order, so the same bits (t is formed as the forward formed it).
-template <bool gain, int K = 0, bool sums = false>
+// `bias` (with sums; the bias's gradient at bf16, th_layer_norm_bias_sums): each lane also adds
+// its columns of dy to a second sum in the same order, into partial[chunks + b] (in shared
+// memory, where K is 0, warp w's in row 8 + w).
+template <bool gain, int K = 0, bool sums = false, bool bias = false>
 static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
     const float * __restrict__ dy, const float * __restrict__ x, const float * __restrict__ g,
     const float * __restrict__ r_add, float * __restrict__ dx, const int64_t n, const int64_t rows, const float eps,
     __nv_bfloat16 * __restrict__ dx16, float * __restrict__ partial, const int64_t chunk) {
-    extern __shared__ float th_warp_columns[];      // (sums) 8 rows of n: warp w's sums in row w
+    static_assert(sums || !bias, "the bias's sums go with the gain's");
+    extern __shared__ float th_warp_columns[];      // (sums) 8 rows of n: warp w's sums in row w (bias's: 8 + w)
     float * const own = th_warp_columns + threadIdx.y * n;
-    float gk[gain && K > 0 ? K : 1], acc[sums && K > 0 ? K : 1];
+    float * const own_b = th_warp_columns + (8 + threadIdx.y) * n;
+    float gk[gain && K > 0 ? K : 1], acc[sums && K > 0 ? K : 1], acc_b[bias && K > 0 ? K : 1];
     if constexpr (gain && K > 0) th_lane_elements<K>(n, [&](const int64_t i, const int k) { gk[k] = g[i]; });
     if constexpr (sums) {
         th_lane_elements<K>(n, [&](const int64_t i, const int k) {
             if constexpr (K > 0) acc[k] = 0.0f;
             else own[i] = 0.0f;
+            if constexpr (bias && K > 0) acc_b[k] = 0.0f;
+            else if constexpr (bias) own_b[i] = 0.0f;
         });
     }
     const int64_t first = sums ? blockIdx.x * chunk : blockIdx.x * (int64_t) blockDim.y;
@@ -618,6 +632,10 @@ static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
                 if constexpr (K > 0) acc[k] += p;
                 else own[i] += p;
             }
+            if constexpr (bias) {
+                if constexpr (K > 0) acc_b[k] += dy_at(i, k);
+                else own_b[i] += dy_at(i, k);
+            }
         });
         const float mean_dt = th_row_mean(th_warp_sum(sum_dt), n), mean_dt_t = th_row_mean(th_warp_sum(sum_dt_t), n);
         const float shift = mean_dt - mean_dt_t * th_row_mean(th_warp_sum(sum_t), n);
@@ -630,35 +648,72 @@ static __global__ void __launch_bounds__(256) th_layer_norm_back_kernel(
         });
     }
     if constexpr (sums) {
+        // the block's 8 warps' sums, added in warp order; the bias's after the gain's (where K > 0
+        // through the same 8 rows of shared memory, once the gain's are read)
+        const auto add_warps = [&](const float * rows8, float * out) {
+            for (int64_t c = threadIdx.y * 32 + threadIdx.x; c < n; c += 256) {
+                float total = rows8[c];
+                for (int w = 1; w < 8; w++) total += rows8[w * n + c];
+                out[c] = total;
+            }
+        };
         if constexpr (K > 0) th_lane_elements<K>(n, [&](const int64_t i, const int k) { own[i] = acc[k]; });
         __syncthreads();
-        for (int64_t c = threadIdx.y * 32 + threadIdx.x; c < n; c += 256) {
-            float total = th_warp_columns[c];
-            for (int w = 1; w < 8; w++) total += th_warp_columns[w * n + c];
-            partial[blockIdx.x * n + c] = total;
+        add_warps(th_warp_columns, partial + blockIdx.x * n);
+        if constexpr (bias) {
+            float * const bias_partial = partial + ((int64_t) gridDim.x + blockIdx.x) * n;
+            if constexpr (K > 0) {
+                __syncthreads();
+                th_lane_elements<K>(n, [&](const int64_t i, const int k) { own[i] = acc_b[k]; });
+                __syncthreads();
+                add_warps(th_warp_columns, bias_partial);
+            } else {
+                add_warps(th_warp_columns + 8 * n, bias_partial);
+            }
         }
     }
 }
 
+// the sums kernel's dynamic shared memory: 8 rows of n floats, 16 where the bias's are kept there
+// too (K 0: up to 96 KiB, above the 48 KiB a launch gets by default, so that instance is allowed
+// its most first)
+template <int K, bool bias>
+static size_t th_layer_norm_back_shared(const int64_t n) {
+    if constexpr (bias && K == 0) {
+        TH_SET_SMEM_LIMIT((th_layer_norm_back_kernel<true, 0, true, true>),
+                          16 * (size_t) TH_GAIN_SUMS_MAX_COLUMNS * sizeof(float));
+    }
+    return (bias && K == 0 ? 16 : 8) * (size_t) n * sizeof(float);
+}
+
 // LayerNorm's backward over `rows` rows of n; with `column` (the gain's gradient, n floats) also
 // the column sums of t dy, through `partial` (th_column_chunks' chunks x n floats): the first pass
-// inside the backward's kernel, then th_column_total_kernel as th_column_dot runs it
+// inside the backward's kernel, then th_column_total_kernel as th_column_dot runs it; with
+// `bias_column` also dy's column sums (the bias's gradient), their chunks' partials after those
 template <bool gain>
 static void th_layer_norm_back_rows(cudaStream_t stream, const float * dy, const float * x, const float * g,
                                     const float * r, float * dx, const int64_t n, const int64_t rows, const float eps,
-                                    __nv_bfloat16 * dx16, float * column = nullptr, float * partial = nullptr) {
+                                    __nv_bfloat16 * dx16, float * column = nullptr, float * partial = nullptr,
+                                    float * bias_column = nullptr) {
     if constexpr (gain) {
         if (column != nullptr) {
             int64_t chunk;
             const int64_t chunks = th_column_chunks(rows, &chunk);
-            const size_t shared = 8 * (size_t) n * sizeof(float);
             th_norm_rows_dispatch(n, [&](auto k) {
                 constexpr int K = decltype(k)::value;
-                th_layer_norm_back_kernel<gain, K, true><<<(unsigned) chunks, dim3(32, 8), shared, stream>>>(
-                    dy, x, g, r, dx, n, rows, eps, dx16, partial, chunk);
+                if (bias_column != nullptr) {
+                    th_layer_norm_back_kernel<gain, K, true, true>
+                        <<<(unsigned) chunks, dim3(32, 8), th_layer_norm_back_shared<K, true>(n), stream>>>(
+                            dy, x, g, r, dx, n, rows, eps, dx16, partial, chunk);
+                } else {
+                    th_layer_norm_back_kernel<gain, K, true>
+                        <<<(unsigned) chunks, dim3(32, 8), th_layer_norm_back_shared<K, false>(n), stream>>>(
+                            dy, x, g, r, dx, n, rows, eps, dx16, partial, chunk);
+                }
             });
-            th_column_total_kernel<<<(unsigned) ((n + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK), TH_CUDA_BLOCK, 0, stream>>>(
-                partial, column, n, (int) chunks);
+            const int64_t columns = bias_column != nullptr ? 2 * n : n;
+            th_column_total_kernel<<<(unsigned) ((columns + TH_CUDA_BLOCK - 1) / TH_CUDA_BLOCK), TH_CUDA_BLOCK, 0,
+                                     stream>>>(partial, column, n, (int) chunks, bias_column);
             return;
         }
     }
@@ -677,11 +732,12 @@ static void th_layer_norm(cudaStream_t stream, ggml_tensor * dst, const bool bac
         const float * r = dst->src[3] != nullptr ? (const float *) dst->src[3]->data : nullptr;
         __nv_bfloat16 * dx16 = nullptr;     // (at bf16 dx's copy beside it, or alone, where products read it)
         float * dx = th_writer_outputs(stream, dst, &dx16);
-        if (dst->src[2] != nullptr) {     // (and the gain's gradient into src 4, th_fuse_gain_sums)
-            float * column = dst->src[4] != nullptr ? (float *) dst->src[4]->data : nullptr;
-            float * partial = dst->src[4] != nullptr ? (float *) dst->src[5]->data : nullptr;
+        if (dst->src[2] != nullptr) {     // (and the gain's gradient into src 4, th_fuse_gain_sums;
+            float * column = dst->src[4] != nullptr ? (float *) dst->src[4]->data : nullptr;   // the bias's into
+            float * partial = dst->src[4] != nullptr ? (float *) dst->src[5]->data : nullptr;  // src 6)
+            float * bias_column = dst->src[6] != nullptr ? (float *) dst->src[6]->data : nullptr;
             th_layer_norm_back_rows<true>(stream, dy, x, (const float *) dst->src[2]->data, r, dx, n, rows, eps, dx16,
-                                          column, partial);
+                                          column, partial, bias_column);
         } else {
             th_layer_norm_back_rows<false>(stream, dy, x, nullptr, r, dx, n, rows, eps, dx16);
         }
@@ -1389,7 +1445,10 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    (op->src[4] == nullptr ||          // the gain's gradient, and the scratch of its partial sums
                     (op->src[2] != nullptr && th_f32_contiguous(op->src[4]) && ggml_nelements(op->src[4]) == op->ne[0] &&
                      op->ne[0] <= TH_GAIN_SUMS_MAX_COLUMNS && op->src[5] != nullptr &&
-                     op->src[5]->type == GGML_TYPE_F32 && ggml_nelements(op->src[5]) >= ggml_nelements(op)));
+                     op->src[5]->type == GGML_TYPE_F32 && ggml_nelements(op->src[5]) >= ggml_nelements(op))) &&
+                   (op->src[6] == nullptr ||          // the bias's gradient, its partials after the gain's
+                    (op->src[4] != nullptr && th_f32_contiguous(op->src[6]) && ggml_nelements(op->src[6]) == op->ne[0] &&
+                     ggml_nelements(op->src[5]) >= 2 * th_column_chunk_count(ggml_nrows(op)) * op->ne[0]));
         case TH_CUDA_PRODUCT_SUM:
             return th_product_sum_supported(op);
         case TH_CUDA_AFFINE:

@@ -13,6 +13,21 @@
 
 static inline bool th_aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 
+// a kernel's dynamic shared memory above the 48 KB default, raised once per device (as ggml-cuda does)
+#define TH_SET_SMEM_LIMIT(kernel, nbytes)                                                                    \
+    do {                                                                                                     \
+        static bool raised[64] = {false};                                                                    \
+        int device = 0;                                                                                      \
+        cudaGetDevice(&device);                                                                              \
+        if (device < 64 && !raised[device]) {                                                                \
+            if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) (nbytes)) != \
+                cudaSuccess) {                                                                               \
+                GGML_ABORT("toyharness: cannot raise a kernel's shared memory limit to %zu", (size_t) (nbytes)); \
+            }                                                                                                \
+            raised[device] = true;                                                                           \
+        }                                                                                                    \
+    } while (0)
+
 // cp.async of `bytes` (4 or 16) from global to shared memory, zero-filled where `in` is false
 // (src then only has to be a valid address); completes at th_cp_wait
 template <int BYTES>

@@ -396,11 +396,12 @@ static void th_writes(const ggml_tensor * node) {
     }
     switch (th_kernel_of(node)) {
         case TH_CUDA_LAYER_NORM_BACK:                       // and, summing its gain's gradient, into its
-            th_drop_tensor(node, node);                     // room (src 4) and the scratch (src 5)
-            if (node->src[4] != nullptr) {
+            th_drop_tensor(node, node);                     // room (src 4) and the scratch (src 5), and
+            if (node->src[4] != nullptr) {                  // its bias's into its room (src 6)
                 th_drop_tensor(node->src[4], node);
                 th_drop_tensor(node->src[5], node);
             }
+            if (node->src[6] != nullptr) th_drop_tensor(node->src[6], node);
             return;
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:

@@ -169,6 +169,8 @@ CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
     "TOYHARNESS_CUDA_NORM_ROWS": ("registers", "memory"),   # the norms' rows held in registers (384-1024 wide)
     # LayerNorm's gain's gradient summed by its backward, or by a COLUMN_DOT of its own
     "TOYHARNESS_CUDA_GAIN_SUMS": ("fused", "separate"),
+    # at bf16 LayerNorm's bias's gradient summed by its backward too, or by a bf16 product of its own
+    "TOYHARNESS_CUDA_BIAS_SUMS": ("fused", "separate"),
     "TOYHARNESS_CUDA_DEQUANT": ("ours", "ggml"),
     "TOYHARNESS_BF16_REUSE": ("1", "0"),                # bf16 operand copies kept for later products
     "TOYHARNESS_BF16_WRITER_COPIES": ("1", "0"),
