@@ -421,18 +421,6 @@ static void th_attention_cudnn_room(struct ggml_cgraph * graph) {
 
 /* ---- LayerNorm's bias's gradient in its backward ------------------------------------------ */
 
-/* whether a node of `graph` before index `before` reads t or a view of it */
-static int th_read_before_node(struct ggml_cgraph * graph, const struct ggml_tensor * t, const int before) {
-    for (int k = 0; k < before; k++) {
-        const struct ggml_tensor * v = ggml_graph_node(graph, k);
-        if (v->view_src != NULL) continue;
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
-        }
-    }
-    return 0;
-}
-
 /* At bf16, LayerNorm's bias's gradient, OUT_PROD(dy, ones) (the column sums of the dy that the
  * norm's AFFINE received), is a bf16 product: dy rounded to bf16 by a conversion pass of its own
  * (24 of a gpt2-small step's 148), then cuBLAS's split-K product and its reduction. Where the
@@ -453,8 +441,8 @@ static int th_layer_norm_bias_sums(struct ggml_cgraph * graph) {
         struct ggml_tensor * u = ggml_graph_node(graph, i);
         const struct ggml_tensor * ones = u->src[1];
         if (u->op != GGML_OP_OUT_PROD || u->type != GGML_TYPE_F32 || !ggml_is_contiguous(u) || u->src[0] == NULL ||
-            ones == NULL ||
-            strncmp(ones->name, "ones.", 5) != 0 || ones->ne[0] != 1 || ggml_nelements(u) != u->src[0]->ne[0]) {
+            ones == NULL || strncmp(ones->name, "ones.", 5) != 0 || ones->ne[0] != 1 ||
+            ggml_nelements(u) != u->src[0]->ne[0]) {
             continue;
         }
         for (int j = i + 1; j < n; j++) {
@@ -464,7 +452,7 @@ static int th_layer_norm_bias_sums(struct ggml_cgraph * graph) {
                 continue;
             }
             if (u->src[0]->ne[0] == b->ne[0] && ggml_nelements(u->src[0]) == ggml_nelements(b) &&
-                ones->ne[1] == ggml_nrows(b) && ggml_nrows(b) >= 2 && !th_read_before_node(graph, u, j)) {
+                ones->ne[1] == ggml_nrows(b) && ggml_nrows(b) >= 2 && !th_read_before(graph, u, j)) {
                 b->src[6] = u;
                 th_mark(u, TH_CUDA_ROOM);
                 memset(u->src, 0, sizeof(u->src));

@@ -930,29 +930,12 @@ static struct ggml_tensor * th_norm_under_affine(const struct ggml_tensor * u) {
     return th_under_reshape_views(u->src[0]);
 }
 
-/* whether node v, not a view (which computes nothing), reads t or a view of it */
-static int th_reads(const struct ggml_tensor * v, const struct ggml_tensor * t) {
-    if (v->view_src != NULL) return 0;
-    for (int j = 0; j < GGML_MAX_SRC; j++) {
-        if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
-    }
-    return 0;
-}
-
-/* whether a node of `graph` before index `before` reads t (th_reads) */
-static int th_read_before(struct ggml_cgraph * graph, const struct ggml_tensor * t, const int before) {
-    for (int k = 0; k < before; k++) {
-        if (th_reads(ggml_graph_node(graph, k), t)) return 1;
-    }
-    return 0;
-}
-
-/* whether a node of `graph` other than `reader` reads t (th_reads) */
+/* whether a node of `graph` other than `reader` reads t (custom_ops.h, th_reads_or_views) */
 static int th_read_elsewhere(struct ggml_cgraph * graph, const struct ggml_tensor * t,
                              const struct ggml_tensor * reader) {
     for (int k = 0; k < ggml_graph_n_nodes(graph); k++) {
         const struct ggml_tensor * v = ggml_graph_node(graph, k);
-        if (v != reader && th_reads(v, t)) return 1;
+        if (v != reader && th_reads_or_views(v, t)) return 1;
     }
     return 0;
 }

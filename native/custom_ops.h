@@ -164,6 +164,21 @@ static inline const char * th_cuda_kernel_name_of(int k) {
                                    "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu"};
     return k > 0 && k < (int) (sizeof(names) / sizeof(*names)) ? names[k] : NULL;
 }
+/* whether node v, not a view (which computes nothing), reads t or a view of it */
+static inline int th_reads_or_views(const struct ggml_tensor * v, const struct ggml_tensor * t) {
+    if (v->view_src != NULL) return 0;
+    for (int j = 0; j < GGML_MAX_SRC; j++) {
+        if (v->src[j] != NULL && (v->src[j] == t || v->src[j]->view_src == t)) return 1;
+    }
+    return 0;
+}
+/* whether a node of `graph` before index `before` reads t (th_reads_or_views) */
+static inline int th_read_before(struct ggml_cgraph * graph, const struct ggml_tensor * t, const int before) {
+    for (int k = 0; k < before; k++) {
+        if (th_reads_or_views(ggml_graph_node(graph, k), t)) return 1;
+    }
+    return 0;
+}
 /* t under its RESHAPE views (the node whose memory they are) */
 static inline struct ggml_tensor * th_under_reshape_views(struct ggml_tensor * t) {
     while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
