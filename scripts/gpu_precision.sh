@@ -123,6 +123,15 @@ cuda_golden_names() {
     names+=("${FROZEN_BF16[@]}")
 }
 
+# moved_bf16_goldens TAR: every cuda golden checked (a change to a path only gpt2@bf16 and
+# vit_tiny@bf16 take may move those two), then those two recorded and checked again into OUT/TAR
+moved_bf16_goldens() {
+    step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
+    cuda_golden_names
+    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
+    record_goldens "$1" "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
+}
+
 # profile_switch VAR TAG WHAT [OFF ON]: a bf16 gpt2-small step by kernel, ours, with VAR=OFF then ON
 # (default f32, bf16), twice (interleaved), each into OUT/profile_gpt2_bf16_TAG_VALUE.txt
 profile_switch() {
@@ -232,10 +241,7 @@ if [[ $phases == *" gain-profile "* ]]; then
 fi
 
 if [[ $phases == *" bias-goldens "* ]]; then
-    step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
-    cuda_golden_names
-    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
-    record_goldens goldens_bias.tar "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
+    moved_bf16_goldens goldens_bias.tar
 fi
 
 if [[ $phases == *" bias "* ]]; then
@@ -260,10 +266,7 @@ if [[ $phases == *" cudnn-bench "* ]]; then
 fi
 
 if [[ $phases == *" gelu-bf16-goldens "* ]]; then
-    step "every cuda golden checked (only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded"
-    cuda_golden_names
-    toyharness golden check "${names[@]}" --backend cuda 2>&1 | tee -a "$log"
-    record_goldens goldens_gelu.tar "goldens/cuda-*/gpt2@bf16.yml goldens/cuda-*/vit_tiny@bf16.yml" gpt2@bf16 vit_tiny@bf16
+    moved_bf16_goldens goldens_gelu.tar
 fi
 
 if [[ $phases == *" gelu-bf16-profile "* ]]; then
