@@ -1158,7 +1158,7 @@ static int th_rewrite_bias_rows(struct ggml_cgraph * graph) {
             continue;
         }
         const struct ggml_tensor * b = p->src[0], * ones = p->src[1], * y = add->src[0];
-        if (strncmp(ones->name, "ones.", 5) != 0 || ones->ne[0] != 1 || b->ne[0] != 1 || b->type != GGML_TYPE_F32 ||
+        if (!th_is_ones(ones) || b->ne[0] != 1 || b->type != GGML_TYPE_F32 ||
             !ggml_is_contiguous(b) || b->ne[1] != add->ne[0] || add->type != GGML_TYPE_F32 ||
             y->type != GGML_TYPE_F32 || !ggml_are_same_shape(add, y) || add->nb[0] != sizeof(float) ||
             y->nb[0] != sizeof(float) || ggml_nrows(add) != p->ne[1]) {
@@ -1245,7 +1245,7 @@ static struct ggml_tensor * th_bias_under_reshapes(struct ggml_cgraph * graph, s
     while (t != NULL && !(t->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, t, &only) == 1 && only == reader) {
         if (t->op == GGML_OP_MUL_MAT && strcmp(t->name, TH_BIAS_ROWS_NAME) == 0) {
             const struct ggml_tensor * b = t->src[0], * ones = t->src[1];
-            return strncmp(ones->name, "ones.", 5) == 0 && ones->ne[0] == 1 && b->ne[0] == 1 && b->ne[1] == n &&
+            return th_is_ones(ones) && b->ne[0] == 1 && b->ne[1] == n &&
                    b->type == GGML_TYPE_F32 && ggml_is_contiguous(b) ? t : NULL;
         }
         if (t->op != GGML_OP_RESHAPE) return NULL;

@@ -441,8 +441,7 @@ static int th_layer_norm_bias_sums(struct ggml_cgraph * graph) {
         struct ggml_tensor * u = ggml_graph_node(graph, i);
         const struct ggml_tensor * ones = u->src[1];
         if (u->op != GGML_OP_OUT_PROD || u->type != GGML_TYPE_F32 || !ggml_is_contiguous(u) || u->src[0] == NULL ||
-            ones == NULL || strncmp(ones->name, "ones.", 5) != 0 || ones->ne[0] != 1 ||
-            ggml_nelements(u) != u->src[0]->ne[0]) {
+            !th_is_ones(ones) || ggml_nelements(u) != u->src[0]->ne[0]) {
             continue;
         }
         for (int j = i + 1; j < n; j++) {

@@ -863,7 +863,7 @@ static int th_rewrite_norm_affines(struct ggml_cgraph * graph) {
             th_fold(m, 1);
             marked += 1;
         } else if (u->op == GGML_OP_OUT_PROD && th_f32_contiguous(u) && u->src[1] != NULL &&
-                   strncmp(u->src[1]->name, "ones.", 5) == 0 && u->src[1]->ne[0] == 1 &&
+                   th_is_ones(u->src[1]) &&
                    (m = th_under_reshapes(graph, u, u->src[0], GGML_OP_MUL)) != NULL && th_f32_contiguous(m) &&
                    m->ne[2] * m->ne[3] == 1 && ggml_nelements(u) == m->ne[0] && u->src[1]->ne[1] == m->ne[1] &&
                    th_f32_contiguous(m->src[0]) && th_f32_contiguous(m->src[1]) && ggml_are_same_shape(m, m->src[0]) &&

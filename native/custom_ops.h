@@ -164,6 +164,11 @@ static inline const char * th_cuda_kernel_name_of(int k) {
                                    "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu"};
     return k > 0 && k < (int) (sizeof(names) / sizeof(*names)) ? names[k] : NULL;
 }
+/* whether t is a column of ones (rows, 1): the constant the Python side names "ones.ROWS"
+ * (Program.cached_constant) for column sums as products */
+static inline int th_is_ones(const struct ggml_tensor * t) {
+    return t != NULL && strncmp(t->name, "ones.", 5) == 0 && t->ne[0] == 1;
+}
 /* whether node v, not a view (which computes nothing), reads t or a view of it */
 static inline int th_reads_or_views(const struct ggml_tensor * v, const struct ggml_tensor * t) {
     if (v->view_src != NULL) return 0;
