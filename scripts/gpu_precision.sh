@@ -14,6 +14,7 @@
 #                                    [qkv-bf16] [qkv-bf16-goldens] [qkv-bf16-profile]
 #                                    [cudnn] [cudnn-debug] [cudnn-profile] [cudnn-bench]
 #                                    [norm] [norm-profile] [gain-profile] [bias-goldens] [bias] [bias-profile]
+#                                    [spread600]
 #
 # norm: a norm computed by its AFFINE (and the residual's sum before it), the norms' rows in
 # registers (native/cuda/th-custom.cu): their tests in tests/test_cuda_kernels.py, each against
@@ -82,7 +83,9 @@
 # fused: the tests of iss-32d's SwiGLU gate-gradient kernel, LoRA scale placement and frozen terms in product sums
 # (tests/test_cuda_kernels.py).
 # agree600: 600 steps of the default gpt2 and llama runs in each precision (and fp32 with ggml's
-# attention), a run a seed of AGREE_SEEDS (default 1337), eval losses against fp32's.
+# attention), a run a seed of AGREE_SEEDS (default 1337), eval losses against fp32's. spread600: the
+# same runs' bf16 against fp32 seed by seed (AGREE_SEEDS, default 1337 1-9), ours and then PyTorch's
+# (its bf16 autocast run against its fp32 run), into OUT/spread600_cuda.json and spread600_torch.json.
 # BENCH_SIZES (default "nano gpt2-small") picks the benches' sizes. Offline machines: .device/ggml and .whl/ as for gpu_check.sh. Results in OUT_DIR: precision.log,
 # pytest.log, goldens.tar (goldens/cuda-*/*@tf32.yml and @bf16), agree600.json (eval loss after 600 steps
 # in each precision), bench_<precision>_<size>.json, bench_lora_<phase's suffix, - as _>.json (e.g.
@@ -451,6 +454,18 @@ for recipe in ("gpt2", "llama"):
 json.dump(out, open(sys.argv[1], "w"), indent=1)
 sys.exit(0 if ok else 1)
 PY
+fi
+
+if [[ $phases == *" spread600 "* ]]; then
+    # Ours beside PyTorch's own: each side's bf16 run against its fp32 run, seed by seed (AGREE_SEEDS,
+    # default 1337 1-9), 600 steps, on the default 4 eval batches and on 64 (scripts/eval_spread.py;
+    # --backend torch is toyharness/reference.py's model trained the same way, bf16 as autocast).
+    step "600 steps of gpt2 and llama, bf16 against fp32: ours, then PyTorch's"
+    seeds=(${AGREE_SEEDS:-1337 1 2 3 4 5 6 7 8 9})
+    for side in cuda torch; do
+        python3 scripts/eval_spread.py "$out/spread600_$side.json" --backend "$side" --recipes gpt2 llama \
+            --seeds "${seeds[@]}" --precisions fp32 bf16 2>&1 | grep -v Warning | tee -a "$log" || status=1
+    done
 fi
 
 for precision in fp32 tf32 bf16; do

@@ -112,3 +112,26 @@ def test_lora_on_a_quantized_base_matches_pytorch_on_its_dequantized_weights(lla
     print(f"lora over a {dtype} base: largest relative difference over {STEPS} steps {diff:.3g}")
     assert diff < 1e-5, (ours, theirs)
     assert ours[-1] != ours[0], "the adapters must move for the comparison to mean something"
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "llama"])
+def test_a_run_the_reference_trains_itself_is_our_run(recipe, tmp_path):
+    """train_reference (issue 32's 600-step comparison, scripts/eval_spread.py --backend torch)
+    builds the run from the recipe's options alone: its init, batches and AdamW rows (the cosine
+    schedule with warmup) must be ours, so its losses and last eval are our fp32 run's."""
+    sets = [*SMALL, "eval_batches=3"]
+    ours = train(recipe, steps=STEPS, sets=sets, out=str(tmp_path), progress=False)
+    losses = [m["loss"] for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    theirs = reference.train_reference(recipe, STEPS, sets, "fp32", "cpu", (5,))
+    assert relative_difference(losses, theirs["losses"]) < 2e-4
+    assert abs(ours["eval_loss"] / theirs["eval"] - 1) < 2e-4
+    assert set(theirs["evals"]) == {3, 5}
+
+
+def test_the_references_bf16_run_is_autocast_and_near_its_fp32_run():
+    """At bf16 the reference trains under bf16 autocast: its losses are not fp32's bits, and over 8
+    steps stay within 2 u = 2^-7 of them (bf16's 8 significant bits)."""
+    fp32 = reference.train_reference("gpt2", STEPS, SMALL, "fp32", "cpu")["losses"]
+    bf16 = reference.train_reference("gpt2", STEPS, SMALL, "bf16", "cpu")["losses"]
+    assert fp32 != bf16
+    assert relative_difference(bf16, fp32) < 2 ** -7

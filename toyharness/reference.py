@@ -188,3 +188,58 @@ def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
         losses.append(float(loss.detach()))
         adamw_row_step(train, m, v, opts.adamw_row().hp_for_step(i))
     return losses
+
+
+# --- a whole run in PyTorch (issue 32's 600-step point) ------------------------------------------
+def train_reference(recipe: str, steps: int, sets: list[str] | None = None, precision: str = "fp32",
+                    device: str = "cpu", eval_batches: tuple[int, ...] = ()) -> dict:
+    """Train language-model `recipe` (gpt2, llama) from scratch in PyTorch, as `toyharness run`
+    would: the recipe's seeded init, its data's batches, its AdamW rows (schedule included), at
+    `precision` (fp32; tf32: TF32 products; bf16: bf16 autocast over fp32 master weights, as
+    nanoGPT trains). Returns the train losses and, after the last step, the eval loss the run
+    reports (`eval`, over the option eval_batches' held-out batches) and the mean loss over the
+    first n held-out batches for each n in `eval_batches` (`evals`).
+
+    What it is for: how far PyTorch's own bf16 run ends from its fp32 run, beside ours."""
+    from .bench import torch_precision_setup
+    from .hookspecs import plugin_manager
+    from .options import PRECISIONS
+    from .plugins import get_recipe
+    from .runner import batch_for, load_data, resolve_options
+
+    if recipe not in ("gpt2", "llama"):
+        raise ValueError(f"train_reference: recipe {recipe!r}; allowed: gpt2, llama")
+    if precision not in PRECISIONS:
+        raise ValueError(f"train_reference: precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    _, obj = get_recipe(recipe)
+    options = resolve_options(obj, None, sets, {"steps": steps})
+    if options.precision != "fp32":     # our engine's option; the reference takes `precision`
+        raise ValueError(f"train_reference: the option precision={options.precision} is ours; pass precision=")
+    data = load_data(plugin_manager(obj), options)
+    vocab = obj.vocab_for(options, data.vocab)
+    dev = torch.device(device)
+    autocast = torch_precision_setup(torch, precision)
+    P = {n: torch.tensor(a, device=dev, requires_grad=True) for n, a in obj.init_params(options, vocab).items()}
+    m = {n: torch.zeros_like(p) for n, p in P.items()}
+    v = {n: torch.zeros_like(p) for n, p in P.items()}
+    cfg, forward = options.to_dict(), MODELS[recipe]
+
+    def on_device(batch):
+        return {k: torch.from_numpy(np.ascontiguousarray(a)).to(dev) for k, a in batch.items()}
+
+    losses = []
+    for i in range(options.steps):
+        batch = on_device(batch_for(data, "train", i, options))
+        for p in P.values():
+            p.grad = None
+        with autocast(dev):
+            loss = lm_loss(forward(P, batch, cfg), batch)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        adamw_row_step(P, m, v, options.adamw_row().hp_for_step(i))
+    evals = {}
+    with torch.no_grad(), autocast(dev):
+        for n in {options.eval_batches, *eval_batches}:
+            evals[n] = sum(float(lm_loss(forward(P, b, cfg), b))
+                           for b in (on_device(batch_for(data, "eval", j, options)) for j in range(n))) / n
+    return {"losses": losses, "eval": evals[options.eval_batches], "evals": evals}
