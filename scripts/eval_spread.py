@@ -82,6 +82,10 @@ def main() -> int:
         return default
 
     runner.evaluate = evaluate_twice
+    if a.backend == "torch" and a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     results: dict = {"steps": a.steps, "batches": a.batches, "backend": a.backend, "sets": a.set, "runs": {}}
     for recipe in a.recipes:
         for seed in a.seeds:

@@ -215,6 +215,8 @@ def train_reference(recipe: str, steps: int, sets: list[str] | None = None, prec
     options = resolve_options(obj, None, sets, {"steps": steps})
     if options.precision != "fp32":     # our engine's option; the reference takes `precision`
         raise ValueError(f"train_reference: the option precision={options.precision} is ours; pass precision=")
+    if options.weight_dtype != "f32":   # the reference keeps fp32 weights
+        raise ValueError(f"train_reference: weight_dtype={options.weight_dtype} is not modelled; allowed: f32")
     data = load_data(plugin_manager(obj), options)
     vocab = obj.vocab_for(options, data.vocab)
     dev = torch.device(device)
