@@ -70,6 +70,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an option for every run")
+    ap.add_argument("--check-mean", type=float, default=None, metavar="FRACTION",
+                    help="exit 1 unless each precision's mean eval loss over the seeds is within FRACTION "
+                         "(e.g. 0.01) of the first precision's, on both evals")
     a = ap.parse_args()
 
     last: dict[str, float] = {}
@@ -115,7 +118,7 @@ def main() -> int:
                 results["runs"][f"{recipe}/{spec}/{seed}"] = dict(last)
                 print(f"{recipe} {spec} seed {seed}: eval {last['default']:.5f} (default batches), "
                       f"{last['wide']:.5f} ({a.batches} batches)", flush=True)
-    ref = a.precisions[0]
+    ref, failed = a.precisions[0], []
     for recipe in a.recipes:
         for spec in a.precisions[1:]:
             row = {}
@@ -123,15 +126,22 @@ def main() -> int:
                 runs = results["runs"]
                 gaps = [abs(runs[f"{recipe}/{spec}/{s}"][view] / runs[f"{recipe}/{ref}/{s}"][view] - 1)
                         for s in a.seeds]
+                means = [statistics.fmean(runs[f"{recipe}/{p}/{s}"][view] for s in a.seeds) for p in (ref, spec)]
+                mean_gap = abs(means[1] / means[0] - 1)
                 row[view] = {"gaps": gaps, "largest": max(gaps), "median": statistics.median(gaps),
-                             "within_1pct": sum(g < 0.01 for g in gaps)}
+                             "within_1pct": sum(g < 0.01 for g in gaps), "means": means, "mean_gap": mean_gap}
                 print(f"{recipe} {spec} against {ref}, {view} eval: largest {100 * max(gaps):.2f}%, median "
                       f"{100 * statistics.median(gaps):.2f}%, {row[view]['within_1pct']} of {len(gaps)} seeds "
-                      "within 1%")
+                      f"within 1%; means {means[0]:.5f} and {means[1]:.5f}, {100 * mean_gap:.2f}% apart")
+                if a.check_mean is not None and mean_gap >= a.check_mean:
+                    failed.append(f"{recipe} {spec} {view} eval: the means over the seeds are {100 * mean_gap:.3g}% "
+                                  f"apart, not under --check-mean {100 * a.check_mean:g}%")
             results[f"{recipe}/{spec}"] = row
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
-    return 0
+    for line in failed:
+        print(f"check failed: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
