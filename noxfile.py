@@ -144,3 +144,11 @@ def fuzz(session):
                         "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
     session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill",
                 env={"TOYHARNESS_KILL_TRIALS": "40"})
+
+
+@nox.session
+def docs(session):
+    """The docs site (mkdocs.yml, docs/) built strictly: a broken link or anchor, or a page left out
+    of the nav, fails it. Writes site/ (ignored by git)."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
