@@ -85,8 +85,8 @@ def realmodel(session):
 def llamacpp(session):
     """llama.cpp from the pinned archive loads our exports, adapters and fused files (toyharness
     fuse) and gives our logits; its tokenizer gives the ids tests/data/tokenizer_agreement.json
-    holds (and ours). TOYHARNESS_LLAMACPP_TOOL also serves scripts/sample_speed.py and
-    scripts/number_words.py score --llamacpp (th_generate lies beside th_logits)."""
+    holds (and ours). TOYHARNESS_LLAMACPP_TOOL also serves tools/sample_speed.py and
+    tools/number_words.py score --llamacpp (th_generate lies beside th_logits)."""
     session.install("-e", ".[test]")
     tool = session.run("python", "native/build.py", "--llamacpp-tool", silent=True).strip().splitlines()[-1]
     session.env["TOYHARNESS_LLAMACPP_TOOL"] = tool

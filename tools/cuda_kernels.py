@@ -1,6 +1,6 @@
 """A training step on cuda, kernel by kernel: ours and PyTorch eager's, side by side.
 
-    python scripts/cuda_kernels.py RECIPE SIZE [--torch] [--precision P] [--torch-compile]
+    python tools/cuda_kernels.py RECIPE SIZE [--torch] [--precision P] [--torch-compile]
                                                               e.g.  gpt2 gpt2-small --torch --precision bf16
 
 Runs 3 warm-up steps of the recipe at `toyharness bench --size SIZE`, then 3 steps under
@@ -11,7 +11,7 @@ the same for the PyTorch eager reference step (toyharness.reference, fused AdamW
 as `bench --precision` sets it up: TF32 products for tf32, bf16 autocast for bf16), and
 `--torch-compile` compiles PyTorch's forward and loss as `bench` does for bf16 (nanoGPT's defaults).
 Prints ms per step by kernel name, largest first, and the total. Needs a cuda build of
-toyharness and PyTorch with cuda (the GPU machine of scripts/gpu_check.sh).
+toyharness and PyTorch with cuda (the GPU machine of tools/gpu_check.sh).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Our cuda sources compiled on a machine without a GPU, as ggml-cuda compiles them, before a
 # device call spends minutes building ggml to find a typo; optionally a kernel's SASS, to see what
-# ptxas made of its arithmetic (fast-math contractions change bits: native/README.md, "A norm
-# computed by its gain's kernel").
+# ptxas made of its arithmetic (fast-math contractions change bits).
 #
-#   scripts/cuda_compile_check.sh [--sass NAME_PART]
+#   tools/cuda_compile_check.sh [--sass NAME_PART]
 #
 # Compiles each native/cuda/th-*.cu with native/custom_ops.h beside the pinned ggml's ggml-cuda
 # sources (python native/build.py --print-src) for sm_90 with ggml-cuda's flags (-use_fast_math,

@@ -1,18 +1,18 @@
 """ms per training step of one recipe in two checkouts, side by side: A/B for a change.
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python native/build.py --out toyharness/_native)
-    python scripts/ab_checkouts.py gpt2 /tmp/before . [--rounds 10] [--threads 2]
-    python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_KERNELS=0     # one setting A/B
-    python scripts/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_GRAD_ACCUMULATORS=1 \
+    python tools/ab_checkouts.py gpt2 /tmp/before . [--rounds 10] [--threads 2]
+    python tools/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_KERNELS=0     # one setting A/B
+    python tools/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_GRAD_ACCUMULATORS=1 \
         --set n_layer=6 --set d_model=384 --set n_head=6 --set t_seq=256 --set t_batch=8   # at nano
-    python scripts/ab_checkouts.py lora . . --set base=M --set-a chunked_loss=off --set-b chunked_loss=on
+    python tools/ab_checkouts.py lora . . --set base=M --set-a chunked_loss=off --set-b chunked_loss=on
 
 Each checkout trains the recipe's bench config in its own process (PYTHONPATH = the checkout,
 so each loads its own toyharness and native libraries); the two take turns in rounds of 5
 steps, alternating who goes first, so the machine's drift falls on both alike. Prints the
 median step of each and their ratio (A / B > 1: B is faster), and the same over the rounds
 taken while CPUs 0 and 1 sat far apart: a cache line's round trip between them, timed after
-each round, above twice the run's shortest (the 2-core VM's slow minutes; native/README.md).
+each round, above twice the run's shortest (a shared VM's slow minutes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Where a LoRA run's resident memory goes, over a base GGUF (issue 22's memory figure).
+"""Where a LoRA run's resident memory goes, over a base GGUF.
 
-    python scripts/lora_memory.py BASE.gguf [--set key=value]... [--steps 2]
+    python tools/lora_memory.py BASE.gguf [--set key=value]... [--steps 2]
 
 Realizes `lora` over BASE (default config: t_seq 256, t_batch 4, targets q,v, rank 8; --set
 overrides), runs a few steps on cpu, and prints as JSON the anonymous memory (RssAnon) and the

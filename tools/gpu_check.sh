@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The cuda backend on a GPU machine (issue 8): build ggml with cuda from the pinned source,
+# The cuda backend on a GPU machine: build ggml with cuda from the pinned source,
 # record and re-check the cuda goldens (run-to-run bits), hold cuda against the cpu goldens,
 # and time every recipe on cuda, on the cpu with all cores, and in PyTorch eager on both.
 #
-#   scripts/gpu_check.sh OUT_DIR [build] [check] [bench] [sizes]      (default: the first three)
+#   tools/gpu_check.sh OUT_DIR [build] [check] [bench] [sizes]      (default: the first three)
 #
-# sizes (issue 21): gpt2 and llama at `bench --size nano` and `--size gpt2-small`, each op's
+# sizes: gpt2 and llama at `bench --size nano` and `--size gpt2-small`, each op's
 # time (bench --profile, in OUT_DIR/profile_<size>.log) and ms/step beside PyTorch
 # (OUT_DIR/bench_<size>.json).
 #
@@ -14,7 +14,7 @@
 # gpu_check.log, bench_cuda.json, bench_cpu.json and goldens.tar (goldens/cuda-*/ and the
 # example plugin's).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR [build] [check] [bench]}
+out=${1:?usage: tools/gpu_check.sh OUT_DIR [build] [check] [bench]}
 shift
 phases=" ${*:-build check bench} "
 mkdir -p "$out"

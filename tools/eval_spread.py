@@ -1,6 +1,6 @@
-"""How far apart two runs end, judged on the default eval and on a larger one (issue 32's 600-step point).
+"""How far apart runs of two precisions (or two summation orders) end, on the default eval and a larger one.
 
-    python scripts/eval_spread.py OUT.json --recipes gpt2 llama --seeds 1337 1 2 3 \
+    python tools/eval_spread.py OUT.json --recipes gpt2 llama --seeds 1337 1 2 3 \
         --precisions fp32 bf16 --backend cuda|cpu|torch [--steps 600] [--batches 64] [--set KEY=VALUE ...]
 
 Each run is `toyharness run R --steps N --set precision=P --set seed=S` (in process, no files), with
@@ -11,32 +11,17 @@ batch i of a split depends on (seed, split, i) only). Training never reads the e
 views are of one trajectory. Written: each run's two eval losses, and per precision against the
 first one given (fp32), seed by seed, the relative gap on each view.
 
-Why: two fp32 runs that differ only in summation order end 0.5-2.2% apart on the default eval
-(stop 64). This says how much of that is the trained weights and how much the default eval's few
-batches (4 x 16 x 64 tokens for gpt2 and llama) picking up the weights' differences.
-
-Measured (stop 66, cpu, two fp32 runs per seed: the AVX-512 build on OpenBLAS SkylakeX against the
-AVX2 build on Haswell, seeds 1337 and 1-9, 600 steps): gpt2's gap is at most 11.4% on the default
-eval and 11.6% on 64 batches (median 0.36% / 0.30%; 8 of 10 seeds within 1% on either), llama's
-3.2% / 4.4% (median 0.46% / 0.26%; 6 of 10). The spread is in the weights (a run with a late loss
-spike ends far from its twin whatever the eval), not in the eval's few batches.
-
-With the rate decayed to the end (stop 67, the same two builds and seeds, --set lr_schedule=cosine,
-10% of the rate at step 600): gpt2 at most 3.39% / 3.54% (median 0.39% / 0.44%; 9 of 10 seeds within
-1% on either), llama 1.72% / 1.76% (median 0.72% / 0.58%; 6 and 8 of 10). Decay narrows the largest
-gaps (11.4% to 3.4% for gpt2) but two fp32 runs still end more than 1% apart on some seeds.
+Why: at a high learning rate, a few hundred steps amplify any difference in rounding, so two runs
+that differ only in summation order (or in precision) can end a few percent apart on the default
+eval. The larger eval says how much of a gap is the trained weights and how much the default eval's
+few batches.
 
 A TAG=ENV setting can stand for a precision: --precisions fp32 fp32:TOYHARNESS_CUDA_ATTENTION=ggml
 runs fp32 twice, the second with that environment variable set (another summation order).
 
 --backend torch trains toyharness/reference.py's model the same way (the recipe's init, batches and
 AdamW rows; bf16 as autocast over fp32 master weights; on the GPU where PyTorch sees one): how far
-PyTorch's own bf16 run ends from its fp32 run. Measured (stop 70, H100, PyTorch 2.11, seeds 1337 and
-1-9, 600 steps, default eval / 64 batches): gpt2 median 1.33% / 1.53%, 4 of 10 seeds within 1%, the
-default seed 1.13%; llama median 2.13% / 1.65%, 2 of 10, the default seed 0.35%. Ours on the same
-machine: gpt2 1.25% / 1.14%, 4 of 10, the default seed 1.96%; llama 0.78% / 0.55%, 6 of 10, 1.55%.
-Our fp32 run and PyTorch's (the same first losses to 1e-7) end 1.19% (gpt2) and 2.00% (llama) apart
-at the default seed.
+PyTorch's own bf16 run ends from its fp32 run.
 """
 
 from __future__ import annotations

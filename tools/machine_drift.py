@@ -1,6 +1,6 @@
 """Watch whether this machine's speed moves, and which part of it: for when bench ratios jump.
 
-    python scripts/machine_drift.py [--recipe gpt2] [--seconds 120] [--slow-ms 28]
+    python tools/machine_drift.py [--recipe gpt2] [--seconds 120] [--slow-ms 28]
 
 Each round times one recipe's training step (bench config) at 2 threads and at 1 thread, a
 64 MB copy and twenty 256 x 256 matmuls on the main thread (single-threaded: run it with

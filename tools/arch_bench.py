@@ -1,13 +1,13 @@
-"""Issue 31's speed and memory figures: LoRA at the bench config (t_seq 256 x 4, rank 8, 2 threads)
+"""Speed and memory of LoRA at the bench config (t_seq 256 x 4, rank 8, 2 threads)
 over a seeded base of each architecture at its smallest real size, beside PyTorch on the dequantized
 base (transformers' model of the architecture: toyharness/architectures/hf.py).
 
-    python scripts/arch_bench.py OUT_DIR [ARCH...] [--type q4_k] [--steps 10]
+    python tools/arch_bench.py OUT_DIR [ARCH...] [--type q4_k] [--steps 10]
 
 Each base is written by `architectures.write_example` at the real model's shape (its keys and
 tensors as llama.cpp's converter writes them; seeded weights, the byte vocabulary's first 256 ids
 used by the data), quantized with ggml's quantizer, and kept in the cache outside the clone. For
-each: `toyharness bench lora` (OUT_DIR/bench_ARCH.json) and `scripts/lora_memory.py`
+each: `toyharness bench lora` (OUT_DIR/bench_ARCH.json) and `tools/lora_memory.py`
 (OUT_DIR/memory_ARCH.json: resident memory beyond the program's own buffers, against the file).
 """
 

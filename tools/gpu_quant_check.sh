@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Frozen bases of every type on cuda (issue 22): build ggml with cuda, check each type's
+# Frozen bases of every type on cuda: build ggml with cuda, check each type's
 # products and input gradient and a few LoRA steps (tests/test_quant.py, marker cuda), check
 # every cuda golden (lora@q4_k and lora@q8_0 included; `record` rewrites those two), and time
 # LoRA over bases of SmolLM2's shape (a seeded llama the harness makes: 30 layers, d 576, 9/3 heads, d_ff 1536, vocabulary
 # 49152) in q4_1, q8_0 and f16 beside PyTorch on the GPU (bench config t_seq 256, t_batch 4,
 # targets q,v, rank 8).
 #
-#   scripts/gpu_quant_check.sh OUT_DIR [build] [test] [record] [goldens] [bench]
+#   tools/gpu_quant_check.sh OUT_DIR [build] [test] [record] [goldens] [bench]
 #                                  (default: all but record, which rewrites the two cuda goldens)
 #
-# Offline machines: as scripts/gpu_check.sh (ggml source in .device/ggml, missing wheels in .whl/).
+# Offline machines: as tools/gpu_check.sh (ggml source in .device/ggml, missing wheels in .whl/).
 # Results in OUT_DIR: gpu_quant_check.log, bench_<type>.json, goldens_quant.tar.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_quant_check.sh OUT_DIR [build] [test] [record] [goldens] [bench]}
+out=${1:?usage: tools/gpu_quant_check.sh OUT_DIR [build] [test] [record] [goldens] [bench]}
 shift
 phases=" ${*:-build test goldens bench} "
 mkdir -p "$out"

@@ -2,7 +2,7 @@
 window's forward per token), and llama.cpp (native/llamacpp/th_generate, built by `nox -s llamacpp`
 or `python native/build.py --llamacpp-tool`) on the same file, the same prompt and threads.
 
-    python scripts/sample_speed.py MODEL.gguf [--tokens 64] [--threads 2] [--context 256] [--llamacpp TOOL]
+    python tools/sample_speed.py MODEL.gguf [--tokens 64] [--threads 2] [--context 256] [--llamacpp TOOL]
 
 tokens/s counts the generation steps only (the prompt's forward excluded), each side timed the
 same way; the file is read as a lora base (toyharness's own GGUF reader and forward; its

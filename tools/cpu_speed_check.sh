@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 34's acceptance on an x86-64 machine, side by side: the fast cpu path built for this CPU
+# The cpu speed acceptance on an x86-64 machine, side by side: the fast cpu path built for this CPU
 # (native: AVX-512 where it has it) and for AVX2 (TOYHARNESS_SIMD=avx2, OpenBLAS's Haswell kernel
 # by OPENBLAS_CORETYPE=Haswell), each bench beside PyTorch eager, 2 threads pinned with taskset.
 #
-#   scripts/cpu_speed_check.sh OUT_DIR [quick]
+#   tools/cpu_speed_check.sh OUT_DIR [quick]
 #
 # Runs, for each build, one after the other for each row so that the machine's drift falls on
 # both: every recipe at its default bench config, gpt2 and llama at `--size nano --set t_batch=8`,
@@ -16,9 +16,9 @@
 # interrupts), CPU_SPEED_STEPS (timed steps a side, default 20; LoRA 10), SMOLLM2_GGUF (the Q4_1
 # file; else .device/SmolLM2-135M-Instruct.Q4_1.gguf, else toyharness's model cache; without it
 # the LoRA row is skipped, saying so). Offline machines: the ggml source in .device/ggml and
-# wheels in .whl/, as for scripts/gpu_check.sh (scripts/offline_env.sh).
+# wheels in .whl/, as for tools/gpu_check.sh (tools/offline_env.sh).
 set -uo pipefail
-out=${1:?usage: scripts/cpu_speed_check.sh OUT_DIR [quick]}
+out=${1:?usage: tools/cpu_speed_check.sh OUT_DIR [quick]}
 quick=${2:-}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -127,7 +127,7 @@ step "acceptance table"
 python3 - "$out" "$cpus" "${builds[*]}" "${rows[*]}" <<'EOF' 2>&1 | tee -a "$log"
 import json, os, sys
 out, cpus, builds, rows = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
-# issue 34's targets: every recipe at its default >= 1.5x PyTorch, gpt2 and llama at nano >= 1.2x, LoRA Q4_1 >= 1.5x
+# the targets: every recipe at its default >= 1.5x PyTorch, gpt2 and llama at nano >= 1.2x, LoRA Q4_1 >= 1.5x
 target = {"default": 1.5, "nano": 1.2, "lora_smollm2": 1.5}
 lines = ["| row | recipe | build | fingerprint | toyharness ms | PyTorch ms | speedup | target | met | sgemm ceiling |",
          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -150,7 +150,7 @@ for row in rows:
             lines.append(f"| {row} | {name} | {b} | {doc['fingerprint']} | {r['ms_per_step']:.2f} | "
                          f"{r['torch_ms_per_step']:.2f} | {r['speedup']:.2f}x | {target.get(row, 1.5)}x | "
                          f"{'yes' if met else 'no'} | {ceil} |")
-text = (f"# cpu speed check (issue 34)\n\n2 threads pinned to CPUs {cpus} (taskset); PyTorch eager on the same CPUs; "
+text = (f"# cpu speed check\n\n2 threads pinned to CPUs {cpus} (taskset); PyTorch eager on the same CPUs; "
         f"load at the end {os.getloadavg()}.\n\n" + "\n".join(head) + "\n\n" + "\n".join(lines) + "\n")
 open(os.path.join(out, "acceptance.md"), "w").write(text)
 print(text)

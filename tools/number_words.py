@@ -1,11 +1,11 @@
 """A small instruction data set the base model does badly: integers to English words, asked in a
 terse format it has not seen ("n2w 347" -> "three hundred forty-seven"), as JSONL prompt/completion
-pairs, and the acceptance check of issue 18 (held-out exact match of greedy `sample --chat`).
+pairs, and its check: the held-out exact match of greedy `sample --chat`.
 
-    python scripts/number_words.py write DATA.jsonl [--n 400] [--seed 0]
-    python scripts/number_words.py score RUN_DIR DATA.jsonl [--base] [--no-loss]
-    python scripts/number_words.py score RUN_DIR DATA.jsonl --llamacpp FUSED.gguf [--tool TH_LOGITS]
-    python scripts/number_words.py kl RUN_DIR DATA.jsonl FUSED.gguf...
+    python tools/number_words.py write DATA.jsonl [--n 400] [--seed 0]
+    python tools/number_words.py score RUN_DIR DATA.jsonl [--base] [--no-loss]
+    python tools/number_words.py score RUN_DIR DATA.jsonl --llamacpp FUSED.gguf [--tool TH_LOGITS]
+    python tools/number_words.py kl RUN_DIR DATA.jsonl FUSED.gguf...
 
 The run's held-out split is the file's last 10% of examples (toyharness.data.jsonl), so `score`
 asks those prompts (greedy, through the KV cache), after the held-out masked loss (as the run's

@@ -1,6 +1,6 @@
-"""The memory plan against the memory a run takes (issue 35), recipe by recipe, size by size.
+"""The memory plan against the memory a run takes, recipe by recipe, size by size.
 
-    python scripts/gpu_memory_plan.py OUT_DIR [--backend cuda|cpu] [--quick]
+    python tools/gpu_memory_plan.py OUT_DIR [--backend cuda|cpu] [--quick]
 
 Each case runs in a child process of its own: it makes the plan, takes a baseline of the memory
 in use (cuda: the driver's used memory of the device, total - free, read through ggml's

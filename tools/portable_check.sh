@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The portable goldens on another machine's CPU (issue 23, proof c): build the cpu backend from
+# The portable goldens on another machine's CPU: build the cpu backend from
 # the pinned source, say which CPU this is, and check every portable golden bit for bit
 # (goldens/cpu-portable/ and the example plugin's), then the portable math's self-test at this
 # CPU's ISA levels (tests/test_portable_cross.py; its aarch64 part skips without qemu).
 #
-#   scripts/portable_check.sh OUT_DIR
+#   tools/portable_check.sh OUT_DIR
 #
 # Offline machines: put the ggml source in .device/ggml (TOYHARNESS_GGML_SRC) and wheels of
-# missing Python packages in .whl/, as for scripts/gpu_check.sh. The log lands in
+# missing Python packages in .whl/, as for tools/gpu_check.sh. The log lands in
 # OUT_DIR/portable_check.log; the exit status is 0 only if every golden matched.
 set -uo pipefail
-out=${1:?usage: scripts/portable_check.sh OUT_DIR}
+out=${1:?usage: tools/portable_check.sh OUT_DIR}
 mkdir -p "$out"
 log="$out/portable_check.log"
 export PYTHONUNBUFFERED=1

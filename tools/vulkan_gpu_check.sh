@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The vulkan backend on a GPU machine's own Vulkan driver (issue 33): ggml built with cuda and
+# The vulkan backend on a GPU machine's own Vulkan driver: ggml built with cuda and
 # vulkan from the pinned source, then on vulkan every op and block against float64 numpy, every
 # golden config against the cpu goldens (run-to-run bits), the graphs lowered for metal, the
 # device's vulkan goldens recorded, and `bench` at the default and nano sizes beside PyTorch on
 # cuda and our cuda backend.
 #
-#   [VULKAN_CHECK_BACKENDS=cpu,vulkan] scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR [GL_DEBS_DIR]
+#   [VULKAN_CHECK_BACKENDS=cpu,vulkan] tools/vulkan_gpu_check.sh OUT_DIR DEBS_DIR [GL_DEBS_DIR]
 #
 # DEBS_DIR holds Debian 12's packages for the build and the loader (apt-get download libvulkan1
 # libvulkan-dev glslc libshaderc1 spirv-headers); they are unpacked into /opt/vk, not into /.
@@ -14,8 +14,8 @@
 # VULKAN_CHECK_BACKENDS=cpu,vulkan skips the cuda build and bench; VULKAN_CHECK_BENCH=0 every bench.
 # Offline machines: the ggml source in .device/ggml and wheels in .whl/, as gpu_check.sh.
 set -uo pipefail
-out=${1:?usage: scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR}
-debs=${2:?usage: scripts/vulkan_gpu_check.sh OUT_DIR DEBS_DIR}
+out=${1:?usage: tools/vulkan_gpu_check.sh OUT_DIR DEBS_DIR}
+debs=${2:?usage: tools/vulkan_gpu_check.sh OUT_DIR DEBS_DIR}
 mkdir -p "$out"
 log="$out/vulkan_gpu_check.log"
 source "$(dirname "$0")/gpu_env.sh"
