@@ -450,7 +450,7 @@ class RayExecutor:
                     ray.init(address=address, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 hint = "" if os.environ.get("RAY_AUTH_MODE") else "; a cluster with token authentication needs " \
-                    "RAY_AUTH_MODE=token here (README: On a Ray cluster)"
+                    "RAY_AUTH_MODE=token here (docs/sweeps.md: On a Ray cluster)"
                 raise InputError(f"--ray {address}: cannot connect to a Ray cluster ({exc}){hint}") from None
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         largest = max((n.get("CPU", 0) for n in nodes), default=0)
