@@ -85,8 +85,8 @@ def realmodel(session):
 def llamacpp(session):
     """llama.cpp from the pinned archive loads our exports, adapters and fused files (toyharness
     fuse) and gives our logits; its tokenizer gives the ids tests/data/tokenizer_agreement.json
-    holds (and ours). TOYHARNESS_LLAMACPP_TOOL also serves scripts/sample_speed.py and
-    scripts/number_words.py score --llamacpp (th_generate lies beside th_logits)."""
+    holds (and ours). TOYHARNESS_LLAMACPP_TOOL also serves tools/sample_speed.py and
+    tools/number_words.py score --llamacpp (th_generate lies beside th_logits)."""
     session.install("-e", ".[test]")
     tool = session.run("python", "native/build.py", "--llamacpp-tool", silent=True).strip().splitlines()[-1]
     session.env["TOYHARNESS_LLAMACPP_TOOL"] = tool
@@ -144,3 +144,11 @@ def fuzz(session):
                         "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
     session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill",
                 env={"TOYHARNESS_KILL_TRIALS": "40"})
+
+
+@nox.session
+def docs(session):
+    """The docs site (mkdocs.yml, docs/) built strictly: a broken link or anchor, or a page left out
+    of the nav, fails it. Writes site/ (ignored by git)."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})

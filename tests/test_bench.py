@@ -151,7 +151,7 @@ def test_profile_names_the_kernel_that_took_each_op():
 
 
 def test_cpu_round_trip_probe_measures_pinned_pairs_and_restores_affinity():
-    """th_cpu_round_trip_ns (scripts/machine_drift.py's "trip"): a pair of distinct CPUs gives a
+    """th_cpu_round_trip_ns (tools/machine_drift.py's "trip"): a pair of distinct CPUs gives a
     time, a bad pair gives -1, and the caller's own CPU set is left as it was."""
     from toyharness._ffi import lib
 

@@ -204,7 +204,7 @@ def test_chat_on_the_byte_tokenizer_names_it(tmp_path):
 
 
 def test_save_batches_after_a_resume_holds_every_step(tmp_path):
-    """A resumed run's batches.npz held only the resumed steps; DESIGN.md has it hold every step's inputs,
+    """A resumed run's batches.npz held only the resumed steps; docs/design.md has it hold every step's inputs,
     the same arrays as the run that was never stopped."""
     import numpy as np
 

@@ -256,11 +256,11 @@ def test_plan_is_within_10_percent_of_rss_growth(recipe, sets, base_sets, tmp_pa
     assert 0.9 <= ratio <= 1.1, f"RSS grew {got['growth'] / 2**20:.1f} MiB for a plan of {got['plan'] / 2**20:.1f} MiB"
 
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "tools"
 
 
 def test_gpu_memory_plan_script_runs_on_cpu(tmp_path):
-    """scripts/gpu_memory_plan.py, which gpu_memory_plan.sh runs on the GPU machine, end to end on
+    """tools/gpu_memory_plan.py, which gpu_memory_plan.sh runs on the GPU machine, end to end on
     cpu (RSS for the driver's used memory) at its quick sizes; the shell script parses."""
     assert subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_memory_plan.sh")]).returncode == 0
     r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_memory_plan.py"), str(tmp_path), "--backend", "cpu",

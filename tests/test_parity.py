@@ -116,7 +116,7 @@ def test_lora_on_a_quantized_base_matches_pytorch_on_its_dequantized_weights(lla
 
 @pytest.mark.parametrize("recipe", ["gpt2", "llama"])
 def test_a_run_the_reference_trains_itself_is_our_run(recipe, tmp_path):
-    """train_reference (issue 32's 600-step comparison, scripts/eval_spread.py --backend torch)
+    """train_reference (the 600-step comparison of precisions, tools/eval_spread.py --backend torch)
     builds the run from the recipe's options alone: its init, batches and AdamW rows (the cosine
     schedule with warmup) must be ours, so its losses and last eval are our fp32 run's."""
     sets = [*SMALL, "eval_batches=3"]

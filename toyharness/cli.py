@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--type", dest="dtype", default="same", choices=FUSE_TYPES,
                    help="same (default): each tensor in the base's type; or every matrix in this type (norms stay "
                         "f32). A small adapter can drown in a coarse type's rounding: check with a held-out set "
-                        "(README, \"Fine-tune a real model\")")
+                        "(docs/finetuning.md, \"Which type\")")
     f.add_argument("--out", help="the fused file (default RUN_DIR/fused.gguf, or RUN_DIR/fused-TYPE.gguf)")
 
     s = sub.add_parser("sample", help="generate text from a trained language model",
@@ -247,7 +247,7 @@ def cmd_recipes(args) -> int:
     for name, e in discover_observers().items():
         print(f"  {name:<12} {e.distribution} {e.version}  ({e.value})")
     print(f"lora bases and warm_start donors: GGUFs of architecture {', '.join(ARCHITECTURES)} "
-          f"(README, \"Architectures\")")
+          f"(docs/architectures.md)")
     return 0
 
 

@@ -45,7 +45,7 @@ def golden_root() -> Path:
     return Path.cwd() / "goldens"
 
 
-# A precision other than fp32 is a golden variant of every recipe (DESIGN.md, "Goldens"):
+# A precision other than fp32 is a golden variant of every recipe (docs/design.md, "Determinism and goldens"):
 # ``gpt2@tf32``, ``lora@q4_k@bf16``; the backends that compute it (cuda) list them.
 PRECISION_VARIANTS = ("tf32", "bf16")
 

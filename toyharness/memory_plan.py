@@ -49,7 +49,7 @@ ROWS = {
 }
 # What a device's driver takes for a buffer beyond its size: the CUDA driver hands out 2 MiB pages,
 # a page run of its own for each buffer of 1 MiB or more, smaller ones packed together into shared
-# pages. Measured on an H100 (scripts/gpu_memory_plan.sh, 34 cases): the used memory grew by each
+# pages. Measured on an H100 (tools/gpu_memory_plan.sh, 34 cases): the used memory grew by each
 # large buffer rounded up to 2 MiB, exactly, and by 0-2 MiB for the small ones together (0 where
 # they fit in pages the process already held): counted at their sizes. Backends not named here are
 # counted at their buffers' sizes.

@@ -19,7 +19,7 @@ import tomllib
 from .adamw import CONVENTIONS, AdamWRow, Schedule
 from .errors import InputError
 
-# The precisions a run's matrix products can take (DESIGN.md, "Precision"; engine/backend.py says
+# The precisions a run's matrix products can take (docs/design.md, "Precision"; engine/backend.py says
 # which backend computes which).
 PRECISIONS = ("fp32", "tf32", "bf16")
 
@@ -37,7 +37,7 @@ def choice(default: Any, choices: tuple) -> Any:
 
 @dataclass
 class Options:
-    """Options every recipe has (DESIGN.md, "Options")."""
+    """Options every recipe has (docs/design.md, "Options")."""
 
     t_seq: int = 64
     t_batch: int = 8

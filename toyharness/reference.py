@@ -144,7 +144,7 @@ LOSSES: dict[str, Callable] = {"gpt2": lm_loss, "llama": lm_loss, "vit_tiny": cl
                                "warm_start": lm_loss}
 
 
-# --- the AdamW row (DESIGN.md), applied as written -------------------------------------------------
+# --- the AdamW row (docs/design.md), applied as written --------------------------------------------
 @torch.no_grad()
 def adamw_row_step(params: dict, m: dict, v: dict, row) -> None:
     lr, b1, b2, eps, wd, s5, s6 = (float(x) for x in row)

@@ -1,4 +1,4 @@
-"""The training loop and a run's folder (DESIGN.md, "A run's folder").
+"""The training loop and a run's folder (docs/design.md, "A run's files").
 
 Every file is written atomically (temporary name, then rename; toyharness/atomic.py), and a
 write that fails (disk full, quota, read-only folder) is one `WriteError` naming the file, exit 1.
