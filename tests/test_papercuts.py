@@ -128,6 +128,19 @@ def test_another_backend_named_on_resume_says_what_changed_and_that_the_bits_do(
     assert len(loss_bits(stopped)) == STEPS
 
 
+def test_a_resume_on_another_fingerprint_says_the_bits_may_change(runs, stopped):
+    """The same backend and mode on another build or CPU (config.toml edited to name another
+    fingerprint): nothing on the command line changed, but the bits may."""
+    fingerprint = get_engine("cpu").fast_fingerprint()
+    edit_config(stopped, fingerprint="cpu-scalar")
+    res = cli("run", "gpt2", "--steps", STEPS, "--resume", stopped, "--no-progress")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines() == [
+        f"toyharness: resuming {stopped} at step 2 with fingerprint cpu-scalar -> {fingerprint}: from here the bits "
+        "need not be the uninterrupted run's (another build or device computes other bits)"]
+    assert loss_bits(stopped) == loss_bits(runs[0]), "this machine's build made both"
+
+
 def test_config_with_resume_is_refused_by_name(stopped):
     """--config beside --resume was dropped without a word: the run's own config.toml won."""
     res = cli("run", "gpt2", "--resume", stopped, "--config", stopped / "config.toml", "--steps", 4)
