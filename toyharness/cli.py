@@ -21,6 +21,49 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(2, f"toyharness: error: {message}\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse hands a subcommand's unknown flags up to the top level, whose error shows the
+        top level's usage; they are the subcommand's mistake, so its parser reports them."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self._chosen_subparser(namespace) or self
+            target.error(unknown_arguments_message(target, extras))
+        return namespace
+
+    def _chosen_subparser(self, namespace) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(namespace, action.dest, None))
+        return None
+
+
+def unknown_arguments_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """One line naming the flags `parser` does not take, with the closest flag it does take where
+    one is close (a typo: --stpes for --steps)."""
+    import difflib
+
+    flags = [a.split("=", 1)[0] for a in extras if a.startswith("-") and len(a) > 1 and not _is_number(a)]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    # compared without their dashes, which every flag shares (with them --bogus is "close" to --out)
+    known = {s.lstrip("-"): s for action in parser._actions for s in action.option_strings}
+    guesses = {f: [known[g] for g in difflib.get_close_matches(f.lstrip("-"), known, n=1)] for f in flags}
+    message = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(flags)} for {parser.prog}"
+    close = [(f, g[0]) for f, g in guesses.items() if g]
+    if not close:
+        return f"{message} (`{parser.prog} --help` lists its flags)"
+    if len(flags) == 1:
+        return f"{message}; did you mean {close[0][1]}?"
+    return f"{message}; did you mean " + ", ".join(f"{g} for {f}" for f, g in close) + "?"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 SWEEP_DESCRIPTION = """\
 Run RECIPE once per point: each combination of the --grid values, with each seed.
@@ -41,9 +84,26 @@ examples:
 
 BACKEND_HELP = ("where ggml computes (default cpu); cuda and vulkan if this build has them "
                 "(TOYHARNESS_BACKENDS at install), metal on macOS")
-
+THREADS_HELP = "cpu threads (default: free cores)"
+NO_PROGRESS_HELP = "no progress display (for logs and CI)"
 LOG_HELP = ("observers to log to (toyharness.observers entry points, listed by `toyharness recipes`): "
             "tensorboard, mlflow, or a plugin's; the option `log`")
+
+
+def add_shared_flags(parser: argparse.ArgumentParser, *, backend: bool = True, backend_default: str | None = "cpu",
+                     backend_help: str = BACKEND_HELP, threads: bool = True, threads_help: str = THREADS_HELP,
+                     progress: bool = True, progress_help: str = NO_PROGRESS_HELP, out_help: str | None = None,
+                     out_metavar: str | None = None) -> None:
+    """The flags that mean the same thing in every command that takes them: --backend, --threads,
+    --no-progress and --out (only where a command writes something, with its own help: what it writes)."""
+    if backend:
+        parser.add_argument("--backend", default=backend_default, choices=BACKENDS, help=backend_help)
+    if threads:
+        parser.add_argument("--threads", type=int, help=threads_help)
+    if progress:
+        parser.add_argument("--no-progress", action="store_true", help=progress_help)
+    if out_help is not None:
+        parser.add_argument("--out", metavar=out_metavar, help=out_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    # recipes reads entry points and computes nothing: none of the shared flags
     sub.add_parser("recipes", help="list installed recipes and observers (name, distribution, version) and base "
                                    "architectures",
                    description="List every recipe found through the toyharness.recipes entry points, the "
@@ -63,16 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "summary.json, loss.png, checkpoint.gguf, model.gguf).")
     r.add_argument("recipe", help="an installed recipe (`toyharness recipes` lists them)")
     r.add_argument("--steps", type=int, help="number of training steps (default: the recipe's)")
-    r.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
-    r.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
+    add_shared_flags(r, backend_default=None,
+                     backend_help=BACKEND_HELP.replace("(default cpu)", "(default cpu; with --resume, the run's)"),
+                     progress_help="no progress bar", out_help="run folder (default: runs/RECIPE-TIMESTAMP)")
     r.add_argument("--config", help="TOML file of options")
     r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="set one option (repeatable; wins over --config)")
-    r.add_argument("--out", help="run folder (default: runs/RECIPE-TIMESTAMP)")
     r.add_argument("--save-init", action="store_true", help="write init.gguf: every parameter before step 0")
     r.add_argument("--save-batches", action="store_true", help="write batches.npz: every step's exact inputs")
-    r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its checkpoint, bit for bit")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its checkpoint, bit for bit, on its backend and precision (a "
+                        "--backend or --set precision=... given here wins, and is named on stderr)")
     r.add_argument("--log", action="append", metavar="NAME[,NAME]", help=LOG_HELP)
     r.add_argument("--plan", action="store_true",
                    help="print the run's memory plan (parameters, moments, frozen weights, activations, the largest "
@@ -85,7 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "diverging step); record: rewrite the golden files (intentional changes only)")
     g.add_argument("recipes", nargs="*", help="recipes, or RECIPE@VARIANT for a recipe's extra golden config "
                                               "(e.g. lora@q4_k); default: every installed recipe and its variants")
-    g.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
+    add_shared_flags(g, threads_help="cpu threads of each golden run (default: free cores; the bits do not depend "
+                                     "on it)",
+                     progress_help="as in every command; golden draws no progress display to turn off (one line per "
+                                   "golden as each finishes)")
+    g.add_argument("--verbose", action="store_true",
+                   help="check: list each recipe variant with no golden here, one per line (default: their count)")
     g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
     g.add_argument("--mode", default="auto", choices=["auto", "fast", "portable"],
                    help="fast: goldens/<this build's fingerprint>/; portable: goldens/cpu-portable/, run in the "
@@ -100,10 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "speedup (PyTorch ms / toyharness ms), matmul GFLOP/s against this machine's "
                                    "measured FP32 sgemm ceiling, and the host overhead of a step.")
     b.add_argument("recipes", nargs="*", help="default: every installed recipe with a PyTorch reference")
-    b.add_argument("--steps", type=int, help="timed steps per side (median; default 20)")
+    b.add_argument("--steps", type=int, help="timed steps per side (median; default 20); with --profile, steps "
+                                             "timed node by node (median; default 5)")
     b.add_argument("--warmup", type=int, help="untimed steps per side first (default 3)")
-    b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
-    b.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
+    add_shared_flags(b, threads_help="threads for both sides (default: free cores)",
+                     progress_help="as in every command; bench draws no progress display to turn off (a row "
+                                   "per recipe as each finishes)",
+                     out_help="where to write the results (default runs/bench-<fingerprint>[-<size>].json: "
+                              "under runs/, which git ignores, one file per build and size)")
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
     b.add_argument("--size", default="default", choices=list(SIZES),
                    help="model size: default (each recipe's bench config), nano (n_layer 6, d_model 384, n_head 6, "
@@ -118,8 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--torch-modes", metavar="MODES",
                    help="PyTorch's sides, comma-separated, the first the speedup's: eager, compile (default: eager; "
                         "for bf16 compile,eager)")
-    b.add_argument("--out", help="where to write the results (default runs/bench-<fingerprint>[-<size>].json: "
-                                 "under runs/, which git ignores, one file per build and size)")
     b.add_argument("--profile", action="store_true",
                    help="instead: where a toyharness step's time goes, by ggml op (each node timed alone; "
                         "no PyTorch needed, nothing written)")
@@ -136,21 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="set one option for every point (repeatable)")
     w.add_argument("--steps", type=int, help="training steps of every point (default: the recipe's)")
-    w.add_argument("--backend", choices=BACKENDS, help="default cpu")
+    add_shared_flags(w, backend_default=None,
+                     backend_help=BACKEND_HELP.replace("(default cpu)", "(default cpu; with --resume, the sweep's)"),
+                     threads_help="threads per point (default 1, or cores / workers); workers x threads <= cores",
+                     progress_help="no live progress line", out_metavar="DIR",
+                     out_help="the sweep's folder (default: sweeps/RECIPE-TIMESTAMP)")
     w.add_argument("--workers", type=int,
                    help="points at a time (default: cores / threads; with --ray: the cluster's CPUs / threads)")
-    w.add_argument("--threads", type=int,
-                   help="threads per point (default 1, or cores / workers); workers x threads <= cores")
     w.add_argument("--ray", metavar="auto|ADDRESS",
                    help="run each point as a Ray task: auto (this machine's cluster), HOST:PORT, ray://HOST:PORT "
                         "or local; needs pip install \"toyharness[ray]\"")
     w.add_argument("--keep-models", action="store_true",
                    help="with --ray: bring model and checkpoint files back too (default: they stay on the worker)")
-    w.add_argument("--out", metavar="DIR", help="the sweep's folder (default: sweeps/RECIPE-TIMESTAMP)")
     w.add_argument("--resume", metavar="DIR",
                    help="continue the sweep in DIR: finished points are kept, interrupted ones go on from their "
                         "checkpoints bit for bit, failed ones run again")
-    w.add_argument("--no-progress", action="store_true", help="no live progress line")
     w.add_argument("--log", action="append", metavar="NAME[,NAME]",
                    help=LOG_HELP + "; the sweep and each of its points (grid values and seed as tags)")
 
@@ -167,7 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="same (default): each tensor in the base's type; or every matrix in this type (norms stay "
                         "f32). A small adapter can drown in a coarse type's rounding: check with a held-out set "
                         "(docs/finetuning.md, \"Which type\")")
-    f.add_argument("--out", help="the fused file (default RUN_DIR/fused.gguf, or RUN_DIR/fused-TYPE.gguf)")
+    # fuse merges on the host (numpy and ggml's quantizer), in one pass with nothing to show: no
+    # --backend, --threads or --no-progress
+    add_shared_flags(f, backend=False, threads=False, progress=False,
+                     out_help="the fused file (default RUN_DIR/fused.gguf, or RUN_DIR/fused-TYPE.gguf)")
 
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf; for lora, the base plus the "
@@ -184,7 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt per line, or JSONL: {\"prompt\": ..., \"completion\": ...} (a pair is asked through "
                         "the chat template where the tokenizer has one, as training renders it) or "
                         "{\"messages\": [...]} (a final assistant turn is the expected reply)")
-    s.add_argument("--out", metavar="FILE.jsonl", help="with --prompts: write the replies here (default stdout)")
     s.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the tokenizer's chat template; print the reply")
     s.add_argument("--tokens", type=int, default=200, help="new tokens at most (default 200; fewer where the "
@@ -203,9 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "4x the base's memory")
     s.add_argument("--no-cache", action="store_true",
                    help="no KV cache: the whole window's forward for each new token (the reference)")
-    s.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
-    s.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar (--prompts)")
+    add_shared_flags(s, progress_help="no progress bar (--prompts)", out_metavar="FILE.jsonl",
+                     out_help="with --prompts: write the replies here (default stdout)")
     return p
 
 
@@ -303,12 +373,17 @@ def cmd_golden(args) -> int:
     root = Path(args.dir) if args.dir else None
     if root is not None and args.action == "check" and not root.is_dir():
         raise InputError(f"--dir {root}: no such folder")
-    if args.recipes:
-        get_engine(args.backend)    # a backend this build lacks, named before a precision it would compute
+    if args.verbose and args.action != "check":
+        raise InputError("--verbose: lists the variants a check finds no golden for; record writes every one")
+    if args.recipes or args.threads:
+        # a backend this build lacks, named before a precision it would compute; the thread count
+        # stays on the process's engine, which every golden run below takes
+        get_engine(args.backend, args.threads)
     for name in args.recipes:
         goldens.check_name(name, args.backend)
     names = args.recipes or [name for recipe in discover() for name in goldens.golden_names(recipe, args.backend)]
     failed = 0
+    missing: list[goldens.GoldenMissing] = []
     for name in names:
         if args.action == "record":
             try:
@@ -318,6 +393,11 @@ def cmd_golden(args) -> int:
             continue
         try:
             path, mismatch = goldens.check(name, args.backend, root, args.mode)
+        except goldens.GoldenMissing as exc:
+            if args.recipes or args.verbose:    # asked for by name, or a listing asked for
+                print(f"SKIP {name}: {exc}")
+            missing.append(exc)
+            continue
         except FileNotFoundError as exc:
             print(f"SKIP {name}: {exc}")
             continue
@@ -327,7 +407,18 @@ def cmd_golden(args) -> int:
             print(f"FAIL {mismatch} ({used})")
         else:
             print(f"ok   {name} ({used})")
+    if missing and not args.recipes:
+        print(missing_goldens_line(missing, args.verbose))
     return 1 if failed else 0
+
+
+def missing_goldens_line(missing: list, listed: bool) -> str:
+    """A check's one line for the variants nobody recorded a golden for on this fingerprint (on
+    cuda, most precision variants): their count, and how to list them."""
+    n = len(missing)
+    where = " or ".join(dict.fromkeys(exc.fingerprints for exc in missing))
+    what = f"{n} recipe variant{'s' if n != 1 else ''} with no golden for {where}: not checked"
+    return what + (" (listed above)" if listed else f"; --verbose lists {'them' if n != 1 else 'it'}")
 
 
 def cmd_bench(args) -> int:
@@ -345,16 +436,19 @@ def cmd_bench(args) -> int:
     if unknown:
         raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
     if args.profile:
-        unused = [flag for flag, value in (("--steps", args.steps), ("--warmup", args.warmup),
-                                           ("--torch-device", args.torch_device), ("--torch-modes", args.torch_modes),
-                                           ("--out", args.out)) if value is not None]
+        unused = [flag for flag, value in (("--warmup", args.warmup), ("--torch-device", args.torch_device),
+                                           ("--torch-modes", args.torch_modes), ("--out", args.out))
+                  if value is not None]
         if unused:
-            raise InputError(f"{', '.join(unused)}: not used by --profile (it times one step node by node, without "
+            raise InputError(f"{', '.join(unused)}: not used by --profile (it times steps node by node, without "
                              "PyTorch, and writes nothing)")
-    args.steps = 20 if args.steps is None else args.steps
-    args.warmup = 3 if args.warmup is None else args.warmup
-    if args.steps < 10:
-        raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
+        if args.steps is not None and args.steps < 1:
+            raise InputError(f"--steps {args.steps}: --profile times at least 1 step node by node")
+    else:
+        args.steps = 20 if args.steps is None else args.steps
+        args.warmup = 3 if args.warmup is None else args.warmup
+        if args.steps < 10:
+            raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
     if args.size != "default" and not args.recipes:
         known = [n for n in known if bench.fits_size(n, args.size)]
     if any(item.split("=", 1)[0].strip() == "precision" for item in args.set):
@@ -460,7 +554,8 @@ def _bench_profile(args, names: list[str], sets: dict[str, list[str]]) -> int:
 
     threads = args.threads or default_threads()
     for name in names:
-        prof = bench.profile_recipe(name, args.backend, threads, sets[name])
+        prof = bench.profile_recipe(name, args.backend, threads, sets[name],
+                                    **({"repeats": args.steps} if args.steps is not None else {}))
         total, ops = prof.total_ms, prof.ops
         size = "" if args.size == "default" else f", size {args.size}"
         print(f"{name}: {args.backend}, {threads} threads{size}{build_line(args.backend)}; nodes timed one at a "
