@@ -29,7 +29,7 @@ gaps (11.4% to 3.4% for gpt2) but two fp32 runs still end more than 1% apart on 
 A TAG=ENV setting can stand for a precision: --precisions fp32 fp32:TOYHARNESS_CUDA_ATTENTION=ggml
 runs fp32 twice, the second with that environment variable set (another summation order).
 
---backend torch trains toyharness/reference.py's model the same way (the recipe's init, batches and
+--backend torch trains the recipe's PyTorch twin the same way (the recipe's init, batches and
 AdamW rows; bf16 as autocast over fp32 master weights; on the GPU where PyTorch sees one): how far
 PyTorch's own bf16 run ends from its fp32 run. Measured (stop 70, H100, PyTorch 2.11, seeds 1337 and
 1-9, 600 steps, default eval / 64 batches): gpt2 median 1.33% / 1.53%, 4 of 10 seeds within 1%, the
@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[1337])
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--backend", default="cuda",
-                    help="cpu, cuda, or torch: toyharness/reference.py's PyTorch model trained the same way "
+                    help="cpu, cuda, or torch: the recipe's PyTorch twin trained the same way "
                          "(train_reference; on cuda where PyTorch sees a GPU), bf16 as autocast")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batches", type=int, default=64)
@@ -100,7 +100,7 @@ def main() -> int:
                     os.environ[key] = value
                 try:
                     if a.backend == "torch":
-                        from toyharness.reference import train_reference
+                        from toyharness.bench.torch_side import train_reference
 
                         run = train_reference(recipe, a.steps, [*a.set, f"seed={seed}"], precision,
                                               torch_device(), (a.batches,))

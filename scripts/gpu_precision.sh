@@ -459,7 +459,7 @@ fi
 if [[ $phases == *" spread600 "* ]]; then
     # Ours beside PyTorch's own: each side's bf16 run against its fp32 run, seed by seed (AGREE_SEEDS,
     # default 1337 1-9), 600 steps, on the default 4 eval batches and on 64 (scripts/eval_spread.py;
-    # --backend torch is toyharness/reference.py's model trained the same way, bf16 as autocast).
+    # --backend torch is the recipe's PyTorch twin trained the same way, bf16 as autocast).
     step "600 steps of gpt2 and llama, bf16 against fp32: ours, then PyTorch's"
     seeds=(${AGREE_SEEDS:-1337 1 2 3 4 5 6 7 8 9})
     # ours must keep bf16's mean over the seeds within 1% of fp32's (--check-mean); PyTorch's is shown

@@ -82,6 +82,12 @@ class LoRA(LMRecipe):
     name = "lora"
     options_class = LoRAOptions
 
+    def torch_reference(self, options):
+        """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
+        from .torch_twins.lora import LoRATwin
+
+        return LoRATwin(options)
+
     # Golden and bench bases: the llama recipe's seeded init, written once to the cache
     # (toyharness.lm.seeded_model_file), so the same base bytes exist on every machine.
     @property
