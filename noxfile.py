@@ -46,9 +46,10 @@ def tests_vulkan(session):
 
 @nox.session
 def bench(session):
-    """ms/step, items/s and peak RSS per recipe at its default config; writes runs/bench-<fingerprint>.json."""
+    """ms/step, items/s and peak RSS per installed recipe at its default config, beside its PyTorch twin
+    where it has one; writes runs/bench-<fingerprint>.json."""
     session.install("-e", ".[test]")
-    session.install("torch==2.13.0", TRANSFORMERS)  # the PyTorch eager side (CPU build); lora's over any architecture
+    session.install("torch==2.13.0", TRANSFORMERS)  # the twins' side (CPU build); lora's over any architecture
     session.run("toyharness", "bench", *session.posargs)
 
 
@@ -60,8 +61,9 @@ def lint(session):
 
 @nox.session
 def parity(session):
-    """First losses of every recipe against the PyTorch reference (toyharness/reference.py), and of
-    LoRA over each base architecture against transformers' model of it (tests/test_arch_parity.py)."""
+    """First losses of every installed recipe that has a PyTorch twin (its `torch_reference`) against
+    it, and of LoRA over each base architecture against transformers' model of it
+    (tests/test_arch_parity.py)."""
     session.install("-e", ".[test]")
     session.install("torch==2.13.0", TRANSFORMERS)  # the CPU build; never another version
     session.run("pytest", "-q", "-m", "parity", "-rs", *session.posargs)

@@ -6,7 +6,7 @@
 Runs 3 warm-up steps of the recipe at `toyharness bench --size SIZE`, then 3 steps under
 torch.profiler (CUPTI), which records every kernel of the process: ggml-cuda's, cuBLAS's and ours
 (native/cuda). CUDA graphs are off in this process so that each launch is seen. `--torch` does
-the same for the PyTorch eager reference step (toyharness.reference, fused AdamW) after ours.
+the same for the PyTorch eager step of the recipe's twin (fused AdamW) after ours.
 `--precision` runs both sides at that precision (ours: the recipe's `precision` option; PyTorch's
 as `bench --precision` sets it up: TF32 products for tf32, bf16 autocast for bf16), and
 `--torch-compile` compiles PyTorch's forward and loss as `bench` does for bf16 (nanoGPT's defaults).
@@ -25,8 +25,9 @@ os.environ["GGML_CUDA_DISABLE_GRAPHS"] = "1"      # read at the first cuda compu
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from toyharness import reference  # noqa: E402
-from toyharness.bench import realize_for_bench, reference_config, size_sets, torch_precision_setup  # noqa: E402
+from toyharness.bench import realize_for_bench, size_sets  # noqa: E402
+from toyharness.bench.torch_side import torch_precision_setup, twin_for  # noqa: E402
+from toyharness.plugins import get_recipe  # noqa: E402
 from toyharness.runner import batch_for  # noqa: E402
 
 STEPS = 3
@@ -63,17 +64,15 @@ def ours(recipe: str, size: str, rows: int, precision: str, extra: list[str] | N
 def pytorch(recipe: str, size: str, rows: int, precision: str, compiled: bool) -> None:
     pm, opts, data, engine, model = realize_for_bench(recipe, "cpu", 2, size_sets(recipe, size))
     dev = torch.device("cuda")
-    autocast = torch_precision_setup(torch, precision)
-    params = {n: torch.tensor(model.trainer.prog.read(t), device=dev, requires_grad=True)
-              for n, t in model.trainer.prog.params.items()}
-    cfg, _ = reference_config(opts, with_frozen=False)
-    opt = torch.optim.AdamW(list(params.values()), fused=True, lr=1e-3)
-    forward, loss_fn = reference.MODELS[recipe], reference.LOSSES[recipe]
+    autocast = torch_precision_setup(precision)
+    twin = twin_for(get_recipe(recipe)[1], opts)       # the recipe's PyTorch twin
+    params = twin.parameters({n: model.trainer.prog.read(t) for n, t in model.trainer.prog.params.items()}, dev)
+    opt = torch.optim.AdamW([p for p in params.values() if p.requires_grad], fused=True, lr=1e-3)
     batch = {k: torch.from_numpy(v).to(dev) for k, v in batch_for(data, "train", 0, opts).items()}
 
     def model_loss(params, batch):
         with autocast(dev):
-            return loss_fn(forward(params, batch, cfg), batch)
+            return twin.loss(twin.forward(params, batch), batch)
 
     model_loss = torch.compile(model_loss) if compiled else model_loss
 

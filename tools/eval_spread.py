@@ -19,7 +19,7 @@ few batches.
 A TAG=ENV setting can stand for a precision: --precisions fp32 fp32:TOYHARNESS_CUDA_ATTENTION=ggml
 runs fp32 twice, the second with that environment variable set (another summation order).
 
---backend torch trains toyharness/reference.py's model the same way (the recipe's init, batches and
+--backend torch trains the recipe's PyTorch twin the same way (the recipe's init, batches and
 AdamW rows; bf16 as autocast over fp32 master weights; on the GPU where PyTorch sees one): how far
 PyTorch's own bf16 run ends from its fp32 run.
 """
@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[1337])
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--backend", default="cuda",
-                    help="cpu, cuda, or torch: toyharness/reference.py's PyTorch model trained the same way "
+                    help="cpu, cuda, or torch: the recipe's PyTorch twin trained the same way "
                          "(train_reference; on cuda where PyTorch sees a GPU), bf16 as autocast")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batches", type=int, default=64)
@@ -85,7 +85,7 @@ def main() -> int:
                     os.environ[key] = value
                 try:
                     if a.backend == "torch":
-                        from toyharness.reference import train_reference
+                        from toyharness.bench.torch_side import train_reference
 
                         run = train_reference(recipe, a.steps, [*a.set, f"seed={seed}"], precision,
                                               torch_device(), (a.batches,))

@@ -159,14 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "portable mode (the same bits on every CPU); auto (default): fast where that golden "
                         "exists, else portable")
 
-    b = sub.add_parser("bench", help="ms/step, items/s (tokens or images), peak RSS beside PyTorch eager; writes "
-                                    "runs/bench-*.json",
-                       description="Time each recipe's training step at its bench config (its defaults) beside an "
-                                   "equivalent PyTorch eager model with AdamW (toyharness/reference.py, needs torch), "
-                                   "in alternating rounds, each side in its own process. Reports medians, the "
-                                   "speedup (PyTorch ms / toyharness ms), matmul GFLOP/s against this machine's "
-                                   "measured FP32 sgemm ceiling, and the host overhead of a step.")
-    b.add_argument("recipes", nargs="*", help="default: every installed recipe with a PyTorch reference")
+    b = sub.add_parser("bench", help="ms/step, items/s (tokens or images), peak RSS, beside PyTorch where a recipe "
+                                    "has a PyTorch twin; writes runs/bench-*.json",
+                       description="Time each recipe's training step at its bench config (its defaults), each side "
+                                   "in its own process. A recipe with a PyTorch twin (its torch_reference) runs "
+                                   "beside it, with AdamW, in alternating rounds, where torch is installed; any other "
+                                   "runs alone. Reports medians, items/s, peak memory, the speedup (PyTorch ms / "
+                                   "toyharness ms), matmul GFLOP/s against this machine's measured FP32 sgemm "
+                                   "ceiling, and the host overhead of a step.")
+    b.add_argument("recipes", nargs="*", help="default: every installed recipe")
     b.add_argument("--steps", type=int, help="timed steps per side (median; default 20); with --profile, steps "
                                              "timed node by node (median; default 5)")
     b.add_argument("--warmup", type=int, help="untimed steps per side first (default 3)")
@@ -422,162 +423,9 @@ def missing_goldens_line(missing: list, listed: bool) -> str:
 
 
 def cmd_bench(args) -> int:
-    import importlib.util
+    from .bench.report import run_bench
 
-    from . import bench
-    from .atomic import atomic_write
-    from .engine import get_engine
-    from .engine.backend import blas_kernel, build_simd, check_precision, default_threads
-    from .errors import InputError
-    from .plugins import discover
-
-    known = list(discover())
-    unknown = [n for n in args.recipes if n not in known]
-    if unknown:
-        raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
-    if args.profile:
-        unused = [flag for flag, value in (("--warmup", args.warmup), ("--torch-device", args.torch_device),
-                                           ("--torch-modes", args.torch_modes), ("--out", args.out))
-                  if value is not None]
-        if unused:
-            raise InputError(f"{', '.join(unused)}: not used by --profile (it times steps node by node, without "
-                             "PyTorch, and writes nothing)")
-        if args.steps is not None and args.steps < 1:
-            raise InputError(f"--steps {args.steps}: --profile times at least 1 step node by node")
-    else:
-        args.steps = 20 if args.steps is None else args.steps
-        args.warmup = 3 if args.warmup is None else args.warmup
-        if args.steps < 10:
-            raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
-    if args.size != "default" and not args.recipes:
-        known = [n for n in known if bench.fits_size(n, args.size)]
-    if any(item.split("=", 1)[0].strip() == "precision" for item in args.set):
-        raise InputError("--set precision=...: use --precision, which sets PyTorch's side too")
-    get_engine(args.backend)    # fails early on a backend this build lacks
-    check_precision(args.backend, args.precision)
-    sets = {n: bench.size_sets(n, args.size, args.set + [f"precision={args.precision}"])
-            for n in args.recipes or known}
-    if args.profile:
-        return _bench_profile(args, args.recipes or known, sets)
-    if importlib.util.find_spec("torch") is None:
-        raise InputError("toyharness bench needs PyTorch for its comparison side: pip install torch")
-    from .reference import MODELS  # fails here, not in a worker, if torch is broken
-
-    names = args.recipes or [n for n in known if n in MODELS]
-    no_ref = [n for n in names if n not in MODELS]
-    if no_ref:
-        raise InputError(f"no PyTorch reference for {', '.join(no_ref)} (toyharness/reference.py has "
-                         f"{', '.join(MODELS)})")
-    if importlib.util.find_spec("transformers") is None:
-        for name in names:
-            base = getattr(bench.bench_options(name, sets[name])[1], "base", "")
-            if bench.transformers_side(base):
-                raise InputError(f"bench {name} over {base}: PyTorch's side is transformers' model of that "
-                                 "architecture (toyharness/architectures/hf.py): pip install transformers")
-    threads = args.threads or default_threads()
-    engine = get_engine(args.backend, threads)   # fails early on a backend this build lacks
-    ceiling = bench.matmul_ceiling(threads) if args.backend == "cpu" else None
-    results = {}
-    hdr = f"{'recipe':<11}{'toyharness':>12}{'PyTorch':>10}{'speedup':>9}{'items/s':>11}{'RSS MB':>8}" \
-          f"{'torch RSS':>10}{'GFLOP/s':>9}{'ceiling':>8}{'host':>7}"
-    size = "" if args.size == "default" else f", size {args.size}"
-    modes = bench.TORCH_MODES[args.precision]
-    if args.torch_modes:
-        modes = tuple(m.strip() for m in args.torch_modes.split(",") if m.strip())
-        if not modes or any(m not in ("eager", "compile") for m in modes) or len(set(modes)) != len(modes):
-            raise InputError(f"--torch-modes {args.torch_modes}: name eager and/or compile, each once")
-    torch_side = " and ".join(f"PyTorch {m}" for m in modes) + ("" if args.precision == "fp32" else " (the first "
-                                                                  "is PyTorch's column)")
-    print(f"{args.backend}, {threads} threads{size}{build_line(args.backend)}, precision {args.precision} "
-          f"({torch_side}); "
-          f"ms/step medians over {args.steps} steps per side"
-          + (f"; FP32 sgemm ceiling {ceiling:.0f} GFLOP/s" if ceiling else ""))
-    print(hdr)
-    for name in names:
-        r = bench.bench_recipe(name, args.backend, threads, args.steps, args.warmup, torch_device=args.torch_device,
-                               sets=sets[name], torch_modes=modes)
-        doc = results[name] = r.to_json(ceiling)
-        gf = f"{r.gflops:9.1f}" if r.gflops else f"{'-':>9}"
-        ceil = f"{doc['ceiling_pct']:7.0f}%" if "ceiling_pct" in doc else f"{'-':>8}"
-        host = f"{r.host_overhead_pct:6.1f}%" if r.host_overhead_pct is not None else f"{'-':>7}"
-        print(f"{name:<11}{r.ms_per_step:10.2f}ms{r.torch_ms_per_step:8.2f}ms{r.speedup:8.2f}x"
-              f"{doc[r.item + '_per_s']:11,.0f}{r.peak_rss_mb:8.0f}{r.torch_peak_rss_mb:10.0f}{gf}{ceil}{host}")
-        for mode in modes[1:]:
-            print(f"  PyTorch {mode}: {doc[f'torch_{mode}_ms_per_step']:.2f} ms, "
-                  f"speedup {doc[f'speedup_vs_torch_{mode}']:.2f}x")
-        if "device_mb" in doc or "torch_device_mb" in doc:
-            gib = {k: f"{doc[k] / 1024:.2f} GiB" if doc.get(k) is not None else "-"
-                   for k in ("device_mb", "bf16_copies_mb", "bf16_copies_peak_mb", "torch_device_mb",
-                             "torch_device_peak_mb")}
-            print(f"  GPU memory (the driver's, per process): toyharness {gib['device_mb']}"
-                  + (f" (bf16 copies {gib['bf16_copies_mb']}, at most {gib['bf16_copies_peak_mb']} of it in use)"
-                     if "bf16_copies_mb" in doc else "")
-                  + f", PyTorch {gib['torch_device_mb']} (its allocator's peak {gib['torch_device_peak_mb']})")
-        drift = r.drift()
-        if drift:
-            spans = ", ".join(f"{side} rounds {lo:.2f}-{hi:.2f} ms" for side, (lo, hi) in drift.items())
-            trips = doc.get("cpu_round_trip_ns")
-            if trips:
-                spans += f"; CPU round trip {trips[0]:.0f} ns before, {trips[1]:.0f} after"
-            print(f"  note: the machine's speed moved during {name} ({spans}); compare several runs")
-    doc = {"backend": args.backend, "threads": threads, "size": args.size, "precision": args.precision,
-           "torch_modes": list(modes), "fingerprint": engine.fingerprint(),
-           **({"simd": build_simd(), "blas": blas_kernel()} if args.backend == "cpu" else {}),
-           "steps": args.steps, "warmup": args.warmup,
-           "fp32_ceiling_gflops": None if ceiling is None else round(ceiling, 1),
-           "recipes": results}
-    out = Path(args.out or default_bench_out(doc["fingerprint"], args.size))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
-    return 0
-
-
-def default_bench_out(fingerprint: str, size: str) -> str:
-    """`bench`'s output without --out: under runs/ (ignored by git: a bench output is a measurement
-    of one machine, never a file of the repository), named by build and size so that the AVX2 and
-    AVX-512 builds' runs side by side do not overwrite each other."""
-    return f"runs/bench-{fingerprint}" + ("" if size == "default" else f"-{size}") + ".json"
-
-
-def build_line(backend: str) -> str:
-    """", SIMD avx2, BLAS OpenBLAS Haswell (...)" for the cpu: the build and kernel every figure of
-    a bench header ran on (an AVX2 build on an AVX-512 CPU differs from the native one); "" off it."""
-    from .engine.backend import blas_kernel, build_simd
-
-    return f", SIMD {build_simd()}, BLAS {blas_kernel()}" if backend == "cpu" else ""
-
-
-def _bench_profile(args, names: list[str], sets: dict[str, list[str]]) -> int:
-    from . import bench
-    from .engine.backend import default_threads
-
-    threads = args.threads or default_threads()
-    for name in names:
-        prof = bench.profile_recipe(name, args.backend, threads, sets[name],
-                                    **({"repeats": args.steps} if args.steps is not None else {}))
-        total, ops = prof.total_ms, prof.ops
-        size = "" if args.size == "default" else f", size {args.size}"
-        print(f"{name}: {args.backend}, {threads} threads{size}{build_line(args.backend)}; nodes timed one at a "
-              f"time: {total:.2f} ms per step "
-              f"(a whole step: {prof.step_ms:.2f} ms)")
-        print("  " + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in prof.phases.items()))
-        print(f"  {'op':<26}{'kernel':<14}{'nodes':>6}{'ms':>9}{'share':>8}")
-        for o in ops:
-            if o.ms >= 0.005 * total:
-                print(f"  {o.op:<26}{o.kernel:<14}{o.nodes:6d}{o.ms:9.3f}{100 * o.ms / total:7.1f}%")
-        rest = [o for o in ops if o.ms < 0.005 * total]
-        if rest:
-            print(f"  {f'{len(rest)} more ops':<38}{sum(o.nodes for o in rest):6d}{sum(o.ms for o in rest):9.3f}"
-                  f"{100 * sum(o.ms for o in rest) / total:7.1f}%")
-        if prof.floor_us is not None:
-            n = sum(o.nodes for o in ops)
-            print(f"  a node that computes nothing (a view) takes {prof.floor_us:.1f} us: {n} nodes, "
-                  f"{n * prof.floor_us / 1e3:.2f} ms of the total is that floor")
-        print("  slowest nodes (graph index, op, shape in ggml order, ms):")
-        for t in prof.slowest:
-            print(f"    #{t.index} {t.op} {'x'.join(map(str, t.shape))} {t.ms:.3f}")
-    return 0
+    return run_bench(args)
 
 
 def cmd_sweep(args) -> int:

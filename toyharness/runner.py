@@ -70,20 +70,27 @@ def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, over
 
 
 
-def load_finished_run(run_dir):
-    """A finished language-model run folder (`sample`, `fuse`): its recipe object, resolved options
-    and checkpoint path, or an InputError naming what is missing."""
-    from .lm import LMRecipe
+# What `sample` and `fuse` call on a finished run's recipe (toyharness.lm.LMRecipe has them all);
+# `fuse` also takes a recipe's `fuse_adapters` where it has one (toyharness/fuse.py).
+SAMPLE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "load_for_sampling", "build_params", "forward")
+FUSE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "write_model")
 
+
+def load_finished_run(run_dir, needs: tuple[str, ...] = SAMPLE_NEEDS, command: str = "sample"):
+    """A finished run folder whose recipe has the methods `needs` (what `command` calls on it): its
+    recipe object, resolved options and checkpoint path, or an InputError naming what is missing."""
     run_dir = Path(run_dir)
     cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
     if not cfg_path.is_file() or not ckpt.is_file():
         raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
     name = read_toml(cfg_path).get("recipe", "?")
     _, obj = get_recipe(name)
-    if not isinstance(obj, LMRecipe):
-        raise InputError(f"{run_dir}: recipe {name!r} is not a language model")
+    missing = [method for method in needs if not callable(getattr(obj, method, None))]
+    if missing:
+        raise InputError(f"{run_dir}: recipe {name!r} has no {', '.join(missing)}: `{command}` takes a language "
+                         "model's recipe (toyharness.lm.LMRecipe has them)")
     return obj, resolve_options(obj, str(cfg_path), [], {}), ckpt
+
 
 def load_data(pm, options):
     data = pm.hook.load_data(options=options)
