@@ -17,11 +17,11 @@ from toyharness import goldens
 from toyharness._ffi import ffi, lib
 from toyharness.architectures import example_shape, write_example
 from toyharness.engine import get_engine
+from toyharness.engine.memory_plan import graph_buffer_bytes, plan_model
 from toyharness.engine.program import Program
 from toyharness.errors import InputError
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.memory_plan import graph_buffer_bytes, plan_model
 from toyharness.plugins import get_recipe
 from toyharness.runner import load_data, plan_run, resolve_options, train
 

@@ -29,9 +29,9 @@ from .atomic import atomic_write
 from .data import load_text_data
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
+from .engine.memory_plan import check_fits, plan_model
 from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
-from .memory_plan import check_fits, plan_model
 from .observers import ObserverBus, load_observers
 from .options import Options, load_toml, read_toml, resolve
 from .plugins import get_recipe

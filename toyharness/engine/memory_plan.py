@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ._ffi import ffi, lib, log_level
-from .errors import DoesNotFit, InputError, OutOfMemory
+from .._ffi import ffi, lib, log_level
+from ..errors import DoesNotFit, InputError, OutOfMemory
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -451,7 +451,7 @@ def _reserve(size: int) -> int:
 # --- making a plan -------------------------------------------------------------------------------
 def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
     """Realize the recipe in planning mode on `engine` and return its plan (nothing allocated)."""
-    from .init import shapes_only
+    from ..init import shapes_only
 
     planner = Planner(engine)
     engine.planner = planner
