@@ -310,7 +310,7 @@ def seeded_model_file(recipe: str, sets: list[str], vocab: int = 256) -> Path:
     key = hashlib.sha256(repr((recipe, sorted(options.to_dict().items()), vocab)).encode()).hexdigest()[:12]
     path = cache_root() / "models" / f"{recipe}-init-{key}.gguf"
     if not path.is_file():
-        from .init import with_values
+        from .seeded_init import with_values
 
         with with_values():
             obj.write_model(path, obj.init_params(options, vocab), options, vocab)

@@ -2,7 +2,7 @@
 
 The plan is read from the very graphs ggml will allocate, not from a formula: the recipe is
 realized once on a program in planning mode (Program.planner), where parameter inits are
-zero-stride placeholders (toyharness.init.shapes_only), persistent tensors are placed in an
+zero-stride placeholders (toyharness.seeded_init.shapes_only), persistent tensors are placed in an
 address range that is reserved but never touched (each padded to the buffer type's alignment,
 as ggml_backend_alloc_ctx_tensors places them), and the training and evaluation graphs are
 sized by ggml's own allocator (ggml_gallocr_reserve_n_size) after the backend's rewrites, as a
@@ -451,7 +451,7 @@ def _reserve(size: int) -> int:
 # --- making a plan -------------------------------------------------------------------------------
 def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
     """Realize the recipe in planning mode on `engine` and return its plan (nothing allocated)."""
-    from ..init import shapes_only
+    from ..seeded_init import shapes_only
 
     planner = Planner(engine)
     engine.planner = planner
