@@ -32,8 +32,9 @@ from .engine.gguf_io import GGUFError
 from .engine.memory_plan import check_fits, plan_model
 from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
+from .lm import LMRecipe
 from .observers import ObserverBus, load_observers
-from .options import Options, load_toml, read_toml, resolve
+from .options import Options, read_toml, resolve_options
 from .plugins import get_recipe
 
 GGML_VERSION = "0.25.3"
@@ -60,21 +61,9 @@ class Run:
     evals: list[dict] = field(default_factory=list)
 
 
-def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
-    pm = plugin_manager(recipe_obj)
-    cls = pm.hook.options()
-    if cls is None:
-        raise InputError("the recipe implements no `options` hook")
-    toml = load_toml(config) if config else {}
-    return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
-
-
-
 def load_finished_run(run_dir):
     """A finished language-model run folder (`sample`, `fuse`): its recipe object, resolved options
     and checkpoint path, or an InputError naming what is missing."""
-    from .lm import LMRecipe
-
     run_dir = Path(run_dir)
     cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
     if not cfg_path.is_file() or not ckpt.is_file():
