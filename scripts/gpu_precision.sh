@@ -17,7 +17,7 @@
 #                                    [spread600]
 #
 # norm: a norm computed by its AFFINE (and the residual's sum before it), the norms' rows in
-# registers (native/cuda/th-custom.cu): their tests in tests/test_cuda_kernels.py, each against
+# registers (native/cuda/th-custom.cu): their tests in tests/test_cuda_*.py, each against
 # the kernels before it bit for bit, and our RMS_NORM against ggml-cuda's; norm-profile: a
 # bf16 gpt2-small step of each of PROFILE_RECIPES (default gpt2 llama) by kernel with the kernels
 # before (TOYHARNESS_CUDA_NORM_AFFINE=separate TOYHARNESS_CUDA_NORM_ROWS=memory), then now,
@@ -32,7 +32,7 @@
 # then summed by the backward, twice each, interleaved.
 #
 # cudnn: bf16 attention on cuDNN's fused attention (native/cudnn/th_cudnn.cpp): its test and the
-# attention tests of tests/test_precision.py and tests/test_cuda_kernels.py (cuDNN's against float64,
+# attention tests of tests/test_precision.py and tests/test_cuda_*.py (cuDNN's against float64,
 # grouped heads read in place against ggml's REPEATs); cudnn-debug: a cuDNN
 # run under cuda-gdb, its whole output in OUT/cudnn_gdb.txt (the backtrace of a crash); cudnn-profile: a bf16
 # gpt2-small step of each of PROFILE_RECIPES (default gpt2 llama) by kernel on our attention kernels
@@ -41,20 +41,20 @@
 # qkv-bf16: attention's q, k and v products kept in bf16 (native/cuda_precision.c,
 # th_attention_inputs_bf16): the bf16 kernels alone with bf16 inputs against fp32 inputs of the same
 # values (scripts/attention_bench.sh: the same bits), its tests and the bf16 tests it touches
-# (tests/test_precision.py), tests/test_cuda_kernels.py whole; qkv-bf16-goldens: every cuda golden
+# (tests/test_precision.py), tests/test_cuda_*.py whole; qkv-bf16-goldens: every cuda golden
 # checked (of those, only gpt2@bf16 and vit_tiny@bf16 may move), then those two recorded and checked
 # again (OUT/goldens_qkv.tar); qkv-bf16-profile: a bf16 gpt2-small step by kernel with q, k, v f32
 # (TOYHARNESS_BF16_ATTENTION_INPUTS=f32), then bf16, ours only, twice each, then the bench beside
 # PyTorch's bf16 autocast + torch.compile, each way.
 #
 # gelu-bf16: a GELU's input product kept in bf16 (native/cuda_precision.c, th_gelu_bf16): its tests
-# and the bf16 tests it touches (tests/test_precision.py), tests/test_cuda_kernels.py whole;
+# and the bf16 tests it touches (tests/test_precision.py), tests/test_cuda_*.py whole;
 # gelu-bf16-goldens: every cuda golden checked (of those, only gpt2@bf16 and vit_tiny@bf16 may move),
 # then those two recorded and checked again (OUT/goldens_gelu.tar); gelu-bf16-profile: a bf16
 # gpt2-small step by kernel with GELU's input f32 (TOYHARNESS_BF16_GELU=f32), then bf16, ours only.
 #
 # grouped: grouped-query heads read in place by the fused attention (iss-32f): the attention tests
-# of tests/test_cuda_kernels.py (the grouped kernels' bits against the repeats' included), the cuda
+# of tests/test_cuda_*.py (the grouped kernels' bits against the repeats' included), the cuda
 # goldens of the recipes with grouped heads (each must keep its bits), and recompute's with llama.
 # kept-all: every cuda golden checked (bits kept), and the cuda plan's test (tests/test_memory_plan.py).
 # plan-lora-bf16: the memory plan (`toyharness run lora --plan`) of bench-lora-bf16's step.
@@ -81,7 +81,7 @@
 # while their bytes are not written, as before the horizon).
 #
 # fused: the tests of iss-32d's SwiGLU gate-gradient kernel, LoRA scale placement and frozen terms in product sums
-# (tests/test_cuda_kernels.py).
+# (tests/test_cuda_*.py).
 # agree600: 600 steps of the default gpt2 and llama runs in each precision (and fp32 with ggml's
 # attention), a run a seed of AGREE_SEEDS (default 1337), eval losses against fp32's. spread600: the
 # same runs' bf16 against fp32 seed by seed (AGREE_SEEDS, default 1337 1-9), ours and then PyTorch's
@@ -103,7 +103,8 @@ FROZEN_BF16=(lora@q4_k@bf16 lora@q8_0@bf16)      # LoRA over quantized bases (th
 # tests_phase LOG FILE K GREP: the tests of FILE selected by -k K, their output in OUT/LOG, the lines
 # matching GREP (the last 80) in the phases' log
 tests_phase() {
-    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider "$2" -k "$3" >"$out/$1" 2>&1 || status=1
+    # shellcheck disable=SC2086  # $2 may be a glob of test files (tests/test_cuda_*.py)
+    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider $2 -k "$3" >"$out/$1" 2>&1 || status=1
     grep -E "$4" "$out/$1" | tail -80 | tee -a "$log"
 }
 
@@ -151,7 +152,7 @@ if [[ $phases == *" build "* ]]; then build_cuda; fi
 
 if [[ $phases == *" fused "* ]]; then
     step "iss-32d's fusions on cuda: SwiGLU's gate gradient in one kernel, the LoRA scale on the rank product, frozen terms in product sums"
-    tests_phase fused.log tests/test_cuda_kernels.py "swiglu or silu or lora or frozen or product_sum or products_summed" \
+    tests_phase fused.log 'tests/test_cuda_*.py' "swiglu or silu or lora or frozen or product_sum or products_summed" \
         "^frozen product sum|passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
@@ -159,7 +160,7 @@ if [[ $phases == *" gelu-bf16 "* ]]; then
     step "a GELU's input kept in bf16: its tests, the bf16 tests it touches, and the cuda kernels' tests"
     tests_phase gelu.log tests/test_precision.py "gelu or first_16 or reuse or trace or alone or writer" \
         "GELU|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
-    tests_phase kernels.log tests/test_cuda_kernels.py "" "passed|failed|FAILED|ERROR"
+    tests_phase kernels.log 'tests/test_cuda_*.py' "" "passed|failed|FAILED|ERROR"
 fi
 
 if [[ $phases == *" qkv-bf16 "* ]]; then
@@ -168,7 +169,7 @@ if [[ $phases == *" qkv-bf16 "* ]]; then
     tail -8 "$out/attention_bench.log" | tee -a "$log"
     tests_phase qkv.log tests/test_precision.py "attention or gelu or first_16 or reuse or trace or alone or writer" \
         "attention|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
-    tests_phase kernels.log tests/test_cuda_kernels.py "" "passed|failed|FAILED|ERROR"
+    tests_phase kernels.log 'tests/test_cuda_*.py' "" "passed|failed|FAILED|ERROR"
 fi
 
 if [[ $phases == *" qkv-bf16-goldens "* ]]; then
@@ -195,7 +196,7 @@ if [[ $phases == *" cudnn "* ]]; then
     step "bf16 attention on cuDNN's fused attention: its test, the attention tests"
     tests_phase cudnn.log tests/test_precision.py "cudnn or attention" \
         "cuDNN|attention|@bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
-    tests_phase kernels.log tests/test_cuda_kernels.py "attention or attn or heads" \
+    tests_phase kernels.log 'tests/test_cuda_*.py' "attention or attn or heads" \
         "cuDNN's attention|passed|failed|FAILED|ERROR"
 fi
 
@@ -222,7 +223,7 @@ fi
 
 if [[ $phases == *" norm "* ]]; then
     step "norms computed by their AFFINE, the norms' rows in registers: their tests"
-    tests_phase norm.log tests/test_cuda_kernels.py "norm or affine or gain or column or residual" \
+    tests_phase norm.log 'tests/test_cuda_*.py' "norm or affine or gain or column or residual" \
         "passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
 
@@ -249,7 +250,7 @@ fi
 
 if [[ $phases == *" bias "* ]]; then
     step "at bf16 LayerNorm's bias's gradient summed by its backward: its tests"
-    tests_phase bias.log tests/test_cuda_kernels.py "bias_sums or bias_gradient" "passed|failed|FAILED|ERROR|skipped|SKIPPED"
+    tests_phase bias.log 'tests/test_cuda_*.py' "bias_sums or bias_gradient" "passed|failed|FAILED|ERROR|skipped|SKIPPED"
     tests_phase bias_precision.log tests/test_precision.py "bias_gradient or first_16" \
         "bf16|passed|failed|FAILED|ERROR|skipped|SKIPPED"
 fi
@@ -286,7 +287,7 @@ fi
 
 if [[ $phases == *" grouped "* ]]; then
     step "grouped-query heads read in place: the attention kernels' tests, grouped against repeated"
-    tests_phase grouped.log tests/test_cuda_kernels.py "grouped or attention" \
+    tests_phase grouped.log 'tests/test_cuda_*.py' "grouped or attention" \
         "bf16 attention|passed|failed|FAILED|ERROR|skipped|SKIPPED"
     step "the cuda goldens of recipes with grouped heads keep their bits"
     toyharness golden check llama lora lora@q4_k lora@llama3 lora@qwen3 llama@tf32 lora@tf32 llama@bf16 lora@bf16 \
@@ -297,7 +298,7 @@ fi
 
 if [[ $phases == *" check "* ]]; then
     step "precision: the products' rounding, run-to-run bits, agreement with fp32"
-    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py tests/test_cuda_kernels.py \
+    python3 -m pytest -q -rfEs -s --tb=short -p no:cacheprovider tests/test_precision.py tests/test_cuda_*.py \
         >"$out/pytest.log" 2>&1 || status=1
     grep -E "^(tf32|bf16|fp32|gpt2|llama)|largest|passed|failed|FAILED|ERROR" "$out/pytest.log" | tee -a "$log"
     step "every fp32 cuda golden keeps its bits"
@@ -307,7 +308,7 @@ fi
 
 if [[ $phases == *" attention "* ]]; then
     step "fused attention on cuda: fp32 against ggml's nodes, bf16 (tensor cores) against float64"
-    tests_phase attention.log tests/test_cuda_kernels.py attention "bf16 attention|passed|failed|FAILED|ERROR"
+    tests_phase attention.log 'tests/test_cuda_*.py' attention "bf16 attention|passed|failed|FAILED|ERROR"
 fi
 
 if [[ $phases == *" goldens-bf16 "* ]]; then

@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import needs
 from plan_cases import stepped_model
-from test_backends import needs
 
 from toyharness.cli import main
 from toyharness.engine import get_engine

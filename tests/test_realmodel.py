@@ -61,7 +61,7 @@ GEMMA3_FIRST_TOLERANCE, GEMMA3_TOLERANCE = 1e-5, 1e-4
 
 def test_lora_on_gemma3_270m_q4_k_m_trains_and_matches_transformers(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed: run `nox -s realmodel`")
-    from test_arch_parity import transformers_replay
+    from helpers import transformers_replay
 
     from toyharness.architectures import read_model
     from toyharness.pretrained_ggufs import fetch_gemma3_270m
@@ -107,7 +107,7 @@ def test_llama_cpp_gives_our_logits_on_gemma3_270m_and_our_adapter(tmp_path):
     file llama.cpp's products quantize the activations to 8 bits (ours never do), so its logits are
     held to 5e-2 there; on the file dequantized to f32 to 1e-3 (its GELU is an f16 table, as in
     tests/test_llamacpp.py's gemma3 cases)."""
-    from test_llamacpp import kl_and_top1, llama_cpp_logits, relative_error
+    from helpers import kl_and_top1, llama_cpp_logits, relative_error
 
     from toyharness.engine.gguf_io import copy_gguf_as
     from toyharness.plugins import get_recipe

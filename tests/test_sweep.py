@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from toyharness.cli import main
 from toyharness.engine import GGUFFile
@@ -27,11 +28,6 @@ TINY = ["n_layer=1", "n_head=2", "t_seq=16", "t_batch=2", "eval_every=4", "check
 SETS = [a for s in TINY for a in ("--set", s)]
 GRID = ["lr=1e-3,3e-3", "d_model=16,32"]
 STEPS = 16
-
-
-def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=600, **kw)
 
 
 def loss_hexes(run_dir: Path) -> list[str]:
