@@ -17,7 +17,8 @@ from toyharness import goldens
 from toyharness._ffi import ffi, lib
 from toyharness.architectures import example_shape, write_example
 from toyharness.engine import get_engine
-from toyharness.engine.memory_plan import graph_buffer_bytes, plan_model
+from toyharness.engine.allocation import graph_buffer_bytes
+from toyharness.engine.memory_plan import plan_model
 from toyharness.errors import InputError
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file

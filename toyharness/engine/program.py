@@ -37,9 +37,9 @@ from .._ffi import (
 )
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
+from .allocation import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
 from .lowering import Lowering, declares_for, lowering_target
-from .memory_plan import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .tensor import Tensor
 
 GGML_FLAG_PARAM = 4
