@@ -1,4 +1,4 @@
-"""Sweeps: one recipe over a grid of options and seeds (docs/design.md, "Sweeps").
+"""Sweeps: one recipe over a grid of options and seeds.
 
 A *point* is one combination of grid values and one seed. It is an ordinary run: `runner.train`
 with the point's `--set` list, exactly what `toyharness run RECIPE --set ...` calls, so its
