@@ -55,8 +55,11 @@ def bench(session):
 
 @nox.session
 def lint(session):
-    session.install("ruff")
+    """ruff, and the import layers of toyharness (pyproject.toml, [tool.importlinter]): lint-imports
+    reads the package's source from this folder, so nothing is built."""
+    session.install("ruff", "import-linter>=2.17")
     session.run("ruff", "check", "toyharness", "plugins", "tests", "native", "noxfile.py", "setup.py")
+    session.run("lint-imports", "--no-cache")
 
 
 @nox.session

@@ -1,5 +1,5 @@
 """One attention block and its float64 reference, shared by the kernels' tests (the cuda fused
-attention's, tests/test_cuda_kernels.py, and the cpu causal products', tests/test_cpu_kernels.py)."""
+attention's, tests/test_cuda_attention.py, and the cpu causal products', tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 

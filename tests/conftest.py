@@ -33,3 +33,12 @@ def other_text(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "docstrings.txt"
     path.write_text(text)
     return path
+
+
+@pytest.fixture
+def graphs_as_cuda_builds_them(monkeypatch):
+    """The cuda rewrite's tests (tests/test_cuda_*.py) build on cpu the graphs cuda would compute: a
+    cpu Trainer's folds of products into ADDs (th_cpu_fold) and grouped kv heads read in place
+    without their REPEATs (Program.kv_in_place) are not cuda's, so they stay off there."""
+    monkeypatch.setenv("TOYHARNESS_CPU_FOLDS", "0")
+    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "0")

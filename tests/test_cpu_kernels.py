@@ -12,6 +12,7 @@ import re
 import numpy as np
 import pytest
 from attention_cases import attention_float64, attention_program
+from helpers import gelu_tanh_f64
 
 from toyharness._ffi import blas, cpu_kernels, ffi, lib
 from toyharness.engine import blocks, get_engine
@@ -181,14 +182,6 @@ def test_rms_norm_forward_and_backward():
     assert rel_err(got, xd / np.sqrt(ms)) < 1e-6
     expected = (dyd - xd * (xd * dyd).sum(-1, keepdims=True) / (x.shape[-1] * ms)) / np.sqrt(ms)
     assert rel_err(g, expected) < 1e-5
-
-
-def gelu_tanh_f64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GELU's tanh form and its derivative, in float64."""
-    c = np.sqrt(2 / np.pi)
-    u = c * (x + 0.044715 * x ** 3)
-    t = np.tanh(u)
-    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
 
 
 def gelu_program(x: np.ndarray, dy: np.ndarray, cpu_kernels: bool, forward_first: bool):

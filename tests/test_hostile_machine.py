@@ -14,17 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cli
 
 from toyharness.engine import GGUFFile, write_gguf
 from toyharness.errors import WriteError
 
 TINY = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2", "--set", "t_seq=16", "--set", "t_batch=2",
         "--set", "eval_every=4", "--set", "checkpoint_every=4", "--set", "warmup=2"]
-
-
-def cli(*args, preexec_fn=None):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=300, preexec_fn=preexec_fn)
 
 
 def losses(run: Path) -> list[str]:

@@ -9,12 +9,12 @@ TOYHARNESS_TEST_BACKEND=vulkan runs the same on vulkan (tests/test_vulkan.py doe
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import native_build
 
 from toyharness import goldens
 from toyharness._ffi import available_native_backends, ffi, lib
@@ -33,13 +33,6 @@ if BACKEND not in available_native_backends():
 # the ops ggml-metal lacks that our graphs hold (each must be gone once lowered)
 METAL_LACKS = {"OUT_PROD", "CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK", "SOFT_MAX_BACK", "RMS_NORM_BACK",
                "GET_ROWS_BACK", "REPEAT_BACK"}
-
-
-def native_build():
-    spec = importlib.util.spec_from_file_location("toyharness_native_build_metal", ROOT / "native" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def function_text(source: str, signature: str) -> str:

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_backends import needs
-from test_cuda_kernels import kernel_names, linear_bias_calls, native_build
+from helpers import cli, cuda_kernel_names, linear_bias_calls, native_build, needs
 
 from toyharness import goldens
 from toyharness._ffi import GGML_TYPE_BF16, GGML_TYPE_F32, GGML_TYPE_Q4_K, cuda_kernels_built, ffi, lib
@@ -28,10 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(32)
 # Unit roundoff of an input rounded to nearest: TF32 keeps 10 of fp32's 23 mantissa bits, bf16 7.
 UNIT_ROUNDOFF = {"tf32": 2.0**-11, "bf16": 2.0**-8}
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True)
 
 
 def test_precision_defaults_to_fp32_and_is_written_to_the_run_folder(tmp_path):
@@ -210,7 +205,7 @@ def test_at_bf16_a_swiglu_over_frozen_products_keeps_them_in_bf16(monkeypatch):
     Not where the loss reads up's product as f32, nor with TOYHARNESS_BF16_SWIGLU=f32, nor at tf32."""
     trainer, nodes, _prog = frozen_swiglu_graph()
     f32_bytes = [lib.ggml_nbytes(t.ptr) for t in nodes]
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "swiglu_back" in kernel_names(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "swiglu_back" in cuda_kernel_names(trainer.gb_grad)
     assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["tf32"], ffi.NULL, 0) > 0
     assert types_of(nodes) == [GGML_TYPE_F32] * 3
     assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
@@ -237,20 +232,20 @@ def test_the_lora_recipe_over_a_quantized_base_keeps_its_frozen_swiglus_in_bf16(
     bf16 (the product reaches the GLU through a RESHAPE): with the MLP frozen every block's gate and
     up products, their reshapes and the GLU are bf16; with down targeted (its LoRA reads the GLU's
     output as f32) none is, as in the lora goldens."""
-    from test_recompute import _as_cuda_builds_it, _name, _nodes
+    from helpers import as_cuda_builds_it, cuda_node_name, graph_nodes
 
     from toyharness.engine.gguf_io import cached_copy_as
     from toyharness.lm import seeded_model_file
 
     base = seeded_model_file("llama", ["n_layer=2", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512", "seed=7"])
     sets = ["t_seq=64", f"targets={targets}", f"base={cached_copy_as(base, 'q4_k')}"]
-    _, trainer, _ = _as_cuda_builds_it("lora", sets, "bf16", monkeypatch)
-    glus = [t for t in _nodes(trainer.gb_opt) if _name(t) == "swiglu"]     # ours (th-custom.cu)
+    _, trainer, _ = as_cuda_builds_it("lora", sets, "bf16", monkeypatch)
+    glus = [t for t in graph_nodes(trainer.gb_opt) if cuda_node_name(t) == "swiglu"]     # ours (th-custom.cu)
     assert len(glus) == 2
     for glu in glus:
         gate, up = lib.th_tensor_src(glu, 0), lib.th_tensor_src(glu, 1)
         under = [lib.th_tensor_src(t, 0) for t in (gate, up)]
-        assert [_name(t) for t in under] == ["frozen_mul_mat"] * 2
+        assert [cuda_node_name(t) for t in under] == ["frozen_mul_mat"] * 2
         want = GGML_TYPE_BF16 if kept else GGML_TYPE_F32
         assert [lib.th_tensor_type(t) for t in (glu, gate, up, *under)] == [want] * 5
 
@@ -280,14 +275,14 @@ def refusal_of_a_scale_of(t, also=None) -> str:
 
 def gelu_inputs(trainer) -> list:
     """The products whose output a GELU reads, in the training graph (through RESHAPEs)."""
-    from test_recompute import _name, _nodes
+    from helpers import cuda_node_name, graph_nodes
 
     def under(t):
-        while _name(t) == "RESHAPE":
+        while cuda_node_name(t) == "RESHAPE":
             t = lib.th_tensor_src(t, 0)
         return t
 
-    return [under(lib.th_tensor_src(g, 0)) for g in _nodes(trainer.gb_opt) if _name(g) == "gelu"]
+    return [under(lib.th_tensor_src(g, 0)) for g in graph_nodes(trainer.gb_opt) if cuda_node_name(g) == "gelu"]
 
 
 @pytest.mark.parametrize("recipe, sets", [("gpt2", ["n_layer=2"]), ("vit_tiny", ["n_layer=2"])])
@@ -295,7 +290,7 @@ def test_at_bf16_the_gelu_input_is_kept_in_bf16(recipe, sets, monkeypatch):
     """gpt2's and ViT's training graphs, built on cpu as cuda builds them: at bf16 each block's
     first MLP product (a LINEAR_BIAS, read by the GELU and its backward alone) is a bf16 tensor,
     half the bytes; at tf32, and at bf16 with TOYHARNESS_BF16_GELU=f32, it stays f32."""
-    from test_recompute import _as_cuda_builds_it, _name
+    from helpers import as_cuda_builds_it, cuda_node_name
 
     for precision, env, want in (("bf16", None, GGML_TYPE_BF16), ("tf32", None, GGML_TYPE_F32),
                                  ("bf16", "f32", GGML_TYPE_F32)):
@@ -303,10 +298,10 @@ def test_at_bf16_the_gelu_input_is_kept_in_bf16(recipe, sets, monkeypatch):
             monkeypatch.delenv("TOYHARNESS_BF16_GELU", raising=False)
         else:
             monkeypatch.setenv("TOYHARNESS_BF16_GELU", env)
-        _, trainer, _ = _as_cuda_builds_it(recipe, sets, precision, monkeypatch)
+        _, trainer, _ = as_cuda_builds_it(recipe, sets, precision, monkeypatch)
         fcs = gelu_inputs(trainer)
         assert len(fcs) == 2, (recipe, precision)
-        assert [_name(t) for t in fcs] == ["linear_bias"] * 2
+        assert [cuda_node_name(t) for t in fcs] == ["linear_bias"] * 2
         assert [lib.th_tensor_type(t) for t in fcs] == [want] * 2, (recipe, precision, env)
         if want == GGML_TYPE_BF16:
             ne = ffi.new("int64_t[4]")
@@ -321,7 +316,7 @@ def test_a_gelu_input_read_otherwise_stays_f32_and_a_later_graph_reading_it_as_f
     stamped at another precision (whose kernels would write it as f32)."""
     def mlp(read_h: bool):
         prog = get_engine("cpu").program()
-        prog.cpu_kernels = prog.cpu_folds = prog.kv_in_place = False    # built as cuda builds it (test_recompute's)
+        prog.cpu_kernels = prog.cpu_folds = prog.kv_in_place = False    # as helpers.as_cuda_builds_it builds it
         prog.cuda_kernels = prog.grads_as_outputs = prog.column_sums_as_products = True
         x = prog.param("x", RNG.normal(size=(8, 16)).astype(np.float32))
         w1, w2 = (prog.param(n, RNG.normal(size=s).astype(np.float32)) for n, s in (("w1", (32, 16)), ("w2", (16, 32))))
@@ -334,9 +329,9 @@ def test_a_gelu_input_read_otherwise_stays_f32_and_a_later_graph_reading_it_as_f
 
     monkeypatch.delenv("TOYHARNESS_BF16_GELU", raising=False)
     trainer, h, _prog = mlp(read_h=True)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "gelu_back" in kernel_names(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "gelu_back" in cuda_kernel_names(trainer.gb_grad)
     assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
-    assert "linear_bias" in kernel_names(trainer.gb_grad) and lib.th_tensor_type(h.ptr) == GGML_TYPE_F32
+    assert "linear_bias" in cuda_kernel_names(trainer.gb_grad) and lib.th_tensor_type(h.ptr) == GGML_TYPE_F32
 
     trainer, h, _prog2 = mlp(read_h=False)
     lib.th_cuda_rewrite(trainer.gb_grad, 1)
@@ -351,10 +346,10 @@ def test_a_gelu_input_read_otherwise_stays_f32_and_a_later_graph_reading_it_as_f
 
 def attention_operand_types(graph) -> list[tuple[int, int, int]]:
     """The ggml types of q, k and v^T as each attention node of `graph` reads them."""
-    from test_recompute import _name, _nodes
+    from helpers import cuda_node_name, graph_nodes
 
-    return [tuple(lib.th_tensor_type(lib.th_tensor_src(t, j)) for j in range(3)) for t in _nodes(graph)
-            if _name(t) in ("attention", "attention_back", "attention_dq")]
+    return [tuple(lib.th_tensor_type(lib.th_tensor_src(t, j)) for j in range(3)) for t in graph_nodes(graph)
+            if cuda_node_name(t) in ("attention", "attention_back", "attention_dq")]
 
 
 @pytest.mark.parametrize("recipe, sets", [("gpt2", ["n_layer=2"]), ("vit_tiny", ["n_layer=2"])])
@@ -363,7 +358,7 @@ def test_at_bf16_attention_reads_its_q_k_v_products_in_bf16(recipe, sets, monkey
     node (forward, backward, dQ) reads q, k and v^T as bf16 views of the projections (LINEAR_BIAS),
     which are bf16 tensors of half the bytes; at tf32, and at bf16 with
     TOYHARNESS_BF16_ATTENTION_INPUTS=f32, all three stay f32 (GELU's inputs are bf16 at bf16 either way)."""
-    from test_recompute import _as_cuda_builds_it, _name, _nodes
+    from helpers import as_cuda_builds_it, cuda_node_name, graph_nodes
 
     for precision, env, want, bf16_products in (("bf16", None, GGML_TYPE_BF16, 8), ("tf32", None, GGML_TYPE_F32, 0),
                                                 ("bf16", "f32", GGML_TYPE_F32, 2)):
@@ -371,9 +366,9 @@ def test_at_bf16_attention_reads_its_q_k_v_products_in_bf16(recipe, sets, monkey
             monkeypatch.delenv("TOYHARNESS_BF16_ATTENTION_INPUTS", raising=False)
         else:
             monkeypatch.setenv("TOYHARNESS_BF16_ATTENTION_INPUTS", env)
-        _, trainer, _ = _as_cuda_builds_it(recipe, sets, precision, monkeypatch)
+        _, trainer, _ = as_cuda_builds_it(recipe, sets, precision, monkeypatch)
         assert attention_operand_types(trainer.gb_opt) == [(want,) * 3] * 6, (recipe, precision, env)
-        products = [t for t in _nodes(trainer.gb_opt) if _name(t) == "linear_bias"]
+        products = [t for t in graph_nodes(trainer.gb_opt) if cuda_node_name(t) == "linear_bias"]
         kept = [t for t in products if lib.th_tensor_type(t) == GGML_TYPE_BF16]
         assert len(kept) == bf16_products, (recipe, precision, env)
         for t in kept:
@@ -391,7 +386,7 @@ def test_an_attention_whose_q_is_read_otherwise_keeps_q_k_v_f32_and_a_later_grap
     another precision (whose kernels would write the product as f32)."""
     def attention(read_q: bool):
         prog = get_engine("cpu").program()
-        prog.cpu_kernels = prog.cpu_folds = prog.kv_in_place = False    # built as cuda builds it (test_recompute's)
+        prog.cpu_kernels = prog.cpu_folds = prog.kv_in_place = False    # as helpers.as_cuda_builds_it builds it
         prog.cuda_kernels = prog.grads_as_outputs = prog.column_sums_as_products = True
         x = prog.param("x", RNG.normal(size=(2, 8, 32)).astype(np.float32))
         w = {n: prog.param(n, 0.2 * RNG.normal(size=(32, 32)).astype(np.float32)) for n in ("wq", "wk", "wv", "wo")}
@@ -403,7 +398,7 @@ def test_an_attention_whose_q_is_read_otherwise_keeps_q_k_v_f32_and_a_later_grap
 
     monkeypatch.delenv("TOYHARNESS_BF16_ATTENTION_INPUTS", raising=False)
     trainer, q, _prog = attention(read_q=True)
-    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "attention_dq" in kernel_names(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0 and "attention_dq" in cuda_kernel_names(trainer.gb_grad)
     assert lib.th_cuda_mark_precision(trainer.gb_grad, PRECISION_CODES["bf16"], ffi.NULL, 0) > 0
     assert lib.th_tensor_type(q.ptr) == GGML_TYPE_F32
     assert attention_operand_types(trainer.gb_grad) == [(GGML_TYPE_F32,) * 3] * 3
@@ -540,13 +535,13 @@ def test_at_bf16_a_gelus_input_is_the_bias_product_rounded_once_to_bf16(backend)
     fp32's sum and float64's straddle a bf16 rounding boundary they round one bf16 ulp apart
     (2^-7 of |h| at most), and GELU's slope is below 1.13; and the bf16 rounding really happened
     (float64's GELU of the unrounded sum is further off)."""
-    from test_cpu_kernels import gelu_tanh_f64
+    from helpers import gelu_tanh_f64
 
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     run = bias_product_at_bf16(backend, 64, 32, 48, gelu=True)
     x, w, b, y = run["x"], run["w"], run["b"], run["y"]
-    assert run["type"] == GGML_TYPE_BF16 and "gelu" in kernel_names(run["graph"])
+    assert run["type"] == GGML_TYPE_BF16 and "gelu" in cuda_kernel_names(run["graph"])
     assert run["lt"] >= 1 and run["plain"] == 0, run
     exact = round_mantissa(x, 7) @ round_mantissa(w, 7).T + round_mantissa(b, 7)
     h16 = round_mantissa(exact.astype(np.float32), 7)
@@ -566,12 +561,11 @@ def test_a_bias_product_at_bf16_is_cublaslts_on_the_bf16_copies(backend):
     d_in = 256
     run = bias_product_at_bf16(backend, 300, d_in, 96, gelu=False)
     x, w, b, y = run["x"], run["w"], run["b"], run["y"]
-    assert "linear_bias" in kernel_names(run["graph"]) and run["lt"] >= 1 and run["plain"] == 0
+    assert "linear_bias" in cuda_kernel_names(run["graph"]) and run["lt"] >= 1 and run["plain"] == 0
     want = round_mantissa(x, 7) @ round_mantissa(w, 7).T + b
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64) + np.abs(b)
     assert (np.abs(y - want) / scale).max() < d_in * 2.0**-24
     assert (np.abs(y - (x.astype(np.float64) @ w.T.astype(np.float64) + b)) / scale).max() > 1e-4
-
 
 
 @pytest.mark.parametrize("precision", [pytest.param(p, marks=needs("cuda")) for p in ("tf32", "bf16")])

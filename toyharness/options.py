@@ -18,6 +18,7 @@ import tomllib
 
 from .adamw import CONVENTIONS, AdamWRow, Schedule
 from .errors import InputError
+from .hookspecs import plugin_manager
 
 # The precisions a run's matrix products can take (docs/design.md, "Precision"; engine/backend.py says
 # which backend computes which).
@@ -231,3 +232,14 @@ def validate(opts: Options) -> None:
     for key in ("warmup", "seed"):
         if getattr(opts, key) < 0:
             raise _invalid(key, f"option {key!r}: must be >= 0, got {getattr(opts, key)}")
+
+
+def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
+    """A recipe's options, from its `options` hook: its config.toml (or none), the --set list and
+    the overrides that are not None."""
+    pm = plugin_manager(recipe_obj)
+    cls = pm.hook.options()
+    if cls is None:
+        raise InputError("the recipe implements no `options` hook")
+    toml = load_toml(config) if config else {}
+    return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})

@@ -29,11 +29,12 @@ from .atomic import atomic_write
 from .data import load_text_data
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
+from .engine.memory_plan import check_fits, plan_model
 from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
-from .memory_plan import check_fits, plan_model
+from .lm import LMRecipe
 from .observers import ObserverBus, load_observers
-from .options import Options, load_toml, read_toml, resolve
+from .options import Options, read_toml, resolve_options
 from .plugins import get_recipe
 
 GGML_VERSION = "0.25.3"
@@ -58,16 +59,6 @@ class Run:
     metrics: list[dict] = field(default_factory=list)
     tags: dict[str, Any] = field(default_factory=dict)     # a sweep point's grid values, seed, sweep id
     evals: list[dict] = field(default_factory=list)
-
-
-def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
-    pm = plugin_manager(recipe_obj)
-    cls = pm.hook.options()
-    if cls is None:
-        raise InputError("the recipe implements no `options` hook")
-    toml = load_toml(config) if config else {}
-    return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
-
 
 
 # What `sample` and `fuse` call on a finished run's recipe (toyharness.lm.LMRecipe has them all);

@@ -4,7 +4,7 @@
 // (the LoRA bench's 1B Q4_K base, 2.6 ms a pass). Ours gives a warp a block, each thread one
 // 16-byte store of eight adjacent values, eight blocks a CTA. Each value is ggml's expression
 // (d1 * q - m1 in fp32, rounded to nearest even bf16), so the bits are ggml's:
-// tests/test_cuda_kernels.py compares the two on random blocks (th_cuda_dequantize_bf16).
+// tests/test_precision.py compares the two on random blocks (th_cuda_dequantize_bf16).
 #include "th-precision.cuh"
 #include "dequantize.cuh"           // get_scale_min_k4, block_q4_K: ggml's
 

@@ -40,7 +40,7 @@ class Engine:
         self.set_threads(threads)
         self.portable = False
         self.precision = "fp32"
-        # While a memory plan is made (toyharness/memory_plan.py), programs made on this engine
+        # While a memory plan is made (toyharness/engine/memory_plan.py), programs made on this engine
         # record what they would allocate instead of allocating it.
         self.planner = None
 

@@ -37,7 +37,7 @@ from .._ffi import (
 )
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
-from ..memory_plan import allocation_failed, ggml_quiet, graph_buffer_bytes
+from .allocation import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
 from .lowering import Lowering, declares_for, lowering_target
 from .tensor import Tensor
@@ -303,7 +303,7 @@ class Program:
         # bf16, dequantized by ggml-cuda's converters, with no f32 copy of it (Tensor.matmul_t)
         self.frozen_bf16 = self.cuda_kernels and self.precision == "bf16"
         self.last_compute_s = 0.0
-        # Set while a memory plan is made (toyharness/memory_plan.py): persistent tensors and graph
+        # Set while a memory plan is made (toyharness/engine/memory_plan.py): persistent tensors and graph
         # buffers are then measured, never allocated, and parameter values are never copied.
         self.planner = engine.planner
         # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from toyharness.engine import write_gguf
 from toyharness.hookspecs import hookimpl
-from toyharness.init import normal
 from toyharness.options import Options
+from toyharness.seeded_init import normal
 
 
 @dataclass

