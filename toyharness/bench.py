@@ -38,7 +38,7 @@ from .device_memory import PeakDeviceMemory
 N_BATCHES = 8          # distinct batches cycled through (same ones on both sides)
 # Pause before each block of steps: OpenMP threads of the side that just ran spin-wait for a
 # while after their last parallel region; on 2 cores they would steal the other side's time.
-SETTLE_S = float(os.environ.get("TOYHARNESS_BENCH_SETTLE", "0.3"))
+SETTLE_S = 0.3
 # Round medians of one side further apart than this, and `bench` says the machine's speed moved.
 DRIFT = 0.2
 # Named model sizes (`bench --size`), laid over a recipe's bench config before its --set: the

@@ -30,6 +30,7 @@ import numpy as np
 
 from ._ffi import ffi, lib, log_level
 from .errors import DoesNotFit, InputError, OutOfMemory
+from .switches import switch
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -475,8 +476,7 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
         plan.not_counted.append("bf16 copies of the products' operands, a frozen base's bf16 values among "
                                 "them (kept for reuse within a step: 2 GiB at gpt2-small, 4 GiB for LoRA over "
                                 "a 1B base, 0.5 GiB there with recompute_blocks, whose copies go past a horizon "
-                                "of nodes; native/README.md, Precision; with TOYHARNESS_BF16_REUSE=0 one "
-                                "scratch buffer of the largest pair)")
+                                "of nodes; native/README.md, Precision)")
     return plan
 
 
@@ -520,10 +520,7 @@ def refusal(plan: MemoryPlan, suggestions: list[tuple[str, int]]) -> str:
 
 
 def check_enabled() -> bool:
-    value = os.environ.get(CHECK_ENV, "on").lower()
-    if value not in ("on", "off", "1", "0"):
-        raise InputError(f"{CHECK_ENV}={value!r}: use on or off")
-    return value in ("on", "1")
+    return switch(CHECK_ENV) == "on"
 
 
 def check_fits(recipe: str, pm, engine, options, data) -> MemoryPlan | None:
