@@ -147,8 +147,7 @@ def fuzz(session):
         for name in readers:   # at most 20000 inputs or 3 minutes per reader (exit 124: time was up)
             session.run("timeout", "180", "python", "-m", "toyharness.fuzz", "--atheris", name, "--runs", "20000",
                         "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
-    session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill",
-                env={"TOYHARNESS_KILL_TRIALS": "40"})
+    session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill", "--kill-trials", "40")
 
 
 @nox.session

@@ -85,10 +85,10 @@ def transformers_replay(run_dir, base_path, hf_overrides: dict, steps: int = 8) 
     import torch
 
     from toyharness.architectures.hf import add_lora, hf_model
+    from toyharness.bench.torch_side import adamw_row_step, lm_loss
     from toyharness.engine import GGUFFile
     from toyharness.options import read_toml
     from toyharness.plugins import get_recipe
-    from toyharness.bench.torch_side import adamw_row_step, lm_loss
     from toyharness.runner import read_batches_npz, resolve_options
 
     _, recipe = get_recipe("lora")
@@ -153,7 +153,7 @@ def as_cuda_builds_it(recipe: str, sets: list[str], precision: str, monkeypatch)
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         self.cpu_kernels = self.cpu_folds = self.kv_in_place = False
-        self.cuda_kernels = self.onehot_in_graph = self.column_sums_as_products = self.grads_as_outputs = True
+        self.cuda_kernels = self.onehot_in_graph = self.column_sums_as_products = True
         self.precision, self.frozen_bf16 = precision, precision == "bf16"
 
     monkeypatch.setattr(Program, "__init__", init)

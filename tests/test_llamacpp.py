@@ -2,7 +2,6 @@
 logits we give (relative error < 1e-3). Run by `nox -s llamacpp`, which builds the small
 native/llamacpp/th_logits tool and points TOYHARNESS_LLAMACPP_TOOL at it."""
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,9 @@ from helpers import kl_and_top1, llama_cpp_logits, relative_error
 
 from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options, train
+from toyharness.switches import switch
 
-TOOL = os.environ.get("TOYHARNESS_LLAMACPP_TOOL")
+TOOL = switch("TOYHARNESS_LLAMACPP_TOOL")
 pytestmark = [pytest.mark.llamacpp,
               pytest.mark.skipif(not TOOL or not Path(TOOL).is_file(),
                                  reason="llama.cpp's th_logits is not built: run `nox -s llamacpp`")]

@@ -81,7 +81,7 @@ def test_the_cuda_plan_equals_ggml_buffers_the_training_graph_reserved_as_rewrit
     prog.close()
 
 
-def test_the_plan_reads_a_graph_rewritten_for_cuda_as_its_buffer_holds_it(monkeypatch):
+def test_the_plan_reads_a_graph_rewritten_for_cuda_as_its_buffer_holds_it(programs_built_as):
     """What the plan says the buffer keeps, read from a training graph after the cuda rewrite (as the
     cuda Trainer reserves it; built here on the cpu): the fused attention's forward node holds O
     and L, so ggml's (B*H, T, T) probabilities (2 layers x 32 MiB) are no longer counted, and the
@@ -92,7 +92,7 @@ def test_the_plan_reads_a_graph_rewritten_for_cuda_as_its_buffer_holds_it(monkey
 
     sets = ["n_layer=2", "d_model=64", "n_head=4", "t_seq=1024", "t_batch=2"]
     # its kv heads repeated, as cuda's graph has them (the rewrite reads the repeats)
-    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "0")
+    programs_built_as(kv_in_place=False)
     pm, engine, options, data = _realized("llama", sets)
     trainer = pm.hook.realize(engine=engine, options=options, data=data).trainer
     planner, probabilities = Planner(engine), 2 * 2 * 4 * 1024 * 1024 * 4

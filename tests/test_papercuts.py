@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from toyharness import goldens
-from toyharness.bench import profile as bench_profile
 from toyharness._ffi import available_native_backends
+from toyharness.bench import profile as bench_profile
 from toyharness.cli import BACKENDS, build_parser, main
 from toyharness.engine import get_engine
 from toyharness.engine.backend import PORTABLE_FINGERPRINT

@@ -87,7 +87,7 @@ def test_frozen_product_and_input_gradient_match_numpy(bases, dtype):
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_without_the_cpu_kernels_the_weight_is_dequantized_in_the_graph(bases, dtype):
-    """The route other backends take (and cpu with TOYHARNESS_CPU_KERNELS=0): a GET_ROWS of all
+    """The route other backends take (a program without the cpu kernels): a GET_ROWS of all
     rows dequantizes W into the graph, then f32 products (ggml's own kernels here)."""
     rng = np.random.default_rng(2)
     name = "blk.0.ffn_up.weight"

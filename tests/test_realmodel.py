@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from toyharness.runner import train
+from toyharness.switches import switch
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: run `nox -s realmodel` (torch==2.13.0)")
 reference = pytest.importorskip("toyharness.bench.torch_side")
 
 pytestmark = [pytest.mark.realmodel,
-              pytest.mark.skipif(os.environ.get("TOYHARNESS_REALMODEL") != "1",
+              pytest.mark.skipif(switch("TOYHARNESS_REALMODEL") != "1",
                                  reason="downloads 98 MB and 253 MB models and trains them: `nox -s realmodel` "
                                         "(or TOYHARNESS_REALMODEL=1)")]
 STEPS, COMPARED = 50, 8
@@ -76,7 +77,7 @@ def test_lora_on_gemma3_270m_q4_k_m_trains_and_matches_transformers(tmp_path):
     assert diffs[0] < GEMMA3_FIRST_TOLERANCE and float(diffs.max()) < GEMMA3_TOLERANCE, (ours[:COMPARED], theirs)
 
 
-LLAMACPP_TOOL = os.environ.get("TOYHARNESS_LLAMACPP_TOOL")
+LLAMACPP_TOOL = switch("TOYHARNESS_LLAMACPP_TOOL")
 QUANTIZED_KL = 1e-2
 needs_llamacpp = pytest.mark.skipif(not LLAMACPP_TOOL or not os.path.isfile(LLAMACPP_TOOL),
                                     reason="llama.cpp's tools are not built: `nox -s realmodel` builds them")

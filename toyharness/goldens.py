@@ -15,7 +15,6 @@ portable one, and says which it used.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from .engine.backend import PORTABLE_FINGERPRINT
 from .errors import InputError
 from .lm import cache_root
 from .runner import GGML_VERSION, float_hex, train
+from .switches import switch
 
 GOLDEN_STEPS = 16
 MODES = ("auto", "fast", "portable")
@@ -39,9 +39,9 @@ GOLDEN_SETS = ["n_layer=1", "d_model=32", "n_head=2", "t_seq=24", "t_batch=2", "
 
 
 def golden_root() -> Path:
-    env = os.environ.get("TOYHARNESS_GOLDENS")
-    if env:
-        return Path(env)
+    folder = switch("TOYHARNESS_GOLDENS")
+    if folder:
+        return Path(folder)
     return Path.cwd() / "goldens"
 
 

@@ -26,6 +26,7 @@ from .hookspecs import hookimpl
 from .options import resolve_options
 from .plugins import get_recipe
 from .seeded_init import with_values
+from .switches import switch
 from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_tokenizer, read_metadata
 
 # From this many classes `chunked_loss=auto` takes the chunked loss: the standard loss's four
@@ -296,8 +297,8 @@ def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.rando
 def cache_root() -> Path:
     """The per-user cache (native/build.py keeps ggml there too): $TOYHARNESS_CACHE, else
     $XDG_CACHE_HOME/toyharness, else ~/.cache/toyharness."""
-    if os.environ.get("TOYHARNESS_CACHE"):
-        return Path(os.environ["TOYHARNESS_CACHE"]).expanduser()
+    if switch("TOYHARNESS_CACHE"):
+        return Path(switch("TOYHARNESS_CACHE")).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toyharness"
 
 

@@ -32,7 +32,6 @@ from .engine.gguf_io import GGUFError
 from .engine.memory_plan import check_fits, plan_model
 from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
-from .lm import LMRecipe
 from .observers import ObserverBus, load_observers
 from .options import Options, read_toml, resolve_options
 from .plugins import get_recipe

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import mmap
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,6 +27,7 @@ import numpy as np
 
 from .._ffi import ffi, lib
 from ..errors import DoesNotFit, InputError
+from ..switches import switch
 from .allocation import fmt_bytes, free_memory
 
 # The rows of a plan, in the order of the table, and what each holds.
@@ -474,8 +474,7 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
         plan.not_counted.append("bf16 copies of the products' operands, a frozen base's bf16 values among "
                                 "them (kept for reuse within a step: 2 GiB at gpt2-small, 4 GiB for adapters over "
                                 "a 1B base, 0.5 GiB there with recompute_blocks, whose copies go past a horizon "
-                                "of nodes; native/README.md, Precision; with TOYHARNESS_BF16_REUSE=0 one "
-                                "scratch buffer of the largest pair)")
+                                "of nodes; native/README.md, Precision)")
     return plan
 
 
@@ -519,10 +518,7 @@ def refusal(plan: MemoryPlan, suggestions: list[tuple[str, int]]) -> str:
 
 
 def check_enabled() -> bool:
-    value = os.environ.get(CHECK_ENV, "on").lower()
-    if value not in ("on", "off", "1", "0"):
-        raise InputError(f"{CHECK_ENV}={value!r}: use on or off")
-    return value in ("on", "1")
+    return switch(CHECK_ENV) == "on"
 
 
 def check_fits(recipe: str, pm, engine, options, data) -> MemoryPlan | None:
