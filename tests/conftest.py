@@ -32,6 +32,7 @@ def programs_built_as(monkeypatch):
 
     return apply
 
+
 BASE_SETS = ["n_layer=2", "d_model=64", "n_head=4", "n_kv_head=2", "d_ff=128", "t_seq=32", "t_batch=8",
              "eval_every=300", "checkpoint_every=300", "lr=1e-2"]
 
@@ -64,9 +65,8 @@ def other_text(tmp_path_factory):
 
 
 @pytest.fixture
-def graphs_as_cuda_builds_them(monkeypatch):
+def graphs_as_cuda_builds_them(programs_built_as):
     """The cuda rewrite's tests (tests/test_cuda_*.py) build on cpu the graphs cuda would compute: a
     cpu Trainer's folds of products into ADDs (th_cpu_fold) and grouped kv heads read in place
     without their REPEATs (Program.kv_in_place) are not cuda's, so they stay off there."""
-    monkeypatch.setenv("TOYHARNESS_CPU_FOLDS", "0")
-    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "0")
+    programs_built_as(cpu_folds=False, kv_in_place=False)

@@ -4,7 +4,6 @@ import cli`). A test module imports these, never another test module."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from toyharness._ffi import available_native_backends, ffi, lib
+from toyharness.switches import switch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def kl_and_top1(ref: np.ndarray, other: np.ndarray) -> tuple[float, float]:
 def llama_cpp_logits(model: Path, ids: list[int], tmp_path: Path, lora: tuple[Path, float] | None = None):
     """llama.cpp's logits for `ids` on `model` (and an adapter), from the th_logits tool that
     TOYHARNESS_LLAMACPP_TOOL names (`nox -s llamacpp` builds it)."""
-    tool = os.environ["TOYHARNESS_LLAMACPP_TOOL"]
+    tool = switch("TOYHARNESS_LLAMACPP_TOOL")
     out = tmp_path / "logits.f32"
     extra = ["--lora", str(lora[0]), str(lora[1])] if lora else []
     res = subprocess.run([tool, str(model), str(out), *extra, *map(str, ids)], capture_output=True, text=True,

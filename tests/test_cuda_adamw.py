@@ -25,7 +25,6 @@ def adamw_program(backend: str, shapes: list[tuple[int, ...]], seed: int = 17):
     """Parameters of `shapes`, the loss sum_i sum(p_i * c_i): each gradient is its constant c_i."""
     rng = np.random.default_rng(seed)
     prog = get_engine(backend).program()
-    prog.grads_as_outputs = True                   # as on cuda (built on cpu for the rewrite's tests)
     total = None
     for i, shape in enumerate(shapes):
         term = (prog.param(f"p{i}", rng.normal(size=shape).astype(np.float32))

@@ -147,49 +147,27 @@ def test_the_cuda_rewrite_leaves_attention_to_ggml(why, kwargs, flag):
     assert ops_of(trainer.gb_grad).count("SOFT_MAX_BACK") == 1, why
 
 
-def test_fused_attention_can_be_turned_off_by_name(monkeypatch):
-    from toyharness.errors import InputError
-
-    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", "ggml")
-    assert not get_engine("cpu").program().fused_attention
-    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", "flash")
-    with pytest.raises(InputError, match="TOYHARNESS_CUDA_ATTENTION='flash': use fused, repeat or ggml"):
-        get_engine("cpu").program()
-
-
-def test_the_attention_rows_are_checked_by_name(monkeypatch):
-    from toyharness.errors import InputError
-
-    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", "96")
-    with pytest.raises(InputError, match="TOYHARNESS_CUDA_ATTENTION_ROWS='96': use 64 or 128"):
-        get_engine("cpu").program()
-    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", "64")
-    assert get_engine("cpu").program().attention_rows == 64
-
-
-def attention_values(monkeypatch, how: str, **shape) -> dict[str, np.ndarray]:
-    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION", how)
+def attention_values(**shape) -> dict[str, np.ndarray]:
+    """The attention block's output and gradients on cuda, on the fused kernels (grouped-query
+    heads' kv heads read in place: no REPEAT_BACK)."""
     prog, trainer, fg = attention_program("cuda", **shape)
     out = {"y": fg.run({})["y"]}
     trainer.grads_only({})
     out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "wq", "wk", "wv", "wo")})
-    kernels = cuda_kernel_names(trainer.gb_grad) + cuda_kernel_names(fg.graph)
-    assert ("attention_back" in kernels) == (how != "ggml")
-    # grouped-query heads: the kv heads read in place (fused) or repeated by ggml's REPEATs (repeat)
-    grouped = shape.get("n_kv_head") not in (None, shape["n_head"])
-    assert ("REPEAT_BACK" in ops_of(trainer.gb_grad)) == (grouped and how != "fused")
+    assert "attention_back" in cuda_kernel_names(trainer.gb_grad) + cuda_kernel_names(fg.graph)
+    assert "REPEAT_BACK" not in ops_of(trainer.gb_grad)
     return out
 
 
-def attention_values_at(monkeypatch, precision: str, hows: tuple[str, ...], **shape) -> list[dict[str, np.ndarray]]:
-    """attention_values for each of `hows` in turn at `precision` (fp32 again after); skips where
-    ggml-cuda was built without our kernels."""
+def attention_values_at(precision: str, runs: int, **shape) -> list[dict[str, np.ndarray]]:
+    """attention_values `runs` times at `precision` (fp32 again after); skips where ggml-cuda was
+    built without our kernels."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     engine = get_engine("cuda")
     engine.set_precision(precision)
     try:
-        return [attention_values(monkeypatch, how, **shape) for how in hows]
+        return [attention_values(**shape) for _ in range(runs)]
     finally:
         engine.set_precision("fp32")
 
@@ -206,94 +184,17 @@ ATTENTION_SHAPES = [
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
-def test_fused_attention_on_cuda_matches_ggmls_nodes_and_repeats_its_bits(backend, shape, monkeypatch):
-    if not cuda_kernels_built():
-        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    fused = attention_values(monkeypatch, "fused", **shape)
-    again = attention_values(monkeypatch, "fused", **shape)
-    ggml = attention_values(monkeypatch, "ggml", **shape)
-    for name, want in ggml.items():
+def test_fused_attention_on_cuda_matches_float64_and_repeats_its_bits(backend, shape):
+    """fp32: the fused kernels against the float64 block (to which ggml's fp32 nodes on the cpu agree
+    within 2e-6 of the largest element: test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu),
+    within 1e-5; the same bits on a second run."""
+    fused, again = attention_values_at("fp32", 2, **shape)
+    for name, want in attention_float64(**shape).items():
         got = fused[name]
         assert np.isfinite(got).all(), name
         err = np.abs(got - want).max() / np.abs(want).max()
-        assert err < 2e-6, (name, err)
+        assert err < 1e-5, (name, err)
         assert np.array_equal(got, again[name]), name
-
-
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("shape", [
-    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # head size 16, groups of 3
-    dict(b=2, t=200, d=256, n_head=8, n_kv_head=2),           # head size 32, groups of 4, partial tiles
-    dict(b=1, t=256, d=512, n_head=8, n_kv_head=4),           # head size 64, groups of 2
-    dict(b=2, t=37, d=128, n_head=4, n_kv_head=2, causal=False),
-])
-def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(backend, precision, shape, monkeypatch):
-    """The kv heads read in place by the fused kernels (the default) against the same kernels over
-    ggml's REPEATs with REPEAT_BACK summing dK and dV (TOYHARNESS_CUDA_ATTENTION=repeat): the
-    forward and dQ read the same values, and the backward sums each group's dK and dV as
-    REPEAT_BACK does (0, then head by head in fp32), so every output has the same bits, in fp32
-    and on the tensor cores (bf16); and they repeat."""
-    grouped, again, repeated = attention_values_at(monkeypatch, precision, ("fused", "fused", "repeat"), **shape)
-    for name, want in repeated.items():
-        assert np.isfinite(grouped[name]).all(), name
-        assert np.array_equal(grouped[name], want), (name, float(np.abs(grouped[name] - want).max()))
-        assert np.array_equal(grouped[name], again[name]), name
-
-
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("shape", ATTENTION_SHAPES + [
-    dict(b=2, t=256, d=256, n_head=4),                        # whole 128-row blocks, head size 64
-    dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # grouped, a partial 128-row block
-])
-def test_bf16_attention_bits_do_not_depend_on_the_rows_a_cta_takes(backend, shape, monkeypatch):
-    """The bf16 kernels with 128 rows a CTA (8 warps, the default) against 64
-    (TOYHARNESS_CUDA_ATTENTION_ROWS=64): each warp's 16 rows meet the same 64-row tiles in the same
-    order, and a warp skips the causal blocks it would not have met with 64 rows, so every output
-    has the same bits (dQ's recomputed dS included: T a multiple of 64 or not)."""
-    assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_ATTENTION_ROWS", ("64", "128"))
-
-
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("shape", [
-    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # group 3, head size 16
-    dict(b=2, t=200, d=256, n_head=8, n_kv_head=2),           # group 4, head size 32, partial tiles
-    dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # head size 64, a partial 128-row block
-])
-def test_bf16_grouped_backward_split_by_query_head_keeps_the_bits(backend, shape, monkeypatch):
-    """At bf16 the backward of grouped heads takes a CTA a query head, each head's dK and dV into
-    the scratch, then sums each group in head order (th_attn_group_sum_kernel); with
-    TOYHARNESS_CUDA_GROUP_SUM=0 a CTA takes a kv head and its group's heads in turn, adding each
-    into memory in the same order: every output has the same bits."""
-    assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_GROUP_SUM", ("0", "1"))
-
-
-@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("shape", ATTENTION_SHAPES + [
-    dict(b=2, t=256, d=256, n_head=4),                        # whole 128-key blocks, head size 64
-    dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # grouped, a partial 128-key block
-])
-@pytest.mark.parametrize("rows", ["64", "128"])
-def test_bf16_backward_by_chunks_of_16_queries_keeps_the_bits(backend, shape, rows, monkeypatch):
-    """The bf16 backward takes a step's 64 queries 16 at a time (th_attn_bwd_chunk_kernel: fewer
-    registers, two CTAs an SM) with the products of the whole-step kernel
-    (TOYHARNESS_CUDA_ATTN_BWD=rows) in the same order, and skips a chunk that no query of sees
-    the warp's keys: every output has the same bits, 4 and 8 warps a CTA."""
-    monkeypatch.setenv("TOYHARNESS_CUDA_ATTENTION_ROWS", rows)
-    assert_bf16_attention_bits_either_way(monkeypatch, shape, "TOYHARNESS_CUDA_ATTN_BWD", ("rows", "chunks"))
-
-
-def assert_bf16_attention_bits_either_way(monkeypatch, shape: dict, env: str, settings: tuple[str, str]) -> None:
-    """The bf16 attention block's outputs and gradients with `env` at each of `settings`: finite,
-    and the same bits."""
-    values = []
-    for setting in settings:
-        monkeypatch.setenv(env, setting)
-        values += attention_values_at(monkeypatch, "bf16", ("fused",), **shape)
-    first, second = values
-    for name, want in first.items():
-        assert np.isfinite(second[name]).all(), name
-        assert np.array_equal(second[name], want), (name, float(np.abs(second[name] - want).max()))
 
 
 def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():
@@ -315,23 +216,21 @@ def test_the_float64_attention_reference_agrees_with_ggmls_nodes_on_cpu():
     *ATTENTION_SHAPES,
     dict(b=1, t=1024, d=128, n_head=2),                       # gpt2-small's length
 ])
-def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats_its_bits(backend, shape,
-                                                                                           monkeypatch):
+def test_fused_attention_in_bf16_matches_float64_within_its_rounding_and_repeats_its_bits(backend, shape):
     """precision = bf16 (issue 32): the forward, backward and dQ kernels on tensor cores (bf16 tiles,
     fp32 sums; th-attention.cu's mma kernels), the block's products in bf16 too. Against the float64
     block: within 4 u of each output's largest element, u = 2^-8 bf16's unit roundoff (a value passes
     through at most five products, each rounding its inputs by at most u; the errors of the sums
-    over d, t and keys partly cancel, and ggml's own nodes in bf16 are printed beside for scale).
+    over d, t and keys partly cancel; fp32's are printed beside for scale).
     The same bits on a second run, and not fp32's."""
     u = 2.0**-8
-    fused, again, nodes = attention_values_at(monkeypatch, "bf16", ("fused", "fused", "ggml"), **shape)
-    fp32 = attention_values(monkeypatch, "fused", **shape)
+    fused, again = attention_values_at("bf16", 2, **shape)
+    (fp32,) = attention_values_at("fp32", 1, **shape)
     for name, want in attention_float64(**shape).items():
         got = fused[name]
         assert np.isfinite(got).all(), name
-        err, err_nodes = (float(np.abs(m[name] - want).max() / np.abs(want).max()) for m in (fused, nodes))
-        print(f"bf16 attention {shape} {name}: {err:.3g} of the largest element from float64 "
-              f"(ggml's nodes in bf16: {err_nodes:.3g}; fp32 fused: "
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        print(f"bf16 attention {shape} {name}: {err:.3g} of the largest element from float64 (fp32 fused: "
               f"{float(np.abs(fp32[name] - want).max() / np.abs(want).max()):.3g})")
         assert err < 4 * u, (name, err)
         assert np.array_equal(got, again[name]), name
@@ -349,11 +248,10 @@ CUDNN_ATTENTION_SHAPES = [
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-@pytest.mark.parametrize("inputs", ["bf16", "f32"])
 @pytest.mark.parametrize("shape", CUDNN_ATTENTION_SHAPES)
-def test_cudnn_attention_in_bf16_matches_float64_as_ours_does(backend, shape, inputs, monkeypatch):
+def test_cudnn_attention_in_bf16_matches_float64_as_ours_does(backend, shape, monkeypatch):
     """cuDNN's fused attention at bf16 (th-attention.cu, "cuDNN"): q, k and v read in place (bf16
-    products) or narrowed (f32: TOYHARNESS_BF16_ATTENTION_INPUTS=f32, as RoPE's outputs are), grouped
+    products; narrowed f32 operands, as RoPE's outputs are, run in tests/test_precision.py), grouped
     heads' backward with k and v repeated and each group's dK and dV summed by us. Against the
     float64 block within 4 u of each output's largest element (the bound of our bf16 kernels' test
     above), beside our kernels for scale; the same bits on a second run, and not ours (so cuDNN ran).
@@ -362,16 +260,15 @@ def test_cudnn_attention_in_bf16_matches_float64_as_ours_does(backend, shape, in
     if not lib.th_cudnn_attention_built():
         pytest.skip("this cuda build has no cuDNN attention (native/build.py: TOYHARNESS_CUDNN)")
     u = 2.0**-8
-    monkeypatch.setenv("TOYHARNESS_BF16_ATTENTION_INPUTS", inputs)
-    cudnn, again = attention_values_at(monkeypatch, "bf16", ("fused", "fused"), **shape)
+    cudnn, again = attention_values_at("bf16", 2, **shape)
     monkeypatch.setenv("TOYHARNESS_CUDNN_ATTENTION", "0")
-    (ours,) = attention_values_at(monkeypatch, "bf16", ("fused",), **shape)
+    (ours,) = attention_values_at("bf16", 1, **shape)
     errors = {}
     for name, want in attention_float64(**shape).items():
         assert np.isfinite(cudnn[name]).all(), name
         err, err_ours = (float(np.abs(m[name] - want).max() / np.abs(want).max()) for m in (cudnn, ours))
         errors[name] = err
-        print(f"cuDNN's attention {shape} inputs {inputs}, {name}: {err:.3g} of the largest "
+        print(f"cuDNN's attention {shape}, {name}: {err:.3g} of the largest "
               f"element from float64 (ours: {err_ours:.3g})")
     for name, err in errors.items():
         assert err < 4 * u, (name, err)
@@ -385,23 +282,21 @@ def test_cudnn_attention_in_bf16_matches_float64_as_ours_does(backend, shape, in
     dict(b=1, t=1024, d=128, n_head=2),                       # gpt2-small's length
     dict(b=1, t=330, d=512, n_head=8, n_kv_head=2),           # grouped, split by query head, head size 64
 ])
-def test_fused_attention_in_tf32_matches_float64_within_its_rounding_and_repeats_its_bits(backend, shape,
-                                                                                           monkeypatch):
+def test_fused_attention_in_tf32_matches_float64_within_its_rounding_and_repeats_its_bits(backend, shape):
     """precision = tf32: the forward, backward and dQ kernels on tensor cores in TF32 (fp32 tiles
     rounded to nearest TF32, fp32 sums; th-attention.cu's tf kernels), the block's products in TF32
     too. Against the float64 block: within 4 u of each output's largest element, u = 2^-11 TF32's
-    unit roundoff (bf16's bound, argued there), beside fp32's kernels at tf32
-    (TOYHARNESS_CUDA_TF32_ATTENTION=fp32) for scale. The same bits on a second run, and not those."""
+    unit roundoff (bf16's bound, argued there), beside fp32's for scale. The same bits on a second
+    run, and not fp32's."""
     u = 2.0**-11
-    fused, again = attention_values_at(monkeypatch, "tf32", ("fused", "fused"), **shape)
-    monkeypatch.setenv("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32")
-    (simt,) = attention_values_at(monkeypatch, "tf32", ("fused",), **shape)
+    fused, again = attention_values_at("tf32", 2, **shape)
+    (fp32,) = attention_values_at("fp32", 1, **shape)
     for name, want in attention_float64(**shape).items():
         got = fused[name]
         assert np.isfinite(got).all(), name
-        err, err_simt = (float(np.abs(m[name] - want).max() / np.abs(want).max()) for m in (fused, simt))
+        err, err_fp32 = (float(np.abs(m[name] - want).max() / np.abs(want).max()) for m in (fused, fp32))
         print(f"tf32 attention {shape} {name}: {err:.3g} of the largest element from float64 "
-              f"(fp32's kernels at tf32: {err_simt:.3g})")
+              f"(fp32: {err_fp32:.3g})")
         assert err < 4 * u, (name, err)
         assert np.array_equal(got, again[name]), name
-        assert not np.array_equal(got, simt[name]), name
+        assert not np.array_equal(got, fp32[name]), name

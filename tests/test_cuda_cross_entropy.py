@@ -17,34 +17,30 @@ from toyharness.engine import get_engine
 pytestmark = pytest.mark.usefixtures("graphs_as_cuda_builds_them")
 
 
-def cross_entropy_program(backend: str, rows: int, vocab: int, seed: int = 5):
+def cross_entropy_program(backend: str, rows: int, vocab: int, seed: int = 5, cuda_kernels: bool = True):
     """Logits a parameter (rows = 2 x rows / 2 tokens, vocab), the mean cross-entropy against random
-    targets: the training graph's CROSS_ENTROPY_LOSS_BACK writes the logits' gradient."""
+    targets: the training graph's CROSS_ENTROPY_LOSS_BACK writes the logits' gradient. Without
+    `cuda_kernels` a cuda program leaves every node to ggml-cuda (the reference)."""
     rng = np.random.default_rng(seed)
     prog = get_engine(backend).program()
-    prog.grads_as_outputs = True
+    prog.cuda_kernels = prog.cuda_kernels and cuda_kernels
     logits = prog.param("logits", (rng.normal(size=(2, rows // 2, vocab)) * 3).astype(np.float32))
     trainer = prog.trainer(prog.cross_entropy(logits, "targets"), "bias_corrected")
     return prog, trainer, {"targets": rng.integers(0, vocab, size=(2, rows // 2)).astype(np.int32)}
 
 
-def test_the_cuda_rewrite_takes_the_cross_entropy_both_ways_and_the_environment_keeps_ggmls(monkeypatch):
-    """Built on cpu: CROSS_ENTROPY_LOSS and its backward become ours; TOYHARNESS_CUDA_CROSS_ENTROPY=ggml
-    keeps both."""
+def test_the_cuda_rewrite_takes_the_cross_entropy_both_ways():
+    """Built on cpu: CROSS_ENTROPY_LOSS and its backward become ours."""
     prog, trainer, _ = cross_entropy_program("cpu", 6, 40)
     assert {"CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK"} <= set(ops_of(trainer.gb_grad))
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 2
     assert {"cross_entropy", "cross_entropy_back"} <= set(cuda_kernel_names(trainer.gb_grad))
     assert not {"CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK"} & set(ops_of(trainer.gb_grad))
-    monkeypatch.setenv("TOYHARNESS_CUDA_CROSS_ENTROPY", "ggml")
-    prog, trainer, _ = cross_entropy_program("cpu", 6, 40)
-    lib.th_cuda_rewrite(trainer.gb_grad, 1)
-    assert not {"cross_entropy", "cross_entropy_back"} & set(cuda_kernel_names(trainer.gb_grad))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("rows, vocab", [(4096, 32000), (34, 37), (6, 50304)])
-def test_the_cross_entropy_on_cuda_is_ours_both_ways_and_gives_ggmls_bits(backend, rows, vocab, monkeypatch):
+def test_the_cross_entropy_on_cuda_is_ours_both_ways_and_gives_ggmls_bits(backend, rows, vocab):
     """th-loss.cu against ggml-cuda's nodes (a 32000-token vocabulary over the LoRA bench's 4096 rows;
     rows fewer than a CTA's eight and not a multiple; GPT-2's vocabulary): every bit of the loss
     (the rows' values summed by cub as ggml sums them) and of the logits' gradient; the loss is the
@@ -53,8 +49,7 @@ def test_the_cross_entropy_on_cuda_is_ours_both_ways_and_gives_ggmls_bits(backen
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
     grads, losses = {}, {}
     for how in ("ours", "ggml"):
-        monkeypatch.setenv("TOYHARNESS_CUDA_CROSS_ENTROPY", how)
-        prog, trainer, feeds = cross_entropy_program(backend, rows, vocab)
+        prog, trainer, feeds = cross_entropy_program(backend, rows, vocab, cuda_kernels=how == "ours")
         trainer.grads_only(feeds)
         names = cuda_kernel_names(trainer.gb_grad)
         assert ("cross_entropy_back" in names, "cross_entropy" in names) == (how == "ours",) * 2

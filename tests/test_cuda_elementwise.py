@@ -23,7 +23,6 @@ def test_the_cuda_rewrite_marks_each_gelu_stand_in_and_its_backward():
     """Built on cpu (never computed here): the pairing the cuda rewrite shares with the cpu one."""
     prog = get_engine("cpu").program()
     prog.cpu_kernels = True          # blocks build the stand-in
-    prog.grads_as_outputs = True     # as on cuda: no accumulator ADDs
     y = blocks.gelu_tanh(prog.param("x", RNG.normal(size=(4, 8)).astype(np.float32)))
     trainer = prog.trainer(prog.scalar_loss(y.sum()), "bias_corrected")
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 2
@@ -101,7 +100,6 @@ def rope_program(backend: str, case: str, shape=(3, 40, 5, 64), seed: int = 16, 
     x, weights = rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
     prog = get_engine(backend).program()
     prog.cuda_kernels = prog.cuda_kernels and kernels
-    prog.grads_as_outputs = True
     if kw.pop("factors", False):
         kw["freq_factors"] = prog.constant("ff", rng.uniform(1, 8, n_dims // 2).astype(np.float32))
     positions = prog.constant("pos", (np.arange(shape[1]) * 7 + 3).astype(np.int32))
@@ -153,14 +151,15 @@ def test_adds_of_one_shape_on_cuda_are_ours_and_exact(backend, shape):
     assert cuda_kernel_names(fg.graph) == ["add"]
 
 
-def swiglu_program(backend: str, rows: int, d: int, seed: int = 23):
+def swiglu_program(backend: str, rows: int, d: int, seed: int = 23, cuda_kernels: bool = True):
     """y = silu(g) * u weighted by constants c: g's gradient is SILU_BACK(MUL(c, u), g), u's
     MUL(SILU(g), c). g and u are 2 times parameters holding their halves (exact), so that their
     gradients are nodes of the graph as in a model (a parameter's gradient is a graph output, which
-    the rewrite leaves alone), and the parameters' gradients twice theirs, exactly."""
+    the rewrite leaves alone), and the parameters' gradients twice theirs, exactly. Without
+    `cuda_kernels` a cuda program leaves every node to ggml-cuda (the reference)."""
     rng = np.random.default_rng(seed)
     prog = get_engine(backend).program()
-    prog.grads_as_outputs = True
+    prog.cuda_kernels = prog.cuda_kernels and cuda_kernels
     g = prog.param("g", (rng.normal(size=(rows, d)) * 2).astype(np.float32)).scale(2.0)
     u = prog.param("u", (rng.normal(size=(rows, d)) * 0.5).astype(np.float32)).scale(2.0)
     y = g.swiglu(u) * prog.constant("c", rng.normal(size=(rows, d)).astype(np.float32))
@@ -172,11 +171,10 @@ def room_before_writer(graph) -> bool:
     return names.index("room") < names.index("swiglu_back")
 
 
-def test_the_cuda_rewrite_computes_swiglus_backward_in_one_node(monkeypatch):
+def test_the_cuda_rewrite_computes_swiglus_backward_in_one_node():
     """Built on cpu: ggml's backward of SwiGLU, silu_back(grad * up, gate) for gate and
     silu(gate) * grad for up, is one node of ours writing up's gradient into that MUL's node (a
-    room, placed before it in every graph), the inner MUL and the SILU folded;
-    TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's nodes."""
+    room, placed before it in every graph), the inner MUL and the SILU folded."""
     prog, trainer = swiglu_program("cpu", 6, 10)
     muls = ops_of(trainer.gb_grad).count("MUL")
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 4
@@ -186,17 +184,12 @@ def test_the_cuda_rewrite_computes_swiglus_backward_in_one_node(monkeypatch):
     assert ops_of(trainer.gb_grad).count("MUL") == muls - 2 and room_before_writer(trainer.gb_grad)
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) >= 0 and cuda_kernel_names(trainer.gb_opt).count("swiglu_back") == 1
     assert room_before_writer(trainer.gb_opt)
-    monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", "ggml")
-    prog, trainer = swiglu_program("cpu", 6, 10)
-    lib.th_cuda_rewrite(trainer.gb_grad, 1)
-    assert "swiglu_back" not in cuda_kernel_names(trainer.gb_grad) and "SILU_BACK" in ops_of(trainer.gb_grad)
 
 
 def test_without_ups_gradient_the_cuda_rewrite_fuses_the_gate_gradient_alone():
     """up a constant (no gradient): silu_back(grad * up, gate) alone, SILU_BACK_MUL, no room."""
     rng = np.random.default_rng(2)
     prog = get_engine("cpu").program()
-    prog.grads_as_outputs = True
     g = prog.param("g", rng.normal(size=(6, 10)).astype(np.float32))
     u = prog.constant("u", rng.normal(size=(6, 10)).astype(np.float32))
     trainer = prog.trainer(prog.scalar_loss((g.swiglu(u) * u).sum()), "bias_corrected")
@@ -205,23 +198,23 @@ def test_without_ups_gradient_the_cuda_rewrite_fuses_the_gate_gradient_alone():
     assert names.count("silu_back_mul") == 1 and "swiglu_back" not in names and "room" not in names
 
 
-def swiglu_gradients(backend: str, monkeypatch, how: str, rows: int, d: int) -> dict[str, np.ndarray]:
-    monkeypatch.setenv("TOYHARNESS_CUDA_SILU_BACK", how)
-    prog, trainer = swiglu_program(backend, rows, d)
+def swiglu_gradients(backend: str, ours: bool, rows: int, d: int) -> dict[str, np.ndarray]:
+    """g's and u's gradients on our kernels, or (not `ours`) on ggml-cuda's nodes alone"""
+    prog, trainer = swiglu_program(backend, rows, d, cuda_kernels=ours)
     trainer.grads_only({})
-    assert ("swiglu_back" in cuda_kernel_names(trainer.gb_grad)) == (how == "ours")
+    assert ("swiglu_back" in cuda_kernel_names(trainer.gb_grad)) == ours
     return {n: prog.read(trainer.grad_acc[n]) for n in ("g", "u")}
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("rows,d", [(96, 160), (7, 13)])      # float4 path; odd count: one float at a time
-def test_swiglus_backward_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, monkeypatch):
+def test_swiglus_backward_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d):
     """The fused kernel against ggml's nodes (MUL then SILU_BACK for gate, SILU then MUL for up,
     which ggml-cuda fuses itself): every bit of both gradients."""
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    fused = swiglu_gradients(backend, monkeypatch, "ours", rows, d)
-    ggml = swiglu_gradients(backend, monkeypatch, "ggml", rows, d)
+    fused = swiglu_gradients(backend, True, rows, d)
+    ggml = swiglu_gradients(backend, False, rows, d)
     for name in ("g", "u"):
         assert np.isfinite(fused[name]).all(), name
         assert np.array_equal(fused[name].view(np.uint32), ggml[name].view(np.uint32)), name
@@ -236,22 +229,18 @@ def test_swiglus_backward_in_one_kernel_on_cuda_is_ggmls_bits(backend, rows, d, 
     assert (np.abs(fused["u"] / 2 - want_u) <= 1e-5 * np.abs(c * g) + 1e-6).all()
 
 
-def test_the_cuda_rewrite_takes_a_split_swiglu_and_the_environment_keeps_ggmls(monkeypatch):
+def test_the_cuda_rewrite_takes_a_split_swiglu():
     """Built on cpu: the GLU of split halves (ggml_swiglu_split) becomes ours, in the forward and the
-    training graph; TOYHARNESS_CUDA_SWIGLU=ggml keeps ggml's node."""
+    training graph."""
     prog, trainer = swiglu_program("cpu", 6, 10)
     assert "SWIGLU" in ops_of(trainer.gb_grad)
     lib.th_cuda_rewrite(trainer.gb_grad, 1)
     assert cuda_kernel_names(trainer.gb_grad).count("swiglu") == 1 and "SWIGLU" not in ops_of(trainer.gb_grad)
-    monkeypatch.setenv("TOYHARNESS_CUDA_SWIGLU", "ggml")
-    prog, trainer = swiglu_program("cpu", 6, 10)
-    lib.th_cuda_rewrite(trainer.gb_grad, 1)
-    assert "swiglu" not in cuda_kernel_names(trainer.gb_grad) and "SWIGLU" in ops_of(trainer.gb_grad)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 @pytest.mark.parametrize("rows,d", [(96, 160), (7, 13)])      # float4 path; odd count: one float at a time
-def test_swiglu_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, d, monkeypatch):
+def test_swiglu_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, d):
     """Our SwiGLU forward against ggml-cuda's GLU node: every bit of silu(g) * u, and it is that
     (float64, within fast-math's expf and division)."""
     if not cuda_kernels_built():
@@ -260,8 +249,8 @@ def test_swiglu_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, d, monkeypat
     g, u = (rng.normal(size=(rows, d)) * 3).astype(np.float32), rng.normal(size=(rows, d)).astype(np.float32)
     out = {}
     for how in ("ours", "ggml"):
-        monkeypatch.setenv("TOYHARNESS_CUDA_SWIGLU", how)
         prog = get_engine(backend).program()
+        prog.cuda_kernels = how == "ours"           # else every node ggml-cuda's
         fg = prog.forward({"y": prog.constant("g", g).swiglu(prog.constant("u", u))})
         out[how] = fg.run({})["y"]
         assert cuda_kernel_names(fg.graph) == (["swiglu"] if how == "ours" else [])

@@ -25,7 +25,6 @@ def products_program(backend: str, n_products: int, only: int | None = None, row
     n_products OUT_PRODs."""
     rng = np.random.default_rng(seed)
     prog = get_engine(backend).program()
-    prog.grads_as_outputs = True
     x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
     drawn = [(rng.normal(size=(d_out, d_in)).astype(np.float32), rng.normal(size=(rows, d_out)).astype(np.float32))
              for _ in range(n_products)]
@@ -82,7 +81,6 @@ def test_the_cuda_rewrite_folds_a_bias_into_its_product_and_only_there():
     reads a folded product (here as an output) is refused."""
     prog = get_engine("cpu").program()
     prog.column_sums_as_products = True          # the broadcast bias blocks build for cuda
-    prog.grads_as_outputs = True
     x = prog.param("x", RNG.normal(size=(2, 5, 8)).astype(np.float32))
     w, w2 = (prog.param(n, RNG.normal(size=(6, 8)).astype(np.float32)) for n in ("w", "w2"))
     b, b2 = (prog.param(n, RNG.normal(size=6).astype(np.float32)) for n in ("b", "b2"))
@@ -171,7 +169,6 @@ def lora_program(backend: str, scale: float, output_side: bool, cuda_kernels: bo
     prog = get_engine(backend).program()
     if cuda_kernels is not None:
         prog.cuda_kernels = cuda_kernels
-    prog.grads_as_outputs = True
     x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
     w = prog.param("w", (rng.normal(size=(d_out, d_in)) * 0.1).astype(np.float32))
     a = prog.param("a", (rng.normal(size=(rank, d_in)) * 0.1).astype(np.float32))
@@ -235,7 +232,6 @@ def frozen_products_program(backend: str, n_products: int, only: int | None = No
     * c (rank 16): x's gradient is n_products frozen OUT_PRODs (th-frozen.cu at bf16) and A's f32 one."""
     rng = np.random.default_rng(seed)
     prog = get_engine(backend).program()
-    prog.grads_as_outputs = True
     x = prog.param("x", rng.normal(size=(rows, d_in)).astype(np.float32))
     a = (rng.normal(size=(16, d_in)) * 0.1).astype(np.float32)
     b = (rng.normal(size=(d_out, 16)) * 0.1).astype(np.float32)
