@@ -44,7 +44,10 @@ def test_install_with_a_current_build_runs_no_cmake(tmp_path):
         pytest.skip("pip could not get setuptools for its build environment (no package index reachable)")
     assert res.returncode == 0, log[-4000:]
 
-    assert "native build requirements for pip: none" in log
+    # pip's build environment: setuptools only, the build being current
+    assert "is current: no build tool needed" in log and "native build requirements for pip: none" in log
+    build_env = [line for line in log.splitlines() if "Successfully installed" in line and "setuptools" in line]
+    assert build_env and not any(tool in build_env[0] for tool in ("cmake", "ninja", " pip-")), log[-4000:]
     assert "ggml (" in log and "cmake not run" in log, log[-4000:]
     assert "configuring ggml" not in log and "ready in" not in log
     installed = src / "toyharness" / "_native"
