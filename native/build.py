@@ -378,35 +378,53 @@ def build_inputs_digest(native_dir: Path, ggml_src: Path, options: list[str]) ->
     return digest.hexdigest()
 
 
-def _library_record(bdir: Path) -> list[str]:
-    return [f"lib {path.relative_to(bdir).as_posix()} {path.stat().st_size} {path.stat().st_mtime_ns}"
-            for path in sorted(built_libraries(bdir).values())]
+COMPILER_KEYS = ("CMAKE_C_COMPILER", "CMAKE_CXX_COMPILER", "CMAKE_CUDA_COMPILER")
+
+
+def _file_line(kind: str, name: str, path: Path) -> str:
+    return f"{kind} {name} {path.stat().st_size} {path.stat().st_mtime_ns}"
+
+
+def _build_record(bdir: Path) -> list[str]:
+    """The libraries a build left and the compilers it used (an upgraded compiler builds again:
+    ninja would not notice, but a build that runs no ninja must), with their sizes and mtimes."""
+    lines = [_file_line("lib", path.relative_to(bdir).as_posix(), path)
+             for path in sorted(built_libraries(bdir).values())]
+    cache_file = bdir / "CMakeCache.txt"
+    cached = cmake_cache_values(cache_file) if cache_file.is_file() else {}
+    for key in COMPILER_KEYS:
+        compiler = Path(cached[key]).resolve() if cached.get(key) else None
+        if compiler is not None and compiler.is_file():
+            lines.append(_file_line("tool", str(compiler), compiler))
+    return lines
 
 
 def record_build(bdir: Path, inputs: str) -> None:
     """Write BUILT_STAMP after a finished build (under the cache lock, right after it)."""
     tmp = bdir / (BUILT_STAMP + ".tmp")
-    tmp.write_text("\n".join([f"inputs {inputs}", *_library_record(bdir)]) + "\n")
+    tmp.write_text("\n".join([f"inputs {inputs}", *_build_record(bdir)]) + "\n")
     tmp.replace(bdir / BUILT_STAMP)
 
 
 def build_is_current(bdir: Path, inputs: str) -> bool:
-    """True where `bdir`'s last finished build was made from `inputs` and its libraries are the
-    ones that build left (none missing, none rebuilt since)."""
+    """True where `bdir`'s last finished build was made from `inputs`, its libraries are the ones
+    that build left (none missing, none rebuilt since) and its compilers are unchanged."""
     stamp = bdir / BUILT_STAMP
     if not stamp.is_file():
         return False
     lines = stamp.read_text().splitlines()
     if not lines or lines[0] != f"inputs {inputs}":
         return False
-    names = []
-    for line in lines[1:]:  # "lib RELATIVE_PATH SIZE MTIME_NS"
+    libraries = []
+    for line in lines[1:]:  # "lib PATH_IN_BDIR SIZE MTIME_NS" or "tool ABSOLUTE_PATH SIZE MTIME_NS"
         head, size, mtime = line.rsplit(" ", 2)
-        path = bdir / head.removeprefix("lib ")
+        kind, _, name = head.partition(" ")
+        path = bdir / name if kind == "lib" else Path(name)
         if not path.is_file() or path.stat().st_size != int(size) or path.stat().st_mtime_ns != int(mtime):
             return False
-        names.append(path.name)
-    return all(any(name.startswith(f"lib{lib}.so") for name in names) for lib in REQUIRED_LIBS)
+        if kind == "lib":
+            libraries.append(path.name)
+    return all(any(name.startswith(f"lib{lib}.so") for name in libraries) for lib in REQUIRED_LIBS)
 
 
 def claim_stale_build(bdir: Path, inputs: str, label: str) -> bool:

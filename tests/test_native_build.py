@@ -268,6 +268,22 @@ def test_libraries_changed_behind_the_record_are_built_again(native, fake_tree, 
     assert "ggml (cpu) ready in" in capsys.readouterr().err
 
 
+def test_a_compiler_replaced_since_the_build_builds_again(native, fake_tree, capsys):
+    bdir = native.build()
+    stamp = bdir / native.BUILT_STAMP
+    lines = stamp.read_text().splitlines()
+    tools = [i for i, line in enumerate(lines) if line.startswith("tool ")]
+    assert tools, "the record names no compiler"
+    head, size, mtime = lines[tools[0]].rsplit(" ", 2)
+    assert Path(head.split(" ", 1)[1]).is_file()
+    # what the record would say had the compiler been upgraded after this build
+    lines[tools[0]] = f"{head} {size} {int(mtime) - 1_000_000_000}"
+    stamp.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    native.build()
+    assert "ggml (cpu) ready in" in capsys.readouterr().err
+
+
 def test_build_inputs_digest_follows_content_options_and_the_ggml_source(build_module, tmp_path):
     ggml = fake_ggml(tmp_path / "ggml")
     clone = fake_native(tmp_path / "a" / "native")
