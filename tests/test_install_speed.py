@@ -8,27 +8,18 @@ that neither happens (from the build's own log), not a wall-clock time.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
+from helpers import native_build
 from test_install import checkout_copy, pip_install, venv_sharing_dependencies
 
-ROOT = Path(__file__).resolve().parents[1]
 NO_INDEX = ("No matching distribution found for setuptools", "Could not find a version that satisfies the requirement")
 
 
-def native_build_module():
-    spec = importlib.util.spec_from_file_location("toyharness_native_build_install", ROOT / "native" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_install_with_a_current_build_runs_no_cmake(tmp_path):
-    native = native_build_module()
+    native = native_build()
     try:
         bdir = native.build()  # what a first install did: the cache now holds these sources' build
     except native.BuildError as exc:
