@@ -36,6 +36,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 PIN_PACKAGE = "llama-cpp-python"
 PIN_VERSION = "0.3.36"
@@ -319,17 +320,172 @@ def find_tool(name: str) -> str | None:
 
 
 def build(backends: list[str] | None = None) -> Path:
-    """Configure (once) and build incrementally; return the folder holding the libraries."""
+    """Configure (once) and build incrementally, or nothing at all where the cached build was made
+    from the same sources and options; return the folder holding the libraries."""
     backends = backends or requested_backends()
     src = ggml_source()
     opts = cmake_options(backends)
-    key_text = "\n".join([str(src), *opts, platform.machine(), platform.system()])
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    bdir = cache_root() / "build" / f"{'-'.join(backends)}-{key}"
+    bdir = build_folder(src, opts, backends)
+    label = f"ggml ({', '.join(backends)})"
+    inputs = build_inputs_digest(NATIVE_DIR, src, opts)
+    if not claim_stale_build(bdir, inputs, label):
+        return bdir
     if "cuda" in backends or "vulkan" in backends:
         src = stage_backend_sources(src, bdir / "ggml-source", backends)
-    cmake_build(NATIVE_DIR, bdir, [f"-DTOYHARNESS_GGML_SRC={src}", *opts], f"ggml ({', '.join(backends)})")
+    cmake_build(NATIVE_DIR, bdir, [f"-DTOYHARNESS_GGML_SRC={src}", *opts], label,
+                on_success=lambda: record_build(bdir, inputs))
     return bdir
+
+
+def build_folder(ggml_src: Path, options: list[str], backends: list[str]) -> Path:
+    """The cache's build folder for this ggml folder, these cmake options and this platform."""
+    key_text = "\n".join([str(ggml_src), *options, platform.machine(), platform.system()])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    return cache_root() / "build" / f"{'-'.join(backends)}-{key}"
+
+
+# A build folder whose last build finished records what it was built from (BUILT_STAMP: a digest of
+# every input, then each library's size and mtime). An install that finds the same digest and the
+# same libraries copies them without running cmake: configuring ggml and asking ninja to check its
+# thousand files took most of an install that compiled nothing. Any change of content (not of
+# mtime) in native/, in the ggml source, or in an option (backends, SIMD level, cuda arch, cuDNN)
+# changes the digest, and cmake then runs as before.
+BUILT_STAMP = "toyharness-built.txt"
+# native/ entries that no library build reads: llama.cpp's test tool (its own build folder), the
+# package build's backend (it chooses pip's build requirements) and the folder's README
+NOT_LIBRARY_INPUTS = ("llamacpp", "backend", "README.md", "__pycache__")
+
+
+def _tree_files(root: Path, skip: tuple[str, ...] = ()) -> list[Path]:
+    return sorted(path for path in root.rglob("*") if path.is_file() and not path.is_symlink()
+                  and path.relative_to(root).parts[0] not in skip and "__pycache__" not in path.parts)
+
+
+def build_inputs_digest(native_dir: Path, ggml_src: Path, options: list[str]) -> str:
+    """sha256 over what a library build reads: the files of `native_dir` (its relative paths and
+    bytes; not where the clone is), those of the ggml source, the cmake options and the platform."""
+    digest = hashlib.sha256()
+
+    def add(kind: str, name: str, data: bytes) -> None:
+        digest.update(f"{kind}\0{name}\0{len(data)}\0".encode())
+        digest.update(data)
+
+    for option in [*options, platform.machine(), platform.system()]:
+        add("option", option, b"")
+    for tree, root, skip in (("native", native_dir, NOT_LIBRARY_INPUTS), ("ggml", ggml_src, ())):
+        for path in _tree_files(root, skip):
+            add(tree, path.relative_to(root).as_posix(), path.read_bytes())
+    return digest.hexdigest()
+
+
+COMPILER_KEYS = ("CMAKE_C_COMPILER", "CMAKE_CXX_COMPILER", "CMAKE_CUDA_COMPILER")
+
+
+def _file_line(kind: str, name: str, path: Path) -> str:
+    return f"{kind} {name} {path.stat().st_size} {path.stat().st_mtime_ns}"
+
+
+def _build_record(bdir: Path) -> list[str]:
+    """The libraries a build left and the compilers it used (an upgraded compiler builds again:
+    ninja would not notice, but a build that runs no ninja must), with their sizes and mtimes."""
+    lines = [_file_line("lib", path.relative_to(bdir).as_posix(), path)
+             for path in sorted(built_libraries(bdir).values())]
+    cache_file = bdir / "CMakeCache.txt"
+    cached = cmake_cache_values(cache_file) if cache_file.is_file() else {}
+    for key in COMPILER_KEYS:
+        compiler = Path(cached[key]).resolve() if cached.get(key) else None
+        if compiler is not None and compiler.is_file():
+            lines.append(_file_line("tool", str(compiler), compiler))
+    return lines
+
+
+def record_build(bdir: Path, inputs: str) -> None:
+    """Write BUILT_STAMP after a finished build (under the cache lock, right after it)."""
+    tmp = bdir / (BUILT_STAMP + ".tmp")
+    tmp.write_text("\n".join([f"inputs {inputs}", *_build_record(bdir)]) + "\n")
+    tmp.replace(bdir / BUILT_STAMP)
+
+
+def build_is_current(bdir: Path, inputs: str) -> bool:
+    """True where `bdir`'s last finished build was made from `inputs`, its libraries are the ones
+    that build left (none missing, none rebuilt since) and its compilers are unchanged."""
+    stamp = bdir / BUILT_STAMP
+    if not stamp.is_file():
+        return False
+    lines = stamp.read_text().splitlines()
+    if not lines or lines[0] != f"inputs {inputs}":
+        return False
+    libraries = []
+    for line in lines[1:]:  # "lib PATH_IN_BDIR SIZE MTIME_NS" or "tool ABSOLUTE_PATH SIZE MTIME_NS"
+        head, size, mtime = line.rsplit(" ", 2)
+        kind, _, name = head.partition(" ")
+        path = bdir / name if kind == "lib" else Path(name)
+        if not path.is_file() or path.stat().st_size != int(size) or path.stat().st_mtime_ns != int(mtime):
+            return False
+        if kind == "lib":
+            libraries.append(path.name)
+    return all(any(name.startswith(f"lib{lib}.so") for name in libraries) for lib in REQUIRED_LIBS)
+
+
+def claim_stale_build(bdir: Path, inputs: str, label: str) -> bool:
+    """False (saying so) where `bdir` holds a current build of `inputs`: nothing to run. Otherwise
+    drop its stamp, so that a build interrupted from here on is never taken for a finished one,
+    and return True."""
+    with cache_lock(cache_root()):
+        if build_is_current(bdir, inputs):
+            log(f"{label} up to date in {bdir} (same sources and options as its last build): cmake not run")
+            return False
+        (bdir / BUILT_STAMP).unlink(missing_ok=True)
+    return True
+
+
+# pip installs a package's build requirements into a fresh environment at every install, and
+# cmake's wheel alone took most of an install's time. So the package build (native/backend) asks
+# for cmake and ninja only where this machine has no usable one, and for nothing where the cache
+# already holds a current build (build() then runs no tool at all). pip is asked for where the
+# pinned ggml source is not cached yet: fetch_archive downloads it with `python -m pip`.
+CMAKE_REQUIREMENT = "cmake>=3.21"
+CMAKE_MINIMUM = (3, 21)
+
+
+def tool_version(tool: str) -> tuple[int, ...] | None:
+    """`tool --version`'s first number (e.g. (3, 28, 3)), or None where it does not run."""
+    try:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for word in out.split():
+        parts = word.split(".")
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            return tuple(int(part) for part in parts if part.isdigit())
+    return None
+
+
+def build_requirements(backends: list[str] | None = None) -> list[str]:
+    """What pip must install for build() to run here: nothing where the cache holds a current
+    build; else cmake and ninja where no usable one is found, and pip where the pinned ggml source
+    is not cached (with TOYHARNESS_GGML_SRC it is not fetched; pip is asked for all the same)."""
+    requirements = []
+    if not (_cache_dir(f"ggml-{GGML_VERSION}") / ".complete").is_file():
+        requirements.append("pip")
+    else:
+        try:
+            backends = backends or requested_backends()
+            src = ggml_source()
+            opts = cmake_options(backends)
+            bdir = build_folder(src, opts, backends)
+            if build_is_current(bdir, build_inputs_digest(NATIVE_DIR, src, opts)):
+                log(f"the build in {bdir} is current: no build tool needed")
+                return []
+        except BuildError:
+            pass  # the build itself says what is wrong, in its own words
+    cmake = find_tool("cmake")
+    if cmake is None or (tool_version(cmake) or (0,)) < CMAKE_MINIMUM:
+        requirements.append(CMAKE_REQUIREMENT)
+    ninja = find_tool("ninja")
+    if ninja is None or tool_version(ninja) is None:
+        requirements.append("ninja")
+    return requirements
 
 
 # ggml-cuda has no custom ops. A cuda build compiles a copy of the ggml source in which
@@ -435,10 +591,12 @@ def vulkan_instance_source(text: str) -> str:
 STAMP = "toyharness-configured.txt"
 
 
-def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, targets: tuple[str, ...] = ()) -> None:
+def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, targets: tuple[str, ...] = (),
+                on_success: Callable[[], None] | None = None) -> None:
     """Configure `source` into `bdir` (Ninja when found) when needed, then build incrementally,
     under the cache lock. A build folder left broken (an interrupted configure or build) is
-    detected and built again from scratch, saying so."""
+    detected and built again from scratch, saying so. `on_success` runs once the build finished,
+    still under the lock."""
     cmake = find_tool("cmake")
     if cmake is None:
         raise BuildError("cmake not found: install it (pip install cmake) or put it on PATH")
@@ -457,6 +615,8 @@ def cmake_build(source: Path, bdir: Path, defines: list[str], label: str, target
             clear_build_folder(bdir)
             configure_if_needed(cmake, ninja, source, bdir, defines, label)
             run(cmd, bdir, quiet=True)
+        if on_success is not None:
+            on_success()
         log(f"{label} ready in {time.perf_counter() - t0:.1f}s ({bdir})")
 
 
@@ -596,10 +756,12 @@ def _soname(path: Path) -> str | None:
     return None
 
 
+REQUIRED_LIBS = ("ggml-base", "ggml-cpu", "ggml", "toyharness_shim")
+
+
 def install_into(out: Path, bdir: Path) -> list[Path]:
     libs = built_libraries(bdir)
-    missing = [n for n in ("ggml-base", "ggml-cpu", "ggml", "toyharness_shim")
-               if not any(k.startswith(f"lib{n}.so") for k in libs)]
+    missing = [n for n in REQUIRED_LIBS if not any(k.startswith(f"lib{n}.so") for k in libs)]
     if missing:
         raise BuildError(f"build in {bdir} produced no library for {missing}")
     out.mkdir(parents=True, exist_ok=True)
