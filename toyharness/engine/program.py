@@ -40,6 +40,7 @@ from ..errors import BackendError, InputError, ShapeError
 from ..memory_plan import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
 from .lowering import Lowering, declares_for, lowering_target
+from . import graph_check
 from .tensor import Tensor
 
 GGML_FLAG_PARAM = 4
@@ -911,6 +912,7 @@ class ForwardGraph:
             lib.ggml_set_output(t.ptr)
             lib.ggml_build_forward_expand(self.graph, t.ptr)
         self.graph = prog._lowered(self.graph, False)
+        graph_check.refuse_unsupported(prog, [self.graph])
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.prog.feed(feeds)
@@ -1008,6 +1010,8 @@ class Trainer:
         self.gb_grad = prog._new_graph(grad_size, True)
         lib.ggml_graph_cpy(gf, self.gb_grad)
         lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
+        self.gb_grad = graph_check.cont_strided_operands(prog, self.gb_grad, True)
+        opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
         if prog.column_sums_as_products:
             self._column_sums_as_products(self.gb_grad)
         lowered = prog._lowered(self.gb_grad, True)
@@ -1054,6 +1058,7 @@ class Trainer:
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
         self.eval_graph = prog._lowered(self.eval_graph, False)
+        graph_check.refuse_unsupported(prog, [self.gb_opt, self.eval_graph])
         if prog.planner is not None:
             prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
         else:
