@@ -126,7 +126,8 @@ def mlflow(session):
 @nox.session
 def fuzz(session):
     """Hostile input and a hostile machine at scale: ~100k seeded cases over every file reader
-    (the table of counts per reader; failing inputs are added to tests/fuzz_corpus), atheris
+    (the table of counts per reader; failing inputs are added to tests/fuzz_corpus), 10,000 random
+    graphs of the Tensor API (toyharness/fuzz/graphs.py), atheris
     (coverage-guided) on each reader where it installs, and 40 SIGKILL-and-resume trials.
     `nox -s fuzz -- 2000` runs 2000 seeded cases per reader instead of 8400."""
     session.install("-e", ".[test]")
@@ -144,3 +145,5 @@ def fuzz(session):
                         "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
     session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill",
                 env={"TOYHARNESS_KILL_TRIALS": "40"})
+    # random graphs of the public Tensor API: each trains a step or raises one line, none aborts
+    session.run("python", "-m", "toyharness.fuzz.graphs", "--cases", "10000")

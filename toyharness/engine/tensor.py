@@ -36,6 +36,7 @@ _ENGINE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # erf by Abramowitz and Stegun 7.1.26 (absolute error under 1.5e-7): gelu(approximate="none")
 _ERF_P = 0.3275911
+_GELU_C = math.sqrt(2.0 / math.pi)
 _ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
@@ -145,8 +146,10 @@ class Tensor:
         return self if self.nb[0] == lib.ggml_type_size(self.type) else self.cont()
 
     def _whole(self) -> Tensor:
-        """self, or a contiguous copy when it is not contiguous."""
-        return self if self.is_contiguous() else self.cont()
+        """self, or a contiguous copy when it is not contiguous (or, with an axis of size 1, its
+        elements not 4 bytes apart: ggml counts such a transposed vector as contiguous)."""
+        ok = self.is_contiguous() and self.nb[0] == lib.ggml_type_size(self.type)
+        return self if ok else self.cont()
 
     def _padded(self) -> Tensor:
         """self, or a contiguous copy where ggml's SCALE cannot read it (ggml_is_padded_1d)."""
@@ -271,10 +274,13 @@ class Tensor:
         Stegun 7.1.26 (absolute error under 1.5e-7), composed of ops that each have a backward;
         x Phi(x) keeps the gradient Phi(0) = 0.5 at 0, where sign(x) has none."""
         if approximate == "tanh":
-            from .blocks import gelu_tanh
-
-            self._check_f32("gelu")
-            return gelu_tanh(self._rows())
+            # composed as blocks.gelu_tanh composes it off the cpu and cuda kernels: silu(x w) / w,
+            # w = 2 sqrt(2/pi) (1 + 0.044715 x^2) >= 1.59 (blocks' one-node stand-in takes only
+            # the consumers a transformer's MLP gives it)
+            x = self._rows()
+            x._check_f32("gelu")
+            w = x.sqr().scale_bias(2.0 * _GELU_C * 0.044715, 2.0 * _GELU_C)
+            return (x * w).silu() / w
         if approximate != "none":
             raise ShapeError(f"gelu: approximate={approximate!r}; use 'tanh' or 'none'")
         x = self._whole()
@@ -361,11 +367,25 @@ class Tensor:
         ggml_pos = [0, 1, 2, 3]
         for out_np, in_np in enumerate(axes):
             ggml_pos[n - 1 - in_np] = n - 1 - out_np
-        return self._new(lib.ggml_permute(self._ctx, self.ptr, *ggml_pos))
+        src = self._view_source(moves_rows=n > 0 and axes[-1] != n - 1)
+        return src._new(lib.ggml_permute(self._ctx, src.ptr, *ggml_pos))
 
     def transpose(self) -> Tensor:
         """Swap the last two numpy axes (a view; `cont()` makes it contiguous)."""
-        return self._new(lib.ggml_transpose(self._ctx, self.ptr), max(self.ndim, 2))
+        src = self._view_source(moves_rows=True)
+        return src._new(lib.ggml_transpose(self._ctx, src.ptr), max(self.ndim, 2))
+
+    def _view_source(self, moves_rows: bool) -> Tensor:
+        """What a transpose or permute of self views. ggml's backward hands self the view's
+        gradient as a strided view too, and the backward of most ops aborts on that (SCALE's,
+        CONT's, VIEW's, a product's when the last axis moved). A leaf and a RESHAPE take it (the
+        RESHAPE's backward makes it contiguous), and a MUL takes one whose last axis stays (the
+        attention blocks' permutes): those are viewed as they are; anything else through an
+        identity RESHAPE of it, a node of no cost."""
+        op = ffi.string(lib.ggml_op_desc(self.ptr)).decode()
+        if op in ("NONE", "RESHAPE") or (op == "MUL" and not moves_rows):
+            return self
+        return self.reshape(*self.shape) if self.ndim else self.reshape(1)
 
     def cont(self) -> Tensor:
         return self._new(lib.ggml_cont(self._ctx, self.ptr))
@@ -498,7 +518,7 @@ class Tensor:
         graph first (an f32 copy of `w` in the compute buffer).
         """
         self._same_program(w)
-        if w.ndim != 2 or w.shape[1] != self.shape[-1]:
+        if self.ndim == 0 or w.ndim != 2 or w.shape[1] != self.shape[-1]:
             raise ShapeError(f"linear: weight {w.shape} does not take inputs {self.shape} "
                              f"(need ({'N'}, {self.shape[-1]}))")
         if w.type != GGML_TYPE_F32:
@@ -520,6 +540,8 @@ class Tensor:
         consecutive query heads, as ggml's mul_mat broadcast does).
         """
         self._same_program(other)
+        if self.ndim < 2 or other.ndim < 2:
+            raise ShapeError(f"bmm: need (..., M, K) and (..., N, K), got {self.shape} and {other.shape}")
         if self.shape[-1] != other.shape[-1] or self.ndim != other.ndim:
             raise ShapeError(f"bmm: {self.shape} and {other.shape} differ in the contracted axis")
         a_lead, b_lead = self.shape[:-2], other.shape[:-2]
