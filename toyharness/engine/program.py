@@ -41,7 +41,7 @@ from ..memory_plan import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
 from .lowering import Lowering, declares_for, lowering_target
 from . import graph_check
-from .tensor import Tensor
+from .tensor import Tensor, _located
 
 GGML_FLAG_PARAM = 4
 GGML_FLAG_LOSS = 8
@@ -1205,3 +1205,9 @@ def _as_ids(what: str, value: np.ndarray, expected: str) -> np.ndarray:
 def _id_error(name: str, bad, upper: int | None) -> InputError:
     bound = f"[0, {upper})" if upper is not None else f"[0, {2 ** 31})"
     return InputError(f"{name!r}: id {int(bad)} out of range {bound}")
+
+
+# a ShapeError of a graph-building method ends with the recipe's line, as Tensor's ops' do
+for _name in ("param", "input", "constant", "cross_entropy", "masked_cross_entropy", "chunked_cross_entropy",
+              "scalar_loss"):
+    setattr(Program, _name, _located(getattr(Program, _name)))
