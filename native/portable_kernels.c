@@ -12,7 +12,7 @@
  *
  * The graphs are those that blocks build without the fast path's stand-ins (Program.portable):
  * GELU composed from silu, div and scale, LayerNorm's centring a plain matrix product, a bias
- * added through a K = 1 product. Ops: MUL_MAT, OUT_PROD, ADD, SUB, MUL, DIV, SCALE, SQR, SQRT,
+ * added through a K = 1 product. Ops: MUL_MAT, OUT_PROD, ADD, ADD1, SUB, MUL, DIV, SCALE, SQR, SQRT,
  * LOG, EXP, NEG, RELU, STEP (RELU's backward), ABS, SGN (ABS's backward), SOFTPLUS, SIGMOID (SOFTPLUS's
  * backward), SILU, SILU_BACK, SWIGLU (split), SOFT_MAX, SOFT_MAX_BACK, RMS_NORM,
  * RMS_NORM_BACK, ROPE, ROPE_BACK, SUM, SUM_ROWS, REPEAT_BACK, GET_ROWS_BACK, CROSS_ENTROPY_LOSS,
@@ -579,6 +579,8 @@ static int tp_kind_of(const struct ggml_tensor * t) {
             return t->type == GGML_TYPE_F32 && tp_weight_type(a) && tp_weight_type(b) &&
                    t->ne[2] % a->ne[2] == 0 && t->ne[3] % a->ne[3] == 0 && t->ne[2] == b->ne[2] &&
                    t->ne[3] == b->ne[3] ? (t->op == GGML_OP_MUL_MAT ? TP_MUL_MAT : TP_OUT_PROD) : 0;
+        case GGML_OP_ADD1:   /* a + b[0] (SUM's backward into a gradient already begun): ADD of b repeated */
+            return tp_f32_srcs(t) && ggml_are_same_shape(t, a) && ggml_nelements(b) == 1 ? TP_ADD : 0;
         case GGML_OP_ADD: case GGML_OP_SUB: case GGML_OP_MUL: case GGML_OP_DIV:
             if (!tp_f32_srcs(t) || !ggml_are_same_shape(t, a) || !ggml_can_repeat(b, a)) return 0;
             return t->op == GGML_OP_ADD ? TP_ADD : t->op == GGML_OP_SUB ? TP_SUB : t->op == GGML_OP_MUL ? TP_MUL : TP_DIV;

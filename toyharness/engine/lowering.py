@@ -10,7 +10,7 @@ that cpu and vulkan compute the graphs a Mac would run.
 
 The rewrites (ggml's semantics, f32 only):
 - ADD, SUB, MUL, DIV of an operand whose elements are not adjacent (a transposed view, or its
-  gradient): the same op of contiguous copies.
+  gradient): the same op of contiguous copies. ADD1(a, b) = ADD(a, b), b's one element broadcast.
 - OUT_PROD(a, b) = a b^T over the two first axes: OUT_PROD of contiguous copies, else
   MUL_MAT(cont(a^T), cont(b^T)).
 - CROSS_ENTROPY_LOSS(z, y) = -sum(log(sum_rows(softmax(z) * y))) / rows: exact for one-hot label
@@ -257,12 +257,20 @@ RULES: dict[str, tuple] = {
     "GET_ROWS_BACK": (get_rows_back_onehot,),
 }
 
-# Rewrites that keep the op and change only its operands' layout (a strided operand made contiguous)
-LAYOUT_RULES: dict[str, tuple] = {op: (binary_of_contiguous,) for op in _BINARY}
+def add1_as_add(lo: Lowering, node):
+    a, b = src(node, 0), src(node, 1)
+    _f32(a, b)
+    return lib.ggml_add(lo.ctx, a if lib.ggml_is_contiguous(a) else lo.cont(a), b)
+
+
+# Rewrites for nodes only the Tensor API's graphs hold (tests/test_ops_modes.py checks them): a
+# strided operand of a binary op made contiguous, and ADD1 (SUM's backward into a gradient already
+# begun) as an ADD of its one-element operand, broadcast.
+API_RULES: dict[str, tuple] = {**{op: (binary_of_contiguous,) for op in _BINARY}, "ADD1": (add1_as_add,)}
 
 
 def rules_for(op: str) -> tuple:
-    return RULES.get(op, ()) + LAYOUT_RULES.get(op, ())
+    return RULES.get(op, ()) + API_RULES.get(op, ())
 
 
 def backend_declares(engine) -> Declares:

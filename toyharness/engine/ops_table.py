@@ -70,6 +70,8 @@ OPS: tuple[OpCase, ...] = (
            lambda x: x[:, 1:3], shapes=((2, 4, 3),)),
     OpCase("slice", "x[1:, ..., :2]", lambda x: x[1:, ..., :2], lambda x: x[1:, ..., :2], shapes=((3, 2, 4),)),
     OpCase("index", "x[:, 1]", lambda x: x[:, 1] * x[:, 2], lambda x: x[:, 1] * x[:, 2], shapes=((3, 4, 2),)),
+    OpCase("sum (two consumers)", "x.sum()", lambda x: (x.sum() + x.sqr().sum()).reshape(1),
+           lambda x: np.array([x.sum() + (x * x).sum()])),
     OpCase("transpose (two consumers)", "x.transpose()", lambda x: x.transpose() + x.sqr().transpose(),
            lambda x: x.T + (x * x).T),
     OpCase("permute (two consumers)", "x.permute(2, 0, 1)",
