@@ -42,6 +42,7 @@ def tests_vulkan(session):
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "-rs", "-m", "vulkan", "tests/test_backends.py", *session.posargs)
     session.run("pytest", "-q", "-rs", "tests/test_engine_ops.py", env={"TOYHARNESS_TEST_BACKEND": "vulkan"})
+    session.run("pytest", "-q", "-rs", "tests/test_ops_modes.py", "-k", "vulkan")
 
 
 @nox.session

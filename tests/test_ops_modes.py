@@ -138,3 +138,16 @@ def test_a_node_the_mode_cannot_run_is_refused_when_the_trainer_is_built(engine_
 def test_docs_ops_md_is_the_generators_output():
     committed = (Path(__file__).parent.parent / "docs" / "ops.md").read_text()
     assert committed == markdown(), "docs/ops.md is stale: python -m toyharness.engine.ops_table > docs/ops.md"
+
+
+@pytest.mark.parametrize("mode", ["cpu-fast", "cpu-portable"])
+def test_a_product_added_to_itself_has_the_right_gradient(mode, engine_for):
+    """y + y of a product y (the cpu fast mode folds a product into the ADD that reads it: not
+    when both operands are the product), found by the graph fuzz."""
+    prog = engine_for(mode).program()
+    x = prog.param("x", np.ones((3, 2), np.float32))
+    y = x.matmul_t(prog.constant("w", np.arange(6, dtype=np.float32).reshape(3, 2)))
+    trainer = prog.trainer(prog.scalar_loss((y + y).sum()), "bias_corrected")
+    trainer.grads_only({})
+    # d/dx sum(2 x w^T) = 2 * (column sums of w) in every row
+    np.testing.assert_array_equal(prog.read(trainer.grad_acc["x"]), np.tile([12.0, 18.0], (3, 1)))
