@@ -44,17 +44,24 @@ def author_line() -> str | None:
     """"file:line" of the first caller outside toyharness/engine (the recipe's line that made a
     node), the path relative to the working folder where it is inside it; None if there is none."""
     f = sys._getframe(1)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_ENGINE_DIR):
+    while f is not None and _in_engine(f.f_code.co_filename):
         f = f.f_back
-    if f is None:
-        return None
-    path = f.f_code.co_filename
+    return None if f is None else f"{_shown_path(f.f_code.co_filename, os.getcwd())}:{f.f_lineno}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_engine(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_ENGINE_DIR)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shown_path(filename: str, cwd: str) -> str:
+    """relative to the working folder where the file is inside it"""
     try:
-        rel = os.path.relpath(path)
-        path = rel if not rel.startswith("..") else path
+        rel = os.path.relpath(filename, cwd)
     except ValueError:   # another drive
-        pass
-    return f"{path}:{f.f_lineno}"
+        return filename
+    return filename if rel.startswith("..") else rel
 
 
 def node_origin(prog: Program, ptr) -> str | None:
