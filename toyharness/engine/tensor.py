@@ -425,7 +425,8 @@ class Tensor:
 
     def __getitem__(self, key) -> Tensor:
         """Basic numpy indexing: integers, slices with step 1 and one Ellipsis; an integer drops
-        its axis (as numpy does)."""
+        its axis (as numpy does), except the last one left, kept with size 1 (a graph node has at
+        least one axis)."""
         key = key if isinstance(key, tuple) else (key,)
         if key.count(Ellipsis) > 1:
             raise ShapeError("index: at most one Ellipsis")
