@@ -842,9 +842,10 @@ class Program:
             node = lib.ggml_graph_node(graph, i)
             if not self.lowering.declares(node):
                 op, name = ffi.string(lib.ggml_op_desc(node)).decode(), ffi.string(lib.ggml_get_name(node)).decode()
-                missing.setdefault(op, name)
+                missing.setdefault(op, (name, graph_check.origin_of(self, node)[0]))
         if missing:
-            ops = ", ".join(f"{op} (e.g. node {name!r})" for op, name in missing.items())
+            ops = ", ".join(f"{op} (e.g. node {name!r}{f', from {where}' if where else ''})"
+                            for op, (name, where) in missing.items())
             where = f" (lowered for {self.lowering_target})" if self.lowering_target else ""
             raise BackendError(f"the {self.engine.backend} backend of this ggml{where} cannot run {ops}")
 
