@@ -42,6 +42,7 @@ def tests_vulkan(session):
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "-rs", "-m", "vulkan", "tests/test_backends.py", *session.posargs)
     session.run("pytest", "-q", "-rs", "tests/test_engine_ops.py", env={"TOYHARNESS_TEST_BACKEND": "vulkan"})
+    session.run("pytest", "-q", "-rs", "tests/test_ops_modes.py", "-k", "vulkan")
 
 
 @nox.session
@@ -131,7 +132,8 @@ def mlflow(session):
 @nox.session
 def fuzz(session):
     """Hostile input and a hostile machine at scale: ~100k seeded cases over every file reader
-    (the table of counts per reader; failing inputs are added to tests/fuzz_corpus), atheris
+    (the table of counts per reader; failing inputs are added to tests/fuzz_corpus), 10,000 random
+    graphs of the Tensor API (toyharness/fuzz/graphs.py), atheris
     (coverage-guided) on each reader where it installs, and 40 SIGKILL-and-resume trials.
     `nox -s fuzz -- 2000` runs 2000 seeded cases per reader instead of 8400."""
     session.install("-e", ".[test]")
@@ -149,6 +151,8 @@ def fuzz(session):
                         "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
     session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill", "--kill-trials", "40")
 
+    # random graphs of the public Tensor API: each trains a step or raises one line, none aborts
+    session.run("python", "-m", "toyharness.fuzz.graphs", "--cases", "10000")
 
 @nox.session
 def docs(session):

@@ -1254,6 +1254,8 @@ static int th_fold_gemm_adds(struct ggml_cgraph * graph) {
         int j = 1;
         /* not an in-place ADD (a view of its first operand: the product would overwrite it) */
         if (u->op != GGML_OP_ADD || u->view_src != NULL || u->type != GGML_TYPE_F32 || !ggml_is_contiguous(u)) continue;
+        /* y + y of a product y: its addend would be the product folded away */
+        if (u->src[0] == u->src[1]) continue;
         for (; j >= 0 && m == NULL; j--) {
             const struct ggml_tensor * other = u->src[1 - j];
             if (other->type != GGML_TYPE_F32 || !ggml_is_contiguous(other) || ggml_nelements(other) != ggml_nelements(u) ||

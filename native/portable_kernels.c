@@ -12,8 +12,9 @@
  *
  * The graphs are those that blocks build without the fast path's stand-ins (Program.portable):
  * GELU composed from silu, div and scale, LayerNorm's centring a plain matrix product, a bias
- * added through a K = 1 product. Ops: MUL_MAT, OUT_PROD, ADD, SUB, MUL, DIV, SCALE, SQR, SQRT,
- * LOG, EXP, NEG, RELU, SILU, SILU_BACK, SWIGLU (split), SOFT_MAX, SOFT_MAX_BACK, RMS_NORM,
+ * added through a K = 1 product. Ops: MUL_MAT, OUT_PROD, ADD, ADD1, SUB, MUL, DIV, SCALE, SQR, SQRT,
+ * LOG, EXP, NEG, RELU, STEP (RELU's backward), ABS, SGN (ABS's backward), SOFTPLUS, SIGMOID (SOFTPLUS's
+ * backward), SILU, SILU_BACK, SWIGLU (split), SOFT_MAX, SOFT_MAX_BACK, RMS_NORM,
  * RMS_NORM_BACK, ROPE, ROPE_BACK, SUM, SUM_ROWS, REPEAT_BACK, GET_ROWS_BACK, CROSS_ENTROPY_LOSS,
  * CROSS_ENTROPY_LOSS_BACK, ACC (a VIEW's backward), OPT_STEP_ADAMW; and with a frozen weight of
  * another type than f32 (f16, bf16, quantized: a LoRA base), MUL_MAT, OUT_PROD and GET_ROWS through our own
@@ -46,6 +47,7 @@ enum tp_kind {
     TP_RELU, TP_SILU, TP_SILU_BACK, TP_SWIGLU, TP_SOFT_MAX, TP_SOFT_MAX_BACK, TP_RMS_NORM, TP_RMS_NORM_BACK, TP_ROPE,
     TP_SUM, TP_SUM_ROWS, TP_REPEAT_BACK, TP_GET_ROWS_BACK, TP_CROSS_ENTROPY, TP_CROSS_ENTROPY_BACK,
     TP_FROZEN_MUL_MAT, TP_FROZEN_OUT_PROD, TP_FROZEN_GET_ROWS, TP_ACC,
+    TP_STEP, TP_SGN, TP_ABS, TP_SIGMOID, TP_SOFTPLUS,
 };
 
 static inline float tp_param(const struct ggml_tensor * t, int k) {
@@ -75,6 +77,11 @@ static inline float tp_unary(int kind, float x, float s, float b) {
         case TP_EXP: return tp_expf(x);
         case TP_NEG: return -x;
         case TP_RELU: return x > 0.0f ? x : 0.0f;
+        case TP_STEP: return x > 0.0f ? 1.0f : 0.0f;                          /* RELU's backward */
+        case TP_SGN: return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);      /* ABS's backward */
+        case TP_ABS: return x < 0.0f ? -x : x;
+        case TP_SIGMOID: return 1.0f / (1.0f + tp_expf(-x));                   /* SOFTPLUS's backward */
+        case TP_SOFTPLUS: return x > 20.0f ? x : tp_logf(1.0f + tp_expf(x));  /* ggml's cutoff */
         default: return tp_silu(x);
     }
 }
@@ -572,6 +579,8 @@ static int tp_kind_of(const struct ggml_tensor * t) {
             return t->type == GGML_TYPE_F32 && tp_weight_type(a) && tp_weight_type(b) &&
                    t->ne[2] % a->ne[2] == 0 && t->ne[3] % a->ne[3] == 0 && t->ne[2] == b->ne[2] &&
                    t->ne[3] == b->ne[3] ? (t->op == GGML_OP_MUL_MAT ? TP_MUL_MAT : TP_OUT_PROD) : 0;
+        case GGML_OP_ADD1:   /* a + b[0] (SUM's backward into a gradient already begun): ADD of b repeated */
+            return tp_f32_srcs(t) && ggml_are_same_shape(t, a) && ggml_nelements(b) == 1 ? TP_ADD : 0;
         case GGML_OP_ADD: case GGML_OP_SUB: case GGML_OP_MUL: case GGML_OP_DIV:
             if (!tp_f32_srcs(t) || !ggml_are_same_shape(t, a) || !ggml_can_repeat(b, a)) return 0;
             return t->op == GGML_OP_ADD ? TP_ADD : t->op == GGML_OP_SUB ? TP_SUB : t->op == GGML_OP_MUL ? TP_MUL : TP_DIV;
@@ -585,6 +594,11 @@ static int tp_kind_of(const struct ggml_tensor * t) {
                 case GGML_UNARY_OP_NEG: return TP_NEG;
                 case GGML_UNARY_OP_EXP: return TP_EXP;
                 case GGML_UNARY_OP_RELU: return TP_RELU;
+                case GGML_UNARY_OP_STEP: return TP_STEP;
+                case GGML_UNARY_OP_SGN: return TP_SGN;
+                case GGML_UNARY_OP_ABS: return TP_ABS;
+                case GGML_UNARY_OP_SIGMOID: return TP_SIGMOID;
+                case GGML_UNARY_OP_SOFTPLUS: return TP_SOFTPLUS;
                 default: return 0;
             }
         case GGML_OP_SILU_BACK:
@@ -712,6 +726,17 @@ TP_EXPORT int th_portable_rewrite(struct ggml_cgraph * graph, char * why, size_t
         changed++;
     }
     return changed;
+}
+
+/* The index of the first node of the graph that no portable kernel computes (th_portable_rewrite
+ * would refuse it), or -1: the check a run makes when its graphs are built, before any compute. */
+TP_EXPORT int th_portable_first_unsupported(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n; i++) {
+        const struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (!(tp_is_ours(t) || tp_pass_through(t) || tp_kind_of(t) != 0 || th_adamw_ok(t))) return i;
+    }
+    return -1;
 }
 
 /* "portable" for a node computed by a kernel here (`bench --profile`), else NULL */

@@ -275,3 +275,43 @@ TH_EXPORT double th_cpu_round_trip_ns(int cpu_a, int cpu_b, int rounds) {
     return -1.0;
 }
 #endif
+
+/* Operands ggml's cpu kernels cannot read strided, made contiguous: a binary op (ADD, SUB, MUL,
+ * DIV) whose first operand's elements are not adjacent, an ACC whose first operand is not
+ * contiguous. ggml's backward makes such nodes where a tensor with several consumers gets a
+ * permuted view's gradient first (the gradients are summed into that view: an abort inside ggml
+ * at compute time). A CONT copies floats (no bit changes) and is inserted just before the node
+ * that reads it. With apply = 0 only counts; with apply = 1 rewrites (-1: the graph has no room).
+ * A graph that ggml could compute as it was gets no node. */
+static int th_strided_operand(const struct ggml_tensor * t) {
+    const struct ggml_tensor * a = t->src[0];
+    if (a == NULL) return 0;
+    switch (t->op) {
+        case GGML_OP_ADD: case GGML_OP_SUB: case GGML_OP_MUL: case GGML_OP_DIV:
+            return a->nb[0] != ggml_type_size(a->type);
+        case GGML_OP_ACC:
+            return !ggml_is_contiguous(a);
+        default:
+            return 0;
+    }
+}
+
+TH_EXPORT int th_cont_strided_operands(struct ggml_context * ctx, struct ggml_cgraph * g, int apply) {
+    int needed = 0;
+    for (int i = 0; i < g->n_nodes; i++) needed += th_strided_operand(g->nodes[i]);
+    if (!apply || needed == 0) return needed;
+    if (g->n_nodes + needed > g->size) return -1;
+    for (int i = 0; i < g->n_nodes; i++) {
+        struct ggml_tensor * t = g->nodes[i];
+        if (!th_strided_operand(t)) continue;
+        struct ggml_tensor * c = ggml_cont(ctx, t->src[0]);
+        memmove(&g->nodes[i + 1], &g->nodes[i], (size_t) (g->n_nodes - i) * sizeof(g->nodes[0]));
+        c->flags |= GGML_TENSOR_FLAG_COMPUTE;
+        ggml_hash_insert(&g->visited_hash_set, c);
+        g->nodes[i] = c;
+        g->n_nodes++;
+        t->src[0] = c;
+        i++;   /* t, now at i + 1 */
+    }
+    return needed;
+}

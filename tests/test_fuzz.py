@@ -236,3 +236,46 @@ def test_an_empty_npy_whose_other_dimension_no_array_can_span_is_refused(tmp_pat
     path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
     with pytest.raises(InputError, match=r"t\.npy: shape \(0, 11529215046021504606846976\) is too large for any array"):
         load_npy(path, "tokens")
+
+
+# --- the graph API (toyharness/fuzz/graphs.py) ---------------------------------------------------
+GRAPH_CASES = 500      # `nox -s fuzz` runs 10,000
+
+
+def test_random_graphs_train_a_step_or_raise_one_line_naming_the_line(capsys):
+    """Random graphs of the public Tensor ops (views, several consumers, wrong arguments), half in
+    the portable mode: each trains a step or raises the project's one-line error (a ShapeError
+    ending with the line that made the node); none aborts the process."""
+    from toyharness.fuzz.graphs import run_graph_campaign, summary
+
+    stats = run_graph_campaign(GRAPH_CASES, seed=0)
+    with capsys.disabled():
+        print("\n" + summary(stats))
+    assert stats.tried == GRAPH_CASES
+    assert not stats.failures, summary(stats)
+    assert stats.ok >= GRAPH_CASES // 4, "too few random graphs train: the fuzz target builds mostly errors"
+    assert stats.errors >= GRAPH_CASES // 10 and len(stats.messages) >= 5
+
+
+def test_the_graph_harness_records_a_crash_and_continues(monkeypatch):
+    """A worker that aborts on a case: that case is a crash, the next worker runs the rest."""
+    import subprocess
+    import sys
+
+    from toyharness.fuzz import graphs
+
+    script = ("import json, os, sys\n"
+              "start, stop = int(sys.argv[1]), int(sys.argv[2])\n"
+              "for i in range(start, stop):\n"
+              "    print(f'start {i}', flush=True)\n"
+              "    if i == 2: os.abort()\n"
+              "    print(json.dumps({'index': i, 'kind': 'ok', 'message': ''}), flush=True)\n")
+
+    def spawn(seed, start, stop):
+        return subprocess.Popen([sys.executable, "-c", script, str(start), str(stop)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    monkeypatch.setattr(graphs, "_spawn", spawn)
+    stats = graphs.run_graph_campaign(5, seed=0)
+    assert stats.tried == 5 and stats.ok == 4
+    assert [(i, kind) for i, kind, _ in stats.failures] == [(2, "crash")]

@@ -73,6 +73,13 @@ ggml_tensor * ggml_neg(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_relu(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_silu(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_softplus(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_abs(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_sgn(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_step(ggml_context * ctx, ggml_tensor * a);
+ggml_tensor * ggml_acc(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b, size_t nb1, size_t nb2, size_t nb3,
+                       size_t offset);
+ggml_tensor * ggml_view_4d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3,
+                           size_t nb1, size_t nb2, size_t nb3, size_t offset);
 ggml_tensor * ggml_sum(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_sum_rows(ggml_context * ctx, ggml_tensor * a);
 ggml_tensor * ggml_repeat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
@@ -193,6 +200,8 @@ void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols);
 int th_cpu_rewrite(ggml_cgraph * graph);
 int th_cpu_fold(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
+int th_portable_first_unsupported(ggml_cgraph * graph);
+int th_cont_strided_operands(ggml_context * ctx, ggml_cgraph * graph, int apply);
 const char * th_portable_kernel_name(const ggml_tensor * t);
 int th_frozen_type_ok(int type);
 int64_t th_frozen_tile(int64_t n, int64_t m);

@@ -9,6 +9,8 @@ support check names it). Program.lowering_target "metal" (set by tests) adds the
 that cpu and vulkan compute the graphs a Mac would run.
 
 The rewrites (ggml's semantics, f32 only):
+- ADD, SUB, MUL, DIV of an operand whose elements are not adjacent (a transposed view, or its
+  gradient): the same op of contiguous copies. ADD1(a, b) = ADD(a, b), b's one element broadcast.
 - OUT_PROD(a, b) = a b^T over the two first axes: OUT_PROD of contiguous copies, else
   MUL_MAT(cont(a^T), cont(b^T)).
 - CROSS_ENTROPY_LOSS(z, y) = -sum(log(sum_rows(softmax(z) * y))) / rows: exact for one-hot label
@@ -71,16 +73,16 @@ class Lowering:
 
     def needed(self, graph) -> int:
         """How many nodes of `graph` the backend does not declare and a rewrite exists for."""
-        return sum(1 for node in _nodes(graph) if op_name(node) in RULES and not self.declares(node))
+        return sum(1 for node in _nodes(graph) if rules_for(op_name(node)) and not self.declares(node))
 
     def lower(self, graph) -> int:
         """Rewrite every undeclared node of `graph` that a declared rewrite exists for; the count."""
         done = 0
         for node in _nodes(graph):
             op = op_name(node)
-            if op not in RULES or self.declares(node):
+            if not rules_for(op) or self.declares(node):
                 continue
-            for rule in RULES[op]:
+            for rule in rules_for(op):
                 try:
                     repl = rule(self, node)
                 except Unlowerable:
@@ -135,6 +137,19 @@ def out_prod_of_contiguous(lo: Lowering, node):
     if lib.ggml_is_contiguous(a) and lib.ggml_is_contiguous(b):
         raise Unlowerable("already contiguous")
     return lib.ggml_out_prod(lo.ctx, lo.cont(a), lo.cont(b))
+
+
+_BINARY = {"ADD": lib.ggml_add, "SUB": lib.ggml_sub, "MUL": lib.ggml_mul, "DIV": lib.ggml_div}
+
+
+def binary_of_contiguous(lo: Lowering, node):
+    a, b = src(node, 0), src(node, 1)
+    _f32(a, b)
+    strided = [not lib.ggml_is_contiguous(t) for t in (a, b)]
+    if not any(strided):
+        raise Unlowerable("already contiguous")
+    a, b = (lo.cont(t) if s else t for t, s in zip((a, b), strided))
+    return _BINARY[op_name(node)](lo.ctx, a, b)
 
 
 def out_prod_as_mul_mat(lo: Lowering, node):
@@ -229,6 +244,21 @@ RULES: dict[str, tuple] = {
     "REPEAT_BACK": (repeat_back_by_sum_rows,),
     "GET_ROWS_BACK": (get_rows_back_onehot,),
 }
+
+def add1_as_add(lo: Lowering, node):
+    a, b = src(node, 0), src(node, 1)
+    _f32(a, b)
+    return lib.ggml_add(lo.ctx, a if lib.ggml_is_contiguous(a) else lo.cont(a), b)
+
+
+# Rewrites for nodes only the Tensor API's graphs hold (tests/test_ops_modes.py checks them): a
+# strided operand of a binary op made contiguous, and ADD1 (SUM's backward into a gradient already
+# begun) as an ADD of its one-element operand, broadcast.
+API_RULES: dict[str, tuple] = {**{op: (binary_of_contiguous,) for op in _BINARY}, "ADD1": (add1_as_add,)}
+
+
+def rules_for(op: str) -> tuple:
+    return RULES.get(op, ()) + API_RULES.get(op, ())
 
 
 def backend_declares(engine) -> Declares:

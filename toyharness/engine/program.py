@@ -36,10 +36,11 @@ from .._ffi import (
 )
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
+from . import graph_check
 from .allocation import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
 from .lowering import Lowering, declares_for
-from .tensor import Tensor
+from .tensor import Tensor, _located
 
 GGML_FLAG_PARAM = 4
 GGML_FLAG_LOSS = 8
@@ -745,9 +746,10 @@ class Program:
             node = lib.ggml_graph_node(graph, i)
             if not self.lowering.declares(node):
                 op, name = ffi.string(lib.ggml_op_desc(node)).decode(), ffi.string(lib.ggml_get_name(node)).decode()
-                missing.setdefault(op, name)
+                missing.setdefault(op, (name, graph_check.origin_of(self, node)[0]))
         if missing:
-            ops = ", ".join(f"{op} (e.g. node {name!r})" for op, name in missing.items())
+            ops = ", ".join(f"{op} (e.g. node {name!r}{f', from {where}' if where else ''})"
+                            for op, (name, where) in missing.items())
             where = f" (lowered for {self.lowering_target})" if self.lowering_target else ""
             raise BackendError(f"the {self.engine.backend} backend of this ggml{where} cannot run {ops}")
 
@@ -815,6 +817,7 @@ class ForwardGraph:
             lib.ggml_set_output(t.ptr)
             lib.ggml_build_forward_expand(self.graph, t.ptr)
         self.graph = prog._lowered(self.graph, False)
+        graph_check.refuse_unsupported(prog, [self.graph])
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.prog.feed(feeds)
@@ -902,6 +905,8 @@ class Trainer:
         self.gb_grad = prog._new_graph(grad_size, True)
         lib.ggml_graph_cpy(gf, self.gb_grad)
         lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
+        self.gb_grad = graph_check.cont_strided_operands(prog, self.gb_grad, True)
+        opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
         if prog.column_sums_as_products:
             self._column_sums_as_products(self.gb_grad)
         lowered = prog._lowered(self.gb_grad, True)
@@ -947,6 +952,7 @@ class Trainer:
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
         self.eval_graph = prog._lowered(self.eval_graph, False)
+        graph_check.refuse_unsupported(prog, [self.gb_opt, self.eval_graph])
         if prog.planner is not None:
             prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
         else:
@@ -1090,3 +1096,9 @@ def _as_ids(what: str, value: np.ndarray, expected: str) -> np.ndarray:
 def _id_error(name: str, bad, upper: int | None) -> InputError:
     bound = f"[0, {upper})" if upper is not None else f"[0, {2 ** 31})"
     return InputError(f"{name!r}: id {int(bad)} out of range {bound}")
+
+
+# a ShapeError of a graph-building method ends with the recipe's line, as Tensor's ops' do
+for _name in ("param", "input", "constant", "cross_entropy", "masked_cross_entropy", "chunked_cross_entropy",
+              "scalar_loss"):
+    setattr(Program, _name, _located(getattr(Program, _name)))

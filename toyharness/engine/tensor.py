@@ -4,12 +4,24 @@ Layout convention: shapes are numpy's, row-major. A numpy array of shape ``(a, b
 ggml tensor with ``ne = [c, b, a]``; ``Tensor.shape`` reports ``(a, b, c)``. Every op here takes
 and returns numpy-order shapes and checks them before ggml sees them (ggml aborts on a bad
 shape, Python raises ``ShapeError``).
+
+Every node made here records the recipe's line that made it (the first stack frame outside
+toyharness/engine): a shape, layout or type error raised by an op ends with "(at file:line)",
+and a mode that cannot run a node names that line when the run starts (engine/graph_check.py).
+
+Views (transpose, permute, a slice) may be read by any op: an op that ggml computes only from
+adjacent elements gets a contiguous copy of a strided view first (a CONT: the same values), so
+no graph built here reaches ggml in a layout it aborts on.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING, Sequence
+import os
+import sys
+from types import FunctionType
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -20,6 +32,58 @@ from . import quant
 if TYPE_CHECKING:
     from .program import Program
 
+_ENGINE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+# erf by Abramowitz and Stegun 7.1.26 (absolute error under 1.5e-7): gelu(approximate="none")
+_ERF_P = 0.3275911
+_GELU_C = math.sqrt(2.0 / math.pi)
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def author_line() -> str | None:
+    """"file:line" of the first caller outside toyharness/engine (the recipe's line that made a
+    node), the path relative to the working folder where it is inside it; None if there is none."""
+    f = sys._getframe(1)
+    while f is not None and _in_engine(f.f_code.co_filename):
+        f = f.f_back
+    return None if f is None else f"{_shown_path(f.f_code.co_filename, os.getcwd())}:{f.f_lineno}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_engine(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_ENGINE_DIR)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shown_path(filename: str, cwd: str) -> str:
+    """relative to the working folder where the file is inside it"""
+    try:
+        rel = os.path.relpath(filename, cwd)
+    except ValueError:   # another drive
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+def node_origin(prog: Program, ptr) -> str | None:
+    """The recipe line that made the node `ptr` through Tensor, if it was made there."""
+    origins = getattr(prog, "_node_origins", None)
+    return origins.get(int(ffi.cast("uintptr_t", ptr))) if origins else None
+
+
+def _located(fn: Callable) -> Callable:
+    """A ShapeError raised inside `fn` ends with the recipe's line that called it (once)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ShapeError as e:
+            if getattr(e, "located", False):
+                raise
+            where = author_line()
+            err = type(e)(f"{e} (at {where})" if where else str(e))
+            err.located = True
+            raise err from None
+    return wrapper
 
 
 class Tensor:
@@ -67,8 +131,38 @@ class Tensor:
 
     # --- plumbing ----------------------------------------------------------------------
     def _new(self, ptr, ndim: int | None = None) -> Tensor:
-        self.prog._count_op()
-        return Tensor(self.prog, ptr, self.ndim if ndim is None else ndim)
+        prog = self.prog
+        prog._count_op()
+        origins = getattr(prog, "_node_origins", None)
+        if origins is None:
+            origins = prog._node_origins = {}
+        origins[int(ffi.cast("uintptr_t", ptr))] = author_line()
+        return Tensor(prog, ptr, self.ndim if ndim is None else ndim)
+
+    @property
+    def nb(self) -> list[int]:
+        """ggml's strides in bytes (dim 0 first)."""
+        ne = ffi.new("int64_t[4]")
+        nb = ffi.new("size_t[4]")
+        lib.th_tensor_shape(self.ptr, ne, nb)
+        return [int(x) for x in nb]
+
+    def _rows(self) -> Tensor:
+        """self, or a contiguous copy when its elements along the last axis are not adjacent
+        (ggml's elementwise kernels read them so; a transposed view's are not)."""
+        return self if self.nb[0] == lib.ggml_type_size(self.type) else self.cont()
+
+    def _whole(self) -> Tensor:
+        """self, or a contiguous copy when it is not contiguous (or, with an axis of size 1, its
+        elements not 4 bytes apart: ggml counts such a transposed vector as contiguous)."""
+        ok = self.is_contiguous() and self.nb[0] == lib.ggml_type_size(self.type)
+        return self if ok else self.cont()
+
+    def _padded(self) -> Tensor:
+        """self, or a contiguous copy where ggml's SCALE cannot read it (ggml_is_padded_1d)."""
+        ne, nb = self.ne, self.nb
+        ok = nb[0] == lib.ggml_type_size(self.type) and nb[2] == nb[1] * ne[1] and nb[3] == nb[2] * ne[2]
+        return self if ok else self.cont()
 
     @property
     def _ctx(self):
@@ -92,13 +186,15 @@ class Tensor:
     # --- elementwise -------------------------------------------------------------------
     def __add__(self, other: Tensor) -> Tensor:
         self._check_broadcast(other, "add")
-        return self._new(lib.ggml_add(self._ctx, self.ptr, other.ptr), max(self.ndim, other.ndim))
+        a = self._rows()
+        return a._new(lib.ggml_add(self._ctx, a.ptr, other.ptr), max(self.ndim, other.ndim))
 
     def __mul__(self, other: Tensor | float) -> Tensor:
         if isinstance(other, (int, float)):
             return self.scale(float(other))
         self._check_broadcast(other, "mul")
-        return self._new(lib.ggml_mul(self._ctx, self.ptr, other.ptr), max(self.ndim, other.ndim))
+        a = self._rows()
+        return a._new(lib.ggml_mul(self._ctx, a.ptr, other.ptr), max(self.ndim, other.ndim))
 
     __rmul__ = __mul__
 
@@ -109,54 +205,132 @@ class Tensor:
             self._check_broadcast(other, "sub")
             return self + other.scale(-1.0)
         self._check_broadcast(other, "sub")
-        return self._new(lib.ggml_sub(self._ctx, self.ptr, other.ptr))
+        a = self._rows()
+        return a._new(lib.ggml_sub(self._ctx, a.ptr, other.ptr))
 
     def __truediv__(self, other: Tensor | float) -> Tensor:
         if isinstance(other, (int, float)):
             return self.scale(1.0 / float(other))
-        other = other.repeat_like(self) if other.shape != self.shape else other
+        self._same_program(other)
+        if other.shape != self.shape:
+            self._check_broadcast(other, "div")
+            other = other.repeat_like(self)
         self._check_broadcast(other, "div")
-        return self._new(lib.ggml_div(self._ctx, self.ptr, other.ptr))
+        a = self._rows()
+        return a._new(lib.ggml_div(self._ctx, a.ptr, other.ptr))
+
+    def _unary(self, fn) -> Tensor:
+        a = self._rows()
+        return a._new(fn(self._ctx, a.ptr))
 
     def __neg__(self) -> Tensor:
-        return self._new(lib.ggml_neg(self._ctx, self.ptr))
+        return self._unary(lib.ggml_neg)
 
     def scale(self, s: float) -> Tensor:
-        return self._new(lib.ggml_scale(self._ctx, self.ptr, float(s)))
+        a = self._padded()
+        return a._new(lib.ggml_scale(self._ctx, a.ptr, float(s)))
 
     def scale_bias(self, s: float, b: float) -> Tensor:
         """s * x + b in one op (its backward scales the gradient by s)."""
-        return self._new(lib.ggml_scale_bias(self._ctx, self.ptr, float(s), float(b)))
+        a = self._padded()
+        return a._new(lib.ggml_scale_bias(self._ctx, a.ptr, float(s), float(b)))
 
     def sqr(self) -> Tensor:
-        return self._new(lib.ggml_sqr(self._ctx, self.ptr))
+        return self._unary(lib.ggml_sqr)
 
     def sqrt(self) -> Tensor:
-        return self._new(lib.ggml_sqrt(self._ctx, self.ptr))
+        return self._unary(lib.ggml_sqrt)
 
     def log(self) -> Tensor:
-        return self._new(lib.ggml_log(self._ctx, self.ptr))
+        return self._unary(lib.ggml_log)
 
     def exp(self) -> Tensor:
-        return self._new(lib.ggml_exp(self._ctx, self.ptr))
+        return self._unary(lib.ggml_exp)
 
     def relu(self) -> Tensor:
-        return self._new(lib.ggml_relu(self._ctx, self.ptr))
+        """max(x, 0); its gradient is 1 where x > 0, else 0."""
+        return self._unary(lib.ggml_relu)
+
+    def leaky_relu(self, slope: float = 0.01) -> Tensor:
+        """x where x > 0, else slope * x: relu(x) - slope * relu(-x), exact (one term is 0)."""
+        return self.relu() + (-self).relu().scale(-float(slope))
 
     def silu(self) -> Tensor:
-        return self._new(lib.ggml_silu(self._ctx, self.ptr))
+        return self._unary(lib.ggml_silu)
 
     def softplus(self) -> Tensor:
-        return self._new(lib.ggml_softplus(self._ctx, self.ptr))
+        """log(1 + exp(x)), and x itself above 20 (ggml's cutoff)."""
+        return self._unary(lib.ggml_softplus)
+
+    def abs(self) -> Tensor:
+        """|x|; its gradient is sign(x) (0 at 0)."""
+        return self._unary(lib.ggml_abs)
+
+    def sigmoid(self) -> Tensor:
+        """1 / (1 + exp(-x)), composed as exp(-softplus(-x)): ops that each have a backward in
+        ggml (and no overflow: softplus(-x) is -x below -20)."""
+        return (-(-self).softplus()).exp()
+
+    def tanh(self) -> Tensor:
+        """2 sigmoid(2x) - 1 (absolute error about 1e-7 near 0, from the composition)."""
+        return self.scale(2.0).sigmoid().scale_bias(2.0, -1.0)
+
+    def gelu(self, approximate: str = "tanh") -> Tensor:
+        """x Phi(x). approximate="tanh": 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's
+        (blocks.gelu_tanh). approximate="none": the exact form, Phi from erf by Abramowitz and
+        Stegun 7.1.26 (absolute error under 1.5e-7), composed of ops that each have a backward;
+        x Phi(x) keeps the gradient Phi(0) = 0.5 at 0, where sign(x) has none."""
+        if approximate == "tanh":
+            # composed as blocks.gelu_tanh composes it off the cpu and cuda kernels: silu(x w) / w,
+            # w = 2 sqrt(2/pi) (1 + 0.044715 x^2) >= 1.59 (blocks' one-node stand-in takes only
+            # the consumers a transformer's MLP gives it)
+            x = self._rows()
+            x._check_f32("gelu")
+            w = x.sqr().scale_bias(2.0 * _GELU_C * 0.044715, 2.0 * _GELU_C)
+            return (x * w).silu() / w
+        if approximate != "none":
+            raise ShapeError(f"gelu: approximate={approximate!r}; use 'tanh' or 'none'")
+        x = self._whole()
+        x._check_f32("gelu")
+        z = x.abs().scale(1.0 / math.sqrt(2.0))               # |x| / sqrt(2)
+        ones = x.prog.cached_constant(f"ones.{'x'.join(map(str, x.shape))}",
+                                      lambda: np.ones(x.shape, np.float32))
+        t = ones / z.scale_bias(_ERF_P, 1.0)                  # 1 / (1 + p z)
+        a1, a2, a3, a4, a5 = _ERF_A
+        q = t.scale_bias(a5, a4)
+        for a in (a3, a2, a1):
+            q = (q * t).scale_bias(1.0, a)
+        erfc = q * t * x.sqr().scale(-0.5).exp()              # erfc(z) = P(t) exp(-z^2), z >= 0
+        phi = (lib_sgn(x) * erfc.scale_bias(-1.0, 1.0)).scale_bias(0.5, 0.5)
+        return x * phi
+
+    def clamp(self, lo: float | None = None, hi: float | None = None) -> Tensor:
+        """min(max(x, lo), hi), exact: x * step(x - lo) + lo * (1 - step(x - lo)), then the same for
+        hi (STEP has no gradient: x's is 1 inside (lo, hi), 0 outside and at the bounds)."""
+        if lo is None and hi is None:
+            raise ShapeError("clamp: give lo, hi or both")
+        if lo is not None and hi is not None and not lo <= hi:
+            raise ShapeError(f"clamp: lo {lo} is above hi {hi}")
+        y = self._whole()
+        y._check_f32("clamp")
+        if lo is not None:
+            inside = lib_step(y.scale_bias(1.0, -float(lo)))           # x > lo
+            y = y * inside + inside.scale_bias(-float(lo), float(lo))
+        if hi is not None:
+            inside = lib_step(y.scale_bias(-1.0, float(hi)))           # x < hi
+            y = y * inside + inside.scale_bias(-float(hi), float(hi))
+        return y
 
     # --- reductions and shape ----------------------------------------------------------
     def sum(self) -> Tensor:
         """Sum of all elements (one thread in ggml: a fixed order, thread-count invariant)."""
-        return self._new(lib.ggml_sum(self._ctx, self.ptr), 0)
+        a = self._rows()
+        return a._new(lib.ggml_sum(self._ctx, a.ptr), 0)
 
     def sum_rows(self) -> Tensor:
         """Sum over the last numpy axis, kept with size 1."""
-        return self._new(lib.ggml_sum_rows(self._ctx, self.ptr))
+        a = self._rows()
+        return a._new(lib.ggml_sum_rows(self._ctx, a.ptr))
 
     def mean_rows(self) -> Tensor:
         return self.sum_rows().scale(1.0 / self.shape[-1])
@@ -200,14 +374,119 @@ class Tensor:
         ggml_pos = [0, 1, 2, 3]
         for out_np, in_np in enumerate(axes):
             ggml_pos[n - 1 - in_np] = n - 1 - out_np
-        return self._new(lib.ggml_permute(self._ctx, self.ptr, *ggml_pos))
+        src = self._view_source(moves_rows=n > 0 and axes[-1] != n - 1)
+        return src._new(lib.ggml_permute(self._ctx, src.ptr, *ggml_pos))
 
     def transpose(self) -> Tensor:
         """Swap the last two numpy axes (a view; `cont()` makes it contiguous)."""
-        return self._new(lib.ggml_transpose(self._ctx, self.ptr), max(self.ndim, 2))
+        src = self._view_source(moves_rows=True)
+        return src._new(lib.ggml_transpose(self._ctx, src.ptr), max(self.ndim, 2))
+
+    def _view_source(self, moves_rows: bool) -> Tensor:
+        """What a transpose or permute of self views. ggml's backward hands self the view's
+        gradient as a strided view too, and the backward of most ops aborts on that (SCALE's,
+        CONT's, VIEW's, a product's when the last axis moved). A leaf and a RESHAPE take it (the
+        RESHAPE's backward makes it contiguous), and a MUL takes one whose last axis stays (the
+        attention blocks' permutes): those are viewed as they are; anything else through an
+        identity RESHAPE of it, a node of no cost."""
+        op = ffi.string(lib.ggml_op_desc(self.ptr)).decode()
+        if op in ("NONE", "RESHAPE") or (op == "MUL" and not moves_rows):
+            return self
+        return self.reshape(*self.shape) if self.ndim else self.reshape(1)
 
     def cont(self) -> Tensor:
         return self._new(lib.ggml_cont(self._ctx, self.ptr))
+
+    def _axis(self, axis: int, op: str) -> int:
+        if not -self.ndim <= axis < self.ndim:
+            raise ShapeError(f"{op}: axis {axis} outside a {self.ndim}-axis tensor {self.shape}")
+        return axis % self.ndim
+
+    def narrow(self, axis: int, start: int, length: int) -> Tensor:
+        """numpy's ``x[..., start:start+length, ...]`` on `axis`, contiguous.
+
+        A view of an identity RESHAPE of self: the view's backward adds its gradient into a
+        contiguous zero tensor, and the RESHAPE's makes that a contiguous gradient for self
+        (summed with the gradients of its other consumers, whatever their layout)."""
+        axis = self._axis(axis, "narrow")
+        size = self.shape[axis]
+        if start < 0:
+            start += size
+        if not (0 <= start and length > 0 and start + length <= size):
+            raise ShapeError(f"narrow: [{start}, {start + length}) outside axis {axis} of {self.shape}")
+        if start == 0 and length == size:
+            return self
+        src = self.reshape(*self.shape)    # a contiguous node of its own (see above)
+        ne, nb = src.ne, src.nb
+        d = self.ndim - 1 - axis
+        ne[d] = length
+        view = src._new(lib.ggml_view_4d(self._ctx, src.ptr, *ne, nb[1], nb[2], nb[3], start * nb[d]))
+        return view if view.is_contiguous() else view.cont()
+
+    def __getitem__(self, key) -> Tensor:
+        """Basic numpy indexing: integers, slices with step 1 and one Ellipsis; an integer drops
+        its axis (as numpy does), except the last one left, kept with size 1 (a graph node has at
+        least one axis)."""
+        key = key if isinstance(key, tuple) else (key,)
+        if key.count(Ellipsis) > 1:
+            raise ShapeError("index: at most one Ellipsis")
+        if Ellipsis in key:
+            at = key.index(Ellipsis)
+            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1:]
+        if len(key) > self.ndim:
+            raise ShapeError(f"index: {len(key)} indices for a {self.ndim}-axis tensor {self.shape}")
+        out, dropped = self, []
+        for axis, k in enumerate(key):
+            size = self.shape[axis]
+            if isinstance(k, slice):
+                start, stop, step = k.indices(size)
+                if step != 1:
+                    raise ShapeError(f"index: slice step {k.step} on axis {axis}; only step 1 is supported")
+                if stop <= start:
+                    raise ShapeError(f"index: slice {k} of axis {axis} (size {size}) is empty")
+                out = out.narrow(axis, start, stop - start)
+            elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+                i = int(k) + size if k < 0 else int(k)
+                if not 0 <= i < size:
+                    raise ShapeError(f"index: {k} outside axis {axis} of size {size}")
+                out = out.narrow(axis, i, 1)
+                dropped.append(axis)
+            else:
+                raise ShapeError(f"index: {k!r} on axis {axis}; use integers, slices or ...")
+        if dropped:
+            shape = [n for i, n in enumerate(out.shape) if i not in dropped]
+            if not shape:
+                shape = [1]
+            out = out.reshape(*shape)
+        return out
+
+    def concat(self, others: Tensor | Sequence[Tensor], axis: int = 0) -> Tensor:
+        """numpy's ``concatenate([self, *others], axis)``: each part added (ACC) into its place of
+        a zero constant, ops with a backward in ggml (its CONCAT has none)."""
+        parts = [self, *([others] if isinstance(others, Tensor) else list(others))]
+        axis = self._axis(axis, "concat")
+        for p in parts[1:]:
+            if not isinstance(p, Tensor):
+                raise ShapeError(f"concat: {p!r} is not a Tensor")
+            self._same_program(p)
+            if p.ndim != self.ndim or any(a != b for i, (a, b) in enumerate(zip(p.shape, self.shape)) if i != axis):
+                raise ShapeError(f"concat: {p.shape} does not fit {self.shape} along axis {axis}")
+        for p in parts:
+            p._check_f32("concat")
+        if len(parts) == 1:
+            return self
+        shape = list(self.shape)
+        shape[axis] = sum(p.shape[axis] for p in parts)
+        zeros = self.prog.cached_constant(f"zeros.{'x'.join(map(str, shape))}",
+                                          lambda: np.zeros(shape, np.float32))
+        nb = zeros.nb
+        d = self.ndim - 1 - axis
+        out, at = zeros, 0
+        for p in parts:
+            p = p._whole()
+            out = out._new(lib.ggml_acc(self._ctx, out.ptr, p.ptr, nb[1], nb[2], nb[3], at * nb[d]), self.ndim)
+            at += p.shape[axis]
+        return out
 
     def view_rows(self, start: int, count: int) -> Tensor:
         """Rows ``[start, start+count)`` of a contiguous 2-D tensor (numpy ``x[start:start+count]``)."""
@@ -247,7 +526,7 @@ class Tensor:
         graph first (an f32 copy of `w` in the compute buffer).
         """
         self._same_program(w)
-        if w.ndim != 2 or w.shape[1] != self.shape[-1]:
+        if self.ndim == 0 or w.ndim != 2 or w.shape[1] != self.shape[-1]:
             raise ShapeError(f"linear: weight {w.shape} does not take inputs {self.shape} "
                              f"(need ({'N'}, {self.shape[-1]}))")
         if w.type != GGML_TYPE_F32:
@@ -255,8 +534,10 @@ class Tensor:
                 raise ShapeError(f"linear: weight {w!r} has a type no frozen product takes")
             if not (self.prog.cpu_kernels or self.prog.portable or self.prog.frozen_bf16):
                 w = w.dequantized()
+        if w.nb[0] > w.nb[1] or w.nb[0] != lib.ggml_type_size(w.type):   # ggml takes no transposed weight
+            w = w.cont()
         lead = self.shape[:-1]
-        x2 = self.reshape(-1, self.shape[-1]) if self.ndim != 2 else self
+        x2 = self.reshape(-1, self.shape[-1]) if self.ndim != 2 else self._rows()
         y = x2._new(lib.ggml_mul_mat(self._ctx, w.ptr, x2.ptr), 2)
         return y.reshape(*lead, w.shape[0]) if self.ndim != 2 else y
 
@@ -267,6 +548,8 @@ class Tensor:
         consecutive query heads, as ggml's mul_mat broadcast does).
         """
         self._same_program(other)
+        if self.ndim < 2 or other.ndim < 2:
+            raise ShapeError(f"bmm: need (..., M, K) and (..., N, K), got {self.shape} and {other.shape}")
         if self.shape[-1] != other.shape[-1] or self.ndim != other.ndim:
             raise ShapeError(f"bmm: {self.shape} and {other.shape} differ in the contracted axis")
         a_lead, b_lead = self.shape[:-2], other.shape[:-2]
@@ -276,7 +559,9 @@ class Tensor:
             # ggml's mul_mat broadcast gives wrong input gradients (tests/test_engine_ops.py):
             # repeat the shared heads explicitly instead.
             other = other.repeat_heads(a_lead[1] // b_lead[1])
-        return self._new(lib.ggml_mul_mat(self._ctx, other.ptr, self.ptr))
+        other = other.cont() if other.nb[0] > other.nb[1] or other.nb[0] != 4 else other
+        a = self._rows()
+        return a._new(lib.ggml_mul_mat(self._ctx, other.ptr, a.ptr))
 
     def dequantized(self) -> Tensor:
         """A 2-D weight of any frozen type as an f32 graph node (GET_ROWS of every row: ggml's
@@ -287,7 +572,8 @@ class Tensor:
 
     # --- nn primitives -----------------------------------------------------------------
     def rms_norm(self, eps: float) -> Tensor:
-        return self._new(lib.ggml_rms_norm(self._ctx, self.ptr, float(eps)))
+        a = self._rows()
+        return a._new(lib.ggml_rms_norm(self._ctx, a.ptr, float(eps)))
 
     def softmax(self, scale: float = 1.0, causal: bool = False, window: int | None = None) -> Tensor:
         """softmax(scale * self) over the last axis; `causal` adds the causal mask first, in the
@@ -297,6 +583,8 @@ class Tensor:
         covers every key is the plain causal mask."""
         if window is not None and not causal:
             raise ShapeError("softmax: a sliding window needs the causal mask")
+        if not self.is_contiguous():
+            return self.cont().softmax(scale, causal, window)
         if scale == 1.0 and not causal:
             return self._new(lib.ggml_soft_max(self._ctx, self.ptr))
         if window is not None and window < self.shape[-1]:
@@ -329,7 +617,14 @@ class Tensor:
         self._same_program(up)
         if self.shape != up.shape:
             raise ShapeError(f"swiglu: gate {self.shape} and up {up.shape} differ")
-        return self._new(lib.ggml_swiglu_split(self._ctx, self.ptr, up.ptr))
+        gate, up = self._contiguous_1(), up._contiguous_1()
+        return gate._new(lib.ggml_swiglu_split(self._ctx, gate.ptr, up.ptr))
+
+    def _contiguous_1(self) -> Tensor:
+        """self, or a contiguous copy where ggml's GLU cannot read it (ggml_is_contiguous_1)."""
+        ne, nb = self.ne, self.nb
+        ok = nb[0] == lib.ggml_type_size(self.type) and nb[2] == nb[1] * ne[1] and nb[3] == nb[2] * ne[2]
+        return self if ok else self.cont()
 
     def rope(self, positions: Tensor, n_dims: int, base: float = 10000.0, neox: bool = False,
              freq_scale: float = 1.0, freq_factors: Tensor | None = None) -> Tensor:
@@ -348,6 +643,8 @@ class Tensor:
         if freq_factors is not None and (freq_factors.type != GGML_TYPE_F32 or freq_factors.shape != (n_dims // 2,)):
             raise ShapeError(f"rope: frequency factors {freq_factors!r}, expected f32 ({n_dims // 2},)")
         mode = 2 if neox else 0
+        if self.nb[0] != lib.ggml_type_size(self.type):
+            return self.cont().rope(positions, n_dims, base, neox, freq_scale, freq_factors)
         factors = freq_factors.ptr if freq_factors is not None else ffi.NULL
         return self._new(lib.ggml_rope_ext(self._ctx, self.ptr, positions.ptr, factors, n_dims, mode,
                                            0, float(base), float(freq_scale), 0.0, 1.0, 0.0, 0.0))
@@ -357,9 +654,28 @@ class Tensor:
         self._same_program(ids)
         if self.ndim != 2 or ids.type != GGML_TYPE_I32:
             raise ShapeError(f"get_rows: need a (V, D) table and i32 ids, got {self!r}, {ids!r}")
+        if self.nb[0] != lib.ggml_type_size(self.type):
+            return self.cont().get_rows(ids)
         flat = ids.reshape(ids.numel()) if ids.ndim != 1 else ids
         rows = flat._new(lib.ggml_get_rows(self._ctx, self.ptr, flat.ptr), 2)
         return rows.reshape(*ids.shape, self.shape[1]) if ids.ndim != 1 else rows
+
+
+# every public op (and operator) ends its ShapeError with the recipe's line
+for _name, _fn in list(vars(Tensor).items()):
+    if isinstance(_fn, FunctionType) and (not _name.startswith("_") or _name in (
+            "__add__", "__mul__", "__rmul__", "__sub__", "__truediv__", "__neg__", "__getitem__")):
+        setattr(Tensor, _name, _located(_fn))
+
+
+def lib_sgn(x: Tensor) -> Tensor:
+    """sign(x): 1, -1 or 0 (no gradient)."""
+    return x._unary(lib.ggml_sgn)
+
+
+def lib_step(x: Tensor) -> Tensor:
+    """1 where x > 0, else 0 (no gradient)."""
+    return x._unary(lib.ggml_step)
 
 
 def _shape_arg(shape: Sequence) -> tuple[int, ...]:

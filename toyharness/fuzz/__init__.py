@@ -11,6 +11,9 @@ hostile number rather than by the file.
   JSON lines).
 - `harness.py` runs cases in a worker process (so an abort or segfault is caught and the input
   kept), each under a time limit and an allocation check, and counts outcomes per reader.
+- `graphs.py` fuzzes the graph API instead of a reader: random graphs of engine/tensor.py's ops
+  (views, several consumers, wrong arguments), each of which must train a step or raise the
+  project's one-line error, never abort (`python -m toyharness.fuzz.graphs`).
 - `python -m toyharness.fuzz` runs a campaign and prints the table (the nox session `fuzz`);
   tests/test_fuzz.py runs a few thousand cases and replays tests/fuzz_corpus/.
 
