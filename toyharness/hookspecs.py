@@ -140,10 +140,71 @@ class ObserverSpec:
         ``sweep.json`` (and ``sweep.png`` where one was drawn) to their paths."""
 
 
+class _RecipeHookErrors:
+    """Wraps each recipe hook: an exception raised inside one becomes a `RecipeError` naming the
+    recipe and the hook (one line, exit 2; the traceback with --debug). The harness's own errors
+    (`InputError` and the rest of `ToyharnessError`, a recipe's InputError among them) keep their
+    message; MemoryError and interrupts pass as they are."""
+
+    def __init__(self, recipe: str):
+        self.recipe = recipe
+
+    def _guard(self, hook: str):
+        """A pluggy wrapper's body: yields once; the hook's result, or its exception, comes back
+        through that yield."""
+        from .errors import RecipeError, ToyharnessError
+
+        try:
+            return (yield)
+        except (ToyharnessError, MemoryError):
+            raise
+        except Exception as exc:
+            raise RecipeError(self.recipe, f"hook {hook}", exc) from exc
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def options(self):
+        return (yield from self._guard("options"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def load_data(self, options):
+        return (yield from self._guard("load_data"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def realize(self, engine, options, data):
+        return (yield from self._guard("realize"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def hp(self, options, step):
+        return (yield from self._guard("hp"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def step(self, model, batch, hp):
+        return (yield from self._guard("step"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def evaluate(self, model, batch):
+        return (yield from self._guard("evaluate"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def export(self, model, options, out_dir):
+        return (yield from self._guard("export"))
+
+
+RECIPE_HOOKS = ("options", "load_data", "realize", "hp", "step", "evaluate", "export")
+
+
 def plugin_manager(*plugins: Any) -> pluggy.PluginManager:
+    """A plugin manager holding `plugins` (a recipe, observers). A plugin that implements a recipe
+    hook is the run's recipe: its hooks' exceptions are reported as `_RecipeHookErrors` says."""
+    from .plugins import recipe_name
+
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(RecipeSpec)
     pm.add_hookspecs(ObserverSpec)
     for p in plugins:
         pm.register(p)
+    recipe = next((p for p in plugins if any(hasattr(getattr(p, h, None), PROJECT + "_impl") for h in RECIPE_HOOKS)),
+                  None)
+    if recipe is not None:
+        pm.register(_RecipeHookErrors(recipe_name(recipe)))
     return pm

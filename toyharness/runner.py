@@ -1,4 +1,4 @@
-"""The training loop and a run's folder (DESIGN.md, "A run's folder").
+"""The training loop and a run's folder.
 
 Every file is written atomically (temporary name, then rename; toyharness/atomic.py), and a
 write that fails (disk full, quota, read-only folder) is one `WriteError` naming the file, exit 1.
@@ -29,12 +29,12 @@ from .atomic import atomic_write
 from .data import load_text_data
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
-from .errors import CheckFailed, InputError, OutOfMemory, WriteError
+from .errors import CheckFailed, InputError, OutOfMemory, RecipeError, ToyharnessError, WriteError
 from .hookspecs import plugin_manager
 from .memory_plan import check_fits, plan_model
 from .observers import ObserverBus, load_observers
 from .options import Options, load_toml, read_toml, resolve
-from .plugins import get_recipe
+from .plugins import get_recipe, recipe_name
 
 GGML_VERSION = "0.25.3"
 
@@ -60,34 +60,57 @@ class Run:
     evals: list[dict] = field(default_factory=list)
 
 
-def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
-    pm = plugin_manager(recipe_obj)
-    cls = pm.hook.options()
+def options_class(recipe_obj) -> type[Options]:
+    """The recipe's options class (its `options` hook), checked to be an `Options` dataclass."""
+    import dataclasses
+
+    cls = plugin_manager(recipe_obj).hook.options()
+    name = recipe_name(recipe_obj)
     if cls is None:
-        raise InputError("the recipe implements no `options` hook")
+        raise InputError(f"recipe {name}: it implements no `options` hook")
+    if not (isinstance(cls, type) and issubclass(cls, Options) and dataclasses.is_dataclass(cls)):
+        raise InputError(f"recipe {name}: its options hook returned {cls!r}, not a dataclass deriving from "
+                         "toyharness.Options")
+    return cls
+
+
+def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
+    """The recipe's options: its defaults <- `config` (TOML) <- `sets` <- `overrides`, validated
+    (`Options.validate`). An exception other than InputError from the options class itself (its
+    ``__post_init__`` or ``validate``) is one line naming the recipe."""
+    cls = options_class(recipe_obj)
     toml = load_toml(config) if config else {}
-    return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
+    try:
+        return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
+    except (ToyharnessError, MemoryError):
+        raise
+    except Exception as exc:
+        raise RecipeError(recipe_name(recipe_obj), f"options {cls.__name__}", exc) from exc
 
 
 
 def load_finished_run(run_dir):
     """A finished language-model run folder (`sample`, `fuse`): its recipe object, resolved options
     and checkpoint path, or an InputError naming what is missing."""
-    from .lm import LMRecipe
-
     run_dir = Path(run_dir)
     cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
     if not cfg_path.is_file() or not ckpt.is_file():
         raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
     name = read_toml(cfg_path).get("recipe", "?")
     _, obj = get_recipe(name)
-    if not isinstance(obj, LMRecipe):
-        raise InputError(f"{run_dir}: recipe {name!r} is not a language model")
+    if not callable(getattr(obj, "load_for_sampling", None)):     # what sample and fuse read back
+        raise InputError(f"{run_dir}: recipe {name!r} is not a language model (toyharness.LMRecipe)")
     return obj, resolve_options(obj, str(cfg_path), [], {}), ckpt
 
+
 def load_data(pm, options):
+    """The recipe's `load_data`, else the core text data (whose windows need ``t_seq``)."""
     data = pm.hook.load_data(options=options)
     if data is None:
+        if not hasattr(options, "t_seq"):
+            raise InputError(f"options {type(options).__name__}: the recipe has no load_data hook, so it trains on "
+                             "the core text data, which reads t_seq and eval_batches: derive its options from "
+                             "toyharness.TextOptions, or implement load_data")
         data = load_text_data(options.data)
     data.check(options) if hasattr(data, "check") else data.check_fits(options.t_seq)
     return data
@@ -189,7 +212,10 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     # Refused here, before anything large is allocated, when it cannot fit (exit 2).
     check_fits(recipe, pm, engine, options, data)
     model = pm.hook.realize(engine=engine, options=options, data=data)
-    trainer = model.trainer
+    trainer = getattr(model, "trainer", None)
+    if trainer is None:
+        raise InputError(f"recipe {recipe}: realize returned {type(model).__name__}, which has no `trainer` "
+                         "(the Trainer of its program: prog.trainer(loss, convention))")
     start = 0
     if resume_dir is not None:
         start = load_checkpoint(resume_dir / "checkpoint.gguf", trainer, options)
@@ -199,7 +225,8 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     first_row = pm.hook.hp(options=options, step=start)
     if not isinstance(first_row, HPRow):
         raise InputError(f"recipe {recipe}: the hp hook must return an HPRow (7 floats + convention)")
-    check_convention(first_row, model.convention)
+    # a model that does not say which convention its graph was built for: its trainer's
+    check_convention(first_row, getattr(model, "convention", None) or trainer.convention)
 
     created_dir = write_files and not out_dir.exists()
     if write_files:

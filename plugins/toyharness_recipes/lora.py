@@ -27,8 +27,8 @@ from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
 from toyharness.init import normal
-from toyharness.lm import LMRecipe, seeded_model_file
-from toyharness.options import CONVENTIONS, Options, choice
+from toyharness.lm import LMOptions, LMRecipe, seeded_model_file
+from toyharness.options import CONVENTIONS, choice, positive
 
 # lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
 ARCH_GOLDEN_BASES = {
@@ -42,9 +42,9 @@ ARCH_GOLDEN_BASES = {
 
 
 @dataclass
-class LoRAOptions(Options):
+class LoRAOptions(LMOptions):
     base: str = ""
-    rank: int = 8
+    rank: int = positive(8)
     alpha: float = 16.0
     targets: tuple[str, ...] = choice(("q",), ALL_TARGETS)
     merged: bool = False
