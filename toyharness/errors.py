@@ -1,4 +1,4 @@
-"""Exceptions with a meaning for the user. The CLI maps them to exit codes (DESIGN.md)."""
+"""Exceptions with a meaning for the user. The CLI maps them to exit codes (`exit_code`)."""
 
 from __future__ import annotations
 

@@ -3,23 +3,24 @@ under the entry point group ``toyharness.recipes`` as ``name = "module:object"``
 (loggers, experiment trackers) implement the observer hooks (`ObserverSpec`) and are published
 under ``toyharness.observers``; ``toyharness run RECIPE --log NAME`` enables one.
 
-Every recipe hook is `firstresult`: one recipe is active in a run. A minimal recipe::
+Every recipe hook is `firstresult`: one recipe is active in a run. `toyharness.Recipe`
+implements every hook but `realize` with a default, so a minimal recipe is::
 
-    from toyharness.hookspecs import hookimpl
+    from toyharness import Recipe, TextOptions, hookimpl
 
-    class Bigram:
-        @hookimpl
-        def options(self): return BigramOptions
+    class Bigram(Recipe):
+        name = "bigram"
+        options_class = BigramOptions          # a dataclass deriving from TextOptions
+
         @hookimpl
         def realize(self, engine, options, data): ...
-        @hookimpl
-        def hp(self, options, step): return options.adamw_row().hp_for_step(step)
-        @hookimpl
-        def step(self, model, batch, hp): return model.step(batch, hp)
 
     recipe = Bigram()
 
-See plugins/example_bigram for a complete third-party plugin.
+An exception raised inside a recipe hook is reported in one line naming the recipe and the
+hook, exit 2 (`toyharness.errors.RecipeError`; ``--debug`` prints the traceback); an
+`InputError` a hook raises is reported with its own message. See plugins/example_bigram for a
+complete third-party plugin.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 class RecipeSpec:
     @hookspec(firstresult=True)
     def options(self) -> type:
-        """The recipe's options: a dataclass deriving from `toyharness.options.Options`, whose
-        field defaults are the recipe's defaults. Unknown keys are rejected against it."""
+        """The recipe's options: a dataclass deriving from `toyharness.Options` (or
+        `TextOptions`, `LMOptions`), whose field defaults are the recipe's defaults. A key it does
+        not declare is refused by name; its `validate` method checks the values (`Recipe`'s
+        default: ``options_class``)."""
 
     @hookspec(firstresult=True)
     def load_data(self, options) -> Any:
-        """Optional. The data for a run (default: `toyharness.data.load_text_data(options.data)`).
+        """Optional. The data for a run (default: the core text data,
+        `toyharness.data.load_text_data(options.data)`, which needs `TextOptions`' keys).
         It must offer ``batch(split, index, options) -> dict[str, ndarray]`` (the step's inputs
         by name), ``items_per_batch(options) -> int`` (tokens or images), and ``check(options)``."""
 
@@ -50,28 +54,34 @@ class RecipeSpec:
     def realize(self, engine, options, data) -> Any:
         """Build the model on the engine service: parameters and their init (seeded from
         ``options.seed``), forward, loss, backward and the AdamW steps. Return the model object
-        later hooks receive; it exposes ``trainer`` (a `toyharness.engine.Trainer`) and
-        ``convention``, the AdamW convention its graph declares."""
+        later hooks receive; it exposes ``trainer`` (a `toyharness.engine.Trainer`) and, optionally,
+        ``convention``, the AdamW convention its graph declares (default: its trainer's). The
+        seeded init helpers `toyharness.normal` and `toyharness.lcg_scaled` give values that the
+        memory plan can also build as shapes only."""
 
     @hookspec(firstresult=True)
     def hp(self, options, step: int) -> Any:
         """The 7-slot AdamW row for 0-indexed `step`, as a `toyharness.adamw.HPRow` (the 7
         floats plus the convention they follow). A row whose convention differs from the one
-        the model's graph declares stops the run before any step."""
+        the model's graph declares stops the run before any step. `Recipe`'s default:
+        ``options.adamw_row().hp_for_step(step)``."""
 
     @hookspec(firstresult=True)
     def step(self, model, batch: dict, hp) -> float:
-        """One training step on one batch; return the loss (a float32 value)."""
+        """One training step on one batch; return the loss (a float32 value). `Recipe`'s
+        default: ``model.trainer.step(batch, hp)``."""
 
     @hookspec(firstresult=True)
     def evaluate(self, model, batch: dict) -> dict:
         """Optional. Forward-only metrics on a held-out batch: at least ``{"loss": float}``;
-        classifiers add ``"correct"`` (count) and ``"count"``."""
+        classifiers add ``"correct"`` (count) and ``"count"``. `Recipe`'s default: the trainer's
+        loss on the batch."""
 
     @hookspec(firstresult=True)
     def export(self, model, options, out_dir: Path) -> list:
         """Optional. Write the trained weights (``model.gguf``, ``adapter.gguf``) into `out_dir`
-        atomically; return the paths written."""
+        atomically; return the paths written. `Recipe`'s default: ``model.gguf`` of the trainer's
+        parameters with the recipe's `gguf_metadata`."""
 
 
 class ObserverSpec:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .hookspecs import hookimpl
+from .hookspecs import PROJECT, RECIPE_HOOKS, hookimpl
 from .options import Options
 
 # The golden config (toyharness/goldens.py) every recipe starts from: small, fast, and it exercises
@@ -53,8 +53,18 @@ class Recipe:
       (``constant_betas`` or ``bias_corrected``); the run refuses an `hp` row of another one
       before any step. Default: its trainer's (the one given to ``prog.trainer``).
 
+    A subclass's method named after a hook (``realize``, ``step``, ...) is that hook's
+    implementation, with or without ``@hookimpl``: overriding `step` never unhooks it.
+
     Attributes (class attributes or properties; each has the default shown):
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for hook in RECIPE_HOOKS:
+            method = cls.__dict__.get(hook)
+            if callable(method) and not hasattr(method, PROJECT + "_impl"):
+                setattr(cls, hook, hookimpl(method))
 
     #: The recipe's name in messages and exported files; the entry point's name is what users type.
     name: ClassVar[str] = ""
