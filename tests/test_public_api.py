@@ -50,6 +50,7 @@ class MLPOptions(TextOptions):
 
     def validate(self):
         super().validate()
+        boom("validate")
         if self.d_hidden % 2:
             raise self.invalid("d_hidden", f"must be even, got {{self.d_hidden}}")
 
@@ -329,6 +330,16 @@ def test_an_exception_in_a_hook_is_one_line_naming_recipe_and_hook(hook, tmp_pat
     assert res.returncode == 2, res.stderr
     assert one_line(res) == (f"toyharness: error: recipe mlp: hook {hook} raised ZeroDivisionError: boom in {hook} "
                              "(--debug shows the traceback)")
+
+
+@pytest.mark.parametrize("command,prefix", [(["run", "mlp"], "recipe mlp: "), (["sweep", "mlp", "--seeds", "2"], "")])
+def test_an_exception_in_validate_is_one_line_naming_the_options_class(command, prefix, tmp_path):
+    env = mlp_plugin(tmp_path / "site", "validate")
+    res = cli(*command, env=env, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert one_line(res) == (f"toyharness: error: {prefix}options MLPOptions raised ZeroDivisionError: boom in validate "
+                             "(--debug shows the traceback)")
+    assert not (tmp_path / "sweeps").exists() and not (tmp_path / "runs").exists()
 
 
 def test_debug_prints_the_traceback_down_to_the_recipes_line(tmp_path):

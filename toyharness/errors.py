@@ -59,8 +59,9 @@ class RecipeError(ToyharnessError):
     """An exception other than these raised inside a recipe's hook or its options' validation:
     one line naming the recipe, the hook and the exception (the traceback with --debug). Exit 2."""
 
-    def __init__(self, recipe: str, hook: str, cause: BaseException):
+    def __init__(self, recipe: str | None, hook: str, cause: BaseException):
         reason = " ".join(str(cause).split())[:300]
-        super().__init__(f"recipe {recipe}: {hook} raised {type(cause).__name__}"
+        where = f"recipe {recipe}: " if recipe else ""
+        super().__init__(f"{where}{hook} raised {type(cause).__name__}"
                          + (f": {reason}" if reason else "") + " (--debug shows the traceback)")
         self.recipe, self.hook, self.cause = recipe, hook, cause

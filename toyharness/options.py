@@ -21,7 +21,7 @@ from typing import Any
 import tomllib
 
 from .adamw import CONVENTIONS, AdamWRow, Schedule
-from .errors import InputError
+from .errors import InputError, RecipeError, ToyharnessError
 
 # The precisions a run's matrix products can take (engine/backend.py says which backend computes
 # which).
@@ -252,13 +252,17 @@ def resolve(cls: type[Options], toml: dict[str, Any] | None = None, sets: list[s
     for key, raw in (overrides or {}).items():
         values[key] = convert(cls, key, raw)
         from_file.discard(key)
-    opts = cls(**values)
     try:
+        opts = cls(**values)
         opts.validate()
     except InputError as exc:
         if source and getattr(exc, "key", None) in from_file:
             raise InputError(f"config file {source}: {exc}") from None
         raise
+    except (ToyharnessError, MemoryError):
+        raise
+    except Exception as exc:       # a bug in the recipe's __post_init__ or validate: one line, not a traceback
+        raise RecipeError(None, f"options {cls.__name__}", exc) from exc
     return opts
 
 

@@ -29,7 +29,7 @@ from .atomic import atomic_write
 from .data import load_text_data
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
-from .errors import CheckFailed, InputError, OutOfMemory, RecipeError, ToyharnessError, WriteError
+from .errors import CheckFailed, InputError, OutOfMemory, RecipeError, WriteError
 from .hookspecs import plugin_manager
 from .memory_plan import check_fits, plan_model
 from .observers import ObserverBus, load_observers
@@ -82,10 +82,10 @@ def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, over
     toml = load_toml(config) if config else {}
     try:
         return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
-    except (ToyharnessError, MemoryError):
-        raise
-    except Exception as exc:
-        raise RecipeError(recipe_name(recipe_obj), f"options {cls.__name__}", exc) from exc
+    except RecipeError as exc:
+        if exc.recipe:
+            raise
+        raise RecipeError(recipe_name(recipe_obj), exc.hook, exc.cause) from exc.cause
 
 
 
