@@ -47,8 +47,11 @@ class RecipeSpec:
     def load_data(self, options) -> Any:
         """Optional. The data for a run (default: the core text data,
         `toyharness.data.load_text_data(options.data)`, which needs `TextOptions`' keys).
-        It must offer ``batch(split, index, options) -> dict[str, ndarray]`` (the step's inputs
-        by name), ``items_per_batch(options) -> int`` (tokens or images), and ``check(options)``."""
+        It must offer ``step_batch(split, index, options) -> dict[str, ndarray]`` (the inputs of
+        train step `index`, or of held-out batch `index` for split "eval", by name),
+        ``items_per_batch(options) -> int`` (tokens or images), ``check(options)`` (raise
+        InputError when the data cannot serve these options) and, optionally,
+        ``eval_batches(options) -> int`` (default: the option ``eval_batches``)."""
 
     @hookspec(firstresult=True)
     def realize(self, engine, options, data) -> Any:
@@ -159,14 +162,14 @@ class _RecipeHookErrors:
     def __init__(self, recipe: str):
         self.recipe = recipe
 
-    def _guard(self, hook: str):
+    def _guard(self, hook: str, keep: tuple[type[BaseException], ...] = ()):
         """A pluggy wrapper's body: yields once; the hook's result, or its exception, comes back
-        through that yield."""
+        through that yield. Exceptions of the types in `keep` pass as they are."""
         from .errors import RecipeError, ToyharnessError
 
         try:
             return (yield)
-        except (ToyharnessError, MemoryError):
+        except (ToyharnessError, MemoryError, *keep):
             raise
         except Exception as exc:
             raise RecipeError(self.recipe, f"hook {hook}", exc) from exc
@@ -181,7 +184,11 @@ class _RecipeHookErrors:
 
     @hookimpl(wrapper=True, tryfirst=True)
     def realize(self, engine, options, data):
-        return (yield from self._guard("realize"))
+        # Realized for a memory plan, a program that is asked for values raises RuntimeError, which
+        # the plan's check takes as "not plannable" (the run then realizes for real, where the
+        # recipe's own RuntimeError, if it was one, is reported as any other).
+        planning = getattr(engine, "planner", None) is not None
+        return (yield from self._guard("realize", (RuntimeError,) if planning else ()))
 
     @hookimpl(wrapper=True, tryfirst=True)
     def hp(self, options, step):

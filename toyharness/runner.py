@@ -349,7 +349,10 @@ def last_eval_loss(run: Run) -> float | None:
 def evaluate(pm, model, data, options) -> dict:
     """Mean of the evaluate hook over the held-out batches (the data's own count, else
     options.eval_batches); classifiers' counts and confusion matrices are summed."""
-    n = data.eval_batches(options) if hasattr(data, "eval_batches") else options.eval_batches
+    n = data.eval_batches(options) if hasattr(data, "eval_batches") else getattr(options, "eval_batches", None)
+    if n is None:
+        raise InputError(f"options {type(options).__name__}: the recipe's data has no eval_batches(options) and its "
+                         "options no eval_batches key: add one of them (TextOptions has the key)")
     total, correct, count, confusion = 0.0, 0, 0, None
     for j in range(n):
         res = pm.hook.evaluate(model=model, batch=batch_for(data, "eval", j, options))
