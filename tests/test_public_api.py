@@ -364,6 +364,14 @@ def test_debug_is_taken_by_golden_and_sweep(command, tmp_path):
     assert res.stderr.strip().splitlines()[-1].startswith("toyharness: error: recipe mlp: hook options raised")
 
 
+@pytest.mark.parametrize("argv", [["run", "gpt2"], ["golden", "check"], ["sweep", "gpt2"], ["bench", "gpt2"]])
+def test_debug_is_a_flag_of_run_golden_sweep_and_bench(argv):
+    from toyharness.cli import build_parser
+
+    assert build_parser().parse_args([*argv, "--debug"]).debug is True
+    assert build_parser().parse_args(argv).debug is False
+
+
 def test_an_input_error_from_a_hook_keeps_its_message(tmp_path):
     env = mlp_plugin(tmp_path / "site", "realize", "InputError('data: no bigrams in this corpus')")
     res = cli("run", "mlp", "--steps", "3", "--out", str(tmp_path / "run"), env=env)
