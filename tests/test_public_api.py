@@ -400,8 +400,11 @@ def test_the_golden_config_is_a_documented_attribute_of_recipe():
     assert (Recipe.golden_sets, Recipe.golden_variants, Recipe.bench_sets) == ([], {}, [])
     assert Recipe.options_class is Options and Recipe.name == ""
     doc = Recipe.__doc__ + "".join(getattr(Recipe, n).__doc__ or "" for n in ("gguf_metadata", "export"))
-    for attribute in ("trainer", "convention", "architecture"):
-        assert attribute in doc
+    for attribute in ("trainer", "convention", "name", "options_class", "golden_config", "golden_steps",
+                      "golden_sets", "golden_variants", "bench_sets", "gguf_metadata"):
+        assert f"``{attribute}``" in doc, f"Recipe's docstring does not describe {attribute}"
+        if attribute not in ("trainer", "convention"):
+            assert hasattr(Recipe, attribute)
 
 
 def test_a_recipe_declares_its_golden_config(tmp_path):

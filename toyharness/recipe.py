@@ -56,7 +56,28 @@ class Recipe:
     A subclass's method named after a hook (``realize``, ``step``, ...) is that hook's
     implementation, with or without ``@hookimpl``: overriding `step` never unhooks it.
 
-    Attributes (class attributes or properties; each has the default shown):
+    Attributes a recipe may declare (class attributes or properties), each with its default:
+
+    - ``name`` (""): the recipe's name in messages and in the exported file's architecture; the
+      entry point's name is what users type, and what errors name.
+    - ``options_class`` (`Options`): the options dataclass, deriving from `Options`,
+      `TextOptions` or `toyharness.LMOptions`, plus the recipe's own keys; a key it does not
+      declare is refused by name, and its ``validate`` checks the values.
+    - ``golden_config`` (`GOLDEN_CONFIG`: n_layer 1, d_model 32, n_head 2, t_seq 24, t_batch 2,
+      eval_every and checkpoint_every 1000, warmup 2, seed 7): the options the golden run sets
+      over the recipe's defaults; keys its options lack are left out, so one dict serves every
+      recipe. A recipe on the core text data (no ``load_data`` of its own) also trains its golden
+      on ``data=synthetic``, the same corpus on every Python version, unless the dict sets data.
+    - ``golden_steps`` (16): how many steps the golden run trains and records.
+    - ``golden_sets`` ([]): ``KEY=VALUE`` options added after `golden_config` (sizes only this
+      recipe has); None: the recipe has no golden (it needs inputs, such as a base model, that a
+      machine may not have), and a check skips it.
+    - ``golden_variants`` ({}): more goldens, variant name -> ``KEY=VALUE`` options added last,
+      each checked as ``RECIPE@VARIANT`` (lora's ``lora@q4_k``: its golden over a quantized base).
+    - ``bench_sets`` ([]): ``KEY=VALUE`` options ``toyharness bench`` adds to the recipe's
+      defaults, before ``--set``.
+    - ``gguf_metadata(options, model)`` (``toyharness-NAME``, no keys): the exported GGUF's
+      architecture and metadata, as the default ``export`` writes them.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -66,24 +87,13 @@ class Recipe:
             if callable(method) and not hasattr(method, PROJECT + "_impl"):
                 setattr(cls, hook, hookimpl(method))
 
-    #: The recipe's name in messages and exported files; the entry point's name is what users type.
+    # (each attribute is described in the class's docstring)
     name: ClassVar[str] = ""
-    #: The options dataclass: `Options`, `TextOptions` or `toyharness.LMOptions` plus the recipe's
-    #: own keys. A key it does not declare is refused by name.
     options_class: ClassVar[type[Options]] = Options
-    #: Options the golden run sets, applied over the recipe's defaults; keys its options lack are
-    #: left out (so one dict serves every recipe). A recipe on the core text data (no `load_data`
-    #: of its own) also gets ``data=synthetic``: the same corpus on every Python version.
     golden_config: ClassVar[dict[str, Any]] = GOLDEN_CONFIG
-    #: How many steps the golden run trains and records.
     golden_steps: ClassVar[int] = GOLDEN_STEPS
-    #: ``KEY=VALUE`` options added after `golden_config` (sizes only this recipe has). None: the
-    #: recipe has no golden (it needs inputs, such as a base model, that no machine has).
     golden_sets: ClassVar[list[str] | None] = []
-    #: Extra goldens: variant name -> ``KEY=VALUE`` options added last; each is checked as
-    #: ``RECIPE@VARIANT`` (lora's ``lora@q4_k``: the golden config over a quantized base).
     golden_variants: ClassVar[dict[str, list[str]]] = {}
-    #: ``KEY=VALUE`` options `toyharness bench` adds to the recipe's defaults (before ``--set``).
     bench_sets: ClassVar[list[str]] = []
 
     # --- hooks ---------------------------------------------------------------------------------
