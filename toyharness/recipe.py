@@ -76,7 +76,8 @@ class Recipe:
       each checked as ``RECIPE@VARIANT`` (lora's ``lora@q4_k``: its golden over a quantized base).
     - ``bench_sets`` ([]): ``KEY=VALUE`` options ``toyharness bench`` adds to the recipe's
       defaults, before ``--set``.
-    - ``gguf_metadata(options, model)`` (``toyharness-NAME``, no keys): the exported GGUF's
+    - ``gguf_metadata`` (a method, ``(options, model) -> (arch, metadata)``; default
+      ``toyharness-NAME`` and no keys): the exported GGUF's
       architecture and metadata, as the default ``export`` writes them.
     """
 
