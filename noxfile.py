@@ -46,9 +46,10 @@ def tests_vulkan(session):
 
 @nox.session
 def bench(session):
-    """ms/step, items/s and peak RSS per recipe at its default config; writes runs/bench-<fingerprint>.json."""
+    """ms/step, items/s and peak RSS per installed recipe at its default config, beside its PyTorch twin
+    where it has one; writes runs/bench-<fingerprint>.json."""
     session.install("-e", ".[test]")
-    session.install("torch==2.13.0", TRANSFORMERS)  # the PyTorch eager side (CPU build); lora's over any architecture
+    session.install("torch==2.13.0", TRANSFORMERS)  # the twins' side (CPU build); lora's over any architecture
     session.run("toyharness", "bench", *session.posargs)
 
 
@@ -60,8 +61,9 @@ def lint(session):
 
 @nox.session
 def parity(session):
-    """First losses of every recipe against the PyTorch reference (toyharness/reference.py), and of
-    LoRA over each base architecture against transformers' model of it (tests/test_arch_parity.py)."""
+    """First losses of every installed recipe that has a PyTorch twin (its `torch_reference`) against
+    it, and of LoRA over each base architecture against transformers' model of it
+    (tests/test_arch_parity.py)."""
     session.install("-e", ".[test]")
     session.install("torch==2.13.0", TRANSFORMERS)  # the CPU build; never another version
     session.run("pytest", "-q", "-m", "parity", "-rs", *session.posargs)
@@ -85,8 +87,8 @@ def realmodel(session):
 def llamacpp(session):
     """llama.cpp from the pinned archive loads our exports, adapters and fused files (toyharness
     fuse) and gives our logits; its tokenizer gives the ids tests/data/tokenizer_agreement.json
-    holds (and ours). TOYHARNESS_LLAMACPP_TOOL also serves scripts/sample_speed.py and
-    scripts/number_words.py score --llamacpp (th_generate lies beside th_logits)."""
+    holds (and ours). TOYHARNESS_LLAMACPP_TOOL also serves tools/sample_speed.py and
+    tools/number_words.py score --llamacpp (th_generate lies beside th_logits)."""
     session.install("-e", ".[test]")
     tool = session.run("python", "native/build.py", "--llamacpp-tool", silent=True).strip().splitlines()[-1]
     session.env["TOYHARNESS_LLAMACPP_TOOL"] = tool
@@ -144,3 +146,11 @@ def fuzz(session):
                         "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
     session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill",
                 env={"TOYHARNESS_KILL_TRIALS": "40"})
+
+
+@nox.session
+def docs(session):
+    """The docs site (mkdocs.yml, docs/) built strictly: a broken link or anchor, or a page left out
+    of the nav, fails it. Writes site/ (ignored by git)."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})

@@ -15,7 +15,7 @@
  * ith nth-part, as ggml's own kernels split rows. A row (a token, mostly) then stays with the
  * same thread from node to node, in its cache. That matters on the 2-core VM: at times its two
  * CPUs sit far apart (a cache line's round trip between them goes from about 90 to 400 ns:
- * th_cpu_round_trip_ns, printed by scripts/machine_drift.py), and tasks claimed from a shared
+ * th_cpu_round_trip_ns, printed by tools/machine_drift.py), and tasks claimed from a shared
  * counter, which scatter rows over the threads, then made a gpt2 step 1.2x slower.
  * Use: int64_t taken = 0; for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) */
 static inline int64_t th_next_task(int64_t tasks, int ith, int nth, int64_t * taken) {

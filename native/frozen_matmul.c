@@ -30,8 +30,8 @@
  * products want wide tiles; small ones want enough tasks to keep the threads busy. So: the
  * widest of 512, 256, 128 rows of W a forward tile (columns of dx a backward block) that still
  * makes TH_FROZEN_MIN_TASKS tasks, else 64 with the backward summing over W's rows 128 at a time
- * (the tiles before stop 44: small products keep their bits), 512 otherwise. Measured with
- * scripts/frozen_tiles.py (native/README.md, stop 44): Llama-3.2-1B's attn_q, ffn_up and
+ * (the earlier tiles: small products keep their bits), 512 otherwise. Measured on
+ * Llama-3.2-1B's attn_q, ffn_up and
  * ffn_down 1.06-1.14x faster at 16 tasks (1.11-1.16x at 8, but SmolLM2-135M's layers 1-5% slower
  * there: 16 keeps them and leaves more tasks for machines of more cores). */
 enum { TH_FROZEN_M = 512, TH_FROZEN_MIN_TASKS = 16, TH_FROZEN_NARROW = 64, TH_FROZEN_NARROW_BACK_ROWS = 128,

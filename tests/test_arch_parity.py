@@ -43,9 +43,9 @@ QUANTIZED = {"qwen3@q8_0": ("qwen3", "q8_0"), "gemma3@q5_0": ("gemma3", "q5_0"),
 
 def transformers_replay(run_dir, base_path, hf_overrides: dict) -> list[float]:
     from toyharness.architectures.hf import add_lora, hf_model
+    from toyharness.bench.torch_side import adamw_row_step, lm_loss
     from toyharness.options import read_toml
     from toyharness.plugins import get_recipe
-    from toyharness.reference import adamw_row_step, lm_loss
     from toyharness.runner import read_batches_npz, resolve_options
 
     _, recipe = get_recipe("lora")

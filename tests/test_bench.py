@@ -1,4 +1,5 @@
-"""`toyharness bench`: bad arguments exit 2 naming the problem; a real side-by-side run writes
+"""`toyharness bench`: bad arguments exit 2 naming the problem; any recipe benches without PyTorch
+(ours alone, the PyTorch columns absent and the reason said); a real side-by-side run writes
 bench.json with both sides' figures (needs torch: skipped, saying so, where it is absent)."""
 
 import importlib.util
@@ -6,8 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_GPT2 = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2", "--set", "t_seq=16",
+             "--set", "t_batch=2"]
+TORCH_COLUMNS = ("torch_ms_per_step", "speedup", "torch_peak_rss_mb", "torch_optimizer", "torch_version",
+                 "torch_mode")
 
 
 def bench(*args, cwd=None):
@@ -42,8 +50,88 @@ def test_a_base_that_needs_transformers_without_it_is_one_line(tmp_path, monkeyp
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     assert cli.main(["bench", "lora", "--set", f"base={base}", "--steps", "10"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"toyharness: error: bench lora over {base}: PyTorch's side is transformers' model of that architecture "
+        f"toyharness: error: lora over {base}: its PyTorch twin is transformers' model of that architecture "
         "(toyharness/architectures/hf.py): pip install transformers")
+
+
+def without_torch(monkeypatch):
+    """PyTorch's absence, simulated (the test runs where it is installed too)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+
+
+def test_a_recipe_with_a_twin_benches_alone_without_pytorch_and_says_so(tmp_path, monkeypatch, capsys):
+    from toyharness import cli
+    from toyharness.bench.report import NO_TORCH
+
+    without_torch(monkeypatch)
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "gpt2", "--steps", "10", "--warmup", "1", *TINY_GPT2, "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"(toyharness alone: {NO_TORCH})" in lines[0], lines[0]
+    row = lines[2].split()
+    assert row[0] == "gpt2" and row[2:4] == ["-", "-"] and row[6] == "-", lines[2]     # PyTorch, speedup, torch RSS
+    assert lines[3] == f"  no PyTorch side: {NO_TORCH}"
+    doc = json.loads(out.read_text())
+    assert doc["torch_modes"] == []
+    r = doc["recipes"]["gpt2"]
+    assert not set(TORCH_COLUMNS) & set(r), r
+    assert r["torch_absent"] == NO_TORCH and r["item"] == "tokens"
+    assert r["ms_per_step"] > 0 and r["peak_rss_mb"] > 0 and r["timed_steps"] == 10
+    # 2 x 16 tokens a step
+    assert r["tokens_per_s"] == pytest.approx(32 / r["ms_per_step"] * 1e3, rel=1e-2)   # ms rounded to 1 us
+    assert r["config"]["d_model"] == 32 and r["config"]["t_seq"] == 16
+    assert list(r["round_medians_ms"]) == ["toyharness"]
+
+
+@pytest.fixture
+def bigram_installed(tmp_path, monkeypatch):
+    """The example third-party plugin (no PyTorch twin) as a distribution on sys.path: its module
+    from plugins/example_bigram and a dist-info naming its entry point (spawned workers inherit
+    sys.path)."""
+    dist = tmp_path / "site" / "toyharness_example_bigram-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toyharness-example-bigram\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[toyharness.recipes]\nbigram = toyharness_bigram:recipe\n")
+    monkeypatch.syspath_prepend(str(REPO / "plugins" / "example_bigram"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+
+def test_a_plugin_without_a_twin_benches_with_no_torch_columns(bigram_installed, tmp_path, capsys):
+    from toyharness import cli
+    from toyharness.bench.report import NO_TWIN
+
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "bigram", "--steps", "10", "--warmup", "1", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"(toyharness alone: {NO_TWIN})" in lines[0], lines[0]
+    assert lines[2].split()[0] == "bigram" and lines[3] == f"  no PyTorch side: {NO_TWIN}"
+    r = json.loads(out.read_text())["recipes"]["bigram"]
+    assert not set(TORCH_COLUMNS) & set(r), r
+    assert r["torch_absent"] == NO_TWIN
+    assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
+    assert r["config"]["t_batch"] == 16
+
+
+def test_every_installed_recipe_is_benched_by_default(bigram_installed):
+    import argparse
+
+    from toyharness.bench.report import _checked_sets
+    from toyharness.plugins import discover
+
+    args = argparse.Namespace(recipes=[], profile=False, steps=None, warmup=None, torch_device=None,
+                              torch_modes=None, out=None, size="default", set=[], backend="cpu", precision="fp32")
+    names = list(_checked_sets(args))
+    assert "bigram" in names and names == list(discover())
+
+
+def test_torch_flags_where_no_recipe_runs_beside_pytorch_exit_2(bigram_installed, capsys):
+    from toyharness import cli
+    from toyharness.bench.report import NO_TWIN
+
+    assert cli.main(["bench", "bigram", "--torch-modes", "eager"]) == 2
+    assert capsys.readouterr().err.strip() == (f"toyharness: error: --torch-modes: no recipe here runs beside PyTorch "
+                                               f"({NO_TWIN})")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed (nox -s bench installs it)")
@@ -151,7 +239,7 @@ def test_profile_names_the_kernel_that_took_each_op():
 
 
 def test_cpu_round_trip_probe_measures_pinned_pairs_and_restores_affinity():
-    """th_cpu_round_trip_ns (scripts/machine_drift.py's "trip"): a pair of distinct CPUs gives a
+    """th_cpu_round_trip_ns (tools/machine_drift.py's "trip"): a pair of distinct CPUs gives a
     time, a bad pair gives -1, and the caller's own CPU set is left as it was."""
     from toyharness._ffi import lib
 

@@ -147,14 +147,13 @@ def test_every_argument_of_every_command_has_help():
     (["run", "gpt2", "--plan", "--save-init", "--log", "tensorboard"],
      "toyharness: error: --save-init, --log: not used by --plan (it prints the memory plan and exits, training "
      "nothing)"),
-    (["bench", "gpt2", "--profile", "--steps", "5", "--out", "b.json"],
-     "toyharness: error: --steps, --out: not used by --profile (it times one step node by node, without PyTorch, "
-     "and writes nothing)"),
+    (["bench", "gpt2", "--profile", "--steps", "5", "--out", "b.json"],   # --steps is --profile's too now
+     "toyharness: error: --out: not used by --profile (it times steps node by node, without PyTorch, and writes "
+     "nothing)"),
 ])
 def test_flags_a_mode_does_not_use_are_refused_by_name(args, message, tmp_path):
     """run --plan dropped --steps, --out, --save-init, --save-batches and --log without a word; bench
-    --profile dropped --out, --warmup, --torch-device and --torch-modes, and refused --steps 5 for a
-    median it does not take."""
+    --profile dropped --out, --warmup, --torch-device and --torch-modes."""
     res = cli(*args, cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip() == message
@@ -204,7 +203,7 @@ def test_chat_on_the_byte_tokenizer_names_it(tmp_path):
 
 
 def test_save_batches_after_a_resume_holds_every_step(tmp_path):
-    """A resumed run's batches.npz held only the resumed steps; DESIGN.md has it hold every step's inputs,
+    """A resumed run's batches.npz held only the resumed steps; docs/design.md has it hold every step's inputs,
     the same arrays as the run that was never stopped."""
     import numpy as np
 

@@ -14,7 +14,7 @@ from toyharness._ffi import available_native_backends
 from toyharness.engine import blocks, get_engine
 from toyharness.errors import InputError
 
-# TOYHARNESS_TEST_BACKEND=cuda runs the same checks on another backend (scripts/gpu_check.sh,
+# TOYHARNESS_TEST_BACKEND=cuda runs the same checks on another backend (tools/gpu_check.sh,
 # nox -s tests-cuda).
 BACKEND = os.environ.get("TOYHARNESS_TEST_BACKEND", "cpu")
 if BACKEND not in available_native_backends():

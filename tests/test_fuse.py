@@ -216,3 +216,21 @@ def test_a_model_without_base_that_cannot_be_written_names_the_file(tmp_path, ca
     reason = os.strerror(errno.EROFS if where == "folder" else errno.ENOSPC)
     assert capsys.readouterr().err.strip().splitlines() == [f"toyharness: error: cannot write {target}: {reason}"]
     assert list(target.parent.iterdir()) == []
+
+
+def test_a_run_whose_recipe_lacks_what_fuse_and_sample_call_is_one_line(tmp_path, capsys):
+    """fuse and sample take any recipe with the methods they call; one without them (vit_tiny, a
+    classifier) is refused naming the methods it lacks."""
+    run = tmp_path / "vit"
+    train("vit_tiny", steps=1, sets=["n_layer=1", "d_model=16", "n_head=2", "d_ff=32", "t_batch=4", "eval_every=100"],
+          out=str(run), progress=False)
+    assert main(["fuse", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"toyharness: error: {run}: recipe 'vit_tiny' has no tokenizer, vocab_for, params_for_sampling, write_model: "
+        "`fuse` takes a language model's recipe (toyharness.lm.LMRecipe has them)")
+    assert main(["sample", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"toyharness: error: {run}: recipe 'vit_tiny' has no tokenizer, vocab_for, params_for_sampling, "
+        "load_for_sampling, build_params, forward: `sample` takes a language model's recipe (toyharness.lm.LMRecipe "
+        "has them)")
+    assert not list(run.glob("fused*"))

@@ -160,6 +160,27 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line(tmp_path, monkeypatch, cap
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_recipe_declares_the_sizes_the_plan_shows_and_may_halve(base_sets):
+    """The plan names no recipe: lora's adapter rank is one of its sizes because its options class
+    says so (`plan_sizes`); a recipe without one gets the common sizes only."""
+    from toyharness.memory_plan import shrink_suggestions
+
+    pm, engine, options, data = _realized("lora", base_sets + ["rank=64"])
+    assert type(options).plan_sizes == ("rank",)
+    plan = plan_model("lora", pm, engine, options, data)
+    assert plan.sizes == {"t_batch": 16, "t_seq": 64, "rank": 64, "recompute_blocks": False}
+    tried = []
+
+    def replan(change):
+        tried.append(change)
+        return plan
+
+    shrink_suggestions(plan, replan, options)
+    assert {"rank": 32} in tried and {"t_batch": 8} in tried
+    pm, engine, options, data = _realized("gpt2", ["n_layer=1"])
+    assert "rank" not in plan_model("gpt2", pm, engine, options, data).sizes
+
+
 def test_refusal_can_be_turned_off_by_name_only(monkeypatch):
     monkeypatch.setenv("TOYHARNESS_MEMORY_CHECK", "maybe")
     assert main(["run", "gpt2", "--steps", "1", "--no-progress"]) == 2
@@ -260,11 +281,11 @@ def test_plan_is_within_10_percent_of_rss_growth(recipe, sets, base_sets, tmp_pa
     assert 0.9 <= ratio <= 1.1, f"RSS grew {got['growth'] / 2**20:.1f} MiB for a plan of {got['plan'] / 2**20:.1f} MiB"
 
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "tools"
 
 
 def test_gpu_memory_plan_script_runs_on_cpu(tmp_path):
-    """scripts/gpu_memory_plan.py, which gpu_memory_plan.sh runs on the GPU machine, end to end on
+    """tools/gpu_memory_plan.py, which gpu_memory_plan.sh runs on the GPU machine, end to end on
     cpu (RSS for the driver's used memory) at its quick sizes; the shell script parses."""
     assert subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_memory_plan.sh")]).returncode == 0
     r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_memory_plan.py"), str(tmp_path), "--backend", "cpu",

@@ -1,16 +1,21 @@
-"""Numerical truth: each recipe's first 8 losses against an independent PyTorch implementation
-(toyharness/reference.py) fed the run's init.gguf and batches.npz. Run by `nox -s parity`,
-which installs torch==2.13.0; without torch these tests skip."""
+"""Numerical truth: each recipe's first 8 losses against its PyTorch twin (an independent
+implementation: the recipe's `torch_reference`, toyharness/bench/torch_side.py; the built-in ones in
+plugins/toyharness_recipes/torch_twins/) fed the run's init.gguf and batches.npz. Every installed
+recipe that has a twin is checked at its golden config; the built-in ones also at the cases below.
+Run by `nox -s parity`, which installs torch==2.13.0; without torch these tests skip."""
 
 import json
 
 import numpy as np
 import pytest
 
+from toyharness.bench import has_twin
+from toyharness.goldens import golden_sets_for
+from toyharness.plugins import discover
 from toyharness.runner import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: run `nox -s parity` (torch==2.13.0)")
-reference = pytest.importorskip("toyharness.reference")
+reference = pytest.importorskip("toyharness.bench.torch_side")
 
 pytestmark = pytest.mark.parity
 STEPS = 8
@@ -28,6 +33,38 @@ CASES = {
 def relative_difference(ours, theirs) -> float:
     ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
     return float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
+
+
+def recipes_with_a_twin() -> list[str]:
+    return [name for name, entry in discover().items() if has_twin(entry.load())]
+
+
+def first_losses(out) -> list[float]:
+    return [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("recipe", recipes_with_a_twin())
+def test_every_recipe_with_a_twin_matches_it_at_its_golden_config(recipe, tmp_path):
+    out = tmp_path / recipe
+    train(recipe, steps=STEPS, sets=golden_sets_for(recipe), out=str(out), save_init=True, save_batches=True,
+          progress=False)
+    ours = first_losses(out)
+    theirs = reference.replay_losses(out, STEPS)
+    diff = relative_difference(ours, theirs)
+    print(f"{recipe} at its golden config: largest relative difference over {STEPS} steps {diff:.3g}")
+    assert diff < 2e-4, (ours, theirs)
+    assert ours[-1] != ours[0], "the weights must move for the comparison to mean something"
+
+
+def test_a_run_of_a_recipe_without_a_twin_is_refused_by_name(tmp_path, monkeypatch):
+    from toyharness.errors import InputError
+    from toyharness.plugins import get_recipe
+
+    (tmp_path / "config.toml").write_text('recipe = "gpt2"\n')
+    monkeypatch.setattr(type(get_recipe("gpt2")[1]), "torch_reference", None)    # as a recipe that has none
+    with pytest.raises(InputError) as err:
+        reference.replay_losses(tmp_path, 1)
+    assert str(err.value) == f"recipe gpt2: no PyTorch twin (a torch_reference method) to replay {tmp_path} with"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -116,7 +153,7 @@ def test_lora_on_a_quantized_base_matches_pytorch_on_its_dequantized_weights(lla
 
 @pytest.mark.parametrize("recipe", ["gpt2", "llama"])
 def test_a_run_the_reference_trains_itself_is_our_run(recipe, tmp_path):
-    """train_reference (issue 32's 600-step comparison, scripts/eval_spread.py --backend torch)
+    """train_reference (the 600-step comparison of precisions, tools/eval_spread.py --backend torch)
     builds the run from the recipe's options alone: its init, batches and AdamW rows (the cosine
     schedule with warmup) must be ours, so its losses and last eval are our fp32 run's."""
     sets = [*SMALL, "eval_batches=3"]

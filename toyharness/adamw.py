@@ -1,4 +1,4 @@
-"""The 7-float AdamW row of ggml's ``opt_step_adamw`` (DESIGN.md, "The AdamW row").
+"""The 7-float AdamW row of ggml's ``opt_step_adamw`` (docs/design.md, "The AdamW row").
 
 ggml computes, per parameter and step::
 

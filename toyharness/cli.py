@@ -21,6 +21,49 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(2, f"toyharness: error: {message}\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse hands a subcommand's unknown flags up to the top level, whose error shows the
+        top level's usage; they are the subcommand's mistake, so its parser reports them."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self._chosen_subparser(namespace) or self
+            target.error(unknown_arguments_message(target, extras))
+        return namespace
+
+    def _chosen_subparser(self, namespace) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(namespace, action.dest, None))
+        return None
+
+
+def unknown_arguments_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """One line naming the flags `parser` does not take, with the closest flag it does take where
+    one is close (a typo: --stpes for --steps)."""
+    import difflib
+
+    flags = [a.split("=", 1)[0] for a in extras if a.startswith("-") and len(a) > 1 and not _is_number(a)]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    # compared without their dashes, which every flag shares (with them --bogus is "close" to --out)
+    known = {s.lstrip("-"): s for action in parser._actions for s in action.option_strings}
+    guesses = {f: [known[g] for g in difflib.get_close_matches(f.lstrip("-"), known, n=1)] for f in flags}
+    message = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(flags)} for {parser.prog}"
+    close = [(f, g[0]) for f, g in guesses.items() if g]
+    if not close:
+        return f"{message} (`{parser.prog} --help` lists its flags)"
+    if len(flags) == 1:
+        return f"{message}; did you mean {close[0][1]}?"
+    return f"{message}; did you mean " + ", ".join(f"{g} for {f}" for f, g in close) + "?"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 SWEEP_DESCRIPTION = """\
 Run RECIPE once per point: each combination of the --grid values, with each seed.
@@ -41,11 +84,27 @@ examples:
 
 BACKEND_HELP = ("where ggml computes (default cpu); cuda and vulkan if this build has them "
                 "(TOYHARNESS_BACKENDS at install), metal on macOS")
-
+THREADS_HELP = "cpu threads (default: free cores)"
+NO_PROGRESS_HELP = "no progress display (for logs and CI)"
 DEBUG_HELP = "on an error, print its traceback (with the recipe's own frames) before the one-line message"
-
 LOG_HELP = ("observers to log to (toyharness.observers entry points, listed by `toyharness recipes`): "
             "tensorboard, mlflow, or a plugin's; the option `log`")
+
+
+def add_shared_flags(parser: argparse.ArgumentParser, *, backend: bool = True, backend_default: str | None = "cpu",
+                     backend_help: str = BACKEND_HELP, threads: bool = True, threads_help: str = THREADS_HELP,
+                     progress: bool = True, progress_help: str = NO_PROGRESS_HELP, out_help: str | None = None,
+                     out_metavar: str | None = None) -> None:
+    """The flags that mean the same thing in every command that takes them: --backend, --threads,
+    --no-progress and --out (only where a command writes something, with its own help: what it writes)."""
+    if backend:
+        parser.add_argument("--backend", default=backend_default, choices=BACKENDS, help=backend_help)
+    if threads:
+        parser.add_argument("--threads", type=int, help=threads_help)
+    if progress:
+        parser.add_argument("--no-progress", action="store_true", help=progress_help)
+    if out_help is not None:
+        parser.add_argument("--out", metavar=out_metavar, help=out_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="toyharness", description="Small, deterministic training experiments on ggml.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    # recipes reads entry points and computes nothing: none of the shared flags
     sub.add_parser("recipes", help="list installed recipes and observers (name, distribution, version) and base "
                                    "architectures",
                    description="List every recipe found through the toyharness.recipes entry points, the "
@@ -65,16 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "summary.json, loss.png, checkpoint.gguf, model.gguf).")
     r.add_argument("recipe", help="an installed recipe (`toyharness recipes` lists them)")
     r.add_argument("--steps", type=int, help="number of training steps (default: the recipe's)")
-    r.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
-    r.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
+    add_shared_flags(r, backend_default=None,
+                     backend_help=BACKEND_HELP.replace("(default cpu)", "(default cpu; with --resume, the run's)"),
+                     progress_help="no progress bar", out_help="run folder (default: runs/RECIPE-TIMESTAMP)")
     r.add_argument("--config", help="TOML file of options")
     r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="set one option (repeatable; wins over --config)")
-    r.add_argument("--out", help="run folder (default: runs/RECIPE-TIMESTAMP)")
     r.add_argument("--save-init", action="store_true", help="write init.gguf: every parameter before step 0")
     r.add_argument("--save-batches", action="store_true", help="write batches.npz: every step's exact inputs")
-    r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its checkpoint, bit for bit")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its checkpoint, bit for bit, on its backend and precision (a "
+                        "--backend or --set precision=... given here wins, and is named on stderr)")
     r.add_argument("--log", action="append", metavar="NAME[,NAME]", help=LOG_HELP)
     r.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     r.add_argument("--plan", action="store_true",
@@ -88,7 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "diverging step); record: rewrite the golden files (intentional changes only)")
     g.add_argument("recipes", nargs="*", help="recipes, or RECIPE@VARIANT for a recipe's extra golden config "
                                               "(e.g. lora@q4_k); default: every installed recipe and its variants")
-    g.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
+    add_shared_flags(g, threads_help="cpu threads of each golden run (default: free cores; the bits do not depend "
+                                     "on it)",
+                     progress_help="as in every command; golden draws no progress display to turn off (one line per "
+                                   "golden as each finishes)")
+    g.add_argument("--verbose", action="store_true",
+                   help="check: list each recipe variant with no golden here, one per line (default: their count)")
     g.add_argument("--dir", help="goldens folder (default: ./goldens or $TOYHARNESS_GOLDENS)")
     g.add_argument("--mode", default="auto", choices=["auto", "fast", "portable"],
                    help="fast: goldens/<this build's fingerprint>/; portable: goldens/cpu-portable/, run in the "
@@ -96,18 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "exists, else portable")
     g.add_argument("--debug", action="store_true", help=DEBUG_HELP)
 
-    b = sub.add_parser("bench", help="ms/step, items/s (tokens or images), peak RSS beside PyTorch eager; writes "
-                                    "runs/bench-*.json",
-                       description="Time each recipe's training step at its bench config (its defaults) beside an "
-                                   "equivalent PyTorch eager model with AdamW (toyharness/reference.py, needs torch), "
-                                   "in alternating rounds, each side in its own process. Reports medians, the "
-                                   "speedup (PyTorch ms / toyharness ms), matmul GFLOP/s against this machine's "
-                                   "measured FP32 sgemm ceiling, and the host overhead of a step.")
-    b.add_argument("recipes", nargs="*", help="default: every installed recipe with a PyTorch reference")
-    b.add_argument("--steps", type=int, help="timed steps per side (median; default 20)")
+    b = sub.add_parser("bench", help="ms/step, items/s (tokens or images), peak RSS, beside PyTorch where a recipe "
+                                    "has a PyTorch twin; writes runs/bench-*.json",
+                       description="Time each recipe's training step at its bench config (its defaults), each side "
+                                   "in its own process. A recipe with a PyTorch twin (its torch_reference) runs "
+                                   "beside it, with AdamW, in alternating rounds, where torch is installed; any other "
+                                   "runs alone. Reports medians, items/s, peak memory, the speedup (PyTorch ms / "
+                                   "toyharness ms), matmul GFLOP/s against this machine's measured FP32 sgemm "
+                                   "ceiling, and the host overhead of a step.")
+    b.add_argument("recipes", nargs="*", help="default: every installed recipe")
+    b.add_argument("--steps", type=int, help="timed steps per side (median; default 20); with --profile, steps "
+                                             "timed node by node (median; default 5)")
     b.add_argument("--warmup", type=int, help="untimed steps per side first (default 3)")
-    b.add_argument("--threads", type=int, help="threads for both sides (default: free cores)")
-    b.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
+    add_shared_flags(b, threads_help="threads for both sides (default: free cores)",
+                     progress_help="as in every command; bench draws no progress display to turn off (a row "
+                                   "per recipe as each finishes)",
+                     out_help="where to write the results (default runs/bench-<fingerprint>[-<size>].json: "
+                              "under runs/, which git ignores, one file per build and size)")
     b.add_argument("--torch-device", help="PyTorch device (default: cuda for --backend cuda, else cpu)")
     b.add_argument("--size", default="default", choices=list(SIZES),
                    help="model size: default (each recipe's bench config), nano (n_layer 6, d_model 384, n_head 6, "
@@ -123,8 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--torch-modes", metavar="MODES",
                    help="PyTorch's sides, comma-separated, the first the speedup's: eager, compile (default: eager; "
                         "for bf16 compile,eager)")
-    b.add_argument("--out", help="where to write the results (default runs/bench-<fingerprint>[-<size>].json: "
-                                 "under runs/, which git ignores, one file per build and size)")
     b.add_argument("--profile", action="store_true",
                    help="instead: where a toyharness step's time goes, by ggml op (each node timed alone; "
                         "no PyTorch needed, nothing written)")
@@ -141,21 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="set one option for every point (repeatable)")
     w.add_argument("--steps", type=int, help="training steps of every point (default: the recipe's)")
-    w.add_argument("--backend", choices=BACKENDS, help="default cpu")
+    add_shared_flags(w, backend_default=None,
+                     backend_help=BACKEND_HELP.replace("(default cpu)", "(default cpu; with --resume, the sweep's)"),
+                     threads_help="threads per point (default 1, or cores / workers); workers x threads <= cores",
+                     progress_help="no live progress line", out_metavar="DIR",
+                     out_help="the sweep's folder (default: sweeps/RECIPE-TIMESTAMP)")
     w.add_argument("--workers", type=int,
                    help="points at a time (default: cores / threads; with --ray: the cluster's CPUs / threads)")
-    w.add_argument("--threads", type=int,
-                   help="threads per point (default 1, or cores / workers); workers x threads <= cores")
     w.add_argument("--ray", metavar="auto|ADDRESS",
                    help="run each point as a Ray task: auto (this machine's cluster), HOST:PORT, ray://HOST:PORT "
                         "or local; needs pip install \"toyharness[ray]\"")
     w.add_argument("--keep-models", action="store_true",
                    help="with --ray: bring model and checkpoint files back too (default: they stay on the worker)")
-    w.add_argument("--out", metavar="DIR", help="the sweep's folder (default: sweeps/RECIPE-TIMESTAMP)")
     w.add_argument("--resume", metavar="DIR",
                    help="continue the sweep in DIR: finished points are kept, interrupted ones go on from their "
                         "checkpoints bit for bit, failed ones run again")
-    w.add_argument("--no-progress", action="store_true", help="no live progress line")
     w.add_argument("--debug", action="store_true", help=DEBUG_HELP + " (errors of the sweep itself; a failed point's "
                    "message is in sweep.json)")
     w.add_argument("--log", action="append", metavar="NAME[,NAME]",
@@ -173,8 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--type", dest="dtype", default="same", choices=FUSE_TYPES,
                    help="same (default): each tensor in the base's type; or every matrix in this type (norms stay "
                         "f32). A small adapter can drown in a coarse type's rounding: check with a held-out set "
-                        "(README, \"Fine-tune a real model\")")
-    f.add_argument("--out", help="the fused file (default RUN_DIR/fused.gguf, or RUN_DIR/fused-TYPE.gguf)")
+                        "(docs/finetuning.md, \"Which type\")")
+    # fuse merges on the host (numpy and ggml's quantizer), in one pass with nothing to show: no
+    # --backend, --threads or --no-progress
+    add_shared_flags(f, backend=False, threads=False, progress=False,
+                     out_help="the fused file (default RUN_DIR/fused.gguf, or RUN_DIR/fused-TYPE.gguf)")
 
     s = sub.add_parser("sample", help="generate text from a trained language model",
                        description="Sample text from RUN_DIR's model (checkpoint.gguf; for lora, the base plus the "
@@ -191,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt per line, or JSONL: {\"prompt\": ..., \"completion\": ...} (a pair is asked through "
                         "the chat template where the tokenizer has one, as training renders it) or "
                         "{\"messages\": [...]} (a final assistant turn is the expected reply)")
-    s.add_argument("--out", metavar="FILE.jsonl", help="with --prompts: write the replies here (default stdout)")
     s.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the tokenizer's chat template; print the reply")
     s.add_argument("--tokens", type=int, default=200, help="new tokens at most (default 200; fewer where the "
@@ -210,9 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "4x the base's memory")
     s.add_argument("--no-cache", action="store_true",
                    help="no KV cache: the whole window's forward for each new token (the reference)")
-    s.add_argument("--backend", default="cpu", choices=BACKENDS, help=BACKEND_HELP)
-    s.add_argument("--threads", type=int, help="cpu threads (default: free cores)")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar (--prompts)")
+    add_shared_flags(s, progress_help="no progress bar (--prompts)", out_metavar="FILE.jsonl",
+                     out_help="with --prompts: write the replies here (default stdout)")
     return p
 
 
@@ -258,7 +328,7 @@ def cmd_recipes(args) -> int:
     for name, e in discover_observers().items():
         print(f"  {name:<12} {e.distribution} {e.version}  ({e.value})")
     print(f"lora bases and warm_start donors: GGUFs of architecture {', '.join(ARCHITECTURES)} "
-          f"(README, \"Architectures\")")
+          f"(docs/architectures.md)")
     return 0
 
 
@@ -314,12 +384,17 @@ def cmd_golden(args) -> int:
     root = Path(args.dir) if args.dir else None
     if root is not None and args.action == "check" and not root.is_dir():
         raise InputError(f"--dir {root}: no such folder")
-    if args.recipes:
-        get_engine(args.backend)    # a backend this build lacks, named before a precision it would compute
+    if args.verbose and args.action != "check":
+        raise InputError("--verbose: lists the variants a check finds no golden for; record writes every one")
+    if args.recipes or args.threads:
+        # a backend this build lacks, named before a precision it would compute; the thread count
+        # stays on the process's engine, which every golden run below takes
+        get_engine(args.backend, args.threads)
     for name in args.recipes:
         goldens.check_name(name, args.backend)
     names = args.recipes or [name for recipe in discover() for name in goldens.golden_names(recipe, args.backend)]
     failed = 0
+    missing: list[goldens.GoldenMissing] = []
     for name in names:
         if args.action == "record":
             try:
@@ -329,6 +404,11 @@ def cmd_golden(args) -> int:
             continue
         try:
             path, mismatch = goldens.check(name, args.backend, root, args.mode)
+        except goldens.GoldenMissing as exc:
+            if args.recipes or args.verbose:    # asked for by name, or a listing asked for
+                print(f"SKIP {name}: {exc}")
+            missing.append(exc)
+            continue
         except FileNotFoundError as exc:
             print(f"SKIP {name}: {exc}")
             continue
@@ -338,162 +418,24 @@ def cmd_golden(args) -> int:
             print(f"FAIL {mismatch} ({used})")
         else:
             print(f"ok   {name} ({used})")
+    if missing and not args.recipes:
+        print(missing_goldens_line(missing, args.verbose))
     return 1 if failed else 0
 
 
+def missing_goldens_line(missing: list, listed: bool) -> str:
+    """A check's one line for the variants nobody recorded a golden for on this fingerprint (on
+    cuda, most precision variants): their count, and how to list them."""
+    n = len(missing)
+    where = " or ".join(dict.fromkeys(exc.fingerprints for exc in missing))
+    what = f"{n} recipe variant{'s' if n != 1 else ''} with no golden for {where}: not checked"
+    return what + (" (listed above)" if listed else f"; --verbose lists {'them' if n != 1 else 'it'}")
+
+
 def cmd_bench(args) -> int:
-    import importlib.util
+    from .bench.report import run_bench
 
-    from . import bench
-    from .atomic import atomic_write
-    from .engine import get_engine
-    from .engine.backend import blas_kernel, build_simd, check_precision, default_threads
-    from .errors import InputError
-    from .plugins import discover
-
-    known = list(discover())
-    unknown = [n for n in args.recipes if n not in known]
-    if unknown:
-        raise InputError(f"unknown recipe(s) {', '.join(unknown)}; installed: {', '.join(known)}")
-    if args.profile:
-        unused = [flag for flag, value in (("--steps", args.steps), ("--warmup", args.warmup),
-                                           ("--torch-device", args.torch_device), ("--torch-modes", args.torch_modes),
-                                           ("--out", args.out)) if value is not None]
-        if unused:
-            raise InputError(f"{', '.join(unused)}: not used by --profile (it times one step node by node, without "
-                             "PyTorch, and writes nothing)")
-    args.steps = 20 if args.steps is None else args.steps
-    args.warmup = 3 if args.warmup is None else args.warmup
-    if args.steps < 10:
-        raise InputError(f"--steps {args.steps}: use at least 10 timed steps for a median")
-    if args.size != "default" and not args.recipes:
-        known = [n for n in known if bench.fits_size(n, args.size)]
-    if any(item.split("=", 1)[0].strip() == "precision" for item in args.set):
-        raise InputError("--set precision=...: use --precision, which sets PyTorch's side too")
-    get_engine(args.backend)    # fails early on a backend this build lacks
-    check_precision(args.backend, args.precision)
-    sets = {n: bench.size_sets(n, args.size, args.set + [f"precision={args.precision}"])
-            for n in args.recipes or known}
-    if args.profile:
-        return _bench_profile(args, args.recipes or known, sets)
-    if importlib.util.find_spec("torch") is None:
-        raise InputError("toyharness bench needs PyTorch for its comparison side: pip install torch")
-    from .reference import MODELS  # fails here, not in a worker, if torch is broken
-
-    names = args.recipes or [n for n in known if n in MODELS]
-    no_ref = [n for n in names if n not in MODELS]
-    if no_ref:
-        raise InputError(f"no PyTorch reference for {', '.join(no_ref)} (toyharness/reference.py has "
-                         f"{', '.join(MODELS)})")
-    if importlib.util.find_spec("transformers") is None:
-        for name in names:
-            base = getattr(bench.bench_options(name, sets[name])[1], "base", "")
-            if bench.transformers_side(base):
-                raise InputError(f"bench {name} over {base}: PyTorch's side is transformers' model of that "
-                                 "architecture (toyharness/architectures/hf.py): pip install transformers")
-    threads = args.threads or default_threads()
-    engine = get_engine(args.backend, threads)   # fails early on a backend this build lacks
-    ceiling = bench.matmul_ceiling(threads) if args.backend == "cpu" else None
-    results = {}
-    hdr = f"{'recipe':<11}{'toyharness':>12}{'PyTorch':>10}{'speedup':>9}{'items/s':>11}{'RSS MB':>8}" \
-          f"{'torch RSS':>10}{'GFLOP/s':>9}{'ceiling':>8}{'host':>7}"
-    size = "" if args.size == "default" else f", size {args.size}"
-    modes = bench.TORCH_MODES[args.precision]
-    if args.torch_modes:
-        modes = tuple(m.strip() for m in args.torch_modes.split(",") if m.strip())
-        if not modes or any(m not in ("eager", "compile") for m in modes) or len(set(modes)) != len(modes):
-            raise InputError(f"--torch-modes {args.torch_modes}: name eager and/or compile, each once")
-    torch_side = " and ".join(f"PyTorch {m}" for m in modes) + ("" if args.precision == "fp32" else " (the first "
-                                                                  "is PyTorch's column)")
-    print(f"{args.backend}, {threads} threads{size}{build_line(args.backend)}, precision {args.precision} "
-          f"({torch_side}); "
-          f"ms/step medians over {args.steps} steps per side"
-          + (f"; FP32 sgemm ceiling {ceiling:.0f} GFLOP/s" if ceiling else ""))
-    print(hdr)
-    for name in names:
-        r = bench.bench_recipe(name, args.backend, threads, args.steps, args.warmup, torch_device=args.torch_device,
-                               sets=sets[name], torch_modes=modes)
-        doc = results[name] = r.to_json(ceiling)
-        gf = f"{r.gflops:9.1f}" if r.gflops else f"{'-':>9}"
-        ceil = f"{doc['ceiling_pct']:7.0f}%" if "ceiling_pct" in doc else f"{'-':>8}"
-        host = f"{r.host_overhead_pct:6.1f}%" if r.host_overhead_pct is not None else f"{'-':>7}"
-        print(f"{name:<11}{r.ms_per_step:10.2f}ms{r.torch_ms_per_step:8.2f}ms{r.speedup:8.2f}x"
-              f"{doc[r.item + '_per_s']:11,.0f}{r.peak_rss_mb:8.0f}{r.torch_peak_rss_mb:10.0f}{gf}{ceil}{host}")
-        for mode in modes[1:]:
-            print(f"  PyTorch {mode}: {doc[f'torch_{mode}_ms_per_step']:.2f} ms, "
-                  f"speedup {doc[f'speedup_vs_torch_{mode}']:.2f}x")
-        if "device_mb" in doc or "torch_device_mb" in doc:
-            gib = {k: f"{doc[k] / 1024:.2f} GiB" if doc.get(k) is not None else "-"
-                   for k in ("device_mb", "bf16_copies_mb", "bf16_copies_peak_mb", "torch_device_mb",
-                             "torch_device_peak_mb")}
-            print(f"  GPU memory (the driver's, per process): toyharness {gib['device_mb']}"
-                  + (f" (bf16 copies {gib['bf16_copies_mb']}, at most {gib['bf16_copies_peak_mb']} of it in use)"
-                     if "bf16_copies_mb" in doc else "")
-                  + f", PyTorch {gib['torch_device_mb']} (its allocator's peak {gib['torch_device_peak_mb']})")
-        drift = r.drift()
-        if drift:
-            spans = ", ".join(f"{side} rounds {lo:.2f}-{hi:.2f} ms" for side, (lo, hi) in drift.items())
-            trips = doc.get("cpu_round_trip_ns")
-            if trips:
-                spans += f"; CPU round trip {trips[0]:.0f} ns before, {trips[1]:.0f} after"
-            print(f"  note: the machine's speed moved during {name} ({spans}); compare several runs")
-    doc = {"backend": args.backend, "threads": threads, "size": args.size, "precision": args.precision,
-           "torch_modes": list(modes), "fingerprint": engine.fingerprint(),
-           **({"simd": build_simd(), "blas": blas_kernel()} if args.backend == "cpu" else {}),
-           "steps": args.steps, "warmup": args.warmup,
-           "fp32_ceiling_gflops": None if ceiling is None else round(ceiling, 1),
-           "recipes": results}
-    out = Path(args.out or default_bench_out(doc["fingerprint"], args.size))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
-    return 0
-
-
-def default_bench_out(fingerprint: str, size: str) -> str:
-    """`bench`'s output without --out: under runs/ (ignored by git: a bench output is a measurement
-    of one machine, never a file of the repository), named by build and size so that the AVX2 and
-    AVX-512 builds' runs side by side do not overwrite each other."""
-    return f"runs/bench-{fingerprint}" + ("" if size == "default" else f"-{size}") + ".json"
-
-
-def build_line(backend: str) -> str:
-    """", SIMD avx2, BLAS OpenBLAS Haswell (...)" for the cpu: the build and kernel every figure of
-    a bench header ran on (an AVX2 build on an AVX-512 CPU differs from the native one); "" off it."""
-    from .engine.backend import blas_kernel, build_simd
-
-    return f", SIMD {build_simd()}, BLAS {blas_kernel()}" if backend == "cpu" else ""
-
-
-def _bench_profile(args, names: list[str], sets: dict[str, list[str]]) -> int:
-    from . import bench
-    from .engine.backend import default_threads
-
-    threads = args.threads or default_threads()
-    for name in names:
-        prof = bench.profile_recipe(name, args.backend, threads, sets[name])
-        total, ops = prof.total_ms, prof.ops
-        size = "" if args.size == "default" else f", size {args.size}"
-        print(f"{name}: {args.backend}, {threads} threads{size}{build_line(args.backend)}; nodes timed one at a "
-              f"time: {total:.2f} ms per step "
-              f"(a whole step: {prof.step_ms:.2f} ms)")
-        print("  " + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in prof.phases.items()))
-        print(f"  {'op':<26}{'kernel':<14}{'nodes':>6}{'ms':>9}{'share':>8}")
-        for o in ops:
-            if o.ms >= 0.005 * total:
-                print(f"  {o.op:<26}{o.kernel:<14}{o.nodes:6d}{o.ms:9.3f}{100 * o.ms / total:7.1f}%")
-        rest = [o for o in ops if o.ms < 0.005 * total]
-        if rest:
-            print(f"  {f'{len(rest)} more ops':<38}{sum(o.nodes for o in rest):6d}{sum(o.ms for o in rest):9.3f}"
-                  f"{100 * sum(o.ms for o in rest) / total:7.1f}%")
-        if prof.floor_us is not None:
-            n = sum(o.nodes for o in ops)
-            print(f"  a node that computes nothing (a view) takes {prof.floor_us:.1f} us: {n} nodes, "
-                  f"{n * prof.floor_us / 1e3:.2f} ms of the total is that floor")
-        print("  slowest nodes (graph index, op, shape in ggml order, ms):")
-        for t in prof.slowest:
-            print(f"    #{t.index} {t.op} {'x'.join(map(str, t.shape))} {t.ms:.3f}")
-    return 0
+    return run_bench(args)
 
 
 def cmd_sweep(args) -> int:

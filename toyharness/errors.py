@@ -1,4 +1,5 @@
-"""Exceptions with a meaning for the user. The CLI maps them to exit codes (`exit_code`)."""
+"""Exceptions with a meaning for the user. The CLI maps them to exit codes (`exit_code`;
+docs/design.md)."""
 
 from __future__ import annotations
 

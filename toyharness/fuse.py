@@ -1,15 +1,18 @@
 """From a fine-tune to a model people run: a run folder's adapters fused into its base GGUF.
 
-For a LoRA run each adapted weight becomes W + (alpha / rank) B A, computed in f32 from the
-base's dequantized W, and is stored in the base's own type (`same`: requantized by ggml's own
+A recipe that trains adapters over a frozen base says so with its method
+``fuse_adapters(options, checkpoint) -> AdapterFold`` (the built-in lora recipe has one): each
+adapted weight becomes W plus the adapter's change (LoRA: (alpha / rank) B A), computed in f32 from
+the base's dequantized W, and is stored in the base's own type (`same`: requantized by ggml's own
 quantizer, `ggml_quantize_chunk` through our cffi binding) or in the type named. Every other
 tensor is carried over as it is stored (its bytes, untouched: no round trip through f32) where
 its type is kept, and all the base's metadata (tokenizer, chat template, architecture keys) is
 copied; `general.name` says what was fused and the `toyharness.fuse.*` keys note the run.
 
-Runs without a base (warm_start, llama, gpt2) have no adapters: their trained weights are f32,
-so `same` is f32, and a type named stores their matrices in it. Written atomically (a full disk
-is one WriteError naming the file: exit 1, nothing left under the final name).
+Runs of a model trained whole (no `fuse_adapters`, or one that returns None) have no adapters:
+their trained weights are f32, so `same` is f32, and a type named stores their matrices in it.
+Written atomically (a full disk is one WriteError naming the file: exit 1, nothing left under the
+final name).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 from .engine import quant
 from .engine.gguf_io import GGUFFile, TypedValue, _write_atomic
 from .errors import GGUFError, InputError, WriteError
-from .runner import load_finished_run
+from .runner import FUSE_NEEDS, load_finished_run
 
 # `--type`: `same` (each tensor keeps its type) or one of the frozen types (engine/quant.py)
 FUSE_TYPES = ("same", *quant.FROZEN_NAMES)
@@ -32,6 +36,19 @@ FUSE_TYPES = ("same", *quant.FROZEN_NAMES)
 # type: what llama-quantize writes, so that tools reading the key see what the file holds.
 FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q4_k": 15, "q5_k": 17,
              "q6_k": 18, "bf16": 32}
+
+
+@dataclass
+class AdapterFold:
+    """What a recipe that trains adapters over a frozen base gives `fuse` (its method
+    ``fuse_adapters(options, checkpoint)``): the base, and the change each adapted tensor gets."""
+
+    base: Path                              # the frozen base GGUF the adapters fold into
+    arch: str                               # the fused file's general.architecture
+    adapted: frozenset[str]                 # names of the base's tensors that carry an adapter
+    delta: Callable[[str], np.ndarray]      # f32 change added to an adapted tensor's dequantized values
+    kind: str = "adapters"                  # general.name becomes "BASE + toyharness KIND (RUN)"
+    metadata: dict[str, Any] = field(default_factory=dict)   # the recipe's own toyharness.fuse.* keys
 
 
 @dataclass
@@ -54,32 +71,30 @@ def fuse(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, dtype
     if dtype not in FUSE_TYPES:
         raise InputError(f"--type {dtype!r}: unknown; one of {', '.join(FUSE_TYPES)}")
     run_dir = Path(run_dir)
-    obj, opts, ckpt = load_finished_run(run_dir)
+    obj, opts, ckpt = load_finished_run(run_dir, FUSE_NEEDS, "fuse")
     out = Path(out) if out else default_out(run_dir, dtype)
-    if out.resolve() in {ckpt.resolve(), Path(getattr(opts, "base", "") or ckpt).resolve()}:
+    fold = obj.fuse_adapters(opts, ckpt) if callable(getattr(obj, "fuse_adapters", None)) else None
+    if out.resolve() in {ckpt.resolve(), Path(fold.base if fold else ckpt).resolve()}:
         raise InputError(f"--out {out}: would overwrite the run's checkpoint or base; name another file")
     note = {"toyharness.fuse.recipe": obj.name, "toyharness.fuse.run": run_dir.resolve().name,
             "toyharness.fuse.type": dtype}
-    if getattr(opts, "base", None) and obj.name == "lora":
-        return _fuse_lora(obj, opts, ckpt, out, dtype, note)
+    if fold is not None:
+        return _fuse_adapters(fold, ckpt, out, dtype, note)
     return _fuse_plain(obj, opts, ckpt, out, dtype, note)
 
 
-def _fuse_lora(obj, opts, ckpt: Path, out: Path, dtype: str, note: dict) -> FuseReport:
-    base = obj.base(opts)
-    adapters = obj.params_for_sampling(ckpt, opts, base.shape.vocab)
-    scale = np.float32(opts.alpha / opts.rank)
+def _fuse_adapters(fold: AdapterFold, ckpt: Path, out: Path, dtype: str, note: dict) -> FuseReport:
     report = FuseReport(out)
     tensors = []
-    with GGUFFile(base.path) as f:
+    with GGUFFile(fold.base) as f:
         meta = {k: v for k, v in f.metadata().items() if k != "general.architecture"}
         for name in f.names:
             info = f.tensor(name)
             src = quant.type_name(info.ggml_type)
             want = src if dtype == "same" or len(info.shape) != 2 else dtype
-            if name + ".lora_a" in adapters:
-                # in f32 from the dequantized base, as the run's forward saw it (W x + s B (A x))
-                w = info.to_numpy() + scale * (adapters[name + ".lora_b"] @ adapters[name + ".lora_a"])
+            if name in fold.adapted:
+                # in f32 from the dequantized base, as the run's forward saw it (W x + its adapter's)
+                w = info.to_numpy() + fold.delta(name)
                 tensors.append(_stored(name, w.astype(np.float32), want))
                 report.fused.append(name)
             elif want == src:
@@ -87,20 +102,19 @@ def _fuse_lora(obj, opts, ckpt: Path, out: Path, dtype: str, note: dict) -> Fuse
             else:
                 tensors.append(_stored(name, info.to_numpy(), want))
     if not report.fused:
-        raise InputError(f"{ckpt}: no adapter matches a tensor of the base {base.path}")
+        raise InputError(f"{ckpt}: no adapter matches a tensor of the base {fold.base}")
     name = meta.get("general.name")
-    base_name = name.value if isinstance(name, TypedValue) else (name or base.path.stem)
-    meta["general.name"] = f"{base_name} + toyharness lora ({note['toyharness.fuse.run']})"
+    base_name = name.value if isinstance(name, TypedValue) else (name or Path(fold.base).stem)
+    meta["general.name"] = f"{base_name} + toyharness {fold.kind} ({note['toyharness.fuse.run']})"
     meta.update(note)
-    meta |= {"toyharness.fuse.base": base.path.name, "toyharness.fuse.rank": int(opts.rank),
-             "toyharness.fuse.alpha": float(opts.alpha), "toyharness.fuse.targets": ",".join(opts.targets)}
+    meta |= {"toyharness.fuse.base": Path(fold.base).name, **fold.metadata}
     if dtype != "same":
         meta["general.file_type"] = FILE_TYPE[dtype]
-    return _write(out, base.arch.name, meta, tensors, report)
+    return _write(out, fold.arch, meta, tensors, report)
 
 
 def _fuse_plain(obj, opts, ckpt: Path, out: Path, dtype: str, note: dict) -> FuseReport:
-    """A model trained whole (warm_start, llama, gpt2): its export, with matrices in `dtype`."""
+    """A model trained whole: its export, with matrices in `dtype`."""
     import tempfile
 
     vocab = _vocab(obj, opts)

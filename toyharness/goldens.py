@@ -42,7 +42,7 @@ def golden_root() -> Path:
     return Path.cwd() / "goldens"
 
 
-# A precision other than fp32 is a golden variant of every recipe:
+# A precision other than fp32 is a golden variant of every recipe (docs/design.md, "Determinism and goldens"):
 # ``gpt2@tf32``, ``lora@q4_k@bf16``; the backends that compute it (cuda) list them.
 PRECISION_VARIANTS = ("tf32", "bf16")
 
@@ -275,16 +275,28 @@ def load(path: Path) -> dict:
     return doc
 
 
+class GoldenMissing(FileNotFoundError):
+    """No golden file for a name here; `fingerprints` names the folders a check looked in
+    ("cuda-sm90"; "cpu-avx2-... nor cpu-portable" in the auto mode), for a check's summary line."""
+
+    def __init__(self, message: str, fingerprints: str):
+        super().__init__(message)
+        self.fingerprints = fingerprints
+
+
 def check(recipe: str, backend: str = "cpu", root: Path | None = None,
           mode: str = "auto") -> tuple[Path, Mismatch | None]:
     """Compare a fresh run with the stored golden that `resolve` picks (its folder names the mode:
-    cpu-portable or the fast fingerprint). Missing golden: FileNotFoundError."""
+    cpu-portable or the fast fingerprint). Missing golden: GoldenMissing (a FileNotFoundError)."""
     from .engine import get_engine
 
     path, portable = resolve(recipe, backend, root, mode)
     if not path.is_file():
-        also = f" (nor one for {get_engine(backend).fast_fingerprint()})" if portable and mode == "auto" else ""
+        fast = get_engine(backend).fast_fingerprint()
+        both = portable and mode == "auto"
+        also = f" (nor one for {fast})" if both else ""
         flag = (" --mode portable" if portable else "") + (f" --dir {shlex.quote(str(root))}" if root else "")
-        raise FileNotFoundError(f"no golden for {recipe} at {path}{also}; record one with "
-                                f"`toyharness golden record {recipe}{flag}`")
+        raise GoldenMissing(f"no golden for {recipe} at {path}{also}; record one with "
+                            f"`toyharness golden record {recipe}{flag}`",
+                            f"{fast} nor {path.parent.name}" if both else path.parent.name)
     return path, compare(load(path), compute(recipe, backend, portable=portable))

@@ -32,7 +32,7 @@ from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_to
 # From this many classes `chunked_loss=auto` takes the chunked loss: the standard loss's four
 # (rows x vocab) f32 buffers (4 GiB for Gemma 3's 262,144 classes at 1,024 rows) and its passes
 # over them cost more than the chunked loss's tiles, which make the same two products over the
-# output weight. Our step alone, the two alternating (scripts/ab_checkouts.py --set-a
+# output weight. Our step alone, the two alternating (tools/ab_checkouts.py --set-a
 # chunked_loss=off --set-b chunked_loss=on, 2 threads, AVX-512; standard / chunked): seeded
 # one-layer llama bases at 1,024 rows, vocabulary x width 2,048 x 512 1.03, 4,096 x 512 1.16,
 # 8,192 x 512 1.08, 16,384 x 512 1.23, 32,000 x 2,048 1.08, 128,256 x 2,048 1.16; the whole

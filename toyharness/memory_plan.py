@@ -49,16 +49,25 @@ ROWS = {
 }
 # What a device's driver takes for a buffer beyond its size: the CUDA driver hands out 2 MiB pages,
 # a page run of its own for each buffer of 1 MiB or more, smaller ones packed together into shared
-# pages. Measured on an H100 (scripts/gpu_memory_plan.sh, 34 cases): the used memory grew by each
+# pages. Measured on an H100 (tools/gpu_memory_plan.sh, 34 cases): the used memory grew by each
 # large buffer rounded up to 2 MiB, exactly, and by 0-2 MiB for the small ones together (0 where
 # they fit in pages the process already held): counted at their sizes. Backends not named here are
 # counted at their buffers' sizes.
 ALLOCATION_GRANULARITY = {"cuda": 2 * (1 << 20)}
 # ggml's view ops: their result is memory of another tensor
 VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
-# Options tried, halved (or turned on), to say what would shrink a plan that does not fit.
-SHRINK_SIZES = ("t_batch", "t_seq", "n_layer", "d_model", "rank", "d_ff")
+# Options tried, halved (or turned on), to say what would shrink a plan that does not fit: these,
+# where the recipe's options have them, and the sizes its options class names in `plan_sizes`
+# (a class attribute: lora's adapter rank).
+SHRINK_SIZES = ("t_batch", "t_seq", "n_layer", "d_model", "d_ff")
 SHRINK_SWITCHES = ("recompute_blocks",)
+# The sizes a plan's header shows (where the options have them), the `plan_sizes` after them.
+SHOWN_SIZES = ("t_batch", "t_seq", "n_layer", "d_model", "n_head")
+
+
+def recipe_sizes(options) -> tuple[str, ...]:
+    """The sizes a recipe's options class declares beyond the common ones (`plan_sizes`)."""
+    return tuple(getattr(type(options), "plan_sizes", ()))
 # TOYHARNESS_MEMORY_CHECK=off skips the check against free memory (the plan is still made when asked)
 CHECK_ENV = "TOYHARNESS_MEMORY_CHECK"
 
@@ -473,7 +482,7 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
     if engine.backend == "cuda" and getattr(options, "precision", "fp32") == "bf16":
         # sized by what the products convert as the step runs (native/cuda/th-precision.cu)
         plan.not_counted.append("bf16 copies of the products' operands, a frozen base's bf16 values among "
-                                "them (kept for reuse within a step: 2 GiB at gpt2-small, 4 GiB for LoRA over "
+                                "them (kept for reuse within a step: 2 GiB at gpt2-small, 4 GiB for adapters over "
                                 "a 1B base, 0.5 GiB there with recompute_blocks, whose copies go past a horizon "
                                 "of nodes; native/README.md, Precision; with TOYHARNESS_BF16_REUSE=0 one "
                                 "scratch buffer of the largest pair)")
@@ -482,7 +491,7 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
 
 def _sizes(options) -> dict[str, Any]:
     d = options.to_dict()
-    keys = ("t_batch", "t_seq", "n_layer", "d_model", "n_head", "rank", "recompute_blocks")
+    keys = (*SHOWN_SIZES, *recipe_sizes(options), "recompute_blocks")
     return {k: d[k] for k in keys if k in d}
 
 
@@ -492,7 +501,7 @@ def shrink_suggestions(plan: MemoryPlan, replan: Callable[[dict[str, Any]], Memo
     as ("key=value", bytes saved), largest first; candidates the recipe refuses are skipped."""
     d = options.to_dict()
     tries: list[dict[str, Any]] = []
-    for key in SHRINK_SIZES:
+    for key in (*SHRINK_SIZES, *recipe_sizes(options)):
         if isinstance(d.get(key), int) and d[key] > 1:
             tries.append({key: d[key] // 2})
     for key in SHRINK_SWITCHES:

@@ -23,8 +23,8 @@ import tomllib
 from .adamw import CONVENTIONS, AdamWRow, Schedule
 from .errors import InputError, RecipeError, ToyharnessError
 
-# The precisions a run's matrix products can take (engine/backend.py says which backend computes
-# which).
+# The precisions a run's matrix products can take (docs/design.md, "Precision"; engine/backend.py says
+# which backend computes which).
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 # Sizes, counts and seeds beyond this are typos or hostile input (ggml's dims and our int32 ids
@@ -61,7 +61,7 @@ class Options:
     schedule, the loop, the data, the cpu's portable mode, the products' precision and the
     observers. A recipe derives its options class from this one (or from `TextOptions`, or
     `toyharness.LMOptions`), declaring its own keys as fields whose defaults are its defaults;
-    it may declare a key of these classes again to change its default.
+    it may declare a key of these classes again to change its default (docs/design.md, "Options").
 
     Extend `validate` to check values (call ``super().validate()`` first)."""
 

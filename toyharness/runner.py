@@ -1,4 +1,4 @@
-"""The training loop and a run's folder.
+"""The training loop and a run's folder (docs/design.md, "A run's files").
 
 Every file is written atomically (temporary name, then rename; toyharness/atomic.py), and a
 write that fails (disk full, quota, read-only folder) is one `WriteError` naming the file, exit 1.
@@ -89,17 +89,25 @@ def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, over
 
 
 
-def load_finished_run(run_dir):
-    """A finished language-model run folder (`sample`, `fuse`): its recipe object, resolved options
-    and checkpoint path, or an InputError naming what is missing."""
+# What `sample` and `fuse` call on a finished run's recipe (toyharness.lm.LMRecipe has them all);
+# `fuse` also takes a recipe's `fuse_adapters` where it has one (toyharness/fuse.py).
+SAMPLE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "load_for_sampling", "build_params", "forward")
+FUSE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "write_model")
+
+
+def load_finished_run(run_dir, needs: tuple[str, ...] = SAMPLE_NEEDS, command: str = "sample"):
+    """A finished run folder whose recipe has the methods `needs` (what `command` calls on it): its
+    recipe object, resolved options and checkpoint path, or an InputError naming what is missing."""
     run_dir = Path(run_dir)
     cfg_path, ckpt = run_dir / "config.toml", run_dir / "checkpoint.gguf"
     if not cfg_path.is_file() or not ckpt.is_file():
         raise InputError(f"{run_dir}: not a finished run folder (needs config.toml and checkpoint.gguf)")
     name = read_toml(cfg_path).get("recipe", "?")
     _, obj = get_recipe(name)
-    if not callable(getattr(obj, "load_for_sampling", None)):     # what sample and fuse read back
-        raise InputError(f"{run_dir}: recipe {name!r} is not a language model (toyharness.LMRecipe)")
+    missing = [method for method in needs if not callable(getattr(obj, method, None))]
+    if missing:
+        raise InputError(f"{run_dir}: recipe {name!r} has no {', '.join(missing)}: `{command}` takes a language "
+                         "model's recipe (toyharness.lm.LMRecipe has them)")
     return obj, resolve_options(obj, str(cfg_path), [], {}), ckpt
 
 
@@ -138,7 +146,7 @@ def config_toml(run: Run, threads: int) -> str:
     return tomli_w.dumps(doc)
 
 
-def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: int | None = None,
+def train(recipe: str, steps: int | None = None, backend: str | None = None, threads: int | None = None,
           config: str | None = None, sets: list[str] | None = None, out: str | None = None,
           save_init: bool = False, save_batches: bool = False, resume: str | None = None,
           observers: tuple = (), progress: bool = True, write_files: bool = True, log: str | None = None,
@@ -148,7 +156,8 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
     `observers` are called in the loop itself (the harness's own: golden collection, a sweep
     point's progress); `log` (a comma-separated list, else the option ``log``) names observers
     from the ``toyharness.observers`` entry points, called off the loop (toyharness/observers/).
-    `tags` reach the observers' run_start (a sweep point's grid values and seed)."""
+    `tags` reach the observers' run_start (a sweep point's grid values and seed). `backend`: cpu
+    by default; a resumed run's own (its config.toml's) unless named."""
     resume_dir = Path(resume) if resume else None
     if resume_dir is not None:
         if not resume_dir.is_dir():
@@ -158,12 +167,18 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
         if save_init:
             raise InputError(f"--save-init with --resume {resume_dir}: a resumed run has no step 0 to save "
                              "(init.gguf is written by the run that starts)")
+        if config is not None:
+            raise InputError(f"--config with --resume {resume_dir}: a resumed run takes its options from "
+                             f"{resume_dir / 'config.toml'}; change one with --set KEY=VALUE")
         saved = read_toml(resume_dir / "config.toml")
         if saved.get("recipe") != recipe:
             raise InputError(f"--resume {resume_dir}: that run is recipe {saved.get('recipe')!r}, not {recipe!r}")
         config = str(resume_dir / "config.toml")
     entry, recipe_obj = get_recipe(recipe)
     options = resolve_options(recipe_obj, config, sets, {"steps": steps, "log": log})
+    if resume_dir is not None:
+        backend = resume_backend(resume_dir, saved, backend, options)
+    backend = backend or "cpu"
     bus = ObserverBus(load_observers(options.log))      # an unknown --log name stops us here, exit 2
     run_box: list[Run] = []
     try:
@@ -178,7 +193,7 @@ def train(recipe: str, steps: int | None = None, backend: str = "cpu", threads: 
         bus.close()
 
 
-def plan_run(recipe: str, backend: str = "cpu", threads: int | None = None, config: str | None = None,
+def plan_run(recipe: str, backend: str | None = None, threads: int | None = None, config: str | None = None,
              sets: list[str] | None = None, resume: str | None = None):
     """The memory plan of the run `train` would make with these arguments (nothing allocated)."""
     if resume:
@@ -186,6 +201,8 @@ def plan_run(recipe: str, backend: str = "cpu", threads: int | None = None, conf
         if not (resume_dir / "config.toml").is_file():
             raise InputError(f"--resume {resume_dir}: needs config.toml there")
         config = str(resume_dir / "config.toml")
+        backend = backend or read_toml(config).get("backend")
+    backend = backend or "cpu"
     _, recipe_obj = get_recipe(recipe)
     options = resolve_options(recipe_obj, config, sets, {})
     pm = plugin_manager(recipe_obj)
@@ -194,6 +211,62 @@ def plan_run(recipe: str, backend: str = "cpu", threads: int | None = None, conf
     engine.set_portable(options.portable)
     engine.set_precision(options.precision)
     return plan_model(recipe, pm, engine, options, data)
+
+
+def resume_backend(resume_dir: Path, saved: dict, backend: str | None, options: Options) -> str:
+    """The backend a resumed run continues on: the one named, else the run's own (config.toml's).
+    A backend or precision that cannot go on here is refused naming the run's settings and what to
+    pass instead, before anything loads."""
+    from .engine.backend import check_precision
+
+    own = saved.get("backend")
+    if backend is None and isinstance(own, str):
+        try:
+            get_engine(own)
+        except InputError as exc:
+            raise InputError(f"--resume {resume_dir}: the run ran on the {own} backend: {exc}; to go on elsewhere, "
+                             f"name a backend with --backend (not bit for bit)") from None
+        backend = own
+    backend = backend or "cpu"
+    if options.precision == saved.get("precision") and backend != own:
+        try:
+            check_precision(backend, options.precision)
+        except InputError:
+            raise InputError(f"--resume {resume_dir}: the run computed its products in {options.precision} on "
+                             f"{own}, which the {backend} backend does not; add --set precision=fp32 (not bit "
+                             "for bit)") from None
+    return backend
+
+
+def resume_changes(resume_dir: Path, start: int, saved: dict, engine, options: Options,
+                   threads: int | None) -> str:
+    """One line naming what a resumed run changed from the run it continues (backend, precision,
+    the portable mode, a --threads given, the fingerprint), and whether the steps from here keep
+    the bits the run would have had; "" when nothing changed."""
+    changed, why = [], []
+    before = {"backend": saved.get("backend"), "precision": saved.get("precision"),
+              "portable": saved.get("portable")}
+    now = {"backend": engine.backend, "precision": options.precision, "portable": options.portable}
+    reasons = {"backend": "another backend's kernels round otherwise",
+               "precision": "another precision rounds the matrix products otherwise",
+               "portable": "the portable mode and the fast path sum in other orders"}
+    for key in ("backend", "precision", "portable"):
+        if before[key] is not None and before[key] != now[key]:
+            shown = [str(v).lower() if isinstance(v, bool) else v for v in (before[key], now[key])]
+            changed.append(f"{key} {shown[0]} -> {shown[1]}")
+            why.append(reasons[key])
+    fingerprint = saved.get("fingerprint")
+    if not changed and fingerprint is not None and fingerprint != engine.fingerprint():
+        changed.append(f"fingerprint {fingerprint} -> {engine.fingerprint()}")
+        why.append("another build or device computes other bits")
+    if threads is not None and saved.get("threads") not in (None, engine.threads):
+        changed.append(f"threads {saved['threads']} -> {engine.threads}")
+    if not changed:
+        return ""
+    head = f"toyharness: resuming {resume_dir} at step {start} with {', '.join(changed)}"
+    if why:
+        return f"{head}: from here the bits need not be the uninterrupted run's ({'; '.join(why)})"
+    return f"{head}: the same bits (the thread count changes no result on any backend)"
 
 
 def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, backend: str, threads: int | None,
@@ -220,6 +293,9 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     if resume_dir is not None:
         start = load_checkpoint(resume_dir / "checkpoint.gguf", trainer, options)
         run.metrics = read_metrics(resume_dir / "metrics.jsonl", start)
+        note = resume_changes(resume_dir, start, read_toml(resume_dir / "config.toml"), engine, options, threads)
+        if note:
+            print(note, file=sys.stderr)
 
     # The row's convention must match the graph's before any step runs.
     first_row = pm.hook.hp(options=options, step=start)

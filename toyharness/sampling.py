@@ -17,15 +17,31 @@ the model's t_seq by default) the same sliding window, recomputed as `lm.generat
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from ._ffi import lib
 from .engine import Tensor, get_engine
 from .errors import InputError, ShapeError
-from .lm import LMRecipe, next_token
+from .lm import next_token
 
 PREFILL = 32   # prompt tokens per forward; the rest of a prompt goes one token at a time
+
+
+class SamplingRecipe(Protocol):
+    """What the cached sampler calls on a recipe (toyharness.lm.LMRecipe has it all); any recipe
+    with these methods samples, whatever its name or base class."""
+
+    name: str
+
+    def build_params(self, prog, options, vocab: int, values: dict[str, np.ndarray], trainable: bool) -> dict: ...
+
+    def forward(self, P: dict, tokens: Tensor, positions: Tensor, options) -> Tensor: ...
+
+    def params_for_sampling(self, path, options, vocab: int) -> dict[str, np.ndarray]: ...
+
+    def vocab_for(self, options, data_vocab: int) -> int: ...
 
 
 class KVCache:
@@ -96,7 +112,7 @@ class KVCache:
 class CachedLM:
     """A language-model recipe's forward with a KV cache, for one sequence at a time."""
 
-    def __init__(self, recipe: LMRecipe, engine, options, vocab: int, params: dict[str, np.ndarray],
+    def __init__(self, recipe: SamplingRecipe, engine, options, vocab: int, params: dict[str, np.ndarray],
                  context: int | None = None, prefill: int = PREFILL, dequantize: bool = False):
         self.recipe, self.options, self.vocab = recipe, options, vocab
         self.context = context or options.t_seq
@@ -115,7 +131,8 @@ class CachedLM:
                 self.cache.begin(n, positions)
                 logits = recipe.forward(P, tokens, positions, options)
                 if self.cache._layer == 0:
-                    raise InputError(f"recipe {recipe.name}: its forward has no attention to cache")
+                    raise InputError(f"recipe {recipe.name}: its forward has no attention to cache; sample it "
+                                     "with --no-cache")
                 self.graphs[n] = self.prog.forward({"logits": logits.reshape(n, vocab)})
         finally:
             self.prog.kv_cache = None
@@ -142,9 +159,10 @@ class CachedLM:
         return logits
 
 
-def load_cached(recipe: LMRecipe, path, options, vocab: int, backend: str = "cpu", threads: int | None = None,
+def load_cached(recipe: SamplingRecipe, path, options, vocab: int, backend: str = "cpu", threads: int | None = None,
                 context: int | None = None, dequantize: bool = False) -> CachedLM:
-    """`LMRecipe.load_for_sampling`, with a KV cache; `dequantize`: a quantized base held as f32."""
+    """A recipe's `load_for_sampling` (toyharness.lm.LMRecipe's), with a KV cache; `dequantize`: a
+    quantized base held as f32."""
     params = recipe.params_for_sampling(path, options, vocab)
     vocab = recipe.vocab_for(options, vocab)
     return CachedLM(recipe, get_engine(backend, threads), options, vocab, params, context, dequantize=dequantize)

@@ -1,4 +1,4 @@
-"""Sweeps: one recipe over a grid of options and seeds (DESIGN.md, "Sweeps").
+"""Sweeps: one recipe over a grid of options and seeds (docs/design.md, "Sweeps").
 
 A *point* is one combination of grid values and one seed. It is an ordinary run: `runner.train`
 with the point's `--set` list, exactly what `toyharness run RECIPE --set ...` calls, so its
@@ -450,7 +450,7 @@ class RayExecutor:
                     ray.init(address=address, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 hint = "" if os.environ.get("RAY_AUTH_MODE") else "; a cluster with token authentication needs " \
-                    "RAY_AUTH_MODE=token here (README: On a Ray cluster)"
+                    "RAY_AUTH_MODE=token here (docs/sweeps.md: On a Ray cluster)"
                 raise InputError(f"--ray {address}: cannot connect to a Ray cluster ({exc}){hint}") from None
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         largest = max((n.get("CPU", 0) for n in nodes), default=0)

@@ -56,7 +56,7 @@ extern "C" {
 // bf16 (q, k and v^T kept in bf16 at precision bf16: native/cuda_precision.c,
 // th_attention_inputs_bf16), p their address and the strides in elements; the tensor-core kernels
 // read them through their loads' B16 instances (th_stage, th_fill_rows, th_load_rows).
-#define TH_ATTENTION_BF16_OPERANDS 1   // th_opd.bf16 exists (scripts/attention_bench.cu asks)
+#define TH_ATTENTION_BF16_OPERANDS 1   // th_opd.bf16 exists
 struct th_opd {
     float * p;
     int64_t st, sd, sh, sb;

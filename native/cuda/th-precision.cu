@@ -92,7 +92,7 @@ static __global__ void th_to_bf16_kernel(const float * __restrict__ src, const f
 // The common path: packed matrices (ld == rows, stride == rows * cols or pointer arrays), n floats
 // each a multiple of 4 and 16-byte aligned: 8 floats a thread (two float4 loads, one 16-byte
 // store), a grid-stride loop over the whole. Before (a thread an element, 2-byte stores): 17.7 ms of
-// a bf16 gpt2-small step on the H100 in 632 launches (scripts/cuda_kernels.py).
+// a bf16 gpt2-small step on the H100 in 632 launches (tools/cuda_kernels.py).
 static __global__ void th_to_bf16_packed_kernel(const float * __restrict__ src, const float * const * __restrict__ srcs,
                                                 const long long n, __nv_bfloat16 * __restrict__ dst) {
     const int b = blockIdx.y;

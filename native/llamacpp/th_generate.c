@@ -3,7 +3,7 @@
  * spaces), each in a fresh KV cache: prints the generated ids of each prompt on a line of their
  * own (stopping after an end-of-generation token, not printed), then on stderr a line
  * "decode TOKENS SECONDS" (the generation steps only, prompt processing excluded): tokens/s
- * beside toyharness's sampler on the same file (scripts/sample_speed.py). */
+ * beside toyharness's sampler on the same file (tools/sample_speed.py). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -42,6 +42,12 @@ class GPT2(LMRecipe):
     name = "gpt2"
     options_class = GPT2Options
 
+    def torch_reference(self, options):
+        """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
+        from .torch_twins.gpt2 import GPT2Twin
+
+        return GPT2Twin(options)
+
     def init_params(self, o: GPT2Options, vocab: int) -> dict[str, np.ndarray]:
         d = o.d_model
 

@@ -58,6 +58,12 @@ class Llama(LMRecipe):
     options_class = LlamaOptions
     golden_sets = ["n_kv_head=1", "d_ff=48"]
 
+    def torch_reference(self, options):
+        """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
+        from .torch_twins.llama import LlamaTwin
+
+        return LlamaTwin(options)
+
     def init_params(self, o: LlamaOptions, vocab: int) -> dict[str, np.ndarray]:
         d, hd = o.d_model, o.d_model // o.n_head
         std = 0.02 * o.init_scale

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,6 +44,8 @@ ARCH_GOLDEN_BASES = {
 
 @dataclass
 class LoRAOptions(LMOptions):
+    # the memory plan halves these too when it says what would shrink a run (toyharness/memory_plan.py)
+    plan_sizes: ClassVar[tuple[str, ...]] = ("rank",)
     base: str = ""
     rank: int = positive(8)
     alpha: float = 16.0
@@ -78,6 +81,12 @@ def read_base(path: str) -> ModelFile:
 class LoRA(LMRecipe):
     name = "lora"
     options_class = LoRAOptions
+
+    def torch_reference(self, options):
+        """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
+        from .torch_twins.lora import LoRATwin
+
+        return LoRATwin(options)
 
     # Golden and bench bases: the llama recipe's seeded init, written once to the cache
     # (toyharness.lm.seeded_model_file), so the same base bytes exist on every machine.
@@ -159,6 +168,19 @@ class LoRA(LMRecipe):
     def forward(self, P, tokens, positions, o: LoRAOptions):
         base = self.base(o)
         return base.arch.forward(P, P["token_embd.weight"].get_rows(tokens), positions, base.shape)
+
+    def fuse_adapters(self, o: LoRAOptions, checkpoint: Path):
+        """`toyharness fuse`: each adapted weight of the base gains (alpha / rank) B A."""
+        from toyharness.fuse import AdapterFold
+
+        base = self.base(o)
+        adapters = self.params_for_sampling(checkpoint, o, base.shape.vocab)
+        scale = np.float32(o.alpha / o.rank)
+        adapted = frozenset(name[: -len(".lora_a")] for name in adapters if name.endswith(".lora_a"))
+        return AdapterFold(base.path, base.arch.name, adapted,
+                           lambda name: scale * (adapters[name + ".lora_b"] @ adapters[name + ".lora_a"]), "lora",
+                           {"toyharness.fuse.rank": int(o.rank), "toyharness.fuse.alpha": float(o.alpha),
+                            "toyharness.fuse.targets": ",".join(o.targets)})
 
     @hookimpl
     def export(self, model, options, out_dir):

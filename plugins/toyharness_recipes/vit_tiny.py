@@ -141,6 +141,12 @@ class ViTTiny:
     name = "vit_tiny"
     golden_sets = ["d_ff=48", "t_batch=4"]
 
+    def torch_reference(self, options):
+        """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
+        from .torch_twins.vit_tiny import ViTTinyTwin
+
+        return ViTTinyTwin(options)
+
     @hookimpl
     def options(self):
         return ViTOptions

@@ -109,6 +109,12 @@ class WarmStart(Llama):
     options_class = WarmStartOptions
     golden_sets = ["n_kv_head=1", "d_ff=48", "donor_d_in=24"]
 
+    def torch_reference(self, options):
+        """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
+        from .torch_twins.warm_start import WarmStartTwin
+
+        return WarmStartTwin(options)
+
     def init_params(self, o: WarmStartOptions, vocab: int) -> dict[str, np.ndarray]:
         if not o.untied:
             raise InputError("warm_start: option 'untied' must be true (the embedding is donor_d_in wide)")

@@ -1,5 +1,5 @@
-"""The architectures a LoRA base or a warm-start donor may have, one module each (DESIGN.md,
-"Architectures"): the GGUF keys and tensors it reads, its forward from the engine's blocks, and
+"""The architectures a LoRA base or a warm-start donor may have, one module each (docs/design.md,
+"GGUF names and architectures"): the GGUF keys and tensors it reads, its forward from the engine's blocks, and
 its transformers counterpart (`hf_config`, for the parity tests).
 
 | architecture | module | what differs from llama |

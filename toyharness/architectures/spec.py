@@ -1,5 +1,5 @@
 """What every architecture module shares: the decoder's shape, the metadata reader that records
-which keys a forward used, and the rule (DESIGN.md, "Architectures"): every metadata key and
+which keys a forward used, and the rule (docs/design.md, "GGUF names and architectures"): every metadata key and
 tensor of a base or donor GGUF is either used by the forward or on a short list of keys known not
 to change it. Anything else is refused, naming the file and the key or tensor.
 """

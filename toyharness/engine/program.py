@@ -1,6 +1,6 @@
 """A program on an engine: persistent tensors, graphs built from them, and the training step.
 
-Life cycle (ggml-notes.md, "Training step recipe")::
+Life cycle (docs/design.md, "The training graph")::
 
     prog = engine.program()
     w = prog.param("w", init=array)             # trainable f32 (persistent)

@@ -1,0 +1,27 @@
+"""GPT-2 in PyTorch: the gpt2 recipe's twin."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from toyharness.bench.torch_side import TorchTwin
+
+from .blocks import attention, layer_norm
+
+
+def gpt2(P, batch, o: dict):
+    tokens = batch["tokens"]
+    h = P["token_embd.weight"][tokens] + P["position_embd.weight"][: tokens.shape[1]]
+    for i in range(o["n_layer"]):
+        b = f"blk.{i}."
+        h = h + attention(layer_norm(h, P[b + "attn_norm.weight"], P[b + "attn_norm.bias"]), P, b, o["n_head"])
+        x = layer_norm(h, P[b + "ffn_norm.weight"], P[b + "ffn_norm.bias"])
+        x = F.gelu(F.linear(x, P[b + "ffn_up.weight"], P[b + "ffn_up.bias"]), approximate="tanh")
+        h = h + F.linear(x, P[b + "ffn_down.weight"], P[b + "ffn_down.bias"])
+    h = layer_norm(h, P["output_norm.weight"], P["output_norm.bias"])
+    return h @ P.get("output.weight", P["token_embd.weight"]).T
+
+
+class GPT2Twin(TorchTwin):
+    def forward(self, P, batch):
+        return gpt2(P, batch, self.options.to_dict())

@@ -1,0 +1,270 @@
+"""The PyTorch side of `bench` and `parity`: what every recipe's PyTorch twin shares.
+
+A recipe that has a PyTorch model of itself (its *twin*: written from the model's description, not
+from our engine code) supplies it with a method ``torch_reference(options) -> TorchTwin``, importing
+its twin module inside that method so that the recipe imports torch only when bench or parity asks
+(the built-in recipes' twins: plugins/toyharness_recipes/torch_twins/). The twin takes the recipe's
+options, builds its parameters from the recipe's own init (the arrays our side starts from, by
+their GGUF names, numpy order) and computes the loss of a batch as the recipe's data gives it. From
+that alone this module
+
+- times its steps beside ours (`torch_worker`: torch.optim.AdamW, eager or torch.compile, at
+  fp32, tf32 or bf16 autocast; toyharness/bench/run.py drives it),
+- replays a run folder's first losses with the run's own AdamW rows (`replay_losses`, the parity
+  tests' numerical truth), and
+- trains a whole run as `toyharness run` would (`train_reference`).
+
+Needs torch (``pip install torch==2.13.0``). bench imports it only for a recipe that has a twin,
+where torch is installed (the twin's check before any worker starts, and its worker); the parity
+tools import it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+from .procs import peak_rss_mb
+
+
+class TorchTwin:
+    """A recipe's model in PyTorch. Subclass it, set `forward` (and `loss` where the recipe's is
+    not the language model's), and return an instance from the recipe's ``torch_reference``."""
+
+    def __init__(self, options):
+        self.options = options
+
+    def check(self) -> None:
+        """Raise InputError, in one line, naming what this twin lacks to run here (a module to
+        install); called before any worker starts."""
+
+    def parameters(self, init: dict[str, np.ndarray], device: torch.device | str = "cpu",
+                   frozen_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The tensors `forward` reads: the recipe's `init` (trainable, requires_grad) and any
+        frozen weights the twin loads itself (a base model, in `frozen_dtype`)."""
+        return {n: torch.tensor(a, device=device, requires_grad=True) for n, a in init.items()}
+
+    def forward(self, P: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(output, batch)
+
+
+def twin_for(recipe_obj: Any, options) -> TorchTwin | None:
+    """The recipe's twin for `options`, or None where the recipe has none."""
+    make = getattr(recipe_obj, "torch_reference", None)
+    return make(options) if callable(make) else None
+
+
+# --- what twins share -----------------------------------------------------------------------------
+def lm_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """A language model's mean cross-entropy over `targets`; with a `mask` (JSONL examples) the
+    mean over the positions the mask counts."""
+    if "mask" in batch:
+        per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1).long(),
+                              reduction="none")
+        mask = batch["mask"].reshape(-1).to(per.dtype)
+        return (per * mask).sum() / mask.sum()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1).long())
+
+
+def class_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """A classifier's mean cross-entropy over `labels`."""
+    return F.cross_entropy(logits, batch["labels"].long())
+
+
+@torch.no_grad()
+def adamw_row_step(params: dict, m: dict, v: dict, row) -> None:
+    """One AdamW step from our 7-slot row (toyharness/adamw.py), applied as written."""
+    lr, b1, b2, eps, wd, s5, s6 = (float(x) for x in row)
+    for name, p in params.items():
+        g = p.grad
+        m[name].mul_(b1).add_(g, alpha=1 - b1)
+        v[name].mul_(b2).addcmul_(g, g, value=1 - b2)
+        p.mul_(1 - lr * wd).sub_(lr * (m[name] * s5) / ((v[name] * s6).sqrt() + eps))
+
+
+def torch_precision_setup(precision: str) -> Callable[[torch.device], contextlib.AbstractContextManager]:
+    """Set PyTorch up for `precision` (fp32, tf32: TF32 products, bf16: bf16 autocast over fp32
+    weights); returns the context each forward runs in on a device."""
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    if precision == "bf16":
+        return lambda dev: torch.autocast(dev.type, dtype=torch.bfloat16)
+    return lambda dev: contextlib.nullcontext()
+
+
+def _on(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in batch.items()}
+
+
+# --- bench: the twin's steps timed ------------------------------------------------------------------
+def torch_worker(conn, recipe: str, options, device: str, threads: int, payload: dict, mode: str = "eager") -> None:
+    """bench's PyTorch worker (toyharness/bench/procs.py): the twin trained from ours's initial
+    weights (payload "params") on ours's batches (payload "batches"), timed per step."""
+    from ..device_memory import PeakDeviceMemory
+    from ..plugins import get_recipe
+
+    torch.set_num_threads(threads)
+    precision = getattr(options, "precision", "fp32")
+    autocast = torch_precision_setup(precision)
+    dev = torch.device(device)
+    device_memory = PeakDeviceMemory() if dev.type == "cuda" else None
+    twin = twin_for(get_recipe(recipe)[1], options)
+    # bf16: frozen weights (a base) in bf16, as transformers + PEFT users load them; the trained
+    # ones fp32 master weights under bf16 autocast, as ours
+    P = twin.parameters(payload["params"], dev, torch.bfloat16 if precision == "bf16" else torch.float32)
+    trainable = [p for p in P.values() if p.requires_grad]
+    kw = {"lr": 1e-3, "betas": (0.9, getattr(options, "beta2", 0.999)), "eps": 1e-8,
+          "weight_decay": getattr(options, "weight_decay", 0.0)}
+    # fused (one kernel per step) where this torch has it for the device, else foreach (multi-tensor)
+    try:
+        opt = torch.optim.AdamW(trainable, fused=True, **kw)
+        flavour = "fused"
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(trainable, foreach=True, **kw)
+        flavour = "foreach"
+    batches = payload["batches"]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def model_loss(P, batch):
+        with autocast(dev):
+            return twin.loss(twin.forward(P, batch), batch)
+
+    # compile: the forward and loss (and so their backward), as nanoGPT compiles its model;
+    # the optimizer step stays the fused AdamW
+    model_loss = torch.compile(model_loss) if mode == "compile" else model_loss
+
+    def one_step(b: dict) -> float:
+        batch = {k: torch.from_numpy(v).to(dev) for k, v in b.items()}
+        opt.zero_grad(set_to_none=True)
+        loss = model_loss(P, batch)
+        loss.backward()
+        opt.step()
+        return loss.item()            # waits for the device, as toyharness's step does
+
+    conn.send({"ready": True, "optimizer": flavour, "torch": torch.__version__, "mode": mode})
+    step = 0
+    while True:
+        cmd, n = conn.recv()
+        if cmd == "steps":
+            times = []
+            for _ in range(n):
+                sync()
+                t0 = time.perf_counter()
+                one_step(batches[step % len(batches)])
+                times.append((time.perf_counter() - t0) * 1e3)
+                step += 1
+            if device_memory is not None:
+                device_memory.sample()
+            conn.send(times)
+        else:
+            peak = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None
+            conn.send({"peak_rss_mb": peak_rss_mb(), "device_peak_mb": peak,
+                       "device_mb": device_memory.peak_mb if device_memory is not None else None})
+            return
+
+
+# --- parity: replay a run folder --------------------------------------------------------------------
+def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
+    """The first `steps` losses of the run in `run_dir` (its config.toml, init.gguf, batches.npz),
+    recomputed by its recipe's twin with the run's AdamW rows. A recipe without a twin is an
+    InputError naming it."""
+    from ..engine import GGUFFile
+    from ..options import read_toml
+    from ..plugins import get_recipe
+    from ..runner import read_batches_npz, resolve_options
+
+    run_dir = Path(run_dir)
+    recipe = read_toml(run_dir / "config.toml")["recipe"]
+    _, obj = get_recipe(recipe)
+    opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
+    twin = twin_for(obj, opts)
+    if twin is None:
+        raise InputError(f"recipe {recipe}: no PyTorch twin (a torch_reference method) to replay {run_dir} with")
+    twin.check()
+    with GGUFFile(run_dir / "init.gguf") as f:
+        init = {n: f.tensor(n).to_numpy() for n in f.names}
+    P = twin.parameters(init, "cpu")
+    train = {n: p for n, p in P.items() if p.requires_grad}
+    m = {n: torch.zeros_like(p) for n, p in train.items()}
+    v = {n: torch.zeros_like(p) for n, p in train.items()}
+    batches = read_batches_npz(run_dir / "batches.npz")
+    losses = []
+    for i in range(steps):
+        batch = _on({k: batches[k][i] for k in batches}, "cpu")
+        for p in train.values():
+            p.grad = None
+        loss = twin.loss(twin.forward(P, batch), batch)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        adamw_row_step(train, m, v, opts.adamw_row().hp_for_step(i))
+    return losses
+
+
+# --- a whole run in PyTorch ----------------------------------------------------------------------
+def train_reference(recipe: str, steps: int, sets: list[str] | None = None, precision: str = "fp32",
+                    device: str = "cpu", eval_batches: tuple[int, ...] = ()) -> dict:
+    """Train language-model `recipe` (any with a twin, an `init_params` and a `vocab_for`) in
+    PyTorch, as `toyharness run` would: the recipe's seeded init, its data's batches, its AdamW rows
+    (schedule included), at `precision` (fp32; tf32: TF32 products; bf16: bf16 autocast over fp32
+    master weights, as nanoGPT trains). Returns the train losses and, after the last step, the eval
+    loss the run reports (`eval`, over the option eval_batches' held-out batches) and the mean loss
+    over the first n held-out batches for each n in `eval_batches` (`evals`).
+
+    What it is for: how far PyTorch's own bf16 run ends from its fp32 run, beside ours."""
+    from ..hookspecs import plugin_manager
+    from ..options import PRECISIONS
+    from ..plugins import get_recipe
+    from ..runner import batch_for, load_data, resolve_options
+
+    _, obj = get_recipe(recipe)
+    missing = [m for m in ("torch_reference", "init_params", "vocab_for") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise ValueError(f"train_reference: recipe {recipe!r} has no {', '.join(missing)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"train_reference: precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    options = resolve_options(obj, None, sets, {"steps": steps})
+    if options.precision != "fp32":     # our engine's option; the reference takes `precision`
+        raise ValueError(f"train_reference: the option precision={options.precision} is ours; pass precision=")
+    if options.weight_dtype != "f32":   # the reference keeps fp32 weights
+        raise ValueError(f"train_reference: weight_dtype={options.weight_dtype} is not modelled; allowed: f32")
+    data = load_data(plugin_manager(obj), options)
+    vocab = obj.vocab_for(options, data.vocab)
+    dev = torch.device(device)
+    autocast = torch_precision_setup(precision)
+    twin = twin_for(obj, options)
+    twin.check()
+    P = twin.parameters(obj.init_params(options, vocab), dev)
+    train = {n: p for n, p in P.items() if p.requires_grad}
+    m = {n: torch.zeros_like(p) for n, p in train.items()}
+    v = {n: torch.zeros_like(p) for n, p in train.items()}
+
+    def loss_of(batch):
+        return twin.loss(twin.forward(P, batch), batch)
+
+    losses = []
+    for i in range(options.steps):
+        batch = _on(batch_for(data, "train", i, options), dev)
+        for p in train.values():
+            p.grad = None
+        with autocast(dev):
+            loss = loss_of(batch)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        adamw_row_step(train, m, v, options.adamw_row().hp_for_step(i))
+    evals = {}
+    with torch.no_grad(), autocast(dev):
+        for n in {options.eval_batches, *eval_batches}:
+            evals[n] = sum(float(loss_of(_on(batch_for(data, "eval", j, options), dev))) for j in range(n)) / n
+    return {"losses": losses, "eval": evals[options.eval_batches], "evals": evals}
