@@ -55,8 +55,11 @@ def bench(session):
 
 @nox.session
 def lint(session):
-    session.install("ruff")
+    """ruff, and the import layers of toyharness (pyproject.toml, [tool.importlinter]): lint-imports
+    reads the package's source from this folder, so nothing is built."""
+    session.install("ruff", "import-linter>=2.17")
     session.run("ruff", "check", "toyharness", "plugins", "tests", "native", "noxfile.py", "setup.py")
+    session.run("lint-imports", "--no-cache")
 
 
 @nox.session
@@ -144,8 +147,7 @@ def fuzz(session):
         for name in readers:   # at most 20000 inputs or 3 minutes per reader (exit 124: time was up)
             session.run("timeout", "180", "python", "-m", "toyharness.fuzz", "--atheris", name, "--runs", "20000",
                         "--keep", "fuzz-failures", success_codes=[0, 124], external=True)
-    session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill",
-                env={"TOYHARNESS_KILL_TRIALS": "40"})
+    session.run("pytest", "-q", "-s", "tests/test_hostile_machine.py", "-k", "sigkill", "--kill-trials", "40")
 
 
 @nox.session

@@ -15,20 +15,9 @@ tokenizer tests read). Source and build folders are cached outside the clone
 (``$TOYHARNESS_CACHE``, else ``$XDG_CACHE_HOME/toyharness``, else ``~/.cache/toyharness``), so a
 second install neither fetches nor recompiles.
 
-Environment:
-  TOYHARNESS_GGML_SRC=/path/to/ggml   build that ggml folder instead of fetching
-  TOYHARNESS_BACKENDS=cpu,cuda        backends to build: cuda, vulkan (cpu is always built; metal
-                                      is ggml's default on macOS)
-  TOYHARNESS_CUDA_ARCH=90             CMAKE_CUDA_ARCHITECTURES for cuda (default 90)
-  TOYHARNESS_SIMD=native|avx2|none    SIMD level of ggml-cpu and our kernels (default native: this
-                                      CPU's; avx2: x86-64 with AVX2 and FMA; none: no SIMD code of
-                                      ggml's, baseline ISA). For proving the portable goldens.
-  TOYHARNESS_CUDNN=auto|on|off        cuda: bf16 attention on cuDNN's fused attention (default auto:
-                                      where cuDNN, the nvidia-cudnn-cu13 or -cu12 package, and its
-                                      frontend's headers, nvidia-cudnn-frontend, are installed; on:
-                                      an error where they are not)
-  TOYHARNESS_CUDNN_ROOT=DIR           cuDNN's folder (include/cudnn.h, lib/libcudnn.so.9) elsewhere
-  TOYHARNESS_CUDNN_FRONTEND=DIR       the folder holding cudnn_frontend.h, elsewhere
+The environment variables it reads (TOYHARNESS_BACKENDS, _SIMD, _CUDA_ARCH, _GGML_SRC, _CACHE,
+_CUDNN) are declared, with their values, in toyharness/switches.py (docs/environment.md), which this
+script loads by its path: the package cannot be imported while it is being built.
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -73,13 +63,34 @@ class BuildError(RuntimeError):
     pass
 
 
+def _load_switches():
+    """toyharness/switches.py, by its path (stdlib only; the package is not importable yet)."""
+    path = NATIVE_DIR.parent / "toyharness" / "switches.py"
+    spec = importlib.util.spec_from_file_location("toyharness_build_switches", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module      # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+_switches = _load_switches()
+
+
+def switch(name: str) -> str:
+    """A build switch's value (toyharness/switches.py); a value it does not take is a BuildError naming it."""
+    try:
+        return _switches.switch(name)
+    except _switches.SwitchError as exc:
+        raise BuildError(str(exc)) from None
+
+
 def log(msg: str) -> None:
     print(f"[toyharness native] {msg}", file=sys.stderr, flush=True)
 
 
 def cache_root() -> Path:
-    if os.environ.get("TOYHARNESS_CACHE"):
-        return Path(os.environ["TOYHARNESS_CACHE"]).expanduser()
+    if switch("TOYHARNESS_CACHE"):
+        return Path(switch("TOYHARNESS_CACHE")).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "toyharness"
 
@@ -189,7 +200,7 @@ def vocab_source() -> Path:
 
 def ggml_source() -> Path:
     """The ggml source folder: $TOYHARNESS_GGML_SRC, or the cached pinned one (fetched once)."""
-    override = os.environ.get("TOYHARNESS_GGML_SRC")
+    override = switch("TOYHARNESS_GGML_SRC")
     if override:
         src = Path(override).expanduser().resolve()
         if not (src / "CMakeLists.txt").is_file() or not (src / "include" / "ggml.h").is_file():
@@ -212,21 +223,14 @@ def build_llamacpp_tool() -> Path:
 
 
 def requested_backends() -> list[str]:
-    raw = os.environ.get("TOYHARNESS_BACKENDS", "cpu")
-    names = [b.strip().lower() for b in raw.split(",") if b.strip()]
-    unknown = [b for b in names if b not in KNOWN_BACKENDS]
-    if unknown:
-        raise BuildError(f"TOYHARNESS_BACKENDS: unknown backend(s) {unknown}; known: {list(KNOWN_BACKENDS)}")
+    names = switch("TOYHARNESS_BACKENDS").split(",")
     if "cpu" not in names:
         names.insert(0, "cpu")
     return names
 
 
 def requested_simd() -> str:
-    level = os.environ.get("TOYHARNESS_SIMD", "native").strip().lower() or "native"
-    if level not in SIMD_LEVELS:
-        raise BuildError(f"TOYHARNESS_SIMD: unknown level {level!r}; known: {', '.join(SIMD_LEVELS)}")
-    return level
+    return switch("TOYHARNESS_SIMD")
 
 
 def cmake_options(backends: list[str]) -> list[str]:
@@ -243,7 +247,7 @@ def cmake_options(backends: list[str]) -> list[str]:
         *(["-DGGML_VULKAN=ON"] if "vulkan" in backends else []),  # (absent otherwise: cache keys kept)
     ]
     if "cuda" in backends:
-        opts.append("-DCMAKE_CUDA_ARCHITECTURES=" + os.environ.get("TOYHARNESS_CUDA_ARCH", "90"))
+        opts.append("-DCMAKE_CUDA_ARCHITECTURES=" + switch("TOYHARNESS_CUDA_ARCH"))
         # A training step computes the same graph again: replayed as one CUDA graph, its hundreds
         # of small kernels skip a launch each (off by default outside llama.cpp's own build;
         # GGML_CUDA_DISABLE_GRAPHS=1 turns it off at run time).
@@ -254,11 +258,12 @@ def cmake_options(backends: list[str]) -> list[str]:
     return opts
 
 
-def _cudnn_root() -> Path | None:
-    """cuDNN's folder: TOYHARNESS_CUDNN_ROOT, else the nvidia-cudnn package's (as PyTorch installs it)."""
-    if os.environ.get("TOYHARNESS_CUDNN_ROOT"):
-        return Path(os.environ["TOYHARNESS_CUDNN_ROOT"])
-    import importlib.util
+def _cudnn_root(folders: list[Path]) -> Path | None:
+    """cuDNN's folder: the first of `folders` with include/cudnn.h and lib/libcudnn.so.9, else the
+    nvidia-cudnn package's (as PyTorch installs it)."""
+    for folder in folders:
+        if (folder / "include" / "cudnn.h").is_file() and (folder / "lib" / "libcudnn.so.9").is_file():
+            return folder
     with contextlib.suppress(ImportError, ValueError):
         spec = importlib.util.find_spec("nvidia.cudnn")
         if spec is not None and spec.submodule_search_locations:
@@ -266,35 +271,33 @@ def _cudnn_root() -> Path | None:
     return None
 
 
-def _cudnn_frontend() -> Path | None:
-    """The folder holding cudnn_frontend.h: TOYHARNESS_CUDNN_FRONTEND, else the include/ folder the
-    nvidia-cudnn-frontend wheel installs beside its Python package."""
-    if os.environ.get("TOYHARNESS_CUDNN_FRONTEND"):
-        return Path(os.environ["TOYHARNESS_CUDNN_FRONTEND"])
-    for entry in sys.path:
-        if entry and (Path(entry) / "include" / "cudnn_frontend.h").is_file():
-            return Path(entry) / "include"
+def _cudnn_frontend(folders: list[Path]) -> Path | None:
+    """The folder holding cudnn_frontend.h: the first of `folders` (or its include/) that does, else
+    the include/ folder the nvidia-cudnn-frontend wheel installs beside its Python package."""
+    for folder in [f for g in folders for f in (g, g / "include")] + [Path(e) / "include" for e in sys.path if e]:
+        if (folder / "cudnn_frontend.h").is_file():
+            return folder
     return None
 
 
 def cudnn_options() -> list[str]:
     """A cuda build's cuDNN options (native/CMakeLists.txt, native/cudnn/th_cudnn.cpp): none where
-    TOYHARNESS_CUDNN is off, or auto and cuDNN or its frontend's headers are not found."""
-    mode = os.environ.get("TOYHARNESS_CUDNN", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise BuildError(f"TOYHARNESS_CUDNN: unknown value {mode!r}; use auto, on or off")
+    TOYHARNESS_CUDNN is off, or auto and cuDNN or its frontend's headers are not found. Folders
+    (DIR[:DIR]) are searched first, and mean on."""
+    mode = switch("TOYHARNESS_CUDNN")
     if mode == "off":
         return []
-    root, frontend = _cudnn_root(), _cudnn_frontend()
+    folders = [] if mode in ("auto", "on") else [Path(f).expanduser() for f in mode.split(os.pathsep) if f]
+    root, frontend = _cudnn_root(folders), _cudnn_frontend(folders)
     library = root / "lib" / "libcudnn.so.9" if root is not None else None
     missing = [what for what, ok in (
-        ("cuDNN (pip install nvidia-cudnn-cu13, or TOYHARNESS_CUDNN_ROOT)",
+        ("cuDNN (pip install nvidia-cudnn-cu13, or name its folder in TOYHARNESS_CUDNN)",
          root is not None and (root / "include" / "cudnn.h").is_file() and library.is_file()),
-        ("cuDNN's frontend headers (pip install nvidia-cudnn-frontend, or TOYHARNESS_CUDNN_FRONTEND)",
-         frontend is not None and (frontend / "cudnn_frontend.h").is_file())) if not ok]
+        ("cuDNN's frontend headers (pip install nvidia-cudnn-frontend, or name their folder in TOYHARNESS_CUDNN)",
+         frontend is not None)) if not ok]
     if missing:
-        if mode == "on":
-            raise BuildError("TOYHARNESS_CUDNN=on: not found: " + "; ".join(missing))
+        if mode != "auto":
+            raise BuildError(f"TOYHARNESS_CUDNN={mode}: not found: " + "; ".join(missing))
         log("cuDNN attention: off, not found: " + "; ".join(missing))
         return []
     log(f"cuDNN attention: {library}, frontend {frontend}")

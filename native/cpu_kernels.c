@@ -61,17 +61,12 @@ enum { TH_PARAM_SLOT = 8 };
  * would follow the thread count.) */
 enum { TH_GEMM_ROWS = 64, TH_GEMM_MIN_CALLS = 8, TH_GEMM_MAX_ROWS = 256, TH_GEMM_MIN_COLS = 192 };
 th_sgemm_fn th_sgemm = NULL;
-static int th_gemm_merge = 1;
 
 TH_EXPORT void th_set_sgemm(void * fn) { th_sgemm = (th_sgemm_fn) fn; }
-
-/* merge 0: every call 64 rows and every column, as before tiles were merged (for comparison) */
-TH_EXPORT void th_set_gemm_merge(int merge) { th_gemm_merge = merge != 0; }
 
 /* rows and columns of one call, for a product with M x N output a slice (exported for the tests) */
 TH_EXPORT void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols) {
     *rows = TH_GEMM_ROWS, *cols = N;
-    if (!th_gemm_merge) return;
     const int64_t blocks = (M + TH_GEMM_ROWS - 1) / TH_GEMM_ROWS;
     int64_t merged = blocks / TH_GEMM_MIN_CALLS;
     if (merged < 1) merged = blocks / 2 > 1 ? blocks / 2 : 1;
@@ -95,14 +90,11 @@ TH_EXPORT void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols)
  * left out is a sum of exact zeros (0 x a finite value): every element sums the same nonzero terms
  * in the same order (OpenBLAS may still round a smaller call otherwise: which kernel it takes
  * follows the call's size). PyTorch's scaled_dot_product_attention (is_causal) skips the
- * same blocks; about half of attention's FLOPs at long sequences. The blocks: th_causal_block
- * rows (or columns, for the B forms) a call where the product has more; 0 turns it off. */
+ * same blocks; about half of attention's FLOPs at long sequences. The blocks: TH_CAUSAL_BLOCK
+ * rows (or columns, for the B forms) a call where the product has more. */
 enum th_causal { TH_CAUSAL_NONE, TH_CAUSAL_OUT, TH_CAUSAL_A_LOWER, TH_CAUSAL_A_UPPER, TH_CAUSAL_B_LOWER,
                  TH_CAUSAL_B_UPPER };
-static int64_t th_causal_block = 64;
-
-/* block 0: causal products computed whole, as before (for comparison) */
-TH_EXPORT void th_set_causal_block(int block) { th_causal_block = block > 0 ? block : 0; }
+enum { TH_CAUSAL_BLOCK = 64 };
 
 /* the contraction's terms [*k0, *k1) and the output columns computed (the rest of the tile is
  * written 0) of the tile of rows [m0, m0 + rows) and columns [n0, n0 + cols) */
@@ -192,13 +184,12 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
     /* causal blocks: a remainder joins the last block (no call of a few rows) */
     int64_t row_blocks = (M + call_rows - 1) / call_rows, col_blocks = (N + call_cols - 1) / call_cols;
     if (causal == TH_CAUSAL_B_LOWER || causal == TH_CAUSAL_B_UPPER) {
-        if (th_causal_block > 0 && N >= 2 * th_causal_block) {
-            call_rows = M, call_cols = th_causal_block, row_blocks = 1, col_blocks = N / th_causal_block;
+        if (N >= 2 * TH_CAUSAL_BLOCK) {
+            call_rows = M, call_cols = TH_CAUSAL_BLOCK, row_blocks = 1, col_blocks = N / TH_CAUSAL_BLOCK;
         }
-    } else if (causal != TH_CAUSAL_NONE && th_causal_block > 0 && M >= 2 * th_causal_block) {
-        call_rows = th_causal_block, call_cols = N, row_blocks = M / th_causal_block, col_blocks = 1;
+    } else if (causal != TH_CAUSAL_NONE && M >= 2 * TH_CAUSAL_BLOCK) {
+        call_rows = TH_CAUSAL_BLOCK, call_cols = N, row_blocks = M / TH_CAUSAL_BLOCK, col_blocks = 1;
     }
-    if (th_causal_block == 0) causal = TH_CAUSAL_NONE;
     /* the contraction's stride in each operand: along b's ne0 (MUL_MAT) or ne1 (OUT_PROD), the same in a */
     const size_t kb = out_prod ? b->nb[1] : b->nb[0], ka = out_prod ? a->nb[1] : a->nb[0];
     const int64_t tiles = row_blocks * col_blocks, tasks = tiles * dst->ne[2] * dst->ne[3];
@@ -282,10 +273,6 @@ static int th_gemm_ok(const struct ggml_tensor * t) {
  * TH_COPY_TILE x TH_COPY_TILE tiles, so that both the strided reads and the contiguous writes
  * stay in cache when src is a transpose. */
 enum { TH_COPY_TILE = 32 };
-static int th_cont_by_axis = 1;
-
-/* 0: transposing copies tiled over axes 0 and 1 alone, as before (for comparison) */
-TH_EXPORT void th_set_cont_by_axis(int on) { th_cont_by_axis = on != 0; }
 
 static void th_cont_tiled(struct ggml_tensor * dst_in, const struct ggml_tensor * src_in, int k, int ith, int nth);
 
@@ -309,7 +296,7 @@ static void th_cont_op(struct ggml_tensor * dst, const struct ggml_tensor * src,
     /* tiles over axis 0 and the axis along which src is contiguous (axis 1 where none is) */
     int k = 1;
     for (int j = 3; j >= 1; j--) {
-        if (src->nb[j] == sizeof(float) && src->ne[j] > 1 && th_cont_by_axis) k = j;
+        if (src->nb[j] == sizeof(float) && src->ne[j] > 1) k = j;
     }
     th_cont_tiled(dst, src, k, ith, nth);
 }

@@ -173,17 +173,16 @@ static int th_swiglu_pair_ok(struct ggml_cgraph * graph, const th_family * fg, c
 }
 
 /* At bf16, SwiGLU over two frozen products (a LoRA base's gate and up, FROZEN_MUL_MAT) keeps them,
- * and its own output, as bf16 (TOYHARNESS_BF16_SWIGLU=f32: f32 as before): cuBLAS rounds each
- * product's fp32 sums to bf16 once (what bf16 autocast keeps), the GLU computes on those values in
- * fp32 and rounds its output to bf16 (ggml-cuda's GLU in bf16), which down's frozen product reads
- * in place (it would have rounded the f32 output to those same bf16 values). Half the bytes of the
- * two products SWIGLU_BACK keeps for the backward (the LoRA bench's 1B base: 2 GiB of 8.3). Pairs
- * are found by their GLU, or by their SWIGLU_BACK alone (recompute_blocks' recomputed products: the
- * same bits as the forward's), each product with its reshapes. Taken only where th_swiglu_pair_ok
- * says. Returns the pairs taken, or -2 (`why`) where a pair already bf16 (taken in another graph
- * of the program) has a reader here that would read it as f32. */
+ * and its own output, as bf16: cuBLAS rounds each product's fp32 sums to bf16 once (what bf16
+ * autocast keeps), the GLU computes on those values in fp32 and rounds its output to bf16
+ * (ggml-cuda's GLU in bf16), which down's frozen product reads in place (it would have rounded the
+ * f32 output to those same bf16 values). Half the bytes of the two products SWIGLU_BACK keeps for
+ * the backward (the LoRA bench's 1B base: 2 GiB of 8.3). Pairs are found by their GLU, or by their
+ * SWIGLU_BACK alone (recompute_blocks' recomputed products: the same bits as the forward's), each
+ * product with its reshapes. Taken only where th_swiglu_pair_ok says. Returns the pairs taken, or
+ * -2 (`why`) where a pair already bf16 (taken in another graph of the program) has a reader here
+ * that would read it as f32. */
 static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
-    if (th_env_is("TOYHARNESS_BF16_SWIGLU", "f32")) return 0;
     int taken = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * n = ggml_graph_node(graph, i), * other = NULL;
@@ -238,15 +237,14 @@ static int th_gelu_input_ok(struct ggml_cgraph * graph, const th_family * fh, en
 }
 
 /* At bf16, a GELU over a product with a bias (LINEAR_BIAS: the MLP's first product in gpt2 and
- * ViT) keeps that product's output, its hidden activation, as bf16 (TOYHARNESS_BF16_GELU=f32: f32
- * as before): cuBLASLt rounds the fp32 sums plus the bias (as bf16, as autocast casts it) to bf16
- * once, what bf16 autocast's linear returns, and GELU and its backward compute in fp32 on those
- * values. Half the bytes the product writes, GELU reads and GELU_BACK reads again (4 x d_model
- * floats a token, each pass). Taken only where th_gelu_input_ok says; found by the GELU or by its
- * GELU_BACK alone (a recomputed product). Returns the products taken, or -2 (`why`) where one
- * already bf16 (taken in another graph of the program) has a reader here that would read it as f32. */
+ * ViT) keeps that product's output, its hidden activation, as bf16: cuBLASLt rounds the fp32 sums
+ * plus the bias (as bf16, as autocast casts it) to bf16 once, what bf16 autocast's linear returns,
+ * and GELU and its backward compute in fp32 on those values. Half the bytes the product writes,
+ * GELU reads and GELU_BACK reads again (4 x d_model floats a token, each pass). Taken only where
+ * th_gelu_input_ok says; found by the GELU or by its GELU_BACK alone (a recomputed product).
+ * Returns the products taken, or -2 (`why`) where one already bf16 (taken in another graph of the
+ * program) has a reader here that would read it as f32. */
 static int th_gelu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
-    if (th_env_is("TOYHARNESS_BF16_GELU", "f32")) return 0;
     int taken = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * n = ggml_graph_node(graph, i), * other = NULL;
@@ -321,7 +319,7 @@ static int th_attention_input_ok(struct ggml_cgraph * graph, const th_family * f
 #define TH_ATTENTION_PRODUCTS 256
 
 /* At bf16, an attention whose q, k and v^T are products with a bias (LINEAR_BIAS: gpt2's and
- * ViT's projections) reads them as bf16 (TOYHARNESS_BF16_ATTENTION_INPUTS=f32: f32 as before):
+ * ViT's projections) reads them as bf16:
  * cuBLASLt rounds the fp32 sums plus the bias (as bf16, as autocast casts it) to bf16 once, what
  * bf16 autocast's linear returns and its attention reads, where the attention's kernels rounded
  * the f32 product's values to bf16 as they loaded them. Half the bytes the products write and the
@@ -331,7 +329,6 @@ static int th_attention_input_ok(struct ggml_cgraph * graph, const th_family * f
  * the attention reads). Returns the products taken, or -2 (`why`) where one already bf16 (taken
  * in another graph of the program) has a reader here that would read it as f32. */
 static int th_attention_inputs_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
-    if (th_env_is("TOYHARNESS_BF16_ATTENTION_INPUTS", "f32")) return 0;
     struct ggml_tensor * taken[TH_ATTENTION_PRODUCTS];
     int n_taken = 0;
     /* the candidates: every attention operand's product that may be bf16, and every product kept
@@ -431,10 +428,9 @@ static void th_attention_cudnn_room(struct ggml_cgraph * graph) {
  * size: 2 x chunks x n floats fit where rows >= 2). The sum is the reduction autocast would do in
  * fp32, without rounding its terms: the bits move (gpt2's and ViT's @bf16 goldens), fp32's and
  * tf32's keep their products. Only where the OUT_PROD comes before the backward and nothing reads
- * it before the backward. TOYHARNESS_CUDA_BIAS_SUMS=separate keeps the product (comparisons).
+ * it before the backward.
  * Returns the nodes taken. */
 static int th_layer_norm_bias_sums(struct ggml_cgraph * graph) {
-    if (th_env_is("TOYHARNESS_CUDA_BIAS_SUMS", "separate")) return 0;
     const int n = ggml_graph_n_nodes(graph);
     int taken = 0;
     for (int i = 0; i < n; i++) {
@@ -509,6 +505,11 @@ TH_EXPORT int th_cuda_mark_precision(struct ggml_cgraph * graph, int precision, 
 
 /* a node's stamp (tests) */
 TH_EXPORT int th_cuda_precision_of(const struct ggml_tensor * t) { return th_precision_of(t); }
+
+/* TOYHARNESS_CUDNN_ATTENTION as toyharness/_ffi.py passed it (custom_ops.h, TH_CUDNN_MODE): the shim's copy */
+int th_shim_cudnn_mode = TH_CUDNN_ON;
+
+TH_EXPORT void th_set_cudnn_attention(int mode) { th_shim_cudnn_mode = mode; }
 
 /* whether this build takes bf16 attention to cuDNN (native/build.py, TOYHARNESS_CUDNN; tests) */
 TH_EXPORT int th_cudnn_attention_built(void) {

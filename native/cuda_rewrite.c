@@ -702,8 +702,7 @@ static int th_rewrite_product_sums(struct ggml_cgraph * graph) {
  * contiguous of one element count (no broadcast): SwiGLU's gate gradient, silu_back(grad * up,
  * gate). One kernel reads a, b and x and writes y (4 passes over the activation where ggml's two
  * nodes make 6); it rounds a * b to f32 as the MUL's node did, then computes ggml-cuda's
- * op_silu_back, so the bits are ggml's. TOYHARNESS_CUDA_SILU_BACK=ggml keeps ggml's nodes (tests,
- * comparisons). Returns the nodes marked. */
+ * op_silu_back, so the bits are ggml's. Returns the nodes marked. */
 /* up's gradient beside SwiGLU's gate gradient: MUL(SILU(x), grad) in either order, f32 contiguous
  * of grad's element count, the SILU (ggml's, not a stand-in: those are ours by now) of x itself
  * and read by that MUL alone, neither an output; else NULL. */
@@ -729,7 +728,6 @@ static struct ggml_tensor * th_swiglu_up_gradient(struct ggml_cgraph * graph, co
 }
 
 static int th_rewrite_silu_back_muls(struct ggml_cgraph * graph) {
-    if (th_env_is("TOYHARNESS_CUDA_SILU_BACK", "ggml")) return 0;
     const int n = ggml_graph_n_nodes(graph);
     int marked = 0;
     for (int i = 0; i < n; i++) {
@@ -776,29 +774,29 @@ static int th_rope_ours(const struct ggml_tensor * t) {
 }
 
 /* CROSS_ENTROPY_LOSS_BACK our kernel computes: srcs grad (a scalar), logits and labels, f32
- * contiguous rows of one shape (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml: ggml's node, for comparisons) */
+ * contiguous rows of one shape */
 static int th_cross_entropy_back_ours(const struct ggml_tensor * t) {
     const struct ggml_tensor * grad = t->src[0], * logits = t->src[1], * labels = t->src[2];
-    return !th_env_is("TOYHARNESS_CUDA_CROSS_ENTROPY", "ggml") && th_f32_contiguous(t) && grad != NULL &&
+    return th_f32_contiguous(t) && grad != NULL &&
            logits != NULL && labels != NULL && grad->type == GGML_TYPE_F32 && ggml_is_scalar(grad) &&
            th_f32_contiguous(logits) && th_f32_contiguous(labels) && ggml_are_same_shape(t, logits) &&
            ggml_are_same_shape(t, labels) && t->ne[0] <= INT32_MAX && ggml_nrows(t) <= INT32_MAX;
 }
 
 /* CROSS_ENTROPY_LOSS our kernel computes: srcs logits and labels, f32 contiguous rows of one shape,
- * a scalar f32 loss (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml, as above) */
+ * a scalar f32 loss */
 static int th_cross_entropy_ours(const struct ggml_tensor * t) {
     const struct ggml_tensor * logits = t->src[0], * labels = t->src[1];
-    return !th_env_is("TOYHARNESS_CUDA_CROSS_ENTROPY", "ggml") && t->type == GGML_TYPE_F32 && ggml_is_scalar(t) &&
+    return t->type == GGML_TYPE_F32 && ggml_is_scalar(t) &&
            th_f32_contiguous(logits) && th_f32_contiguous(labels) && ggml_are_same_shape(logits, labels) &&
            logits->ne[0] <= INT32_MAX && ggml_nrows(logits) <= INT32_MAX;
 }
 
 /* GLU SWIGLU of split halves (ggml_swiglu_split: src 1 given) our kernel computes: gate, up and y
- * f32 contiguous, one shape (TOYHARNESS_CUDA_SWIGLU=ggml: ggml's node, for comparisons). Marked
+ * f32 contiguous, one shape. Marked
  * before th_cuda_mark_precision, which may make all three bf16 (th_swiglu_bf16). */
 static int th_swiglu_ours(const struct ggml_tensor * t) {
-    return !th_env_is("TOYHARNESS_CUDA_SWIGLU", "ggml") && t->op == GGML_OP_GLU &&
+    return t->op == GGML_OP_GLU &&
            ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && th_f32_contiguous(t) && th_f32_contiguous(t->src[0]) &&
            th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
 }
@@ -981,10 +979,8 @@ static struct ggml_tensor * th_layer_norm_input(struct ggml_cgraph * graph, stru
  * chunks in order: the same bits), into the COLUMN_DOT's node (a room: src 4) through its scratch
  * (src 5). A pass over t and dy fewer a norm. Only for rows of at most TH_GAIN_SUMS_MAX_COLUMNS
  * floats, and where no node between the COLUMN_DOT and the backward reads the gradient (the room
- * then stands before its writer with every reader after it). TOYHARNESS_CUDA_GAIN_SUMS=separate
- * keeps the COLUMN_DOT (comparisons). Returns the nodes marked. */
+ * then stands before its writer with every reader after it). Returns the nodes marked. */
 static int th_fuse_gain_sums(struct ggml_cgraph * graph) {
-    if (th_env_is("TOYHARNESS_CUDA_GAIN_SUMS", "separate")) return 0;
     const int n = ggml_graph_n_nodes(graph);
     int marked = 0;
     for (int i = 0; i < n; i++) {
@@ -1020,11 +1016,8 @@ static int th_fuse_gain_sums(struct ggml_cgraph * graph) {
  * reads it. One pass over the rows where the ADD, the norm and the AFFINE each read them again.
  * The sum is rounded as the ADD rounds it, t computed by the norm's own code and y by the
  * AFFINE's, so the bits do not change. op_params[2..]: th_norm_affine_params; src 3: the norm's
- * input; srcs 4 and 5: the ADD's, where it computes the sum. TOYHARNESS_CUDA_NORM_AFFINE=norm
- * leaves the ADD its own node, =separate the norm too (comparisons). Returns the nodes marked. */
+ * input; srcs 4 and 5: the ADD's, where it computes the sum. Returns the nodes marked. */
 static int th_fuse_norm_affines(struct ggml_cgraph * graph) {
-    if (th_env_is("TOYHARNESS_CUDA_NORM_AFFINE", "separate")) return 0;
-    const int sums = !th_env_is("TOYHARNESS_CUDA_NORM_AFFINE", "norm");
     const int n = ggml_graph_n_nodes(graph);
     int marked = 0;
     for (int i = 0; i < n; i++) {
@@ -1049,7 +1042,7 @@ static int th_fuse_norm_affines(struct ggml_cgraph * graph) {
         th_set_srcs(t, NULL, NULL, NULL, NULL, NULL, NULL);
         marked++;
         struct ggml_tensor * a = th_under_reshape_views(x);
-        if (sums && th_marked(a, TH_CUDA_ADD) && !(a->flags & GGML_TENSOR_FLAG_OUTPUT) && th_f32_contiguous(a) &&
+        if (th_marked(a, TH_CUDA_ADD) && !(a->flags & GGML_TENSOR_FLAG_OUTPUT) && th_f32_contiguous(a) &&
             ggml_nelements(a) == ggml_nelements(x) && !th_read_before(graph, a, i)) {
             params.add = 1;
             u->src[4] = a->src[0], u->src[5] = a->src[1];

@@ -189,12 +189,19 @@ static inline struct ggml_tensor * th_under_reshape_views(struct ggml_tensor * t
     while (t != NULL && t->op == GGML_OP_RESHAPE) t = t->src[0];
     return t;
 }
-/* whether the environment variable `name` is set to `value` (a comparison switch: "ggml" keeps
- * ggml's node, "f32" keeps f32, "0" turns a path off) */
-static inline int th_env_is(const char * name, const char * value) {
-    const char * v = getenv(name);
-    return v != NULL && strcmp(v, value) == 0;
-}
+/* TOYHARNESS_CUDNN_ATTENTION (toyharness/switches.py), which native code never reads from the
+ * environment: toyharness/_ffi.py passes it as each program starts to every library that reads it,
+ * each holding its own copy: the shim's (cuda_precision.c, th_set_cudnn_attention) and ggml-cuda's
+ * (cuda/th-attention.cu, th_cuda_set_cudnn_attention). ON: cuDNN's attention where it takes the
+ * shape; OFF: toyharness's kernels; REFUSE: as if cuDNN refused every plan (the fallback, tested). */
+enum { TH_CUDNN_OFF = 0, TH_CUDNN_ON = 1, TH_CUDNN_REFUSE = 2 };
+#ifdef __CUDACC__
+extern int th_cuda_cudnn_mode;
+#define TH_CUDNN_MODE th_cuda_cudnn_mode
+#else
+extern int th_shim_cudnn_mode;
+#define TH_CUDNN_MODE th_shim_cudnn_mode
+#endif
 /* op_params of an AFFINE node that computes its norm (after TH_CUDA_MAGIC and the kernel): the
  * norm's eps and kernel, TH_CUDA_LAYER_NORM or TH_CUDA_RMS_NORM; add 1: the norm's input is the
  * sum of srcs 4 and 5, which the AFFINE writes into src 3; unread 1: no node but the AFFINE reads
@@ -298,26 +305,24 @@ static inline void th_precision_set(struct ggml_tensor * t, int precision) {
     memcpy((char *) t->op_params + TH_PRECISION_SLOT * sizeof(int32_t), &v, sizeof(v));
 }
 /* Whether an attention node of ours, as stamped, runs on the tensor-core kernels
- * (cuda/th-attention.cu): at bf16, and at tf32 unless TOYHARNESS_CUDA_TF32_ATTENTION=fp32 keeps
- * fp32's. Their backward writes no dS (dQ's kernel computes its tiles again), so
+ * (cuda/th-attention.cu): at bf16 and tf32. Their backward writes no dS (dQ's kernel computes its tiles again), so
  * th_cuda_mark_precision shapes that node (1, 1, BH); fp32's write dS (T, T, BH) and read it. */
 static inline int th_attention_on_tensor_cores(const struct ggml_tensor * t) {
     const int precision = th_precision_of(t);
-    return precision == TH_PRECISION_BF16 ||
-           (precision == TH_PRECISION_TF32 && !th_env_is("TOYHARNESS_CUDA_TF32_ATTENTION", "fp32"));
+    return precision == TH_PRECISION_BF16 || precision == TH_PRECISION_TF32;
 }
 /* Whether an attention, by its forward node `fwd` (ATTN_FWD), runs on cuDNN's fused attention
  * (cudnn/th_cudnn.cpp, cuda/th-attention.cu's "cuDNN" section): a build with cuDNN
  * (TH_CUDNN_ATTENTION: native/build.py), stamped bf16, its q, k and v^T all bf16 (read in place:
  * native/cuda_precision.c, th_attention_inputs_bf16) or all f32 (narrowed to bf16 for cuDNN:
  * llama's, after RoPE), grouped-query heads or not, head size 32 or 64, T a multiple of 8 (the
- * softmax statistics' rows 16-byte aligned), and TOYHARNESS_CUDNN_ATTENTION not 0. Its prep,
+ * softmax statistics' rows 16-byte aligned), and TOYHARNESS_CUDNN_ATTENTION not 0 (TH_CUDNN_MODE). Its prep,
  * backward and dQ nodes follow their forward (src[1], src[4], src[4]): the backward then holds dQ,
  * dK and dV in bf16, (3 hd T / 2, 1, BH) floats (th_cuda_mark_precision). */
 static inline int th_attention_cudnn(const struct ggml_tensor * fwd) {
 #ifdef TH_CUDNN_ATTENTION
     if (fwd == NULL || th_kernel_of(fwd) != TH_CUDA_ATTN_FWD || th_precision_of(fwd) != TH_PRECISION_BF16 ||
-        th_env_is("TOYHARNESS_CUDNN_ATTENTION", "0")) {
+        TH_CUDNN_MODE == TH_CUDNN_OFF) {
         return 0;
     }
     th_attention_params ap;

@@ -1,5 +1,5 @@
 """One attention block and its float64 reference, shared by the kernels' tests (the cuda fused
-attention's, tests/test_cuda_kernels.py, and the cpu causal products', tests/test_cpu_kernels.py)."""
+attention's, tests/test_cuda_attention.py, and the cpu causal products', tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_he
     """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
     arrays = attention_arrays(b, t, d, n_head, n_kv_head, seed)
     prog = get_engine(backend, threads).program()
-    prog.grads_as_outputs = True                   # as on cuda (built on cpu for the rewrite's tests)
     x = prog.param("x", arrays["x"])
     w = {n: prog.param(n, arrays[n]) for n in ("wq", "wk", "wv", "wo")}
     y = blocks.attention(x, w["wq"], w["wk"], w["wv"], w["wo"], n_head, n_kv_head, causal=causal)

@@ -1,8 +1,36 @@
-"""Shared fixtures: a small llama base model made by the harness itself (no download)."""
+"""Shared fixtures: a small llama base model made by the harness itself (no download), and programs
+built as another backend builds them."""
 
 import pytest
 
 from toyharness.runner import train
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kill-trials", type=int, default=5,
+                     help="tests/test_hostile_machine.py: SIGKILL trials (nox -s fuzz runs 40)")
+    parser.addoption("--kill-seed", type=int, default=0, help="tests/test_hostile_machine.py: the trials' seed")
+
+
+@pytest.fixture
+def programs_built_as(monkeypatch):
+    """programs_built_as(cpu_folds=False, ...): every Program made later in the test gets those
+    attributes once its __init__ has run (a test that builds on the cpu the graphs another backend
+    computes: no cpu folds, kv heads repeated, column sums as products)."""
+    from toyharness.engine.program import Program
+
+    def apply(**attrs):
+        init = Program.__init__
+
+        def built(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            for name, value in attrs.items():
+                assert hasattr(self, name), name
+                setattr(self, name, value)
+
+        monkeypatch.setattr(Program, "__init__", built)
+
+    return apply
 
 BASE_SETS = ["n_layer=2", "d_model=64", "n_head=4", "n_kv_head=2", "d_ff=128", "t_seq=32", "t_batch=8",
              "eval_every=300", "checkpoint_every=300", "lr=1e-2"]
@@ -33,3 +61,12 @@ def other_text(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "docstrings.txt"
     path.write_text(text)
     return path
+
+
+@pytest.fixture
+def graphs_as_cuda_builds_them(monkeypatch):
+    """The cuda rewrite's tests (tests/test_cuda_*.py) build on cpu the graphs cuda would compute: a
+    cpu Trainer's folds of products into ADDs (th_cpu_fold) and grouped kv heads read in place
+    without their REPEATs (Program.kv_in_place) are not cuda's, so they stay off there."""
+    monkeypatch.setenv("TOYHARNESS_CPU_FOLDS", "0")
+    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "0")

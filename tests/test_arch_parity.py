@@ -11,9 +11,9 @@ import json
 
 import numpy as np
 import pytest
+from helpers import transformers_replay
 
 from toyharness.architectures import ARCHITECTURES, example_shape, write_example
-from toyharness.engine import GGUFFile
 from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.runner import train
 
@@ -41,35 +41,6 @@ QUANTIZED = {"qwen3@q8_0": ("qwen3", "q8_0"), "gemma3@q5_0": ("gemma3", "q5_0"),
              "gemma3-256@q6_k": ("gemma3-256", "q6_k")}
 
 
-def transformers_replay(run_dir, base_path, hf_overrides: dict) -> list[float]:
-    from toyharness.architectures.hf import add_lora, hf_model
-    from toyharness.bench.torch_side import adamw_row_step, lm_loss
-    from toyharness.options import read_toml
-    from toyharness.plugins import get_recipe
-    from toyharness.runner import read_batches_npz, resolve_options
-
-    _, recipe = get_recipe("lora")
-    opts = resolve_options(recipe, str(run_dir / "config.toml"), [], {})
-    assert read_toml(run_dir / "config.toml")["recipe"] == "lora"
-    model = hf_model(base_path, hf_overrides)
-    with GGUFFile(run_dir / "init.gguf") as f:
-        init = {n: f.tensor(n).to_numpy() for n in f.names}
-    train_params = add_lora(model, base_path, init, opts.alpha / opts.rank)
-    m = {n: torch.zeros_like(p) for n, p in train_params.items()}
-    v = {n: torch.zeros_like(p) for n, p in train_params.items()}
-    batches = read_batches_npz(run_dir / "batches.npz")
-    losses = []
-    for i in range(STEPS):
-        batch = {k: torch.from_numpy(np.array(batches[k][i])) for k in batches}
-        for p in train_params.values():
-            p.grad = None
-        loss = lm_loss(model(input_ids=batch["tokens"].long()).logits, batch)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        adamw_row_step(train_params, m, v, opts.adamw_row().hp_for_step(i))
-    return losses
-
-
 def run_case(tmp_path, shape_args: dict, hf_overrides: dict, dtype: str | None = None):
     s = example_shape(**shape_args)
     base = write_example(tmp_path / f"{s.arch}.gguf", s, std=0.2)
@@ -81,7 +52,7 @@ def run_case(tmp_path, shape_args: dict, hf_overrides: dict, dtype: str | None =
                                      "checkpoint_every=100", f"base={base}", f"targets={targets}", "init_scale=3"],
           out=str(out), save_init=True, save_batches=True, progress=False)
     ours = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    theirs = transformers_replay(out, base, hf_overrides)
+    theirs = transformers_replay(out, base, hf_overrides, STEPS)
     diffs = np.abs(np.array(ours, np.float64) - theirs) / np.abs(theirs)
     print("per-step relative differences", " ".join(f"{d:.1e}" for d in diffs))
     diff = float(diffs.max())

@@ -7,11 +7,10 @@ numpy in tests/test_engine_ops.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import cli
 
 from toyharness.architectures import ARCHITECTURES, example_shape, example_tensors, read_model, write_example
 from toyharness.runner import train
@@ -26,10 +25,6 @@ EXAMPLES = {
     "gemma3": dict(arch="gemma3", head_dim=32, n_layer=6, n_head=2, n_kv_head=1, window=4),
     "phi3": dict(arch="phi3", rope_dims=12, window=64),
 }
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def example(tmp_path, case: str, **meta):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import needs
 
 from toyharness import goldens
-from toyharness._ffi import available_native_backends
 
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
 RECIPES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start"]
@@ -22,15 +22,6 @@ GPUS = ("cuda", "vulkan", "metal")
 # The cpu goldens the other backends are held against: the ones recorded on the project's
 # reference machine (AVX-512, OpenBLAS's SkylakeX kernels), whatever cpu runs this test.
 CPU_REFERENCE = "cpu-avx512-openblas-skylakex"
-
-
-def needs(backend: str):
-    reason = f"the {backend} backend is not built into this install (TOYHARNESS_BACKENDS=cpu,{backend}) or no device"
-    try:
-        present = backend in available_native_backends()
-    except Exception:
-        present = False
-    return [getattr(pytest.mark, backend), pytest.mark.skipif(not present, reason=reason)]
 
 
 def backend_goldens():

@@ -209,8 +209,7 @@ def test_profile_names_ops_and_kernels_without_torch(tmp_path):
     assert lines[0].startswith(f"gpt2: cpu, 2 threads, SIMD {build_simd()}, BLAS {blas_kernel()}; nodes timed one "
                                "at a time:"), lines[0]
     rows = {tuple(line.split()[:2]): line for line in lines[2:] if len(line.split()) == 5}
-    from toyharness._ffi import cpu_kernels
-    assert ("OUT_PROD", "sgemm" if cpu_kernels else "ggml") in rows     # the weights' gradients: always large
+    assert ("OUT_PROD", "sgemm") in rows     # the weights' gradients: always large
     assert "a node that computes nothing (a view) takes" in res.stdout
     slowest = lines[lines.index("  slowest nodes (graph index, op, shape in ggml order, ms):") + 1:]
     assert len(slowest) == 10 and all(line.split()[0].startswith("#") for line in slowest)
@@ -223,18 +222,17 @@ def test_profile_names_the_kernel_that_took_each_op():
     """Every op's row, however small (the printed table folds ops under 0.5% of the step into one
     line, and which ones fall under it moves with the machine's load)."""
     from toyharness import bench as bench_module
-    from toyharness._ffi import cpu_kernels
 
     prof = bench_module.profile_recipe("gpt2", "cpu", 2, ["n_layer=1"], repeats=1)
     rows = {(o.op, o.kernel) for o in prof.ops}
-    assert ("OPT_STEP_ADAMW", "adamw" if cpu_kernels else "ggml") in rows
-    if cpu_kernels:       # the kernel of native/cpu_kernels.c that took each op, by name
-        assert {("OUT_PROD", "sgemm"), ("SOFT_MAX", "softmax causal"), ("SILU", "gelu+slope")} <= rows
-        assert {("CROSS_ENTROPY_LOSS", "cross_entropy"), ("CROSS_ENTROPY_LOSS_BACK", "cross_entropy_back")} <= rows
-        assert ("SILU_BACK", "gelu_back (kept slope)") in rows    # GELU's slope, kept from the forward
-        assert ("ADD", "add_rows") in rows                       # a bias, its ones @ b product fused away
+    assert ("OPT_STEP_ADAMW", "adamw") in rows
+    # the kernel of native/cpu_kernels.c that took each op, by name
+    assert {("OUT_PROD", "sgemm"), ("SOFT_MAX", "softmax causal"), ("SILU", "gelu+slope")} <= rows
+    assert {("CROSS_ENTROPY_LOSS", "cross_entropy"), ("CROSS_ENTROPY_LOSS_BACK", "cross_entropy_back")} <= rows
+    assert ("SILU_BACK", "gelu_back (kept slope)") in rows    # GELU's slope, kept from the forward
+    assert ("ADD", "add_rows") in rows                       # a bias, its ones @ b product fused away
     # attention's products, apart; causal ones contract only over what the mask leaves (th_mark_causal)
-    assert ("OUT_PROD[heads]", "sgemm causal" if cpu_kernels else "ggml") in rows
+    assert ("OUT_PROD[heads]", "sgemm causal") in rows
     assert abs(sum(o.ms for o in prof.ops) - prof.total_ms) <= 1e-6 * prof.total_ms
 
 

@@ -6,14 +6,10 @@ import sys
 import textwrap
 
 import pytest
+from helpers import cli
 
 TINY = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2", "--set", "t_seq=16", "--set", "t_batch=2",
         "--set", "eval_every=4", "--set", "checkpoint_every=4", "--set", "warmup=2"]
-
-
-def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
 
 
 def test_recipes_lists_distribution_and_version():

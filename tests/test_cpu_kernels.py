@@ -6,18 +6,15 @@ difference checks of tests/test_engine_ops.py run through the same kernels."""
 
 from __future__ import annotations
 
-import os
-import re
-
 import numpy as np
 import pytest
 from attention_cases import attention_float64, attention_program
+from helpers import gelu_tanh_f64
 
-from toyharness._ffi import blas, cpu_kernels, ffi, lib
+from toyharness._ffi import blas, ffi, lib
 from toyharness.engine import blocks, get_engine
 from toyharness.engine.lowering import op_name
 
-pytestmark = pytest.mark.skipif(not cpu_kernels, reason="TOYHARNESS_CPU_KERNELS=0: ggml's own kernels only")
 RNG = np.random.default_rng(7)
 
 
@@ -35,17 +32,12 @@ def rel_err(a, b) -> float:
 
 # (0, 3, 1, 2), (2, 0, 3, 1): the source contiguous along the copy's third or fourth axis (dV's heads)
 @pytest.mark.parametrize("axes", [(0, 2, 1, 3), (0, 2, 3, 1), (3, 1, 2, 0), (1, 0, 3, 2), (0, 3, 1, 2), (2, 0, 3, 1)])
-@pytest.mark.parametrize("by_axis", [1, 0])
-def test_cont_of_a_permute_is_an_exact_copy(axes, by_axis):
+def test_cont_of_a_permute_is_an_exact_copy(axes):
     x = RNG.normal(size=(3, 37, 5, 33)).astype(np.float32)   # sizes not multiples of the 32 tile
-    try:
-        lib.th_set_cont_by_axis(by_axis)
-        prog = get_engine("cpu", 2).program()
-        t = prog.param("x", x)
-        fg = prog.forward({"y": t.permute(*axes).cont()})
-        got = fg.run({})["y"]
-    finally:
-        lib.th_set_cont_by_axis(0 if os.environ.get("TOYHARNESS_CONT_BY_AXIS", "1") == "0" else 1)
+    prog = get_engine("cpu", 2).program()
+    t = prog.param("x", x)
+    fg = prog.forward({"y": t.permute(*axes).cont()})
+    got = fg.run({})["y"]
     assert custom_ops(fg.graph) == 1
     np.testing.assert_array_equal(got, np.transpose(x, axes))
 
@@ -181,14 +173,6 @@ def test_rms_norm_forward_and_backward():
     assert rel_err(got, xd / np.sqrt(ms)) < 1e-6
     expected = (dyd - xd * (xd * dyd).sum(-1, keepdims=True) / (x.shape[-1] * ms)) / np.sqrt(ms)
     assert rel_err(g, expected) < 1e-5
-
-
-def gelu_tanh_f64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GELU's tanh form and its derivative, in float64."""
-    c = np.sqrt(2 / np.pi)
-    u = c * (x + 0.044715 * x ** 3)
-    t = np.tanh(u)
-    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
 
 
 def gelu_program(x: np.ndarray, dy: np.ndarray, cpu_kernels: bool, forward_first: bool):
@@ -520,17 +504,13 @@ def test_a_bias_gradient_sums_its_column_in_blocks_of_128_rows_at_any_thread_cou
         np.testing.assert_array_equal(other, got[0])
 
 
-def causal_attention(shape: dict, block: int, threads: int = 2) -> dict[str, np.ndarray]:
-    """attention_program's output and gradients, its causal products in blocks of `block` (0: whole);
+def causal_attention(shape: dict, threads: int = 2) -> dict[str, np.ndarray]:
+    """attention_program's output and gradients, its causal products in blocks of 64 rows or columns;
     checks that the six products of causal attention took their causal form."""
-    try:
-        lib.th_set_causal_block(block)
-        prog, trainer, fg = attention_program("cpu", **shape, threads=threads)
-        got = {"y": fg.run({})["y"]}
-        trainer.grads_only({})
-        got.update({n: prog.read(trainer.grad_acc[n]).copy() for n in ("x", "wq", "wk", "wv", "wo")})
-    finally:
-        lib.th_set_causal_block(int(os.environ.get("TOYHARNESS_CAUSAL_BLOCK", "64")))
+    prog, trainer, fg = attention_program("cpu", **shape, threads=threads)
+    got = {"y": fg.run({})["y"]}
+    trainer.grads_only({})
+    got.update({n: prog.read(trainer.grad_acc[n]).copy() for n in ("x", "wq", "wk", "wv", "wo")})
     g = trainer.gb_grad
     names = [lib.th_kernel_name(lib.ggml_graph_node(g, i)) for i in range(lib.ggml_graph_n_nodes(g))]
     # S and P V; dP, P^T dO, dS^T Q and dS K; and the softmax
@@ -545,7 +525,7 @@ def test_causal_attention_products_leave_out_the_masked_terms(shape):
     """The products of causal attention contract only over the terms the mask leaves, in blocks of
     64 rows or columns (a length with a partial block; grouped-query heads): float64's values, the
     same bits at 1, 2 and 3 threads."""
-    runs = [causal_attention(shape, 64, threads) for threads in (1, 2, 3)]
+    runs = [causal_attention(shape, threads) for threads in (1, 2, 3)]
     for name, want in attention_float64(**shape).items():
         assert rel_err(runs[0][name], want) < 2e-6, name
         for other in runs[1:]:
@@ -592,14 +572,15 @@ def test_attention_without_a_mask_takes_no_causal_form(shape):
 @pytest.mark.skipif(blas is None, reason="scipy-openblas32 is not installed: no sgemm to call")
 @pytest.mark.parametrize("shape", [dict(b=2, t=96, d=96, n_head=6, n_kv_head=2),
                                    dict(b=1, t=70, d=64, n_head=4, n_kv_head=1)])
-def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(shape, monkeypatch):
+def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(shape, programs_built_as):
     """Grouped-query heads on the cpu kernels: the products read each kv head in place for its group
-    (no REPEAT node, no copies: a smaller compute buffer) against ggml's REPEATs
-    (TOYHARNESS_CPU_KV_IN_PLACE=0): the forward reads the same values and REPEAT_BACK sums each
-    group's dK and dV in the same order, so y and every gradient keep their bits."""
+    (no REPEAT node, no copies: a smaller compute buffer) against ggml's REPEATs (a program built
+    with kv_in_place off, as other backends build it): the forward reads the same values and
+    REPEAT_BACK sums each group's dK and dV in the same order, so y and every gradient keep their bits."""
     runs = {}
-    for in_place in ("1", "0"):
-        monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", in_place)
+    for in_place in (True, False):
+        if not in_place:
+            programs_built_as(kv_in_place=False)
         prog, trainer, fg = attention_program("cpu", **shape)
         got = {"y": fg.run({})["y"]}
         trainer.grads_only({})
@@ -607,32 +588,12 @@ def test_grouped_kv_heads_read_in_place_give_the_repeats_bits(shape, monkeypatch
         g = trainer.gb_grad
         ops = [op_name(lib.ggml_graph_node(g, i)) for i in range(lib.ggml_graph_n_nodes(g))]
         runs[in_place] = got, ops.count("REPEAT"), prog.compute_buffer_bytes()
-    (in_place, repeats, in_place_bytes), (repeated, copies, repeated_bytes) = runs["1"], runs["0"]
+    (in_place, repeats, in_place_bytes), (repeated, copies, repeated_bytes) = runs[True], runs[False]
     assert copies - repeats == 2 and in_place_bytes < repeated_bytes     # k's and v's REPEATs gone
     for name, want in repeated.items():
         np.testing.assert_array_equal(in_place[name], want, err_msg=name)
     for name, want in attention_float64(**shape).items():
         assert rel_err(in_place[name], want) < 2e-6, name
-
-
-def test_a_mistyped_kv_switch_is_refused_by_name(monkeypatch):
-    """TOYHARNESS_CPU_KV_IN_PLACE takes 1 or 0: anything else would silently mean 1."""
-    from toyharness.errors import InputError
-
-    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "off")
-    with pytest.raises(InputError, match=re.escape("TOYHARNESS_CPU_KV_IN_PLACE='off': use 1 or 0")):
-        get_engine("cpu").program()
-
-
-@pytest.mark.skipif(blas is None or blas.corename != "SkylakeX",
-                    reason="bits of OpenBLAS's SkylakeX kernel (16-row tiles); other kernels tile rows otherwise")
-def test_causal_products_at_two_blocks_give_the_bits_of_the_whole_products():
-    """At 128 tokens the whole products are cut in the same 64-row calls: what is left out is a sum
-    of exact zeros, so the bits do not move."""
-    shape = dict(b=2, t=128, d=64, n_head=2)
-    skipped, whole = causal_attention(shape, 64), causal_attention(shape, 0)
-    for name in skipped:
-        np.testing.assert_array_equal(skipped[name], whole[name], err_msg=name)
 
 
 def product_of_params():

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -13,10 +12,11 @@ import pytest
 from toyharness._ffi import available_native_backends
 from toyharness.engine import blocks, get_engine
 from toyharness.errors import InputError
+from toyharness.switches import switch
 
 # TOYHARNESS_TEST_BACKEND=cuda runs the same checks on another backend (tools/gpu_check.sh,
 # nox -s tests-cuda).
-BACKEND = os.environ.get("TOYHARNESS_TEST_BACKEND", "cpu")
+BACKEND = switch("TOYHARNESS_TEST_BACKEND")
 if BACKEND not in available_native_backends():
     pytestmark = pytest.mark.skip(reason=f"TOYHARNESS_TEST_BACKEND={BACKEND}: that backend is not built into this "
                                          "install or has no device")
@@ -222,25 +222,26 @@ def test_swiglu():
 
 # --- composed blocks ----------------------------------------------------------------------------
 # column_sums: how a bias's or gain's gradient (a sum over rows) is formed: ggml's REPEAT_BACK (cpu's
-# default) or OUT_PROD with a column of ones (cuda's default; TOYHARNESS_COLUMN_SUMS, Program)
+# default) or OUT_PROD with a column of ones (cuda's default; Program.column_sums_as_products, set by
+# the programs_built_as fixture to check either form on any backend)
 COLUMN_SUMS = ["repeat_back", "product"]
 
 
 @pytest.mark.parametrize("column_sums", COLUMN_SUMS)
-def test_layer_norm(column_sums, monkeypatch):
-    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", column_sums)
+def test_layer_norm(column_sums, programs_built_as):
+    programs_built_as(column_sums_as_products=column_sums == "product")
     check(lambda p, T: blocks.layer_norm(T["x"], T["g"], T["b"]), lambda A: np_layer_norm(A["x"], A["g"], A["b"]),
           {"x": r(2, 3, 8), "g": r(8), "b": r(8)})
 
 
 @pytest.mark.parametrize("column_sums", COLUMN_SUMS)
-def test_rms_norm_block(column_sums, monkeypatch):
-    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", column_sums)
+def test_rms_norm_block(column_sums, programs_built_as):
+    programs_built_as(column_sums_as_products=column_sums == "product")
     check(lambda p, T: blocks.rms_norm(T["x"], T["g"]), lambda A: np_rms_norm(A["x"]) * A["g"],
           {"x": r(2, 3, 8), "g": r(8)})
 
 
-def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(monkeypatch):
+def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(programs_built_as):
     """The point of the product form: no REPEAT_BACK left in the backward (ggml-cuda's is one
     thread per column) and a gain's and a bias's forward bit for bit as before. (LayerNorm's
     centring differs in its last bits: a mean subtracted instead of a product; test_layer_norm.)"""
@@ -249,7 +250,7 @@ def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(
     x, g, b = r(4, 5, 16).astype(np.float32), r(16).astype(np.float32), r(16).astype(np.float32)
     outs, ops = {}, {}
     for mode in COLUMN_SUMS:
-        monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", mode)
+        programs_built_as(column_sums_as_products=mode == "product")
         prog = get_engine(BACKEND).program()
         prog.cpu_folds = False      # the nodes as built (on cpu the gain's REPEAT_BACK would fold)
         X, G, B = prog.param("x", x), prog.param("g", g), prog.param("b", b)
@@ -265,12 +266,12 @@ def test_column_sums_as_products_leave_no_repeat_back_and_keep_the_forward_bits(
     assert np.array_equal(outs["repeat_back"], outs["product"])
 
 
-def test_layer_norm_with_column_sums_as_products_leaves_no_repeat_back(monkeypatch):
+def test_layer_norm_with_column_sums_as_products_leaves_no_repeat_back(programs_built_as):
     """Its centring's gradient (a row sum) becomes SUM_ROWS, its gain's and bias's OUT_PROD (with
     our cuda kernels there is no centring node: one kernel each way normalizes)."""
     from toyharness._ffi import ffi, lib
 
-    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", "product")
+    programs_built_as(column_sums_as_products=True)
     prog = get_engine(BACKEND).program()
     X, G, B = prog.param("x", r(4, 5, 16)), prog.param("g", r(16)), prog.param("b", r(16))
     graph = prog.trainer(prog.scalar_loss(blocks.layer_norm(X, G, B).sum()), "bias_corrected").gb_opt
@@ -280,15 +281,9 @@ def test_layer_norm_with_column_sums_as_products_leaves_no_repeat_back(monkeypat
     assert ("SUM_ROWS" in ops) == (not prog.cuda_kernels)
 
 
-def test_a_bad_column_sums_choice_is_named(monkeypatch):
-    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", "fast")
-    with pytest.raises(InputError, match="TOYHARNESS_COLUMN_SUMS='fast': use product or repeat_back"):
-        get_engine(BACKEND).program()
-
-
 @pytest.mark.parametrize("column_sums", COLUMN_SUMS)
-def test_attention_gpt2_style_with_biases_and_layer_norm(column_sums, monkeypatch):
-    monkeypatch.setenv("TOYHARNESS_COLUMN_SUMS", column_sums)
+def test_attention_gpt2_style_with_biases_and_layer_norm(column_sums, programs_built_as):
+    programs_built_as(column_sums_as_products=column_sums == "product")
     D = 8
     inputs = {"x": r(2, 4, D), "g": r(D), "b": r(D), "wq": r(D, D, scale=0.5), "wk": r(D, D, scale=0.5),
               "wv": r(D, D, scale=0.5), "wo": r(D, D, scale=0.5), "bq": r(D), "bk": r(D), "bv": r(D), "bo": r(D)}

@@ -88,46 +88,6 @@ def test_adamw_step_matches_numpy(convention, transposed):
         assert min_ulps(prog.read(tr.v["w"]), v_c) <= 1, f"step {step}: v off"
 
 
-@pytest.mark.parametrize("shape", ["plain", "transposed", "tied"])
-def test_gradients_kept_as_graph_outputs_have_the_accumulators_bits(shape):
-    """Program.grads_as_outputs (the default on every backend): no accumulator and no ADD per
-    parameter; the node that computes a gradient is kept instead. Same losses, gradients and
-    weights, bit for bit, over 3 steps; a gradient through a transpose, and one summed from two
-    uses of a weight, included."""
-    results = []
-    for as_outputs in (False, True):
-        prog, w, w0, ce = tiny_program(transposed=shape == "transposed")
-        if shape == "tied":          # w used twice: its gradient is an ADD of two products
-            x = prog.input("x2", (5, 6))
-            ce = prog.cross_entropy(blocks.linear(x, w) + blocks.linear(x.scale(0.5), w), "targets2")
-        prog.grads_as_outputs = as_outputs
-        tr = prog.trainer(ce, "bias_corrected")
-        rng = np.random.default_rng(4)
-        losses, grads = [], []
-        for step in range(3):
-            feeds = {"x": rng.normal(size=(5, 6)), "targets": rng.integers(0, 4, 5)}
-            if shape == "tied":
-                feeds = {"x2": feeds["x"], "targets2": feeds["targets"]}
-            losses.append(tr.step(feeds, bias_corrected(lr=0.05).hp_for_step(step)))
-            grads.append(prog.read(tr.grad_acc["w"]))
-        results.append((losses, grads, prog.read(w), tr.n_nodes))
-    (losses, grads, w_acc, n_acc), (losses_out, grads_out, w_out, n_out) = results
-    assert losses == losses_out
-    assert all(np.array_equal(a, b) for a, b in zip(grads, grads_out)) and np.abs(grads_out[-1]).sum() > 0
-    assert np.array_equal(w_acc, w_out)
-    assert n_out < n_acc + (shape == "transposed")      # the ADD into the accumulator is gone
-
-
-def test_gradients_are_graph_outputs_unless_accumulators_are_asked_for(monkeypatch):
-    """On the cpu too (issue 34: the ADD into zeros and the clear were a pass over every gradient
-    twice a step); TOYHARNESS_GRAD_ACCUMULATORS=1 brings the accumulators back, for comparisons."""
-    prog, *_ = tiny_program()
-    assert prog.engine.is_cpu and prog.grads_as_outputs
-    monkeypatch.setenv("TOYHARNESS_GRAD_ACCUMULATORS", "1")
-    prog, *_ = tiny_program()
-    assert not prog.grads_as_outputs
-
-
 def test_grads_only_reset_keeps_moments_and_clears_gradients():
     prog, w, w0, ce = tiny_program()
     tr = prog.trainer(ce, "bias_corrected")
@@ -151,10 +111,7 @@ def test_grads_only_reset_keeps_moments_and_clears_gradients():
     assert min_ulps(prog.read(tr.v["w"]), v_c) <= 1, "moments lost"
 
 
-@pytest.mark.parametrize("accumulators", [False, True])
-def test_full_reset_zeroes_moments(accumulators, monkeypatch):
-    if accumulators:
-        monkeypatch.setenv("TOYHARNESS_GRAD_ACCUMULATORS", "1")
+def test_full_reset_zeroes_moments():
     prog, w, w0, ce = tiny_program()
     tr = prog.trainer(ce, "bias_corrected")
     rng = np.random.default_rng(3)
@@ -162,8 +119,6 @@ def test_full_reset_zeroes_moments(accumulators, monkeypatch):
     assert np.abs(prog.read(tr.m["w"])).sum() > 0
     tr.reset_full()
     assert not prog.read(tr.m["w"]).any() and not prog.read(tr.v["w"]).any()
-    if accumulators:      # else a gradient is the node that computes it: nothing to zero
-        assert not prog.read(tr.grad_acc["w"]).any()
 
 
 def test_convention_mismatch_raises_before_any_step():

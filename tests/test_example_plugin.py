@@ -8,14 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = REPO / "plugins" / "example_bigram"
-
-
-def cli(*args, env, cwd=None):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=cwd)
 
 
 def env_with(path: Path) -> dict:

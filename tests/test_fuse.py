@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 from arch_cases import ARCH_EXAMPLES as ARCHES
+from helpers import relative_error
 
 from toyharness.architectures import example_file, read_model
 from toyharness.cli import main
@@ -42,10 +43,6 @@ def logits(base, run=None, targets: str | None = None) -> np.ndarray:
     buf = np.zeros((1, opts.t_seq), np.int32)
     buf[0, :len(PROMPT)] = PROMPT
     return model.next_logits(buf)[0, :len(PROMPT)].astype(np.float64)
-
-
-def relative_error(ours, theirs) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
 
 
 @pytest.mark.parametrize("case", list(ARCHES))

@@ -69,7 +69,7 @@ def test_deep_models_get_graphs_of_their_own_size(recipe, sets, base_30_layers):
     for name in ("gf", "eval"):      # exactly what they hold: ggml needs nodes and leafs <= size
         assert g[name]["size"] == max(g[name]["nodes"], g[name]["leafs"]), (name, g)
     # the backward's, plus room for a copy of each parameter's gradient that is not contiguous
-    # (Program.grads_as_outputs keeps gradients as graph outputs; most need no copy)
+    # (the Trainer keeps gradients as graph outputs; most need no copy)
     grad = g["gb_grad"]
     assert max(grad["nodes"], grad["leafs"]) <= grad["size"] <= max(grad["nodes"], grad["leafs"]) + n_params, g
     opt = g["gb_opt"]

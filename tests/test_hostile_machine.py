@@ -14,17 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cli
 
 from toyharness.engine import GGUFFile, write_gguf
 from toyharness.errors import WriteError
 
 TINY = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2", "--set", "t_seq=16", "--set", "t_batch=2",
         "--set", "eval_every=4", "--set", "checkpoint_every=4", "--set", "warmup=2"]
-
-
-def cli(*args, preexec_fn=None):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=300, preexec_fn=preexec_fn)
 
 
 def losses(run: Path) -> list[str]:
@@ -158,7 +154,6 @@ def test_a_failed_gguf_write_names_the_file_and_keeps_the_old_one(tmp_path, monk
 KILL_RUN = ["run", "gpt2", "--steps", "16", "--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2",
             "--set", "t_seq=16", "--set", "t_batch=2", "--set", "eval_every=8", "--set", "checkpoint_every=1",
             "--no-progress"]
-KILL_TRIALS = int(os.environ.get("TOYHARNESS_KILL_TRIALS", "5"))     # nox -s fuzz: many more
 
 
 def _start(*args) -> subprocess.Popen:
@@ -251,7 +246,7 @@ def _kill_trial(rng: np.random.Generator, run: Path, setup_s: float, train_s: fl
     return landed
 
 
-def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, pytestconfig):
     import concurrent.futures
     import time
     from collections import Counter
@@ -264,8 +259,9 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     proc.stderr.close()
     train_s = time.monotonic() - t0 - setup_s
-    rng = np.random.default_rng(int(os.environ.get("TOYHARNESS_KILL_SEED", "0")))
-    plans = [(tmp_path / f"trial{i}", int(rng.integers(1, 4))) for i in range(KILL_TRIALS)]
+    # (tests/conftest.py's --kill-trials and --kill-seed: nox -s fuzz runs many more)
+    rng = np.random.default_rng(pytestconfig.getoption("kill_seed"))
+    plans = [(tmp_path / f"trial{i}", int(rng.integers(1, 4))) for i in range(pytestconfig.getoption("kill_trials"))]
     seeds = rng.integers(2**31, size=len(plans))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         landed = list(pool.map(lambda p, s: _kill_trial(np.random.default_rng(s), p[0], setup_s, train_s, p[1]),

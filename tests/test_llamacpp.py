@@ -2,17 +2,17 @@
 logits we give (relative error < 1e-3). Run by `nox -s llamacpp`, which builds the small
 native/llamacpp/th_logits tool and points TOYHARNESS_LLAMACPP_TOOL at it."""
 
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import kl_and_top1, llama_cpp_logits, relative_error
 
 from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options, train
+from toyharness.switches import switch
 
-TOOL = os.environ.get("TOYHARNESS_LLAMACPP_TOOL")
+TOOL = switch("TOYHARNESS_LLAMACPP_TOOL")
 pytestmark = [pytest.mark.llamacpp,
               pytest.mark.skipif(not TOOL or not Path(TOOL).is_file(),
                                  reason="llama.cpp's th_logits is not built: run `nox -s llamacpp`")]
@@ -25,16 +25,6 @@ CASES = {"gpt2": [], "llama": [], "llama-gqa-untied": ["n_kv_head=2", "untied=tr
          "qwen2": ["qkv_bias=true", "n_kv_head=2"]}
 
 
-def llama_cpp_logits(model: Path, ids: list[int], tmp_path: Path, lora: tuple[Path, float] | None = None):
-    out = tmp_path / "logits.f32"
-    extra = ["--lora", str(lora[0]), str(lora[1])] if lora else []
-    res = subprocess.run([TOOL, str(model), str(out), *extra, *map(str, ids)], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    n, vocab = map(int, res.stdout.split())
-    return np.fromfile(out, dtype=np.float32).reshape(n, vocab)
-
-
 def our_logits(run_dir: Path, recipe: str, ids: list[int]) -> np.ndarray:
     _, obj = get_recipe(recipe)
     opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
@@ -42,10 +32,6 @@ def our_logits(run_dir: Path, recipe: str, ids: list[int]) -> np.ndarray:
     buf = np.zeros((1, opts.t_seq), np.int32)
     buf[0, :len(ids)] = ids
     return model.next_logits(buf)[0, :len(ids)]
-
-
-def relative_error(ours, theirs) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -150,17 +136,6 @@ def test_llama_cpp_gives_our_logits_for_each_architecture_and_our_adapter(tmp_pa
 
 
 # --- toyharness fuse: llama.cpp runs the fused file (issue 36) -----------------------------------------
-def kl_and_top1(ref: np.ndarray, other: np.ndarray) -> tuple[float, float]:
-    """Mean KL(softmax(ref) || softmax(other)) over positions, and how often their argmax agree."""
-    def log_softmax(x):
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-    lp, lq = log_softmax(ref), log_softmax(other)
-    kl = float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
-    return kl, float(np.mean(ref.argmax(-1) == other.argmax(-1)))
-
-
 # llama.cpp's f16 products round the activations to f16 (ggml-cpu converts src1 to the weight's
 # vec_dot type, f16, before the dot products): its logits on an f16 file cannot be held to 1e-4 of
 # an f32 forward. They are held against ours on the same f16 weights (computed in f32) within this:

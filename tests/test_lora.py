@@ -8,16 +8,13 @@ import sys
 import gguf
 import numpy as np
 import pytest
+from helpers import cli
 
 from toyharness.engine import GGUFFile
 from toyharness.engine.gguf_io import copy_gguf_as, write_gguf
 from toyharness.runner import train
 
 FT = ["t_seq=32", "t_batch=8", "eval_every=20", "checkpoint_every=20", "lr=1e-2", "warmup=2"]
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def losses(run_dir):

@@ -1,4 +1,4 @@
-"""The memory plan (toyharness/memory_plan.py): equal to ggml's buffers, within 10% of the measured
+"""The memory plan (toyharness/engine/memory_plan.py): equal to ggml's buffers, within 10% of the measured
 RSS growth of a run, a run that cannot fit refused before it allocates (exit 2), and an allocation
 that fails anyway one line, exit 1, no run folder."""
 
@@ -12,14 +12,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import needs
 from plan_cases import stepped_model
-from test_backends import needs
 
 from toyharness.cli import main
 from toyharness.engine import get_engine
+from toyharness.engine.memory_plan import ALLOCATION_GRANULARITY, plan_model, rounding_to_pages
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.memory_plan import ALLOCATION_GRANULARITY, plan_model, rounding_to_pages
 from toyharness.plugins import get_recipe
 from toyharness.runner import load_data, resolve_options
 
@@ -81,18 +81,18 @@ def test_the_cuda_plan_equals_ggml_buffers_the_training_graph_reserved_as_rewrit
     prog.close()
 
 
-def test_the_plan_reads_a_graph_rewritten_for_cuda_as_its_buffer_holds_it(monkeypatch):
+def test_the_plan_reads_a_graph_rewritten_for_cuda_as_its_buffer_holds_it(programs_built_as):
     """What the plan says the buffer keeps, read from a training graph after the cuda rewrite (as the
     cuda Trainer reserves it; built here on the cpu): the fused attention's forward node holds O
     and L, so ggml's (B*H, T, T) probabilities (2 layers x 32 MiB) are no longer counted, and the
     largest tensors named hold memory of their own (not the NONE views of dS the rewrite leaves,
     as large as dS)."""
     from toyharness._ffi import ffi, lib
-    from toyharness.memory_plan import Planner
+    from toyharness.engine.memory_plan import Planner
 
     sets = ["n_layer=2", "d_model=64", "n_head=4", "t_seq=1024", "t_batch=2"]
     # its kv heads repeated, as cuda's graph has them (the rewrite reads the repeats)
-    monkeypatch.setenv("TOYHARNESS_CPU_KV_IN_PLACE", "0")
+    programs_built_as(kv_in_place=False)
     pm, engine, options, data = _realized("llama", sets)
     trainer = pm.hook.realize(engine=engine, options=options, data=data).trainer
     planner, probabilities = Planner(engine), 2 * 2 * 4 * 1024 * 1024 * 4
@@ -163,7 +163,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line(tmp_path, monkeypatch, cap
 def test_a_recipe_declares_the_sizes_the_plan_shows_and_may_halve(base_sets):
     """The plan names no recipe: lora's adapter rank is one of its sizes because its options class
     says so (`plan_sizes`); a recipe without one gets the common sizes only."""
-    from toyharness.memory_plan import shrink_suggestions
+    from toyharness.engine.memory_plan import shrink_suggestions
 
     pm, engine, options, data = _realized("lora", base_sets + ["rank=64"])
     assert type(options).plan_sizes == ("rank",)
@@ -306,8 +306,8 @@ def test_a_recipe_that_reads_values_while_realized_is_run_unplanned(capsys):
     so and the check is skipped (its run goes on as before); the planned tensor is never touched."""
     import numpy as np
 
+    from toyharness.engine.memory_plan import check_fits
     from toyharness.hookspecs import hookimpl
-    from toyharness.memory_plan import check_fits
     from toyharness.options import Options
 
     class ReadsBack:

@@ -1,5 +1,5 @@
 """Graphs the pinned ggml-metal can run: every recipe's training graphs, lowered for metal's
-declarations (toyharness/engine/lowering.py, TOYHARNESS_LOWERING=metal), hold only nodes that
+declarations (toyharness/engine/lowering.py, Program.lowering_target "metal"), hold only nodes that
 the port of ggml_metal_device_supports_op (toyharness/engine/metal_ops.py) accepts, and they train
 to within 1e-6 relative of the normal graphs' goldens over 16 steps. The port is held to the
 pinned source by a checksum of the function's text.
@@ -9,37 +9,30 @@ TOYHARNESS_TEST_BACKEND=vulkan runs the same on vulkan (tests/test_vulkan.py doe
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import native_build
 
 from toyharness import goldens
 from toyharness._ffi import available_native_backends, ffi, lib
 from toyharness.engine import blocks, get_engine
 from toyharness.engine.lowering import RULES
 from toyharness.engine.metal_ops import METAL_FUNCTIONS, METAL_SOURCE, METAL_SUPPORTS_OP_SHA256, metal_refusal
-from toyharness.errors import InputError
+from toyharness.engine.program import Program
+from toyharness.switches import switch
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_NAMES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start", "lora@q4_k", "lora@q8_0",
                 "lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]
-BACKEND = os.environ.get("TOYHARNESS_TEST_BACKEND", "cpu")
+BACKEND = switch("TOYHARNESS_TEST_BACKEND")
 if BACKEND not in available_native_backends():
     pytestmark = pytest.mark.skip(reason=f"TOYHARNESS_TEST_BACKEND={BACKEND}: that backend is not built into this "
                                          "install or has no device")
 # the ops ggml-metal lacks that our graphs hold (each must be gone once lowered)
 METAL_LACKS = {"OUT_PROD", "CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK", "SOFT_MAX_BACK", "RMS_NORM_BACK",
                "GET_ROWS_BACK", "REPEAT_BACK"}
-
-
-def native_build():
-    spec = importlib.util.spec_from_file_location("toyharness_native_build_metal", ROOT / "native" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def function_text(source: str, signature: str) -> str:
@@ -61,7 +54,7 @@ def trainer_for(name: str, monkeypatch, lowering: str):
     from toyharness.plugins import get_recipe
     from toyharness.runner import load_data, resolve_options
 
-    monkeypatch.setenv("TOYHARNESS_LOWERING", lowering)
+    monkeypatch.setattr(Program, "lowering_target", lowering)
     _, obj = get_recipe(goldens.split_name(name)[0])
     opts = resolve_options(obj, None, goldens.golden_sets_for(name), {})
     pm = plugin_manager(obj)
@@ -87,7 +80,7 @@ def test_every_node_of_every_lowered_graph_is_one_metal_declares(name, monkeypat
             node_name = ffi.string(lib.ggml_get_name(node)).decode()
             assert why is None, f"{name}: the {label} graph's node {i} ({op_of(node)}, {node_name!r}): {why}"
     # and without the lowering the same graph holds ops metal lacks (the check can fail)
-    plain = trainer_for(name, monkeypatch, "none")
+    plain = trainer_for(name, monkeypatch, "")
     assert METAL_LACKS & {op_of(n) for n in graph_ops(plain.gb_opt)}
 
 
@@ -95,7 +88,7 @@ def test_every_node_of_every_lowered_graph_is_one_metal_declares(name, monkeypat
 def test_lowered_graphs_train_as_the_normal_ones(name, monkeypatch):
     """16 steps of the golden config, lowered for metal, against this backend's golden (normal
     graphs): within 1e-6 relative at every step."""
-    monkeypatch.setenv("TOYHARNESS_LOWERING", "metal")
+    monkeypatch.setattr(Program, "lowering_target", "metal")
     doc = goldens.compute(name, BACKEND)
     path = goldens.path_for(name, doc["fingerprint"], ROOT / "goldens")
     if not path.is_file():
@@ -126,7 +119,7 @@ def test_each_rewrite_leaves_no_node_of_its_op_and_the_same_gradients(op, monkey
             "emb": rng.normal(size=(32, 16)), "b": rng.normal(size=8)}
     results = {}
     for mode in ("none", "metal"):
-        monkeypatch.setenv("TOYHARNESS_LOWERING", mode)
+        monkeypatch.setattr(Program, "lowering_target", "" if mode == "none" else mode)
         prog = get_engine(BACKEND).program()
         prog.cpu_folds = False      # the nodes as built (a cpu Trainer would fold RMS_NORM_BACK's gain)
         used = ["x", "g", "w"] if op in ("SOFT_MAX_BACK", "OUT_PROD", "RMS_NORM_BACK") else ["emb", "b"]
@@ -142,8 +135,3 @@ def test_each_rewrite_leaves_no_node_of_its_op_and_the_same_gradients(op, monkey
         got = results["metal"][1][k]
         assert np.linalg.norm(got - ref) <= 1e-6 * np.linalg.norm(ref) + 1e-7, k
 
-
-def test_a_bad_lowering_choice_is_named(monkeypatch):
-    monkeypatch.setenv("TOYHARNESS_LOWERING", "opengl")
-    with pytest.raises(InputError, match="TOYHARNESS_LOWERING='opengl': use metal or none"):
-        get_engine(BACKEND).program()

@@ -123,11 +123,10 @@ def fake_cudnn(folder: Path) -> tuple[Path, Path]:
 
 
 def test_cudnn_options_name_the_found_folders(build_module, monkeypatch, tmp_path):
+    """TOYHARNESS_CUDNN=DIR:DIR: cuDNN's folder and the frontend's, searched first (on: both found)."""
     root, frontend = fake_cudnn(tmp_path)
-    monkeypatch.setenv("TOYHARNESS_CUDNN_ROOT", str(root))
-    monkeypatch.setenv("TOYHARNESS_CUDNN_FRONTEND", str(frontend))
-    for mode in ("auto", "on"):
-        monkeypatch.setenv("TOYHARNESS_CUDNN", mode)
+    for folders in (f"{root}:{frontend}", f"{frontend}:{root}"):
+        monkeypatch.setenv("TOYHARNESS_CUDNN", folders)
         assert build_module.cudnn_options() == [f"-DTOYHARNESS_CUDNN_INCLUDE={root / 'include'};{frontend}",
                                                 f"-DTOYHARNESS_CUDNN_LIBRARY={root / 'lib' / 'libcudnn.so.9'}"]
         # a build without cuda has no cuDNN option (and so keeps its build folder's key)
@@ -139,15 +138,14 @@ def test_cudnn_options_name_the_found_folders(build_module, monkeypatch, tmp_pat
 def test_cudnn_missing_is_off_for_auto_and_an_error_naming_what_for_on(build_module, monkeypatch, tmp_path, capsys):
     root, frontend = fake_cudnn(tmp_path)
     (frontend / "cudnn_frontend.h").unlink()
-    monkeypatch.setenv("TOYHARNESS_CUDNN_ROOT", str(root))
-    monkeypatch.setenv("TOYHARNESS_CUDNN_FRONTEND", str(frontend))
+    monkeypatch.setattr(build_module.sys, "path", [])             # no frontend wheel installed either
     monkeypatch.setenv("TOYHARNESS_CUDNN", "auto")
     assert build_module.cudnn_options() == []
-    assert "cuDNN attention: off, not found: cuDNN's frontend headers" in capsys.readouterr().err
-    monkeypatch.setenv("TOYHARNESS_CUDNN", "on")
-    with pytest.raises(build_module.BuildError, match=r"TOYHARNESS_CUDNN=on: not found: cuDNN's frontend headers "
+    assert "cuDNN attention: off, not found: " in capsys.readouterr().err
+    monkeypatch.setenv("TOYHARNESS_CUDNN", f"{root}:{frontend}")
+    with pytest.raises(build_module.BuildError, match=r"TOYHARNESS_CUDNN=.*: not found: cuDNN's frontend headers "
                                                        r"\(pip install nvidia-cudnn-frontend"):
         build_module.cudnn_options()
     monkeypatch.setenv("TOYHARNESS_CUDNN", "maybe")
-    with pytest.raises(build_module.BuildError, match="TOYHARNESS_CUDNN: unknown value 'maybe'; use auto, on or off"):
+    with pytest.raises(build_module.BuildError, match=r"TOYHARNESS_CUDNN=maybe: not one of auto, on, off or folders"):
         build_module.cudnn_options()

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from toyharness import bench, goldens
+from toyharness import goldens
 from toyharness._ffi import available_native_backends
+from toyharness.bench import profile as bench_profile
 from toyharness.cli import BACKENDS, build_parser, main
 from toyharness.engine import get_engine
 from toyharness.engine.backend import PORTABLE_FINGERPRINT
@@ -223,13 +224,13 @@ def test_every_command_takes_the_shared_flags_where_they_mean_something():
 def test_bench_profile_takes_the_step_count_and_no_progress(monkeypatch, capsys):
     """bench refused --no-progress, and refused --profile --steps 5 ("not used by --profile")."""
     seen = []
-    real = bench.profile_recipe
+    real = bench_profile.profile_recipe
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("repeats"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "profile_recipe", spy)
+    monkeypatch.setattr(bench_profile, "profile_recipe", spy)
     sets = [arg for arg in TINY if arg != "--set"]
     assert main(["bench", "gpt2", "--profile", "--steps", "3", "--no-progress", "--threads", "1",
                  *[x for s in sets for x in ("--set", s)]]) == 0

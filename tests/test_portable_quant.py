@@ -101,7 +101,7 @@ def portable_products(threads: int, weight, x: np.ndarray, r: np.ndarray, ids: n
                for i in range(lib.ggml_graph_n_nodes(trainer.gb_grad))}
         trainer.grads_only({})
         # read before another graph runs: a gradient is a node of the backward graph, in the
-        # compute buffer the next graph reuses (Program.grads_as_outputs)
+        # compute buffer the next graph reuses (the Trainer keeps gradients as graph outputs)
         dx = prog.read(trainer.grad_acc["x"])
         rows = w.get_rows(prog.constant("ids", ids))
         fwd = prog.forward({"y": y, "rows": rows}).run({})

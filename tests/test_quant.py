@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import needs
 
 from toyharness._ffi import ffi, lib
 from toyharness.engine import GGUFFile, get_engine
@@ -86,7 +87,7 @@ def test_frozen_product_and_input_gradient_match_numpy(bases, dtype):
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_without_the_cpu_kernels_the_weight_is_dequantized_in_the_graph(bases, dtype):
-    """The route other backends take (and cpu with TOYHARNESS_CPU_KERNELS=0): a GET_ROWS of all
+    """The route other backends take (a program without the cpu kernels): a GET_ROWS of all
     rows dequantizes W into the graph, then f32 products (ggml's own kernels here)."""
     rng = np.random.default_rng(2)
     name = "blk.0.ffn_up.weight"
@@ -98,14 +99,6 @@ def test_without_the_cpu_kernels_the_weight_is_dequantized_in_the_graph(bases, d
     y, dx, kernels = frozen_product(bases[dtype], name, 2, x, r, cpu_kernels=False)
     assert not kernels
     assert rel_err(y, x.astype(np.float64) @ w.T) < 1e-5 and rel_err(dx, r.astype(np.float64) @ w) < 1e-5
-
-
-def needs(backend: str = "cuda"):
-    from toyharness._ffi import available_native_backends
-
-    present = backend in available_native_backends()
-    return [getattr(pytest.mark, backend), pytest.mark.skipif(not present, reason=(
-        f"the {backend} backend is not built into this install (TOYHARNESS_BACKENDS=cpu,{backend}) or no device"))]
 
 
 def needs_cuda():

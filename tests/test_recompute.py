@@ -10,18 +10,18 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import as_cuda_builds_it, cuda_node_name, graph_nodes, needs
 from plan_cases import stepped_model
-from test_backends import needs
 
 from toyharness import goldens
 from toyharness._ffi import ffi, lib
 from toyharness.architectures import example_shape, write_example
-from toyharness.engine import get_engine
-from toyharness.engine.program import Program
+from toyharness.engine import Program, get_engine
+from toyharness.engine.allocation import graph_buffer_bytes
+from toyharness.engine.memory_plan import plan_model
 from toyharness.errors import InputError
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.memory_plan import graph_buffer_bytes, plan_model
 from toyharness.plugins import get_recipe
 from toyharness.runner import load_data, plan_run, resolve_options, train
 
@@ -75,56 +75,23 @@ def test_recompute_is_refused_by_name_where_it_does_nothing(tmp_path):
 
 def test_recompute_is_refused_on_a_backend_without_the_rewrites_it_needs(monkeypatch):
     """The metal lowering rewrites the training graph before the copies are wired in: refused by name."""
-    monkeypatch.setenv("TOYHARNESS_LOWERING", "metal")
+    monkeypatch.setattr(Program, "lowering_target", "metal")
     with pytest.raises(InputError, match="option 'recompute_blocks': the cpu and cuda backends only, not cpu "
                                          "lowered for metal"):
         train("gpt2", steps=1, sets=["n_layer=1", "recompute_blocks=true"], write_files=False, progress=False)
 
 
 # --- cuda ------------------------------------------------------------------------------------------
-def _name(t) -> str:
-    kernel = lib.th_cuda_kernel_name(t)
-    return ffi.string(kernel).decode() if kernel != ffi.NULL else ffi.string(lib.ggml_op_desc(t)).decode()
-
-
 def _addr(t) -> int:
     return int(ffi.cast("uintptr_t", t))
 
 
-def _nodes(graph) -> list:
-    return [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
-
-
-def _as_cuda_builds_it(recipe: str, sets: list[str], precision: str, monkeypatch):
-    """The recipe's model on a cpu program whose graphs are built and rewritten as cuda's
-    (our cuda kernels' stand-ins, native/cuda_rewrite.c, the precision stamp; never computed
-    here): the training graph is rewritten as a step's first compute would (with recompute,
-    recompute.apply did that already)."""
-    real_init = Program.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.cpu_kernels = self.cpu_folds = self.kv_in_place = False
-        self.cuda_kernels = self.onehot_in_graph = self.column_sums_as_products = self.grads_as_outputs = True
-        self.precision, self.frozen_bf16 = precision, precision == "bf16"
-
-    monkeypatch.setattr(Program, "__init__", init)
-    _, obj = get_recipe(recipe)
-    options = resolve_options(obj, None, sets, {})
-    pm = plugin_manager(obj)
-    engine = get_engine("cpu")
-    model = pm.hook.realize(engine=engine, options=options, data=load_data(pm, options))
-    trainer = model.trainer
-    for graph in (trainer.gb_opt, trainer.gb_grad):
-        model.prog._prepare(graph)
-    return model.prog, trainer, engine
-
-
 def _backward_kernels(trainer, copies: set[int]) -> Counter:
-    forward = {_addr(t) for t in _nodes(trainer.gf)}
+    forward = {_addr(t) for t in graph_nodes(trainer.gf)}
     # what computes (the rebuilt graphs drop views and no-ops nothing reads: recompute._dead_views)
-    return Counter(_name(t) for t in _nodes(trainer.gb_opt) if _addr(t) not in forward and _addr(t) not in copies
-                   and _name(t) not in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "NONE"))
+    return Counter(cuda_node_name(t) for t in graph_nodes(trainer.gb_opt)
+                   if _addr(t) not in forward and _addr(t) not in copies
+                   and cuda_node_name(t) not in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "NONE"))
 
 
 CUDA_SHAPES = [("gpt2", ["n_layer=2"], "fp32"), ("llama", ["n_layer=2", "n_head=4", "n_kv_head=2"], "tf32"),
@@ -153,30 +120,31 @@ def test_on_cuda_each_attention_backward_reads_its_blocks_recomputed_forward(nam
     recipe = name
     if recipe == "lora":       # at bf16 the base's products are the frozen bf16 nodes (th-frozen.cu)
         sets = sets + [f"base={q4_k_base}"]
-    base_prog, base_trainer, engine = _as_cuda_builds_it(recipe, sets + ["recompute_blocks=false"], precision,
+    base_prog, base_trainer, engine = as_cuda_builds_it(recipe, sets + ["recompute_blocks=false"], precision,
                                                          monkeypatch)
-    prog, trainer, _ = _as_cuda_builds_it(recipe, sets + ["recompute_blocks=true"], precision, monkeypatch)
+    prog, trainer, _ = as_cuda_builds_it(recipe, sets + ["recompute_blocks=true"], precision, monkeypatch)
     copies = {_addr(t) for t in prog.recompute.copies.values()}
     assert _backward_kernels(trainer, copies) == _backward_kernels(base_trainer, set())
-    order = {_addr(t): i for i, t in enumerate(_nodes(trainer.gb_opt))}
+    order = {_addr(t): i for i, t in enumerate(graph_nodes(trainer.gb_opt))}
     fused_backward = 0
-    for i, t in enumerate(_nodes(trainer.gb_opt)):
-        if _name(t) in ("attention_prep", "attention_back"):
-            fwd = lib.th_tensor_src(t, 1 if _name(t) == "attention_prep" else 4)
-            assert _name(fwd) == "attention" and _addr(fwd) in copies and order[_addr(fwd)] < i
+    for i, t in enumerate(graph_nodes(trainer.gb_opt)):
+        if cuda_node_name(t) in ("attention_prep", "attention_back"):
+            fwd = lib.th_tensor_src(t, 1 if cuda_node_name(t) == "attention_prep" else 4)
+            assert cuda_node_name(fwd) == "attention" and _addr(fwd) in copies and order[_addr(fwd)] < i
             fused_backward += 1
     blocks = prog.recompute.blocks
     assert blocks >= 1 and fused_backward == 2 * blocks
-    forwards = [t for t in _nodes(trainer.gb_opt) if _name(t) == "attention"]
+    forwards = [t for t in graph_nodes(trainer.gb_opt) if cuda_node_name(t) == "attention"]
     assert len(forwards) == 2 * blocks and sum(_addr(t) in copies for t in forwards) == blocks
     for graph in (trainer.gb_grad, trainer.gb_opt):
         # no slice out of a prep node: dK and dV go to rooms the backward fills in place (llama's
         # and lora's grouped heads: each group's sums, into the REPEAT_BACKs' nodes that summed them)
-        assert not [t for t in _nodes(graph) if _name(t) in ("slice", "slice_cont")
-                    and _name(lib.th_tensor_src(t, 0)) == "attention_prep"]
+        assert not [t for t in graph_nodes(graph) if cuda_node_name(t) in ("slice", "slice_cont")
+                    and cuda_node_name(lib.th_tensor_src(t, 0)) == "attention_prep"]
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0 and lib.th_cuda_rewrite(trainer.gb_grad, 1) == 0
     if precision != "fp32":        # every product of the copies carries the program's precision stamp
-        stamps = {lib.th_cuda_precision_of(t) for t in _nodes(trainer.gb_opt) if _name(t) in ("MUL_MAT", "OUT_PROD")}
+        stamps = {lib.th_cuda_precision_of(t) for t in graph_nodes(trainer.gb_opt)
+                  if cuda_node_name(t) in ("MUL_MAT", "OUT_PROD")}
         assert stamps == {lib.th_cuda_precision_of(forwards[-1])}
     assert graph_buffer_bytes(engine, trainer.gb_opt) < graph_buffer_bytes(engine, base_trainer.gb_opt)
     prog.close()
@@ -252,19 +220,15 @@ print(json.dumps({"hex": [m["loss_hex"] for m in runs[0].metrics], "converted": 
 """
 
 
-def _keep_run(sets: list[str], keep: str | None) -> dict:
-    """lora at bf16 in a fresh process (the copies and their chunks are the process's), with
-    TOYHARNESS_BF16_KEEP_NODES=keep where given: its losses' bits and its operands' conversions."""
+def _keep_run(sets: list[str]) -> dict:
+    """lora at bf16 in a fresh process (the copies and their chunks are the process's): its losses'
+    bits and its operands' conversions."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TOYHARNESS_BF16_KEEP_NODES"}
-    if keep is not None:
-        env["TOYHARNESS_BF16_KEEP_NODES"] = keep
     done = subprocess.run([sys.executable, "-c", KEEP_RUN, json.dumps(sets)], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
+                          cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -274,16 +238,13 @@ def test_on_cuda_recompute_drops_bf16_copies_past_their_horizon_and_keeps_the_bi
     """With recompute the bf16 operand copies go once no node within 256 (BF16_KEEP_NODES)
     reads their source (th-precision.cu): a frozen weight's copy from the forward is converted again
     by its block's recomputed forward. Without recompute too (a base kept in its type): its copies go
-    before the backward, which converts them again. The losses keep their bits (without the
-    horizon, and without recompute), and more operands are converted than without the horizon."""
+    before the backward, which converts them again. The losses keep their bits with recompute and
+    without, and copies are reused either way."""
     sets = [f"base={q4_k_base}", "t_seq=64", "targets=q,k,v,o", "rank=16", "precision=bf16"]
-    plain = _keep_run(sets + ["recompute_blocks=false"], None)
-    plain_kept = _keep_run(sets + ["recompute_blocks=false"], "0")
-    assert plain["hex"] == plain_kept["hex"] and plain["converted"] > plain_kept["converted"]
-    horizon = _keep_run(sets + ["recompute_blocks=true"], None)
-    none = _keep_run(sets + ["recompute_blocks=true"], "0")
-    print(f"lora@q4_k at bf16, recompute: operands converted {none['converted']} (reused {none['reused']}) "
-          f"without the horizon, {horizon['converted']} ({horizon['reused']}) with it; chunks {none['chunks']} -> "
-          f"{horizon['chunks']} bytes; without recompute {plain['converted']} ({plain['reused']})")
-    assert horizon["hex"] == none["hex"] == plain["hex"]
-    assert horizon["converted"] > none["converted"] and horizon["chunks"] <= none["chunks"]
+    plain = _keep_run(sets + ["recompute_blocks=false"])
+    horizon = _keep_run(sets + ["recompute_blocks=true"])
+    print(f"lora@q4_k at bf16: operands converted {horizon['converted']} (reused {horizon['reused']}) with "
+          f"recompute, chunks {horizon['chunks']} bytes; without recompute {plain['converted']} ({plain['reused']}), "
+          f"chunks {plain['chunks']} bytes")
+    assert horizon["hex"] == plain["hex"]
+    assert horizon["reused"] > 0 and plain["reused"] > 0

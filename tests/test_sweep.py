@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from toyharness.cli import main
 from toyharness.engine import GGUFFile
@@ -27,11 +28,6 @@ TINY = ["n_layer=1", "n_head=2", "t_seq=16", "t_batch=2", "eval_every=4", "check
 SETS = [a for s in TINY for a in ("--set", s)]
 GRID = ["lr=1e-3,3e-3", "d_model=16,32"]
 STEPS = 16
-
-
-def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=600, **kw)
 
 
 def loss_hexes(run_dir: Path) -> list[str]:
@@ -285,3 +281,19 @@ def test_an_unwritable_sweep_folder_is_one_line_exit_1(capsys):
                  "--no-progress"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("toyharness: error: cannot write /proc/toyharness-sweep/points: "), err
+
+
+def test_points_import_toyharness_itself_whatever_the_cwd_holds(tmp_path, monkeypatch, capsys):
+    """Run from a folder holding a `toyharness/` of another kind (the clone's own folder, beside the
+    user's work), each point's process put the cwd first on sys.path and imported it: every point
+    failed. Here the decoy is a package that refuses to import, so a point that sees it fails."""
+    decoy = tmp_path / "toyharness"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text('raise ImportError("the decoy toyharness in the cwd was imported")\n')
+    monkeypatch.chdir(tmp_path)
+    rc = main(["sweep", "llama", "--grid", "lr=1e-3,3e-3", "--steps", "2", "--set", "d_model=16", *SETS,
+               "--workers", "2", "--threads", "1", "--out", "s", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    doc = sweep_doc(tmp_path / "s")
+    assert [p["status"] for p in doc["points"]] == ["done", "done"], [p["message"] for p in doc["points"]]
+    assert all(p["steps_done"] == 2 for p in doc["points"])

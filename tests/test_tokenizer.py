@@ -4,7 +4,6 @@ native/llamacpp/th_tokenize; the `llamacpp` session derives them again), decodin
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import tokenizer_cases as cases
 
 from toyharness.data.chat import render_chat
 from toyharness.errors import InputError
+from toyharness.switches import switch
 from toyharness.tokenizer import ByteTokenizer, GGUFTokenizer, load_tokenizer
 
 AGREEMENT = json.loads(cases.AGREEMENT.read_text()) if cases.AGREEMENT.is_file() else None
@@ -114,10 +114,10 @@ def test_bad_files_are_named(tmp_path):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.skipif(not os.environ.get("TOYHARNESS_LLAMACPP_TOOL"), reason="llama.cpp's tools are not built: "
+@pytest.mark.skipif(not switch("TOYHARNESS_LLAMACPP_TOOL"), reason="llama.cpp's tools are not built: "
                                                                           "run `nox -s llamacpp`")
 def test_committed_ids_are_llama_cpps(tmp_path):
-    tool = Path(os.environ["TOYHARNESS_LLAMACPP_TOOL"]).with_name("th_tokenize")
+    tool = Path(switch("TOYHARNESS_LLAMACPP_TOOL")).with_name("th_tokenize")
     assert AGREEMENT == cases.derive(str(tool), tmp_path)
 
 

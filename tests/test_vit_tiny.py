@@ -7,16 +7,12 @@ import sys
 import gguf
 import numpy as np
 import pytest
+from helpers import cli
 
 from toyharness.images import load_image_data
 
 SMALL = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "d_ff=64", "--set", "t_batch=16",
          "--set", "eval_every=10", "--set", "checkpoint_every=10", "--set", "warmup=2", "--set", "lr=3e-3"]
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=300)
 
 
 def test_default_data_is_the_digits_with_a_fixed_split():

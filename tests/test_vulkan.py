@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import native_build
 
 ROOT = Path(__file__).resolve().parent.parent
 APT_LINE = "apt-get install -y glslc libvulkan-dev spirv-headers mesa-vulkan-drivers"
@@ -100,15 +101,6 @@ def test_frozen_products_and_lora_over_every_frozen_type_on_vulkan(vulkan_native
 
 
 # --- runs without the packages: the build's staged edit and the backend names ----------------
-def native_build():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("toyharness_native_build", ROOT / "native" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_layer_settings_edit_applies_once_to_the_pinned_ggml_vulkan():
     build = native_build()
     text = (build.ggml_source() / "src" / "ggml-vulkan" / "ggml-vulkan.cpp").read_text()

@@ -1,10 +1,9 @@
 """warm_start: the donor window and every named failure."""
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import cli
 from toyharness_recipes.warm_start import WarmStartWindow, donor_embed_width, pca_lens
 
 from toyharness.architectures import example_shape, read_model, write_example
@@ -15,10 +14,6 @@ from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options
 
 SMALL = ["n_layer=1", "d_model=32", "n_head=2", "n_kv_head=1", "d_ff=48", "t_seq=16", "t_batch=2"]
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def options(*extra):

@@ -98,7 +98,7 @@ if [ -z "$smollm2" ] && [ -f .device/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
     smollm2=$PWD/.device/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
 if [ -z "$smollm2" ]; then
-    smollm2=$(python3 -c "from toyharness.lm import cache_root; from toyharness.models import SMOLLM2 as m
+    smollm2=$(python3 -c "from toyharness.lm import cache_root; from toyharness.pretrained_ggufs import SMOLLM2 as m
 p = cache_root() / 'models' / f'{m.package}-{m.version}' / m.file
 print(p if p.is_file() else '')" 2>>"$log")
 fi

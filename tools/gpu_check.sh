@@ -29,7 +29,7 @@ if [[ $phases == *" check "* ]]; then
     TOYHARNESS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_ops.py 2>&1 | tail -25 \
         | tee -a "$log" || status=1
     step "our kernels inside ggml-cuda (native/cuda): GELU forward and backward against float64"
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tail -15 | tee -a "$log" || status=1
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_*.py 2>&1 | tail -15 | tee -a "$log" || status=1
     step "cuda goldens: record, then check (a second run must give the same bits)"
     toyharness golden record gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start --backend cuda 2>&1 \
         | tee -a "$log" || status=1

@@ -5,9 +5,10 @@
 export PYTHONUNBUFFERED=1 TOYHARNESS_BACKENDS=cpu,cuda TOYHARNESS_CUDA_ARCH="${TOYHARNESS_CUDA_ARCH:-90}"
 # cuDNN's attention (native/build.py, TOYHARNESS_CUDNN): cuDNN from PyTorch's nvidia-cudnn package;
 # its frontend's headers carried as .device/cudnnfe/include (the nvidia-cudnn-frontend wheel's
-# include/ folder) where the machine has none installed. TOYHARNESS_CUDNN=off builds without.
-if [[ -z "${TOYHARNESS_CUDNN_FRONTEND:-}" && -f .device/cudnnfe/include/cudnn_frontend.h ]]; then
-    export TOYHARNESS_CUDNN_FRONTEND=$PWD/.device/cudnnfe/include
+# include/ folder) where the machine has none installed: a folder there means on, and is searched
+# first. TOYHARNESS_CUDNN=off builds without.
+if [[ -z "${TOYHARNESS_CUDNN:-}" && -f .device/cudnnfe/include/cudnn_frontend.h ]]; then
+    export TOYHARNESS_CUDNN=$PWD/.device/cudnnfe/include
 fi
 export TOYHARNESS_CUDNN="${TOYHARNESS_CUDNN:-on}"
 build_cuda() {

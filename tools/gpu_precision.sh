@@ -7,7 +7,7 @@
 #                                  [bench-fp32] [bench-tf32] [bench-bf16] [bench-lora-bf16]
 #                                                      (default: build check goldens)
 #
-# check:           tests/test_precision.py and tests/test_cuda_kernels.py (the products' rounding at
+# check:           tests/test_precision.py and tests/test_cuda_*.py (the products' rounding at
 #                  each precision, run-to-run bits, the first 16 losses against fp32's, our kernels
 #                  against ggml's nodes and float64), tests/test_recompute.py and the cuda memory plan.
 # goldens:         every golden file under goldens/cuda-*/ checked bit for bit (a missing golden or a
@@ -37,7 +37,8 @@ PRECISION_RECIPES=(gpt2 llama lora vit_tiny warm_start)
 # tests_phase LOG FILE K: the tests of FILE selected by -k K (all where empty), their output in
 # OUT/LOG, the summary lines in the phases' log
 tests_phase() {
-    python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider "$2" ${3:+-k "$3"} >"$out/$1" 2>&1 || status=1
+    # shellcheck disable=SC2086  # $2 may be a glob of test files (tests/test_cuda_*.py)
+    python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider $2 ${3:+-k "$3"} >"$out/$1" 2>&1 || status=1
     grep -E "passed|failed|FAILED|ERROR|skipped|SKIPPED" "$out/$1" | tail -40 | tee -a "$log"
 }
 
@@ -46,7 +47,7 @@ if [[ $phases == *" build "* ]]; then build_cuda; fi
 if [[ $phases == *" check "* ]]; then
     step "precision and cuda kernel tests"
     tests_phase precision.log tests/test_precision.py ""
-    tests_phase kernels.log tests/test_cuda_kernels.py ""
+    tests_phase kernels.log tests/test_cuda_*.py ""
     step "recompute_blocks on cuda, and the cuda memory plan"
     tests_phase recompute.log tests/test_recompute.py cuda
     tests_phase plan.log tests/test_memory_plan.py cuda

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from cffi import FFI
 
+from .switches import switch
+
 CDEF = r"""
 typedef struct ggml_context ggml_context;
 typedef struct ggml_tensor ggml_tensor;
@@ -187,9 +189,6 @@ void th_clear_ctx_alloc(ggml_context * ctx);
 double th_node_matmul_flops(const ggml_tensor * t);
 const char * th_kernel_name(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
-void th_set_gemm_merge(int merge);
-void th_set_causal_block(int block);
-void th_set_cont_by_axis(int on);
 void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols);
 int th_cpu_rewrite(ggml_cgraph * graph);
 int th_cpu_fold(ggml_cgraph * graph);
@@ -209,6 +208,8 @@ const char * th_cuda_kernel_name(const ggml_tensor * t);
 int th_cuda_mark_precision(ggml_cgraph * graph, int precision, char * why, int why_size);
 int th_cuda_precision_of(const ggml_tensor * t);
 int th_cudnn_attention_built(void);
+void th_set_cudnn_attention(int mode);
+void th_cuda_set_cudnn_attention(int mode);
 int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
@@ -240,7 +241,7 @@ GGML_ROPE_TYPE_NORMAL = 0
 GGML_ROPE_TYPE_NEOX = 2
 GGML_MAX_NAME = 64
 
-NATIVE_DIR = Path(os.environ.get("TOYHARNESS_NATIVE_DIR") or Path(__file__).resolve().parent / "_native")
+NATIVE_DIR = Path(switch("TOYHARNESS_NATIVE_DIR") or Path(__file__).resolve().parent / "_native")
 
 # Loaded in dependency order (each also finds the others through its $ORIGIN rpath).
 _LOAD_ORDER = ("libggml-base.so", "libggml-cpu.so", "libggml-cuda.so", "libggml-vulkan.so",
@@ -278,7 +279,7 @@ class _Symbols:
 
 def log_level() -> int:
     """The least level of ggml's log messages shown (TOYHARNESS_GGML_LOG, default warnings)."""
-    return int(os.environ.get("TOYHARNESS_GGML_LOG", GGML_LOG_LEVEL_WARN))
+    return int(switch("TOYHARNESS_GGML_LOG"))
 
 
 def _load():
@@ -328,25 +329,12 @@ class Blas:
         self.sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                                      ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
         lib.th_set_sgemm(ffi.cast("void *", ctypes.cast(self.sgemm, ctypes.c_void_p).value))
-        # TOYHARNESS_GEMM_MERGE=0: every call 64 rows, as before calls were merged (for comparison)
-        lib.th_set_gemm_merge(0 if os.environ.get("TOYHARNESS_GEMM_MERGE", "1") == "0" else 1)
-        # TOYHARNESS_CAUSAL_BLOCK=0: causal attention's products computed whole (for comparison)
-        lib.th_set_causal_block(int(os.environ.get("TOYHARNESS_CAUSAL_BLOCK", "64")))
-        # TOYHARNESS_CONT_BY_AXIS=0: transposing copies tiled over their first two axes alone
-        lib.th_set_cont_by_axis(0 if os.environ.get("TOYHARNESS_CONT_BY_AXIS", "1") == "0" else 1)
 
     def tag(self) -> str:
         return f"openblas-{self.corename.lower()}"
 
 
-# TOYHARNESS_CPU_KERNELS=0 leaves every cpu node to ggml's own kernels (for comparison): no
-# sgemm, no stand-ins from native/cpu_kernels.c.
-cpu_kernels = os.environ.get("TOYHARNESS_CPU_KERNELS", "1") != "0"
-
-
 def _load_blas() -> Blas | None:
-    if not cpu_kernels:
-        return None
     # Found, not imported: the package's __init__ loads the library RTLD_GLOBAL.
     import importlib.metadata
     import importlib.util
@@ -372,6 +360,20 @@ def cuda_kernels_built() -> bool:
         return lib.th_cuda_kernels_version() >= CUDA_KERNELS_VERSION
     except AttributeError:
         return False
+
+
+# TOYHARNESS_CUDNN_ATTENTION's values as native/custom_ops.h's TH_CUDNN_OFF, _ON and _REFUSE
+CUDNN_ATTENTION_MODES = {"0": 0, "1": 1, "refuse": 2}
+
+
+def pass_switches() -> None:
+    """Hand the native libraries the switches they act on (native code never reads the environment):
+    TOYHARNESS_CUDNN_ATTENTION, to the shim and to ggml-cuda where this build has it. Called as each
+    cuda program starts, so that a value set since (a test's) takes effect."""
+    mode = CUDNN_ATTENTION_MODES[switch("TOYHARNESS_CUDNN_ATTENTION")]
+    for setter in ("th_set_cudnn_attention", "th_cuda_set_cudnn_attention"):
+        with contextlib.suppress(AttributeError):       # a build without cuda
+            getattr(lib, setter)(mode)
 
 
 def available_native_backends() -> list[str]:

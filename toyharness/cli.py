@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .errors import CheckFailed, ToyharnessError
+from .switches import check_all as check_all_switches
 
 # toyharness.engine.backend.KNOWN_BACKENDS, without loading the native libraries for --help
 BACKENDS = ("cpu", "cuda", "vulkan", "metal")
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_all_switches()     # a switch set to a value it does not take, by name, before anything loads
         check_counts(args)
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
                 "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse}[args.command](args)

@@ -45,7 +45,7 @@ class WriteError(ToyharnessError):
 
 
 class DoesNotFit(InputError):
-    """A run whose memory plan exceeds what the backend has free (toyharness/memory_plan.py):
+    """A run whose memory plan exceeds what the backend has free (toyharness/engine/memory_plan.py):
     refused before anything large is allocated, with the options that would shrink it most. Exit 2."""
 
 

@@ -15,7 +15,6 @@ portable one, and says which it used.
 
 from __future__ import annotations
 
-import os
 import shlex
 import struct
 from dataclasses import dataclass
@@ -31,14 +30,15 @@ from .errors import InputError
 from .lm import cache_root
 from .recipe import GOLDEN_CONFIG, GOLDEN_STEPS
 from .runner import GGML_VERSION, float_hex, train
+from .switches import switch
 
 MODES = ("auto", "fast", "portable")
 
 
 def golden_root() -> Path:
-    env = os.environ.get("TOYHARNESS_GOLDENS")
-    if env:
-        return Path(env)
+    folder = switch("TOYHARNESS_GOLDENS")
+    if folder:
+        return Path(folder)
     return Path.cwd() / "goldens"
 
 

@@ -25,8 +25,11 @@ from .data import load_lm_data
 from .engine import GGUFFile, Program, Tensor, get_engine, write_gguf
 from .errors import InputError
 from .hookspecs import hookimpl
-from .options import TextOptions, choice
+from .options import TextOptions, choice, resolve_options
+from .plugins import get_recipe
 from .recipe import Recipe
+from .seeded_init import with_values
+from .switches import switch
 from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_tokenizer, read_metadata
 
 # From this many classes `chunked_loss=auto` takes the chunked loss: the standard loss's four
@@ -309,8 +312,8 @@ def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.rando
 def cache_root() -> Path:
     """The per-user cache (native/build.py keeps ggml there too): $TOYHARNESS_CACHE, else
     $XDG_CACHE_HOME/toyharness, else ~/.cache/toyharness."""
-    if os.environ.get("TOYHARNESS_CACHE"):
-        return Path(os.environ["TOYHARNESS_CACHE"]).expanduser()
+    if switch("TOYHARNESS_CACHE"):
+        return Path(switch("TOYHARNESS_CACHE")).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toyharness"
 
 
@@ -318,16 +321,11 @@ def seeded_model_file(recipe: str, sets: list[str], vocab: int = 256) -> Path:
     """A language-model recipe's seeded initial weights at `sets`, exported as its GGUF and kept
     in the cache: the same bytes on every machine, so a golden or a benchmark can use it as a
     base model without shipping one."""
-    from .plugins import get_recipe
-    from .runner import resolve_options
-
     _, obj = get_recipe(recipe)
     options = resolve_options(obj, None, sets, {})
     key = hashlib.sha256(repr((recipe, sorted(options.to_dict().items()), vocab)).encode()).hexdigest()[:12]
     path = cache_root() / "models" / f"{recipe}-init-{key}.gguf"
     if not path.is_file():
-        from .init import with_values
-
         with with_values():
             obj.write_model(path, obj.init_params(options, vocab), options, vocab)
     return path

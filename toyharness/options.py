@@ -22,6 +22,8 @@ import tomllib
 
 from .adamw import CONVENTIONS, AdamWRow, Schedule
 from .errors import InputError, RecipeError, ToyharnessError
+from .hookspecs import plugin_manager
+from .plugins import recipe_name
 
 # The precisions a run's matrix products can take (docs/design.md, "Precision"; engine/backend.py says
 # which backend computes which).
@@ -269,3 +271,29 @@ def resolve(cls: type[Options], toml: dict[str, Any] | None = None, sets: list[s
 def validate(opts: Options) -> None:
     """`opts.validate()` (kept for callers of the module function)."""
     opts.validate()
+
+
+def options_class(recipe_obj) -> type[Options]:
+    """The recipe's options class (its `options` hook), checked to be an `Options` dataclass."""
+    cls = plugin_manager(recipe_obj).hook.options()
+    name = recipe_name(recipe_obj)
+    if cls is None:
+        raise InputError(f"recipe {name}: it implements no `options` hook")
+    if not (isinstance(cls, type) and issubclass(cls, Options) and dataclasses.is_dataclass(cls)):
+        raise InputError(f"recipe {name}: its options hook returned {cls!r}, not a dataclass deriving from "
+                         "toyharness.Options")
+    return cls
+
+
+def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
+    """The recipe's options: its defaults <- `config` (TOML) <- `sets` <- `overrides` that are not
+    None, validated (`Options.validate`). An exception other than InputError from the options class
+    itself (its ``__post_init__`` or ``validate``) is one line naming the recipe."""
+    cls = options_class(recipe_obj)
+    toml = load_toml(config) if config else {}
+    try:
+        return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
+    except RecipeError as exc:
+        if exc.recipe:
+            raise
+        raise RecipeError(recipe_name(recipe_obj), exc.hook, exc.cause) from exc.cause

@@ -29,12 +29,12 @@ from .atomic import atomic_write
 from .data import load_text_data
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
-from .errors import CheckFailed, InputError, OutOfMemory, RecipeError, WriteError
+from .engine.memory_plan import check_fits, plan_model
+from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
-from .memory_plan import check_fits, plan_model
 from .observers import ObserverBus, load_observers
-from .options import Options, load_toml, read_toml, resolve
-from .plugins import get_recipe, recipe_name
+from .options import Options, read_toml, resolve_options
+from .plugins import get_recipe
 
 GGML_VERSION = "0.25.3"
 
@@ -58,35 +58,6 @@ class Run:
     metrics: list[dict] = field(default_factory=list)
     tags: dict[str, Any] = field(default_factory=dict)     # a sweep point's grid values, seed, sweep id
     evals: list[dict] = field(default_factory=list)
-
-
-def options_class(recipe_obj) -> type[Options]:
-    """The recipe's options class (its `options` hook), checked to be an `Options` dataclass."""
-    import dataclasses
-
-    cls = plugin_manager(recipe_obj).hook.options()
-    name = recipe_name(recipe_obj)
-    if cls is None:
-        raise InputError(f"recipe {name}: it implements no `options` hook")
-    if not (isinstance(cls, type) and issubclass(cls, Options) and dataclasses.is_dataclass(cls)):
-        raise InputError(f"recipe {name}: its options hook returned {cls!r}, not a dataclass deriving from "
-                         "toyharness.Options")
-    return cls
-
-
-def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
-    """The recipe's options: its defaults <- `config` (TOML) <- `sets` <- `overrides`, validated
-    (`Options.validate`). An exception other than InputError from the options class itself (its
-    ``__post_init__`` or ``validate``) is one line naming the recipe."""
-    cls = options_class(recipe_obj)
-    toml = load_toml(config) if config else {}
-    try:
-        return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
-    except RecipeError as exc:
-        if exc.recipe:
-            raise
-        raise RecipeError(recipe_name(recipe_obj), exc.hook, exc.cause) from exc.cause
-
 
 
 # What `sample` and `fuse` call on a finished run's recipe (toyharness.lm.LMRecipe has them all);

@@ -2,7 +2,7 @@
 // ggml-cuda's OPT_STEP_ADAMW launches once a parameter, and most of GPT-2's 196 parameters are
 // biases and gains of 768 floats, each a launch's fixed cost. Here the last node of a run of
 // steps computes the run, 32 parameters a launch, 4 consecutive elements a thread (a float4 where
-// the tensors allow), each rounded as ggml's kernel rounds it (tests/test_cuda_kernels.py checks
+// the tensors allow), each rounded as ggml's kernel rounds it (tests/test_cuda_adamw.py checks
 // the bits against ggml's kernel).
 #include "th-custom.cuh"
 

@@ -36,6 +36,13 @@ extern "C" {
 #include "custom_ops.h"
 }
 
+// TOYHARNESS_CUDNN_ATTENTION as toyharness/_ffi.py passed it (custom_ops.h, TH_CUDNN_MODE): ggml-cuda's copy
+int th_cuda_cudnn_mode = TH_CUDNN_ON;
+
+extern "C" __attribute__((visibility("default"))) void th_cuda_set_cudnn_attention(int mode) {
+    th_cuda_cudnn_mode = mode;
+}
+
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -479,10 +486,9 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
 // online softmax, L, D, P = exp(S - L) and every sum stay fp32, and the layouts, the nodes and the
 // prep kernel are fp32's. A product's order is fixed by the mma's shape and the loops (no atomics,
 // no split): the bits repeat, and since a warp's rows see the same 64-row tiles in the same order
-// whatever WARPS is, they do not depend on it (8 warps by default; TOYHARNESS_CUDA_ATTENTION_ROWS=64
-// takes 4, as before). Every tile is kept row-major ([row][d]); where a product needs it as B along
-// its rows (P V, P^T dO, dS^T Q, dS K), ldmatrix's transposing load gives the fragments, so no
-// transposed copy (with its bank conflicts) is made.
+// whatever WARPS is, they do not depend on it (8 warps). Every tile is kept row-major ([row][d]);
+// where a product needs it as B along its rows (P V, P^T dO, dS^T Q, dS K), ldmatrix's transposing
+// load gives the fragments, so no transposed copy (with its bank conflicts) is made.
 // The tiles that a CTA walks through (K and V in the forward and dQ, Q, dO, L and D in the
 // backward) are copied to fp32 staging in shared memory by cp.async one tile ahead, while the
 // warps multiply the tile before (rounded to bf16 from the staging after a barrier): the loads'
@@ -724,11 +730,6 @@ static __device__ __forceinline__ void th_mm_acc(float (&acc)[HD / 8][4], const 
 template <int HD, int WARPS>
 static constexpr size_t th_fwd_mma_smem() {
     return 2 * (size_t) (16 * WARPS + 2 * TH_MM_B) * (HD + TH_MM_PAD) + 4 * (size_t) 2 * TH_MM_B * HD;
-}
-template <int HD, int WARPS>
-static constexpr size_t th_bwd_mma_smem() {
-    constexpr int rows = 16 * WARPS > TH_MM_B ? 16 * WARPS : TH_MM_B;
-    return 2 * (size_t) 2 * rows * (HD + TH_MM_PAD) + 4 * ((size_t) 2 * TH_MM_B * HD + 4 * TH_MM_B);
 }
 template <int HD, int WARPS>
 static constexpr size_t th_dq_mma_smem() {          // the forward's: the rows (Q, then dO), K, V, staging
@@ -1062,83 +1063,10 @@ static __device__ __forceinline__ void th_bwd_put(const th_attn_args & a, const 
 // the backward: one CTA a (kv head, 16 WARPS keys), a warp 16 keys, over the query blocks that see
 // them, each query head of a group in turn: S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T -
 // L), dS^T = scale P^T (dP^T - D) (not written: dQ's kernel computes it again), dV += P^T dO,
-// dK += dS^T Q; a tile with nothing masked or past T skips the tests. The (head, query block)
-// steps run as one sequence, so the next step's Q, dO, L and D are staged while this one multiplies, across heads too. A warp whose keys
-// no query of a block sees skips it (causal: its first blocks, where the CTA's keys start before
-// them): it took no such step with 64 keys a CTA either.
-template <int HD, int WARPS, bool GROUPED, bool B16 = false>
-static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_mma_kernel(const th_attn_args a) {
-    constexpr int LDR = HD + TH_MM_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
-    constexpr int ROWS = KR > TH_MM_B ? KR : TH_MM_B;
-    extern __shared__ __align__(16) unsigned char th_mma_smem[];
-    __nv_bfloat16 * Qs = (__nv_bfloat16 *) th_mma_smem;           // [q][d]   (first K)
-    __nv_bfloat16 * dOs = Qs + ROWS * LDR;                         // [q][d]   (first V)
-    float * Qst = (float *) (dOs + ROWS * LDR), * dOst = Qst + TH_MM_B * HD;      // staging
-    float * LD = dOst + TH_MM_B * HD;                              // [2 steps][L 64, D 64]
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
-    const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, k0 = blockIdx.y * KR, T = a.T;
-    const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
-    const int w0 = k0 + 16 * warp;                                   // the warp's first key
-    const float * k = th_head_as<B16>(a.k, kvh * G), * v = th_head_as<B16>(a.v, kvh * G);
-    // step i: query head kvh G + i / nq, query block qb0 + i % nq
-    auto stage = [&](const int i) {
-        th_bwd_stage<HD, NT, B16>(a, kvh * G + i / nq, (qb0 + i % nq) * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
-    };
-    stage(0);
-    th_cp_commit();
-    th_load_rows<__nv_bfloat16, HD, KR, NT, B16>(Qs, LDR, k, a.k, k0, T);
-    th_load_rows<__nv_bfloat16, HD, KR, NT, B16>(dOs, LDR, v, a.v, k0, T);
-    __syncthreads();
-    uint32_t kf[HD / 16][4], vf[HD / 16][4];
-    th_frag_a<HD>(kf, Qs, LDR, 16 * warp);
-    th_frag_a<HD>(vf, dOs, LDR, 16 * warp);
-    float dv[HD / 8][4], dk[HD / 8][4];
-    for (int i = 0; i < G * nq; i++) {
-        const int gr = i / nq, bh = kvh * G + gr, q0 = (qb0 + i % nq) * TH_MM_B;
-        if (i % nq == 0) th_zero<HD>(dv), th_zero<HD>(dk);
-        th_bwd_step_tiles<__nv_bfloat16, HD, NT, B16>(a, bh, q0, Qs, dOs, LDR, Qst, dOst);
-        if (i + 1 < G * nq) stage(i + 1);
-        th_cp_commit();
-        if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
-            const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
-            float s[8][4], dp[8][4];
-            th_mm_rows<HD>(s, kf, Qs, LDR);
-            th_mm_rows<HD>(dp, vf, dOs, LDR);
-            // P and dS (this thread's elements at queries q0 + c + e % 2 + 8 nt, keys w0 + g +
-            // 8 (e / 2)); WHOLE: a tile inside the sequence whose every key every query sees, so
-            // no element to mask (its tests compile away)
-            auto p_and_ds = [&](auto whole_tile) {
-                constexpr bool WHOLE = decltype(whole_tile)::value;
-#pragma unroll
-                for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int key = w0 + g + 8 * (e / 2), qi = nt * 8 + c + e % 2, qr = q0 + qi;
-                        const bool inside = WHOLE || (key < T && qr < T);
-                        const bool seen = WHOLE || (inside && !(a.causal && key > qr));
-                        const float p = th_p_of(s[nt][e], Lq[qi], a.scale, seen);
-                        s[nt][e] = p;
-                        dp[nt][e] = th_ds_of(p, dp[nt][e], Dq[qi], a.scale);
-                    }
-            };
-            if (w0 + 16 <= T && q0 + TH_MM_B <= T && !(a.causal && w0 + 15 > q0)) {
-                p_and_ds(std::true_type{});
-            } else {
-                p_and_ds(std::false_type{});
-            }
-            th_mm_acc<HD>(dv, s, dOs, LDR);
-            th_mm_acc<HD>(dk, dp, Qs, LDR);
-        }
-        if (i % nq == nq - 1) th_bwd_put<HD>(a, kvh, w0, G, gr, dk, dv);
-    }
-}
-
-// the backward by chunks of 16 queries: the same products, in the same order, as
-// th_attn_bwd_mma_kernel (so the same bits), but a warp holds the scores and dP of 16 queries at
-// a time (16 registers, not 64) and reads K's and V's fragments from shared memory, so that two
-// CTAs (MINB) fit an SM: twice the warps to hide the latencies of a step that is mostly not mma.
+// dK += dS^T Q, by chunks of 16 queries: a warp holds the scores and dP of 16 queries at a time
+// (16 registers, not 64) and reads K's and V's fragments from shared memory, so that two CTAs
+// (MINB) fit an SM: twice the warps to hide the latencies of a step that is mostly not mma.
 // A chunk whose queries see none of the warp's keys is skipped.
-// TOYHARNESS_CUDA_ATTN_BWD=rows takes th_attn_bwd_mma_kernel (comparisons; tests check the bits).
 // gpt2-small's bf16 step (H100): 3.95 -> 3.23 ms of backward, 24.97 -> 24.24 ms a step.
 template <int HD, int WARPS, bool GROUPED, int MINB, bool B16 = false>
 static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_kernel(const th_attn_args a) {
@@ -1559,8 +1487,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
     th_put_rows<HD>(acc, one, th_head(a.dq, bh), a.dq, w0, T);
 }
 
-// whether a node stamped tf32 takes the TF32 kernels (TOYHARNESS_CUDA_TF32_ATTENTION=fp32: fp32's,
-// as before them; the backward's stamp decides for dQ, as at bf16)
+// whether a node stamped tf32 takes the TF32 kernels (the backward's stamp decides for dQ, as at bf16)
 static bool th_tf32_attention(const ggml_tensor * node) {
     return th_precision_of(node) == TH_PRECISION_TF32 && th_attention_on_tensor_cores(node);
 }
@@ -1701,12 +1628,6 @@ static __global__ void th_attn_group_sum_kernel(const th_opd part, const th_opd 
     }
 }
 
-// whether a bf16 backward of grouped heads takes a CTA a query head, then sums the groups
-// (TOYHARNESS_CUDA_GROUP_SUM=0: a CTA a kv head, its group's heads in turn; the same bits)
-static bool th_group_split() {
-    return !th_env_is("TOYHARNESS_CUDA_GROUP_SUM", "0");
-}
-
 // the bf16 kernels (fwd, bwd, dq) of `heads` heads (kv heads for the backward), WARPS warps a CTA
 template <int HD, int WARPS, bool B16>
 static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
@@ -1715,7 +1636,7 @@ static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_
         constexpr size_t smem = th_fwd_mma_smem<HD, WARPS>();
         TH_SET_SMEM_LIMIT((th_attn_fwd_mma_kernel<HD, WARPS, B16>), smem);
         th_attn_fwd_mma_kernel<HD, WARPS, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
-    } else if (kernel == TH_CUDA_ATTN_BWD && !th_env_is("TOYHARNESS_CUDA_ATTN_BWD", "rows")) {
+    } else if (kernel == TH_CUDA_ATTN_BWD) {
         constexpr size_t smem = th_bwd_chunk_smem<HD, WARPS>();
         constexpr int MINB = WARPS == 8 ? 2 : 4;
         if (a.group > 1) {
@@ -1725,15 +1646,6 @@ static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_
             TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16>), smem);
             th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
         }
-    } else if (kernel == TH_CUDA_ATTN_BWD) {
-        constexpr size_t smem = th_bwd_mma_smem<HD, WARPS>();
-        if (a.group > 1) {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, true, B16>), smem);
-            th_attn_bwd_mma_kernel<HD, WARPS, true, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
-        } else {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_mma_kernel<HD, WARPS, false, B16>), smem);
-            th_attn_bwd_mma_kernel<HD, WARPS, false, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
-        }
     } else {
         constexpr size_t smem = th_dq_mma_smem<HD, WARPS>();
         TH_SET_SMEM_LIMIT((th_attn_dq_mma_kernel<HD, WARPS, B16>), smem);
@@ -1741,19 +1653,15 @@ static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_
     }
 }
 
-// 8 warps a CTA (128 rows), or 4 where TOYHARNESS_CUDA_ATTENTION_ROWS=64 (the tiles before; the
-// same bits: toyharness/engine/program.py checks the value)
+// 8 warps a CTA (128 rows)
 // (q, k and v^T bf16, th_attention_inputs_bf16: the kernels' B16 instances; th_attention_supported
 // takes the three of one type)
 template <int HD>
 static void th_mma_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
-    const bool rows64 = th_env_is("TOYHARNESS_CUDA_ATTENTION_ROWS", "64");
     if (a.q.bf16) {
-        rows64 ? th_mma_launch_warps<HD, 4, true>(stream, kernel, a, heads)
-               : th_mma_launch_warps<HD, 8, true>(stream, kernel, a, heads);
+        th_mma_launch_warps<HD, 8, true>(stream, kernel, a, heads);
     } else {
-        rows64 ? th_mma_launch_warps<HD, 4, false>(stream, kernel, a, heads)
-               : th_mma_launch_warps<HD, 8, false>(stream, kernel, a, heads);
+        th_mma_launch_warps<HD, 8, false>(stream, kernel, a, heads);
     }
 }
 
@@ -1980,7 +1888,8 @@ static th_sdpa_shape th_sdpa_backward_of(const ggml_tensor * fwd, const th_atten
 static bool th_cudnn_takes(cudaStream_t stream, const ggml_tensor * fwd, const th_attention_params & ap) {
     char why[768] = "";
     const int64_t heads = fwd->ne[1];
-    const th_sdpa_shape forward = th_sdpa_of(fwd, ap, heads), backward = th_sdpa_backward_of(fwd, ap, heads);
+    th_sdpa_shape forward = th_sdpa_of(fwd, ap, heads), backward = th_sdpa_backward_of(fwd, ap, heads);
+    forward.refuse = backward.refuse = th_cuda_cudnn_mode == TH_CUDNN_REFUSE;
     return th_sdpa_prepare(stream, &forward, false, why, sizeof why) &&
            th_sdpa_prepare(stream, &backward, true, why, sizeof why);
 }
@@ -2131,7 +2040,7 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.dv = dst->src[7] != nullptr ? th_room_opd(dst->src[7], th_attention_map_of(dst, 1))
                                       : th_opd_at(a.scratch + T * HD, 1, T, per_head_floats, heads);
         // without grouped heads the kernels' loop over a group's heads compiles away (the same code as before)
-        if ((bf16 && ap.group > 1 && th_group_split()) || (tf32 && ap.group > 1)) {
+        if ((bf16 || tf32) && ap.group > 1) {
             th_attn_args per_head = a;                  // each query head's dK, dV into its scratch slot
             per_head.group = 1;
             per_head.dk = th_opd_at(a.scratch, HD, 1, per_head_floats, heads);

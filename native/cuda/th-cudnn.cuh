@@ -23,6 +23,7 @@ struct th_sdpa_shape {
     int causal;
     int inputs16;
     float scale;
+    int refuse;         // as if cuDNN refused the plans (TOYHARNESS_CUDNN_ATTENTION=refuse: tests the fallback)
 };
 
 #ifdef TH_CUDNN_ATTENTION
@@ -30,7 +31,7 @@ struct th_sdpa_shape {
 
 // Whether cuDNN takes an attention of shape `s`, forward or backward: its plan built (the first
 // time, outside a CUDA graph's capture) or found; false with `why` where cuDNN refuses it (or
-// cannot allocate its buffers, or TOYHARNESS_CUDNN_PLANS=refuse), said once on stderr and
+// cannot allocate its buffers, or s->refuse), said once on stderr and
 // remembered, so that the attention's every node runs on our kernels alike.
 TH_CUDNN_API bool th_sdpa_prepare(cudaStream_t stream, const th_sdpa_shape * s, bool backward, char * why,
                                   size_t why_size);

@@ -443,10 +443,8 @@ static __device__ __forceinline__ void th_reg_moments(const float (&v)[K], const
 }
 
 // the elements a lane holds of a row of n floats that the norms' kernels keep in registers (n =
-// 32 K), or 0: read from memory on each pass (other widths; TOYHARNESS_CUDA_NORM_ROWS=memory, read
-// at each launch so that a test can compare the two in one process)
+// 32 K), or 0: read from memory on each pass (other widths)
 static int th_norm_rows_k(const int64_t n) {
-    if (th_env_is("TOYHARNESS_CUDA_NORM_ROWS", "memory")) return 0;
     return n == 384 || n == 512 || n == 768 || n == 1024 ? (int) (n / 32) : 0;
 }
 

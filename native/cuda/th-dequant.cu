@@ -4,12 +4,12 @@
 // (the LoRA bench's 1B Q4_K base, 2.6 ms a pass). Ours gives a warp a block, each thread one
 // 16-byte store of eight adjacent values, eight blocks a CTA. Each value is ggml's expression
 // (d1 * q - m1 in fp32, rounded to nearest even bf16), so the bits are ggml's:
-// tests/test_cuda_kernels.py compares the two on random blocks (th_cuda_dequantize_bf16).
+// tests/test_precision.py compares the two on random blocks (th_cuda_dequantize_bf16).
 #include "th-precision.cuh"
 #include "dequantize.cuh"           // get_scale_min_k4, block_q4_K: ggml's
 
 extern "C" {
-#include "custom_ops.h"             // th_env_is
+#include "custom_ops.h"
 }
 
 #include <cuda_bf16.h>
@@ -45,11 +45,6 @@ static __global__ void th_dequant_q4_K_bf16_kernel(const block_q4_K * __restrict
     reinterpret_cast<uint4 *>(y)[32 * ib + t] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);   // values 256 ib + 8 t
 }
 
-static bool th_dequant_ours(void) {
-    static const bool ours = !th_env_is("TOYHARNESS_CUDA_DEQUANT", "ggml");    // "ggml": ggml's for every type
-    return ours;
-}
-
 static void th_dequantize_bf16_by(const ggml_type type, const void * src, __nv_bfloat16 * dst, const int64_t n,
                                   cudaStream_t stream, const bool ours) {
     if (ours && type == GGML_TYPE_Q4_K && n % QK_K == 0 && (uintptr_t) src % 8 == 0 && (uintptr_t) dst % 16 == 0) {
@@ -64,7 +59,7 @@ static void th_dequantize_bf16_by(const ggml_type type, const void * src, __nv_b
 
 void th_dequantize_bf16(const ggml_type type, const void * src, __nv_bfloat16 * dst, const int64_t n,
                         cudaStream_t stream) {
-    th_dequantize_bf16_by(type, src, dst, n, stream, th_dequant_ours());
+    th_dequantize_bf16_by(type, src, dst, n, stream, true);
 }
 
 // tests: n values of `type` (host bytes) dequantized to bf16 (host, as uint16) by ours (ours 1) or

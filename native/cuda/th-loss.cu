@@ -9,7 +9,6 @@
 //             cub's DeviceReduce::Sum as ggml's sum_f32_cuda sums them (its temporary storage in
 //             our scratch where ggml's is its pool)
 //   backward  each value's (exp(x - max) / sum - label) d / rows
-// tests/test_cuda_kernels.py compares them with ggml's nodes (TOYHARNESS_CUDA_CROSS_ENTROPY=ggml).
 #include "th-custom.cuh"
 #include "th-precision.cuh"         // th_scratch_for
 #include "common.cuh"               // warp_reduce_max, warp_reduce_sum, GGML_CUDA_USE_CUB: ggml's

@@ -198,8 +198,7 @@ static void th_to_bf16(cudaStream_t stream, const float * src, const float * con
 //
 // Bits. A copy is what the conversion writes into scratch (each element rounded to nearest even
 // on its own), at the same 256-byte alignment as the scratch's copies: cuBLAS sees the same
-// operands and picks the same algorithm. TOYHARNESS_BF16_REUSE=0 turns reuse off (every operand
-// converted by its product, as before): tests/test_precision.py compares the bits of the two.
+// operands and picks the same algorithm.
 //
 // A horizon (th_cuda_bf16_keep_nodes; 0 none; Program.bf16_horizon sets 256 nodes with
 // recompute_blocks or a frozen weight kept in its type): a copy also goes once the pass is past
@@ -236,12 +235,6 @@ static int th_graph_device = -1;
 static int th_prev_node = -1;                       // index of the last node that may call cuBLAS
 static const ggml_tensor * th_node = nullptr;       // the node computing now (when in th_graph)
 static bool th_reuse = false;
-// TOYHARNESS_BF16_TRACE=1: a line on stderr for each operand a bf16 product converts (not a kept
-// copy): the product, the source tensor it reads and that tensor's op, the shape converted. Which
-// writers could write a copy for their readers shows here.
-static bool th_trace = false;
-static bool th_writer_copies = true;                // TOYHARNESS_BF16_WRITER_COPIES=0: none (th_copy_for_writer)
-static bool th_copies_alone = true;                 // TOYHARNESS_BF16_COPY_ALONE=0: f32 always written too
 // A writer writing its copy alone (th_copy_for_writer), this pass: its bytes and the later nodes
 // reading them that have not computed yet
 struct th_alone {
@@ -440,7 +433,7 @@ static void th_alone_readers_served(void) {
     for (const th_alone & w : th_alones) {
         if (std::find(w.readers.begin(), w.readers.end(), th_node) != w.readers.end()) {
             GGML_ABORT("toyharness: node %s read %s's values, which were written as their bf16 copy alone, without "
-                       "that copy (set TOYHARNESS_BF16_COPY_ALONE=0 to write both)", th_node->name, w.writer->name);
+                       "that copy", th_node->name, w.writer->name);
         }
     }
 }
@@ -464,11 +457,8 @@ void th_cuda_graph_begin(const ggml_cgraph * graph) {
         if (c.device == device) c.free.assign(1, {0, c.bytes});
     }
     const char * streams = getenv("GGML_CUDA_GRAPH_OPT");       // nodes on several streams: no reuse
-    th_reuse = !th_env_is("TOYHARNESS_BF16_REUSE", "0") && !(streams != nullptr && atoi(streams) == 1);
+    th_reuse = !(streams != nullptr && atoi(streams) == 1);
     th_graph = th_reuse ? graph : nullptr;
-    th_writer_copies = !th_env_is("TOYHARNESS_BF16_WRITER_COPIES", "0");
-    th_copies_alone = !th_env_is("TOYHARNESS_BF16_COPY_ALONE", "0");
-    th_trace = th_env_is("TOYHARNESS_BF16_TRACE", "1");
 }
 
 void th_cuda_graph_end(void) { th_reuse_end(); }
@@ -537,18 +527,6 @@ static const ggml_tensor * th_source_holding(const uintptr_t lo, const uintptr_t
     return nullptr;
 }
 
-// the trace's line for an operand th_copy_of converts (TOYHARNESS_BF16_TRACE=1)
-static void th_trace_conversion(const float * src, const int rows, const int cols, const int ld, const int count,
-                                const bool inside) {
-    const ggml_tensor * from = th_source_holding((uintptr_t) src, (uintptr_t) src + 1);
-    const char * ours = th_cuda_kernel_name_of(th_kernel_of(th_node));
-    const char * from_ours = from != nullptr ? th_cuda_kernel_name_of(th_kernel_of(from)) : nullptr;
-    fprintf(stderr, "toyharness bf16 convert: %s (%s) reads %s (%s) %dx%d ld %d x%d%s\n", th_node->name,
-            ours != nullptr ? ours : ggml_op_desc(th_node), from != nullptr ? from->name : "?",
-            from_ours != nullptr ? from_ours : from != nullptr ? ggml_op_desc(from) : "-", rows, cols, ld, count,
-            inside ? "" : " (not a source's memory)");
-}
-
 // whether `count` rows x cols matrices (leading dimension ld, each `stride` floats after the one
 // before) are floats in order, with no gap
 static bool th_packed(const int rows, const int cols, const int ld, const int count, const long long stride) {
@@ -587,10 +565,9 @@ static const __nv_bfloat16 * th_copy_of(cudaStream_t stream, const float * src, 
     for (const th_alone & w : th_alones) {   // a copy-alone tensor's f32 bytes, never written: loudly
         if (w.lo < hi && lo < w.hi) {
             GGML_ABORT("toyharness: node %s reads %s's values otherwise than through their bf16 copy, which was "
-                       "written alone (set TOYHARNESS_BF16_COPY_ALONE=0 to write both)", th_node->name, w.writer->name);
+                       "written alone", th_node->name, w.writer->name);
         }
     }
-    if (th_trace) th_trace_conversion(src, rows, cols, ld, count, inside);
     if (!inside) return nullptr;
     const size_t bytes = ((size_t) rows * cols * count * sizeof(__nv_bfloat16) + 255) & ~(size_t) 255;
     int chunk = 0;
@@ -635,7 +612,7 @@ static bool th_reads_copies(const ggml_tensor * u) {
 static bool th_copy_alone_ok(const ggml_tensor * dst, const uintptr_t lo, const uintptr_t hi,
                              std::vector<const ggml_tensor *> & readers) {
     const int32_t kept = GGML_TENSOR_FLAG_INPUT | GGML_TENSOR_FLAG_OUTPUT | GGML_TENSOR_FLAG_PARAM | GGML_TENSOR_FLAG_LOSS;
-    if (!th_copies_alone || th_keep_nodes > 0 || (dst->flags & kept) != 0 || dst->view_src != nullptr) return false;
+    if (th_keep_nodes > 0 || (dst->flags & kept) != 0 || dst->view_src != nullptr) return false;
     ggml_cgraph * graph = (ggml_cgraph *) th_graph;
     bool dropped = false;                // a node that drops every copy has computed
     for (int i = th_prev_node + 1; i < ggml_graph_n_nodes(graph); i++) {
@@ -659,18 +636,17 @@ static bool th_copy_alone_ok(const ggml_tensor * dst, const uintptr_t lo, const 
 // another shape converts them again: the copy is then only memory). The writer rounds each value to nearest even as th_to_bf16 would (the same
 // bits); the copy is kept as a converted one is, and goes as one does when its bytes are written
 // (the writer's own writes aside). nullptr: none wanted or no memory (the writer writes f32 alone).
-// Not counted as a conversion (a product that uses it counts a reuse). TOYHARNESS_BF16_WRITER_COPIES=0:
-// none (every such operand converted by its first product, as before).
+// Not counted as a conversion (a product that uses it counts a reuse).
 // *alone (where given): the writer writes the copy alone, not its f32 values (th_copy_alone_ok:
 // only products read them, each through this copy); a writer that cannot write the copy alone
-// passes nullptr. TOYHARNESS_BF16_COPY_ALONE=0: never alone.
+// passes nullptr.
 // `written` (where given): a tensor other than dst that dst's kernel writes (the attention
 // backward's rooms for dK and dV), whose copy this is; dst stays its writer.
 __nv_bfloat16 * th_copy_for_writer(cudaStream_t stream, const ggml_tensor * writer, bool * alone,
                                    const ggml_tensor * written) {
     if (alone != nullptr) *alone = false;
     const ggml_tensor * dst = written != nullptr ? written : writer;
-    if (!th_writer_copies || th_precision_current != TH_PRECISION_BF16 || th_node != writer || dst->data == nullptr ||
+    if (th_precision_current != TH_PRECISION_BF16 || th_node != writer || dst->data == nullptr ||
         dst->type != GGML_TYPE_F32 || !ggml_is_contiguous(dst) || dst->ne[0] > INT_MAX || ggml_nrows(dst) > INT_MAX) {
         return nullptr;
     }

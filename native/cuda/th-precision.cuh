@@ -38,7 +38,7 @@ void th_cuda_graph_end(void);
 // or a type ggml-cuda dequantizes to bf16 (f16, the quantized ones)
 bool th_frozen_type_ok(ggml_type type);
 // a frozen weight's n values of `type` as bf16 on `stream` (th-dequant.cu): ggml-cuda's
-// dequantizer's bits, by our kernel for Q4_K (TOYHARNESS_CUDA_DEQUANT=ggml: ggml's for every type)
+// dequantizer's bits, by our kernel for Q4_K
 void th_dequantize_bf16(ggml_type type, const void * src, __nv_bfloat16 * dst, int64_t n, cudaStream_t stream);
 // C (m x n, of type ct: fp32, or bf16 rounded once from the fp32 sums) = op(W) op(B) at bf16, W a
 // frozen weight of another type than f32 (ne [K, N], contiguous: column-major K x N, leading

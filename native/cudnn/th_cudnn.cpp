@@ -112,8 +112,8 @@ th_plan * th_refuse(const std::vector<int64_t> & key, const bool remember, const
 }
 
 // the plan of (backward, s) on this device, built and its buffers allocated at the first call;
-// nullptr with `why` where cuDNN refuses it (or TOYHARNESS_CUDNN_PLANS=refuse, which stands in for
-// a refusal in tests)
+// nullptr with `why` where cuDNN refuses it (or s.refuse: TOYHARNESS_CUDNN_ATTENTION=refuse, which
+// stands in for a refusal in tests)
 th_plan * th_plan_of(cudaStream_t stream, const th_sdpa_shape & s, const bool backward, cudnnHandle_t * handle,
                      char * why, const size_t why_size) {
     int device = 0;
@@ -121,9 +121,8 @@ th_plan * th_plan_of(cudaStream_t stream, const th_sdpa_shape & s, const bool ba
     std::lock_guard<std::mutex> lock(th_plans_mutex);
     const std::vector<int64_t> key = th_key(device, backward, s);
     const char * what = backward ? "backward" : "forward";
-    const char * plans = getenv("TOYHARNESS_CUDNN_PLANS");
-    if (plans != nullptr && strcmp(plans, "refuse") == 0) {
-        snprintf(why, why_size, "cuDNN's plans refused (TOYHARNESS_CUDNN_PLANS=refuse): the attention %s (B %lld, "
+    if (s.refuse) {
+        snprintf(why, why_size, "cuDNN's plans refused (TOYHARNESS_CUDNN_ATTENTION=refuse): the attention %s (B %lld, "
                  "H %lld, kv heads %lld, T %lld, D %lld)", what, (long long) s.B, (long long) s.H, (long long) s.Hk,
                  (long long) s.T, (long long) s.D);
         return th_refuse(key, false, why);

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from toyharness.engine import blocks
-from toyharness.init import lcg_scaled
+from toyharness.seeded_init import lcg_scaled
 from toyharness.lm import LMOptions, LMRecipe
 from toyharness.options import choice, positive
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from toyharness.architectures import DecoderShape, Layer
 from toyharness.architectures.llama import llama_forward  # noqa: F401 (warm_start's too)
-from toyharness.init import normal
+from toyharness.seeded_init import normal
 from toyharness.lm import LMOptions, LMRecipe
 from toyharness.options import choice, positive
 

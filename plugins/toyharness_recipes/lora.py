@@ -27,7 +27,7 @@ from toyharness.engine import GGUFFile, blocks, write_gguf
 from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
-from toyharness.init import normal
+from toyharness.seeded_init import normal
 from toyharness.lm import LMOptions, LMRecipe, seeded_model_file
 from toyharness.options import CONVENTIONS, choice, positive
 
@@ -44,7 +44,7 @@ ARCH_GOLDEN_BASES = {
 
 @dataclass
 class LoRAOptions(LMOptions):
-    # the memory plan halves these too when it says what would shrink a run (toyharness/memory_plan.py)
+    # the memory plan halves these too when it says what would shrink a run (toyharness/engine/memory_plan.py)
     plan_sizes: ClassVar[tuple[str, ...]] = ("rank",)
     base: str = ""
     rank: int = positive(8)

@@ -22,7 +22,7 @@ import numpy as np
 from toyharness.engine import blocks, write_gguf
 from toyharness.hookspecs import hookimpl
 from toyharness.images import load_image_data
-from toyharness.init import normal
+from toyharness.seeded_init import normal
 from toyharness.options import Options, choice, positive
 
 LN_EPS = 1e-5

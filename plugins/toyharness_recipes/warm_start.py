@@ -20,9 +20,9 @@ from toyharness.engine import GGUFFile, blocks
 from toyharness.engine.gguf_io import GGUFError
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
-from toyharness.init import normal
 from toyharness.lm import LanguageModel
 from toyharness.options import choice, positive
+from toyharness.seeded_init import normal
 from toyharness_recipes.llama import Llama, LlamaOptions, llama_forward, llama_shape
 
 

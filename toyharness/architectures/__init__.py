@@ -106,10 +106,10 @@ def example_shape(arch: str, n_layer: int = 2, d_model: int = 64, n_head: int = 
 
 
 def example_tensors(s: DecoderShape, seed: int = 7, std: float = 0.1) -> dict[str, np.ndarray]:
-    """Seeded weights for every tensor of `s` (the xorshift normal stream of toyharness.init):
+    """Seeded weights for every tensor of `s` (the xorshift normal stream of toyharness.seeded_init):
     matrices N(0, std), norm gains 1 + N(0, 0.1) (so that a misplaced gain shows), biases
     N(0, 0.1), and Llama 3.2's rope frequency table where the shape has one."""
-    from ..init import normal, with_values
+    from ..seeded_init import normal, with_values
 
     arch = ARCHITECTURES[s.arch]
     out = {}

@@ -35,7 +35,7 @@ from .procs import _ask, _reply, _spawn, peak_rss_mb
 
 # Pause before each block of steps: OpenMP threads of the side that just ran spin-wait for a
 # while after their last parallel region; on 2 cores they would steal the other side's time.
-SETTLE_S = float(os.environ.get("TOYHARNESS_BENCH_SETTLE", "0.3"))
+SETTLE_S = 0.3
 # Round medians of one side further apart than this, and `bench` says the machine's speed moved.
 DRIFT = 0.2
 TORCH_WORKER = "toyharness.bench.torch_side:torch_worker"    # imported in its own process only

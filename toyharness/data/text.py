@@ -43,7 +43,7 @@ def synthetic_corpus_bytes(n_words: int = 12000) -> bytes:
     """Pseudo-English from a fixed word list and our seeded LCG: the same bytes on every machine
     and Python version. The goldens train on it; the default corpus (pydoc_data.topics) changes
     with the Python version."""
-    from ..init import lcg_uniform
+    from ..seeded_init import lcg_uniform
 
     u = lcg_uniform(20241121, "synthetic corpus", 2 * n_words)
     words = np.array(SYNTHETIC_WORDS)[(u[0::2] * len(SYNTHETIC_WORDS)).astype(np.int64)]

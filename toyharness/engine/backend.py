@@ -8,6 +8,7 @@ import re
 
 from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
+from ..switches import switch
 
 KNOWN_BACKENDS = ("cpu", "cuda", "vulkan", "metal")
 PORTABLE_FINGERPRINT = "cpu-portable"   # the same bits on every CPU (Engine.set_portable)
@@ -40,7 +41,7 @@ class Engine:
         self.set_threads(threads)
         self.portable = False
         self.precision = "fp32"
-        # While a memory plan is made (toyharness/memory_plan.py), programs made on this engine
+        # While a memory plan is made (toyharness/engine/memory_plan.py), programs made on this engine
         # record what they would allocate instead of allocating it.
         self.planner = None
 
@@ -115,7 +116,7 @@ def build_simd() -> str:
 def blas_kernel() -> str:
     """The BLAS that computes the cpu fast path's f32 products, as the header of `bench` names it:
     OpenBLAS's kernel (its `get_corename`), and OPENBLAS_CORETYPE when set (that forces the kernel,
-    e.g. Haswell on an AVX-512 CPU); "none" with the cpu kernels off (TOYHARNESS_CPU_KERNELS=0)."""
+    e.g. Haswell on an AVX-512 CPU); "none" where scipy-openblas32 is not installed."""
     if blas is None:
         return "none (ggml's own kernels)"
     forced = os.environ.get("OPENBLAS_CORETYPE")
@@ -151,7 +152,7 @@ def check_precision(backend: str, precision: str) -> None:
 
 
 def _cuda_arch_tag() -> str:
-    arch = os.environ.get("TOYHARNESS_CUDA_ARCH", "90")
+    arch = switch("TOYHARNESS_CUDA_ARCH")
     return f"sm{arch}"
 
 

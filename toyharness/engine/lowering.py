@@ -4,7 +4,7 @@ into ops it does, in place, after the backward is built.
 Chosen by what the backend declares, never by its name: a node is lowered only where the
 declarations say no, and a rewrite is used only where the declarations say yes to every node it
 adds (else the next rewrite of that op is tried; with none left the node stays, and the program's
-support check names it). `TOYHARNESS_LOWERING=metal` adds the pinned ggml-metal's declarations
+support check names it). Program.lowering_target "metal" (set by tests) adds the pinned ggml-metal's declarations
 (toyharness/engine/metal_ops.py, a port of ggml_metal_device_supports_op) to the backend's own, so
 that cpu and vulkan compute the graphs a Mac would run.
 
@@ -26,31 +26,19 @@ The rewrites (ggml's semantics, f32 only):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 
 from .._ffi import GGML_TYPE_F32, ffi, lib
-from ..errors import InputError
 
 Declares = Callable[[object], bool]     # ggml_tensor * -> does the backend declare this node?
 MAX_ONEHOT_VOCAB = 8192                 # GET_ROWS_BACK's identity constant: V^2 floats at most 256 MB
-TARGETS = ("", "none", "metal")
 _NO_COMPUTE = ("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 
 
 class Unlowerable(Exception):
     """A rewrite that does not apply to this node (shape, type, parameters)."""
-
-
-def lowering_target() -> str:
-    """TOYHARNESS_LOWERING: "metal" lowers for ggml-metal's declarations too; else "" (the
-    backend's own declarations alone)."""
-    choice = os.environ.get("TOYHARNESS_LOWERING", "").strip().lower()
-    if choice not in TARGETS:
-        raise InputError(f"TOYHARNESS_LOWERING={choice!r}: use metal or none")
-    return "" if choice == "none" else choice
 
 
 def op_name(t) -> str:

@@ -1,7 +1,7 @@
 """What the pinned ggml-metal declares: a port of `ggml_metal_device_supports_op` (and the
 `ggml_metal_supports_mul_mat_op` it calls) from ggml 0.25.3's `src/ggml-metal/ggml-metal-device.m`,
 for the ops and types a toyharness graph can hold. Nobody here runs Metal: this is how
-`TOYHARNESS_LOWERING=metal` and tests/test_metal_lowering.py know which nodes a Mac would refuse.
+Program.lowering_target "metal" and tests/test_metal_lowering.py know which nodes a Mac would refuse.
 
 The device is taken to be an Apple GPU of family Apple7 or later (M1 and after): simdgroup
 reductions and simdgroup matrix products, and no bfloat (the conservative answer: M1 lacks it).

@@ -18,7 +18,6 @@ sampling) can share nodes safely.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -30,16 +29,16 @@ from .._ffi import (
     GGML_TYPE_F16,
     GGML_TYPE_F32,
     GGML_TYPE_I32,
-    cpu_kernels,
     cuda_kernels_built,
     ffi,
     lib,
+    pass_switches,
 )
 from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import BackendError, InputError, ShapeError
-from ..memory_plan import allocation_failed, ggml_quiet, graph_buffer_bytes
+from .allocation import allocation_failed, ggml_quiet, graph_buffer_bytes
 from .backend import Engine
-from .lowering import Lowering, declares_for, lowering_target
+from .lowering import Lowering, declares_for
 from .tensor import Tensor
 
 GGML_FLAG_PARAM = 4
@@ -111,14 +110,6 @@ class CrossEntropy:
     targets: str
 
 
-def column_sums_as_products(backend: str) -> bool:
-    """See Program.column_sums_as_products: on cuda unless TOYHARNESS_COLUMN_SUMS says."""
-    choice = os.environ.get("TOYHARNESS_COLUMN_SUMS", "")
-    if choice not in ("", "product", "repeat_back"):
-        raise InputError(f"TOYHARNESS_COLUMN_SUMS={choice!r}: use product or repeat_back")
-    return choice == "product" if choice else backend == "cuda"
-
-
 # The bf16 copies' horizon (Program.bf16_horizon): with recompute_blocks a block's recomputed
 # forward and its backward are within 200 nodes of each other in a llama block's training graph
 # (LoRA over a Q4_K base: a frozen weight's copy is used at most 172 nodes apart there, by the
@@ -128,88 +119,21 @@ def column_sums_as_products(backend: str) -> bool:
 # through the pass) where converting them again costs about 3% of the step.
 BF16_KEEP_NODES = 256
 
-
-def bf16_keep_nodes() -> int | None:
-    """TOYHARNESS_BF16_KEEP_NODES (nodes, 0 for no horizon) where set, else None."""
-    raw = os.environ.get("TOYHARNESS_BF16_KEEP_NODES", "")
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise InputError(f"TOYHARNESS_BF16_KEEP_NODES={raw!r}: a count of nodes (0: no horizon)")
-    return int(raw)
-
-
-def fused_attention() -> int:
-    """How the cuda rewrite takes attention (th_cuda_rewrite's flag): fused (native/cuda/
-    th-attention.cu) with grouped-query heads' kv heads read in place (3), unless
-    TOYHARNESS_CUDA_ATTENTION=repeat (fused, the kv heads repeated by ggml's REPEAT nodes and their
-    gradients summed by REPEAT_BACK, as before: 1; the same bits) or ggml (ggml's nodes: 0;
-    comparisons, tests)."""
-    choice = os.environ.get("TOYHARNESS_CUDA_ATTENTION", "")
-    if choice not in ("", "fused", "repeat", "ggml"):
-        raise InputError(f"TOYHARNESS_CUDA_ATTENTION={choice!r}: use fused, repeat or ggml")
-    return {"": 3, "fused": 3, "repeat": 1, "ggml": 0}[choice]
-
-
-# The cuda kernels' comparison switches: environment variables that native/ reads (th_env_is) to
-# take the kernel before ours, or another form of ours, with the values each takes (its default
-# first, except the attention's rows, named in ascending order). Checked where a program starts
-# (check_switches), where a mistyped value can be named instead of ignored.
-CUDA_SWITCHES: dict[str, tuple[str, ...]] = {
-    "TOYHARNESS_CUDA_ATTENTION_ROWS": ("64", "128"),    # rows a CTA of the bf16 attention (128: 8 warps)
-    "TOYHARNESS_CUDA_ATTN_BWD": ("chunks", "rows"),     # the bf16 backward by 16 queries, or a step's 64
-    "TOYHARNESS_CUDA_GROUP_SUM": ("1", "0"),            # grouped heads' bf16 backward split by query head
-    "TOYHARNESS_CUDA_TF32_ATTENTION": ("tensor", "fp32"),   # tf32's attention on tensor cores, or fp32's
-    "TOYHARNESS_CUDA_CROSS_ENTROPY": ("ours", "ggml"),
-    "TOYHARNESS_CUDA_SWIGLU": ("ours", "ggml"),
-    "TOYHARNESS_CUDA_SILU_BACK": ("ours", "ggml"),
-    # a norm (and a residual's sum before it) computed by its gain's (and bias's) kernel, or the sum
-    # apart (norm), or all three apart (separate)
-    "TOYHARNESS_CUDA_NORM_AFFINE": ("fused", "norm", "separate"),
-    "TOYHARNESS_CUDA_NORM_ROWS": ("registers", "memory"),   # the norms' rows held in registers (384-1024 wide)
-    # LayerNorm's gain's gradient summed by its backward, or by a COLUMN_DOT of its own
-    "TOYHARNESS_CUDA_GAIN_SUMS": ("fused", "separate"),
-    # at bf16 LayerNorm's bias's gradient summed by its backward too, or by a bf16 product of its own
-    "TOYHARNESS_CUDA_BIAS_SUMS": ("fused", "separate"),
-    "TOYHARNESS_CUDA_DEQUANT": ("ours", "ggml"),
-    "TOYHARNESS_BF16_REUSE": ("1", "0"),                # bf16 operand copies kept for later products
-    "TOYHARNESS_BF16_WRITER_COPIES": ("1", "0"),
-    "TOYHARNESS_BF16_COPY_ALONE": ("1", "0"),           # a writer read only by products writes its bf16 copy alone
-    "TOYHARNESS_BF16_SWIGLU": ("bf16", "f32"),
-    "TOYHARNESS_BF16_GELU": ("bf16", "f32"),             # a GELU's input product kept in bf16 at bf16
-    "TOYHARNESS_BF16_ATTENTION_INPUTS": ("bf16", "f32"),   # attention's q, k, v products kept in bf16 at bf16
-    "TOYHARNESS_CUDNN_ATTENTION": ("1", "0"),          # bf16 attention on cuDNN's, where the build has it
-    "TOYHARNESS_CUDNN_PLANS": ("build", "refuse"),     # refuse: as cuDNN may refuse plans (tests the fallback)
-    "TOYHARNESS_BF16_TRACE": ("0", "1"),                # a stderr line for each operand a bf16 product converts
-}
-
-
-# The cpu kernels' comparison switches that the Python side reads, checked the same way.
-CPU_SWITCHES: dict[str, tuple[str, ...]] = {
-    "TOYHARNESS_CPU_KV_IN_PLACE": ("1", "0"),           # grouped kv heads read in place, or repeated
-}
-
-
-def check_switches() -> None:
-    """Each of CUDA_SWITCHES and CPU_SWITCHES that is set holds one of its values (InputError naming
-    it if not)."""
-    for name, values in {**CUDA_SWITCHES, **CPU_SWITCHES}.items():
-        raw = os.environ.get(name, "")
-        if raw and raw not in values:
-            raise InputError(f"{name}={raw!r}: use {' or '.join(values)}")
-
-
-def attention_rows() -> int:
-    """Rows a CTA of the bf16 attention kernels takes on cuda (native/cuda/th-attention.cu reads
-    TOYHARNESS_CUDA_ATTENTION_ROWS): 128 (8 warps), or 64 (4 warps, the tiles before; the same
-    bits; checked by check_switches)."""
-    return int(os.environ.get("TOYHARNESS_CUDA_ATTENTION_ROWS", "") or 128)
+# th_cuda_rewrite's flag for attention: fused (native/cuda/th-attention.cu), grouped-query heads'
+# kv heads read in place
+FUSED_ATTENTION = 3
 
 
 _KEPT_DEVICE_MEMORY: list = []   # see Program.close
 
 
 class Program:
+    # Declarations the graphs are lowered for besides the backend's own (engine/lowering.py): "" or
+    # "metal", the pinned ggml-metal's; tests/test_metal_lowering.py sets it on a machine without
+    # metal, where the graphs are then built as on a device (no cpu stand-ins or custom nodes) and
+    # hold only ops metal declares.
+    lowering_target = ""
+
     def __init__(self, engine: Engine, capacity: int = 1 << 16):
         self.engine = engine
         # The largest graph (nodes) this program builds; its compute context is reserved for
@@ -244,34 +168,31 @@ class Program:
         self._gemm_rewritten: set = set()
         self._constants: dict[str, Tensor] = {}
         # Whether native/cpu_kernels.c stands in for ggml's kernels in this program's graphs
-        # (cpu, unless TOYHARNESS_CPU_KERNELS=0). Blocks may then build stand-in nodes that only
+        # (cpu). Blocks may then build stand-in nodes that only
         # these kernels compute right (blocks.gelu_tanh); set before building any graph.
         # The portable golden mode (Engine.set_portable): every node to native/portable_kernels.c,
         # and blocks build no stand-ins (they compose GELU, LayerNorm's centring and biases from
         # plain ops, each of which has a portable kernel).
         self.portable = engine.is_cpu and engine.portable
-        self.cpu_kernels = engine.is_cpu and cpu_kernels and not self.portable
+        self.cpu_kernels = engine.is_cpu and not self.portable
         # With them, whether a Trainer folds products into the ADDs that read them (th_cpu_fold;
-        # TOYHARNESS_CPU_FOLDS=0 keeps them apart, for comparison)
-        self.cpu_folds = self.cpu_kernels and os.environ.get("TOYHARNESS_CPU_FOLDS", "1") != "0"
+        # tests turn it off to see the nodes as built)
+        self.cpu_folds = self.cpu_kernels
         # Whether our kernels inside ggml-cuda take GELU's and LayerNorm's stand-ins and the
-        # nodes native/cuda_rewrite.c folds (TOYHARNESS_CPU_KERNELS=0 leaves every node to ggml
-        # there too)
-        self.cuda_kernels = engine.backend == "cuda" and cpu_kernels and cuda_kernels_built()
+        # nodes native/cuda_rewrite.c folds
+        self.cuda_kernels = engine.backend == "cuda" and cuda_kernels_built()
+        if self.cuda_kernels:
+            pass_switches()
         # The lowering (engine/lowering.py): nodes the backend does not declare become ops it does.
-        # TOYHARNESS_LOWERING=metal adds the pinned ggml-metal's declarations: the graphs are then
-        # built as on a device (no cpu stand-ins or custom nodes) and hold only ops metal declares.
-        self.lowering_target = lowering_target()
         if self.lowering_target:
             if self.portable:
-                raise BackendError("TOYHARNESS_LOWERING is not for the portable mode (its kernels are custom nodes)")
+                raise BackendError("the metal lowering is not for the portable mode (its kernels are custom nodes)")
             self.cpu_kernels = self.cuda_kernels = False
         self.lowering = Lowering(self, declares_for(engine, self.lowering_target))
         # With the cpu kernels (not under a lowering), whether attention's products read each
         # shared kv head in place for its group of query heads (blocks.attention) instead of
-        # ggml's REPEAT copying it per query head; TOYHARNESS_CPU_KV_IN_PLACE=0 keeps the copies,
-        # for comparison (the same bits)
-        self.kv_in_place = self.cpu_kernels and os.environ.get("TOYHARNESS_CPU_KV_IN_PLACE", "1") != "0"
+        # ggml's REPEAT copying it per query head
+        self.kv_in_place = self.cpu_kernels
         # Whether cross_entropy builds its one-hot targets in the graph (FILL, then SET_ROWS of
         # ones at the flat indices) instead of uploading them: on cuda a step's upload of
         # rows x vocab floats (200 MB for 1024 tokens of a 49152-token vocabulary) was 40% of
@@ -282,19 +203,8 @@ class Program:
         # every row: 5.4 ms per gain at nanoGPT's size on an H100, half of a step. Blocks then
         # broadcast over a matrix (blocks.add_bias, scale_columns) and the Trainer turns those
         # REPEAT_BACK nodes into OUT_PROD(grad, ones) (same sum, one gemv-shaped product).
-        # TOYHARNESS_COLUMN_SUMS=product|repeat_back chooses on any backend (tests, comparisons).
-        self.column_sums_as_products = column_sums_as_products(engine.backend)
-        # Whether a Trainer keeps each parameter's gradient as the graph output that computes it
-        # (not in an accumulator: see Trainer). On every backend: an accumulator costs an ADD of
-        # the gradient into zeros per parameter and a clear of them all per step (on cuda launches;
-        # on the cpu two passes over every gradient, within the noise of a step at nano: issue 34),
-        # and adding a gradient to zeros changes no bit of it.
-        # TOYHARNESS_GRAD_ACCUMULATORS=1 keeps them (comparisons).
-        self.grads_as_outputs = os.environ.get("TOYHARNESS_GRAD_ACCUMULATORS", "0") != "1"
-        # on cuda, attention's nodes become our fused kernels (see fused_attention)
-        self.fused_attention = fused_attention()
-        check_switches()
-        self.attention_rows = attention_rows()
+        # Tests set it on the cpu to check the product form there.
+        self.column_sums_as_products = engine.backend == "cuda"
         # the precision of this program's matrix products (Engine.set_precision): on cuda each
         # product node is stamped with it after the rewrite (native/cuda_precision.c)
         self.precision = engine.precision
@@ -303,14 +213,11 @@ class Program:
         # bf16, dequantized by ggml-cuda's converters, with no f32 copy of it (Tensor.matmul_t)
         self.frozen_bf16 = self.cuda_kernels and self.precision == "bf16"
         self.last_compute_s = 0.0
-        # Set while a memory plan is made (toyharness/memory_plan.py): persistent tensors and graph
+        # Set while a memory plan is made (toyharness/engine/memory_plan.py): persistent tensors and graph
         # buffers are then measured, never allocated, and parameter values are never copied.
         self.planner = engine.planner
         # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
         self.recompute = None
-        # The bf16 operand copies' horizon in nodes on cuda where the environment sets it (else
-        # bf16_horizon's default), read here so that a bad value is refused before any work
-        self.bf16_keep_nodes = bf16_keep_nodes()
         # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
         self.kv_cache = None
         # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
@@ -763,13 +670,10 @@ class Program:
     @property
     def bf16_horizon(self) -> int:
         """The bf16 operand copies' horizon in nodes on cuda (native/cuda/th-precision.cu,
-        th_cuda_bf16_keep_nodes; 0: a copy lives while its bytes are not written), set before each
-        compute since the copies are the process's: TOYHARNESS_BF16_KEEP_NODES where set, else
-        BF16_KEEP_NODES where blocks are recomputed (a block's forward converts its operands again
-        just before its backward) or a frozen weight stays in its type (a LoRA base: its bf16
-        copies would live from the forward to the backward), else none."""
-        if self.bf16_keep_nodes is not None:
-            return self.bf16_keep_nodes
+        th_cuda_bf16_keep_nodes; 0: a copy lives while its bytes are not written), set before each compute
+        since the copies are the process's: BF16_KEEP_NODES where blocks are recomputed (a block's forward
+        converts its operands again just before its backward) or a frozen weight stays in its type (a LoRA
+        base: its bf16 copies would live from the forward to the backward), else none."""
         return BF16_KEEP_NODES if self.recompute is not None or self.frozen_in_type else 0
 
     @property
@@ -798,7 +702,7 @@ class Program:
             elif self.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
                 raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                    "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
-            elif self.cuda_kernels and lib.th_cuda_rewrite(graph, self.fused_attention | (4 if recomputed else 0)) < 0:
+            elif self.cuda_kernels and lib.th_cuda_rewrite(graph, FUSED_ATTENTION | (4 if recomputed else 0)) < 0:
                 raise RuntimeError("a stand-in node could not take its cuda kernel, an attention's backward "
                                    "could not follow its fused forward, the graph holds a node another one "
                                    "writes but not that one, or it reads a LayerNorm output that the forward "
@@ -833,7 +737,7 @@ class Program:
 
     def _check_supported(self, graph) -> None:
         """ggml aborts on an op its backend lacks: name the op instead, before any compute
-        (with TOYHARNESS_LOWERING=metal, the ops ggml-metal lacks too)."""
+        (with Program.lowering_target "metal", the ops ggml-metal lacks too)."""
         if self.engine.is_cpu and not self.lowering_target:
             return
         missing = {}
@@ -924,13 +828,12 @@ _VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 class Trainer:
     """Forward, backward and one AdamW step per trainable tensor, fed by a 7-float row.
 
-    Every parameter's gradient is the (contiguous) node that computes it, a graph output
-    (Program.grads_as_outputs; with TOYHARNESS_GRAD_ACCUMULATORS=1 a persistent accumulator,
-    contiguous, so AdamW reads it with the right strides even for a parameter used only through a
-    transpose). `grad_acc` holds them by name, valid after a step or `grads_only` until another
-    graph of the program is computed (the compute buffer they are in is then reused). The first step
-    after construction does a full reset (gradients and moments); later steps reset gradients
-    only, so the moments carry over.
+    Every parameter's gradient is the (contiguous) node that computes it, a graph output, not an
+    accumulator: an accumulator cost an ADD of the gradient into zeros per parameter and a clear of them
+    all per step, and adding a gradient to zeros changes no bit of it. `grad_acc` holds them by name,
+    valid after a step or `grads_only` until another graph of the program is computed (the compute
+    buffer they are in is then reused). The first step after construction does a full reset (gradients
+    and moments); later steps reset gradients only, so the moments carry over.
     """
 
     def __init__(self, prog: Program, loss: CrossEntropy, convention: str):
@@ -947,24 +850,19 @@ class Trainer:
         for t in roots:
             lib.ggml_build_forward_expand(gf, t.ptr)
         n = lib.ggml_graph_n_nodes(gf)
-        # Persistent gradient accumulators for the loss (one left to the graph allocator is
-        # overwritten after step 0 and training silently stalls) and, with
-        # TOYHARNESS_GRAD_ACCUMULATORS=1, for every parameter, in a backend buffer of their own:
-        # one clear zeroes them all. Otherwise a parameter's gradient is the node that computes it,
-        # kept as a graph output:
-        # an accumulator cost an ADD node per parameter and a clear per step (on cuda 16 nodes
-        # a GPT-2 layer), and adding a gradient to zeros changes no bit of it.
+        # A persistent gradient accumulator for the loss, in a backend buffer of its own (one left
+        # to the graph allocator is overwritten after step 0 and training silently stalls); a
+        # parameter's gradient is the node that computes it, kept as a graph output.
         prog.allocate()
         accs = ffi.new("ggml_tensor *[]", n)
         self.grad_acc: dict[str, Tensor] = {}
-        self._grads_direct = prog.grads_as_outputs
         reached = set()
         for i in range(n):
             node = lib.ggml_graph_node(gf, i)
             flags = lib.th_tensor_flags(node)
             if flags & (GGML_FLAG_PARAM | GGML_FLAG_LOSS):
                 name = ffi.string(lib.ggml_get_name(node)).decode()
-                if flags & GGML_FLAG_PARAM and self._grads_direct:
+                if flags & GGML_FLAG_PARAM:
                     reached.add(name)
                     continue
                 ne = ffi.new("int64_t[4]")
@@ -973,11 +871,7 @@ class Trainer:
                 lib.ggml_set_name(acc, f"grad.{name}"[:63].encode())
                 prog._unallocated += 1
                 accs[i] = acc
-                if flags & GGML_FLAG_PARAM:
-                    self.grad_acc[name] = Tensor(prog, acc, prog.params[name].ndim)
-                    reached.add(name)
-                else:
-                    self._loss_grad = acc
+                self._loss_grad = acc
         # ggml only puts leaves with the PARAM flag into the node list.
         unused = [p for p in prog.params if p not in reached]
         if unused:
@@ -996,11 +890,11 @@ class Trainer:
         prog.allocate()
 
         # Each graph sized to what it holds (a copy needs at least its source's size): the
-        # backward's from a count in a scratch context, plus a cont per parameter where its
-        # gradient is a graph output; AdamW adds per parameter at most a cont and its step
+        # backward's from a count in a scratch context, plus a cont per parameter (its gradient
+        # is a graph output); AdamW adds per parameter at most a cont and its step
         # (nodes), m and v (leafs), and the row (one leaf).
         grad_size, made = prog._backward_size(gf, accs)
-        conts = len(prog.params) if self._grads_direct else 0
+        conts = len(prog.params)
         grad_size, made = max(grad_size, lib.ggml_graph_size(gf)) + conts, made + conts
         opt_size = grad_size + 2 * len(prog.params) + 1
         prog._check_room(made * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(grad_size, True)
@@ -1022,18 +916,17 @@ class Trainer:
             grad = lib.ggml_graph_get_grad(self.gb_grad, p.ptr)
             if grad == ffi.NULL:
                 raise InputError(f"parameter {name} gets no gradient from the loss")
-            if self._grads_direct:
-                # kept whole: a RESHAPE's source is kept too (an output view alone would not keep
-                # its source's memory); another view becomes a node of its own
-                root = grad
-                while ffi.string(lib.ggml_op_desc(root)).decode() == "RESHAPE":
-                    lib.ggml_set_output(root)
-                    root = lib.th_tensor_src(root, 0)
-                if not lib.ggml_is_contiguous(root) or ffi.string(lib.ggml_op_desc(root)).decode() in _VIEW_OPS:
-                    grad = root = lib.ggml_cont(ctx, grad)
-                    lib.ggml_build_forward_expand(self.gb_grad, grad)
+            # kept whole: a RESHAPE's source is kept too (an output view alone would not keep
+            # its source's memory); another view becomes a node of its own
+            root = grad
+            while ffi.string(lib.ggml_op_desc(root)).decode() == "RESHAPE":
                 lib.ggml_set_output(root)
-                self.grad_acc[name] = Tensor(prog, grad, p.ndim)
+                root = lib.th_tensor_src(root, 0)
+            if not lib.ggml_is_contiguous(root) or ffi.string(lib.ggml_op_desc(root)).decode() in _VIEW_OPS:
+                grad = root = lib.ggml_cont(ctx, grad)
+                lib.ggml_build_forward_expand(self.gb_grad, grad)
+            lib.ggml_set_output(root)
+            self.grad_acc[name] = Tensor(prog, grad, p.ndim)
             grads[name] = grad
         self.gb_opt = prog._new_graph(opt_size, True)
         lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
@@ -1100,11 +993,8 @@ class Trainer:
         self.reset_grads()
 
     def reset_grads(self) -> None:
-        """Zero gradient accumulators only (and set the loss gradient to 1); the moments survive.
-        What ggml_graph_reset(gb_grad) does, with one clear of the accumulators' own buffer
-        instead of a walk over every node of the graph and a memset per accumulator."""
-        if not self._grads_direct:      # else the buffer holds the loss gradient alone
-            lib.ggml_backend_buffer_clear(self._grads_buffer, 0)
+        """Set the loss gradient to 1 (the parameters' gradients are graph outputs, written by each
+        step); the moments survive. What ggml_graph_reset(gb_grad) does."""
         lib.ggml_backend_tensor_set(self._loss_grad, self._one, 0, 4)
 
     def step(self, feeds: dict[str, np.ndarray], hp: HPRow | AdamWRow | list[float],

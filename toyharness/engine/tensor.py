@@ -243,7 +243,7 @@ class Tensor:
         the portable mode, those of native/portable_kernels.c, through our own dequantization);
         on cuda at precision bf16, `w` stays in its type and the product and its input gradient are
         ours (native/cuda/th-frozen.cu: `w` dequantized to bf16, never to f32); on other backends
-        (and with TOYHARNESS_CPU_KERNELS=0) a GET_ROWS of all its rows dequantizes `w` into the
+        a GET_ROWS of all its rows dequantizes `w` into the
         graph first (an f32 copy of `w` in the compute buffer).
         """
         self._same_program(w)

@@ -10,7 +10,6 @@ finish in time or that was slow (its hooks took a noticeable share of the run's 
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InputError
+from ..switches import switch
 
 WAIT_ENV = "TOYHARNESS_OBSERVER_WAIT_S"
 DEFAULT_WAIT_S = 30.0
@@ -31,16 +30,7 @@ SLOW_SHARE = 0.05
 
 def wait_limit() -> float:
     """Seconds the end of a run waits for queued observer events (TOYHARNESS_OBSERVER_WAIT_S)."""
-    raw = os.environ.get(WAIT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_WAIT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise InputError(f"{WAIT_ENV}={raw!r}: expected a number of seconds >= 0")
-    return value
+    return float(switch(WAIT_ENV))
 
 
 @dataclass

