@@ -1,1 +1,85 @@
+"""toyharness: small, deterministic training experiments on ggml, gated by bit-exact golden losses.
+
+The public API: what a recipe plugin imports, all from ``toyharness`` itself. Each name loads its
+module on first use, so ``import toyharness`` stays light (no native library is loaded by it).
+
+Recipes
+    `Recipe`        the base of any recipe: default ``options``, ``hp``, ``step``, ``evaluate``
+                    and ``export`` hooks, and every attribute a recipe may declare (``name``,
+                    ``options_class``, ``golden_config``, ``golden_steps``, ``golden_sets``,
+                    ``golden_variants``, ``bench_sets``, ``gguf_metadata``) with its default.
+                    A minimal recipe sets ``options_class`` and implements ``realize``.
+    `LMRecipe`      a `Recipe` for language models: supply ``init_params``, ``forward`` and
+                    ``gguf_metadata``; data, loss, evaluation, export and sampling are shared.
+    `hookimpl`      the marker of a hook implementation (``@hookimpl def realize(...)``); the
+                    hooks are documented in toyharness/hookspecs.py.
+
+Options
+    `Options`       the keys every recipe reads (batch, seed, init scale, the AdamW row and its
+                    schedule, the loop, data, portable, precision, log); a recipe's options
+                    dataclass derives from it. ``Options.validate`` is the method a recipe
+                    extends to check its values; ``Options.invalid(key, reason)`` makes the error.
+    `TextOptions`   `Options` plus ``t_seq`` and ``eval_batches``, the keys of the core text data
+                    that a recipe without a ``load_data`` hook trains on.
+    `LMOptions`     `TextOptions` plus the language models' keys (``tokenizer``,
+                    ``mask_prompt``, ``weight_dtype``).
+    `choice`        a field restricted to a set of values: ``choice("cosine", ("constant", "cosine"))``.
+    `positive`      a size or count that must be > 0: ``d_model: int = positive(128)``.
+    `InputError`    the error for bad input (a bad option value, a bad file): one line, exit 2.
+
+Building a model
+    `blocks`        the engine's building blocks (linear, layer_norm, rms_norm, attention, MLPs,
+                    checkpoint) over `Tensor`s.
+    `Tensor`        a node of a recipe's graph: arithmetic, matmul, reshape, get_rows, ...
+    `normal`        seeded init: N(0, std) of a shape, from (seed, tensor name) alone.
+    `lcg_scaled`    seeded init: uniform with mean 0 and standard deviation std, likewise.
+    `write_gguf`    write tensors and metadata as a GGUF file, atomically (an ``export`` hook).
+    `atomic_write`  write a file atomically (an observer's or an export's own files).
+
+Testing a plugin
+    `train`         run a recipe by name and return its summary (a test's training run).
+    The pytest fixture ``toyharness_golden`` (toyharness/pytest_plugin.py) checks a recipe's
+    golden from a plugin's own test suite.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+# name -> the module (relative to this package) that defines it
+_EXPORTS: dict[str, str] = {
+    "Recipe": ".recipe",
+    "LMRecipe": ".lm",
+    "hookimpl": ".hookspecs",
+    "Options": ".options",
+    "TextOptions": ".options",
+    "LMOptions": ".lm",
+    "choice": ".options",
+    "positive": ".options",
+    "InputError": ".errors",
+    "blocks": ".engine",
+    "Tensor": ".engine",
+    "normal": ".seeded_init",
+    "lcg_scaled": ".seeded_init",
+    "write_gguf": ".engine",
+    "atomic_write": ".atomic",
+    "train": ".runner",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'toyharness' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value      # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

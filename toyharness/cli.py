@@ -87,6 +87,7 @@ BACKEND_HELP = ("where ggml computes (default cpu); cuda and vulkan if this buil
                 "(TOYHARNESS_BACKENDS at install), metal on macOS")
 THREADS_HELP = "cpu threads (default: free cores)"
 NO_PROGRESS_HELP = "no progress display (for logs and CI)"
+DEBUG_HELP = "on an error, print its traceback (with the recipe's own frames) before the one-line message"
 LOG_HELP = ("observers to log to (toyharness.observers entry points, listed by `toyharness recipes`): "
             "tensorboard, mlflow, or a plugin's; the option `log`")
 
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue RUN_DIR from its checkpoint, bit for bit, on its backend and precision (a "
                         "--backend or --set precision=... given here wins, and is named on stderr)")
     r.add_argument("--log", action="append", metavar="NAME[,NAME]", help=LOG_HELP)
+    r.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     r.add_argument("--plan", action="store_true",
                    help="print the run's memory plan (parameters, moments, frozen weights, activations, the largest "
                         "tensors) beside the backend's free memory, and exit without training")
@@ -159,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fast: goldens/<this build's fingerprint>/; portable: goldens/cpu-portable/, run in the "
                         "portable mode (the same bits on every CPU); auto (default): fast where that golden "
                         "exists, else portable")
+    g.add_argument("--debug", action="store_true", help=DEBUG_HELP)
 
     b = sub.add_parser("bench", help="ms/step, items/s (tokens or images), peak RSS, beside PyTorch where a recipe "
                                     "has a PyTorch twin; writes runs/bench-*.json",
@@ -184,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "n_head 12, t_seq 1024, t_batch 8); applied before --set; without recipes named, the "
                         "recipes that have those options")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a bench option")
+    b.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     b.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"],
                    help="the matrix products' precision on both sides (cuda): fp32 (default; PyTorch eager with "
                         "TF32 off), tf32 (PyTorch eager with TF32 on), bf16 (PyTorch bf16 autocast with "
@@ -222,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--resume", metavar="DIR",
                    help="continue the sweep in DIR: finished points are kept, interrupted ones go on from their "
                         "checkpoints bit for bit, failed ones run again")
+    w.add_argument("--debug", action="store_true", help=DEBUG_HELP + " (errors of the sweep itself; a failed point's "
+                   "message is in sweep.json)")
     w.add_argument("--log", action="append", metavar="NAME[,NAME]",
                    help=LOG_HELP + "; the sweep and each of its points (grid values and seed as tags)")
 
@@ -289,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
                 "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse}[args.command](args)
     except ToyharnessError as exc:
+        if getattr(args, "debug", False):
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
         print(f"toyharness: {'check failed' if isinstance(exc, CheckFailed) else 'error'}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

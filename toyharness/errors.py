@@ -1,4 +1,5 @@
-"""Exceptions with a meaning for the user. The CLI maps them to exit codes (docs/design.md)."""
+"""Exceptions with a meaning for the user. The CLI maps them to exit codes (`exit_code`;
+docs/design.md)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,15 @@ class OutOfMemory(ToyharnessError, MemoryError):
     another process taking memory): one line naming the backend, the buffer and the sizes. Exit 1."""
 
     exit_code = 1
+
+
+class RecipeError(ToyharnessError):
+    """An exception other than these raised inside a recipe's hook or its options' validation:
+    one line naming the recipe, the hook and the exception (the traceback with --debug). Exit 2."""
+
+    def __init__(self, recipe: str | None, hook: str, cause: BaseException):
+        reason = " ".join(str(cause).split())[:300]
+        where = f"recipe {recipe}: " if recipe else ""
+        super().__init__(f"{where}{hook} raised {type(cause).__name__}"
+                         + (f": {reason}" if reason else "") + " (--debug shows the traceback)")
+        self.recipe, self.hook, self.cause = recipe, hook, cause

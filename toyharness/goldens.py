@@ -15,6 +15,7 @@ portable one, and says which it used.
 
 from __future__ import annotations
 
+import shlex
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +28,11 @@ from .atomic import atomic_write
 from .engine.backend import PORTABLE_FINGERPRINT
 from .errors import InputError
 from .lm import cache_root
+from .recipe import GOLDEN_CONFIG, GOLDEN_STEPS
 from .runner import GGML_VERSION, float_hex, train
 from .switches import switch
 
-GOLDEN_STEPS = 16
 MODES = ("auto", "fast", "portable")
-# A small fixed config per recipe family: fast, and it exercises every block. t_seq 24, not
-# 16: on cuda, ggml sends f32 products with at most 16 columns to kernels that round to TF32.
-GOLDEN_SETS = ["n_layer=1", "d_model=32", "n_head=2", "t_seq=24", "t_batch=2", "eval_every=1000",
-               "checkpoint_every=1000", "warmup=2", "seed=7"]
 
 
 def golden_root() -> Path:
@@ -102,9 +99,31 @@ def check_name(name: str, backend: str = "cpu") -> None:
         raise InputError(f"golden {name}: {exc}") from None
 
 
+def _as_set(key: str, value) -> str:
+    """A golden_config entry as a --set item."""
+    if isinstance(value, bool):
+        return f"{key}={'true' if value else 'false'}"
+    if isinstance(value, (list, tuple)):
+        return f"{key}={','.join(map(str, value))}"
+    return f"{key}={value}"
+
+
+def golden_steps(recipe: str) -> int:
+    """How many steps the recipe's golden holds: its ``golden_steps`` (`toyharness.Recipe`)."""
+    from .plugins import get_recipe
+
+    _, obj = get_recipe(recipe)
+    steps = getattr(obj, "golden_steps", GOLDEN_STEPS)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise InputError(f"recipe {recipe}: golden_steps must be a count >= 1, got {steps!r}")
+    return steps
+
+
 def golden_sets_for(name: str) -> list[str]:
-    """The fixed config: options the recipe does not have are left out; a recipe object may add
-    its own with a ``golden_sets`` list (e.g. sizes only it has), and a variant's come last."""
+    """The golden run's options as --set items: the recipe's ``golden_config`` (default
+    `toyharness.recipe.GOLDEN_CONFIG`) less the keys its options do not have, ``data=synthetic``
+    for a recipe on the core text data, its ``golden_sets`` (e.g. sizes only it has), then a
+    variant's, then a precision's."""
     from .plugins import get_recipe
     from .runner import resolve_options
 
@@ -114,6 +133,9 @@ def golden_sets_for(name: str) -> list[str]:
     variants = known_variants(recipe, variant, obj)
     defaults = resolve_options(obj, None, [], {})
     fields = set(defaults.__class__.__dataclass_fields__)
+    config = getattr(obj, "golden_config", GOLDEN_CONFIG)
+    if not isinstance(config, dict):
+        raise InputError(f"recipe {recipe}: golden_config must be a dict of option values, got {type(config).__name__}")
     extra = getattr(obj, "golden_sets", [])
     if extra is None:
         raise FileNotFoundError(f"recipe {recipe} has no golden config (it needs inputs such as a base model)")
@@ -123,8 +145,8 @@ def golden_sets_for(name: str) -> list[str]:
     from .lm import LMRecipe
 
     own_loader = getattr(type(obj), "load_data", None) not in (None, LMRecipe.load_data)
-    text = ["data=synthetic"] if "data" in fields and not own_loader else []
-    return ([s for s in GOLDEN_SETS if s.split("=")[0] in fields] + text + list(extra)
+    text = ["data=synthetic"] if "data" in fields and "data" not in config and not own_loader else []
+    return ([_as_set(k, v) for k, v in config.items() if k in fields] + text + list(extra)
             + (list(variants[variant]) if variant else [])
             + ([] if precision == "fp32" else [f"precision={precision}"]))
 
@@ -147,15 +169,16 @@ def compute(name: str, backend: str = "cpu", threads: int | None = None, extra_s
 
     collector = Collect()
     sets = golden_sets_for(name) + (["portable=true"] if portable else []) + list(extra_sets or [])
+    steps = golden_steps(split_name(name)[0])
     engine = get_engine(backend)
     try:
-        train(split_name(name)[0], steps=GOLDEN_STEPS, backend=backend, threads=threads, sets=sets,
+        train(split_name(name)[0], steps=steps, backend=backend, threads=threads, sets=sets,
               observers=(collector,), progress=False, write_files=False)
         fp = engine.fingerprint()
     finally:
         engine.set_portable(False)   # the run set it: later programs of this process are fast again
         engine.set_precision("fp32")   # likewise, and in fp32
-    return {"recipe": name, "fingerprint": fp, "ggml_version": GGML_VERSION, "steps": GOLDEN_STEPS,
+    return {"recipe": name, "fingerprint": fp, "ggml_version": GGML_VERSION, "steps": steps,
             "blas": blas.tag() if blas is not None and backend == "cpu" and not portable else None,
             "options": _portable(collector.options.to_dict()),
             "losses": [{"step": i, "hex": float_hex(x), "value": float(np.float32(x))} for i, x in enumerate(seen)]}
@@ -272,7 +295,7 @@ def check(recipe: str, backend: str = "cpu", root: Path | None = None,
         fast = get_engine(backend).fast_fingerprint()
         both = portable and mode == "auto"
         also = f" (nor one for {fast})" if both else ""
-        flag = " --mode portable" if portable else ""
+        flag = (" --mode portable" if portable else "") + (f" --dir {shlex.quote(str(root))}" if root else "")
         raise GoldenMissing(f"no golden for {recipe} at {path}{also}; record one with "
                             f"`toyharness golden record {recipe}{flag}`",
                             f"{fast} nor {path.parent.name}" if both else path.parent.name)

@@ -3,23 +3,24 @@ under the entry point group ``toyharness.recipes`` as ``name = "module:object"``
 (loggers, experiment trackers) implement the observer hooks (`ObserverSpec`) and are published
 under ``toyharness.observers``; ``toyharness run RECIPE --log NAME`` enables one.
 
-Every recipe hook is `firstresult`: one recipe is active in a run. A minimal recipe::
+Every recipe hook is `firstresult`: one recipe is active in a run. `toyharness.Recipe`
+implements every hook but `realize` with a default, so a minimal recipe is::
 
-    from toyharness.hookspecs import hookimpl
+    from toyharness import Recipe, TextOptions, hookimpl
 
-    class Bigram:
-        @hookimpl
-        def options(self): return BigramOptions
+    class Bigram(Recipe):
+        name = "bigram"
+        options_class = BigramOptions          # a dataclass deriving from TextOptions
+
         @hookimpl
         def realize(self, engine, options, data): ...
-        @hookimpl
-        def hp(self, options, step): return options.adamw_row().hp_for_step(step)
-        @hookimpl
-        def step(self, model, batch, hp): return model.step(batch, hp)
 
     recipe = Bigram()
 
-See plugins/example_bigram for a complete third-party plugin.
+An exception raised inside a recipe hook is reported in one line naming the recipe and the
+hook, exit 2 (`toyharness.errors.RecipeError`; ``--debug`` prints the traceback); an
+`InputError` a hook raises is reported with its own message. See plugins/example_bigram for a
+complete third-party plugin.
 """
 
 from __future__ import annotations
@@ -37,41 +38,53 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 class RecipeSpec:
     @hookspec(firstresult=True)
     def options(self) -> type:
-        """The recipe's options: a dataclass deriving from `toyharness.options.Options`, whose
-        field defaults are the recipe's defaults. Unknown keys are rejected against it."""
+        """The recipe's options: a dataclass deriving from `toyharness.Options` (or
+        `TextOptions`, `LMOptions`), whose field defaults are the recipe's defaults. A key it does
+        not declare is refused by name; its `validate` method checks the values (`Recipe`'s
+        default: ``options_class``)."""
 
     @hookspec(firstresult=True)
     def load_data(self, options) -> Any:
-        """Optional. The data for a run (default: `toyharness.data.load_text_data(options.data)`).
-        It must offer ``batch(split, index, options) -> dict[str, ndarray]`` (the step's inputs
-        by name), ``items_per_batch(options) -> int`` (tokens or images), and ``check(options)``."""
+        """Optional. The data for a run (default: the core text data,
+        `toyharness.data.load_text_data(options.data)`, which needs `TextOptions`' keys).
+        It must offer ``step_batch(split, index, options) -> dict[str, ndarray]`` (the inputs of
+        train step `index`, or of held-out batch `index` for split "eval", by name),
+        ``items_per_batch(options) -> int`` (tokens or images), ``check(options)`` (raise
+        InputError when the data cannot serve these options) and, optionally,
+        ``eval_batches(options) -> int`` (default: the option ``eval_batches``)."""
 
     @hookspec(firstresult=True)
     def realize(self, engine, options, data) -> Any:
         """Build the model on the engine service: parameters and their init (seeded from
         ``options.seed``), forward, loss, backward and the AdamW steps. Return the model object
-        later hooks receive; it exposes ``trainer`` (a `toyharness.engine.Trainer`) and
-        ``convention``, the AdamW convention its graph declares."""
+        later hooks receive; it exposes ``trainer`` (a `toyharness.engine.Trainer`) and, optionally,
+        ``convention``, the AdamW convention its graph declares (default: its trainer's). The
+        seeded init helpers `toyharness.normal` and `toyharness.lcg_scaled` give values that the
+        memory plan can also build as shapes only."""
 
     @hookspec(firstresult=True)
     def hp(self, options, step: int) -> Any:
         """The 7-slot AdamW row for 0-indexed `step`, as a `toyharness.adamw.HPRow` (the 7
         floats plus the convention they follow). A row whose convention differs from the one
-        the model's graph declares stops the run before any step."""
+        the model's graph declares stops the run before any step. `Recipe`'s default:
+        ``options.adamw_row().hp_for_step(step)``."""
 
     @hookspec(firstresult=True)
     def step(self, model, batch: dict, hp) -> float:
-        """One training step on one batch; return the loss (a float32 value)."""
+        """One training step on one batch; return the loss (a float32 value). `Recipe`'s
+        default: ``model.trainer.step(batch, hp)``."""
 
     @hookspec(firstresult=True)
     def evaluate(self, model, batch: dict) -> dict:
         """Optional. Forward-only metrics on a held-out batch: at least ``{"loss": float}``;
-        classifiers add ``"correct"`` (count) and ``"count"``."""
+        classifiers add ``"correct"`` (count) and ``"count"``. `Recipe`'s default: the trainer's
+        loss on the batch."""
 
     @hookspec(firstresult=True)
     def export(self, model, options, out_dir: Path) -> list:
         """Optional. Write the trained weights (``model.gguf``, ``adapter.gguf``) into `out_dir`
-        atomically; return the paths written."""
+        atomically; return the paths written. `Recipe`'s default: ``model.gguf`` of the trainer's
+        parameters with the recipe's `gguf_metadata`."""
 
 
 class ObserverSpec:
@@ -140,10 +153,75 @@ class ObserverSpec:
         ``sweep.json`` (and ``sweep.png`` where one was drawn) to their paths."""
 
 
+class _RecipeHookErrors:
+    """Wraps each recipe hook: an exception raised inside one becomes a `RecipeError` naming the
+    recipe and the hook (one line, exit 2; the traceback with --debug). The harness's own errors
+    (`InputError` and the rest of `ToyharnessError`, a recipe's InputError among them) keep their
+    message; MemoryError and interrupts pass as they are."""
+
+    def __init__(self, recipe: str):
+        self.recipe = recipe
+
+    def _guard(self, hook: str, keep: tuple[type[BaseException], ...] = ()):
+        """A pluggy wrapper's body: yields once; the hook's result, or its exception, comes back
+        through that yield. Exceptions of the types in `keep` pass as they are."""
+        from .errors import RecipeError, ToyharnessError
+
+        try:
+            return (yield)
+        except (ToyharnessError, MemoryError, *keep):
+            raise
+        except Exception as exc:
+            raise RecipeError(self.recipe, f"hook {hook}", exc) from exc
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def options(self):
+        return (yield from self._guard("options"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def load_data(self, options):
+        return (yield from self._guard("load_data"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def realize(self, engine, options, data):
+        # Realized for a memory plan, a program that is asked for values raises RuntimeError, which
+        # the plan's check takes as "not plannable" (the run then realizes for real, where the
+        # recipe's own RuntimeError, if it was one, is reported as any other).
+        planning = getattr(engine, "planner", None) is not None
+        return (yield from self._guard("realize", (RuntimeError,) if planning else ()))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def hp(self, options, step):
+        return (yield from self._guard("hp"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def step(self, model, batch, hp):
+        return (yield from self._guard("step"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def evaluate(self, model, batch):
+        return (yield from self._guard("evaluate"))
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def export(self, model, options, out_dir):
+        return (yield from self._guard("export"))
+
+
+RECIPE_HOOKS = ("options", "load_data", "realize", "hp", "step", "evaluate", "export")
+
+
 def plugin_manager(*plugins: Any) -> pluggy.PluginManager:
+    """A plugin manager holding `plugins` (a recipe, observers). A plugin that implements a recipe
+    hook is the run's recipe: its hooks' exceptions are reported as `_RecipeHookErrors` says."""
+    from .plugins import recipe_name
+
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(RecipeSpec)
     pm.add_hookspecs(ObserverSpec)
     for p in plugins:
         pm.register(p)
+    recipe = next((p for p in plugins if any(hasattr(getattr(p, h, None), PROJECT + "_impl") for h in RECIPE_HOOKS)),
+                  None)
+    if recipe is not None:
+        pm.register(_RecipeHookErrors(recipe_name(recipe)))
     return pm

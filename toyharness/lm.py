@@ -1,5 +1,6 @@
-"""What every language-model recipe shares: the program around a recipe's forward, the
-training step, evaluation, export and sampling. A recipe supplies three things:
+"""What every language-model recipe shares: its options (`LMOptions`), the program around a
+recipe's forward, the training step, evaluation, export and sampling. A recipe (an `LMRecipe`)
+supplies three things:
 
 - ``init_params(options, vocab) -> {gguf_name: ndarray}``  (seeded init)
 - ``forward(P, tokens, positions, options) -> logits``      (composing engine blocks)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,9 @@ from .data import load_lm_data
 from .engine import GGUFFile, Program, Tensor, get_engine, write_gguf
 from .errors import InputError
 from .hookspecs import hookimpl
-from .options import resolve_options
+from .options import TextOptions, choice, resolve_options
 from .plugins import get_recipe
+from .recipe import Recipe
 from .seeded_init import with_values
 from .switches import switch
 from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_tokenizer, read_metadata
@@ -50,6 +53,21 @@ def use_chunked_loss(options, vocab: int, prog: Program) -> bool:
         raise InputError("chunked_loss=on: the chunked loss runs on the cpu backend's fast path only "
                          "(not on this backend or in the portable mode); set chunked_loss=off")
     return want == "on" or (want == "auto" and prog.cpu_kernels and vocab >= CHUNKED_LOSS_VOCAB)
+
+
+@dataclass
+class LMOptions(TextOptions):
+    """`TextOptions` plus the keys every language model reads: its tokenizer, the loss mask of
+    JSONL data, and the weights' type. A recipe adds its sizes and switches (untied output, q/k/v
+    biases, ...) to it."""
+
+    # a GGUF whose tokenizer reads the data; empty: bytes
+    tokenizer: str = ""
+    # JSONL prompt/completion and chat: the loss counts completions only
+    mask_prompt: bool = True
+    # the trained weights' type: f32 is the one the harness trains (a frozen base keeps its own
+    # types); the key stays so that run folders' config.toml files read back
+    weight_dtype: str = choice("f32", ("f32",))
 
 
 class LanguageModel:
@@ -104,11 +122,14 @@ class LanguageModel:
         return self._logits_graph.run({"tokens": tokens})["logits"]
 
 
-class LMRecipe:
-    """Hook implementations shared by language-model recipes (subclass and fill the three parts)."""
+class LMRecipe(Recipe):
+    """A `Recipe` for language models: subclass it, set `options_class` (an `LMOptions`) and fill
+    the three parts below; data loading (text, JSONL, a GGUF's tokenizer), the model around the
+    forward, its loss, evaluation, export (a llama.cpp-loadable ``model.gguf``) and sampling are
+    shared."""
 
     name = "lm"
-    options_class: type = None
+    options_class: type = LMOptions
 
     # --- what a recipe supplies ------------------------------------------------------------
     def init_params(self, options, vocab: int) -> dict[str, np.ndarray]:
@@ -118,6 +139,8 @@ class LMRecipe:
         raise NotImplementedError
 
     def gguf_metadata(self, options, vocab: int) -> tuple[str, dict[str, Any]]:
+        """llama.cpp's architecture name and its keys (sizes, norms' eps) for the exported GGUF;
+        the tokenizer's keys are added by the harness."""
         raise NotImplementedError
 
     def export_tensors(self, params: dict[str, np.ndarray], options) -> dict[str, np.ndarray]:
@@ -129,11 +152,7 @@ class LMRecipe:
         Recipes with frozen weights (a GGUF base) override this."""
         return {name: prog.param(name, value, trainable=trainable) for name, value in values.items()}
 
-    # --- hooks ---------------------------------------------------------------------------------
-    @hookimpl
-    def options(self):
-        return self.options_class
-
+    # --- hooks (`options` and `hp` are Recipe's) ----------------------------------------------
     def tokenizer_file(self, options) -> str:
         """The GGUF whose tokenizer reads the data (`tokenizer=`; lora: its base, warm_start: its
         donor); empty for the byte tokenizer."""
@@ -161,10 +180,6 @@ class LMRecipe:
         vocab = self.vocab_for(options, data.vocab)
         return LanguageModel(self, engine, options, vocab, self.init_params(options, vocab),
                              masked=getattr(data, "masked", False))
-
-    @hookimpl
-    def hp(self, options, step):
-        return options.adamw_row().hp_for_step(step)
 
     @hookimpl
     def step(self, model, batch, hp):

@@ -1,8 +1,12 @@
 """Typed options: recipe defaults, then a TOML file, then ``--set key=value`` (later wins).
 
-A recipe declares its options as a dataclass deriving from `Options`; each field's type
-(and, for a closed set, ``metadata={"choices": ...}``) is what values are checked against.
-Unknown keys and bad values raise `InputError` naming the key and what is allowed.
+A recipe declares its options as a dataclass deriving from `Options` (the keys every recipe
+reads), `TextOptions` (adds the keys of the core text data) or `toyharness.lm.LMOptions` (the
+language models' keys); each field's type (and, for a closed set, `choice`; for a size that must
+be > 0, `positive`) is what values are checked against. A key the class does not declare is
+refused by name: a recipe's options hold exactly the keys it reads. `Options.validate`, which a
+recipe extends, checks the values once they are all set. Unknown keys and bad values raise
+`InputError` naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import Any
 import tomllib
 
 from .adamw import CONVENTIONS, AdamWRow, Schedule
-from .errors import InputError
+from .errors import InputError, RecipeError, ToyharnessError
 from .hookspecs import plugin_manager
+from .plugins import recipe_name
 
 # The precisions a run's matrix products can take (docs/design.md, "Precision"; engine/backend.py says
 # which backend computes which).
@@ -28,23 +33,41 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 # cannot use them); refusing them here keeps a config from sizing an allocation.
 MAX_INT = 2**31 - 1
 
-# Model sizes (of the recipes that have them): each must be > 0.
-SIZE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "patch", "donor_d_in", "rank")
-
 
 def choice(default: Any, choices: tuple) -> Any:
+    """A field whose value (each value, for a tuple) must be one of `choices`:
+    ``lens: str = choice("random", ("random", "pca"))``."""
     return field(default=default, metadata={"choices": choices})
+
+
+def positive(default: int) -> Any:
+    """A size or count that must be > 0 (`Options.validate` refuses 0 and negatives by name):
+    ``d_model: int = positive(128)``. A subclass that declares the key again with a plain default
+    keeps the rule."""
+    return field(default=default, metadata={"positive": True})
+
+
+def positive_keys(cls: type) -> list[str]:
+    """The keys declared with `positive` by `cls` or any options class it derives from."""
+    keys: list[str] = []
+    for klass in reversed(cls.__mro__):
+        for f in getattr(klass, "__dataclass_fields__", {}).values():
+            if f.metadata.get("positive") and f.name not in keys:
+                keys.append(f.name)
+    return keys
 
 
 @dataclass
 class Options:
-    """Options every recipe has (docs/design.md, "Options")."""
+    """The options every recipe reads: the batch, the seed and init scale, the AdamW row and its
+    schedule, the loop, the data, the cpu's portable mode, the products' precision and the
+    observers. A recipe derives its options class from this one (or from `TextOptions`, or
+    `toyharness.LMOptions`), declaring its own keys as fields whose defaults are its defaults;
+    it may declare a key of these classes again to change its default (docs/design.md, "Options").
 
-    t_seq: int = 64
-    t_batch: int = 8
-    weight_dtype: str = choice("f32", ("f32", "f16", "bf16"))
-    untied: bool = False
-    qkv_bias: bool = False
+    Extend `validate` to check values (call ``super().validate()`` first)."""
+
+    t_batch: int = positive(8)
     seed: int = 1337
     init_scale: float = 1.0
     # the AdamW row
@@ -57,18 +80,15 @@ class Options:
     lr_schedule: str = choice("constant", ("constant", "cosine"))
     warmup: int = 0
     # the loop
-    steps: int = 200
-    eval_every: int = 50
-    eval_batches: int = 4
-    checkpoint_every: int = 50
+    steps: int = positive(200)
+    eval_every: int = positive(50)
+    checkpoint_every: int = positive(50)
     data: str = "default"
     # the cpu backend's portable golden mode: the same float32 bits on every CPU (slower)
     portable: bool = False
     # the matrix products' precision (cuda): fp32, tf32 (TF32 tensor cores), bf16 (bf16 inputs);
     # weights, AdamW and every reduction stay fp32 (engine/backend.py, Engine.set_precision)
     precision: str = choice("fp32", PRECISIONS)
-    tokenizer: str = ""          # a GGUF whose tokenizer reads the data (language models); empty: bytes
-    mask_prompt: bool = True     # JSONL prompt/completion and chat: the loss counts completions only
     # observers (toyharness.observers entry points) that watch the run: `--log tensorboard,mlflow`
     log: tuple[str, ...] = ()
 
@@ -78,6 +98,45 @@ class Options:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Check the values once every one is set (after defaults, TOML, --set and flags); raise
+        `InputError` naming the key, e.g. ``raise self.invalid("n_ctx", "must be even, got 3")``.
+        A recipe's options class extends it, calling ``super().validate()`` first. Keys declared
+        with `positive` must be > 0; the base checks the AdamW row, the loop and the seed."""
+        for key in positive_keys(type(self)):
+            value = getattr(self, key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+                raise self.invalid(key, f"must be > 0, got {value}")
+        for key in ("lr", "eps", "init_scale"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise self.invalid(key, f"must be > 0 and finite, got {getattr(self, key)}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise self.invalid(key, f"must be in [0, 1), got {getattr(self, key)}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise self.invalid("weight_decay", f"must be >= 0 and finite, got {self.weight_decay}")
+        for key in ("warmup", "seed"):
+            if getattr(self, key) < 0:
+                raise self.invalid(key, f"must be >= 0, got {getattr(self, key)}")
+
+    @staticmethod
+    def invalid(key: str, reason: str) -> InputError:
+        """The error for a bad value of option `key`: ``option 'key': reason``. A config file that
+        set the key is named in front of it."""
+        exc = InputError(f"option {key!r}: {reason}")
+        exc.key = key
+        return exc
+
+
+@dataclass
+class TextOptions(Options):
+    """`Options` plus the keys of the core text data (`toyharness.data.load_text_data`), which a
+    recipe with no `load_data` hook trains on: windows of `t_seq` tokens, `eval_batches` batches
+    per evaluation."""
+
+    t_seq: int = positive(64)
+    eval_batches: int = positive(4)
 
 
 def _allowed_keys(cls: type[Options]) -> list[str]:
@@ -195,51 +254,46 @@ def resolve(cls: type[Options], toml: dict[str, Any] | None = None, sets: list[s
     for key, raw in (overrides or {}).items():
         values[key] = convert(cls, key, raw)
         from_file.discard(key)
-    opts = cls(**values)
     try:
-        validate(opts)
+        opts = cls(**values)
+        opts.validate()
     except InputError as exc:
         if source and getattr(exc, "key", None) in from_file:
             raise InputError(f"config file {source}: {exc}") from None
         raise
+    except (ToyharnessError, MemoryError):
+        raise
+    except Exception as exc:       # a bug in the recipe's __post_init__ or validate: one line, not a traceback
+        raise RecipeError(None, f"options {cls.__name__}", exc) from exc
     return opts
 
 
-def _invalid(key: str, message: str) -> InputError:
-    exc = InputError(message)
-    exc.key = key
-    return exc
-
-
 def validate(opts: Options) -> None:
-    positive = ["t_seq", "t_batch", "steps", "eval_every", "eval_batches", "checkpoint_every"]
-    for key in positive:
-        if getattr(opts, key) <= 0:
-            raise _invalid(key, f"option {key!r}: must be > 0, got {getattr(opts, key)}")
-    # model sizes of any recipe that has them (a 0 would build an empty tensor, divide by zero or
-    # silently drop every block)
-    for key in SIZE_KEYS:
-        if isinstance(getattr(opts, key, None), int) and getattr(opts, key) <= 0:
-            raise _invalid(key, f"option {key!r}: must be > 0, got {getattr(opts, key)}")
-    for key in ("lr", "eps", "init_scale"):
-        if not 0 < getattr(opts, key) < math.inf:
-            raise _invalid(key, f"option {key!r}: must be > 0 and finite, got {getattr(opts, key)}")
-    for key in ("beta1", "beta2"):
-        if not 0 <= getattr(opts, key) < 1:
-            raise _invalid(key, f"option {key!r}: must be in [0, 1), got {getattr(opts, key)}")
-    if not 0 <= opts.weight_decay < math.inf:
-        raise _invalid("weight_decay", f"option 'weight_decay': must be >= 0 and finite, got {opts.weight_decay}")
-    for key in ("warmup", "seed"):
-        if getattr(opts, key) < 0:
-            raise _invalid(key, f"option {key!r}: must be >= 0, got {getattr(opts, key)}")
+    """`opts.validate()` (kept for callers of the module function)."""
+    opts.validate()
+
+
+def options_class(recipe_obj) -> type[Options]:
+    """The recipe's options class (its `options` hook), checked to be an `Options` dataclass."""
+    cls = plugin_manager(recipe_obj).hook.options()
+    name = recipe_name(recipe_obj)
+    if cls is None:
+        raise InputError(f"recipe {name}: it implements no `options` hook")
+    if not (isinstance(cls, type) and issubclass(cls, Options) and dataclasses.is_dataclass(cls)):
+        raise InputError(f"recipe {name}: its options hook returned {cls!r}, not a dataclass deriving from "
+                         "toyharness.Options")
+    return cls
 
 
 def resolve_options(recipe_obj, config: str | None, sets: list[str] | None, overrides: dict) -> Options:
-    """A recipe's options, from its `options` hook: its config.toml (or none), the --set list and
-    the overrides that are not None."""
-    pm = plugin_manager(recipe_obj)
-    cls = pm.hook.options()
-    if cls is None:
-        raise InputError("the recipe implements no `options` hook")
+    """The recipe's options: its defaults <- `config` (TOML) <- `sets` <- `overrides` that are not
+    None, validated (`Options.validate`). An exception other than InputError from the options class
+    itself (its ``__post_init__`` or ``validate``) is one line naming the recipe."""
+    cls = options_class(recipe_obj)
     toml = load_toml(config) if config else {}
-    return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
+    try:
+        return resolve(cls, toml, sets, {k: v for k, v in overrides.items() if v is not None})
+    except RecipeError as exc:
+        if exc.recipe:
+            raise
+        raise RecipeError(recipe_name(recipe_obj), exc.hook, exc.cause) from exc.cause

@@ -52,12 +52,25 @@ def discover(group: str = GROUP, kind: str = "recipe") -> dict[str, RecipeEntry]
     return dict(sorted(found.items()))
 
 
+# The entry point name each loaded recipe object was found under (by id: recipe objects are
+# module-level singletons), so that an error in one of its hooks can name it as the user typed it.
+_LOADED_AS: dict[int, str] = {}
+
+
 def get_recipe(name: str) -> tuple[RecipeEntry, Any]:
     recipes = discover()
     if name not in recipes:
         raise InputError(f"unknown recipe {name!r}; installed: {', '.join(recipes) or 'none'}")
     entry = recipes[name]
-    return entry, entry.load()
+    obj = entry.load()
+    _LOADED_AS[id(obj)] = name
+    return entry, obj
+
+
+def recipe_name(obj: Any) -> str:
+    """The name a recipe object goes by in messages: its entry point's, else its ``name``
+    attribute, else its class's name."""
+    return _LOADED_AS.get(id(obj)) or getattr(obj, "name", "") or type(obj).__name__
 
 
 def discover_observers() -> dict[str, RecipeEntry]:

@@ -83,8 +83,13 @@ def load_finished_run(run_dir, needs: tuple[str, ...] = SAMPLE_NEEDS, command: s
 
 
 def load_data(pm, options):
+    """The recipe's `load_data`, else the core text data (whose windows need ``t_seq``)."""
     data = pm.hook.load_data(options=options)
     if data is None:
+        if not hasattr(options, "t_seq"):
+            raise InputError(f"options {type(options).__name__}: the recipe has no load_data hook, so it trains on "
+                             "the core text data, which reads t_seq and eval_batches: derive its options from "
+                             "toyharness.TextOptions, or implement load_data")
         data = load_text_data(options.data)
     data.check(options) if hasattr(data, "check") else data.check_fits(options.t_seq)
     return data
@@ -251,7 +256,10 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     # Refused here, before anything large is allocated, when it cannot fit (exit 2).
     check_fits(recipe, pm, engine, options, data)
     model = pm.hook.realize(engine=engine, options=options, data=data)
-    trainer = model.trainer
+    trainer = getattr(model, "trainer", None)
+    if trainer is None:
+        raise InputError(f"recipe {recipe}: realize returned {type(model).__name__}, which has no `trainer` "
+                         "(the Trainer of its program: prog.trainer(loss, convention))")
     start = 0
     if resume_dir is not None:
         start = load_checkpoint(resume_dir / "checkpoint.gguf", trainer, options)
@@ -264,7 +272,8 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     first_row = pm.hook.hp(options=options, step=start)
     if not isinstance(first_row, HPRow):
         raise InputError(f"recipe {recipe}: the hp hook must return an HPRow (7 floats + convention)")
-    check_convention(first_row, model.convention)
+    # a model that does not say which convention its graph was built for: its trainer's
+    check_convention(first_row, getattr(model, "convention", None) or trainer.convention)
 
     created_dir = write_files and not out_dir.exists()
     if write_files:
@@ -387,7 +396,10 @@ def last_eval_loss(run: Run) -> float | None:
 def evaluate(pm, model, data, options) -> dict:
     """Mean of the evaluate hook over the held-out batches (the data's own count, else
     options.eval_batches); classifiers' counts and confusion matrices are summed."""
-    n = data.eval_batches(options) if hasattr(data, "eval_batches") else options.eval_batches
+    n = data.eval_batches(options) if hasattr(data, "eval_batches") else getattr(options, "eval_batches", None)
+    if n is None:
+        raise InputError(f"options {type(options).__name__}: the recipe's data has no eval_batches(options) and its "
+                         "options no eval_batches key: add one of them (TextOptions has the key)")
     total, correct, count, confusion = 0.0, 0, 0, None
     for j in range(n):
         res = pm.hook.evaluate(model=model, batch=batch_for(data, "eval", j, options))

@@ -12,16 +12,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from toyharness.engine import blocks
-from toyharness.lm import LMRecipe
-from toyharness.options import Options, choice
 from toyharness.seeded_init import lcg_scaled
+from toyharness.lm import LMOptions, LMRecipe
+from toyharness.options import choice, positive
 
 
 @dataclass
-class GPT2Options(Options):
-    n_layer: int = 2
-    d_model: int = 128
-    n_head: int = 4
+class GPT2Options(LMOptions):
+    n_layer: int = positive(2)
+    d_model: int = positive(128)
+    n_head: int = positive(4)
+    untied: bool = False         # an output matrix of its own (default: the token embedding, tied)
     t_seq: int = 64
     t_batch: int = 16
     lr: float = 3e-3
@@ -51,7 +52,7 @@ class GPT2(LMRecipe):
         d = o.d_model
 
         def mat(name, shape):
-            return lcg_scaled(o.seed, name, shape, 0.02)
+            return lcg_scaled(o.seed, name, shape, 0.02 * o.init_scale)
 
         P = {"token_embd.weight": mat("token_embd.weight", (vocab, d)),
              "position_embd.weight": mat("position_embd.weight", (o.t_seq, d))}

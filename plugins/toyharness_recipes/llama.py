@@ -14,9 +14,9 @@ import numpy as np
 
 from toyharness.architectures import DecoderShape, Layer
 from toyharness.architectures.llama import llama_forward  # noqa: F401 (warm_start's too)
-from toyharness.lm import LMRecipe
-from toyharness.options import Options, choice
 from toyharness.seeded_init import normal
+from toyharness.lm import LMOptions, LMRecipe
+from toyharness.options import choice, positive
 
 RMS_EPS = 1e-5
 ROPE_BASE = 10000.0
@@ -32,12 +32,14 @@ def llama_shape(n_layer: int, d_model: int, n_head: int, n_kv_head: int, d_ff: i
 
 
 @dataclass
-class LlamaOptions(Options):
-    n_layer: int = 2
-    d_model: int = 128
-    n_head: int = 4
-    n_kv_head: int = 2
-    d_ff: int = 384
+class LlamaOptions(LMOptions):
+    n_layer: int = positive(2)
+    d_model: int = positive(128)
+    n_head: int = positive(4)
+    n_kv_head: int = positive(2)
+    d_ff: int = positive(384)
+    untied: bool = False         # an output matrix of its own (default: the token embedding, tied)
+    qkv_bias: bool = False       # q/k/v biases, as Qwen2 (exported as a qwen2)
     t_seq: int = 64
     t_batch: int = 16
     lr: float = 3e-3

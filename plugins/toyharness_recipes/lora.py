@@ -27,9 +27,9 @@ from toyharness.engine import GGUFFile, blocks, write_gguf
 from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
-from toyharness.lm import LMRecipe, seeded_model_file
-from toyharness.options import CONVENTIONS, Options, choice
 from toyharness.seeded_init import normal
+from toyharness.lm import LMOptions, LMRecipe, seeded_model_file
+from toyharness.options import CONVENTIONS, choice, positive
 
 # lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
 ARCH_GOLDEN_BASES = {
@@ -43,11 +43,11 @@ ARCH_GOLDEN_BASES = {
 
 
 @dataclass
-class LoRAOptions(Options):
+class LoRAOptions(LMOptions):
     # the memory plan halves these too when it says what would shrink a run (toyharness/engine/memory_plan.py)
     plan_sizes: ClassVar[tuple[str, ...]] = ("rank",)
     base: str = ""
-    rank: int = 8
+    rank: int = positive(8)
     alpha: float = 16.0
     targets: tuple[str, ...] = choice(("q",), ALL_TARGETS)
     merged: bool = False

@@ -22,20 +22,20 @@ import numpy as np
 from toyharness.engine import blocks, write_gguf
 from toyharness.hookspecs import hookimpl
 from toyharness.images import load_image_data
-from toyharness.options import Options, choice
 from toyharness.seeded_init import normal
+from toyharness.options import Options, choice, positive
 
 LN_EPS = 1e-5
 
 
 @dataclass
 class ViTOptions(Options):
-    patch: int = 2
+    patch: int = positive(2)
     n_classes: int = 0          # 0: the largest label + 1
-    n_layer: int = 3
-    d_model: int = 64
-    n_head: int = 4
-    d_ff: int = 128
+    n_layer: int = positive(3)
+    d_model: int = positive(64)
+    n_head: int = positive(4)
+    d_ff: int = positive(128)
     t_batch: int = 64
     lr: float = 2e-3
     lr_schedule: str = choice("cosine", ("constant", "cosine"))

@@ -21,7 +21,7 @@ from toyharness.engine.gguf_io import GGUFError
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
 from toyharness.lm import LanguageModel
-from toyharness.options import choice
+from toyharness.options import choice, positive
 from toyharness.seeded_init import normal
 from toyharness_recipes.llama import Llama, LlamaOptions, llama_forward, llama_shape
 
@@ -29,7 +29,7 @@ from toyharness_recipes.llama import Llama, LlamaOptions, llama_forward, llama_s
 @dataclass
 class WarmStartOptions(LlamaOptions):
     donor: str = ""              # a GGUF of any architecture lora takes, token_embd of any frozen type; empty: none
-    donor_d_in: int = 64
+    donor_d_in: int = positive(64)
     lens: str = choice("random", ("random", "pca"))
     untied: bool = True
 

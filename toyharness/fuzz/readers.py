@@ -294,7 +294,7 @@ def _config_toml(path: Path) -> None:
 @_config_toml.seeds
 def _(workdir: Path) -> list[bytes]:
     user = b'n_layer = 2\nd_model = 64\nlr = 3e-4\nseed = 1\nadamw_convention = "bias_corrected"\nuntied = true\n'
-    run = (b'recipe = "gpt2"\nt_seq = 16\nt_batch = 2\nweight_dtype = "f32"\nqkv_bias = false\nbeta2 = 0.999\n'
+    run = (b'recipe = "gpt2"\nt_seq = 16\nt_batch = 2\nweight_dtype = "f32"\nbeta2 = 0.999\n'
            b'eps = 1e-08\nlr_schedule = "cosine"\nwarmup = 2\nsteps = 10\ndata = "default"\n'
            b'ggml_version = "0.25.3"\nbackend = "cpu"\nthreads = 2\n')
     return [user, run]

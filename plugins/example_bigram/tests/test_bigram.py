@@ -3,7 +3,7 @@ fixture exactly as any third-party plugin would."""
 
 from pathlib import Path
 
-from toyharness.runner import train
+from toyharness import train
 
 GOLDENS = Path(__file__).resolve().parent.parent / "goldens"
 

@@ -1,26 +1,25 @@
 """An example third-party recipe: a bigram language model, next byte from this byte.
 
 It is a separate distribution (see this folder's pyproject.toml) that the harness finds
-through the ``toyharness.recipes`` entry point, with no change to the core. It shows the
-whole plugin API in one screen: options, realize, hp, step, evaluate, export. Its golden
-lives in this folder's goldens/ and its own tests check it through the ``toyharness_golden``
-fixture.
+through the ``toyharness.recipes`` entry point, with no change to the core. It imports only
+``toyharness``'s public names. `toyharness.Recipe` gives it the default hooks (``options``,
+``hp``, ``step``, ``evaluate``, ``export``), so it writes its options and ``realize``, and says
+what its exported GGUF is called. Its golden lives in this folder's goldens/ and its own tests
+check it through the ``toyharness_golden`` fixture.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from toyharness.engine import write_gguf
-from toyharness.hookspecs import hookimpl
-from toyharness.options import Options
-from toyharness.seeded_init import normal
+from toyharness import Recipe, TextOptions, hookimpl, normal
 
 
 @dataclass
-class BigramOptions(Options):
-    # Field defaults are the recipe's defaults; `--set key=value` overrides them.
+class BigramOptions(TextOptions):
+    # TextOptions: the keys every recipe reads, plus t_seq and eval_batches for the core text data
+    # it trains on (no load_data hook). Field defaults are the recipe's defaults; `--set key=value`
+    # overrides them, and a key not declared is refused by name.
     t_seq: int = 64
     t_batch: int = 16
     lr: float = 1e-1
@@ -35,6 +34,7 @@ class BigramModel:
     convention = "constant_betas"  # the AdamW row convention this graph is trained with
 
     def __init__(self, engine, options: BigramOptions, vocab: int):
+        self.vocab = vocab
         self.prog = engine.program()
         table = normal(options.seed, "bigram.weight", (vocab, vocab), 0.02 * options.init_scale)
         self.table = self.prog.param("bigram.weight", table)
@@ -43,32 +43,17 @@ class BigramModel:
         self.trainer = self.prog.trainer(self.prog.cross_entropy(logits, "targets"), self.convention)
 
 
-class Bigram:
-    @hookimpl
-    def options(self):
-        return BigramOptions
+class Bigram(Recipe):
+    name = "bigram"
+    options_class = BigramOptions
 
     @hookimpl
     def realize(self, engine, options, data):
         return BigramModel(engine, options, data.vocab)
 
-    @hookimpl
-    def hp(self, options, step):
-        return options.adamw_row().hp_for_step(step)
-
-    @hookimpl
-    def step(self, model, batch, hp):
-        return model.trainer.step(batch, hp)
-
-    @hookimpl
-    def evaluate(self, model, batch):
-        return {"loss": model.trainer.eval_loss(batch)}
-
-    @hookimpl
-    def export(self, model, options, out_dir):
-        table = model.prog.read(model.table)
-        return [write_gguf(Path(out_dir) / "model.gguf", "bigram", {"bigram.weight": table},
-                           {"bigram.vocab_size": table.shape[0]})]
+    def gguf_metadata(self, options, model):
+        """model.gguf (Recipe's export: every parameter by name) is architecture `bigram`."""
+        return "bigram", {"bigram.vocab_size": model.vocab}
 
 
 recipe = Bigram()

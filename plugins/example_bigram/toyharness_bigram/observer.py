@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toyharness.atomic import atomic_write
-from toyharness.hookspecs import hookimpl
+from toyharness import atomic_write, hookimpl
 
 
 class LossCSV:
