@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from toyharness import models
+from toyharness import pretrained_ggufs as models
 from toyharness.errors import InputError
 from toyharness.pretrained_ggufs import RealModel
 from toyharness.switches import switch

@@ -11,7 +11,6 @@ import os
 import shlex
 import subprocess
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +139,7 @@ def test_every_public_name_is_exported_and_documented():
         assert getattr(toyharness, name) is not None
         assert f"`{name}`" in doc, f"{name} is exported but not documented in toyharness/__init__.py"
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        toyharness.Nope
+        _ = toyharness.Nope
 
 
 def test_the_exports_are_the_real_objects():
@@ -337,8 +336,8 @@ def test_an_exception_in_validate_is_one_line_naming_the_options_class(command, 
     env = mlp_plugin(tmp_path / "site", "validate")
     res = cli(*command, env=env, cwd=tmp_path)
     assert res.returncode == 2, res.stderr
-    assert one_line(res) == (f"toyharness: error: {prefix}options MLPOptions raised ZeroDivisionError: boom in validate "
-                             "(--debug shows the traceback)")
+    assert one_line(res) == (f"toyharness: error: {prefix}options MLPOptions raised ZeroDivisionError: boom in "
+                             "validate (--debug shows the traceback)")
     assert not (tmp_path / "sweeps").exists() and not (tmp_path / "runs").exists()
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from toyharness.engine import blocks
-from toyharness.seeded_init import lcg_scaled
 from toyharness.lm import LMOptions, LMRecipe
 from toyharness.options import choice, positive
+from toyharness.seeded_init import lcg_scaled
 
 
 @dataclass

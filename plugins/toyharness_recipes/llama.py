@@ -14,9 +14,9 @@ import numpy as np
 
 from toyharness.architectures import DecoderShape, Layer
 from toyharness.architectures.llama import llama_forward  # noqa: F401 (warm_start's too)
-from toyharness.seeded_init import normal
 from toyharness.lm import LMOptions, LMRecipe
 from toyharness.options import choice, positive
+from toyharness.seeded_init import normal
 
 RMS_EPS = 1e-5
 ROPE_BASE = 10000.0

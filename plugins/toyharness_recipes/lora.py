@@ -27,9 +27,9 @@ from toyharness.engine import GGUFFile, blocks, write_gguf
 from toyharness.engine.gguf_io import cached_copy_as
 from toyharness.errors import InputError
 from toyharness.hookspecs import hookimpl
-from toyharness.seeded_init import normal
 from toyharness.lm import LMOptions, LMRecipe, seeded_model_file
 from toyharness.options import CONVENTIONS, choice, positive
+from toyharness.seeded_init import normal
 
 # lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
 ARCH_GOLDEN_BASES = {

@@ -22,8 +22,8 @@ import numpy as np
 from toyharness.engine import blocks, write_gguf
 from toyharness.hookspecs import hookimpl
 from toyharness.images import load_image_data
-from toyharness.seeded_init import normal
 from toyharness.options import Options, choice, positive
+from toyharness.seeded_init import normal
 
 LN_EPS = 1e-5
 
