@@ -1,3 +1,4 @@
+/* The cuda rewrite's pass: runs of consecutive AdamW steps: one multi-tensor AdamW. */
 #include "passes.h"
 
 /* an OPT_STEP_ADAMW node that the multi-tensor kernel takes, with `row` its hyperparameters */

@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: attention's nodes (S, P, O and their backward) become the fused kernels
+ * of cuda/th-attention.cu. */
 #include "passes.h"
 
 static int th_is_attention_node(const struct ggml_tensor * t) {

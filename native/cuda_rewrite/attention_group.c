@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: grouped-query attention: the kv heads read in place where ggml repeated
+ * them. */
 #include "passes.h"
 
 /* a REPEAT of kv heads that grouped-query heads no longer need (th_attention_group): it computes

@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: the CONTs that permute dK and dV back become rooms the attention's
+ * backward writes, and their order. */
 #include "passes.h"
 
 /* The copies out of an ATTN_PREP node read what its ATTN_BWD node writes, and ggml built dvt

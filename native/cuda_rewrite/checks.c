@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: the graph-wide checks after the passes (no folded node read, norms' t
+ * written where read) and the rooms' order. */
 #include "passes.h"
 
 static int th_is_folded(const struct ggml_tensor * t) {

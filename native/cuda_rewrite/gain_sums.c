@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: LayerNorm's gain's gradient (a COLUMN_DOT of t and dy): summed by
+ * LayerNorm's backward. */
 #include "passes.h"
 
 /* x, where `t` is LayerNorm's output of it: a LAYER_NORM node of ours, or the room of an AFFINE in

@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: LayerNorm's stand-ins: the RMS_NORM named TH_LAYER_NORM_NAME and its
+ * backward. */
 #include "passes.h"
 
 /* LayerNorm's stand-ins: every RMS_NORM named TH_LAYER_NORM_NAME, and every RMS_NORM_BACK of one.

@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: a bias added to a product's rows: cuBLASLt's product with the bias in
+ * its epilogue. */
 #include "passes.h"
 
 /* ADD(y, b) of a bias b (n) over the rows of y = MUL_MAT(w, x) (n, m), y reached through

@@ -1,3 +1,4 @@
+/* The cuda rewrite's pass: a norm's gain and bias, ADD(MUL(t, g), b): one AFFINE node. */
 #include "passes.h"
 
 /* The affine part of norms: ADD(MUL(t, g), b) -> AFFINE; LAYER_NORM_BACK(MUL(dy, g), x) reads dy

@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: a norm, its gain (and bias) and the residual ADD it reads: one pass,
+ * the AFFINE's. */
 #include "passes.h"
 
 /* whether `graph` holds a LAYER_NORM_BACK of the rows x that sums its gain's gradient

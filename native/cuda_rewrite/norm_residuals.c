@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: a residual's gradient added to LayerNorm's input gradient: added by
+ * LayerNorm's backward. */
 #include "passes.h"
 
 /* A residual's gradient added to a LayerNorm's input gradient, ADD(r, LAYER_NORM_BACK(...)) in

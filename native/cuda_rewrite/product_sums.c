@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: products added together (an input's gradient from several projections):
+ * one node. */
 #include "passes.h"
 
 /* OUT_PROD(a, b) of 2-D f32 operands, as ggml-cuda computes it (one cuBLAS call), else NULL */

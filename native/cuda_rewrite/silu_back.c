@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: SwiGLU's backward (SILU_BACK of a MUL, with up's gradient beside it):
+ * one kernel. */
 #include "passes.h"
 
 /* SILU_BACK(MUL(a, b), x), the MUL read by the SILU_BACK alone, not an output, every tensor f32

@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: the nodes our kernels take one for one: GET_ROWS_BACK, CONT, ADD,
+ * RMS_NORM, ROPE, a gain's MUL, the cross-entropy, SWIGLU. */
 #include "passes.h"
 
 /* A ROPE or ROPE_BACK our kernel computes: contiguous f32 rows, positions i32 one a row of

@@ -1,3 +1,5 @@
+/* The cuda rewrite's pass: a CONT of a permuted SLICE of a fused attention node copies straight
+ * out of that node. */
 #include "passes.h"
 
 /* A CONT of a permuted view of a SLICE (attention's O, dK and dV^T: copied out of the fused
