@@ -1012,7 +1012,7 @@ static void th_set_custom(struct ggml_tensor * t, ggml_custom_op_t fun) {
  * and the SILU_BACK that ggml built for it (reading its gradient and its input) their backward.
  * A stand-in left as SILU, or a gradient whose SILU_BACK is not found, would compute silu:
  * returns -1 then, and the caller must not compute the graph. Shared with the cuda rewrite
- * (cuda_rewrite.c), which sets its own kernels. */
+ * (cuda_rewrite/gelu.c), which sets its own kernels. */
 int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kernels * k) {
     int changed = 0;
     const int n = ggml_graph_n_nodes(graph);

@@ -1,5 +1,9 @@
-/* toyharness cpu kernels: what cpu_kernels.c and cpu_adamw.c share (the tasks a kernel's work is
- * cut into, and the kernels defined apart from cpu_kernels.c). */
+/* toyharness cpu kernels: what the kernels' files share, so that each includes this header and no
+ * other .c file, and none declares another's function itself. Inline helpers (the tasks a
+ * kernel's work is cut into, a graph's readers, exp over rows) and, below, each file's functions
+ * that another calls: cpu_kernels.c (the rewrite, which swaps in the others' kernels),
+ * frozen_matmul.c, frozen_dequant.c, chunked_loss.c and cpu_adamw.c; the cuda rewrite
+ * (native/cuda_rewrite/) and portable_kernels.c use it too. */
 #ifndef TOYHARNESS_CPU_KERNELS_H
 #define TOYHARNESS_CPU_KERNELS_H
 
@@ -127,19 +131,19 @@ static inline void th_softmax_input(float * y, const float * x, const struct ggm
         for (int64_t k = 0; k < nc; k++) y[k] = x[k] * scale;
     }
 }
-/* ---- shared by the kernels' files ------------------------------------------------------------- */
-/* the CBLAS sgemm the binding hands over (th_set_sgemm; NULL without one) */
+/* ---- each file's functions that another file calls ------------------------------------------ */
+/* cpu_kernels.c: the CBLAS sgemm the binding hands over (th_set_sgemm; NULL without one) */
 enum { TH_ROW_MAJOR = 101, TH_NO_TRANS = 111, TH_TRANS = 112 };
 typedef void (*th_sgemm_fn)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                             const float * a, int lda, const float * b, int ldb, float beta, float * c, int ldc);
 extern th_sgemm_fn th_sgemm;
 
-/* turn node t into a two-source custom op (its op_params cleared first) */
+/* cpu_kernels.c: turn node t into a two-source custom op (its op_params cleared first) */
 void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks);
 
-/* GELU's stand-in pairs (blocks.gelu_tanh: a SILU named "th.gelu_tanh" and the SILU_BACK ggml
- * built for it) handed to a backend's kernels: cpu_kernels.c's, or ggml-cuda's of ours
- * (cuda_rewrite.c). Returns how many nodes were set, or -1 when a pair cannot be. */
+/* cpu_kernels.c: GELU's stand-in pairs (blocks.gelu_tanh: a SILU named "th.gelu_tanh" and the
+ * SILU_BACK ggml built for it) handed to a backend's kernels: cpu_kernels.c's, or ggml-cuda's of
+ * ours (native/cuda_rewrite/gelu.c). Returns how many nodes were set, or -1 when a pair cannot be. */
 struct th_gelu_kernels {
     void (*set_forward)(struct ggml_tensor * t);          /* t: the stand-in SILU, its input t->src[0] */
     void (*set_backward)(struct ggml_tensor * b);         /* b: its SILU_BACK(gradient, input) */
@@ -151,16 +155,19 @@ int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kerne
 /* frozen_matmul.c: products with a frozen non-f32 weight (f16, bf16, quantized), in f32 */
 int th_rewrite_frozen(struct ggml_cgraph * graph);
 const char * th_frozen_kernel_name(const struct ggml_tensor * t, double * flops);
-const char * th_chunked_loss_kernel_name(const struct ggml_tensor * t, double * flops);
 int th_frozen_type_ok(int type);
 /* rows [r0, r0 + rows), columns [c0, c0 + cols) of a weight (f32 or a frozen type) as f32 */
 void th_dequantize(const struct ggml_tensor * w, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float * out);
 /* C (m x n, row-major) = A . B + beta C (A^T, B^T where asked): th_sgemm, or a plain loop */
 void th_frozen_gemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, const float * a, int64_t lda,
                     const float * b, int64_t ldb, float beta, float * c, int64_t ldc);
+
 /* frozen_dequant.c: n values of a row of `type` as f32, ggml's values; 0 for a type it leaves to
  * ggml's to_float */
 int th_fast_dequantize_row(enum ggml_type type, const void * src, float * dst, int64_t n);
+
+/* chunked_loss.c: the chunked loss's kernel name and its products' FLOPs (bench --profile) */
+const char * th_chunked_loss_kernel_name(const struct ggml_tensor * t, double * flops);
 
 /* cpu_adamw.c (built with -fno-math-errno, so that its square root vectorises) */
 void th_adamw_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);

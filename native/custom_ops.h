@@ -59,7 +59,7 @@ enum {
      *                    nodes give), plus r when given (a residual's gradient: ADD(r, dx));
      *                    with srcs 4 and 5 (g given) the gain's gradient too, COLUMN_DOT(t, dy)'s
      *                    bits into src 4 (that node, now a ROOM) through the scratch of src 5
-     *                    (native/cuda_rewrite.c, th_fuse_gain_sums); at bf16 with src 6 the
+     *                    (native/cuda_rewrite/gain_sums.c, th_fuse_gain_sums); at bf16 with src 6 the
      *                    bias's gradient too, the column sums of dt's dy in the same order, into
      *                    src 6 (a ROOM; its partials after the gain's in src 5: native/
      *                    cuda_precision.c, th_layer_norm_bias_sums) */
@@ -78,7 +78,7 @@ enum {
      *   AFFINE with src 3 x: t is a norm of x (LAYER_NORM or RMS_NORM, th_norm_affine_params), which
      *               the AFFINE computes with that norm's code and writes into t's node (a ROOM) as
      *               it writes y; with srcs 4 and 5 (`add`) x is their sum (a residual's ADD), which
-     *               it computes too, into x's node (a ROOM) (native/cuda_rewrite.c,
+     *               it computes too, into x's node (a ROOM) (native/cuda_rewrite/norm_fusion.c,
      *               th_fuse_norm_affines); t is left unwritten where nothing else reads it */
     TH_CUDA_AFFINE = 12, TH_CUDA_COLUMN_DOT = 13,
     /* GET_ROWS_BACK (an embedding's gradient): srcs grad (n, R) f32, ids (R) i32; dst (n, V) */

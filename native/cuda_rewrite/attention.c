@@ -1,0 +1,256 @@
+/* The cuda rewrite's pass: attention's nodes (S, P, O and their backward) become the fused kernels
+ * of cuda/th-attention.cu. */
+#include "passes.h"
+
+static int th_is_attention_node(const struct ggml_tensor * t) {
+    return th_marked(t, TH_CUDA_ATTN_FWD) || th_marked(t, TH_CUDA_ATTN_PREP) || th_marked(t, TH_CUDA_ATTN_BWD) ||
+           th_marked(t, TH_CUDA_ATTN_DQ);
+}
+
+static struct ggml_tensor * th_repeated_of(const struct ggml_tensor * t) {
+    struct ggml_tensor * r = NULL;
+    if (t != NULL && th_marked(t, TH_CUDA_FOLDED)) memcpy(&r, t->op_params + 2, sizeof(r));
+    return r;
+}
+
+/* What an attention operand reads: under its RESHAPE views, the view that its CONT copies (a CONT
+ * folded into the attention's nodes keeps that source: th_fold_attention_operands); else t. The
+ * same operand before and after a fold (graphs share nodes: an earlier graph may have folded it). */
+static const struct ggml_tensor * th_operand_source(const struct ggml_tensor * t) {
+    for (;;) {          /* through a REPEAT folded for grouped heads: its nodes now read what it repeated */
+        t = th_under_reshape_views((struct ggml_tensor *) t);
+        const struct ggml_tensor * r = th_repeated_of(t);
+        if (r == NULL) break;
+        t = r;
+    }
+    if (t != NULL && t->src[0] != NULL &&
+        (t->op == GGML_OP_CONT || th_marked(t, TH_CUDA_CONT) || th_marked(t, TH_CUDA_FOLDED))) {
+        return t->src[0];
+    }
+    return t;
+}
+
+/* the node OUT_PROD(a, b) of `graph` (a as an attention operand), b directly or (`transposed`)
+ * through a TRANSPOSE view */
+static struct ggml_tensor * th_out_prod(struct ggml_cgraph * graph, const struct ggml_tensor * a,
+                                        const struct ggml_tensor * b, int transposed) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (u->op != GGML_OP_OUT_PROD || u->src[1] == NULL || th_operand_source(u->src[0]) != th_operand_source(a)) {
+            continue;
+        }
+        const struct ggml_tensor * s = u->src[1];
+        if (transposed ? s->op == GGML_OP_TRANSPOSE && s->src[0] == b : s == b) return u;
+    }
+    return NULL;
+}
+
+/* The forward of one attention whose probabilities P (a SOFT_MAX) every reader of which is one
+ * of O, its backward's dvt and dS: P becomes ATTN_FWD, O its copy, S nothing. Returns 3, 0 when
+ * the nodes are not attention's (left to ggml). */
+static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor * p) {
+    struct ggml_tensor * s = p->src[0], * mask = p->src[1], * only;
+    if (s == NULL || s->op != GGML_OP_MUL_MAT || p->src[2] != NULL || th_readers(graph, s, &only) != 1) return 0;
+    struct ggml_tensor * k = s->src[0], * q = s->src[1];
+    const int64_t hd = q->ne[0], T = q->ne[1], heads = q->ne[2];
+    float scale, max_bias;
+    memcpy(&scale, p->op_params, sizeof(float));
+    memcpy(&max_bias, p->op_params + 1, sizeof(float));
+    const int causal = mask != NULL;
+    if (max_bias != 0.0f || !th_attention_head_dim_ok(hd) || T > INT32_MAX / 2 || !th_f32_contiguous(q) ||
+        !th_f32_contiguous(k) || !th_shape_is(k, hd, T, heads) || !th_f32_contiguous(p) ||
+        !th_shape_is(p, T, T, heads) ||
+        (causal && (strncmp(mask->name, "causal_mask.", 12) != 0 || !th_shape_is(mask, T, T, 1)))) {
+        return 0;
+    }
+    struct ggml_tensor * o = NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] != p) continue;
+            if (j == 1 && u->op == GGML_OP_MUL_MAT && o == NULL) {
+                o = u;
+            } else if (!(j == 0 && u->op == GGML_OP_OUT_PROD) && !(j == 1 && u->op == GGML_OP_SOFT_MAX_BACK)) {
+                return 0;          /* P read by a node we do not rewrite: it must stay P */
+            }
+        }
+    }
+    struct ggml_tensor * vt = o != NULL ? o->src[0] : NULL;
+    if (o == NULL || !th_f32_contiguous(vt) || !th_shape_is(vt, T, hd, heads) || !th_f32_contiguous(o) ||
+        !th_shape_is(o, hd, T, heads)) {
+        return 0;
+    }
+    const th_attention_params params = {(int32_t) hd, (int32_t) T, causal, scale, 1};
+    th_mark(p, TH_CUDA_ATTN_FWD);
+    th_set_params(p, &params, sizeof(params));
+    th_set_srcs(p, q, k, vt, NULL, NULL, NULL);
+    th_set_rows(p, th_attention_fwd_floats(hd, T), heads);
+    th_mark(o, TH_CUDA_SLICE);
+    const th_slice_params slice = {th_attention_fwd_floats(hd, T), 0};
+    th_set_params(o, &slice, sizeof(slice));
+    th_set_srcs(o, p, NULL, NULL, NULL, NULL, NULL);
+    s->op = GGML_OP_NONE;
+    th_set_srcs(s, NULL, NULL, NULL, NULL, NULL, NULL);
+    th_set_rows(s, 1, 1);
+    return 3;
+}
+
+/* The backward of the attention whose forward node is `fwd` (ATTN_FWD), where `graph` has it.
+ * Returns the nodes marked, 0 when the graph has no backward of it, -1 when it has one of
+ * another shape (P no longer exists to compute it from). */
+static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor * fwd) {
+    th_attention_params params;
+    memcpy(&params, fwd->op_params + 2, sizeof(params));
+    struct ggml_tensor * q = fwd->src[0], * k = fwd->src[1], * vt = fwd->src[2], * ds = NULL, * only;
+    for (int i = 0; i < ggml_graph_n_nodes(graph) && ds == NULL; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (u->src[1] == fwd && u->op == GGML_OP_SOFT_MAX_BACK) ds = u;
+    }
+    if (ds == NULL) return 0;                       /* no backward here, or marked already */
+    struct ggml_tensor * dp = ds->src[0];
+    if (ds->op != GGML_OP_SOFT_MAX_BACK || dp == NULL || dp->op != GGML_OP_OUT_PROD ||
+        th_operand_source(dp->src[0]) != th_operand_source(vt) ||
+        dp->src[1] == NULL || dp->src[1]->op != GGML_OP_TRANSPOSE || th_readers(graph, dp, &only) != 1) {
+        return -1;
+    }
+    const int64_t hd = params.hd, T = params.T, heads = q->ne[2] * q->ne[3];   /* q: maybe a (hd, T, H, B) view */
+    struct ggml_tensor * dout = dp->src[1]->src[0];
+    struct ggml_tensor * dvt = th_out_prod(graph, fwd, dout, 0), * dk = th_out_prod(graph, q, ds, 0);
+    struct ggml_tensor * dq = th_out_prod(graph, k, ds, 1);
+    int ds_readers = th_readers(graph, ds, &only);
+    if (!th_f32_contiguous(dout) || !th_shape_is(dout, hd, T, heads) || !th_f32_contiguous(ds) ||
+        (dvt != NULL && !th_f32_contiguous(dvt)) || (dk != NULL && !th_f32_contiguous(dk)) ||
+        ds_readers != (dk != NULL) + (dq != NULL)) {
+        return -1;
+    }
+    struct ggml_tensor * dout_t = dp->src[1];
+    th_mark(dp, TH_CUDA_ATTN_PREP);
+    th_set_params(dp, &params, sizeof(params));
+    th_set_srcs(dp, dout, fwd, NULL, NULL, NULL, NULL);
+    th_set_rows(dp, th_attention_prep_floats(hd, T), heads);
+    th_mark(ds, TH_CUDA_ATTN_BWD);
+    th_set_params(ds, &params, sizeof(params));
+    th_set_srcs(ds, q, k, vt, dout, fwd, dp);
+    if (th_readers(graph, dout_t, &only) == 0) {
+        /* the transposed view of dO that dP read: a view nothing reads would keep dO allocated
+         * to the graph's end (ggml-alloc frees a source when its views are done) */
+        dout_t->op = GGML_OP_NONE;
+    }
+    int marked = 2;
+    if (dk != NULL) {
+        const th_slice_params slice = {th_attention_prep_floats(hd, T), 0};
+        th_mark(dk, TH_CUDA_SLICE);
+        th_set_params(dk, &slice, sizeof(slice));
+        th_set_srcs(dk, dp, NULL, NULL, NULL, NULL, NULL);
+        marked++;
+    }
+    if (dvt != NULL) {
+        const th_slice_params slice = {th_attention_prep_floats(hd, T), hd * T};
+        th_mark(dvt, TH_CUDA_SLICE);
+        th_set_params(dvt, &slice, sizeof(slice));
+        th_set_srcs(dvt, dp, NULL, NULL, NULL, NULL, NULL);
+        marked++;
+    }
+    if (dq != NULL) {
+        /* dQ's own node, (hd, T, BH); or the CONT that permutes it back to the projection's
+         * layout, which then computes it in place of the copy (the product folds) */
+        th_attention_map map = {{0, 1, 2, -1}};
+        struct ggml_tensor * ds_t = dq->src[1];
+        struct ggml_tensor * node = th_permuted_cont_of(graph, dq, &map, hd, T, heads);
+        if (node != NULL) {
+            th_fold(dq, 1);
+            marked++;
+        } else {
+            if (!th_f32_contiguous(dq) || !th_shape_is(dq, hd, T, heads)) return -1;
+            node = dq;
+        }
+        th_mark(node, TH_CUDA_ATTN_DQ);
+        th_set_params(node, &params, sizeof(params));
+        th_attention_map_set(node, 0, map);
+        /* the backward's sources (at tf32 and bf16 dQ's kernel computes dS's tiles again from them), then dS */
+        th_set_srcs(node, q, k, vt, dout, fwd, dp);
+        node->src[6] = ds;
+        if (th_readers(graph, ds_t, &only) == 0) ds_t->op = GGML_OP_NONE;     /* as dO's view above */
+        marked++;
+    }
+    return marked;
+}
+
+/* Attention's operands q, k, v^T and dO are CONTs of head-permuted views of the projections
+ * (blocks.attention). Where only attention's nodes read one (and views of it), those nodes read
+ * the view itself, through its strides, and the CONT folds: it keeps the view as its source, for
+ * th_operand_source. An operand's (ne0, ne1) are the CONT's, its heads the CONT's ne2 x ne3.
+ * Returns the CONTs folded. */
+static int th_fold_attention_operands(struct ggml_cgraph * graph) {
+    const int n = ggml_graph_n_nodes(graph);
+    int folded = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int m = 0; m < 4 && th_is_attention_node(u); m++) {
+            struct ggml_tensor * c = u->src[m];
+            while (c != NULL && c->op == GGML_OP_RESHAPE) c = c->src[0];
+            if (c == NULL || !(c->op == GGML_OP_CONT || th_marked(c, TH_CUDA_CONT)) || c->src[0] == NULL ||
+                c->src[0]->type != GGML_TYPE_F32 || (c->flags & GGML_TENSOR_FLAG_OUTPUT)) {
+                continue;
+            }
+            struct ggml_tensor * view = c->src[0];
+            int ok = 1;
+            for (int k = 0; k < GGML_MAX_DIMS; k++) ok &= view->nb[k] % sizeof(float) == 0;
+            for (int j = 0; j < n && ok; j++) {
+                const struct ggml_tensor * w = ggml_graph_node(graph, j);
+                if (w->view_src == c) continue;                    /* a view: its readers are checked */
+                for (int k = 0; k < GGML_MAX_SRC; k++) {
+                    const struct ggml_tensor * s = w->src[k];
+                    if (s == NULL || (s != c && s->view_src != c)) continue;
+                    ok &= s == c || (s->op == GGML_OP_RESHAPE && s->view_offs == 0);     /* not a permute */
+                    /* a reader of ours, at an operand's place, with the CONT's rows and heads */
+                    ok &= th_is_attention_node(w) && k < 4 &&
+                          !(th_marked(w, TH_CUDA_ATTN_PREP) && k != 0) && s->ne[0] == c->ne[0] &&
+                          s->ne[1] == c->ne[1] && s->ne[2] * s->ne[3] == c->ne[2] * c->ne[3];
+                }
+            }
+            if (!ok) continue;
+            for (int j = 0; j < n; j++) {
+                struct ggml_tensor * w = ggml_graph_node(graph, j);
+                if (!th_is_attention_node(w)) continue;
+                for (int k = 0; k < 4; k++) {
+                    if (w->src[k] != NULL && (w->src[k] == c || w->src[k]->view_src == c)) w->src[k] = view;
+                }
+            }
+            th_fold(c, 1);
+            c->src[0] = view;
+            folded++;
+        }
+    }
+    return folded;
+}
+
+/* Every attention of `graph`: forward and, where the graph has it, backward; with `group`, the
+ * kv heads read in place (th_attention_group). Returns the nodes marked, or -1 (see
+ * th_attention_backward). */
+int th_rewrite_attention(struct ggml_cgraph * graph, const int group) {
+    int marked = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * t = ggml_graph_node(graph, i);
+        if (t->op == GGML_OP_SOFT_MAX && t->type == GGML_TYPE_F32) {
+            marked += th_attention_forward(graph, t);
+        }
+        if (th_marked(t, TH_CUDA_ATTN_FWD)) {
+            const int back = th_attention_backward(graph, t);
+            if (back < 0) return -1;
+            marked += back;
+            for (int j = 0; j < ggml_graph_n_nodes(graph); j++) {    /* nothing else reads P */
+                const struct ggml_tensor * u = ggml_graph_node(graph, j);
+                for (int m = 0; m < GGML_MAX_SRC; m++) {
+                    if (u->src[m] == t && !th_marked(u, TH_CUDA_SLICE) && !th_marked(u, TH_CUDA_SLICE_CONT) &&
+                        !th_marked(u, TH_CUDA_ATTN_PREP) && !th_marked(u, TH_CUDA_ATTN_BWD) &&
+                        !th_marked(u, TH_CUDA_ATTN_DQ)) {
+                        return -1;
+                    }
+                }
+            }
+            if (group) marked += th_attention_group(graph, t);
+        }
+    }
+    return marked + th_fold_attention_operands(graph);
+}
