@@ -35,7 +35,7 @@ from .._ffi import (
 from ..errors import BackendError, InputError, ShapeError
 from . import graph_check, graph_rewrites
 from .allocation import allocation_failed, ggml_quiet, graph_buffer_bytes
-from .backend import Engine
+from .backend import Engine, register_program_class
 from .host_values import (
     DTYPE_NAMES,
     FedInput,
@@ -548,3 +548,4 @@ class ForwardGraph:
 for _name in ("param", "input", "constant", "cross_entropy", "masked_cross_entropy", "chunked_cross_entropy",
               "scalar_loss"):
     setattr(Program, _name, _located(getattr(Program, _name)))
+register_program_class(Program)
