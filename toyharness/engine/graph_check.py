@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from .._ffi import ffi, lib
 from ..errors import BackendError
-from .tensor import node_origin
+from .origins import node_origin
 
 if TYPE_CHECKING:
     from .program import Program

@@ -48,7 +48,8 @@ from .host_values import (
 )
 from .losses import CrossEntropy, LossBuilders
 from .lowering import Lowering, declares_for
-from .tensor import Tensor, _located
+from .origins import located
+from .tensor import Tensor
 from .trainer import Trainer
 
 # The most tensors ggml_build_backward_expand makes for one forward node (ggml_compute_backward,
@@ -547,5 +548,5 @@ class ForwardGraph:
 # a ShapeError of a graph-building method ends with the recipe's line, as Tensor's ops' do
 for _name in ("param", "input", "constant", "cross_entropy", "masked_cross_entropy", "chunked_cross_entropy",
               "scalar_loss"):
-    setattr(Program, _name, _located(getattr(Program, _name)))
+    setattr(Program, _name, located(getattr(Program, _name)))
 register_program_class(Program)
