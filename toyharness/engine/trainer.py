@@ -41,20 +41,46 @@ class Trainer:
     def __init__(self, prog: Program, loss: CrossEntropy, convention: str):
         check_convention(AdamWRow(convention, 0, 0, 0, 0, 0), convention)
         self.prog, self.loss, self.convention = prog, loss, convention
-        ctx = prog._ctx_compute
         if not prog.params:
             raise InputError("the program has no trainable parameters")
         if prog._gemm_rewritten:
             raise InputError("create the Trainer before computing any graph of its program "
                              "(computed graphs have their matrix products rewritten, which have no backward)")
         roots = [loss.train] if loss.report is loss.train else [loss.train, loss.report]
-        gf = prog._new_graph(prog._forward_size(roots), False)
+        gf = self._forward_graph(roots)
+        accs = self._loss_gradient(gf)
+        self._grads_buffer = prog.allocate()
+        self._optimizer_state()
+        gf, opt_size = self._backward_graph(gf, accs, roots)
+        grads = self._keep_gradients()
+        self._optimizer_graph(grads, opt_size)
+        if prog.recompute is not None and prog.recompute.copies:
+            from .recompute import apply
+
+            self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
+        graph_rewrites.fold_cpu_products(prog, self.gb_opt)
+        self.gf = gf
+        self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
+        lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
+        self.eval_graph = graph_rewrites.lowered(prog, self.eval_graph, False)
+        graph_check.refuse_unsupported(prog, [self.gb_opt, self.eval_graph])
+        self._reserve()
+        self.needs_full_reset = True
+        self.steps_done = 0
+
+    def _forward_graph(self, roots: list[Tensor]):
+        gf = self.prog._new_graph(self.prog._forward_size(roots), False)
         for t in roots:
             lib.ggml_build_forward_expand(gf, t.ptr)
+        return gf
+
+    def _loss_gradient(self, gf):
+        """The gradient accumulators ggml_build_backward_expand takes, by node of `gf`: one for
+        the loss, persistent, in a backend buffer of its own (one left to the graph allocator is
+        overwritten after step 0 and training silently stalls); a parameter's gradient is the
+        node that computes it, kept as a graph output. Refuses a parameter the loss does not use."""
+        prog = self.prog
         n = lib.ggml_graph_n_nodes(gf)
-        # A persistent gradient accumulator for the loss, in a backend buffer of its own (one left
-        # to the graph allocator is overwritten after step 0 and training silently stalls); a
-        # parameter's gradient is the node that computes it, kept as a graph output.
         prog.allocate()
         accs = ffi.new("ggml_tensor *[]", n)
         self.grad_acc: dict[str, Tensor] = {}
@@ -78,7 +104,11 @@ class Trainer:
         unused = [p for p in prog.params if p not in reached]
         if unused:
             raise InputError(f"trainable parameters not used by the loss: {', '.join(unused)}")
-        self._grads_buffer = prog.allocate()
+        return accs
+
+    def _optimizer_state(self) -> None:
+        """The AdamW row (fed each step) and both moments of every parameter, persistent."""
+        prog = self.prog
         self._one = ffi.new("float *", 1.0)
         self._loss_out = ffi.new("float[1]")
         self._hp_row = ffi.new("float[7]")
@@ -91,6 +121,10 @@ class Trainer:
             self.v[name] = prog._new_static(f"adamw.v.{name}"[:63], p.shape, GGML_TYPE_F32)
         prog.allocate()
 
+    def _backward_graph(self, gf, accs, roots: list[Tensor]):
+        """gb_grad: gf and its backward, with column sums as products and the lowering applied.
+        Returns gf (built again where the lowering rewrote its nodes) and the optimizer graph's size."""
+        prog, ctx = self.prog, self.prog._ctx_compute
         # Each graph sized to what it holds (a copy needs at least its source's size): the
         # backward's from a count in a scratch context, plus a cont per parameter (its gradient
         # is a graph output); AdamW adds per parameter at most a cont and its step
@@ -111,10 +145,13 @@ class Trainer:
         lowered = graph_rewrites.lowered(prog, self.gb_grad, True)
         if lowered != self.gb_grad:
             # nodes of gf were rewritten in place: gf again, with the nodes they now read
-            self.gb_grad, gf = lowered, prog._new_graph(prog._forward_size(roots), False)
-            for t in roots:
-                lib.ggml_build_forward_expand(gf, t.ptr)
+            self.gb_grad, gf = lowered, self._forward_graph(roots)
             opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
+        return gf, opt_size
+
+    def _keep_gradients(self) -> dict:
+        """Each parameter's gradient node, made a contiguous graph output (grad_acc holds it)."""
+        prog, ctx = self.prog, self.prog._ctx_compute
         grads = {}
         for name, p in prog.params.items():
             grad = lib.ggml_graph_get_grad(self.gb_grad, p.ptr)
@@ -132,6 +169,11 @@ class Trainer:
             lib.ggml_set_output(root)
             self.grad_acc[name] = Tensor(prog, grad, p.ndim)
             grads[name] = grad
+        return grads
+
+    def _optimizer_graph(self, grads: dict, opt_size: int) -> None:
+        """gb_opt: gb_grad and one AdamW step per parameter."""
+        prog, ctx = self.prog, self.prog._ctx_compute
         self.gb_opt = prog._new_graph(opt_size, True)
         lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
         for name, p in prog.params.items():
@@ -140,16 +182,10 @@ class Trainer:
                 grad = lib.ggml_cont(ctx, grad)
             step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
             lib.ggml_build_forward_expand(self.gb_opt, step)
-        if prog.recompute is not None and prog.recompute.copies:
-            from .recompute import apply
 
-            self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
-        graph_rewrites.fold_cpu_products(prog, self.gb_opt)
-        self.gf = gf
-        self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
-        lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
-        self.eval_graph = graph_rewrites.lowered(prog, self.eval_graph, False)
-        graph_check.refuse_unsupported(prog, [self.gb_opt, self.eval_graph])
+    def _reserve(self) -> None:
+        """The training graph's compute buffer, reserved now (in a memory plan, measured only)."""
+        prog = self.prog
         if prog.planner is not None:
             prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
         else:
@@ -159,9 +195,7 @@ class Trainer:
                 reserved = lib.ggml_gallocr_reserve(prog.galloc_for(self.gb_opt), self.gb_opt)
             if not reserved:
                 raise allocation_failed(prog.engine, "the training graph's compute buffer",
-                                    graph_buffer_bytes(prog.engine, self.gb_opt))
-        self.needs_full_reset = True
-        self.steps_done = 0
+                                        graph_buffer_bytes(prog.engine, self.gb_opt))
 
     @property
     def n_nodes(self) -> int:
