@@ -112,6 +112,23 @@ class Program(LossBuilders):
         self._last_graph = None
         self._gemm_rewritten: set = set()
         self._constants: dict[str, Tensor] = {}
+        self._choose_kernels(engine)
+        self.last_compute_s = 0.0
+        # Set while a memory plan is made (toyharness/engine/memory_plan.py): persistent tensors and graph
+        # buffers are then measured, never allocated, and parameter values are never copied.
+        self.planner = engine.planner
+        # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
+        self.recompute = None
+        # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
+        self.kv_cache = None
+        # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
+        # --dequantize: the same values, 4x the memory, products without a dequantization per call)
+        self.dequantize_frozen = False
+
+    def _choose_kernels(self, engine: Engine) -> None:
+        """Which kernels compute this program's graphs and in which form blocks build them, from the
+        engine's backend, mode and precision (each flag says why); tests set some of them before
+        building any graph."""
         # Whether native/cpu_kernels.c stands in for ggml's kernels in this program's graphs
         # (cpu). Blocks may then build stand-in nodes that only
         # these kernels compute right (blocks.gelu_tanh); set before building any graph.
@@ -157,17 +174,6 @@ class Program(LossBuilders):
         # the graph and its products are ours (native/cuda/th-frozen.cu): its values enter them as
         # bf16, dequantized by ggml-cuda's converters, with no f32 copy of it (Tensor.matmul_t)
         self.frozen_bf16 = self.cuda_kernels and self.precision == "bf16"
-        self.last_compute_s = 0.0
-        # Set while a memory plan is made (toyharness/engine/memory_plan.py): persistent tensors and graph
-        # buffers are then measured, never allocated, and parameter values are never copied.
-        self.planner = engine.planner
-        # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
-        self.recompute = None
-        # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
-        self.kv_cache = None
-        # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
-        # --dequantize: the same values, 4x the memory, products without a dequantization per call)
-        self.dequantize_frozen = False
 
     # --- contexts and persistent tensors -------------------------------------------------
     def _new_ctx(self, mem: int):
