@@ -98,7 +98,7 @@ def test_at_bf16_layer_norms_backward_takes_its_bias_gradient_too():
     product) becomes a room that the backward writes (src 6), before it in every graph, every
     reader after it; stamped fp32 or tf32 the product stays, as it does at bf16 without the gain's
     sums to go with (rows wider than the backward's shared memory holds)."""
-    from toyharness.engine.program import PRECISION_CODES
+    from toyharness.engine.graph_rewrites import PRECISION_CODES
 
     def stamped(precision, d=16):
         prog, trainer, fg, _ = layer_norm_program("cpu", 6, d, stand_in=True, residual=True)

@@ -18,7 +18,7 @@ from helpers import cli, cuda_kernel_names, linear_bias_calls, native_build, nee
 from toyharness import goldens
 from toyharness._ffi import GGML_TYPE_BF16, GGML_TYPE_F32, GGML_TYPE_Q4_K, cuda_kernels_built, ffi, lib
 from toyharness.engine import blocks, get_engine
-from toyharness.engine.program import PRECISION_CODES
+from toyharness.engine.graph_rewrites import PRECISION_CODES
 from toyharness.errors import BackendError, InputError
 from toyharness.options import Options, convert
 

@@ -8,8 +8,10 @@
 from . import blocks
 from .backend import Engine, default_threads, get_engine
 from .gguf_io import GGUFFile, write_gguf
-from .program import CrossEntropy, ForwardGraph, Program, Trainer
+from .losses import CrossEntropy
+from .program import ForwardGraph, Program
 from .tensor import Tensor
+from .trainer import Trainer
 
 __all__ = ["Engine", "get_engine", "default_threads", "Program", "Trainer", "ForwardGraph", "CrossEntropy",
            "Tensor", "GGUFFile", "write_gguf", "blocks"]

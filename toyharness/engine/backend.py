@@ -5,14 +5,26 @@ from __future__ import annotations
 import os
 import platform
 import re
+from typing import TYPE_CHECKING
 
 from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
 from ..switches import switch
 
+if TYPE_CHECKING:
+    from .program import Program
+
 KNOWN_BACKENDS = ("cpu", "cuda", "vulkan", "metal")
 PORTABLE_FINGERPRINT = "cpu-portable"   # the same bits on every CPU (Engine.set_portable)
 _SERVICES: dict[str, Engine] = {}
+# The class Engine.program builds, registered by engine/program.py when it is imported (the engine
+# package imports it): Program takes its Engine, so the engine names it without importing it back.
+_program_class: type[Program] | None = None
+
+
+def register_program_class(cls: type[Program]) -> None:
+    global _program_class
+    _program_class = cls
 
 
 def default_threads() -> int:
@@ -70,10 +82,10 @@ class Engine:
         if self.is_cpu:
             lib.ggml_backend_cpu_set_n_threads(self.handle, threads)
 
-    def program(self, capacity: int = 1 << 16):
-        from .program import Program
-
-        return Program(self, capacity=capacity)
+    def program(self, capacity: int = 1 << 16) -> Program:
+        if _program_class is None:
+            raise RuntimeError("no Program class is registered: import toyharness.engine, not its backend alone")
+        return _program_class(self, capacity=capacity)
 
     def fingerprint(self) -> str:
         """What changes float results on this backend: for cpu, the SIMD level of the build and

@@ -6,7 +6,7 @@
   th_cont_strided_operands): the same values, and no node added to a graph ggml could compute.
 - `refuse_unsupported`: a node the run's mode cannot compute (no portable kernel; an op the
   backend, or the metal lowering, does not declare) is refused as the run starts, in one line
-  naming the op and the recipe's line that made the node (engine/tensor.py records it), not at
+  naming the op and the recipe's line that made the node (engine/origins.py records it), not at
   the first compute.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from .._ffi import ffi, lib
 from ..errors import BackendError
-from .tensor import node_origin
+from .origins import node_origin
 
 if TYPE_CHECKING:
     from .program import Program

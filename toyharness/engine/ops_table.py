@@ -1,4 +1,4 @@
-"""The ops of engine/tensor.py, each with a float64 numpy reference, and which mode runs each.
+"""The ops of engine/tensor.py and tensor_shapes.py, each with a float64 numpy reference, and which mode runs each.
 
 `OPS` is the one list of them: tests/test_ops_modes.py checks each against its reference (forward)
 and finite differences (backward) in every mode, and `support_table` derives which mode trains

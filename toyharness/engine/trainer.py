@@ -1,0 +1,288 @@
+"""The training step on a program: its training graph (forward, backward, one AdamW step per
+trainable tensor), the moments, and step, evaluation and checkpoint state (Trainer).
+Built by `Program.trainer(loss, convention)` (docs/design.md, "The training graph")."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .._ffi import GGML_TYPE_F32, ffi, lib
+from ..adamw import AdamWRow, HPRow, check_convention
+from ..errors import InputError
+from . import graph_check, graph_rewrites
+from .allocation import allocation_failed, ggml_quiet, graph_buffer_bytes
+from .tensor import Tensor
+
+if TYPE_CHECKING:
+    from .losses import CrossEntropy
+    from .program import Program
+
+GGML_FLAG_PARAM = 4
+GGML_FLAG_LOSS = 8
+
+
+_VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
+
+
+class Trainer:
+    """Forward, backward and one AdamW step per trainable tensor, fed by a 7-float row.
+
+    Every parameter's gradient is the (contiguous) node that computes it, a graph output, not an
+    accumulator: an accumulator cost an ADD of the gradient into zeros per parameter and a clear of them
+    all per step, and adding a gradient to zeros changes no bit of it. `grad_acc` holds them by name,
+    valid after a step or `grads_only` until another graph of the program is computed (the compute
+    buffer they are in is then reused). The first step after construction does a full reset (gradients
+    and moments); later steps reset gradients only, so the moments carry over.
+    """
+
+    def __init__(self, prog: Program, loss: CrossEntropy, convention: str):
+        check_convention(AdamWRow(convention, 0, 0, 0, 0, 0), convention)
+        self.prog, self.loss, self.convention = prog, loss, convention
+        if not prog.params:
+            raise InputError("the program has no trainable parameters")
+        if prog._gemm_rewritten:
+            raise InputError("create the Trainer before computing any graph of its program "
+                             "(computed graphs have their matrix products rewritten, which have no backward)")
+        roots = [loss.train] if loss.report is loss.train else [loss.train, loss.report]
+        gf = self._forward_graph(roots)
+        accs = self._loss_gradient(gf)
+        self._grads_buffer = prog.allocate()
+        self._optimizer_state()
+        gf, opt_size = self._backward_graph(gf, accs, roots)
+        grads = self._keep_gradients()
+        self._optimizer_graph(grads, opt_size)
+        if prog.recompute is not None and prog.recompute.copies:
+            from .recompute import apply
+
+            self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
+        graph_rewrites.fold_cpu_products(prog, self.gb_opt)
+        self.gf = gf
+        self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
+        lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
+        self.eval_graph = graph_rewrites.lowered(prog, self.eval_graph, False)
+        graph_check.refuse_unsupported(prog, [self.gb_opt, self.eval_graph])
+        self._reserve()
+        self.needs_full_reset = True
+        self.steps_done = 0
+
+    def _forward_graph(self, roots: list[Tensor]):
+        gf = self.prog._new_graph(self.prog._forward_size(roots), False)
+        for t in roots:
+            lib.ggml_build_forward_expand(gf, t.ptr)
+        return gf
+
+    def _loss_gradient(self, gf):
+        """The gradient accumulators ggml_build_backward_expand takes, by node of `gf`: one for
+        the loss, persistent, in a backend buffer of its own (one left to the graph allocator is
+        overwritten after step 0 and training silently stalls); a parameter's gradient is the
+        node that computes it, kept as a graph output. Refuses a parameter the loss does not use."""
+        prog = self.prog
+        n = lib.ggml_graph_n_nodes(gf)
+        prog.allocate()
+        accs = ffi.new("ggml_tensor *[]", n)
+        self.grad_acc: dict[str, Tensor] = {}
+        reached = set()
+        for i in range(n):
+            node = lib.ggml_graph_node(gf, i)
+            flags = lib.th_tensor_flags(node)
+            if flags & (GGML_FLAG_PARAM | GGML_FLAG_LOSS):
+                name = ffi.string(lib.ggml_get_name(node)).decode()
+                if flags & GGML_FLAG_PARAM:
+                    reached.add(name)
+                    continue
+                ne = ffi.new("int64_t[4]")
+                lib.th_tensor_shape(node, ne, ffi.new("size_t[4]"))
+                acc = lib.ggml_new_tensor_4d(prog._ctx_static, GGML_TYPE_F32, *ne)
+                lib.ggml_set_name(acc, f"grad.{name}"[:63].encode())
+                prog._unallocated += 1
+                accs[i] = acc
+                self._loss_grad = acc
+        # ggml only puts leaves with the PARAM flag into the node list.
+        unused = [p for p in prog.params if p not in reached]
+        if unused:
+            raise InputError(f"trainable parameters not used by the loss: {', '.join(unused)}")
+        return accs
+
+    def _optimizer_state(self) -> None:
+        """The AdamW row (fed each step) and both moments of every parameter, persistent."""
+        prog = self.prog
+        self._one = ffi.new("float *", 1.0)
+        self._loss_out = ffi.new("float[1]")
+        self._hp_row = ffi.new("float[7]")
+        self.hp = prog._new_static("adamw.hp", (7,), GGML_TYPE_F32)
+        lib.ggml_set_input(self.hp.ptr)
+        self.m: dict[str, Tensor] = {}
+        self.v: dict[str, Tensor] = {}
+        for name, p in prog.params.items():
+            self.m[name] = prog._new_static(f"adamw.m.{name}"[:63], p.shape, GGML_TYPE_F32)
+            self.v[name] = prog._new_static(f"adamw.v.{name}"[:63], p.shape, GGML_TYPE_F32)
+        prog.allocate()
+
+    def _backward_graph(self, gf, accs, roots: list[Tensor]):
+        """gb_grad: gf and its backward, with column sums as products and the lowering applied.
+        Returns gf (built again where the lowering rewrote its nodes) and the optimizer graph's size."""
+        prog, ctx = self.prog, self.prog._ctx_compute
+        # Each graph sized to what it holds (a copy needs at least its source's size): the
+        # backward's from a count in a scratch context, plus a cont per parameter (its gradient
+        # is a graph output); AdamW adds per parameter at most a cont and its step
+        # (nodes), m and v (leafs), and the row (one leaf).
+        grad_size, made = prog._backward_size(gf, accs)
+        conts = len(prog.params)
+        grad_size, made = max(grad_size, lib.ggml_graph_size(gf)) + conts, made + conts
+        opt_size = grad_size + 2 * len(prog.params) + 1
+        prog._check_room(made * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(grad_size, True)
+                         + lib.ggml_graph_overhead_custom(opt_size, True), "the backward graph")
+        self.gb_grad = prog._new_graph(grad_size, True)
+        lib.ggml_graph_cpy(gf, self.gb_grad)
+        lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
+        self.gb_grad = graph_check.cont_strided_operands(prog, self.gb_grad, True)
+        opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
+        if prog.column_sums_as_products:
+            graph_rewrites.column_sums_as_products(prog, self.gb_grad)
+        lowered = graph_rewrites.lowered(prog, self.gb_grad, True)
+        if lowered != self.gb_grad:
+            # nodes of gf were rewritten in place: gf again, with the nodes they now read
+            self.gb_grad, gf = lowered, self._forward_graph(roots)
+            opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
+        return gf, opt_size
+
+    def _keep_gradients(self) -> dict:
+        """Each parameter's gradient node, made a contiguous graph output (grad_acc holds it)."""
+        prog, ctx = self.prog, self.prog._ctx_compute
+        grads = {}
+        for name, p in prog.params.items():
+            grad = lib.ggml_graph_get_grad(self.gb_grad, p.ptr)
+            if grad == ffi.NULL:
+                raise InputError(f"parameter {name} gets no gradient from the loss")
+            # kept whole: a RESHAPE's source is kept too (an output view alone would not keep
+            # its source's memory); another view becomes a node of its own
+            root = grad
+            while ffi.string(lib.ggml_op_desc(root)).decode() == "RESHAPE":
+                lib.ggml_set_output(root)
+                root = lib.th_tensor_src(root, 0)
+            if not lib.ggml_is_contiguous(root) or ffi.string(lib.ggml_op_desc(root)).decode() in _VIEW_OPS:
+                grad = root = lib.ggml_cont(ctx, grad)
+                lib.ggml_build_forward_expand(self.gb_grad, grad)
+            lib.ggml_set_output(root)
+            self.grad_acc[name] = Tensor(prog, grad, p.ndim)
+            grads[name] = grad
+        return grads
+
+    def _optimizer_graph(self, grads: dict, opt_size: int) -> None:
+        """gb_opt: gb_grad and one AdamW step per parameter."""
+        prog, ctx = self.prog, self.prog._ctx_compute
+        self.gb_opt = prog._new_graph(opt_size, True)
+        lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
+        for name, p in prog.params.items():
+            grad = grads[name]
+            if not lib.ggml_is_contiguous(grad):
+                grad = lib.ggml_cont(ctx, grad)
+            step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
+            lib.ggml_build_forward_expand(self.gb_opt, step)
+
+    def _reserve(self) -> None:
+        """The training graph's compute buffer, reserved now (in a memory plan, measured only)."""
+        prog = self.prog
+        if prog.planner is not None:
+            prog.planner.measure_graphs(prog, self)     # sizes only: nothing reserved
+        else:
+            if prog.reserves_rewritten:
+                prog._prepare(self.gb_opt)
+            with ggml_quiet():
+                reserved = lib.ggml_gallocr_reserve(prog.galloc_for(self.gb_opt), self.gb_opt)
+            if not reserved:
+                raise allocation_failed(prog.engine, "the training graph's compute buffer",
+                                        graph_buffer_bytes(prog.engine, self.gb_opt))
+
+    @property
+    def n_nodes(self) -> int:
+        return int(lib.ggml_graph_n_nodes(self.gb_opt))
+
+    def reset_full(self) -> None:
+        """Zero every gradient accumulator and both AdamW moments; loss gradient = 1.
+        What ggml_graph_reset(gb_opt) does, by name: it finds the moments through the graph's
+        OPT_STEP_ADAMW nodes, which the cpu rewrite turns into custom ops."""
+        moments = [t.ptr for t in (*self.m.values(), *self.v.values())]
+        lib.th_zero_tensors(ffi.new("ggml_tensor *[]", moments), len(moments))
+        self.reset_grads()
+
+    def reset_grads(self) -> None:
+        """Set the loss gradient to 1 (the parameters' gradients are graph outputs, written by each
+        step); the moments survive. What ggml_graph_reset(gb_grad) does."""
+        lib.ggml_backend_tensor_set(self._loss_grad, self._one, 0, 4)
+
+    def step(self, feeds: dict[str, np.ndarray], hp: HPRow | AdamWRow | list[float],
+             step_index: int | None = None) -> float:
+        """One training step on one batch; returns the reported (thread-invariant) loss.
+
+        `hp` is a step's row (an `HPRow`, whose convention must be the declared one, or 7 bare
+        floats), or an `AdamWRow` evaluated at `step_index` (default: steps done so far).
+        """
+        if isinstance(hp, HPRow):
+            check_convention(hp, self.convention)
+        if isinstance(hp, AdamWRow):
+            check_convention(hp, self.convention)
+            hp = hp.hp_for_step(self.steps_done if step_index is None else step_index)
+        try:      # plain floats, no numpy: the host's share of a tiny step counts
+            row = [float(v) for v in hp]
+        except (TypeError, ValueError):
+            row = []
+        if len(row) != 7 or not all(map(math.isfinite, row)):
+            raise InputError(f"the AdamW row must be 7 finite floats, got {hp!r}")
+        self.prog.feed(feeds)
+        self._hp_row[0:7] = row
+        lib.ggml_backend_tensor_set(self.hp.ptr, self._hp_row, 0, 7 * 4)
+        if self.needs_full_reset:
+            self.reset_full()
+            self.needs_full_reset = False
+        else:
+            self.reset_grads()
+        self.prog._compute(self.gb_opt)
+        self.steps_done += 1
+        return self.loss_value()
+
+    def grads_only(self, feeds: dict[str, np.ndarray]) -> float:
+        """Forward and backward without the AdamW step (gradients land in the accumulators)."""
+        self.prog.feed(feeds)
+        self.reset_grads()
+        self.prog._compute(self.gb_grad)
+        return self.loss_value()
+
+    def eval_loss(self, feeds: dict[str, np.ndarray]) -> float:
+        """The reported loss on a batch, forward only: parameters and moments untouched."""
+        self.prog.feed(feeds)
+        self.prog._compute(self.eval_graph)
+        return self.loss_value()
+
+    def loss_value(self) -> float:
+        lib.ggml_backend_tensor_get(self.loss.report.ptr, self._loss_out, 0, 4)
+        return float(self._loss_out[0])
+
+    def train_loss_value(self) -> float:
+        """ggml's own cross_entropy_loss scalar (moves with the thread count)."""
+        out = np.empty(1, dtype=np.float32)
+        lib.ggml_backend_tensor_get(self.loss.train.ptr, ffi.from_buffer(out), 0, 4)
+        return float(out[0])
+
+    # --- state for checkpoints ---------------------------------------------------------------
+    def state(self) -> dict[str, np.ndarray]:
+        """Parameters and moments as numpy, by name (for checkpoints)."""
+        out = {}
+        for name, p in self.prog.params.items():
+            out[name] = self.prog.read(p)
+            out[f"adamw.m.{name}"] = self.prog.read(self.m[name])
+            out[f"adamw.v.{name}"] = self.prog.read(self.v[name])
+        return out
+
+    def load_state(self, state: dict[str, np.ndarray], steps_done: int) -> None:
+        """Restore parameters and moments; the next step resets gradients only."""
+        for name, p in self.prog.params.items():
+            for key, t in ((name, p), (f"adamw.m.{name}", self.m[name]), (f"adamw.v.{name}", self.v[name])):
+                if key not in state:
+                    raise InputError(f"checkpoint lacks tensor {key!r}")
+                self.prog.write(t, state[key])
+        self.needs_full_reset = False
+        self.steps_done = steps_done
