@@ -45,10 +45,9 @@ class MLPModel:
     def __init__(self, engine, o: MLPOptions, vocab: int):
         self.vocab = vocab
         prog = self.prog = engine.program()
-        std = 0.02 * o.init_scale
 
-        def param(name: str, shape: tuple[int, ...], scale: float = std):
-            return prog.param(name, normal(o.seed, name, shape, scale))
+        def param(name: str, shape: tuple[int, ...], std: float):
+            return prog.param(name, normal(o.seed, name, shape, std * o.init_scale))
 
         def zeros(name: str, shape: tuple[int, ...]):
             return prog.param(name, np.zeros(shape, np.float32))
