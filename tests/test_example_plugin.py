@@ -107,7 +107,7 @@ def mlp_installed(tmp_path_factory):
 def test_mlp_plugin_runs_and_its_loss_falls(mlp_installed, tmp_path):
     import json
 
-    res = cli("run", "mlp", "--steps", "60", "--set", "eval_every=60", "--out", str(tmp_path / "run"),
+    res = cli("run", "char_mlp", "--steps", "60", "--set", "eval_every=60", "--out", str(tmp_path / "run"),
               "--no-progress", env=mlp_installed)
     assert res.returncode == 0, res.stderr
     losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -119,7 +119,7 @@ def test_mlp_plugin_runs_and_its_loss_falls(mlp_installed, tmp_path):
     ("context=0", "toyharness: error: option 'context': must be > 0, got 0"),
 ])
 def test_mlp_plugin_refuses_a_bad_option_in_one_line(mlp_installed, tmp_path, key, line):
-    res = cli("run", "mlp", "--set", key, "--out", str(tmp_path / "run"), "--no-progress", env=mlp_installed)
+    res = cli("run", "char_mlp", "--set", key, "--out", str(tmp_path / "run"), "--no-progress", env=mlp_installed)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(line), res.stderr
@@ -128,8 +128,9 @@ def test_mlp_plugin_refuses_a_bad_option_in_one_line(mlp_installed, tmp_path, ke
 
 def test_mlp_plugin_passes_its_goldens_and_its_own_suite(mlp_installed):
     # the portable golden: the same bits on any CPU (the fast one is this fingerprint's only)
-    res = cli("golden", "check", "mlp", "--dir", str(MLP_PLUGIN / "goldens"), "--mode", "portable", env=mlp_installed)
-    assert res.returncode == 0 and "ok   mlp (portable mode" in res.stdout, res.stdout + res.stderr
+    res = cli("golden", "check", "char_mlp", "--dir", str(MLP_PLUGIN / "goldens"), "--mode", "portable",
+              env=mlp_installed)
+    assert res.returncode == 0 and "ok   char_mlp (portable mode" in res.stdout, res.stdout + res.stderr
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"], cwd=MLP_PLUGIN,
                          capture_output=True, text=True, timeout=600, env=mlp_installed)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -1,4 +1,4 @@
-"""The mlp plugin's own tests, run from this folder (`pytest`): they use the harness's golden
+"""The char_mlp plugin's own tests, run from this folder (`pytest`): they use the harness's golden
 fixture exactly as any third-party plugin would."""
 
 from pathlib import Path
@@ -12,11 +12,11 @@ GOLDENS = Path(__file__).resolve().parent.parent / "goldens"
 
 def test_mlp_matches_its_portable_golden(toyharness_golden):
     # the portable mode's golden: the same bits on any CPU, so this gate holds on every CI runner
-    toyharness_golden("mlp", root=GOLDENS, mode="portable")
+    toyharness_golden("char_mlp", root=GOLDENS, mode="portable")
 
 
 def test_mlp_learns(tmp_path):
-    summary = train("mlp", steps=80, sets=["eval_every=80"], out=str(tmp_path / "run"), progress=False)
+    summary = train("char_mlp", steps=80, sets=["eval_every=80"], out=str(tmp_path / "run"), progress=False)
     # A uniform guess over 256 bytes costs ln(256) = 5.55 nats; four bytes of context do far better.
     assert summary["eval_loss"] < 3.0, summary
     assert (tmp_path / "run" / "model.gguf").is_file()
@@ -29,5 +29,5 @@ def test_mlp_learns(tmp_path):
 ])
 def test_bad_options_are_refused_by_name(sets, message, tmp_path):
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        train("mlp", steps=1, sets=sets, out=str(tmp_path / "run"), progress=False)
+        train("char_mlp", steps=1, sets=sets, out=str(tmp_path / "run"), progress=False)
     assert not (tmp_path / "run").exists()

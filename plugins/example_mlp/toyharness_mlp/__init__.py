@@ -76,7 +76,7 @@ class MLPModel:
 
 
 class MLP(Recipe):
-    name = "mlp"
+    name = "char_mlp"
     options_class = MLPOptions
     # The golden run: small enough to record in a second, every op of the model included.
     golden_config = {"context": 3, "d_embed": 8, "hidden": 16, "t_seq": 16, "t_batch": 2, "warmup": 2,
@@ -87,7 +87,7 @@ class MLP(Recipe):
         return MLPModel(engine, options, data.vocab)
 
     def gguf_metadata(self, options, model):
-        return "mlp", {"mlp.vocab_size": model.vocab, "mlp.context": options.context}
+        return "char_mlp", {"char_mlp.vocab_size": model.vocab, "char_mlp.context": options.context}
 
     def torch_reference(self, options):
         """The PyTorch twin `toyharness bench` and parity run beside ours (imports torch)."""
