@@ -134,7 +134,7 @@ def test_every_argument_of_every_command_has_help():
     bare = [f"{name} {a.option_strings or a.dest}" for name, parser in sub.choices.items() for a in parser._actions
             if not a.help and not isinstance(a, argparse._HelpAction)]
     assert bare == []
-    assert set(sub.choices) == {"recipes", "run", "golden", "bench", "sweep", "fuse", "sample"}
+    assert set(sub.choices) == {"recipes", "run", "golden", "bench", "sweep", "fuse", "sample", "new-recipe"}
 
 
 @pytest.mark.parametrize("args,message", [

@@ -88,3 +88,50 @@ def test_plugin_that_fails_to_import_names_its_distribution(tmp_path):
     assert "recipe 'broken' from distribution broken_recipes 1.0 failed to import" in res.stderr
     assert "no_such_module_here" in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+# --- the second example: an MLP character model (plugins/example_mlp), installed the same way ----------
+MLP_PLUGIN = REPO / "plugins" / "example_mlp"
+
+
+@pytest.fixture(scope="module")
+def mlp_installed(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site_mlp")
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                          str(MLP_PLUGIN)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert list(target.glob("toyharness_example_mlp-0.1.0.dist-info")), list(target.iterdir())
+    return env_with(target)
+
+
+def test_mlp_plugin_runs_and_its_loss_falls(mlp_installed, tmp_path):
+    import json
+
+    res = cli("run", "char_mlp", "--steps", "60", "--set", "eval_every=60", "--out", str(tmp_path / "run"),
+              "--no-progress", env=mlp_installed)
+    assert res.returncode == 0, res.stderr
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] > 5.0 and max(losses[-5:]) < 3.0, losses
+
+
+@pytest.mark.parametrize("key,line", [
+    ("typo=1", "toyharness: error: unknown option 'typo'; allowed: "),
+    ("context=0", "toyharness: error: option 'context': must be > 0, got 0"),
+])
+def test_mlp_plugin_refuses_a_bad_option_in_one_line(mlp_installed, tmp_path, key, line):
+    res = cli("run", "char_mlp", "--set", key, "--out", str(tmp_path / "run"), "--no-progress", env=mlp_installed)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_mlp_plugin_passes_its_goldens_and_its_own_suite(mlp_installed):
+    # the portable golden: the same bits on any CPU (the fast one is this fingerprint's only)
+    res = cli("golden", "check", "char_mlp", "--dir", str(MLP_PLUGIN / "goldens"), "--mode", "portable",
+              env=mlp_installed)
+    assert res.returncode == 0 and "ok   char_mlp (portable mode" in res.stdout, res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"], cwd=MLP_PLUGIN,
+                         capture_output=True, text=True, timeout=600, env=mlp_installed)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "5 passed" in res.stdout and "skipped" not in res.stdout, res.stdout

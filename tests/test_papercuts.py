@@ -211,7 +211,7 @@ def test_every_command_takes_the_shared_flags_where_they_mean_something():
         "recipes": [],
         "run": sorted(SHARED), "bench": sorted(SHARED), "sweep": sorted(SHARED), "sample": sorted(SHARED),
         "golden": ["--backend", "--no-progress", "--threads"],
-        "fuse": ["--out"]}
+        "fuse": ["--out"], "new-recipe": ["--out"]}
     for flags in taken.values():     # and they mean one thing: the same kind of value everywhere
         if "--backend" in flags:
             assert tuple(flags["--backend"].choices) == BACKENDS

@@ -284,6 +284,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no KV cache: the whole window's forward for each new token (the reference)")
     add_shared_flags(s, progress_help="no progress bar (--prompts)", out_metavar="FILE.jsonl",
                      out_help="with --prompts: write the replies here (default stdout)")
+
+    n = sub.add_parser("new-recipe", help="start a new recipe plugin: an installable package with its test, "
+                                          "portable golden and CI workflow",
+                       description="Write an installable package for recipe NAME: pyproject.toml with its entry "
+                                   "point, the recipe (from a template on the public API, or a copy of an installed "
+                                   "recipe, renamed), a test through the toyharness_golden fixture, its portable "
+                                   "golden recorded by running it, and .github/workflows/test.yml. Then: "
+                                   "pip install -e DIR, and pytest in DIR.")
+    n.add_argument("name", help="the new recipe's name: lowercase letters, digits and _ (the package is "
+                                "toyharness_NAME)")
+    n.add_argument("--from", dest="source", metavar="RECIPE",
+                   help="copy this installed recipe's module (or package) and rename it, instead of the template")
+    n.add_argument("--out", metavar="DIR", help="the folder to create (default ./NAME); it must not exist")
     return p
 
 
@@ -293,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         check_all_switches()     # a switch set to a value it does not take, by name, before anything loads
         check_counts(args)
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
-                "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse}[args.command](args)
+                "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse,
+                "new-recipe": cmd_new_recipe}[args.command](args)
     except ToyharnessError as exc:
         if getattr(args, "debug", False):
             import traceback
@@ -444,6 +458,15 @@ def cmd_sweep(args) -> int:
     from . import sweep
 
     return sweep.main(args)
+
+
+def cmd_new_recipe(args) -> int:
+    from .scaffold import new_recipe
+
+    folder = new_recipe(args.name, args.source, args.out)
+    print(f"wrote {folder} (recipe {args.name}, its portable golden recorded); next: "
+          f"pip install -e {folder} && cd {folder} && pytest")
+    return 0
 
 
 def cmd_fuse(args) -> int:
