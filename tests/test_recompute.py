@@ -151,7 +151,7 @@ def test_on_cuda_each_attention_backward_reads_its_blocks_recomputed_forward(nam
     base_prog.close()
 
 
-# The cuda goldens of the recipes that checkpoint blocks (lora over llama-family bases), each
+# The cuda goldens of the recipes that recompute blocks (lora over llama-family bases), each
 # precision: with recompute on, the same bits.
 CUDA_GOLDENS = ["gpt2", "llama", "warm_start", "lora", "lora@q4_k", "lora@q8_0", "gpt2@tf32", "llama@tf32",
                 "lora@tf32", "gpt2@bf16", "llama@bf16", "warm_start@bf16", "lora@bf16", "lora@q4_k@bf16",

@@ -87,7 +87,7 @@ class LanguageModel:
         self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
         if self.prog.recompute is not None and not self.prog.recompute.blocks:
             raise InputError(f"option 'recompute_blocks': recipe {recipe.name}'s forward here has no blocks to "
-                             f"recompute (blocks.checkpoint); set recompute_blocks=false")
+                             f"recompute (blocks.recomputed_block); set recompute_blocks=false")
         if self.logits.shape != (self.batch, self.seq, vocab):
             raise InputError(f"recipe {recipe.name}: forward gave logits {self.logits.shape}, "
                              f"expected {(self.batch, self.seq, vocab)}")

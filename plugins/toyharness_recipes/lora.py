@@ -66,7 +66,7 @@ class LoRAOptions(LMOptions):
     checkpoint_every: int = 50
     # recompute each block's activations in the backward (engine/recompute.py): less memory, the
     # same losses bit for bit, one more forward of the blocks per step (cpu and cuda; llama-family
-    # bases, whose blocks are checkpointed)
+    # bases, whose blocks go through blocks.recomputed_block)
     recompute_blocks: bool = False
 
 
