@@ -16,7 +16,7 @@ from toyharness.architectures import example_file, read_model
 from toyharness.cli import main
 from toyharness.engine import GGUFFile, quant
 from toyharness.engine.gguf_io import cached_copy_as
-from toyharness.fuse import FUSE_TYPES, fuse
+from toyharness.merge_adapters import FUSE_TYPES, fuse
 from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options, train
 

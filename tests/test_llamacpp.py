@@ -150,7 +150,7 @@ def test_llama_cpp_runs_the_fused_file(tmp_path, case):
     requantization's extra error (KL and top-1 agreement against base + adapter), ours and
     llama.cpp's, printed and bounded."""
     from toyharness.architectures import read_model
-    from toyharness.fuse import fuse
+    from toyharness.merge_adapters import fuse
 
     base, _ = arch_base(tmp_path, case)
     targets = ",".join(read_model(base).arch.targets)

@@ -13,7 +13,7 @@ from .switches import check_all as check_all_switches
 
 # toyharness.engine.backend.KNOWN_BACKENDS, without loading the native libraries for --help
 BACKENDS = ("cpu", "cuda", "vulkan", "metal")
-# toyharness.fuse.FUSE_TYPES, for the same reason
+# toyharness.merge_adapters.FUSE_TYPES, for the same reason
 FUSE_TYPES = ("same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
@@ -447,7 +447,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_fuse(args) -> int:
-    from .fuse import fuse
+    from .merge_adapters import fuse
 
     r = fuse(args.run_dir, args.out, args.dtype)
     types = ", ".join(f"{n} {t}" for t, n in sorted(r.types.items(), key=lambda kv: -kv[1]))

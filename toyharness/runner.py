@@ -61,7 +61,7 @@ class Run:
 
 
 # What `sample` and `fuse` call on a finished run's recipe (toyharness.lm.LMRecipe has them all);
-# `fuse` also takes a recipe's `fuse_adapters` where it has one (toyharness/fuse.py).
+# `fuse` also takes a recipe's `fuse_adapters` where it has one (toyharness/merge_adapters.py).
 SAMPLE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "load_for_sampling", "build_params", "forward")
 FUSE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "write_model")
 
