@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import kl_and_top1, llama_cpp_logits, relative_error
 
-from toyharness.plugins import get_recipe
+from toyharness.discovery import get_recipe
 from toyharness.runner import resolve_options, train
 from toyharness.switches import switch
 

@@ -16,13 +16,13 @@ from plan_cases import stepped_model
 from toyharness import goldens
 from toyharness._ffi import ffi, lib
 from toyharness.architectures import example_shape, write_example
+from toyharness.discovery import get_recipe
 from toyharness.engine import Program, get_engine
 from toyharness.engine.allocation import graph_buffer_bytes
 from toyharness.engine.memory_plan import plan_model
 from toyharness.errors import InputError
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.plugins import get_recipe
 from toyharness.runner import load_data, plan_run, resolve_options, train
 
 ROOT = Path(__file__).resolve().parents[1]

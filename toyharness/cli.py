@@ -322,7 +322,7 @@ def check_counts(args) -> None:
 
 def cmd_recipes(args) -> int:
     from .architectures import ARCHITECTURES
-    from .plugins import discover, discover_observers
+    from .discovery import discover, discover_observers
 
     for name, e in discover().items():
         print(f"{name:<14} {e.distribution} {e.version}  ({e.value})")
@@ -379,9 +379,9 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_golden(args) -> int:
     from . import goldens
+    from .discovery import discover
     from .engine import get_engine
     from .errors import InputError
-    from .plugins import discover
 
     root = Path(args.dir) if args.dir else None
     if root is not None and args.action == "check" and not root.is_dir():

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from .data import load_lm_data
+from .discovery import get_recipe
 from .engine import GGUFFile, Program, Tensor, get_engine, write_gguf
 from .errors import InputError
 from .hookspecs import hookimpl
 from .options import TextOptions, choice, resolve_options
-from .plugins import get_recipe
 from .recipe import Recipe
 from .seeded_init import with_values
 from .switches import switch
