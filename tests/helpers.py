@@ -86,9 +86,9 @@ def transformers_replay(run_dir, base_path, hf_overrides: dict, steps: int = 8) 
 
     from toyharness.architectures.hf import add_lora, hf_model
     from toyharness.bench.torch_side import adamw_row_step, lm_loss
+    from toyharness.discovery import get_recipe
     from toyharness.engine import GGUFFile
     from toyharness.options import read_toml
-    from toyharness.plugins import get_recipe
     from toyharness.runner import read_batches_npz, resolve_options
 
     _, recipe = get_recipe("lora")
@@ -142,10 +142,10 @@ def as_cuda_builds_it(recipe: str, sets: list[str], precision: str, monkeypatch)
     (our cuda kernels' stand-ins, native/cuda_rewrite.c, the precision stamp; never computed
     here): the training graph is rewritten as a step's first compute would (with recompute,
     recompute.apply did that already)."""
+    from toyharness.discovery import get_recipe
     from toyharness.engine import get_engine
     from toyharness.engine.program import Program
     from toyharness.hookspecs import plugin_manager
-    from toyharness.plugins import get_recipe
     from toyharness.runner import load_data, resolve_options
 
     real_init = Program.__init__

@@ -117,7 +117,7 @@ def test_every_installed_recipe_is_benched_by_default(bigram_installed):
     import argparse
 
     from toyharness.bench.report import _checked_sets
-    from toyharness.plugins import discover
+    from toyharness.discovery import discover
 
     args = argparse.Namespace(recipes=[], profile=False, steps=None, warmup=None, torch_device=None,
                               torch_modes=None, out=None, size="default", set=[], backend="cpu", precision="fp32")

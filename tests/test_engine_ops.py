@@ -1,6 +1,7 @@
 """Every op and composed block the recipes use: forward against a float64 numpy reference
 (relative error < 1e-5) and backward against central finite differences of that reference
-(relative error < 1e-3)."""
+(relative error < 1e-3); on the backend TOYHARNESS_TEST_BACKEND names, and the cpu ones again in
+the portable golden mode."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from toyharness._ffi import available_native_backends
 from toyharness.engine import blocks, get_engine
+from toyharness.engine.program import Program
 from toyharness.errors import InputError
 from toyharness.switches import switch
 
@@ -465,3 +467,78 @@ def test_rope_refuses_what_it_cannot_rotate():
         x.rope(pos, 8)
     with pytest.raises(InputError, match=r"rope: frequency factors .* expected f32 \(3,\)"):
         x.rope(pos, 6, freq_factors=prog.constant("ff", np.ones(2, np.float32)))
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    """The cpu engine in the portable mode for the test; every graph computed is checked to be
+    a portable program's (so the op tests below really ran on the portable kernels). The portable
+    mode is the cpu backend's: with TOYHARNESS_TEST_BACKEND set to another backend, these skip."""
+    if BACKEND != "cpu":
+        pytest.skip(f"the portable mode is the cpu backend's, and TOYHARNESS_TEST_BACKEND={BACKEND}")
+    engine = get_engine("cpu")
+    engine.set_portable(True)
+    computed = []
+    real = Program._compute
+
+    def compute(self, graph):
+        computed.append(self.portable)
+        return real(self, graph)
+
+    monkeypatch.setattr(Program, "_compute", compute)
+    yield engine
+    engine.set_portable(False)
+    assert computed and all(computed), "a graph was computed outside the portable mode"
+
+
+# --- every op of tests/test_engine_py in the portable mode ------------------------------------
+@pytest.mark.parametrize("op", ["add", "mul", "sub", "div"])
+def test_portable_binary_broadcast(portable, op):
+    test_binary_broadcast(op)
+
+
+@pytest.mark.parametrize("name,fn,ref,make", [c for c in UNARY_CASES if c[0] != "softplus"],
+                         ids=[c[0] for c in UNARY_CASES if c[0] != "softplus"])
+def test_portable_unary(portable, name, fn, ref, make):
+    test_unary(name, fn, ref, make)
+
+
+@pytest.mark.parametrize("kv", [3, 1])
+def test_portable_bmm_with_head_broadcast(portable, kv):
+    test_bmm_with_head_broadcast(kv)
+
+
+BLOCKS = [test_gelu_is_finite_for_large_inputs, test_linear_matmul,
+          test_weight_used_only_through_transpose, test_get_rows_embedding, test_rope_adjacent_pairs,
+          test_swiglu, test_attention_gpt2_style_with_biases,
+          test_attention_gqa_rope_noncausal_free, test_attention_non_causal, test_swiglu_mlp,
+          test_lora_linear_frozen_base, test_projection_lens, test_cross_entropy_report_and_gradient]
+
+
+@pytest.mark.parametrize("block_test", BLOCKS, ids=lambda f: f.__name__[len("test_"):])
+def test_portable_block(portable, block_test):
+    block_test()
+
+
+# what the base architectures add (toyharness/architectures): Llama 3's frequency table, linear
+# scaling and partial NeoX rope; q/k norms, head size and the sliding window; fused projections; GeGLU
+ARCH_BLOCKS = [test_attention_qk_norm_head_dim_window_and_scale, test_attention_fused_qkv,
+               test_geglu_mlp, test_fused_swiglu_mlp]
+
+
+@pytest.mark.parametrize("block_test", ARCH_BLOCKS, ids=lambda f: f.__name__[len("test_"):])
+def test_portable_architecture_block(portable, block_test):
+    block_test()
+
+
+@pytest.mark.parametrize("neox,rot,freq_scale,ff", [(False, 4, 1.0, np.array([1.0, 8.0], np.float32)),
+                                                     (True, 4, 0.25, None), (True, 2, 1.0, None)])
+def test_portable_scaled_rope(portable, neox, rot, freq_scale, ff):
+    test_attention_llama3_rope_factors_linear_scale_partial_neox(neox, rot, freq_scale, ff)
+
+
+@pytest.mark.parametrize("column_sums", COLUMN_SUMS)   # a gain's gradient by REPEAT_BACK or a product
+@pytest.mark.parametrize("block_test", [test_layer_norm, test_rms_norm_block],
+                         ids=lambda f: f.__name__[len("test_"):])
+def test_portable_norm_block(portable, block_test, column_sums, programs_built_as):
+    block_test(column_sums, programs_built_as)

@@ -14,10 +14,10 @@ from helpers import relative_error
 
 from toyharness.architectures import example_file, read_model
 from toyharness.cli import main
+from toyharness.discovery import get_recipe
 from toyharness.engine import GGUFFile, quant
 from toyharness.engine.gguf_io import cached_copy_as
-from toyharness.fuse import FUSE_TYPES, fuse
-from toyharness.plugins import get_recipe
+from toyharness.merge_adapters import FUSE_TYPES, fuse
 from toyharness.runner import resolve_options, train
 
 TINY = ["t_seq=16", "t_batch=2", "eval_every=4", "checkpoint_every=4", "lr=2e-2", "warmup=1", "init_scale=5"]

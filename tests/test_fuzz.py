@@ -185,7 +185,7 @@ def test_npz_member_claiming_more_than_deflate_can_give_is_refused(tmp_path):
 
 
 def test_toml_value_errors_name_the_config_file(tmp_path):
-    from toyharness.plugins import get_recipe
+    from toyharness.discovery import get_recipe
     from toyharness.runner import resolve_options
 
     _, obj = get_recipe("gpt2")

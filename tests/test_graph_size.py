@@ -22,7 +22,7 @@ from toyharness._ffi import lib
 from toyharness.engine import get_engine
 from toyharness.engine.program import BACKWARD_TENSORS_PER_NODE
 from toyharness.hookspecs import plugin_manager
-from toyharness.plugins import get_recipe
+from toyharness.discovery import get_recipe
 from toyharness.runner import load_data, resolve_options
 recipe, sets = sys.argv[1], json.loads(sys.argv[2])
 _, obj = get_recipe(recipe)

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 from helpers import native_build
-from test_install import checkout_copy, pip_install, venv_sharing_dependencies
+from install_steps import checkout_copy, pip_install, venv_sharing_dependencies
 
 NO_INDEX = ("No matching distribution found for setuptools", "Could not find a version that satisfies the requirement")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import kl_and_top1, llama_cpp_logits, relative_error
 
-from toyharness.plugins import get_recipe
+from toyharness.discovery import get_recipe
 from toyharness.runner import resolve_options, train
 from toyharness.switches import switch
 
@@ -150,7 +150,7 @@ def test_llama_cpp_runs_the_fused_file(tmp_path, case):
     requantization's extra error (KL and top-1 agreement against base + adapter), ours and
     llama.cpp's, printed and bounded."""
     from toyharness.architectures import read_model
-    from toyharness.fuse import fuse
+    from toyharness.merge_adapters import fuse
 
     base, _ = arch_base(tmp_path, case)
     targets = ",".join(read_model(base).arch.targets)

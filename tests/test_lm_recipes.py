@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from toyharness.data import load_text_data
+from toyharness.discovery import get_recipe
 from toyharness.engine import get_engine
-from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options, train
 
 

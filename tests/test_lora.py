@@ -69,7 +69,7 @@ def test_adapter_gguf_follows_llama_cpp_format(llama_base, other_text, tmp_path)
 
 def test_step_zero_sees_the_base_exactly(llama_base, tmp_path):
     """B starts at zero: the first LoRA loss is the base model's loss on that batch."""
-    from toyharness.plugins import get_recipe
+    from toyharness.discovery import get_recipe
     from toyharness.runner import resolve_options
 
     out = tmp_path / "lora"
@@ -160,7 +160,7 @@ path = write_gguf({str(tmp_path / "big.gguf")!r}, "llama", t, meta)
 del t
 import gc; gc.collect()
 from toyharness.hookspecs import plugin_manager
-from toyharness.plugins import get_recipe
+from toyharness.discovery import get_recipe
 from toyharness.runner import resolve_options, load_data, batch_for
 from toyharness.engine import get_engine
 _, obj = get_recipe("lora")

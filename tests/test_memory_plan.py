@@ -16,11 +16,11 @@ from helpers import needs
 from plan_cases import stepped_model
 
 from toyharness.cli import main
+from toyharness.discovery import get_recipe
 from toyharness.engine import get_engine
 from toyharness.engine.memory_plan import ALLOCATION_GRANULARITY, plan_model, rounding_to_pages
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.plugins import get_recipe
 from toyharness.runner import load_data, resolve_options
 
 # The issue's configuration: ~2.4 G parameters, attention over 4096 positions, 64 sequences a batch.
@@ -232,7 +232,7 @@ def test_a_sweep_point_that_cannot_fit_fails_while_the_others_run(tmp_path):
 # --- the plan against the process's memory --------------------------------------------------------
 RSS_CHILD = textwrap.dedent("""
     import json, sys
-    from toyharness.plugins import get_recipe
+    from toyharness.discovery import get_recipe
     from toyharness.runner import train, plan_run, resolve_options
     recipe, sets, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     plan = plan_run(recipe, sets=sets)

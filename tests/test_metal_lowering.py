@@ -50,8 +50,8 @@ def test_the_port_is_of_the_pinned_metal_supports_op():
 
 
 def trainer_for(name: str, monkeypatch, lowering: str):
+    from toyharness.discovery import get_recipe
     from toyharness.hookspecs import plugin_manager
-    from toyharness.plugins import get_recipe
     from toyharness.runner import load_data, resolve_options
 
     monkeypatch.setattr(Program, "lowering_target", lowering)

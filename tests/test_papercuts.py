@@ -15,9 +15,9 @@ from toyharness import goldens
 from toyharness._ffi import available_native_backends
 from toyharness.bench import profile as bench_profile
 from toyharness.cli import BACKENDS, build_parser, main
+from toyharness.discovery import discover
 from toyharness.engine import get_engine
 from toyharness.engine.backend import PORTABLE_FINGERPRINT
-from toyharness.plugins import discover
 
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
 STEPS = 16    # many enough that the portable mode's rounding shows (its first steps can round as the fast path's)

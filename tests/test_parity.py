@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from toyharness.bench import has_twin
+from toyharness.discovery import discover
 from toyharness.goldens import golden_sets_for
-from toyharness.plugins import discover
 from toyharness.runner import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: run `nox -s parity` (torch==2.13.0)")
@@ -57,8 +57,8 @@ def test_every_recipe_with_a_twin_matches_it_at_its_golden_config(recipe, tmp_pa
 
 
 def test_a_run_of_a_recipe_without_a_twin_is_refused_by_name(tmp_path, monkeypatch):
+    from toyharness.discovery import get_recipe
     from toyharness.errors import InputError
-    from toyharness.plugins import get_recipe
 
     (tmp_path / "config.toml").write_text('recipe = "gpt2"\n')
     monkeypatch.setattr(type(get_recipe("gpt2")[1]), "torch_reference", None)    # as a recipe that has none

@@ -1,7 +1,6 @@
-"""The portable golden mode (native/portable_kernels.c): every op and block of
-tests/test_engine_ops.py again in that mode (forward against float64 numpy, gradients against
-finite differences), every node of each golden graph on a portable kernel or a pure data move,
-an op without a portable kernel refused by name, the thread count irrelevant, and the golden
+"""The portable golden mode (native/portable_kernels.c): every node of each golden graph on a
+portable kernel or a pure data move (tests/test_engine_ops.py checks each op and block in the
+mode), an op without a portable kernel refused by name, the thread count irrelevant, and the golden
 check's fallback from this machine's fast fingerprint to goldens/cpu-portable/."""
 
 from __future__ import annotations
@@ -10,15 +9,14 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
-import test_engine_ops as ops
 import yaml
 
 from toyharness import cli, goldens
 from toyharness._ffi import ffi, lib
 from toyharness.engine import get_engine
 from toyharness.engine.backend import PORTABLE_FINGERPRINT
-from toyharness.engine.program import Program
 from toyharness.errors import BackendError
 
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
@@ -29,85 +27,13 @@ ARCH_BASES = ["lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]   # over 
 DATA_MOVES = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CONT", "CPY", "DUP", "REPEAT", "GET_ROWS"}
 
 
-@pytest.fixture
-def portable(monkeypatch):
-    """The cpu engine in the portable mode for the test; every graph computed is checked to be
-    a portable program's (so the reused op tests below really ran on the portable kernels)."""
-    engine = get_engine("cpu")
-    engine.set_portable(True)
-    computed = []
-    real = Program._compute
-
-    def compute(self, graph):
-        computed.append(self.portable)
-        return real(self, graph)
-
-    monkeypatch.setattr(Program, "_compute", compute)
-    yield engine
-    engine.set_portable(False)
-    assert computed and all(computed), "a graph was computed outside the portable mode"
-
-
-# --- every op of tests/test_engine_ops.py in the portable mode ------------------------------------
-@pytest.mark.parametrize("op", ["add", "mul", "sub", "div"])
-def test_binary_broadcast(portable, op):
-    ops.test_binary_broadcast(op)
-
-
-@pytest.mark.parametrize("name,fn,ref,make", [c for c in ops.UNARY_CASES if c[0] != "softplus"],
-                         ids=[c[0] for c in ops.UNARY_CASES if c[0] != "softplus"])
-def test_unary(portable, name, fn, ref, make):
-    ops.test_unary(name, fn, ref, make)
-
-
-@pytest.mark.parametrize("kv", [3, 1])
-def test_bmm_with_head_broadcast(portable, kv):
-    ops.test_bmm_with_head_broadcast(kv)
-
-
-BLOCKS = [ops.test_gelu_is_finite_for_large_inputs, ops.test_linear_matmul,
-          ops.test_weight_used_only_through_transpose, ops.test_get_rows_embedding, ops.test_rope_adjacent_pairs,
-          ops.test_swiglu, ops.test_attention_gpt2_style_with_biases,
-          ops.test_attention_gqa_rope_noncausal_free, ops.test_attention_non_causal, ops.test_swiglu_mlp,
-          ops.test_lora_linear_frozen_base, ops.test_projection_lens, ops.test_cross_entropy_report_and_gradient]
-
-
-@pytest.mark.parametrize("block_test", BLOCKS, ids=lambda f: f.__name__[len("test_"):])
-def test_block(portable, block_test):
-    block_test()
-
-
-# what the base architectures add (toyharness/architectures): Llama 3's frequency table, linear
-# scaling and partial NeoX rope; q/k norms, head size and the sliding window; fused projections; GeGLU
-ARCH_BLOCKS = [ops.test_attention_qk_norm_head_dim_window_and_scale, ops.test_attention_fused_qkv,
-               ops.test_geglu_mlp, ops.test_fused_swiglu_mlp]
-
-
-@pytest.mark.parametrize("block_test", ARCH_BLOCKS, ids=lambda f: f.__name__[len("test_"):])
-def test_architecture_block(portable, block_test):
-    block_test()
-
-
-@pytest.mark.parametrize("neox,rot,freq_scale,ff", [(False, 4, 1.0, ops.np.array([1.0, 8.0], ops.np.float32)),
-                                                     (True, 4, 0.25, None), (True, 2, 1.0, None)])
-def test_scaled_rope(portable, neox, rot, freq_scale, ff):
-    ops.test_attention_llama3_rope_factors_linear_scale_partial_neox(neox, rot, freq_scale, ff)
-
-
-@pytest.mark.parametrize("column_sums", ops.COLUMN_SUMS)   # a gain's gradient by REPEAT_BACK or a product
-@pytest.mark.parametrize("block_test", [ops.test_layer_norm, ops.test_rms_norm_block],
-                         ids=lambda f: f.__name__[len("test_"):])
-def test_norm_block(portable, block_test, column_sums, programs_built_as):
-    block_test(column_sums, programs_built_as)
-
-
 def test_an_op_without_a_portable_kernel_is_refused_by_name():
     """refused when the graph is built (before any compute), naming the op and the line that made it"""
     engine = get_engine("cpu")
     engine.set_portable(True)
     try:
         prog = engine.program()
-        x = prog.param("x", ops.r(3, 3))
+        x = prog.param("x", np.random.default_rng(0).normal(size=(3, 3)))
         masked = x._new(lib.ggml_diag_mask_inf(prog._ctx_compute, x.ptr, 0))    # no portable kernel takes it
         with pytest.raises(BackendError, match=r"portable mode cannot run op DIAG_MASK_INF \(made at "
                                                r"\S*test_portable.py:\d+\)"):

@@ -216,7 +216,7 @@ def test_rows_that_do_not_fill_blocks_are_named(tmp_path):
 def test_warm_start_takes_a_donor_of_any_type(bases, dtype):
     from toyharness_recipes.warm_start import WarmStartWindow
 
-    from toyharness.plugins import get_recipe
+    from toyharness.discovery import get_recipe
     from toyharness.runner import resolve_options
 
     _, obj = get_recipe("warm_start")
@@ -252,7 +252,7 @@ MEASURE_LORA_MEMORY = """
 import sys
 from toyharness.engine import get_engine
 from toyharness.hookspecs import plugin_manager
-from toyharness.plugins import get_recipe
+from toyharness.discovery import get_recipe
 from toyharness.runner import batch_for, load_data, resolve_options
 def anon():
     for line in open('/proc/self/status'):

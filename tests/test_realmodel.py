@@ -110,8 +110,8 @@ def test_llama_cpp_gives_our_logits_on_gemma3_270m_and_our_adapter(tmp_path):
     tests/test_llamacpp.py's gemma3 cases)."""
     from helpers import kl_and_top1, llama_cpp_logits, relative_error
 
+    from toyharness.discovery import get_recipe
     from toyharness.engine.gguf_io import copy_gguf_as
-    from toyharness.plugins import get_recipe
     from toyharness.pretrained_ggufs import fetch_gemma3_270m
     from toyharness.runner import resolve_options
     from toyharness.tokenizer import GGUFTokenizer

@@ -16,13 +16,13 @@ from plan_cases import stepped_model
 from toyharness import goldens
 from toyharness._ffi import ffi, lib
 from toyharness.architectures import example_shape, write_example
+from toyharness.discovery import get_recipe
 from toyharness.engine import Program, get_engine
 from toyharness.engine.allocation import graph_buffer_bytes
 from toyharness.engine.memory_plan import plan_model
 from toyharness.errors import InputError
 from toyharness.hookspecs import plugin_manager
 from toyharness.lm import seeded_model_file
-from toyharness.plugins import get_recipe
 from toyharness.runner import load_data, plan_run, resolve_options, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_on_cuda_each_attention_backward_reads_its_blocks_recomputed_forward(nam
     base_prog.close()
 
 
-# The cuda goldens of the recipes that checkpoint blocks (lora over llama-family bases), each
+# The cuda goldens of the recipes that recompute blocks (lora over llama-family bases), each
 # precision: with recompute on, the same bits.
 CUDA_GOLDENS = ["gpt2", "llama", "warm_start", "lora", "lora@q4_k", "lora@q8_0", "gpt2@tf32", "llama@tf32",
                 "lora@tf32", "gpt2@bf16", "llama@bf16", "warm_start@bf16", "lora@bf16", "lora@q4_k@bf16",

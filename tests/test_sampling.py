@@ -14,8 +14,8 @@ from arch_cases import ARCH_EXAMPLES as ARCHES
 from toyharness._ffi import available_native_backends
 from toyharness.architectures import example_file, read_model
 from toyharness.cli import main
+from toyharness.discovery import get_recipe
 from toyharness.lm import generate
-from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options, train
 from toyharness.sampling import generate_cached, load_cached
 

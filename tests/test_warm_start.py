@@ -7,10 +7,10 @@ from helpers import cli
 from toyharness_recipes.warm_start import WarmStartWindow, donor_embed_width, pca_lens
 
 from toyharness.architectures import example_shape, read_model, write_example
+from toyharness.discovery import get_recipe
 from toyharness.engine import GGUFFile, get_engine
 from toyharness.engine.gguf_io import write_gguf
 from toyharness.errors import InputError
-from toyharness.plugins import get_recipe
 from toyharness.runner import resolve_options
 
 SMALL = ["n_layer=1", "d_model=32", "n_head=2", "n_kv_head=1", "d_ff=48", "t_seq=16", "t_batch=2"]

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from toyharness import bench
 from toyharness.atomic import atomic_write
+from toyharness.discovery import discover
 from toyharness.engine import get_engine
 from toyharness.engine.backend import blas_kernel, build_simd
-from toyharness.plugins import discover
 
 ROOT = Path(__file__).resolve().parent.parent
 

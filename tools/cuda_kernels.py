@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from toyharness.bench import realize_for_bench, size_sets  # noqa: E402
 from toyharness.bench.torch_side import torch_precision_setup, twin_for  # noqa: E402
-from toyharness.plugins import get_recipe  # noqa: E402
+from toyharness.discovery import get_recipe  # noqa: E402
 from toyharness.runner import batch_for  # noqa: E402
 
 STEPS = 3

@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
 
+    from toyharness.discovery import get_recipe
     from toyharness.engine import get_engine
     from toyharness.hookspecs import plugin_manager
-    from toyharness.plugins import get_recipe
     from toyharness.runner import batch_for, load_data, resolve_options
 
     _, obj = get_recipe("lora")

@@ -71,7 +71,7 @@ def score(run_dir: Path, data: Path, base: bool, loss: bool = True, fused: Path 
 
     from toyharness.cli import chat_prompt
     from toyharness.data.jsonl import read_jsonl
-    from toyharness.plugins import get_recipe
+    from toyharness.discovery import get_recipe
     from toyharness.runner import resolve_options
     from toyharness.sampling import generate_cached, load_cached
 
@@ -117,7 +117,7 @@ def kl(run_dir: Path, data: Path, fused: list[Path]) -> None:
 
     from toyharness.data.chat import render_chat
     from toyharness.data.jsonl import read_jsonl
-    from toyharness.plugins import get_recipe
+    from toyharness.discovery import get_recipe
     from toyharness.runner import resolve_options
 
     _, obj = get_recipe("lora")

@@ -29,7 +29,7 @@ def ours(model: Path, tokens: int, threads: int, context: int, cache: bool,
          dequantize: bool = False) -> tuple[list[int], float, list[int]]:
     """(greedy tokens, tokens/s over the generation steps, prompt ids)."""
     from toyharness.architectures import read_model
-    from toyharness.plugins import get_recipe
+    from toyharness.discovery import get_recipe
     from toyharness.runner import resolve_options
     from toyharness.sampling import load_cached
 

@@ -13,7 +13,7 @@ from .switches import check_all as check_all_switches
 
 # toyharness.engine.backend.KNOWN_BACKENDS, without loading the native libraries for --help
 BACKENDS = ("cpu", "cuda", "vulkan", "metal")
-# toyharness.fuse.FUSE_TYPES, for the same reason
+# toyharness.merge_adapters.FUSE_TYPES, for the same reason
 FUSE_TYPES = ("same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
@@ -336,7 +336,7 @@ def check_counts(args) -> None:
 
 def cmd_recipes(args) -> int:
     from .architectures import ARCHITECTURES
-    from .plugins import discover, discover_observers
+    from .discovery import discover, discover_observers
 
     for name, e in discover().items():
         print(f"{name:<14} {e.distribution} {e.version}  ({e.value})")
@@ -393,9 +393,9 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_golden(args) -> int:
     from . import goldens
+    from .discovery import discover
     from .engine import get_engine
     from .errors import InputError
-    from .plugins import discover
 
     root = Path(args.dir) if args.dir else None
     if root is not None and args.action == "check" and not root.is_dir():
@@ -470,7 +470,7 @@ def cmd_new_recipe(args) -> int:
 
 
 def cmd_fuse(args) -> int:
-    from .fuse import fuse
+    from .merge_adapters import fuse
 
     r = fuse(args.run_dir, args.out, args.dtype)
     types = ", ".join(f"{n} {t}" for t, n in sorted(r.types.items(), key=lambda kv: -kv[1]))

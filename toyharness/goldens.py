@@ -64,7 +64,7 @@ def split_precision(name: str) -> tuple[str, str]:
 
 def golden_names(recipe: str, backend: str = "cpu") -> list[str]:
     """The recipe's golden, then one per variant it declares; on cuda each again per precision."""
-    from .plugins import get_recipe
+    from .discovery import get_recipe
 
     _, obj = get_recipe(recipe)
     names = [recipe] + [f"{recipe}@{v}" for v in getattr(obj, "golden_variants", {}) or {}]
@@ -86,8 +86,8 @@ def check_name(name: str, backend: str = "cpu") -> None:
     """A golden name a user typed (RECIPE, RECIPE@VARIANT, either @tf32 or @bf16): an unknown
     recipe, variant or a precision the backend does not compute is an InputError naming it, before
     anything runs (a missing golden file of a known name is a SKIP, not this)."""
+    from .discovery import get_recipe
     from .engine.backend import check_precision
-    from .plugins import get_recipe
 
     base, precision = split_precision(name)
     recipe, variant = split_name(base)
@@ -110,7 +110,7 @@ def _as_set(key: str, value) -> str:
 
 def golden_steps(recipe: str) -> int:
     """How many steps the recipe's golden holds: its ``golden_steps`` (`toyharness.Recipe`)."""
-    from .plugins import get_recipe
+    from .discovery import get_recipe
 
     _, obj = get_recipe(recipe)
     steps = getattr(obj, "golden_steps", GOLDEN_STEPS)
@@ -124,7 +124,7 @@ def golden_sets_for(name: str) -> list[str]:
     `toyharness.recipe.GOLDEN_CONFIG`) less the keys its options do not have, ``data=synthetic``
     for a recipe on the core text data, its ``golden_sets`` (e.g. sizes only it has), then a
     variant's, then a precision's."""
-    from .plugins import get_recipe
+    from .discovery import get_recipe
     from .runner import resolve_options
 
     name, precision = split_precision(name)

@@ -213,7 +213,7 @@ RECIPE_HOOKS = ("options", "load_data", "realize", "hp", "step", "evaluate", "ex
 def plugin_manager(*plugins: Any) -> pluggy.PluginManager:
     """A plugin manager holding `plugins` (a recipe, observers). A plugin that implements a recipe
     hook is the run's recipe: its hooks' exceptions are reported as `_RecipeHookErrors` says."""
-    from .plugins import recipe_name
+    from .discovery import recipe_name
 
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(RecipeSpec)

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from .data import load_lm_data
+from .discovery import get_recipe
 from .engine import GGUFFile, Program, Tensor, get_engine, write_gguf
 from .errors import InputError
 from .hookspecs import hookimpl
 from .options import TextOptions, choice, resolve_options
-from .plugins import get_recipe
 from .recipe import Recipe
 from .seeded_init import with_values
 from .switches import switch
@@ -87,7 +87,7 @@ class LanguageModel:
         self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
         if self.prog.recompute is not None and not self.prog.recompute.blocks:
             raise InputError(f"option 'recompute_blocks': recipe {recipe.name}'s forward here has no blocks to "
-                             f"recompute (blocks.checkpoint); set recompute_blocks=false")
+                             f"recompute (blocks.recomputed_block); set recompute_blocks=false")
         if self.logits.shape != (self.batch, self.seq, vocab):
             raise InputError(f"recipe {recipe.name}: forward gave logits {self.logits.shape}, "
                              f"expected {(self.batch, self.seq, vocab)}")

@@ -21,9 +21,9 @@ from typing import Any
 import tomllib
 
 from .adamw import CONVENTIONS, AdamWRow, Schedule
+from .discovery import recipe_name
 from .errors import InputError, RecipeError, ToyharnessError
 from .hookspecs import plugin_manager
-from .plugins import recipe_name
 
 # The precisions a run's matrix products can take (docs/design.md, "Precision"; engine/backend.py says
 # which backend computes which).

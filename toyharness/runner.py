@@ -27,6 +27,7 @@ from .adamw import HPRow, check_convention
 from .arrays import load_npz
 from .atomic import atomic_write
 from .data import load_text_data
+from .discovery import get_recipe
 from .engine import GGUFFile, get_engine, write_gguf
 from .engine.gguf_io import GGUFError
 from .engine.memory_plan import check_fits, plan_model
@@ -34,7 +35,6 @@ from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
 from .observers import ObserverBus, load_observers
 from .options import Options, read_toml, resolve_options
-from .plugins import get_recipe
 
 GGML_VERSION = "0.25.3"
 
@@ -61,7 +61,7 @@ class Run:
 
 
 # What `sample` and `fuse` call on a finished run's recipe (toyharness.lm.LMRecipe has them all);
-# `fuse` also takes a recipe's `fuse_adapters` where it has one (toyharness/fuse.py).
+# `fuse` also takes a recipe's `fuse_adapters` where it has one (toyharness/merge_adapters.py).
 SAMPLE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "load_for_sampling", "build_params", "forward")
 FUSE_NEEDS = ("tokenizer", "vocab_for", "params_for_sampling", "write_model")
 

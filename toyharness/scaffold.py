@@ -37,7 +37,7 @@ def check_name(name: str) -> None:
     """A recipe name is also part of a Python package name: lowercase letters, digits, `_`."""
     if not NAME_PATTERN.match(name) or keyword.iskeyword(name):
         raise InputError(f"recipe name {name!r}: use lowercase letters, digits and _, starting with a letter")
-    from .plugins import discover
+    from .discovery import discover
 
     installed = discover()
     if name in installed:
@@ -204,7 +204,7 @@ toyharness golden record {name} --mode portable --dir goldens   # after an inten
 def copy_recipe(source: str, name: str, module: str, dest: Path) -> tuple[str, str]:
     """Copy installed recipe `source` into package folder `dest` (named `module`), renamed to
     `name`. Returns (attribute of the recipe object, where it came from)."""
-    from .plugins import discover
+    from .discovery import discover
 
     installed = discover()
     if source not in installed:

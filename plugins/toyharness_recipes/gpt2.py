@@ -78,7 +78,7 @@ class GPT2(LMRecipe):
     def forward(self, P, tokens, positions, o: GPT2Options):
         h = P["token_embd.weight"].get_rows(tokens) + P["position_embd.weight"].get_rows(positions)
         for i in range(o.n_layer):
-            h = blocks.checkpoint(self.block, h, P, f"blk.{i}.", o)
+            h = blocks.recomputed_block(self.block, h, P, f"blk.{i}.", o)
         h = blocks.layer_norm(h, P["output_norm.weight"], P["output_norm.bias"])
         return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
 

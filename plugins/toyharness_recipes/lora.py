@@ -66,7 +66,7 @@ class LoRAOptions(LMOptions):
     checkpoint_every: int = 50
     # recompute each block's activations in the backward (engine/recompute.py): less memory, the
     # same losses bit for bit, one more forward of the blocks per step (cpu and cuda; llama-family
-    # bases, whose blocks are checkpointed)
+    # bases, whose blocks go through blocks.recomputed_block)
     recompute_blocks: bool = False
 
 
@@ -171,7 +171,7 @@ class LoRA(LMRecipe):
 
     def fuse_adapters(self, o: LoRAOptions, checkpoint: Path):
         """`toyharness fuse`: each adapted weight of the base gains (alpha / rank) B A."""
-        from toyharness.fuse import AdapterFold
+        from toyharness.merge_adapters import AdapterFold
 
         base = self.base(o)
         adapters = self.params_for_sampling(checkpoint, o, base.shape.vocab)

@@ -82,7 +82,7 @@ def llama_forward(P: dict, h, positions, s: DecoderShape):
     """Blocks, final norm and output over embedded tokens `h` (B, T, d). A weight in P may be a
     `blocks.LoRAWeight`. Also the forward of the llama recipe (from scratch) and warm_start."""
     for i in range(s.n_layer):
-        h = blocks.checkpoint(llama_block, h, P, positions, s, i)
+        h = blocks.recomputed_block(llama_block, h, P, positions, s, i)
     return output(P, h, s)
 
 

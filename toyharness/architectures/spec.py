@@ -19,7 +19,7 @@ from ..engine.gguf_io import GGUFError, GGUFFile
 KNOWN_NOT_FORWARD = (
     "general.*",
     "tokenizer.*",
-    "toyharness.*",         # notes of ours (toyharness/fuse.py: the run fused into a file)
+    "toyharness.*",         # notes of ours (toyharness/merge_adapters.py: the run fused into a file)
     "quantize.imatrix.*",
     "{arch}.context_length",
     "{arch}.vocab_size",

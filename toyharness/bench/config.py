@@ -29,7 +29,7 @@ def has_twin(recipe_obj: Any) -> bool:
 
 def bench_options(recipe: str, sets: list[str] | None = None):
     """The recipe object and its options at the bench config with `sets` over it."""
-    from ..plugins import get_recipe
+    from ..discovery import get_recipe
     from ..runner import resolve_options
 
     _, obj = get_recipe(recipe)

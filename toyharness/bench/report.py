@@ -32,9 +32,9 @@ def build_line(backend: str) -> str:
 def _checked_sets(args) -> dict[str, list[str]]:
     """Each recipe `bench` runs (those named, else every installed one that has the --size's
     options) with its --set list; every bad argument refused here, in one line."""
+    from ..discovery import discover
     from ..engine import get_engine
     from ..engine.backend import check_precision
-    from ..plugins import discover
 
     known = list(discover())
     unknown = [n for n in args.recipes if n not in known]

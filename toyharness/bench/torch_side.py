@@ -113,7 +113,7 @@ def torch_worker(conn, recipe: str, options, device: str, threads: int, payload:
     """bench's PyTorch worker (toyharness/bench/procs.py): the twin trained from ours's initial
     weights (payload "params") on ours's batches (payload "batches"), timed per step."""
     from ..device_memory import PeakDeviceMemory
-    from ..plugins import get_recipe
+    from ..discovery import get_recipe
 
     torch.set_num_threads(threads)
     precision = getattr(options, "precision", "fp32")
@@ -180,9 +180,9 @@ def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
     """The first `steps` losses of the run in `run_dir` (its config.toml, init.gguf, batches.npz),
     recomputed by its recipe's twin with the run's AdamW rows. A recipe without a twin is an
     InputError naming it."""
+    from ..discovery import get_recipe
     from ..engine import GGUFFile
     from ..options import read_toml
-    from ..plugins import get_recipe
     from ..runner import read_batches_npz, resolve_options
 
     run_dir = Path(run_dir)
@@ -223,9 +223,9 @@ def train_reference(recipe: str, steps: int, sets: list[str] | None = None, prec
     over the first n held-out batches for each n in `eval_batches` (`evals`).
 
     What it is for: how far PyTorch's own bf16 run ends from its fp32 run, beside ours."""
+    from ..discovery import get_recipe
     from ..hookspecs import plugin_manager
     from ..options import PRECISIONS
-    from ..plugins import get_recipe
     from ..runner import batch_for, load_data, resolve_options
 
     _, obj = get_recipe(recipe)

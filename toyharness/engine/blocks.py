@@ -16,7 +16,7 @@ import numpy as np
 
 from .._ffi import GGML_TYPE_F32
 from ..errors import ShapeError
-from .recompute import checkpoint  # noqa: F401  (blocks.checkpoint: a block recomputed in the backward)
+from .recompute import recomputed_block  # noqa: F401  (blocks.recomputed_block: a block recomputed in the backward)
 from .tensor import Tensor
 
 GELU_C = math.sqrt(2.0 / math.pi)

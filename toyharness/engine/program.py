@@ -117,7 +117,7 @@ class Program(LossBuilders):
         # Set while a memory plan is made (toyharness/engine/memory_plan.py): persistent tensors and graph
         # buffers are then measured, never allocated, and parameter values are never copied.
         self.planner = engine.planner
-        # Activation checkpointing by block (engine/recompute.py): set by enable_recompute.
+        # Activation recompute by block (engine/recompute.py): set by enable_recompute.
         self.recompute = None
         # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
         self.kv_cache = None
@@ -333,7 +333,7 @@ class Program(LossBuilders):
         return t
 
     def enable_recompute(self) -> None:
-        """Recompute checkpointed blocks' activations in the backward (engine/recompute.py), for
+        """Recompute recomputed blocks' activations in the backward (engine/recompute.py), for
         graphs built from now on. On cpu and cuda, whose rewrites (native/cpu_kernels.c,
         native/cuda_rewrite.c) recompute.apply runs on the graph as ggml built it and on the copies
         apart; other backends (and the metal lowering, which rewrites the graph before the copies

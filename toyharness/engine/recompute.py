@@ -1,8 +1,8 @@
-"""Activation checkpointing by block: recompute a block's activations in the backward instead of
+"""Activation recompute by block: recompute a block's activations in the backward instead of
 keeping them from the forward (option `recompute_blocks`).
 
 ggml's backward reads the forward's nodes, so every activation of every block stays alive from
-the forward to its block's backward. With `checkpoint(fn, h)` a recipe builds each block twice:
+the forward to its block's backward. With `recomputed_block(fn, h)` a recipe builds each block twice:
 the original, which the forward and the loss use, and a copy (the same ops on the same input h,
 which is kept anyway as the block's input). Once the Trainer has built the backward, `apply`
 points every backward node that reads an original activation of a block at its copy instead, and
@@ -42,7 +42,7 @@ _VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 
 @dataclass
 class Recompute:
-    """A program's checkpointed blocks: each original activation's copy, by address."""
+    """A program's recomputed blocks: each original activation's copy, by address."""
 
     copies: dict[int, object] = field(default_factory=dict)
     outputs: list = field(default_factory=list)      # each block's copy's output
@@ -73,7 +73,7 @@ def _after(ctx, last) -> list:
     return out
 
 
-def checkpoint(fn: Callable[..., Tensor], h: Tensor, *args) -> Tensor:
+def recomputed_block(fn: Callable[..., Tensor], h: Tensor, *args) -> Tensor:
     """`fn(h, *args)`, a block of the forward; with the program's recompute_blocks on, its
     activations are recomputed in the backward (see the module). `fn` must build the same ops
     each time it is called (a pure function of its inputs and the parameters)."""
@@ -89,7 +89,7 @@ def checkpoint(fn: Callable[..., Tensor], h: Tensor, *args) -> Tensor:
     copy_out = fn(h, *args)
     again = _after(ctx, mark)
     if len(made) != len(again) or any(_op(a) != _op(b) or _shape(a) != _shape(b) for a, b in zip(made, again)):
-        raise InputError("recompute_blocks: a block built different ops the second time (checkpoint needs a "
+        raise InputError("recompute_blocks: a block built different ops the second time (recompute needs a "
                          "block that is a pure function of its input)")
     # The block's output (and what it is a view of) stays the original: the next block reads it.
     keep, t = set(), out.ptr
@@ -120,7 +120,7 @@ def _set_src(node, j: int, value) -> None:
 
 
 def apply(prog: Program, gf, graphs: list) -> list:
-    """Point the backward's reads of checkpointed activations at their copies, then return each of
+    """Point the backward's reads of recomputed blocks' activations at their copies, then return each of
     `graphs` (built on `gf`, the last holding every node of the others) ordered again: a copy right
     before its first reader.
 

@@ -150,7 +150,7 @@ def _(workdir: Path) -> list[bytes]:
 
 @functools.cache
 def _tiny_options(recipe: str, sets: tuple[str, ...]):
-    from ..plugins import get_recipe
+    from ..discovery import get_recipe
     from ..runner import resolve_options
 
     _, obj = get_recipe(recipe)

@@ -16,9 +16,9 @@ from typing import Any
 
 import pluggy
 
+from ..discovery import discover_observers
 from ..errors import InputError
 from ..hookspecs import PROJECT, ObserverSpec
-from ..plugins import discover_observers
 from .bus import ObserverBus
 
 __all__ = ["ObserverBus", "load_observers", "observer_manager"]

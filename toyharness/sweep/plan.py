@@ -10,10 +10,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..discovery import get_recipe
 from ..errors import InputError
 from ..hookspecs import plugin_manager
 from ..options import convert, parse_set, resolve
-from ..plugins import get_recipe
 
 # The file in the sweep's folder that holds its plan and each point's status and results.
 SWEEP_JSON = "sweep.json"
