@@ -98,7 +98,7 @@ def test_check_falls_back_to_the_portable_golden_and_says_so(tmp_path, capsys):
     assert path == tmp_path / PORTABLE_FINGERPRINT / "llama.yml" and mismatch is None
     assert cli.main(["golden", "check", "llama", "--dir", str(tmp_path)]) == 0
     assert f"ok   llama (portable mode: {path})" in capsys.readouterr().out
-    with pytest.raises(FileNotFoundError, match="record one with `toyharness golden record llama`"):
+    with pytest.raises(FileNotFoundError, match="record one with `toyharness golden record llama --dir "):
         goldens.check("llama", root=tmp_path, mode="fast")
 
 
