@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 PAGE = ROOT / "docs" / "benchmarks.md"
 
-FILE_KEYS = ("machine", "commit", "backend", "precision", "fingerprint", "simd", "blas", "threads", "size",
+FILE_KEYS = ("machine", "commit", "backend", "precision", "fingerprint", "threads", "size",
              "steps", "recipes")
+CPU_KEYS = ("simd", "blas")
 RECIPE_KEYS = ("ms_per_step", "torch_ms_per_step", "speedup", "config")
 
 INTRO = """\
@@ -40,7 +41,8 @@ INTRO = """\
 Training steps per recipe, ours beside an equivalent PyTorch model, as `toyharness bench` measures
 them: each side in its own process, in alternating rounds, the median ms per step. The ratio is
 PyTorch's time over ours (above 1: we are faster). Every figure names the machine, the build (SIMD
-level and BLAS kernel) and the commit it measured; a figure holds for that machine and build only.
+level and BLAS kernel on a cpu); the file in benchmarks/ also names the commit it measured. A
+figure holds for that machine and build only.
 
 To add figures, run `toyharness bench` (see [the command line](cli.md#bench)) and add its output:
 `python tools/benchmarks_page.py --add runs/bench-FINGERPRINT.json NAME --machine "..."`, then
@@ -65,7 +67,9 @@ def check(doc: dict, path: Path) -> dict:
     """`doc`, if it holds everything the page shows; else BenchFileError naming `path` and the key."""
     if not isinstance(doc, dict):
         raise BenchFileError(f"{path.name}: not a JSON object")
-    missing = [k for k in FILE_KEYS if doc.get(k) in (None, "")]
+    # the build's SIMD level and BLAS kernel decide a cpu figure; a GPU's figures have neither
+    needed = FILE_KEYS + (CPU_KEYS if doc.get("backend") == "cpu" else ())
+    missing = [k for k in needed if doc.get(k) in (None, "")]
     if missing:
         raise BenchFileError(f"{path.name}: no {', '.join(missing)}")
     if not isinstance(doc["recipes"], dict) or not doc["recipes"]:
@@ -96,8 +100,8 @@ def section(name: str, doc: dict) -> str:
     lines = [f"## {doc['backend']}, {doc['fingerprint']}, {doc['precision']}, size {doc['size']} ({name})", "",
              "| | |", "| --- | --- |",
              f"| machine | {doc['machine']} |",
-             f"| build | SIMD {doc['simd']}, BLAS {doc['blas']} |",
-             f"| commit | `{doc['commit']}` |",
+             (f"| build | SIMD {doc['simd']}, BLAS {doc['blas']} |" if doc["backend"] == "cpu"
+              else f"| build | {doc['backend']} ({doc['fingerprint']}) |"),
              f"| run | {doc['threads']} threads, median of {doc['steps']} timed steps a side"
              + (f", PyTorch {', '.join(doc['torch_modes'])}" if doc.get("torch_modes") else "") + " |"]
     if doc.get("pytorch_side"):
