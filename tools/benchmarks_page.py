@@ -6,12 +6,12 @@
                                                      # benchmarks/NAME.json: a bench output, with the
                                                      # machine and this checkout's commit added
 
-A file in benchmarks/ is what `toyharness bench` writes (or tools/bench_ours.py, our side alone
-where PyTorch is not installed), plus the machine and the commit measured. Each must name the
-machine, the commit, the backend, the precision, the fingerprint, the SIMD level and the BLAS
-kernel, and per recipe its config, ms/step ours and PyTorch's and their ratio (PyTorch's null only
-where the file's `pytorch_side` says why it was not measured). A file that lacks one is refused,
-naming the file and the key.
+A file in benchmarks/ is what `toyharness bench` writes, plus the machine and the commit measured.
+Each must name the machine, the commit, the backend, the precision, the fingerprint (and on a cpu
+the SIMD level and the BLAS kernel), and per recipe its config, ms/step ours and PyTorch's and
+their ratio (PyTorch's null only where the recipe's `torch_absent`, as bench writes it, or the
+file's `pytorch_side` says why it was not measured). A file that lacks one is refused, naming the
+file and the key.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def check(doc: dict, path: Path) -> dict:
         gone = [k for k in RECIPE_KEYS if k not in r or (r[k] is None and not k.startswith(("torch", "speedup")))]
         if gone:
             raise BenchFileError(f"{path.name}: recipe {name}: no {', '.join(gone)}")
-        if (r["torch_ms_per_step"] is None or r["speedup"] is None) and not doc.get("pytorch_side"):
+        if (r["torch_ms_per_step"] is None or r["speedup"] is None) and not (doc.get("pytorch_side")
+                                                                           or r.get("torch_absent")):
             raise BenchFileError(f"{path.name}: recipe {name}: PyTorch's figures are null and pytorch_side "
                                  "does not say why")
     return doc
