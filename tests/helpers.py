@@ -181,3 +181,21 @@ def ops_of(graph) -> list[str]:
     """ggml's op for each node of the graph, in node order."""
     return [ffi.string(lib.ggml_op_desc(lib.ggml_graph_node(graph, i))).decode()
             for i in range(lib.ggml_graph_n_nodes(graph))]
+
+
+def fd_grad(f, arrays, key, h: float = 1e-6):
+    """Central finite differences of the scalar f(arrays) with respect to arrays[key] (a dict of
+    arrays by name, or a list by index), each element moved by +-h in place and put back."""
+    import numpy as np
+
+    x = arrays[key]
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        old = x[i]
+        x[i] = old + h
+        fp = f(arrays)
+        x[i] = old - h
+        fm = f(arrays)
+        x[i] = old
+        g[i] = (fp - fm) / (2 * h)
+    return g

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import fd_grad
 
 from toyharness._ffi import available_native_backends
 from toyharness.engine import blocks, get_engine
@@ -30,20 +31,6 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def fd_grad(f, arrays: dict[str, np.ndarray], name: str, h: float = 1e-6) -> np.ndarray:
-    x = arrays[name]
-    g = np.zeros_like(x)
-    it = np.nditer(x, flags=["multi_index"])
-    for _ in it:
-        i = it.multi_index
-        old = x[i]
-        x[i] = old + h
-        fp = f(arrays)
-        x[i] = old - h
-        fm = f(arrays)
-        x[i] = old
-        g[i] = (fp - fm) / (2 * h)
-    return g
 
 
 def check(build, ref, inputs: dict[str, np.ndarray], fwd_tol=1e-5, bwd_tol=1e-3, ids: dict | None = None,

@@ -20,15 +20,19 @@ def env_with(path: Path) -> dict:
     return env
 
 
+def install_into(target: Path, plugin: Path, dist: str) -> dict:
+    """pip-install an example plugin into its own folder (a separate distribution): the env that
+    puts it on the path."""
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                          str(plugin)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert list(target.glob(f"{dist}-0.1.0.dist-info")), list(target.iterdir())
+    return env_with(target)
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-install the example plugin into its own folder (a separate distribution)."""
-    target = tmp_path_factory.mktemp("site")
-    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                          str(PLUGIN)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    assert list(target.glob("toyharness_example_bigram-0.1.0.dist-info")), list(target.iterdir())
-    return env_with(target)
+    return install_into(tmp_path_factory.mktemp("site"), PLUGIN, "toyharness_example_bigram")
 
 
 def test_plugin_is_listed_with_its_distribution(installed):
@@ -96,12 +100,7 @@ MLP_PLUGIN = REPO / "plugins" / "example_mlp"
 
 @pytest.fixture(scope="module")
 def mlp_installed(tmp_path_factory):
-    target = tmp_path_factory.mktemp("site_mlp")
-    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                          str(MLP_PLUGIN)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    assert list(target.glob("toyharness_example_mlp-0.1.0.dist-info")), list(target.iterdir())
-    return env_with(target)
+    return install_into(tmp_path_factory.mktemp("site_mlp"), MLP_PLUGIN, "toyharness_example_mlp")
 
 
 def test_mlp_plugin_runs_and_its_loss_falls(mlp_installed, tmp_path):

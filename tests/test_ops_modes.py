@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import fd_grad
 
 from toyharness._ffi import available_native_backends, lib
 from toyharness.engine import Program, get_engine
@@ -48,18 +49,6 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def fd_grad(f, arrays: list[np.ndarray], k: int, h: float = 1e-6) -> np.ndarray:
-    x = arrays[k]
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        old = x[i]
-        x[i] = old + h
-        fp = f(arrays)
-        x[i] = old - h
-        fm = f(arrays)
-        x[i] = old
-        g[i] = (fp - fm) / (2 * h)
-    return g
 
 
 @pytest.mark.parametrize("mode", MODES)
