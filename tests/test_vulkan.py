@@ -63,7 +63,10 @@ def test_every_op_and_block_on_vulkan_against_float64_numpy(vulkan_native):
     rc, out = child_pytest(vulkan_native, ["tests/test_engine_ops.py"], {"TOYHARNESS_TEST_BACKEND": "vulkan"})
     print(out[-3000:])
     got = counts(out)
-    assert rc == 0 and got.get("passed", 0) > 40 and not got.get("skipped"), out[-6000:]
+    # the portable mode's cases in that module are the cpu backend's: the only skips allowed
+    other_skips = [line for line in out.splitlines()
+                   if line.startswith("SKIPPED") and "the portable mode is the cpu backend's" not in line]
+    assert rc == 0 and got.get("passed", 0) > 40 and not other_skips, out[-6000:]
 
 
 @needs_lavapipe
