@@ -2,8 +2,8 @@
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python native/build.py --out toyharness/_native)
     python tools/ab_checkouts.py gpt2 /tmp/before . [--rounds 10] [--threads 2]
-    python tools/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_CPU_KERNELS=0     # one setting A/B
-    python tools/ab_checkouts.py gpt2 . . --env-a TOYHARNESS_GRAD_ACCUMULATORS=1 \
+    python tools/ab_checkouts.py gpt2 . . --set-a portable=true     # one setting A/B
+    python tools/ab_checkouts.py gpt2 /tmp/before . \
         --set n_layer=6 --set d_model=384 --set n_head=6 --set t_seq=256 --set t_batch=8   # at nano
     python tools/ab_checkouts.py lora . . --set base=M --set-a chunked_loss=off --set-b chunked_loss=on
 

@@ -16,8 +16,8 @@ that differ only in summation order (or in precision) can end a few percent apar
 eval. The larger eval says how much of a gap is the trained weights and how much the default eval's
 few batches.
 
-A TAG=ENV setting can stand for a precision: --precisions fp32 fp32:TOYHARNESS_CUDA_ATTENTION=ggml
-runs fp32 twice, the second with that environment variable set (another summation order).
+A TAG=ENV setting can stand for a precision: --precisions fp32 fp32:RERUN=1 runs fp32 twice, the
+second with that environment variable set (the same run again: its spread is the noise floor).
 
 --backend torch trains the recipe's PyTorch twin the same way (the recipe's init, batches and
 AdamW rows; bf16 as autocast over fp32 master weights; on the GPU where PyTorch sees one): how far
