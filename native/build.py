@@ -302,7 +302,7 @@ def cudnn_options() -> list[str]:
         log("cuDNN attention: off, not found: " + "; ".join(missing))
         return []
     log(f"cuDNN attention: {library}, frontend {frontend}")
-    return [f"-DTOYHARNESS_CUDNN_INCLUDE={root / 'include'};{frontend}", f"-DTOYHARNESS_CUDNN_LIBRARY={library}"]
+    return [f"-DTH_CUDNN_INCLUDE={root / 'include'};{frontend}", f"-DTH_CUDNN_LIBRARY={library}"]
 
 
 def find_tool(name: str) -> str | None:

@@ -128,8 +128,8 @@ def test_cudnn_options_name_the_found_folders(build_module, monkeypatch, tmp_pat
     root, frontend = fake_cudnn(tmp_path)
     for folders in (f"{root}:{frontend}", f"{frontend}:{root}"):
         monkeypatch.setenv("TOYHARNESS_CUDNN", folders)
-        assert build_module.cudnn_options() == [f"-DTOYHARNESS_CUDNN_INCLUDE={root / 'include'};{frontend}",
-                                                f"-DTOYHARNESS_CUDNN_LIBRARY={root / 'lib' / 'libcudnn.so.9'}"]
+        assert build_module.cudnn_options() == [f"-DTH_CUDNN_INCLUDE={root / 'include'};{frontend}",
+                                                f"-DTH_CUDNN_LIBRARY={root / 'lib' / 'libcudnn.so.9'}"]
         # a build without cuda has no cuDNN option (and so keeps its build folder's key)
         assert not any("CUDNN" in option for option in build_module.cmake_options(["cpu"]))
     monkeypatch.setenv("TOYHARNESS_CUDNN", "off")
