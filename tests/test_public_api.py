@@ -7,6 +7,7 @@ The plugins here are written to a temporary folder as their own distributions (a
 dist-info folder), as a third party would install them."""
 
 import ast
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -136,8 +137,13 @@ def test_every_public_name_is_exported_and_documented():
                      "InputError", "normal", "lcg_scaled", "write_gguf"):
         assert required in names
     doc = toyharness.__doc__
+    has_torch = importlib.util.find_spec("torch") is not None
     for name in names:
-        assert getattr(toyharness, name) is not None
+        if name in toyharness.NEEDS_TORCH and not has_torch:
+            with pytest.raises(ImportError, match=f"toyharness.{name} needs PyTorch: pip install torch"):
+                getattr(toyharness, name)
+        else:
+            assert getattr(toyharness, name) is not None
         assert f"`{name}`" in doc, f"{name} is exported but not documented in toyharness/__init__.py"
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = toyharness.Nope

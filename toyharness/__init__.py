@@ -29,12 +29,21 @@ Options
 
 Building a model
     `blocks`        the engine's building blocks (linear, layer_norm, rms_norm, attention, MLPs,
-                    checkpoint) over `Tensor`s.
+                    recomputed_block) over `Tensor`s.
     `Tensor`        a node of a recipe's graph: arithmetic, matmul, reshape, get_rows, ...
     `normal`        seeded init: N(0, std) of a shape, from (seed, tensor name) alone.
     `lcg_scaled`    seeded init: uniform with mean 0 and standard deviation std, likewise.
     `write_gguf`    write tensors and metadata as a GGUF file, atomically (an ``export`` hook).
     `atomic_write`  write a file atomically (an observer's or an export's own files).
+    `DecoderShape`  the shape of a decoder (sizes, heads, norms, RoPE) that `llama_forward` reads.
+    `Layer`         one decoder layer's shape within a `DecoderShape`.
+    `llama_forward` the llama family's forward (RMSNorm, RoPE attention with grouped kv heads,
+                    SwiGLU) from a `DecoderShape` and named tensors: a llama-like recipe's body.
+
+Beside PyTorch
+    `TorchTwin`     the base of a recipe's PyTorch twin (what ``torch_reference(options)``
+                    returns) for ``bench`` and the parity tests; importing it imports torch.
+    `class_loss`    the mean cross-entropy of class logits in PyTorch (a classifier twin's loss).
 
 Testing a plugin
     `train`         run a recipe by name and return its summary (a test's training run).
@@ -67,16 +76,29 @@ _EXPORTS: dict[str, str] = {
     "write_gguf": ".engine",
     "atomic_write": ".atomic",
     "train": ".runner",
+    "DecoderShape": ".architectures",
+    "Layer": ".architectures",
+    "llama_forward": ".architectures.llama",
+    "TorchTwin": ".bench.torch_side",
+    "class_loss": ".bench.torch_side",
 }
 
 __all__ = ["__version__", *_EXPORTS]
+
+# names whose module imports torch (the PyTorch side of bench and parity)
+NEEDS_TORCH = ("TorchTwin", "class_loss")
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'toyharness' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    try:
+        value = getattr(importlib.import_module(module, __name__), name)
+    except ModuleNotFoundError as exc:
+        if name in NEEDS_TORCH and exc.name == "torch":
+            raise ImportError(f"toyharness.{name} needs PyTorch: pip install torch") from None
+        raise
     globals()[name] = value      # later lookups skip this function
     return value
 

@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toyharness.engine import blocks
-from toyharness.lm import LMOptions, LMRecipe
-from toyharness.options import choice, positive
-from toyharness.seeded_init import lcg_scaled
+from toyharness import LMOptions, LMRecipe, blocks, choice, lcg_scaled, positive
 
 
 @dataclass

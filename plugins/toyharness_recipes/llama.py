@@ -12,11 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toyharness.architectures import DecoderShape, Layer
-from toyharness.architectures.llama import llama_forward  # noqa: F401 (warm_start's too)
-from toyharness.lm import LMOptions, LMRecipe
-from toyharness.options import choice, positive
-from toyharness.seeded_init import normal
+from toyharness import DecoderShape, Layer, LMOptions, LMRecipe, choice, llama_forward, normal, positive
 
 RMS_EPS = 1e-5
 ROPE_BASE = 10000.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from toyharness.bench.torch_side import TorchTwin
+from toyharness import TorchTwin
 
 from .blocks import attention, layer_norm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from toyharness.bench.torch_side import TorchTwin, class_loss
+from toyharness import TorchTwin, class_loss
 
 from .blocks import attention, layer_norm
 

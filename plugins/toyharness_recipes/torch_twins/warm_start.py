@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toyharness.bench.torch_side import TorchTwin
+from toyharness import TorchTwin
 
 from .llama import llama
 
