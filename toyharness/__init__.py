@@ -40,6 +40,21 @@ Building a model
     `llama_forward` the llama family's forward (RMSNorm, RoPE attention with grouped kv heads,
                     SwiGLU) from a `DecoderShape` and named tensors: a llama-like recipe's body.
 
+Real models and data
+    `GGUFFile`      a GGUF file, memory-mapped: its metadata and tensors in place.
+    `GGUFError`     the `InputError` of a damaged or unexpected GGUF file.
+    `read_model`    a llama.cpp GGUF base or donor read as a `ModelFile` (its architecture's
+                    keys and tensors; a key or tensor the architecture does not read is refused).
+    `ModelFile`     what `read_model` returns: the architecture, its `DecoderShape`, the tensors.
+    `ARCHITECTURES` the architectures a base may be (llama, qwen2, qwen3, gemma3, phi3), by name.
+    `ALL_TARGETS`   every projection an adapter may target across the architectures.
+    `example_file`  a small seeded GGUF of any architecture (a base for tests and goldens).
+    `seeded_model_file`  a recipe's seeded model exported as a GGUF, cached (a golden's base).
+    `cached_copy_as`     a GGUF with its matrices converted to another type, cached.
+    `LanguageModel` a recipe's forward wrapped with inputs, loss and trainer on one program.
+    `load_image_data`    image data (the embedded 8x8 digits, or an .npz) for image recipes.
+    `CONVENTIONS`   the AdamW row's conventions (``bias_corrected``, ``constant_betas``).
+
 Beside PyTorch
     `TorchTwin`     the base of a recipe's PyTorch twin (what ``torch_reference(options)``
                     returns) for ``bench`` and the parity tests; importing it imports torch.
@@ -79,6 +94,18 @@ _EXPORTS: dict[str, str] = {
     "DecoderShape": ".architectures",
     "Layer": ".architectures",
     "llama_forward": ".architectures.llama",
+    "GGUFFile": ".engine",
+    "GGUFError": ".errors",
+    "read_model": ".architectures",
+    "ModelFile": ".architectures",
+    "ARCHITECTURES": ".architectures",
+    "ALL_TARGETS": ".architectures",
+    "example_file": ".architectures",
+    "seeded_model_file": ".lm",
+    "cached_copy_as": ".engine.gguf_io",
+    "LanguageModel": ".lm",
+    "load_image_data": ".images",
+    "CONVENTIONS": ".adamw",
     "TorchTwin": ".bench.torch_side",
     "class_loss": ".bench.torch_side",
 }

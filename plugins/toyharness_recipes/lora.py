@@ -22,14 +22,26 @@ from typing import ClassVar
 
 import numpy as np
 
-from toyharness.architectures import ALL_TARGETS, ARCHITECTURES, ModelFile, example_file, read_model
-from toyharness.engine import GGUFFile, blocks, write_gguf
-from toyharness.engine.gguf_io import cached_copy_as
-from toyharness.errors import InputError
-from toyharness.hookspecs import hookimpl
-from toyharness.lm import LMOptions, LMRecipe, seeded_model_file
-from toyharness.options import CONVENTIONS, choice, positive
-from toyharness.seeded_init import normal
+from toyharness import (
+    ALL_TARGETS,
+    ARCHITECTURES,
+    CONVENTIONS,
+    GGUFFile,
+    InputError,
+    LMOptions,
+    LMRecipe,
+    ModelFile,
+    blocks,
+    cached_copy_as,
+    choice,
+    example_file,
+    hookimpl,
+    normal,
+    positive,
+    read_model,
+    seeded_model_file,
+    write_gguf,
+)
 
 # lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
 ARCH_GOLDEN_BASES = {

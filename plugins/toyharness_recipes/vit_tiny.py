@@ -19,11 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toyharness.engine import blocks, write_gguf
-from toyharness.hookspecs import hookimpl
-from toyharness.images import load_image_data
-from toyharness.options import Options, choice, positive
-from toyharness.seeded_init import normal
+from toyharness import Options, blocks, choice, hookimpl, load_image_data, normal, positive, write_gguf
 
 LN_EPS = 1e-5
 

@@ -15,14 +15,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toyharness.architectures import ModelFile, read_model
-from toyharness.engine import GGUFFile, blocks
-from toyharness.engine.gguf_io import GGUFError
-from toyharness.errors import InputError
-from toyharness.hookspecs import hookimpl
-from toyharness.lm import LanguageModel
-from toyharness.options import choice, positive
-from toyharness.seeded_init import normal
+from toyharness import (
+    GGUFError,
+    GGUFFile,
+    InputError,
+    LanguageModel,
+    ModelFile,
+    blocks,
+    choice,
+    hookimpl,
+    normal,
+    positive,
+    read_model,
+)
 from toyharness_recipes.llama import Llama, LlamaOptions, llama_forward, llama_shape
 
 

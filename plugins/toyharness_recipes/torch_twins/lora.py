@@ -10,10 +10,7 @@ import importlib.util
 import numpy as np
 import torch
 
-from toyharness.architectures import read_model
-from toyharness.bench.torch_side import TorchTwin
-from toyharness.engine import GGUFFile
-from toyharness.errors import InputError
+from toyharness import GGUFFile, InputError, TorchTwin, read_model
 
 from .llama import llama
 
