@@ -54,11 +54,15 @@ Real models and data
     `LanguageModel` a recipe's forward wrapped with inputs, loss and trainer on one program.
     `load_image_data`    image data (the embedded 8x8 digits, or an .npz) for image recipes.
     `CONVENTIONS`   the AdamW row's conventions (``bias_corrected``, ``constant_betas``).
+    `AdapterFold`   what a recipe's ``fuse_adapters`` returns: the base and each adapted tensor's
+                    change, for ``toyharness fuse`` to fold into one GGUF.
 
 Beside PyTorch
     `TorchTwin`     the base of a recipe's PyTorch twin (what ``torch_reference(options)``
                     returns) for ``bench`` and the parity tests; importing it imports torch.
     `class_loss`    the mean cross-entropy of class logits in PyTorch (a classifier twin's loss).
+    `hf_model`      transformers' model of a GGUF base's architecture, loaded with its weights.
+    `add_lora`      LoRA adapters on such a model, from a run's initial adapter values.
 
 Testing a plugin
     `train`         run a recipe by name and return its summary (a test's training run).
@@ -106,6 +110,9 @@ _EXPORTS: dict[str, str] = {
     "LanguageModel": ".lm",
     "load_image_data": ".images",
     "CONVENTIONS": ".adamw",
+    "AdapterFold": ".merge_adapters",
+    "hf_model": ".architectures.hf",
+    "add_lora": ".architectures.hf",
     "TorchTwin": ".bench.torch_side",
     "class_loss": ".bench.torch_side",
 }
@@ -113,7 +120,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["__version__", *_EXPORTS]
 
 # names whose module imports torch (the PyTorch side of bench and parity)
-NEEDS_TORCH = ("TorchTwin", "class_loss")
+NEEDS_TORCH = ("TorchTwin", "class_loss", "hf_model", "add_lora")
 
 
 def __getattr__(name: str) -> Any:
@@ -123,8 +130,8 @@ def __getattr__(name: str) -> Any:
     try:
         value = getattr(importlib.import_module(module, __name__), name)
     except ModuleNotFoundError as exc:
-        if name in NEEDS_TORCH and exc.name == "torch":
-            raise ImportError(f"toyharness.{name} needs PyTorch: pip install torch") from None
+        if name in NEEDS_TORCH and exc.name in ("torch", "transformers"):
+            raise ImportError(f"toyharness.{name} needs PyTorch: pip install torch transformers") from None
         raise
     globals()[name] = value      # later lookups skip this function
     return value

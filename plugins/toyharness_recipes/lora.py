@@ -183,7 +183,7 @@ class LoRA(LMRecipe):
 
     def fuse_adapters(self, o: LoRAOptions, checkpoint: Path):
         """`toyharness fuse`: each adapted weight of the base gains (alpha / rank) B A."""
-        from toyharness.merge_adapters import AdapterFold
+        from toyharness import AdapterFold
 
         base = self.base(o)
         adapters = self.params_for_sampling(checkpoint, o, base.shape.vocab)

@@ -64,7 +64,7 @@ class LoRATwin(TorchTwin):
     def parameters(self, init, device="cpu", frozen_dtype=torch.float32):
         base = self.options.base
         if self.hf:
-            from toyharness.architectures.hf import add_lora, hf_model
+            from toyharness import add_lora, hf_model
 
             # in bf16 with PyTorch's fused attention (SDPA), transformers' default; in fp32/tf32 the
             # eager attention of the parity tests
