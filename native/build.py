@@ -544,7 +544,7 @@ def stage_backend_sources(src: Path, staged: Path, backends: list[str]) -> Path:
         replace[cuda_dir / "ggml-cuda.cu"] = dispatch.encode()
         replace[cuda_dir / "out-prod.cu"] = cuda_dispatch_source((src / cuda_dir / "out-prod.cu").read_text(),
                                                                  CUDA_OUT_PROD_EDITS, "out-prod.cu").encode()
-        for path in [*(NATIVE_DIR / "cuda").glob("*.cu*"), NATIVE_DIR / "custom_ops.h"]:
+        for path in [*(NATIVE_DIR / "cuda").glob("*.cu*"), NATIVE_DIR / "custom_ops.h", NATIVE_DIR / "dropout_mask.h"]:
             replace[cuda_dir / path.name] = path.read_bytes()
     if "vulkan" in backends:
         vk_file = Path("src") / "ggml-vulkan" / "ggml-vulkan.cpp"

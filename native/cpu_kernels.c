@@ -30,6 +30,7 @@
 #include "ggml-impl.h" /* struct ggml_map_custom{1,2}_op_params */
 #include "cpu_kernels.h"
 #include "custom_ops.h"
+#include "dropout_mask.h"
 
 #define TH_EXPORT __attribute__((visibility("default")))
 
@@ -965,6 +966,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_cross_entropy_back_op, "cross_entropy_back"},
         {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
         {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
+        {(void *) th_dropout_mask_op, "dropout_mask"},
     };
     if (t->op == GGML_OP_MAP_CUSTOM2) {
         struct ggml_map_custom2_op_params p;
@@ -1442,14 +1444,23 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
             if (u->op == GGML_OP_SOFT_MAX_BACK && u->src[1] == sm && u->view_src == NULL && ggml_is_contiguous(u)) ds = u;
         }
+        /* dropout on P (Tensor.dropout: P times a mask node of dropout_mask.c) is zero where P is */
+        struct ggml_tensor * dropped = NULL;
+        for (int j = i + 1; j < n && dropped == NULL; j++) {
+            struct ggml_tensor * u = ggml_graph_node(graph, j);
+            if (u->op == GGML_OP_MUL && u->src[0] == sm && u->src[1] != NULL && th_is_dropout_mask(u->src[1]) &&
+                u->view_src == NULL && ggml_is_contiguous(u) && ggml_are_same_shape(u, sm)) {
+                dropped = u;
+            }
+        }
         marked += th_mark_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT);
         if (ds != NULL) marked += th_mark_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT);
         for (int j = 0; j < n; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
             if (u->op != GGML_OP_MUL_MAT && u->op != GGML_OP_OUT_PROD) continue;
             const int out_prod = u->op == GGML_OP_OUT_PROD;
-            for (int side = 0; side < 2; side++) {
-                const struct ggml_tensor * root = side ? ds : sm;
+            for (int side = 0; side < 3; side++) {
+                const struct ggml_tensor * root = side == 2 ? dropped : side ? ds : sm;
                 const int v0 = th_causal_view(u->src[0], root, T), v1 = th_causal_view(u->src[1], root, T);
                 /* MUL_MAT: A = src1's view, B = src0's view transposed; OUT_PROD: A = src1's transposed,
                  * B = src0's */

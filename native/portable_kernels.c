@@ -28,6 +28,7 @@
 #include "ggml.h"
 #include "ggml-impl.h" /* struct ggml_custom_op_params */
 #include "cpu_kernels.h"
+#include "dropout_mask.h"
 #include "portable_math.h"
 #include "portable_quant.h"
 
@@ -664,7 +665,8 @@ static int tp_is_ours(const struct ggml_tensor * t) {
     if (t->op != GGML_OP_CUSTOM) return 0;
     struct ggml_custom_op_params p;
     memcpy(&p, t->op_params, sizeof(p));
-    return p.fun == tp_op || p.fun == th_adamw_op;
+    /* dropout's mask (dropout_mask.c): integer arithmetic, the same bits on every CPU */
+    return p.fun == tp_op || p.fun == th_adamw_op || p.fun == th_dropout_mask_op;
 }
 
 static void tp_set_custom(struct ggml_tensor * t, ggml_custom_op_t fun, int kind, int n_tasks) {

@@ -44,7 +44,7 @@ ggml=$("$PY" native/build.py --print-src | tail -1)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cp -r "$ggml" "$work/ggml"
-cp native/cuda/* native/custom_ops.h "$work/ggml/src/ggml-cuda/"
+cp native/cuda/* native/custom_ops.h native/dropout_mask.h "$work/ggml/src/ggml-cuda/"
 status=0
 for source in native/cuda/th-*.cu; do
     name=$(basename "$source" .cu)

@@ -23,6 +23,7 @@ Options
                     that a recipe without a ``load_data`` hook trains on.
     `LMOptions`     `TextOptions` plus the language models' keys (``tokenizer``,
                     ``mask_prompt``, ``weight_dtype``).
+    `probability`   a field in [0, 1), e.g. a dropout rate: ``dropout: float = probability(0.0)``.
     `choice`        a field restricted to a set of values: ``choice("cosine", ("constant", "cosine"))``.
     `positive`      a size or count that must be > 0: ``d_model: int = positive(128)``.
     `InputError`    the error for bad input (a bad option value, a bad file): one line, exit 2.
@@ -30,7 +31,9 @@ Options
 Building a model
     `blocks`        the engine's building blocks (linear, layer_norm, rms_norm, attention, MLPs,
                     recomputed_block) over `Tensor`s.
-    `Tensor`        a node of a recipe's graph: arithmetic, matmul, reshape, get_rows, ...
+    `Tensor`        a node of a recipe's graph: arithmetic, matmul, reshape, get_rows, ...;
+                    ``x.dropout(p, name)`` is dropout whose masks repeat run to run and on resume.
+    `dropout_mask`  the numpy reference of those masks (shape, p, seed, forward index, name).
     `normal`        seeded init: N(0, std) of a shape, from (seed, tensor name) alone.
     `lcg_scaled`    seeded init: uniform with mean 0 and standard deviation std, likewise.
     `write_gguf`    write tensors and metadata as a GGUF file, atomically (an ``export`` hook).
@@ -87,9 +90,11 @@ _EXPORTS: dict[str, str] = {
     "LMOptions": ".lm",
     "choice": ".options",
     "positive": ".options",
+    "probability": ".options",
     "InputError": ".errors",
     "blocks": ".engine",
     "Tensor": ".engine",
+    "dropout_mask": ".engine.dropout",
     "normal": ".seeded_init",
     "lcg_scaled": ".seeded_init",
     "write_gguf": ".engine",

@@ -198,6 +198,9 @@ const char * th_kernel_name(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
 void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols);
 int th_cpu_rewrite(ggml_cgraph * graph);
+ggml_tensor * th_dropout_mask(ggml_context * ctx, ggml_tensor * key, int64_t ne0, int64_t ne1, int64_t ne2,
+                              int64_t ne3, uint32_t node, uint64_t threshold, float kept);
+void th_philox4x32_10_block(uint32_t c[4], uint32_t k0, uint32_t k1);
 int th_cpu_fold(ggml_cgraph * graph);
 int th_portable_rewrite(ggml_cgraph * graph, char * why, size_t why_len);
 int th_portable_first_unsupported(ggml_cgraph * graph);
@@ -358,7 +361,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 20
+CUDA_KERNELS_VERSION = 21
 
 
 def cuda_kernels_built() -> bool:

@@ -47,12 +47,19 @@ def positive(default: int) -> Any:
     return field(default=default, metadata={"positive": True})
 
 
-def positive_keys(cls: type) -> list[str]:
-    """The keys declared with `positive` by `cls` or any options class it derives from."""
+def probability(default: float) -> Any:
+    """A rate in [0, 1) (`Options.validate` refuses a negative value, 1 or more and NaN by
+    name): ``dropout: float = probability(0.0)``."""
+    return field(default=default, metadata={"probability": True})
+
+
+def positive_keys(cls: type, rule: str = "positive") -> list[str]:
+    """The keys declared with `positive` (or `rule`: "probability") by `cls` or any options
+    class it derives from."""
     keys: list[str] = []
     for klass in reversed(cls.__mro__):
         for f in getattr(klass, "__dataclass_fields__", {}).values():
-            if f.metadata.get("positive") and f.name not in keys:
+            if f.metadata.get(rule) and f.name not in keys:
                 keys.append(f.name)
     return keys
 
@@ -108,6 +115,9 @@ class Options:
             value = getattr(self, key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
                 raise self.invalid(key, f"must be > 0, got {value}")
+        for key in positive_keys(type(self), "probability"):
+            if not 0 <= getattr(self, key) < 1:       # NaN fails it too
+                raise self.invalid(key, f"must be in [0, 1), got {getattr(self, key)}")
         for key in ("lr", "eps", "init_scale"):
             if not 0 < getattr(self, key) < math.inf:
                 raise self.invalid(key, f"must be > 0 and finite, got {getattr(self, key)}")

@@ -52,6 +52,7 @@
 
 extern "C" {
 #include "custom_ops.h"
+#include "dropout_mask.h"
 }
 
 #define TH_CUDA_BLOCK 256
@@ -268,6 +269,40 @@ static void th_swiglu_of(cudaStream_t stream, const T * gate, const T * up, T * 
         th_swiglu_kernel<true><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, y16, n);
     } else {
         th_swiglu_kernel<false><<<blocks, TH_CUDA_BLOCK, 0, stream>>>(gate, up, y, y16, n);
+    }
+}
+
+// Dropout's mask (dropout_mask.h, the stream the cpu kernel and the numpy reference compute): a
+// thread a block of four elements, integer arithmetic only, so every element's bits are the cpu's.
+// The key (seed, forward index, enabled) is read from the fed i32[4] in device memory.
+static __global__ void th_dropout_mask_kernel(const int32_t * __restrict__ key, float * __restrict__ y,
+                                              const int64_t n, const th_dropout_params p) {
+    const int32_t k[TH_DROPOUT_KEY_WORDS] = {key[0], key[1], key[2], key[3]};
+    const int64_t blocks = (n + 3) / 4, step = (int64_t) gridDim.x * blockDim.x;
+    for (int64_t b = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; b < blocks; b += step) {
+        float out[4];
+        th_dropout_block(out, (uint64_t) b, k, p);
+        if (4 * b + 4 <= n) {
+            reinterpret_cast<float4 *>(y)[b] = make_float4(out[0], out[1], out[2], out[3]);
+        } else {
+            for (int64_t j = 0; 4 * b + j < n; j++) y[4 * b + j] = out[j];
+        }
+    }
+}
+
+static void th_dropout_mask(cudaStream_t stream, ggml_tensor * dst) {
+    th_dropout_params p;
+    int32_t w[4];
+    memcpy(w, dst->op_params + TH_DROPOUT_CUDA_SLOT, sizeof(w));
+    p.node = (uint32_t) w[0];
+    p.threshold = (uint64_t) (uint32_t) w[1] | (uint64_t) (uint32_t) w[2] << 32;
+    memcpy(&p.kept, &w[3], sizeof(float));
+    const int64_t n = ggml_nelements(dst), blocks = (n + 3) / 4;
+    const int threads = 256;
+    const int64_t grid = std::min<int64_t>((blocks + threads - 1) / threads, 65535);
+    if (grid > 0) {
+        th_dropout_mask_kernel<<<(unsigned) grid, threads, 0, stream>>>((const int32_t *) dst->src[0]->data,
+                                                                       (float *) dst->data, n, p);
     }
 }
 
@@ -1412,6 +1447,9 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
                    ggml_is_contiguous(gate) && ggml_is_contiguous(up) && ggml_nelements(gate) == ggml_nelements(op) &&
                    ggml_nelements(up) == ggml_nelements(op);
         }
+        case TH_CUDA_DROPOUT_MASK:
+            return th_f32_contiguous(op) && op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_I32 &&
+                   ggml_nelements(op->src[0]) == TH_DROPOUT_KEY_WORDS && ggml_is_contiguous(op->src[0]);
         case TH_CUDA_GET_ROWS_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
                    op->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(op->src[1]) &&
@@ -1523,6 +1561,9 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return th_cross_entropy(stream, dst);
         case TH_CUDA_SWIGLU:
             th_swiglu(stream, dst);
+            return true;
+        case TH_CUDA_DROPOUT_MASK:
+            th_dropout_mask(stream, dst);
             return true;
         case TH_CUDA_ADD:               // (at bf16 a copy beside the sum, or alone, where products read it)
             th_map(stream, th_add_op(), dst->src[0], dst->src[1], dst, true);

@@ -1,6 +1,7 @@
 /* The cuda rewrite's pass: the nodes our kernels take one for one: GET_ROWS_BACK, CONT, ADD,
- * RMS_NORM, ROPE, a gain's MUL, the cross-entropy, SWIGLU. */
+ * RMS_NORM, ROPE, a gain's MUL, the cross-entropy, SWIGLU, dropout's mask. */
 #include "passes.h"
+#include "../dropout_mask.h"
 
 /* A ROPE or ROPE_BACK our kernel computes: contiguous f32 rows, positions i32 one a row of
  * ne[2], modes normal or neox over the first n_dims (even) of each row, no YaRN extrapolation
@@ -91,6 +92,12 @@ int th_mark_singles(struct ggml_cgraph * graph) {
         } else if (t->op == GGML_OP_MUL && ggml_nrows(t) > 1 && (gain = th_gain_of(t, t->ne[0])) != NULL) {
             th_mark(t, TH_CUDA_AFFINE);         /* a gain alone (RMSNorm's, or a gain's backward) */
             th_set_srcs(t, (struct ggml_tensor *) src, gain, NULL, NULL, NULL, NULL);
+            singles++;
+        } else if (th_is_dropout_mask(t)) {
+            /* dropout's mask: the same stream on the device (cuda/th-custom.cu) */
+            const th_dropout_params p = th_dropout_params_of(t, TH_DROPOUT_SLOT);
+            th_mark(t, TH_CUDA_DROPOUT_MASK);
+            th_dropout_params_set(t, TH_DROPOUT_CUDA_SLOT, p);
             singles++;
         }
     }

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toyharness import LMOptions, LMRecipe, blocks, choice, lcg_scaled, positive
+from toyharness import InputError, LMOptions, LMRecipe, blocks, choice, lcg_scaled, positive, probability
 
 
 @dataclass
@@ -33,6 +33,9 @@ class GPT2Options(LMOptions):
     # recompute each block's activations in the backward (engine/recompute.py): less memory, the
     # same losses bit for bit, one more forward of the blocks per step (cpu and cuda backends)
     recompute_blocks: bool = False
+    # dropout where nanoGPT puts it: on the embeddings, the attention weights, the attention's and
+    # the MLP's outputs; 0 builds no dropout node (Tensor.dropout: masks repeat run to run)
+    dropout: float = probability(0.0)
 
 
 class GPT2(LMRecipe):
@@ -43,6 +46,8 @@ class GPT2(LMRecipe):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
         from .torch_twins.gpt2 import GPT2Twin
 
+        if options.dropout:
+            raise InputError("option 'dropout': the PyTorch twin has no dropout; set dropout=0")
         return GPT2Twin(options)
 
     def init_params(self, o: GPT2Options, vocab: int) -> dict[str, np.ndarray]:
@@ -73,7 +78,10 @@ class GPT2(LMRecipe):
         return P
 
     def forward(self, P, tokens, positions, o: GPT2Options):
+        tokens.prog.dropout_seed = o.seed
         h = P["token_embd.weight"].get_rows(tokens) + P["position_embd.weight"].get_rows(positions)
+        if o.dropout:
+            h = h.dropout(o.dropout, "dropout.embd")
         for i in range(o.n_layer):
             h = blocks.recomputed_block(self.block, h, P, f"blk.{i}.", o)
         h = blocks.layer_norm(h, P["output_norm.weight"], P["output_norm.bias"])
@@ -81,14 +89,19 @@ class GPT2(LMRecipe):
 
     @staticmethod
     def block(h, P, b: str, o: GPT2Options):
-        """One pre-LayerNorm block (`b`: its tensors' prefix, blk.N.)."""
+        """One pre-LayerNorm block (`b`: its tensors' prefix, blk.N.); with dropout p > 0 on the
+        attention weights and each residual branch, masks named dropout.blk.N.SITE."""
+        p = o.dropout
         x = blocks.layer_norm(h, P[b + "attn_norm.weight"], P[b + "attn_norm.bias"])
-        h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
-                                 P[b + "attn_output.weight"], o.n_head, bq=P[b + "attn_q.bias"],
-                                 bk=P[b + "attn_k.bias"], bv=P[b + "attn_v.bias"], bo=P[b + "attn_output.bias"])
+        attn = blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
+                                P[b + "attn_output.weight"], o.n_head, bq=P[b + "attn_q.bias"],
+                                bk=P[b + "attn_k.bias"], bv=P[b + "attn_v.bias"], bo=P[b + "attn_output.bias"],
+                                dropout=p, dropout_name=f"dropout.{b}attn_probs")
+        h = h + (attn.dropout(p, f"dropout.{b}attn_out") if p else attn)
         x = blocks.layer_norm(h, P[b + "ffn_norm.weight"], P[b + "ffn_norm.bias"])
-        return h + blocks.gelu_mlp(x, P[b + "ffn_up.weight"], P[b + "ffn_up.bias"], P[b + "ffn_down.weight"],
-                                   P[b + "ffn_down.bias"])
+        mlp = blocks.gelu_mlp(x, P[b + "ffn_up.weight"], P[b + "ffn_up.bias"], P[b + "ffn_down.weight"],
+                              P[b + "ffn_down.bias"])
+        return h + (mlp.dropout(p, f"dropout.{b}ffn_out") if p else mlp)
 
     def gguf_metadata(self, o: GPT2Options, vocab: int):
         return "gpt2", {

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toyharness import DecoderShape, Layer, LMOptions, LMRecipe, choice, llama_forward, normal, positive
+from toyharness import (DecoderShape, InputError, Layer, LMOptions, LMRecipe, choice, llama_forward, normal, positive,
+                        probability)
 
 RMS_EPS = 1e-5
 ROPE_BASE = 10000.0
@@ -47,6 +48,9 @@ class LlamaOptions(LMOptions):
     # recompute each block's activations in the backward (engine/recompute.py): less memory, the
     # same losses bit for bit, one more forward of the blocks per step (cpu and cuda backends)
     recompute_blocks: bool = False
+    # dropout where nanoGPT puts it: on the embeddings, the attention weights, the attention's and
+    # the MLP's outputs; 0 builds no dropout node (Tensor.dropout: masks repeat run to run)
+    dropout: float = probability(0.0)
 
 
 class Llama(LMRecipe):
@@ -58,6 +62,8 @@ class Llama(LMRecipe):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
         from .torch_twins.llama import LlamaTwin
 
+        if options.dropout:
+            raise InputError("option 'dropout': the PyTorch twin has no dropout; set dropout=0")
         return LlamaTwin(options)
 
     def init_params(self, o: LlamaOptions, vocab: int) -> dict[str, np.ndarray]:
@@ -90,8 +96,10 @@ class Llama(LMRecipe):
 
     def forward(self, P, tokens, positions, o: LlamaOptions):
         embed = P["token_embd.weight"]
+        tokens.prog.dropout_seed = o.seed
         return llama_forward(P, embed.get_rows(tokens), positions,
-                             llama_shape(o.n_layer, o.d_model, o.n_head, o.n_kv_head, o.d_ff, embed.shape[0]))
+                             llama_shape(o.n_layer, o.d_model, o.n_head, o.n_kv_head, o.d_ff, embed.shape[0]),
+                             dropout=o.dropout)
 
     def gguf_metadata(self, o: LlamaOptions, vocab: int):
         arch = "qwen2" if o.qkv_bias else "llama"

@@ -38,6 +38,7 @@ from toyharness import (
     hookimpl,
     normal,
     positive,
+    probability,
     read_model,
     seeded_model_file,
     write_gguf,
@@ -80,6 +81,9 @@ class LoRAOptions(LMOptions):
     # same losses bit for bit, one more forward of the blocks per step (cpu and cuda; llama-family
     # bases, whose blocks go through blocks.recomputed_block)
     recompute_blocks: bool = False
+    # dropout on each adapter's input, where PEFT puts it: B(A(dropout(x))) * alpha / rank (the base's
+    # product reads x itself); 0 builds no dropout node
+    lora_dropout: float = probability(0.0)
 
 
 def read_base(path: str) -> ModelFile:
@@ -98,6 +102,8 @@ class LoRA(LMRecipe):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
         from .torch_twins.lora import LoRATwin
 
+        if options.lora_dropout:
+            raise InputError("option 'lora_dropout': the PyTorch twin has no dropout; set lora_dropout=0")
         return LoRATwin(options)
 
     # Golden and bench bases: the llama recipe's seeded init, written once to the cache
@@ -174,10 +180,12 @@ class LoRA(LMRecipe):
         for i in range(base.shape.n_layer):
             for t in o.targets:
                 name = base.target_tensor(i, t)
-                P[name] = blocks.LoRAWeight(P[name], P[name + ".lora_a"], P[name + ".lora_b"], scale)
+                P[name] = blocks.LoRAWeight(P[name], P[name + ".lora_a"], P[name + ".lora_b"], scale,
+                                            o.lora_dropout, f"dropout.{name}.lora")
         return P
 
     def forward(self, P, tokens, positions, o: LoRAOptions):
+        tokens.prog.dropout_seed = o.seed
         base = self.base(o)
         return base.arch.forward(P, P["token_embd.weight"].get_rows(tokens), positions, base.shape)
 

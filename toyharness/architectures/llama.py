@@ -78,25 +78,38 @@ def output(P: dict, h, s: DecoderShape):
     return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
 
 
-def llama_forward(P: dict, h, positions, s: DecoderShape):
+def llama_forward(P: dict, h, positions, s: DecoderShape, dropout: float = 0.0):
     """Blocks, final norm and output over embedded tokens `h` (B, T, d). A weight in P may be a
-    `blocks.LoRAWeight`. Also the forward of the llama recipe (from scratch) and warm_start."""
+    `blocks.LoRAWeight`. Also the forward of the llama recipe (from scratch) and warm_start.
+    `dropout` p > 0: where nanoGPT puts it (on the embeddings, the attention weights and each
+    residual branch's output), masks named as `dropout_names` says."""
+    h = h.dropout(dropout, "dropout.embd") if dropout else h
     for i in range(s.n_layer):
-        h = blocks.recomputed_block(llama_block, h, P, positions, s, i)
+        h = blocks.recomputed_block(llama_block, h, P, positions, s, i, dropout)
     return output(P, h, s)
 
 
-def llama_block(h, P: dict, positions, s: DecoderShape, i: int):
-    """Block i: pre-norm attention and SwiGLU MLP, each added to the residual `h`."""
+def llama_block(h, P: dict, positions, s: DecoderShape, i: int, dropout: float = 0.0):
+    """Block i: pre-norm attention and SwiGLU MLP, each added to the residual `h` (through
+    dropout p = `dropout` when > 0, on the attention weights too)."""
     b = f"blk.{i}."
+    names = dropout_names(i)
     x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
-    h = h + blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
-                             P[b + "attn_output.weight"], s.n_head, s.n_kv_head,
-                             bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
-                             bv=P.get(b + "attn_v.bias"), rope=rope_for(P, positions, s, i),
-                             head_dim=s.head_dim)
+    attn = blocks.attention(x, P[b + "attn_q.weight"], P[b + "attn_k.weight"], P[b + "attn_v.weight"],
+                            P[b + "attn_output.weight"], s.n_head, s.n_kv_head,
+                            bq=P.get(b + "attn_q.bias"), bk=P.get(b + "attn_k.bias"),
+                            bv=P.get(b + "attn_v.bias"), rope=rope_for(P, positions, s, i),
+                            head_dim=s.head_dim, dropout=dropout, dropout_name=names["attn_probs"])
+    h = h + (attn.dropout(dropout, names["attn_out"]) if dropout else attn)
     x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
-    return h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
+    mlp = blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
+    return h + (mlp.dropout(dropout, names["ffn_out"]) if dropout else mlp)
+
+
+def dropout_names(i: int) -> dict[str, str]:
+    """Block i's dropout masks' names (their streams' nodes): the attention weights, the
+    attention's and the MLP's outputs (the residual branches). gpt2 names its masks the same."""
+    return {site: f"dropout.blk.{i}.{site}" for site in ("attn_probs", "attn_out", "ffn_out")}
 
 
 def common_metadata(s: DecoderShape) -> dict:

@@ -36,6 +36,8 @@ class LoRAWeight:
     a: Tensor             # (rank, in), trainable
     b: Tensor             # (out, rank), trainable
     scale: float
+    dropout: float = 0.0  # on the adapter's input, as PEFT's lora_dropout: B(A(dropout(x))) * scale
+    name: str = ""        # the adapter's dropout mask's name (Tensor.dropout)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -45,7 +47,7 @@ class LoRAWeight:
 def linear(x: Tensor, w: Tensor | LoRAWeight, b: Tensor | None = None) -> Tensor:
     """x (..., in) @ w(out, in).T + b(out,), as torch.nn.Linear."""
     if isinstance(w, LoRAWeight):
-        return lora_linear(x, w.base, w.a, w.b, w.scale, b)
+        return lora_linear(x, w.base, w.a, w.b, w.scale, b, w.dropout, w.name)
     y = x.matmul_t(w)
     return add_bias(y, b) if b is not None else y
 
@@ -142,11 +144,13 @@ def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Tensor, w_proj: Tensor, b_proj: Tens
     return linear(gelu_tanh(linear(x, w_fc, b_fc)), w_proj, b_proj)
 
 
-def lora_linear(x: Tensor, w: Tensor, a: Tensor, b: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
-    """W x + scale * B(A x): w (out, in) frozen, a (rank, in), b (out, rank) trainable."""
+def lora_linear(x: Tensor, w: Tensor, a: Tensor, b: Tensor, scale: float, bias: Tensor | None = None,
+                dropout: float = 0.0, dropout_name: str = "") -> Tensor:
+    """W x + scale * B(A x): w (out, in) frozen, a (rank, in), b (out, rank) trainable. With
+    `dropout` p > 0 the adapter reads dropout(x) (PEFT's lora_dropout; mask `dropout_name`)."""
     if a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]:
         raise ShapeError(f"lora: W {w.shape}, A {a.shape}, B {b.shape} do not compose")
-    h = linear(x, a)
+    h = linear(x.dropout(dropout, dropout_name) if dropout else x, a)
     if x.prog.cuda_kernels and exact_power_of_two(scale):
         # On cuda the scale goes on the rank-r product A x (rows x r) instead of the (rows x out)
         # output: a pass over the layer's widest activation less each way (129 launches, 3.3 ms of
@@ -185,7 +189,8 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
               bo: Tensor | None = None, rope_positions: Tensor | None = None, rope_base: float = 10000.0,
               rope_neox: bool = False, q_fn=None, *, rope: Rope | None = None, head_dim: int | None = None,
               wqkv: Tensor | LoRAWeight | None = None, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
-              norm_eps: float = 1e-6, window: int | None = None, scale: float | None = None) -> Tensor:
+              norm_eps: float = 1e-6, window: int | None = None, scale: float | None = None,
+              dropout: float = 0.0, dropout_name: str = "attn_probs") -> Tensor:
     """Multi-head self-attention of x (B, T, D), batched over heads (no per-head loop).
 
     Grouped-query heads when n_kv_head < n_head: query heads share key/value heads in
@@ -198,6 +203,8 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     `wqkv` (one fused q|k|v projection: phi3), `q_norm`/`k_norm` (RMSNorm of each head's q and
     k before the rotation, gain (hd,): qwen3, gemma3), `window` (sliding-window attention:
     gemma3's local layers) and `scale` (the scores' scale, default 1/sqrt(hd)).
+    `dropout` p > 0: dropout on the attention weights after the softmax (nanoGPT's attn_dropout),
+    mask `dropout_name`; the composed softmax and product then (fused attention takes none).
     """
     bsz, seq, d_model = x.shape
     n_kv_head = n_kv_head or n_head
@@ -249,6 +256,8 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     heads, kv_heads = bsz * n_head, bsz * k.shape[1]
     scores = q.reshape(heads, seq, hd).bmm_t(k.reshape(kv_heads, seq, hd))      # (B*H, Tq, Tk)
     probs = scores.softmax(scale=1.0 / math.sqrt(hd) if scale is None else scale, causal=causal, window=window)
+    if dropout:
+        probs = probs.dropout(dropout, dropout_name)
     out = probs.bmm_t(vt.reshape(kv_heads, hd, seq)).reshape(bsz, n_head, seq, hd)
     out = out.permute(0, 2, 1, 3).cont().reshape(bsz, seq, n_head * hd)
     return linear(out, wo, bo)

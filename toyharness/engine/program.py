@@ -124,6 +124,10 @@ class Program(LossBuilders):
         # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
         # --dequantize: the same values, 4x the memory, products without a dequantization per call)
         self.dequantize_frozen = False
+        # Dropout (engine/dropout.py): the masks' state, made by the first Tensor.dropout, and the
+        # seed of their stream (a recipe sets its run's seed; the key is fed at each compute)
+        self._dropout = None
+        self.dropout_seed = 0
 
     def _choose_kernels(self, engine: Engine) -> None:
         """Which kernels compute this program's graphs and in which form blocks build them, from the
@@ -425,6 +429,12 @@ class Program(LossBuilders):
                 raise InputError(f"unknown input {name!r}; this program takes: {', '.join(known)}")
 
 
+    def set_dropout(self, forward_index: int, enabled: bool) -> None:
+        """Every dropout mask of the program for training forward `forward_index`, or (not
+        `enabled`: evaluation, sampling) all ones; nothing where the program has no dropout."""
+        if self._dropout is not None:
+            self._dropout.set(forward_index, enabled)
+
     # --- graphs ----------------------------------------------------------------------------
     def forward(self, outputs: dict[str, Tensor]) -> ForwardGraph:
         return ForwardGraph(self, outputs)
@@ -547,6 +557,7 @@ class ForwardGraph:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.prog.feed(feeds)
+        self.prog.set_dropout(0, False)      # a forward alone: no dropout
         self.prog._compute(self.graph)
         return {k: self.prog.read(t) for k, t in self.outputs.items()}
 

@@ -272,6 +272,17 @@ class Tensor(ShapeOps):
             y = y * inside + inside.scale_bias(-float(hi), float(hi))
         return y
 
+    def dropout(self, p: float, name: str) -> Tensor:
+        """Dropout: x * M, M = 1 / (1 - p) (float32) where an element is kept, 0 where dropped,
+        drawn from a counter-based stream keyed by (the program's dropout_seed, the training
+        forward's index, `name`) and the element's index (engine/dropout.py): the same bits on
+        every backend, run to run and after a resume. Evaluation and sampling compute x * 1 = x.
+        p in [0, 1); p == 0 returns x (no node). `name` is the mask's identity: the same name
+        draws the same mask (a recomputed block's copy), so give each site its own."""
+        from .dropout import apply_dropout
+
+        return apply_dropout(self, p, name)
+
     # --- reductions and shape ----------------------------------------------------------
     def sum(self) -> Tensor:
         """Sum of all elements (one thread in ggml: a fixed order, thread-count invariant)."""

@@ -233,6 +233,7 @@ class Trainer:
         if len(row) != 7 or not all(map(math.isfinite, row)):
             raise InputError(f"the AdamW row must be 7 finite floats, got {hp!r}")
         self.prog.feed(feeds)
+        self.prog.set_dropout(self._forward_index(), True)
         self._hp_row[0:7] = row
         lib.ggml_backend_tensor_set(self.hp.ptr, self._hp_row, 0, 7 * 4)
         if self.needs_full_reset:
@@ -244,9 +245,15 @@ class Trainer:
         self.steps_done += 1
         return self.loss_value()
 
+    def _forward_index(self) -> int:
+        """The training forward about to run, counted from 0 over the run: the dropout stream's
+        counter (engine/dropout.py), so a resumed run draws the masks of the uninterrupted one."""
+        return self.steps_done
+
     def grads_only(self, feeds: dict[str, np.ndarray]) -> float:
         """Forward and backward without the AdamW step (gradients land in the accumulators)."""
         self.prog.feed(feeds)
+        self.prog.set_dropout(self._forward_index(), True)
         self.reset_grads()
         self.prog._compute(self.gb_grad)
         return self.loss_value()
@@ -254,6 +261,7 @@ class Trainer:
     def eval_loss(self, feeds: dict[str, np.ndarray]) -> float:
         """The reported loss on a batch, forward only: parameters and moments untouched."""
         self.prog.feed(feeds)
+        self.prog.set_dropout(0, False)      # evaluation: every mask 1, the bits of no dropout
         self.prog._compute(self.eval_graph)
         return self.loss_value()
 
