@@ -1454,7 +1454,14 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
             }
         }
         marked += th_mark_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT);
-        if (ds != NULL) marked += th_mark_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT);
+        if (ds != NULL) {
+            /* with dropout on P, dS reads dP times the mask: dP's product is that MUL's source */
+            struct ggml_tensor * d = ds->src[0], * only;
+            const int through_mask = dropped != NULL && d != NULL && d->op == GGML_OP_MUL && d->src[1] == dropped->src[1] &&
+                                     !(d->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, d, &only) == 1 && only == ds;
+            marked += through_mask ? th_mark_gemm(th_causal_product_of(graph, d, d->src[0], T), TH_CAUSAL_OUT)
+                                   : th_mark_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT);
+        }
         for (int j = 0; j < n; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
             if (u->op != GGML_OP_MUL_MAT && u->op != GGML_OP_OUT_PROD) continue;

@@ -41,6 +41,8 @@ class GPT2Options(LMOptions):
 class GPT2(LMRecipe):
     name = "gpt2"
     options_class = GPT2Options
+    # gpt2@dropout: the golden config with dropout 0.1 at its four sites
+    golden_variants = {"dropout": ["dropout=0.1"]}
 
     def torch_reference(self, options):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""

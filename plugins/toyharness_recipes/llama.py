@@ -12,8 +12,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toyharness import (DecoderShape, InputError, Layer, LMOptions, LMRecipe, choice, llama_forward, normal, positive,
-                        probability)
+from toyharness import (
+    DecoderShape,
+    InputError,
+    Layer,
+    LMOptions,
+    LMRecipe,
+    choice,
+    llama_forward,
+    normal,
+    positive,
+    probability,
+)
 
 RMS_EPS = 1e-5
 ROPE_BASE = 10000.0

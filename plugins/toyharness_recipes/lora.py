@@ -116,7 +116,8 @@ class LoRA(LMRecipe):
     @property
     def golden_variants(self) -> dict[str, list[str]]:
         """lora@q4_k, lora@q8_0: the golden config over a quantized base (a seeded llama 256 wide,
-        so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache)."""
+        so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache);
+        lora@dropout: the golden config with lora_dropout 0.1."""
         base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512",
                                            "seed=7"])
         variants = {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
@@ -124,6 +125,7 @@ class LoRA(LMRecipe):
         for name, shape in ARCH_GOLDEN_BASES.items():
             arch = ARCHITECTURES[shape["arch"]]
             variants[name] = [f"base={example_file(**shape)}", f"targets={','.join(arch.targets)}"]
+        variants["dropout"] = ["lora_dropout=0.1"]
         return variants
 
     @property
