@@ -288,3 +288,12 @@ def test_attention_dropout_keeps_the_cpus_causal_blocks():
     those blocks (native/cpu_kernels.c, th_mark_causal)."""
     off = causal_products(["t_seq=128"])
     assert off >= 4 and causal_products(["t_seq=128", "dropout=0.1"]) == off
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_the_thread_count_changes_no_bit_of_a_dropout_run(portable):
+    from toyharness import goldens
+
+    ref = goldens.compute("gpt2@dropout", threads=2, portable=portable)
+    for threads in (1, 3):
+        assert goldens.compare(ref, goldens.compute("gpt2@dropout", threads=threads, portable=portable)) is None

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "goldens"
 
 
 BUILT_IN = ["gpt2", "llama", "lora", "lora@q4_k", "lora@q8_0", "lora@llama3", "lora@qwen3", "lora@gemma3",
-            "lora@phi3", "vit_tiny", "warm_start"]
+            "lora@phi3", "vit_tiny", "warm_start", "gpt2@dropout", "lora@dropout"]
 
 
 @pytest.mark.parametrize("recipe", BUILT_IN)

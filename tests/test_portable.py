@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent / "goldens"
 BUILT_IN = ["gpt2", "llama", "lora", "vit_tiny", "warm_start"]
 QUANTIZED_BASES = ["lora@q4_k", "lora@q8_0"]     # lora over a quantized base (tests/test_portable_quant.py)
 ARCH_BASES = ["lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]   # over each base architecture
+DROPOUT = ["gpt2@dropout", "lora@dropout"]       # dropout's mask node (native/dropout_mask.c)
 # ggml ops that may stay ggml's in the portable mode: they move data and compute nothing
 DATA_MOVES = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CONT", "CPY", "DUP", "REPEAT", "GET_ROWS"}
 
@@ -54,7 +55,7 @@ def test_the_mode_has_its_fingerprint_and_is_cpu_only():
 
 
 # --- the golden graphs ---------------------------------------------------------------------------
-@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES + ARCH_BASES)
+@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES + ARCH_BASES + DROPOUT)
 def test_every_node_of_a_golden_graph_is_portable_or_moves_data(recipe):
     from toyharness.bench import realize_for_bench
     from toyharness.runner import batch_for
@@ -122,7 +123,7 @@ def test_no_golden_in_either_mode_names_both(tmp_path):
         goldens.check("llama", root=tmp_path)
 
 
-@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES + ARCH_BASES)
+@pytest.mark.parametrize("recipe", BUILT_IN + QUANTIZED_BASES + ARCH_BASES + DROPOUT)
 def test_recipe_matches_its_portable_golden(recipe, toyharness_golden):
     """The gate that holds on any CPU."""
     assert toyharness_golden(recipe, root=ROOT, mode="portable").parent.name == PORTABLE_FINGERPRINT
