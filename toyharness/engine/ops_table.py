@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import BackendError
+from .dropout import dropout_mask
 
 Array = np.ndarray
 
@@ -26,7 +27,9 @@ Array = np.ndarray
 class OpCase:
     """One op: `build` on Tensors, `ref` the same on float64 arrays, `shapes` of its inputs,
     `kinks`: where its derivative jumps (relu at 0, clamp at its bounds): the inputs keep away
-    from them, finite differences across a kink being meaningless)."""
+    from them, finite differences across a kink being meaningless); `training`: the op computes
+    another function in training than in evaluation (dropout), `ref` being the training forward's
+    (program seed 0, forward index 0)."""
 
     name: str
     call: str                                   # how a recipe writes it
@@ -34,6 +37,7 @@ class OpCase:
     ref: Callable
     shapes: tuple[tuple[int, ...], ...] = ((3, 4),)
     kinks: tuple[float, ...] = ()
+    training: bool = False
 
 
 def _erf(x: Array) -> Array:
@@ -77,6 +81,8 @@ OPS: tuple[OpCase, ...] = (
            lambda x: x.permute(2, 0, 1) + x.permute(0, 2, 1).permute(1, 0, 2),
            lambda x: np.transpose(x, (2, 0, 1)) + np.transpose(np.transpose(x, (0, 2, 1)), (1, 0, 2)),
            shapes=((2, 3, 4),)),
+    OpCase("dropout", "x.dropout(p, name)", lambda x: x.dropout(0.5, "op"),
+           lambda x: x * dropout_mask(x.shape, 0.5, 0, 0, "op"), shapes=((4, 6),), training=True),
 )
 
 MODES = ("cpu fast", "cpu portable", "metal lowering")
