@@ -160,14 +160,19 @@ def gpt2_model(sets: list[str], backend: str = "cpu"):
     return recipe.realize(get_engine(backend), o, data), data, o
 
 
-@pytest.mark.parametrize("portable", [False, True])
+DEVICES = [pytest.param("vulkan", marks=needs("vulkan")), pytest.param("cuda", marks=needs("cuda"))]
+EVAL_MODES = ["fast", "portable", *DEVICES]
+
+
+@pytest.mark.parametrize("mode", EVAL_MODES)
 @pytest.mark.parametrize("t_seq", [24, 128])     # 128: the cpu's causal blocks (native/cpu_kernels.c)
-def test_evaluation_with_dropout_is_the_model_without_it_bit_for_bit(portable, t_seq):
-    engine = get_engine("cpu")
-    engine.set_portable(portable)
+def test_evaluation_with_dropout_is_the_model_without_it_bit_for_bit(mode, t_seq):
+    backend = mode if mode in ("vulkan", "cuda") else "cpu"
+    engine = get_engine(backend)
+    engine.set_portable(mode == "portable")
     try:
-        with_dropout, data, o = gpt2_model([f"t_seq={t_seq}", "dropout=0.2"])
-        without, _, _ = gpt2_model([f"t_seq={t_seq}"])
+        with_dropout, data, o = gpt2_model([f"t_seq={t_seq}", "dropout=0.2"], backend)
+        without, _, _ = gpt2_model([f"t_seq={t_seq}"], backend)
         for step in range(2):       # train the dropout model: its weights move
             with_dropout.step(batch_for(data, "train", step, o), with_dropout.recipe.hp(o, step))
         without.trainer.load_state(with_dropout.trainer.state(), 2)
@@ -288,6 +293,20 @@ def test_attention_dropout_keeps_the_cpus_causal_blocks():
     those blocks (native/cpu_kernels.c, th_mark_causal)."""
     off = causal_products(["t_seq=128"])
     assert off >= 4 and causal_products(["t_seq=128", "dropout=0.1"]) == off
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+@pytest.mark.parametrize("name", ["gpt2@dropout", "lora@dropout"])
+def test_dropout_goldens_repeat_bit_for_bit_on_a_device_and_differ_from_no_dropout(backend, name):
+    """On cuda (the mask kernel of cuda/th-custom.cu, attention unfused) and vulkan (the host's
+    masks): two runs, the same bits; and dropout does change the run."""
+    from toyharness import goldens
+
+    if backend == "cuda" and not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    first, second = goldens.compute(name, backend), goldens.compute(name, backend)
+    assert goldens.compare(first, second) is None
+    assert goldens.compare(goldens.compute(name.split("@")[0], backend), first) is not None
 
 
 @pytest.mark.parametrize("portable", [False, True])
