@@ -250,15 +250,29 @@ def test_a_bad_rate_is_refused_by_name(bad):
             train(recipe, steps=1, sets=[f"{key}={bad}"], write_files=False, progress=False)
 
 
-def test_a_mask_needs_a_name_and_one_name_is_one_mask():
-    prog = get_engine("cpu").program()
-    x = prog.input("x", (2, 3))
+@pytest.mark.parametrize("mode_engine", ["fast", "metal_lowering"], indirect=True)
+def test_a_mask_needs_a_name_and_one_name_draws_one_mask(mode_engine):
+    prog = mode_engine.program()
+    x = prog.input("x", (64, 8))
     with pytest.raises(InputError, match="a mask needs a name"):
         x.dropout(0.1, "")
-    x.dropout(0.1, "m")
-    with pytest.raises(Exception, match="names a mask of"):
-        x.dropout(0.2, "m")
     assert x.dropout(0.0, "zero") is x           # p == 0: no node
+    fg = prog.forward({"a": x.dropout(0.5, "m"), "b": x.dropout(0.5, "m"), "c": x.dropout(0.5, "n")})
+    prog.feed({"x": np.ones((64, 8), np.float32)})
+    prog.set_dropout(1, True)
+    prog._compute(fg.graph)
+    a, b, c = (prog.read(fg.outputs[k]) for k in "abc")
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_sampling_a_run_trained_with_dropout(tmp_path):
+    """Sampling builds the forward at several lengths (one name, other shapes): no dropout there."""
+    from helpers import cli
+
+    out = tmp_path / "run"
+    train("gpt2", steps=2, sets=TINY + ["dropout=0.1"], out=str(out), progress=False)
+    res = [cli("sample", str(out), "--prompt", "The ", "--tokens", "6", "--temperature", "0") for _ in range(2)]
+    assert res[0].returncode == 0 and res[0].stdout == res[1].stdout, res[0].stderr
 
 
 def test_the_cuda_rewrite_marks_the_mask_for_its_kernel(programs_built_as):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._ffi import GGML_TYPE_F32, GGML_TYPE_I32, ffi, lib
-from ..errors import InputError, ShapeError
+from ..errors import InputError
 
 if TYPE_CHECKING:
     from .program import Program
@@ -127,16 +127,14 @@ class Dropout:
         # masks made by a node of ours where a kernel of ours computes the program's graphs
         self.in_graph = prog.cpu_kernels or prog.portable or prog.cuda_kernels
         self.key: Tensor | None = None
-        self.host: dict[str, tuple[Tensor, tuple[int, ...], float, int]] = {}
-        self.names: dict[str, tuple[tuple[int, ...], float]] = {}
+        # the host's masks by (name, shape, p): a program may build its forward again at other
+        # shapes (sampling's graphs), and a recomputed block builds its masks twice
+        self.host: dict[tuple, tuple[Tensor, tuple[int, ...], float, int]] = {}
         self.last: tuple | None = None
 
     def mask(self, x: Tensor, p: float, name: str) -> Tensor:
         """The mask for `x` (its shape), named `name`: a node of ours, or the host's input."""
         prog, shape = self.prog, x.shape
-        if self.names.setdefault(name, (shape, p)) != (shape, p):
-            raise ShapeError(f"dropout: the name {name!r} names a mask of {self.names[name][0]} at p="
-                             f"{self.names[name][1]} already (a name is a mask: the same name draws the same bits)")
         ne = list(reversed(shape)) + [1] * (4 - len(shape))
         if self.in_graph:
             if self.key is None:
@@ -148,12 +146,13 @@ class Dropout:
             if ptr == ffi.NULL:
                 raise RuntimeError("th_dropout_mask refused the program's key")
             return x._new(ptr, len(shape))
-        if name not in self.host:
-            t = prog._new_static(f"dropout.{name}"[:63], shape, GGML_TYPE_F32)
+        key = (name, shape, p)
+        if key not in self.host:
+            t = prog._new_static(f"dropout.{len(self.host)}.{name}"[:63], shape, GGML_TYPE_F32)
             lib.ggml_set_input(t.ptr)
             prog._pending.append((t, np.ones(shape, np.float32)))
-            self.host[name] = (t, shape, p, node_id(name))
-        return self.host[name][0]
+            self.host[key] = (t, shape, p, node_id(name))
+        return self.host[key][0]
 
     def set(self, forward_index: int, enabled: bool) -> None:
         """Every mask for training forward `forward_index` (enabled) or evaluation (all ones)."""

@@ -277,8 +277,8 @@ class Tensor(ShapeOps):
         drawn from a counter-based stream keyed by (the program's dropout_seed, the training
         forward's index, `name`) and the element's index (engine/dropout.py): the same bits on
         every backend, run to run and after a resume. Evaluation and sampling compute x * 1 = x.
-        p in [0, 1); p == 0 returns x (no node). `name` is the mask's identity: the same name
-        draws the same mask (a recomputed block's copy), so give each site its own."""
+        p in [0, 1); p == 0 returns x (no node). `name` is the mask's identity: the same name at
+        the same shape draws the same mask (a recomputed block's copy), so give each site its own."""
         from .dropout import apply_dropout
 
         return apply_dropout(self, p, name)
