@@ -62,7 +62,8 @@ def node_id(name: str) -> int:
 
 
 def keep_threshold(p: float) -> int:
-    """An element is kept iff its word u < this: round((1 - p) 2^32), in [0, 2^32]."""
+    """An element is kept iff its word u < this: round((1 - p) 2^32), 1 - p in double precision,
+    ties to even (Python's round), in [0, 2^32]."""
     return int(round((1.0 - p) * 2.0 ** 32))
 
 
