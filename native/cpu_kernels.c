@@ -518,9 +518,25 @@ static void * th_userdata(const struct ggml_tensor * t) {
  * diagonal. Those entries' exps are exact zeros that add nothing to their lane's sum, so a row
  * stops at the end of the TH_LANES block that holds its diagonal and writes zeros after it: the
  * same bits, about half the exps. */
+/* Packed rows (toyharness/engine/packed.py): the mask, fed per step, is block-diagonal within the
+ * causal triangle: row i sees keys [s, i] of its own example only. A row starts at the TH_LANES
+ * block that holds its first visible key (found in the mask row) and writes zeros before it: the
+ * lanes keep their columns, and the exps left out are exact zeros, so the bits are those of the
+ * whole row. */
+enum { TH_SOFTMAX_CAUSAL = 1, TH_SOFTMAX_PACKED = 2 };
+static const float TH_MASK_VISIBLE = -1e20f;     /* packed masks hold 0 (seen) or -1e30 (hidden) */
+
+static int64_t th_packed_row_start(const struct ggml_tensor * mask, int64_t i1, int64_t i2, int64_t i3, int64_t n) {
+    const float * m = (const float *) ((const char *) mask->data + i1 * mask->nb[1] + (i2 % mask->ne[2]) * mask->nb[2] +
+                                       (i3 % mask->ne[3]) * mask->nb[3]);
+    int64_t k = 0;
+    while (k < n && m[k] < TH_MASK_VISIBLE) k++;
+    return k / TH_LANES * TH_LANES;
+}
+
 static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * mask,
                            int ith, int nth, void * userdata) {
-    const int causal = userdata != NULL;
+    const int causal = userdata != NULL, packed = (intptr_t) userdata == TH_SOFTMAX_PACKED && mask != NULL;
     float scale;
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
@@ -532,11 +548,46 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
             float * y = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
             const int64_t seen = (i1 + TH_LANES) / TH_LANES * TH_LANES;     /* blocks up to column i1's */
             const int64_t n = causal && seen < nc ? seen : nc;
-            th_softmax_input(y, xp, mask, i1, i2, i3, n, scale);
-            const float inv = 1.0f / th_exp_row(y, y, n, th_row_max(y, n));
+            const int64_t s0 = packed ? th_packed_row_start(mask, i1, i2, i3, n) : 0;
+            for (int64_t k = 0; k < s0; k++) y[k] = 0.0f;
+            y += s0, xp += s0;
+            th_softmax_input(y, xp, mask, i1, i2, i3, n - s0, scale, s0);
+            const float inv = 1.0f / th_exp_row(y, y, n - s0, th_row_max(y, n - s0));
             int64_t k = 0;
-            for (; k < n; k++) y[k] *= inv;
-            for (; k < nc; k++) y[k] = 0.0f;
+            for (; k < n - s0; k++) y[k] *= inv;
+            for (; k < nc - s0; k++) y[k] = 0.0f;
+        }
+    }
+}
+
+/* SOFT_MAX_BACK of a packed softmax (srcs dy, y, the mask): dx = scale y (dy - dot(y, dy)) over
+ * each row's seen keys (the blocks th_soft_max_op computed), zeros elsewhere. Each element reads
+ * its y and dy before dx is written, so dx may be y's buffer: ggml-alloc lets SOFT_MAX_BACK take
+ * y's in place when y has no other reader left (a view after the softmax, as packed rows have,
+ * leaves the gradient's buffer unusable for that), where ggml's own kernel would read y after
+ * overwriting it. */
+static void th_soft_max_back_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * dy = dst->src[0], * y = dst->src[1], * mask = dst->src[2];
+    float scale;
+    memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
+    const int64_t nc = y->ne[0], ne1 = y->ne[1], ne2 = y->ne[2], nr = ggml_nrows(y);
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(nr, nc, ith, nth, &taken, &r0, &r1)) {
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
+            const float * yp = (const float *) ((const char *) y->data + i1 * y->nb[1] + i2 * y->nb[2] + i3 * y->nb[3]);
+            const float * g = (const float *) ((const char *) dy->data + i1 * dy->nb[1] + i2 * dy->nb[2] + i3 * dy->nb[3]);
+            float * dx = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+            const int64_t seen = (i1 + TH_LANES) / TH_LANES * TH_LANES;
+            const int64_t n = seen < nc ? seen : nc, s0 = th_packed_row_start(mask, i1, i2, i3, n);
+            float lane[TH_LANES] = {0};
+            for (int64_t k = s0; k < n; k++) lane[(k - s0) % TH_LANES] += yp[k] * g[k];
+            float dot = 0.0f;
+            for (int j = 0; j < TH_LANES; j++) dot += lane[j];
+            for (int64_t k = s0; k < n; k++) dx[k] = (g[k] - dot) * yp[k] * scale;
+            for (int64_t k = 0; k < s0; k++) dx[k] = 0.0f;
+            for (int64_t k = n; k < nc; k++) dx[k] = 0.0f;
         }
     }
 }
@@ -965,6 +1016,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_cross_entropy_back_op, "cross_entropy_back"},
         {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
         {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
+        {(void *) th_soft_max_back_op, "softmax_back packed"},
     };
     if (t->op == GGML_OP_MAP_CUSTOM2) {
         struct ggml_map_custom2_op_params p;
@@ -974,6 +1026,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
     /* a GELU pair that keeps the slope (th_keep_gelu_slopes); a softmax under the causal mask */
     if (th_is_custom(t, (void *) th_gelu_op) && th_userdata(t) != NULL) return "gelu+slope";
     if (th_is_custom(t, (void *) th_gelu_back_op) && th_userdata(t) != NULL) return "gelu_back (kept slope)";
+    if (th_is_custom(t, (void *) th_soft_max_op) && (intptr_t) th_userdata(t) == TH_SOFTMAX_PACKED) return "softmax packed";
     if (th_is_custom(t, (void *) th_soft_max_op) && th_userdata(t) != NULL) return "softmax causal";
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
@@ -1411,7 +1464,14 @@ static int th_mark_gemm(struct ggml_tensor * t, int causal) {
     return 1;
 }
 
-/* a SOFT_MAX (or our softmax already) to our kernel; causal: its mask is the causal one */
+/* a packed rows' mask (toyharness/engine/packed.py, MASK_PREFIX): fed per step, (T, T, 1, B),
+ * hiding every key right of the diagonal and more; its values are the harness's, not checked here */
+static int th_is_packed_mask(const struct ggml_tensor * m, int64_t T) {
+    return m != NULL && strncmp(m->name, "packed_mask.", 12) == 0 && m->type == GGML_TYPE_F32 &&
+           m->op == GGML_OP_NONE && m->ne[0] == T && m->ne[1] == T && m->ne[2] == 1 && ggml_is_contiguous(m);
+}
+
+/* a SOFT_MAX (or our softmax already) to our kernel; causal: TH_SOFTMAX_CAUSAL or _PACKED (its mask) */
 static void th_set_soft_max(struct ggml_tensor * t, int causal) {
     if (t->op == GGML_OP_SOFT_MAX) {
         if (!th_soft_max_ok(t)) return;
@@ -1420,7 +1480,7 @@ static void th_set_soft_max(struct ggml_tensor * t, int causal) {
         th_set_custom2(t, th_soft_max_op, NULL, GGML_N_TASKS_MAX);
         memcpy((float *) t->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
     }
-    if (causal) th_set_userdata(t, (void *) 1);
+    if (causal) th_set_userdata(t, (void *) (intptr_t) causal);
 }
 
 static int th_mark_causal(struct ggml_cgraph * graph) {
@@ -1431,12 +1491,13 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
         struct ggml_tensor * sm = ggml_graph_node(graph, i);
         const int64_t T = sm->ne[0];
         if ((sm->op != GGML_OP_SOFT_MAX && !th_is_custom(sm, (void *) th_soft_max_op)) || sm->type != GGML_TYPE_F32 ||
-            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) || sm->src[1] == NULL ||
-            (sm->src[1] != mask_checked && !th_is_causal_mask(sm->src[1], T))) {
+            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) || sm->src[1] == NULL) {
             continue;
         }
-        mask_checked = sm->src[1];
-        th_set_soft_max(sm, 1);
+        const int packed = th_is_packed_mask(sm->src[1], T);
+        if (!packed && sm->src[1] != mask_checked && !th_is_causal_mask(sm->src[1], T)) continue;
+        if (!packed) mask_checked = sm->src[1];
+        th_set_soft_max(sm, packed ? TH_SOFTMAX_PACKED : TH_SOFTMAX_CAUSAL);
         struct ggml_tensor * ds = NULL;
         for (int j = i + 1; j < n && ds == NULL; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
@@ -1444,6 +1505,14 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
         }
         marked += th_mark_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT);
         if (ds != NULL) marked += th_mark_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT);
+        if (ds != NULL && packed && th_is_custom(sm, (void *) th_soft_max_op) && ggml_are_same_shape(ds, sm) &&
+            ggml_is_contiguous(ds->src[0])) {
+            float scale;
+            memcpy(&scale, ds->op_params, sizeof(float));
+            th_set_custom_srcs(ds, th_soft_max_back_op, ds->src[0], sm, sm->src[1], NULL);
+            memcpy((float *) ds->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
+            marked++;
+        }
         for (int j = 0; j < n; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
             if (u->op != GGML_OP_MUL_MAT && u->op != GGML_OP_OUT_PROD) continue;

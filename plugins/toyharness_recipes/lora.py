@@ -40,8 +40,13 @@ from toyharness import (
     positive,
     read_model,
     seeded_model_file,
+    synthetic_instruction_file,
     write_gguf,
 )
+
+# lora@packed and llama@packed: short synthetic instructions, about two to a row of the golden
+# config's 24 positions (toyharness/data/instructions.py), some cut at the row's end
+PACKED_GOLDEN_DATA = dict(n=64, seed=0, median=12, sigma=0.6, shortest=4, longest=40)
 
 # lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
 ARCH_GOLDEN_BASES = {
@@ -110,7 +115,8 @@ class LoRA(LMRecipe):
     @property
     def golden_variants(self) -> dict[str, list[str]]:
         """lora@q4_k, lora@q8_0: the golden config over a quantized base (a seeded llama 256 wide,
-        so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache)."""
+        so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache);
+        lora@packed: the golden config on JSONL instructions packed several to a row."""
         base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512",
                                            "seed=7"])
         variants = {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
@@ -118,6 +124,7 @@ class LoRA(LMRecipe):
         for name, shape in ARCH_GOLDEN_BASES.items():
             arch = ARCHITECTURES[shape["arch"]]
             variants[name] = [f"base={example_file(**shape)}", f"targets={','.join(arch.targets)}"]
+        variants["packed"] = [f"data={synthetic_instruction_file(**PACKED_GOLDEN_DATA)}", "pack=true"]
         return variants
 
     @property
