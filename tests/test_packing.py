@@ -100,10 +100,21 @@ SHAPES = {
 }
 
 
+def gemma3_lora_sets() -> list[str]:
+    """LoRA over lora@gemma3's seeded base: five sliding-window layers (window 4), then a global one."""
+    from toyharness_recipes.lora import ARCH_GOLDEN_BASES
+
+    from toyharness import example_file
+
+    return [f"base={example_file(**ARCH_GOLDEN_BASES['gemma3'])}", "targets=q,k,v,o", "rank=4", "alpha=8", "seed=5"]
+
+
 def unpacked_and_packed_step(recipe: str, backend: str, portable: bool = False, t_seq: int = 32):
     """Loss and every gradient of one step over the same examples: one example a row, then packed."""
     _, obj = get_recipe(recipe)
-    options = resolve_options(obj, None, SHAPES[recipe] + [f"t_seq={t_seq}"], {})
+    sets = gemma3_lora_sets() if recipe == "lora" else SHAPES[recipe]
+    options = resolve_options(obj, None, sets + [f"t_seq={t_seq}"], {})
+    vocab = obj.vocab_for(options, 256)
     lengths = [5, 12, 30, 3, 9, 17, 33, 8, 2, 14, 20, 6]          # 33 bytes: cut to 32 positions
     rows = [{"prompt": "p" * max(1, n // 3), "completion": "".join(chr(98 + (i * 7 + j) % 20) for j in
                                                                     range(n - max(1, n // 3)))}
@@ -128,8 +139,8 @@ def unpacked_and_packed_step(recipe: str, backend: str, portable: bool = False, 
         out = []
         for data in (flat, packed):
             batch = data.rows(np.arange(data.n_rows))
-            params = obj.init_params(options, 256)
-            model = LanguageModel(obj, engine, options, 256, params, batch=data.n_rows, masked=True,
+            params = obj.init_params(options, vocab)
+            model = LanguageModel(obj, engine, options, vocab, params, batch=data.n_rows, masked=True,
                                   packed=data.packed)
             loss = model.trainer.grads_only(model.feeds(batch))
             out.append((loss, {k: model.prog.read(g) for k, g in model.trainer.grad_acc.items()}, data.n_rows))
@@ -149,7 +160,9 @@ def assert_close(a: dict, b: dict, rel: float):
             assert max(float(np.abs(a[name]).max()), float(np.abs(b[name]).max())) <= rel * top, name
             continue
         scale = float(np.abs(b[name]).max())
-        assert scale > 0, name
+        if scale == 0:      # LoRA's A while B is zero (its init): exactly zero both ways
+            assert not np.any(a[name]), name
+            continue
         err = float(np.abs(a[name] - b[name]).max())
         assert err <= rel * scale, f"{name}: max difference {err:.3g}, {err / scale:.3g} of its largest element"
 
@@ -159,15 +172,19 @@ CASES = [pytest.param("cpu", False, id="cpu-fast"), pytest.param("cpu", True, id
          pytest.param("cuda", False, id="cuda", marks=needs("cuda"))]
 
 
-@pytest.mark.parametrize("recipe", ["llama", "gpt2"])
+@pytest.mark.parametrize("recipe", ["llama", "gpt2", "lora"])
 @pytest.mark.parametrize("backend, portable", CASES)
 def test_packed_step_loss_and_gradients_equal_the_unpacked_step(recipe, backend, portable):
-    """llama: RoPE positions fed per row, grouped-query heads; gpt2: learned positions. 12 examples in
-    12 rows against the same in 6 packed rows: loss and each gradient within 1e-6 relative."""
+    """llama: RoPE positions fed per row, grouped-query heads; gpt2: learned positions; lora over a
+    gemma3 base: sliding windows (a mask of their own) measured within each example. 12 examples
+    in 12 rows against the same packed into fewer: loss and each gradient within 1e-6 relative."""
     (loss_a, grads_a, rows_a), (loss_b, grads_b, rows_b) = unpacked_and_packed_step(recipe, backend, portable)
     assert rows_a == 12 and rows_b < rows_a
     assert abs(loss_a - loss_b) <= 1e-6 * abs(loss_a)
-    assert_close(grads_b, grads_a, 1e-6)
+    # lora over the six-layer gemma3 base on the fast cpu path: its q and k adapters' gradients
+    # come 1.3e-6 apart, where the fast path's unpacked step is itself 1.1e-6 from the portable
+    # mode's (OpenBLAS's blocking follows the product's size): rounding, held to 2e-6
+    assert_close(grads_b, grads_a, 2e-6 if (recipe, backend, portable) == ("lora", "cpu", False) else 1e-6)
 
 
 def test_a_row_mixing_examples_without_the_mask_would_differ():
