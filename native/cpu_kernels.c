@@ -111,6 +111,47 @@ static void th_causal_range(int causal, int64_t K, int64_t m0, int64_t rows, int
     }
 }
 
+/* Packed rows (toyharness/engine/packed.py): the softmax's mask, fed per step as (T, T, 1, B), is
+ * block-diagonal within the causal triangle, so X (P or dS) of batch row b is zero outside each
+ * example's block too. Row i of X is nonzero in columns [start(i), i] only, column j in rows
+ * [j, end(j)); starts and ends grow with i and j. A product of a packed attention (th_gemm_packed_op)
+ * narrows the causal form's terms (or, making S or dP, its columns) further to a tile's block range,
+ * read from the mask per tile: what is left out is again a sum of exact zeros. */
+static const float TH_MASK_SEEN = -1e20f;       /* packed masks hold 0 (seen) or -1e30 (hidden) */
+
+static const float * th_mask_row(const struct ggml_tensor * m, int64_t b, int64_t i) {
+    return (const float *) ((const char *) m->data + i * m->nb[1] + (b % m->ne[3]) * m->nb[3]);
+}
+
+static int64_t th_segment_start(const struct ggml_tensor * m, int64_t b, int64_t i) {
+    const float * row = th_mask_row(m, b, i);
+    int64_t k = 0;
+    while (k < i && row[k] < TH_MASK_SEEN) k++;
+    return k;
+}
+
+static int64_t th_segment_end(const struct ggml_tensor * m, int64_t b, int64_t j) {
+    int64_t k = j + 1;
+    while (k < m->ne[1] && th_mask_row(m, b, k)[j] >= TH_MASK_SEEN) k++;
+    return k;
+}
+
+/* a tile's terms [*k0, *k1) (already the causal form's) and, for TH_CAUSAL_OUT, its first computed
+ * column *first, narrowed to the blocks of batch row b */
+static void th_packed_range(const struct ggml_tensor * m, int causal, int64_t b, int64_t m0, int64_t rows, int64_t n0,
+                            int64_t cols, int64_t * k0, int64_t * k1, int64_t * first) {
+    int64_t s;
+    *first = 0;
+    switch (causal) {
+    case TH_CAUSAL_OUT:     s = th_segment_start(m, b, m0) - n0; *first = s < 0 ? 0 : (s < cols ? s : cols); break;
+    case TH_CAUSAL_A_LOWER: s = th_segment_start(m, b, m0); if (s > *k0) *k0 = s; break;
+    case TH_CAUSAL_A_UPPER: s = th_segment_end(m, b, m0 + rows - 1); if (s < *k1) *k1 = s; break;
+    case TH_CAUSAL_B_LOWER: s = th_segment_end(m, b, n0 + cols - 1); if (s < *k1) *k1 = s; break;
+    case TH_CAUSAL_B_UPPER: s = th_segment_start(m, b, n0); if (s > *k0) *k0 = s; break;
+    default: break;
+    }
+}
+
 /* A 2-D slice of t seen as a row-major (ne1 x ne0) matrix `view`: stored either row-major
  * (nb0 = 4) or as the transpose of a row-major matrix (nb1 = 4). Say which operand of sgemm
  * is wanted (view or view^T) and get its trans flag and leading dimension. */
@@ -172,7 +213,8 @@ static void th_column_product(float * c, int64_t ldc, const char * b, size_t kb,
  * or with `bias` one row of N added to every row. The same one rounding per element as the ADD
  * it replaces (float addition commutes). */
 static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
-                        int out_prod, int causal, const struct ggml_tensor * addend, int bias, int ith, int nth) {
+                        int out_prod, int causal, const struct ggml_tensor * addend, int bias, int ith, int nth,
+                        const struct ggml_tensor * packed) {
     int ta, lda, tb, ldb;
     th_operand(b, out_prod, &tb, &ldb);
     th_operand(a, !out_prod, &ta, &lda);
@@ -218,13 +260,21 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
                 for (int64_t j = 0; j < cols; j++) c[j] = x * *(const float *) (pa + j * sa);
             }
         } else {
-            int64_t k0, k1, computed;
+            int64_t k0, k1, computed, first = 0;
             th_causal_range(causal, K, m0, rows, n0, cols, &k0, &k1, &computed);
-            if (k1 <= k0) computed = 0;
-            if (computed > 0) {
-                th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) computed, (int) (k1 - k0), 1.0f,
-                         (const float *) (pb + k0 * kb), ldb, (const float *) (pa + k0 * ka), lda, 0.0f, pc, ldc);
+            if (packed != NULL) {
+                /* the batch row of this slice: dst's slices are its (batch, head) pairs, batch-major */
+                th_packed_range(packed, causal, i2 / (dst->ne[2] / packed->ne[3]), m0, rows, n0, cols, &k0, &k1, &first);
+                if (first > computed) first = computed;
             }
+            if (k1 <= k0) computed = first = 0;
+            if (computed > first) {
+                const size_t step = out_prod ? a->nb[0] : a->nb[1];     /* one column of the second operand */
+                th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) (computed - first), (int) (k1 - k0), 1.0f,
+                         (const float *) (pb + k0 * kb), ldb, (const float *) (pa + first * step + k0 * ka), lda, 0.0f,
+                         pc + first, ldc);
+            }
+            for (int64_t i = 0; first > 0 && i < rows; i++) memset(pc + i * ldc, 0, (size_t) first * sizeof(float));
             for (int64_t i = 0; computed < cols && i < rows; i++) {
                 memset(pc + i * ldc + computed, 0, (size_t) (cols - computed) * sizeof(float));
             }
@@ -242,7 +292,14 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
 static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
                        int ith, int nth, void * userdata) {
     const intptr_t flags = (intptr_t) userdata;
-    th_gemm_run(dst, a, b, (int) (flags & 1), (int) (flags >> 1), NULL, 0, ith, nth);
+    th_gemm_run(dst, a, b, (int) (flags & 1), (int) (flags >> 1), NULL, 0, ith, nth, NULL);
+}
+
+/* A product of packed attention (th_packed_range): srcs a, b as th_gemm_op's, then the mask;
+ * userdata as th_gemm_op's */
+static void th_gemm_packed_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const intptr_t flags = (intptr_t) userdata;
+    th_gemm_run(dst, dst->src[0], dst->src[1], (int) (flags & 1), (int) (flags >> 1), NULL, 0, ith, nth, dst->src[2]);
 }
 
 /* A 2-D product with an addend (th_fold_gemm_adds): srcs a, b as th_gemm_op's, then the addend;
@@ -253,7 +310,7 @@ static void th_gemm_add_op(struct ggml_tensor * dst, int ith, int nth, void * us
     struct ggml_tensor rows = *dst;
     rows.ne[1] = ggml_nelements(dst) / dst->ne[0], rows.ne[2] = rows.ne[3] = 1;
     rows.nb[1] = dst->ne[0] * sizeof(float), rows.nb[2] = rows.nb[3] = rows.nb[1] * rows.ne[1];
-    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), TH_CAUSAL_NONE, dst->src[2], (int) ((flags >> 1) & 1), ith, nth);
+    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), TH_CAUSAL_NONE, dst->src[2], (int) ((flags >> 1) & 1), ith, nth, NULL);
 }
 
 static int th_gemm_ok(const struct ggml_tensor * t) {
@@ -524,13 +581,12 @@ static void * th_userdata(const struct ggml_tensor * t) {
  * lanes keep their columns, and the exps left out are exact zeros, so the bits are those of the
  * whole row. */
 enum { TH_SOFTMAX_CAUSAL = 1, TH_SOFTMAX_PACKED = 2 };
-static const float TH_MASK_VISIBLE = -1e20f;     /* packed masks hold 0 (seen) or -1e30 (hidden) */
 
 static int64_t th_packed_row_start(const struct ggml_tensor * mask, int64_t i1, int64_t i2, int64_t i3, int64_t n) {
     const float * m = (const float *) ((const char *) mask->data + i1 * mask->nb[1] + (i2 % mask->ne[2]) * mask->nb[2] +
                                        (i3 % mask->ne[3]) * mask->nb[3]);
     int64_t k = 0;
-    while (k < n && m[k] < TH_MASK_VISIBLE) k++;
+    while (k < n && m[k] < TH_MASK_SEEN) k++;
     return k / TH_LANES * TH_LANES;
 }
 
@@ -1016,7 +1072,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_cross_entropy_back_op, "cross_entropy_back"},
         {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
         {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
-        {(void *) th_soft_max_back_op, "softmax_back packed"},
+        {(void *) th_soft_max_back_op, "softmax_back packed"}, {(void *) th_gemm_packed_op, "sgemm packed"},
     };
     if (t->op == GGML_OP_MAP_CUSTOM2) {
         struct ggml_map_custom2_op_params p;
@@ -1464,6 +1520,21 @@ static int th_mark_gemm(struct ggml_tensor * t, int causal) {
     return 1;
 }
 
+/* th_mark_gemm, and with a packed mask whose batch rows divide the product's slices (B*H of them,
+ * batch-major) the packed form, which reads the mask */
+static int th_mark_attention_gemm(struct ggml_tensor * t, int causal, struct ggml_tensor * packed) {
+    if (packed == NULL || t == NULL || !th_gemm_ok(t) || t->ne[3] != 1 || t->ne[2] % packed->ne[3] != 0) {
+        return th_mark_gemm(t, causal);
+    }
+    const intptr_t flags = (t->op == GGML_OP_OUT_PROD) | (causal << 1);
+    th_set_custom_srcs(t, th_gemm_packed_op, t->src[0], t->src[1], packed, NULL);
+    struct ggml_custom_op_params p;
+    memcpy(&p, t->op_params, sizeof(p));
+    p.userdata = (void *) flags;
+    memcpy(t->op_params, &p, sizeof(p));
+    return 1;
+}
+
 /* a packed rows' mask (toyharness/engine/packed.py, MASK_PREFIX): fed per step, (T, T, 1, B),
  * hiding every key right of the diagonal and more; its values are the harness's, not checked here */
 static int th_is_packed_mask(const struct ggml_tensor * m, int64_t T) {
@@ -1503,8 +1574,9 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
             if (u->op == GGML_OP_SOFT_MAX_BACK && u->src[1] == sm && u->view_src == NULL && ggml_is_contiguous(u)) ds = u;
         }
-        marked += th_mark_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT);
-        if (ds != NULL) marked += th_mark_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT);
+        struct ggml_tensor * mask = packed ? sm->src[1] : NULL;
+        marked += th_mark_attention_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT, mask);
+        if (ds != NULL) marked += th_mark_attention_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT, mask);
         if (ds != NULL && packed && th_is_custom(sm, (void *) th_soft_max_op) && ggml_are_same_shape(ds, sm) &&
             ggml_is_contiguous(ds->src[0])) {
             float scale;
@@ -1526,7 +1598,7 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
                                  : v0 ? ((v0 == 1) == out_prod ? TH_CAUSAL_B_LOWER : TH_CAUSAL_B_UPPER)
                                       : TH_CAUSAL_NONE;
                 if (causal != TH_CAUSAL_NONE) {
-                    marked += th_mark_gemm(u, causal);
+                    marked += th_mark_attention_gemm(u, causal, mask);
                     break;
                 }
             }

@@ -187,6 +187,16 @@ def test_packed_step_loss_and_gradients_equal_the_unpacked_step(recipe, backend,
     assert_close(grads_b, grads_a, 2e-6 if (recipe, backend, portable) == ("lora", "cpu", False) else 1e-6)
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["cpu-fast", "cpu-portable"])
+def test_packed_rows_longer_than_two_product_blocks_give_the_unpacked_step(portable):
+    """t_seq 160: the fast path's attention products go in blocks of 64 rows or columns, each
+    narrowed to its examples' terms; 12 examples in one or two packed rows."""
+    (loss_a, grads_a, _), (loss_b, grads_b, rows_b) = unpacked_and_packed_step("llama", "cpu", portable, t_seq=160)
+    assert rows_b <= 2
+    assert abs(loss_a - loss_b) <= 1e-6 * abs(loss_a)
+    assert_close(grads_b, grads_a, 1e-6)
+
+
 def test_a_row_mixing_examples_without_the_mask_would_differ():
     """The check above can fail: the same packed rows with attention across examples (a plain causal
     mask, positions running on) give another loss."""
@@ -287,9 +297,10 @@ def kernel_names(graph) -> list[str]:
     return [ffi.string(n).decode() for n in names if n != ffi.NULL]
 
 
-def test_packed_attention_takes_the_packed_softmax_both_ways_and_the_causal_products():
+def test_packed_attention_takes_the_packed_softmax_both_ways_and_the_packed_products():
     """Per layer on the fast cpu path: the softmax and its backward skip each row's keys before its
-    example (and after its diagonal), and the six products of attention take their causal form."""
+    example (and after its diagonal), and the six products of attention their terms outside each
+    tile's examples (native/cpu_kernels.c, th_packed_range)."""
     _, obj = get_recipe("llama")
     options = resolve_options(obj, None, SHAPES["llama"] + ["t_seq=32"], {})
     model = LanguageModel(obj, get_engine("cpu"), options, 256, obj.init_params(options, 256), batch=2, masked=True,
@@ -299,7 +310,7 @@ def test_packed_attention_takes_the_packed_softmax_both_ways_and_the_causal_prod
     model.trainer.grads_only(model.feeds(batch))      # the rewrite runs before a graph's first compute
     names = kernel_names(model.trainer.gb_grad)
     assert names.count("softmax packed") == names.count("softmax_back packed") == 2
-    assert names.count("sgemm causal") == 2 * 6
+    assert names.count("sgemm packed") == 2 * 6 and "sgemm causal" not in names
 
 
 @pytest.mark.parametrize("T", [16, 40, 64])
@@ -328,3 +339,16 @@ def test_the_packed_softmax_skips_hidden_keys_with_the_bits_of_whole_rows(T):
     z = np.where(seen[:, None], 0.5 * s.astype(np.float64), -np.inf)
     want = np.exp(z - z.max(-1, keepdims=True))
     assert np.abs(got["packed_mask.all"] - want / want.sum(-1, keepdims=True)).max() < 1e-6
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_fed_mask_is_each_examples_causal_block(window):
+    """PackedRows.mask (a block per example) against its definition pair by pair: query i sees key j
+    when both are in one example (or both padding), j <= i, and i - j < window where there is one."""
+    from toyharness.engine.packed import HIDDEN, PackedRows
+
+    segments = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1], [0] * 11, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], np.int32)
+    got = PackedRows(None, 3, 11).mask(segments, window)
+    i, j = np.arange(11)[:, None], np.arange(11)[None, :]
+    seen = (segments[:, :, None] == segments[:, None, :]) & (j <= i) & (True if window is None else i - j < window)
+    np.testing.assert_array_equal(got[:, 0], np.where(seen, 0, HIDDEN).astype(np.float32))

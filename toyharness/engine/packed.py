@@ -56,16 +56,32 @@ class PackedRows:
             return self.prog.inputs[name].tensor
         return self.prog.input(name, (self.batch * heads * self.seq,), "i32", upper=self.seq)
 
+    def _causal(self, window: int | None) -> np.ndarray:
+        """(T, T): 0 where j <= i (and i - j < window), HIDDEN elsewhere; made once per window."""
+        cache = self.__dict__.setdefault("_causal_blocks", {})
+        if window not in cache:
+            i, j = np.arange(self.seq)[:, None], np.arange(self.seq)[None, :]
+            seen = (j <= i) if window is None else (j <= i) & (i - j < window)
+            cache[window] = np.where(seen, np.float32(0), HIDDEN).astype(np.float32)
+        return cache[window]
+
+    def mask(self, segments: np.ndarray, window: int | None) -> np.ndarray:
+        """(B, 1, T, T): each example's causal block on the diagonal, HIDDEN elsewhere. An
+        example's positions are contiguous in its row, so a block per example (a slice copy)
+        makes it, not a comparison per pair of positions."""
+        b, t = segments.shape
+        causal = self._causal(window)
+        out = np.full((b, 1, t, t), HIDDEN, np.float32)
+        for r in range(b):
+            edges = [0, *(np.flatnonzero(np.diff(segments[r])) + 1).tolist(), t]
+            for s, e in zip(edges[:-1], edges[1:]):
+                out[r, 0, s:e, s:e] = causal[:e - s, :e - s]
+        return out
+
     def feeds(self, segments: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
         """The masks and rope positions of one batch: `segments` (B, T), each position's example
         in its row (padding: -1, a segment of its own), and `positions` (B, T)."""
-        t = self.seq
-        i, j = np.arange(t)[:, None], np.arange(t)[None, :]
-        same = segments[:, :, None] == segments[:, None, :]
-        out = {}
-        for w in self.windows:
-            seen = same & (j <= i) if w is None else same & (j <= i) & (i - j < w)
-            out[self.mask_name(w)] = np.where(seen, np.float32(0), HIDDEN)[:, None].astype(np.float32)
+        out = {self.mask_name(w): self.mask(segments, w) for w in self.windows}
         for h in self.head_counts:
             out[f"packed_positions.{h}"] = np.repeat(positions[:, None, :], h, axis=1).reshape(-1).astype(np.int32)
         return out
