@@ -23,6 +23,7 @@
  * depend on the number of threads.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <math.h>
 #include <string.h>
 
@@ -813,6 +814,18 @@ static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * 
 enum { TH_ROPE_MAX_DIM = 1024, TH_ROPE_SLOT_DIMS = 6, TH_ROPE_SLOT_MODE = 7, TH_ROPE_SLOT_BASE = 8,
        TH_ROPE_SLOT_SCALE = 9, TH_ROPE_SLOT_MSCALE = 12, TH_ROPE_SLOT_SIGN = 13 };
 
+/* one position's rotation table (ggml_rope_cache_init's arithmetic): cos and sin of each pair's angle */
+static void th_rope_table(float * cache, float theta, int64_t ne0, float freq_scale, float theta_scale, float mscale,
+                          float sin_sign) {
+    for (int64_t i0 = 0; i0 < ne0; i0 += 2) {
+        const float theta_interp = freq_scale * (theta / 1.0f);
+        cache[i0 + 0] = cosf(theta_interp) * mscale;
+        cache[i0 + 1] = sinf(theta_interp) * mscale;
+        cache[i0 + 1] *= sin_sign;
+        theta *= theta_scale;
+    }
+}
+
 static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * pos,
                        int ith, int nth, void * userdata) {
     (void) userdata;
@@ -829,17 +842,30 @@ static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, c
     const int64_t tasks = (ne2 + ppt - 1) / ppt;
     const int32_t * positions = (const int32_t *) pos->data;
     float cache[TH_ROPE_MAX_DIM];
+    /* Packed rows rope each head's tokens as one run (toyharness/engine/packed.py): positions
+     * repeat B*H times. Then each distinct position's table is made once, ahead (the same
+     * arithmetic, so the same bits), instead of once per row. */
+    int32_t top = -1, low = 0;
+    for (int64_t i2 = 0; i2 < ne2; i2++) {
+        if (positions[i2] > top) top = positions[i2];
+        if (positions[i2] < low) low = positions[i2];
+    }
+    float * tables = NULL;
+    if (low >= 0 && ne2 >= 4 * ((int64_t) top + 1) && ((int64_t) top + 1) * ne0 <= ((int64_t) 1 << 22)) {
+        tables = (float *) malloc((size_t) (top + 1) * (size_t) ne0 * sizeof(float));
+        for (int32_t p = 0; tables != NULL && p <= top; p++) {
+            th_rope_table(tables + (int64_t) p * ne0, (float) p, ne0, freq_scale, theta_scale, mscale, sin_sign);
+        }
+    }
     int64_t taken = 0;
     for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
         const int64_t p1 = (task + 1) * ppt < ne2 ? (task + 1) * ppt : ne2;
         for (int64_t i2 = task * ppt; i2 < p1; i2++) {
-            float theta = (float) positions[i2];
-            for (int64_t i0 = 0; i0 < ne0; i0 += 2) {
-                const float theta_interp = freq_scale * (theta / 1.0f);
-                cache[i0 + 0] = cosf(theta_interp) * mscale;
-                cache[i0 + 1] = sinf(theta_interp) * mscale;
-                cache[i0 + 1] *= sin_sign;
-                theta *= theta_scale;
+            const float * table = cache;
+            if (tables != NULL) {
+                table = tables + (int64_t) positions[i2] * ne0;
+            } else {
+                th_rope_table(cache, (float) positions[i2], ne0, freq_scale, theta_scale, mscale, sin_sign);
             }
             for (int64_t i3 = 0; i3 < ne3; i3++) {
                 for (int64_t i1 = 0; i1 < ne1; i1++) {
@@ -849,7 +875,7 @@ static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, c
                     const int64_t n_offset = neox ? n_dims / 2 : 1;
                     for (int64_t i0 = 0; i0 < n_dims; i0 += 2) {
                         const int64_t ic = neox ? i0 / 2 : i0;
-                        const float cos_theta = cache[i0 + 0], sin_theta = cache[i0 + 1];
+                        const float cos_theta = table[i0 + 0], sin_theta = table[i0 + 1];
                         const float x0 = src[ic], x1 = src[ic + n_offset];
                         out[ic] = x0 * cos_theta - x1 * sin_theta;
                         out[ic + n_offset] = x0 * sin_theta + x1 * cos_theta;
@@ -859,6 +885,7 @@ static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, c
             }
         }
     }
+    free(tables);
 }
 
 static int th_rope_ok(const struct ggml_tensor * t) {

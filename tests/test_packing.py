@@ -352,3 +352,19 @@ def test_the_fed_mask_is_each_examples_causal_block(window):
     i, j = np.arange(11)[:, None], np.arange(11)[None, :]
     seen = (segments[:, :, None] == segments[:, None, :]) & (j <= i) & (True if window is None else i - j < window)
     np.testing.assert_array_equal(got[:, 0], np.where(seen, 0, HIDDEN).astype(np.float32))
+
+
+def test_rope_of_repeated_positions_makes_each_table_once_with_the_same_bits():
+    """Packed rows rope every head's tokens as one run, positions repeating per head: the fast
+    kernel then makes each position's table once (native/cpu_kernels.c, th_rope_op), with the
+    bits of roping each head alone (whose positions do not repeat)."""
+    rng = np.random.default_rng(1)
+    heads, t, d = 6, 40, 16
+    x = rng.normal(size=(heads, t, 1, d)).astype(np.float32)
+    pos = np.tile(np.arange(t) % 13, heads).astype(np.int32)       # restarts within a row too
+    prog = get_engine("cpu").program()
+    whole = prog.constant("x", x.reshape(1, heads * t, 1, d)).rope(prog.constant("p", pos), d)
+    parts = {f"h{h}": prog.constant(f"x{h}", x[h:h + 1]).rope(prog.constant(f"p{h}", pos[h * t:(h + 1) * t]), d)
+             for h in range(heads)}
+    got = prog.forward({"whole": whole, **parts}).run({})
+    np.testing.assert_array_equal(got["whole"].reshape(heads, t, 1, d), np.concatenate([got[f"h{h}"] for h in range(heads)]))
