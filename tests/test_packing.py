@@ -367,4 +367,5 @@ def test_rope_of_repeated_positions_makes_each_table_once_with_the_same_bits():
     parts = {f"h{h}": prog.constant(f"x{h}", x[h:h + 1]).rope(prog.constant(f"p{h}", pos[h * t:(h + 1) * t]), d)
              for h in range(heads)}
     got = prog.forward({"whole": whole, **parts}).run({})
-    np.testing.assert_array_equal(got["whole"].reshape(heads, t, 1, d), np.concatenate([got[f"h{h}"] for h in range(heads)]))
+    each = np.concatenate([got[f"h{h}"] for h in range(heads)])
+    np.testing.assert_array_equal(got["whole"].reshape(heads, t, 1, d), each)
