@@ -61,10 +61,15 @@ def layout(store: TokenStore, t_seq: int, pack: bool) -> dict[str, np.ndarray | 
     `bounds` (row r holds order[bounds[r]:bounds[r+1]]), `n_train` rows, `truncated`, `dropped`."""
     lengths = store.lengths
     k = np.clip(lengths - 1, 0, t_seq)
-    counted_before = np.concatenate([[0], np.cumsum(store.counts, dtype=np.int64)])
-    first_target = store.offsets[:-1] + 1
-    counted = counted_before[np.minimum(first_target + k, len(store.ids))] - counted_before[
-        np.minimum(first_target, len(store.ids))]
+    # each example's counted targets within its k positions: sums over [o + 1, o + 1 + k), taken
+    # pairwise by reduceat (no cumulative array of the tokens' size); a window of k = 0 sums nothing
+    first_target = np.asarray(store.offsets[:-1]) + 1
+    counted = np.zeros(len(k), np.int64)
+    some = np.nonzero(k > 0)[0]
+    if len(some):
+        bounds = np.stack([first_target[some], first_target[some] + k[some]], axis=1).reshape(-1)
+        counts = np.append(np.asarray(store.counts), np.uint8(0))    # the last window may end at the end
+        counted[some] = np.add.reduceat(counts, bounds, dtype=np.int64)[0::2]
     keep = np.nonzero((k > 0) & (counted > 0))[0]
     n = len(keep)
     n_eval = max(1, int(round(n * EVAL_FRACTION))) if n > 1 else 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,20 +177,19 @@ def _chat_example(msgs: list[dict], tokenizer, mask_prompt: bool, where: str) ->
 def encode_file(path: Path, tokenizer, mask_prompt: bool, progress: bool = False) -> TokenStore:
     """Every example of the file as flat arrays (examples.TokenStore), line by line; with
     `progress`, a bar over the file's bytes on a terminal."""
-    ids: list[np.ndarray] = []
-    counts: list[np.ndarray] = []
-    lengths: list[int] = []
+    # growing flat buffers (5 bytes a token), not an array per example joined at the end
+    ids, counts, lengths = array("i"), bytearray(), array("q")
     with _Bar(path, progress) as bar:
         for n, obj, size in iter_jsonl(path):
             ex = encode_example(obj, tokenizer, mask_prompt, f"{path}:{n}")
-            ids.append(np.asarray(ex.ids, np.int32))
-            counts.append(np.asarray(ex.counts, np.uint8))
+            ids.extend(ex.ids)
+            counts.extend(bytes(ex.counts))
             lengths.append(len(ex.ids))
             bar.advance(size)
     offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return TokenStore(np.concatenate(ids) if ids else np.zeros(0, np.int32),
-                      np.concatenate(counts) if counts else np.zeros(0, np.uint8), offsets)
+    np.cumsum(np.frombuffer(lengths, np.int64), out=offsets[1:])
+    return TokenStore(np.frombuffer(ids, np.int32) if ids else np.zeros(0, np.int32),
+                      np.frombuffer(counts, np.uint8) if counts else np.zeros(0, np.uint8), offsets)
 
 
 class _Bar:
