@@ -23,6 +23,7 @@
  * depend on the number of threads.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <math.h>
 #include <string.h>
 
@@ -112,6 +113,47 @@ static void th_causal_range(int causal, int64_t K, int64_t m0, int64_t rows, int
     }
 }
 
+/* Packed rows (toyharness/engine/packed.py): the softmax's mask, fed per step as (T, T, 1, B), is
+ * block-diagonal within the causal triangle, so X (P or dS) of batch row b is zero outside each
+ * example's block too. Row i of X is nonzero in columns [start(i), i] only, column j in rows
+ * [j, end(j)); starts and ends grow with i and j. A product of a packed attention (th_gemm_packed_op)
+ * narrows the causal form's terms (or, making S or dP, its columns) further to a tile's block range,
+ * read from the mask per tile: what is left out is again a sum of exact zeros. */
+static const float TH_MASK_SEEN = -1e20f;       /* packed masks hold 0 (seen) or -1e30 (hidden) */
+
+static const float * th_mask_row(const struct ggml_tensor * m, int64_t b, int64_t i) {
+    return (const float *) ((const char *) m->data + i * m->nb[1] + (b % m->ne[3]) * m->nb[3]);
+}
+
+static int64_t th_segment_start(const struct ggml_tensor * m, int64_t b, int64_t i) {
+    const float * row = th_mask_row(m, b, i);
+    int64_t k = 0;
+    while (k < i && row[k] < TH_MASK_SEEN) k++;
+    return k;
+}
+
+static int64_t th_segment_end(const struct ggml_tensor * m, int64_t b, int64_t j) {
+    int64_t k = j + 1;
+    while (k < m->ne[1] && th_mask_row(m, b, k)[j] >= TH_MASK_SEEN) k++;
+    return k;
+}
+
+/* a tile's terms [*k0, *k1) (already the causal form's) and, for TH_CAUSAL_OUT, its first computed
+ * column *first, narrowed to the blocks of batch row b */
+static void th_packed_range(const struct ggml_tensor * m, int causal, int64_t b, int64_t m0, int64_t rows, int64_t n0,
+                            int64_t cols, int64_t * k0, int64_t * k1, int64_t * first) {
+    int64_t s;
+    *first = 0;
+    switch (causal) {
+    case TH_CAUSAL_OUT:     s = th_segment_start(m, b, m0) - n0; *first = s < 0 ? 0 : (s < cols ? s : cols); break;
+    case TH_CAUSAL_A_LOWER: s = th_segment_start(m, b, m0); if (s > *k0) *k0 = s; break;
+    case TH_CAUSAL_A_UPPER: s = th_segment_end(m, b, m0 + rows - 1); if (s < *k1) *k1 = s; break;
+    case TH_CAUSAL_B_LOWER: s = th_segment_end(m, b, n0 + cols - 1); if (s < *k1) *k1 = s; break;
+    case TH_CAUSAL_B_UPPER: s = th_segment_start(m, b, n0); if (s > *k0) *k0 = s; break;
+    default: break;
+    }
+}
+
 /* A 2-D slice of t seen as a row-major (ne1 x ne0) matrix `view`: stored either row-major
  * (nb0 = 4) or as the transpose of a row-major matrix (nb1 = 4). Say which operand of sgemm
  * is wanted (view or view^T) and get its trans flag and leading dimension. */
@@ -173,7 +215,8 @@ static void th_column_product(float * c, int64_t ldc, const char * b, size_t kb,
  * or with `bias` one row of N added to every row. The same one rounding per element as the ADD
  * it replaces (float addition commutes). */
 static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
-                        int out_prod, int causal, const struct ggml_tensor * addend, int bias, int ith, int nth) {
+                        int out_prod, int causal, const struct ggml_tensor * addend, int bias, int ith, int nth,
+                        const struct ggml_tensor * packed) {
     int ta, lda, tb, ldb;
     th_operand(b, out_prod, &tb, &ldb);
     th_operand(a, !out_prod, &ta, &lda);
@@ -219,13 +262,21 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
                 for (int64_t j = 0; j < cols; j++) c[j] = x * *(const float *) (pa + j * sa);
             }
         } else {
-            int64_t k0, k1, computed;
+            int64_t k0, k1, computed, first = 0;
             th_causal_range(causal, K, m0, rows, n0, cols, &k0, &k1, &computed);
-            if (k1 <= k0) computed = 0;
-            if (computed > 0) {
-                th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) computed, (int) (k1 - k0), 1.0f,
-                         (const float *) (pb + k0 * kb), ldb, (const float *) (pa + k0 * ka), lda, 0.0f, pc, ldc);
+            if (packed != NULL) {
+                /* the batch row of this slice: dst's slices are its (batch, head) pairs, batch-major */
+                th_packed_range(packed, causal, i2 / (dst->ne[2] / packed->ne[3]), m0, rows, n0, cols, &k0, &k1, &first);
+                if (first > computed) first = computed;
             }
+            if (k1 <= k0) computed = first = 0;
+            if (computed > first) {
+                const size_t step = out_prod ? a->nb[0] : a->nb[1];     /* one column of the second operand */
+                th_sgemm(TH_ROW_MAJOR, tb, ta, (int) rows, (int) (computed - first), (int) (k1 - k0), 1.0f,
+                         (const float *) (pb + k0 * kb), ldb, (const float *) (pa + first * step + k0 * ka), lda, 0.0f,
+                         pc + first, ldc);
+            }
+            for (int64_t i = 0; first > 0 && i < rows; i++) memset(pc + i * ldc, 0, (size_t) first * sizeof(float));
             for (int64_t i = 0; computed < cols && i < rows; i++) {
                 memset(pc + i * ldc + computed, 0, (size_t) (cols - computed) * sizeof(float));
             }
@@ -243,7 +294,14 @@ static void th_gemm_run(struct ggml_tensor * dst, const struct ggml_tensor * a, 
 static void th_gemm_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
                        int ith, int nth, void * userdata) {
     const intptr_t flags = (intptr_t) userdata;
-    th_gemm_run(dst, a, b, (int) (flags & 1), (int) (flags >> 1), NULL, 0, ith, nth);
+    th_gemm_run(dst, a, b, (int) (flags & 1), (int) (flags >> 1), NULL, 0, ith, nth, NULL);
+}
+
+/* A product of packed attention (th_packed_range): srcs a, b as th_gemm_op's, then the mask;
+ * userdata as th_gemm_op's */
+static void th_gemm_packed_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const intptr_t flags = (intptr_t) userdata;
+    th_gemm_run(dst, dst->src[0], dst->src[1], (int) (flags & 1), (int) (flags >> 1), NULL, 0, ith, nth, dst->src[2]);
 }
 
 /* A 2-D product with an addend (th_fold_gemm_adds): srcs a, b as th_gemm_op's, then the addend;
@@ -254,7 +312,7 @@ static void th_gemm_add_op(struct ggml_tensor * dst, int ith, int nth, void * us
     struct ggml_tensor rows = *dst;
     rows.ne[1] = ggml_nelements(dst) / dst->ne[0], rows.ne[2] = rows.ne[3] = 1;
     rows.nb[1] = dst->ne[0] * sizeof(float), rows.nb[2] = rows.nb[3] = rows.nb[1] * rows.ne[1];
-    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), TH_CAUSAL_NONE, dst->src[2], (int) ((flags >> 1) & 1), ith, nth);
+    th_gemm_run(&rows, dst->src[0], dst->src[1], (int) (flags & 1), TH_CAUSAL_NONE, dst->src[2], (int) ((flags >> 1) & 1), ith, nth, NULL);
 }
 
 static int th_gemm_ok(const struct ggml_tensor * t) {
@@ -519,9 +577,24 @@ static void * th_userdata(const struct ggml_tensor * t) {
  * diagonal. Those entries' exps are exact zeros that add nothing to their lane's sum, so a row
  * stops at the end of the TH_LANES block that holds its diagonal and writes zeros after it: the
  * same bits, about half the exps. */
+/* Packed rows (toyharness/engine/packed.py): the mask, fed per step, is block-diagonal within the
+ * causal triangle: row i sees keys [s, i] of its own example only. A row starts at the TH_LANES
+ * block that holds its first visible key (found in the mask row) and writes zeros before it: the
+ * lanes keep their columns, and the exps left out are exact zeros, so the bits are those of the
+ * whole row. */
+enum { TH_SOFTMAX_CAUSAL = 1, TH_SOFTMAX_PACKED = 2 };
+
+static int64_t th_packed_row_start(const struct ggml_tensor * mask, int64_t i1, int64_t i2, int64_t i3, int64_t n) {
+    const float * m = (const float *) ((const char *) mask->data + i1 * mask->nb[1] + (i2 % mask->ne[2]) * mask->nb[2] +
+                                       (i3 % mask->ne[3]) * mask->nb[3]);
+    int64_t k = 0;
+    while (k < n && m[k] < TH_MASK_SEEN) k++;
+    return k / TH_LANES * TH_LANES;
+}
+
 static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * mask,
                            int ith, int nth, void * userdata) {
-    const int causal = userdata != NULL;
+    const int causal = userdata != NULL, packed = (intptr_t) userdata == TH_SOFTMAX_PACKED && mask != NULL;
     float scale;
     memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
     const int64_t nc = x->ne[0], ne1 = x->ne[1], ne2 = x->ne[2], nr = ggml_nrows(x);
@@ -533,11 +606,46 @@ static void th_soft_max_op(struct ggml_tensor * dst, const struct ggml_tensor * 
             float * y = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
             const int64_t seen = (i1 + TH_LANES) / TH_LANES * TH_LANES;     /* blocks up to column i1's */
             const int64_t n = causal && seen < nc ? seen : nc;
-            th_softmax_input(y, xp, mask, i1, i2, i3, n, scale);
-            const float inv = 1.0f / th_exp_row(y, y, n, th_row_max(y, n));
+            const int64_t s0 = packed ? th_packed_row_start(mask, i1, i2, i3, n) : 0;
+            for (int64_t k = 0; k < s0; k++) y[k] = 0.0f;
+            y += s0, xp += s0;
+            th_softmax_input(y, xp, mask, i1, i2, i3, n - s0, scale, s0);
+            const float inv = 1.0f / th_exp_row(y, y, n - s0, th_row_max(y, n - s0));
             int64_t k = 0;
-            for (; k < n; k++) y[k] *= inv;
-            for (; k < nc; k++) y[k] = 0.0f;
+            for (; k < n - s0; k++) y[k] *= inv;
+            for (; k < nc - s0; k++) y[k] = 0.0f;
+        }
+    }
+}
+
+/* SOFT_MAX_BACK of a packed softmax (srcs dy, y, the mask): dx = scale y (dy - dot(y, dy)) over
+ * each row's seen keys (the blocks th_soft_max_op computed), zeros elsewhere. Each element reads
+ * its y and dy before dx is written, so dx may be y's buffer: ggml-alloc lets SOFT_MAX_BACK take
+ * y's in place when y has no other reader left (a view after the softmax, as packed rows have,
+ * leaves the gradient's buffer unusable for that), where ggml's own kernel would read y after
+ * overwriting it. */
+static void th_soft_max_back_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * dy = dst->src[0], * y = dst->src[1], * mask = dst->src[2];
+    float scale;
+    memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
+    const int64_t nc = y->ne[0], ne1 = y->ne[1], ne2 = y->ne[2], nr = ggml_nrows(y);
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(nr, nc, ith, nth, &taken, &r0, &r1)) {
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t i1 = r % ne1, i2 = (r / ne1) % ne2, i3 = r / (ne1 * ne2);
+            const float * yp = (const float *) ((const char *) y->data + i1 * y->nb[1] + i2 * y->nb[2] + i3 * y->nb[3]);
+            const float * g = (const float *) ((const char *) dy->data + i1 * dy->nb[1] + i2 * dy->nb[2] + i3 * dy->nb[3]);
+            float * dx = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+            const int64_t seen = (i1 + TH_LANES) / TH_LANES * TH_LANES;
+            const int64_t n = seen < nc ? seen : nc, s0 = th_packed_row_start(mask, i1, i2, i3, n);
+            float lane[TH_LANES] = {0};
+            for (int64_t k = s0; k < n; k++) lane[(k - s0) % TH_LANES] += yp[k] * g[k];
+            float dot = 0.0f;
+            for (int j = 0; j < TH_LANES; j++) dot += lane[j];
+            for (int64_t k = s0; k < n; k++) dx[k] = (g[k] - dot) * yp[k] * scale;
+            for (int64_t k = 0; k < s0; k++) dx[k] = 0.0f;
+            for (int64_t k = n; k < nc; k++) dx[k] = 0.0f;
         }
     }
 }
@@ -707,6 +815,18 @@ static void th_add_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * 
 enum { TH_ROPE_MAX_DIM = 1024, TH_ROPE_SLOT_DIMS = 6, TH_ROPE_SLOT_MODE = 7, TH_ROPE_SLOT_BASE = 8,
        TH_ROPE_SLOT_SCALE = 9, TH_ROPE_SLOT_MSCALE = 12, TH_ROPE_SLOT_SIGN = 13 };
 
+/* one position's rotation table (ggml_rope_cache_init's arithmetic): cos and sin of each pair's angle */
+static void th_rope_table(float * cache, float theta, int64_t ne0, float freq_scale, float theta_scale, float mscale,
+                          float sin_sign) {
+    for (int64_t i0 = 0; i0 < ne0; i0 += 2) {
+        const float theta_interp = freq_scale * (theta / 1.0f);
+        cache[i0 + 0] = cosf(theta_interp) * mscale;
+        cache[i0 + 1] = sinf(theta_interp) * mscale;
+        cache[i0 + 1] *= sin_sign;
+        theta *= theta_scale;
+    }
+}
+
 static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * pos,
                        int ith, int nth, void * userdata) {
     (void) userdata;
@@ -723,17 +843,30 @@ static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, c
     const int64_t tasks = (ne2 + ppt - 1) / ppt;
     const int32_t * positions = (const int32_t *) pos->data;
     float cache[TH_ROPE_MAX_DIM];
+    /* Packed rows rope each head's tokens as one run (toyharness/engine/packed.py): positions
+     * repeat B*H times. Then each distinct position's table is made once, ahead (the same
+     * arithmetic, so the same bits), instead of once per row. */
+    int32_t top = -1, low = 0;
+    for (int64_t i2 = 0; i2 < ne2; i2++) {
+        if (positions[i2] > top) top = positions[i2];
+        if (positions[i2] < low) low = positions[i2];
+    }
+    float * tables = NULL;
+    if (low >= 0 && ne2 >= 4 * ((int64_t) top + 1) && ((int64_t) top + 1) * ne0 <= ((int64_t) 1 << 22)) {
+        tables = (float *) malloc((size_t) (top + 1) * (size_t) ne0 * sizeof(float));
+        for (int32_t p = 0; tables != NULL && p <= top; p++) {
+            th_rope_table(tables + (int64_t) p * ne0, (float) p, ne0, freq_scale, theta_scale, mscale, sin_sign);
+        }
+    }
     int64_t taken = 0;
     for (int64_t task; (task = th_next_task(tasks, ith, nth, &taken)) >= 0;) {
         const int64_t p1 = (task + 1) * ppt < ne2 ? (task + 1) * ppt : ne2;
         for (int64_t i2 = task * ppt; i2 < p1; i2++) {
-            float theta = (float) positions[i2];
-            for (int64_t i0 = 0; i0 < ne0; i0 += 2) {
-                const float theta_interp = freq_scale * (theta / 1.0f);
-                cache[i0 + 0] = cosf(theta_interp) * mscale;
-                cache[i0 + 1] = sinf(theta_interp) * mscale;
-                cache[i0 + 1] *= sin_sign;
-                theta *= theta_scale;
+            const float * table = cache;
+            if (tables != NULL) {
+                table = tables + (int64_t) positions[i2] * ne0;
+            } else {
+                th_rope_table(cache, (float) positions[i2], ne0, freq_scale, theta_scale, mscale, sin_sign);
             }
             for (int64_t i3 = 0; i3 < ne3; i3++) {
                 for (int64_t i1 = 0; i1 < ne1; i1++) {
@@ -743,7 +876,7 @@ static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, c
                     const int64_t n_offset = neox ? n_dims / 2 : 1;
                     for (int64_t i0 = 0; i0 < n_dims; i0 += 2) {
                         const int64_t ic = neox ? i0 / 2 : i0;
-                        const float cos_theta = cache[i0 + 0], sin_theta = cache[i0 + 1];
+                        const float cos_theta = table[i0 + 0], sin_theta = table[i0 + 1];
                         const float x0 = src[ic], x1 = src[ic + n_offset];
                         out[ic] = x0 * cos_theta - x1 * sin_theta;
                         out[ic + n_offset] = x0 * sin_theta + x1 * cos_theta;
@@ -753,6 +886,7 @@ static void th_rope_op(struct ggml_tensor * dst, const struct ggml_tensor * x, c
             }
         }
     }
+    free(tables);
 }
 
 static int th_rope_ok(const struct ggml_tensor * t) {
@@ -967,6 +1101,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_adamw_op, "adamw"},         {(void *) th_gemm_add_op, "sgemm+add"},
         {(void *) th_rms_norm_back_gain_op, "rms_norm_back+gain"}, {(void *) th_gain_grad_op, "gain_grad"},
         {(void *) th_dropout_mask_op, "dropout_mask"},
+        {(void *) th_soft_max_back_op, "softmax_back packed"}, {(void *) th_gemm_packed_op, "sgemm packed"},
     };
     if (t->op == GGML_OP_MAP_CUSTOM2) {
         struct ggml_map_custom2_op_params p;
@@ -976,6 +1111,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
     /* a GELU pair that keeps the slope (th_keep_gelu_slopes); a softmax under the causal mask */
     if (th_is_custom(t, (void *) th_gelu_op) && th_userdata(t) != NULL) return "gelu+slope";
     if (th_is_custom(t, (void *) th_gelu_back_op) && th_userdata(t) != NULL) return "gelu_back (kept slope)";
+    if (th_is_custom(t, (void *) th_soft_max_op) && (intptr_t) th_userdata(t) == TH_SOFTMAX_PACKED) return "softmax packed";
     if (th_is_custom(t, (void *) th_soft_max_op) && th_userdata(t) != NULL) return "softmax causal";
     for (size_t i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
         if (th_is_custom(t, kernels[i].fun)) return kernels[i].name;
@@ -1413,7 +1549,29 @@ static int th_mark_gemm(struct ggml_tensor * t, int causal) {
     return 1;
 }
 
-/* a SOFT_MAX (or our softmax already) to our kernel; causal: its mask is the causal one */
+/* th_mark_gemm, and with a packed mask whose batch rows divide the product's slices (B*H of them,
+ * batch-major) the packed form, which reads the mask */
+static int th_mark_attention_gemm(struct ggml_tensor * t, int causal, struct ggml_tensor * packed) {
+    if (packed == NULL || t == NULL || !th_gemm_ok(t) || t->ne[3] != 1 || t->ne[2] % packed->ne[3] != 0) {
+        return th_mark_gemm(t, causal);
+    }
+    const intptr_t flags = (t->op == GGML_OP_OUT_PROD) | (causal << 1);
+    th_set_custom_srcs(t, th_gemm_packed_op, t->src[0], t->src[1], packed, NULL);
+    struct ggml_custom_op_params p;
+    memcpy(&p, t->op_params, sizeof(p));
+    p.userdata = (void *) flags;
+    memcpy(t->op_params, &p, sizeof(p));
+    return 1;
+}
+
+/* a packed rows' mask (toyharness/engine/packed.py, MASK_PREFIX): fed per step, (T, T, 1, B),
+ * hiding every key right of the diagonal and more; its values are the harness's, not checked here */
+static int th_is_packed_mask(const struct ggml_tensor * m, int64_t T) {
+    return m != NULL && strncmp(m->name, "packed_mask.", 12) == 0 && m->type == GGML_TYPE_F32 &&
+           m->op == GGML_OP_NONE && m->ne[0] == T && m->ne[1] == T && m->ne[2] == 1 && ggml_is_contiguous(m);
+}
+
+/* a SOFT_MAX (or our softmax already) to our kernel; causal: TH_SOFTMAX_CAUSAL or _PACKED (its mask) */
 static void th_set_soft_max(struct ggml_tensor * t, int causal) {
     if (t->op == GGML_OP_SOFT_MAX) {
         if (!th_soft_max_ok(t)) return;
@@ -1422,7 +1580,7 @@ static void th_set_soft_max(struct ggml_tensor * t, int causal) {
         th_set_custom2(t, th_soft_max_op, NULL, GGML_N_TASKS_MAX);
         memcpy((float *) t->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
     }
-    if (causal) th_set_userdata(t, (void *) 1);
+    if (causal) th_set_userdata(t, (void *) (intptr_t) causal);
 }
 
 static int th_mark_causal(struct ggml_cgraph * graph) {
@@ -1433,12 +1591,13 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
         struct ggml_tensor * sm = ggml_graph_node(graph, i);
         const int64_t T = sm->ne[0];
         if ((sm->op != GGML_OP_SOFT_MAX && !th_is_custom(sm, (void *) th_soft_max_op)) || sm->type != GGML_TYPE_F32 ||
-            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) || sm->src[1] == NULL ||
-            (sm->src[1] != mask_checked && !th_is_causal_mask(sm->src[1], T))) {
+            sm->ne[1] != T || sm->view_src != NULL || !ggml_is_contiguous(sm) || sm->src[1] == NULL) {
             continue;
         }
-        mask_checked = sm->src[1];
-        th_set_soft_max(sm, 1);
+        const int packed = th_is_packed_mask(sm->src[1], T);
+        if (!packed && sm->src[1] != mask_checked && !th_is_causal_mask(sm->src[1], T)) continue;
+        if (!packed) mask_checked = sm->src[1];
+        th_set_soft_max(sm, packed ? TH_SOFTMAX_PACKED : TH_SOFTMAX_CAUSAL);
         struct ggml_tensor * ds = NULL;
         for (int j = i + 1; j < n && ds == NULL; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
@@ -1453,14 +1612,23 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
                 dropped = u;
             }
         }
-        marked += th_mark_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT);
+        struct ggml_tensor * mask = packed ? sm->src[1] : NULL;
+        marked += th_mark_attention_gemm(th_causal_product_of(graph, sm, sm->src[0], T), TH_CAUSAL_OUT, mask);
         if (ds != NULL) {
             /* with dropout on P, dS reads dP times the mask: dP's product is that MUL's source */
             struct ggml_tensor * d = ds->src[0], * only;
             const int through_mask = dropped != NULL && d != NULL && d->op == GGML_OP_MUL && d->src[1] == dropped->src[1] &&
                                      !(d->flags & GGML_TENSOR_FLAG_OUTPUT) && th_readers(graph, d, &only) == 1 && only == ds;
-            marked += through_mask ? th_mark_gemm(th_causal_product_of(graph, d, d->src[0], T), TH_CAUSAL_OUT)
-                                   : th_mark_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT);
+            marked += through_mask ? th_mark_attention_gemm(th_causal_product_of(graph, d, d->src[0], T), TH_CAUSAL_OUT, mask)
+                                   : th_mark_attention_gemm(th_causal_product_of(graph, ds, ds->src[0], T), TH_CAUSAL_OUT, mask);
+        }
+        if (ds != NULL && packed && th_is_custom(sm, (void *) th_soft_max_op) && ggml_are_same_shape(ds, sm) &&
+            ggml_is_contiguous(ds->src[0])) {
+            float scale;
+            memcpy(&scale, ds->op_params, sizeof(float));
+            th_set_custom_srcs(ds, th_soft_max_back_op, ds->src[0], sm, sm->src[1], NULL);
+            memcpy((float *) ds->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
+            marked++;
         }
         for (int j = 0; j < n; j++) {
             struct ggml_tensor * u = ggml_graph_node(graph, j);
@@ -1475,7 +1643,7 @@ static int th_mark_causal(struct ggml_cgraph * graph) {
                                  : v0 ? ((v0 == 1) == out_prod ? TH_CAUSAL_B_LOWER : TH_CAUSAL_B_UPPER)
                                       : TH_CAUSAL_NONE;
                 if (causal != TH_CAUSAL_NONE) {
-                    marked += th_mark_gemm(u, causal);
+                    marked += th_mark_attention_gemm(u, causal, mask);
                     break;
                 }
             }

@@ -119,13 +119,13 @@ static inline int th_next_rows(int64_t nr, int64_t row_len, int ith, int nth, in
     return 1;
 }
 
-/* A softmax row's input: y = x scale, plus the mask's row (i1; broadcast over dims 2 and 3) when
- * there is a mask. Inline: each kernel file computes it under its own compile flags. */
+/* A softmax row's input: y = x scale, plus the mask's row (i1; broadcast over dims 2 and 3) from
+ * its column col0 (x and y start there too) when there is a mask. Inline: each kernel file computes it under its own compile flags. */
 static inline void th_softmax_input(float * y, const float * x, const struct ggml_tensor * mask, int64_t i1, int64_t i2,
-                                    int64_t i3, int64_t nc, float scale) {
+                                    int64_t i3, int64_t nc, float scale, int64_t col0) {
     if (mask != NULL) {
         const float * m = (const float *) ((const char *) mask->data + i1 * mask->nb[1] + (i2 % mask->ne[2]) * mask->nb[2] +
-                                           (i3 % mask->ne[3]) * mask->nb[3]);
+                                           (i3 % mask->ne[3]) * mask->nb[3]) + col0;
         for (int64_t k = 0; k < nc; k++) y[k] = x[k] * scale + m[k];
     } else {
         for (int64_t k = 0; k < nc; k++) y[k] = x[k] * scale;

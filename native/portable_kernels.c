@@ -275,7 +275,7 @@ static void tp_soft_max(struct ggml_tensor * dst, int ith, int nth) {
         for (int64_t r = r0; r < r1; r++) {
             const int64_t i1 = r % x->ne[1], i2 = (r / x->ne[1]) % x->ne[2], i3 = r / (x->ne[1] * x->ne[2]);
             float * y = tp_row(dst, r);
-            th_softmax_input(y, tp_row(x, r), mask, i1, i2, i3, nc, scale);
+            th_softmax_input(y, tp_row(x, r), mask, i1, i2, i3, nc, scale, 0);
             tp_softmax_row(y, y, nc);
         }
     }

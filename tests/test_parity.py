@@ -103,7 +103,8 @@ def test_lora_first_losses_match_pytorch(llama_base, tmp_path, extra):
 
 def test_lora_prompt_completion_masked_losses_match_pytorch(tmp_path):
     """LoRA on JSONL prompt/completion pairs over a base with SmolLM2's tokenizer: the loss counts
-    only the answers (batches.npz `mask`); PyTorch replays it with the same mask."""
+    only the answers (batches.npz `mask`); PyTorch replays it with the same mask (one example a
+    row: the twins have no packed rows)."""
     import tokenizer_cases as cases
 
     data = tmp_path / "pc.jsonl"
@@ -116,8 +117,8 @@ def test_lora_prompt_completion_masked_losses_match_pytorch(tmp_path):
     out = tmp_path / "lora"
     train("lora", steps=STEPS, sets=["t_seq=48", "t_batch=4", "warmup=2", "lr=1e-2", "eval_every=100",
                                      "checkpoint_every=100", f"base={tmp_path / 'b' / 'model.gguf'}", f"data={data}",
-                                     "targets=q,v,down"], out=str(out), save_init=True, save_batches=True,
-          progress=False)
+                                     "targets=q,v,down", "pack=false"], out=str(out), save_init=True,
+          save_batches=True, progress=False)
     ours = [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     theirs = reference.replay_losses(out, STEPS)
     diff = relative_difference(ours, theirs)

@@ -103,6 +103,16 @@ def test_frozen_products_and_lora_over_every_frozen_type_on_vulkan(vulkan_native
     assert rc == 0 and got.get("passed", 0) >= 21 and not got.get("skipped"), out[-6000:]
 
 
+@needs_lavapipe
+def test_packed_rows_on_vulkan_give_the_unpacked_loss_and_gradients(vulkan_native):
+    """tests/test_packing.py -m vulkan: llama, gpt2 and lora over gemma3, the packed step's loss and
+    every gradient within 1e-6 of the unpacked step's over the same examples."""
+    rc, out = child_pytest(vulkan_native, ["tests/test_packing.py", "-m", "vulkan"], {})
+    print(out[-3000:])
+    got = counts(out)
+    assert rc == 0 and got.get("passed", 0) == 3 and not got.get("skipped"), out[-6000:]
+
+
 # --- runs without the packages: the build's staged edit and the backend names ----------------
 def test_the_layer_settings_edit_applies_once_to_the_pinned_ggml_vulkan():
     build = native_build()

@@ -30,6 +30,8 @@ if [[ $phases == *" check "* ]]; then
         | tee -a "$log" || status=1
     step "our kernels inside ggml-cuda (native/cuda): GELU forward and backward against float64"
     python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_*.py 2>&1 | tail -15 | tee -a "$log" || status=1
+    step "packed rows on cuda: the packed step's loss and gradients against the unpacked step's (1e-6)"
+    python3 -m pytest -q -m cuda -rs -p no:cacheprovider tests/test_packing.py 2>&1 | tail -15 | tee -a "$log" || status=1
     step "cuda goldens: record, then check (a second run must give the same bits)"
     toyharness golden record gpt2 llama lora lora@q4_k lora@q8_0 vit_tiny warm_start --backend cuda 2>&1 \
         | tee -a "$log" || status=1

@@ -22,7 +22,7 @@ Options
     `TextOptions`   `Options` plus ``t_seq`` and ``eval_batches``, the keys of the core text data
                     that a recipe without a ``load_data`` hook trains on.
     `LMOptions`     `TextOptions` plus the language models' keys (``tokenizer``,
-                    ``mask_prompt``, ``weight_dtype``).
+                    ``mask_prompt``, ``pack``, ``weight_dtype``).
     `probability`   a field in [0, 1), e.g. a dropout rate: ``dropout: float = probability(0.0)``.
     `choice`        a field restricted to a set of values: ``choice("cosine", ("constant", "cosine"))``.
     `positive`      a size or count that must be > 0: ``d_model: int = positive(128)``.
@@ -54,6 +54,8 @@ Real models and data
     `example_file`  a small seeded GGUF of any architecture (a base for tests and goldens).
     `seeded_model_file`  a recipe's seeded model exported as a GGUF, cached (a golden's base).
     `cached_copy_as`     a GGUF with its matrices converted to another type, cached.
+    `synthetic_instruction_file`  a synthetic prompt/completion JSONL with an instruction set's
+                    lengths, cached (the packed goldens' data; toyharness/data/instructions.py).
     `LanguageModel` a recipe's forward wrapped with inputs, loss and trainer on one program.
     `load_image_data`    image data (the embedded 8x8 digits, or an .npz) for image recipes.
     `CONVENTIONS`   the AdamW row's conventions (``bias_corrected``, ``constant_betas``).
@@ -111,6 +113,7 @@ _EXPORTS: dict[str, str] = {
     "ALL_TARGETS": ".architectures",
     "example_file": ".architectures",
     "seeded_model_file": ".lm",
+    "synthetic_instruction_file": ".data.instructions",
     "cached_copy_as": ".engine.gguf_io",
     "LanguageModel": ".lm",
     "load_image_data": ".images",

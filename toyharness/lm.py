@@ -14,7 +14,6 @@ Parameters are named with llama.cpp's GGUF names from the start, so checkpoints,
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from .hookspecs import hookimpl
 from .options import TextOptions, choice, resolve_options
 from .recipe import Recipe
 from .seeded_init import with_values
-from .switches import switch
+from .switches import cache_root
 from .tokenizer import ByteTokenizer, GGUFTokenizer, byte_unicode_table, load_tokenizer, read_metadata
 
 # From this many classes `chunked_loss=auto` takes the chunked loss: the standard loss's four
@@ -65,6 +64,8 @@ class LMOptions(TextOptions):
     tokenizer: str = ""
     # JSONL prompt/completion and chat: the loss counts completions only
     mask_prompt: bool = True
+    # JSONL data: several examples a row, each attending only to itself (toyharness/data/examples.py)
+    pack: bool = True
     # the trained weights' type: f32 is the one the harness trains (a frozen base keeps its own
     # types); the key stays so that run folders' config.toml files read back
     weight_dtype: str = choice("f32", ("f32",))
@@ -74,7 +75,8 @@ class LanguageModel:
     """A recipe's forward wrapped with inputs, loss and trainer on one program."""
 
     def __init__(self, recipe: LMRecipe, engine, options, vocab: int, params: dict[str, np.ndarray],
-                 trainable: bool = True, batch: int | None = None, seq: int | None = None, masked: bool = False):
+                 trainable: bool = True, batch: int | None = None, seq: int | None = None, masked: bool = False,
+                 packed: bool = False):
         self.recipe, self.options, self.vocab = recipe, options, vocab
         self.batch = batch or options.t_batch
         self.seq = seq or options.t_seq
@@ -83,7 +85,15 @@ class LanguageModel:
             self.prog.enable_recompute()
         self.P: dict[str, Tensor] = recipe.build_params(self.prog, options, vocab, params, trainable)
         self.tokens = self.prog.input("tokens", (self.batch, self.seq), "i32", upper=vocab)
-        self.positions = self.prog.constant("positions", np.arange(self.seq, dtype=np.int32))
+        if packed:
+            # rows of several examples (data/examples.py): positions restart per example and attention
+            # stays within it, both fed per step (engine/packed.py)
+            from .engine.packed import PackedRows
+
+            self.prog.packed_rows = PackedRows(self.prog, self.batch, self.seq)
+            self.positions = self.prog.input("positions", (self.batch, self.seq), "i32", upper=self.seq)
+        else:
+            self.positions = self.prog.constant("positions", np.arange(self.seq, dtype=np.int32))
         self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
         if self.prog.recompute is not None and not self.prog.recompute.blocks:
             raise InputError(f"option 'recompute_blocks': recipe {recipe.name}'s forward here has no blocks to "
@@ -105,11 +115,21 @@ class LanguageModel:
             self.trainer = None
         self._logits_graph = None
 
+    def feeds(self, batch: dict) -> dict:
+        """A batch as the program's inputs: packed rows' segments become their masks."""
+        packed = self.prog.packed_rows
+        if packed is None:
+            return batch
+        if "segments" not in batch:
+            raise InputError("a model built for packed rows needs each batch's 'segments' and 'positions'")
+        feeds = {k: v for k, v in batch.items() if k != "segments"}
+        return {**feeds, **packed.feeds(batch["segments"], batch["positions"])}
+
     def step(self, batch: dict, hp) -> float:
-        return self.trainer.step(batch, hp)
+        return self.trainer.step(self.feeds(batch), hp)
 
     def evaluate(self, batch: dict) -> dict:
-        return {"loss": self.trainer.eval_loss(batch)}
+        return {"loss": self.trainer.eval_loss(self.feeds(batch))}
 
     def params(self) -> dict[str, np.ndarray]:
         """Every parameter (trainable, or frozen when loaded for sampling) as numpy, by name."""
@@ -179,7 +199,7 @@ class LMRecipe(Recipe):
     def realize(self, engine, options, data):
         vocab = self.vocab_for(options, data.vocab)
         return LanguageModel(self, engine, options, vocab, self.init_params(options, vocab),
-                             masked=getattr(data, "masked", False))
+                             masked=getattr(data, "masked", False), packed=getattr(data, "packed", False))
 
     @hookimpl
     def step(self, model, batch, hp):
@@ -307,14 +327,6 @@ def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.rando
     p = np.exp(logits - logits.max())
     p /= p.sum()
     return int(rng.choice(len(p), p=p))
-
-
-def cache_root() -> Path:
-    """The per-user cache (native/build.py keeps ggml there too): $TOYHARNESS_CACHE, else
-    $XDG_CACHE_HOME/toyharness, else ~/.cache/toyharness."""
-    if switch("TOYHARNESS_CACHE"):
-        return Path(switch("TOYHARNESS_CACHE")).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toyharness"
 
 
 def seeded_model_file(recipe: str, sets: list[str], vocab: int = 256) -> Path:

@@ -317,6 +317,8 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
             tps = per_batch / (ms / 1000) if ms > 0 else 0.0
             run.metrics.append({"step": i, "loss": loss, "loss_hex": float_hex(loss), "lr": row.lr,
                                 "ms": round(ms, 3), "tokens_per_s": round(tps, 1)})
+            if hasattr(data, "step_metrics"):     # JSONL examples: padding, and the tokens the loss counts
+                run.metrics[-1].update(data.step_metrics(i, options, ms))
             pm.hook.step_end(run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps)
             bus.emit("step_end", run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps)
             done = i + 1
@@ -354,6 +356,8 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
         summary["accuracy"] = run.evals[-1]["accuracy"]
     if hasattr(data, "truncated"):
         summary["truncated_examples"] = data.truncated
+    if hasattr(data, "run_summary"):
+        summary.update(data.run_summary(run.metrics))
     exported = []
     if write_files:
         if save_batches:

@@ -24,6 +24,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 try:
     from .errors import InputError as _Base
@@ -96,7 +97,7 @@ SWITCHES: tuple[Switch, ...] = (
            "A ggml source folder to build instead of fetching the pinned ggml (offline builds).",
            "", form="folder"),
     Switch("TOYHARNESS_CACHE", "build",
-           "Where the fetched ggml, its builds and downloaded models are kept (default "
+           "Where the fetched ggml, its builds, downloaded models and tokenized JSONL data are kept (default "
            "$XDG_CACHE_HOME/toyharness, else ~/.cache/toyharness).",
            "", form="folder"),
     Switch("TOYHARNESS_CUDNN", "build",
@@ -158,6 +159,14 @@ FOREIGN = {
     "MLFLOW_EXPERIMENT_NAME": "the MLflow observer's experiment",
     "RAY_AUTH_MODE": "Ray's authentication, named in a sweep's connection error",
 }
+
+
+def cache_root() -> Path:
+    """The per-user cache (native/build.py keeps ggml there too; tokenized data, seeded models):
+    $TOYHARNESS_CACHE, else $XDG_CACHE_HOME/toyharness, else ~/.cache/toyharness."""
+    if switch("TOYHARNESS_CACHE"):
+        return Path(switch("TOYHARNESS_CACHE")).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toyharness"
 
 
 def switch(name: str) -> str:

@@ -23,6 +23,7 @@ from toyharness import (
     normal,
     positive,
     probability,
+    synthetic_instruction_file,
 )
 
 RMS_EPS = 1e-5
@@ -67,6 +68,14 @@ class Llama(LMRecipe):
     name = "llama"
     options_class = LlamaOptions
     golden_sets = ["n_kv_head=1", "d_ff=48"]
+
+    @property
+    def golden_variants(self) -> dict[str, list[str]]:
+        """llama@packed: the golden config on JSONL instructions packed several to a row (the data
+        of lora@packed)."""
+        from .lora import PACKED_GOLDEN_DATA
+
+        return {"packed": [f"data={synthetic_instruction_file(**PACKED_GOLDEN_DATA)}", "pack=true"]}
 
     def torch_reference(self, options):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""

@@ -41,8 +41,13 @@ from toyharness import (
     probability,
     read_model,
     seeded_model_file,
+    synthetic_instruction_file,
     write_gguf,
 )
+
+# lora@packed and llama@packed: short synthetic instructions, about two to a row of the golden
+# config's 24 positions (toyharness/data/instructions.py), some cut at the row's end
+PACKED_GOLDEN_DATA = dict(n=64, seed=0, median=12, sigma=0.6, shortest=4, longest=40)
 
 # lora@llama3, lora@qwen3, lora@gemma3, lora@phi3: the golden config over a seeded base of each
 ARCH_GOLDEN_BASES = {
@@ -117,7 +122,8 @@ class LoRA(LMRecipe):
     def golden_variants(self) -> dict[str, list[str]]:
         """lora@q4_k, lora@q8_0: the golden config over a quantized base (a seeded llama 256 wide,
         so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache);
-        lora@dropout: the golden config with lora_dropout 0.1."""
+        lora@dropout: the golden config with lora_dropout 0.1; lora@packed: the golden config on JSONL
+        instructions packed several to a row."""
         base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512",
                                            "seed=7"])
         variants = {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
@@ -126,6 +132,7 @@ class LoRA(LMRecipe):
             arch = ARCHITECTURES[shape["arch"]]
             variants[name] = [f"base={example_file(**shape)}", f"targets={','.join(arch.targets)}"]
         variants["dropout"] = ["lora_dropout=0.1"]
+        variants["packed"] = [f"data={synthetic_instruction_file(**PACKED_GOLDEN_DATA)}", "pack=true"]
         return variants
 
     @property

@@ -104,15 +104,17 @@ class WarmStartWindow:
         if o.lens == "pca":
             self.params["lens.weight"] = pca_lens(rows, o.d_model)
 
-    def bake(self, engine, masked: bool = False) -> LanguageModel:
+    def bake(self, engine, masked: bool = False, packed: bool = False) -> LanguageModel:
         self.baked = True
-        return LanguageModel(self.recipe, engine, self.options, self.vocab, self.params, masked=masked)
+        return LanguageModel(self.recipe, engine, self.options, self.vocab, self.params, masked=masked,
+                             packed=packed)
 
 
 class WarmStart(Llama):
     name = "warm_start"
     options_class = WarmStartOptions
     golden_sets = ["n_kv_head=1", "d_ff=48", "donor_d_in=24"]
+    golden_variants: dict[str, list[str]] = {}      # not llama's packed one
 
     def torch_reference(self, options):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
@@ -148,7 +150,7 @@ class WarmStart(Llama):
         window = WarmStartWindow(self, options, self.vocab_for(options, data.vocab))
         if options.donor:
             window.warm()
-        return window.bake(engine, masked=getattr(data, "masked", False))
+        return window.bake(engine, masked=getattr(data, "masked", False), packed=getattr(data, "packed", False))
 
     def export_tensors(self, params, o: WarmStartOptions):
         out = {k: v for k, v in params.items() if k != "lens.weight"}

@@ -105,6 +105,9 @@ def torch_precision_setup(precision: str) -> Callable[[torch.device], contextlib
 
 
 def _on(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    if "segments" in batch:
+        raise InputError("the PyTorch twins take one JSONL example a row, not packed rows: set pack=false to "
+                         "compare with PyTorch")
     return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in batch.items()}
 
 

@@ -28,7 +28,8 @@ def load_lm_data(spec: str, tokenizer, options) -> TokenData | ExampleData:
     if path is not None and path.suffix == ".jsonl":
         if not path.is_file():
             raise InputError(f"data {spec!r}: no such file")
-        return load_jsonl(path, tokenizer, options.t_seq, getattr(options, "mask_prompt", True))
+        return load_jsonl(path, tokenizer, options.t_seq, getattr(options, "mask_prompt", True),
+                          pack=getattr(options, "pack", False), cache=True, progress=True)
     data = load_text_data(spec)
     if tokenizer.byte_level:
         return data

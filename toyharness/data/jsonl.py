@@ -7,15 +7,16 @@
 Prompt/completion pairs are rendered as a user and an assistant message through the chat
 template when the tokenizer has one (as mlx-lm does), else as prompt + completion + EOS; chat
 needs a template. With `mask_prompt` (default true) the loss counts only completion (assistant)
-tokens, their end-of-turn included; `text` counts every token. Each example becomes one row of
-t_seq positions, cut at the end when longer (counted as truncated) and padded when shorter;
-padding never counts. The last 10% of examples are the held-out split.
+tokens, their end-of-turn included; `text` counts every token. The examples become rows of
+t_seq positions, one example a row or packed several a row (examples.py says how); padding never
+counts. The last 10% of examples are the held-out split.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from ..errors import InputError
 from .chat import render_chat
-from .text import EVAL_FRACTION
+from .examples import ExampleData, TokenStore
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -34,28 +35,36 @@ class Example:
     counts: list[bool]        # per id: does predicting it count in the loss
 
 
+def iter_jsonl(path: Path):
+    """(line number, object, the line's size in bytes) for each non-blank line, read a line at a
+    time; a bad line names file:line."""
+    seen = False
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                before = f.tell() - len(raw)
+                raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {before + exc.start})") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            except RecursionError:
+                raise InputError(f"{path}:{n}: JSON nested too deeply") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            seen = True
+            yield n, obj, len(raw)
+    if not seen:
+        raise InputError(f"{path}: no examples (the data set is empty)")
+
+
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) for each non-blank line; a bad line names file:line."""
-    rows = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        except RecursionError:
-            raise InputError(f"{path}:{n}: JSON nested too deeply") from None
-        if not isinstance(obj, dict):
-            raise InputError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
-        rows.append((n, obj))
-    if not rows:
-        raise InputError(f"{path}: no examples (the data set is empty)")
-    return rows
+    return [(n, obj) for n, obj, _ in iter_jsonl(path)]
 
 
 def _string(obj: dict, key: str, where: str) -> str:
@@ -165,84 +174,65 @@ def _chat_example(msgs: list[dict], tokenizer, mask_prompt: bool, where: str) ->
     return Example(full, counts)
 
 
-class ExampleData:
-    """Examples as fixed rows: `tokens`, `targets` (int32) and `mask` (float32), [n, t_seq]."""
-
-    masked = True
-    byte_level = False
-
-    def __init__(self, examples: list[Example], vocab: int, source: str, t_seq: int, pad_id: int,
-                 byte_level: bool = False):
-        self.vocab, self.source, self.t_seq, self.byte_level = vocab, source, t_seq, byte_level
-        n = len(examples)
-        tokens = np.full((n, t_seq), pad_id, np.int32)
-        targets = np.full((n, t_seq), pad_id, np.int32)
-        mask = np.zeros((n, t_seq), np.float32)
-        self.truncated = 0
-        for r, ex in enumerate(examples):
-            ids = np.asarray(ex.ids, np.int64)
-            if len(ids) - 1 > t_seq:
-                self.truncated += 1
-            k = min(len(ids) - 1, t_seq)
-            if k <= 0:
-                continue
-            tokens[r, :k] = ids[:k]
-            targets[r, :k] = ids[1:k + 1]
-            mask[r, :k] = np.asarray(ex.counts[1:k + 1], np.float32)
-        keep = mask.sum(1) > 0
-        self.dropped = int(n - keep.sum())
-        self.tokens, self.targets, self.mask = tokens[keep], targets[keep], mask[keep]
-        if len(self.tokens) == 0:
-            raise InputError(f"data {source}: no example has a token that counts within t_seq={t_seq}")
-        n = len(self.tokens)
-        self.n_eval = max(1, int(round(n * EVAL_FRACTION))) if n > 1 else 0
-        self.n_train = n - self.n_eval
-        top = int(max(self.tokens.max(), self.targets.max()))
-        if top >= vocab:
-            raise InputError(f"data {source}: token id {top} is outside the vocabulary of {vocab}")
-
-    def summary(self) -> str:
-        dropped = f" ({self.dropped} of them counted nothing within t_seq and were dropped)" if self.dropped else ""
-        return (f"data {self.source}: {len(self.tokens)} examples ({self.n_train} train, {self.n_eval} held out), "
-                f"{self.truncated} truncated to t_seq={self.t_seq}{dropped}")
-
-    def check(self, options) -> None:
-        if options.t_seq != self.t_seq:
-            raise InputError(f"data {self.source}: made for t_seq={self.t_seq}, the run has {options.t_seq}")
-        if self.n_train < 1 or self.n_eval < 1:
-            raise InputError(f"data {self.source}: needs at least 2 examples (train and held out), has "
-                             f"{len(self.tokens)}")
-
-    def _rows(self, split: str) -> slice:
-        if split == "train":
-            return slice(0, self.n_train)
-        if split == "eval":
-            return slice(self.n_train, self.n_train + self.n_eval)
-        raise InputError(f"unknown split {split!r}; allowed: train, eval")
-
-    def step_batch(self, split: str, index: int, options) -> dict[str, np.ndarray]:
-        """Batch `index` of a split: train rows drawn by (seed, index); held-out rows in order."""
-        rows = self._rows(split)
-        n = rows.stop - rows.start
-        if split == "train":
-            pick = np.random.default_rng([options.seed, 0, index]).integers(0, n, size=options.t_batch)
-        else:
-            pick = (index * options.t_batch + np.arange(options.t_batch)) % n
-        pick = pick + rows.start
-        return {"tokens": self.tokens[pick], "targets": self.targets[pick], "mask": self.mask[pick]}
-
-    def eval_batches(self, options) -> int:
-        return -(-self.n_eval // options.t_batch)
-
-    def items_per_batch(self, options) -> int:
-        return options.t_batch * options.t_seq
-
-    def eval_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        s = self._rows("eval")
-        return self.tokens[s], self.targets[s], self.mask[s]
+def encode_file(path: Path, tokenizer, mask_prompt: bool, progress: bool = False) -> TokenStore:
+    """Every example of the file as flat arrays (examples.TokenStore), line by line; with
+    `progress`, a bar over the file's bytes on a terminal."""
+    # growing flat buffers (5 bytes a token), not an array per example joined at the end
+    ids, counts, lengths = array("i"), bytearray(), array("q")
+    with _Bar(path, progress) as bar:
+        for n, obj, size in iter_jsonl(path):
+            ex = encode_example(obj, tokenizer, mask_prompt, f"{path}:{n}")
+            ids.extend(ex.ids)
+            counts.extend(bytes(ex.counts))
+            lengths.append(len(ex.ids))
+            bar.advance(size)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(np.frombuffer(lengths, np.int64), out=offsets[1:])
+    return TokenStore(np.frombuffer(ids, np.int32) if ids else np.zeros(0, np.int32),
+                      np.frombuffer(counts, np.uint8) if counts else np.zeros(0, np.uint8), offsets)
 
 
-def load_jsonl(path: Path, tokenizer, t_seq: int, mask_prompt: bool = True) -> ExampleData:
-    examples = [encode_example(obj, tokenizer, mask_prompt, f"{path}:{n}") for n, obj in read_jsonl(path)]
+class _Bar:
+    """rich progress over a file's bytes, as the runner's bar; only on a terminal."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self._bar = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        console = Console(stderr=True)
+        if console.is_terminal:
+            self._bar = Progress(TextColumn(f"[bold]tokenizing {path.name}"), BarColumn(), DownloadColumn(),
+                                 TimeRemainingColumn(), console=console, transient=True)
+            self._task = self._bar.add_task("tokenize", total=path.stat().st_size)
+
+    def __enter__(self) -> _Bar:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def advance(self, size: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, size)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def load_jsonl(path: Path, tokenizer, t_seq: int, mask_prompt: bool = True, pack: bool = False,
+               cache: bool = False, progress: bool = False) -> ExampleData:
+    """The file's examples as rows of t_seq (examples.py says how, packed or not). With `cache`,
+    the tokenized arrays and the rows' layout are kept in the user cache by the file's hash, the
+    tokenizer and the options (data/cache.py), so a second load reads arrays only."""
     pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    return ExampleData(examples, tokenizer.vocab_size, str(path), t_seq, pad, byte_level=tokenizer.byte_level)
+    if not cache:
+        store = encode_file(path, tokenizer, mask_prompt, progress)
+        return ExampleData(store, tokenizer.vocab_size, str(path), t_seq, pad, tokenizer.byte_level, pack)
+    from .cache import cached_examples
+
+    store, rows = cached_examples(path, tokenizer, mask_prompt, t_seq, pack,
+                                  lambda: encode_file(path, tokenizer, mask_prompt, progress))
+    return ExampleData(store, tokenizer.vocab_size, str(path), t_seq, pad, tokenizer.byte_level, pack, rows)

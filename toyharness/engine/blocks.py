@@ -255,7 +255,11 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     # every head's product is the same sgemm call either way: the bits do not change.
     heads, kv_heads = bsz * n_head, bsz * k.shape[1]
     scores = q.reshape(heads, seq, hd).bmm_t(k.reshape(kv_heads, seq, hd))      # (B*H, Tq, Tk)
-    probs = scores.softmax(scale=1.0 / math.sqrt(hd) if scale is None else scale, causal=causal, window=window)
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    if x.prog.packed_rows is not None and causal:   # several examples a row: the fed block-diagonal mask
+        probs = x.prog.packed_rows.softmax(scores, scale, window)
+    else:
+        probs = scores.softmax(scale=scale, causal=causal, window=window)
     if dropout:
         probs = probs.dropout(dropout, dropout_name)
     out = probs.bmm_t(vt.reshape(kv_heads, hd, seq)).reshape(bsz, n_head, seq, hd)
@@ -268,6 +272,11 @@ def _rope_heads_first(x: Tensor, rope: Rope) -> Tensor:
     after the permute (not before) so that ROPE_BACK receives a contiguous gradient: the cuda
     backend of ggml 0.25.3 has no ROPE_BACK for the permuted one."""
     b, h, t, d = x.shape
+    packed = x.prog.packed_rows
+    if packed is not None:       # positions per row (packed rows): one ROPE over every head's tokens
+        return x.cont().reshape(1, b * h * t, 1, d).rope(
+            packed.rope_positions(h), rope.dims or d, rope.base, neox=rope.neox, freq_scale=rope.freq_scale,
+            freq_factors=rope.freq_factors).reshape(b, h, t, d)
     return x.cont().reshape(b * h, t, 1, d).rope(rope.positions, rope.dims or d, rope.base, neox=rope.neox,
                                                  freq_scale=rope.freq_scale,
                                                  freq_factors=rope.freq_factors).reshape(b, h, t, d)

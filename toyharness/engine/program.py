@@ -121,6 +121,7 @@ class Program(LossBuilders):
         self.recompute = None
         # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
         self.kv_cache = None
+        self.packed_rows = None      # engine/packed.py: rows of several examples (masks, positions fed)
         # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
         # --dequantize: the same values, 4x the memory, products without a dequantization per call)
         self.dequantize_frozen = False
