@@ -114,9 +114,13 @@ class ObserverSpec:
         ``sweep_dir``, ``point`` (its index) and ``point_name``; empty for a plain run."""
 
     @hookspec
-    def step_end(self, run, step: int, loss: float, lr: float, ms: float, tokens_per_s: float) -> None:
-        """A training step finished (0-indexed `step`): its loss (a float32 value), the learning
-        rate it used, its time in milliseconds and items (tokens or images) per second."""
+    def step_end(self, run, step: int, loss: float, lr: float, ms: float, tokens_per_s: float,
+                 grad_norm: float | None) -> None:
+        """A training step finished (0-indexed `step`): its loss (a float32 value; with
+        ``accumulate`` the count-weighted mean of its micro-batches'), the learning rate it used,
+        its time in milliseconds, items (tokens or images) per second, and with ``grad_clip`` set
+        the global L2 norm of its gradient before clipping (None otherwise). An implementation may
+        leave out any of these arguments (grad_norm among them)."""
 
     @hookspec
     def eval_end(self, run, step: int, loss: float, accuracy: float | None) -> None:

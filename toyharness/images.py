@@ -82,6 +82,21 @@ class ImageData:
             out["valid"] = np.int32(valid)
         return out
 
+    def micro_batches(self, batch: dict[str, np.ndarray], k: int, options) -> list[dict[str, np.ndarray]]:
+        """A batch of t_batch * k rows (`step_batch` at that size) as k micro-batches of t_batch rows
+        (option ``accumulate``): each its own class-token rows and, held out, its own count of
+        valid rows."""
+        b = len(batch["labels"]) // k
+        out = []
+        for j in range(k):
+            rows = slice(j * b, (j + 1) * b)
+            part = {"images": np.ascontiguousarray(batch["images"][rows]),
+                    "cls_index": batch["cls_index"][:b].copy(), "labels": np.ascontiguousarray(batch["labels"][rows])}
+            if "valid" in batch:
+                part["valid"] = np.int32(min(b, max(0, int(batch["valid"]) - j * b)))
+            out.append(part)
+        return out
+
 
 def load_image_data(spec: str = "default") -> ImageData:
     if spec in ("", "default"):

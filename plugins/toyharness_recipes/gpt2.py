@@ -25,7 +25,7 @@ class GPT2Options(LMOptions):
     lr: float = 3e-3
     beta2: float = 0.999
     adamw_convention: str = choice("bias_corrected", ("bias_corrected", "constant_betas"))
-    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    lr_schedule: str = choice("cosine", ("constant", "linear", "cosine"))
     warmup: int = 20
     steps: int = 1500
     eval_every: int = 250

@@ -46,6 +46,7 @@ from .host_values import (
     feed_targets,
     upload,
 )
+from .loop_controls import TrainingLoop
 from .losses import CrossEntropy, LossBuilders
 from .lowering import Lowering, declares_for
 from .origins import located
@@ -119,6 +120,8 @@ class Program(LossBuilders):
         self.planner = engine.planner
         # Activation recompute by block (engine/recompute.py): set by enable_recompute.
         self.recompute = None
+        # What its Trainer does beyond one AdamW step per batch (Engine.set_training_loop)
+        self.training_loop = engine.training_loop
         # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
         self.kv_cache = None
         # Whether frozen_gguf holds a quantized weight as its f32 dequantization (sampling's
@@ -429,8 +432,10 @@ class Program(LossBuilders):
     def forward(self, outputs: dict[str, Tensor]) -> ForwardGraph:
         return ForwardGraph(self, outputs)
 
-    def trainer(self, loss: CrossEntropy, convention: str) -> Trainer:
-        return Trainer(self, loss, convention)
+    def trainer(self, loss: CrossEntropy, convention: str, loop: TrainingLoop | None = None) -> Trainer:
+        """The training graph of `loss` (engine/trainer.py); `loop`: accumulation and clipping
+        (default: the engine's, Engine.set_training_loop, which a run sets from its options)."""
+        return Trainer(self, loss, convention, loop)
 
     def _compute(self, graph) -> None:
         self._no_plan("compute")
