@@ -301,3 +301,13 @@ def test_a_step_hook_that_does_not_step_its_trainer_is_refused_with_accumulate(t
     assert str(err.value) == ("option 'accumulate': recipe gpt2's step hook did not step its trainer once per "
                               "micro-batch (Trainer.step); leave accumulate at 1")
     shutil.rmtree(tmp_path / "r", ignore_errors=True)
+
+
+def test_the_clip_golden_clips_at_every_step(tmp_path):
+    """gpt2@clip's bound is below the gradient norm of each of its golden steps."""
+    from toyharness.goldens import golden_steps
+
+    out = tmp_path / "clip"
+    train("gpt2", steps=golden_steps("gpt2"), sets=golden_sets_for("gpt2@clip") + QUIET, out=str(out), progress=False)
+    assert "grad_clip=0.05" in golden_sets_for("gpt2@clip")
+    assert min(m["grad_norm"] for m in metrics(out)) > 0.05

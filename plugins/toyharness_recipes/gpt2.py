@@ -38,6 +38,9 @@ class GPT2Options(LMOptions):
 class GPT2(LMRecipe):
     name = "gpt2"
     options_class = GPT2Options
+    # gpt2@accum: two micro-batches of the golden t_batch a step; gpt2@clip: a global norm bound
+    # below every step's gradient norm at the golden config, so that every step clips
+    golden_variants = {"accum": ["accumulate=2"], "clip": ["grad_clip=0.05"]}
 
     def torch_reference(self, options):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""
