@@ -237,6 +237,9 @@ DECAYED = {
                                       ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
     "vit_tiny": {"patch_embd.weight", "cls_token.weight", "position_embd.weight", "output.weight"}
     | {f"blk.0.{p}.weight" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")},
+    "lora": {f"blk.0.{p}.weight.lora_{ab}" for p in ("attn_q", "attn_v", "ffn_down") for ab in "ab"},
+    "warm_start": {"token_embd.weight", "output.weight", "lens.weight"}
+    | {f"blk.0.{p}.weight" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
 }
 
 
