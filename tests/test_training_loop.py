@@ -314,3 +314,60 @@ def test_the_clip_golden_clips_at_every_step(tmp_path):
     train("gpt2", steps=golden_steps("gpt2"), sets=golden_sets_for("gpt2@clip") + QUIET, out=str(out), progress=False)
     assert "grad_clip=0.05" in golden_sets_for("gpt2@clip")
     assert min(m["grad_norm"] for m in metrics(out)) > 0.05
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "vit_tiny"])
+def test_plan_with_accumulation_equals_ggml_buffers(recipe):
+    """The plan of accumulate=2 (accumulators listed, the training buffer the largest of the three
+    training graphs) equals ggml's buffers after two steps and an evaluation, to the byte."""
+    from toyharness.discovery import get_recipe
+    from toyharness.engine.memory_plan import plan_model
+    from toyharness.hookspecs import plugin_manager
+    from toyharness.runner import batch_for, load_data, resolve_options
+    from toyharness.training_loop import micro_batches, options_for_steps
+
+    _, obj = get_recipe(recipe)
+    options = resolve_options(obj, None, ["accumulate=2"], {})
+    pm = plugin_manager(obj)
+    data = load_data(pm, options)
+    engine = get_engine("cpu")
+    engine.set_training_loop(2)
+    try:
+        plan = plan_model(recipe, pm, engine, options, data)
+        model = pm.hook.realize(engine=engine, options=options, data=data)
+    finally:
+        engine.set_training_loop()
+    for step in range(2):
+        for chunk in micro_batches(data, batch_for(data, "train", step, options_for_steps(options)), 2, options):
+            pm.hook.step(model=model, batch=chunk, hp=pm.hook.hp(options=options, step=step))
+        pm.hook.evaluate(model=model, batch=batch_for(data, "eval", 0, options))
+    prog = model.trainer.prog
+    params = sum(p.numel() * 4 for p in prog.params.values())
+    assert params <= plan.rows["accumulators"] < params + 64 * len(prog.params)     # each padded to its alignment
+    assert plan.ggml_bytes == prog.persistent_bytes() + prog.compute_buffer_bytes()
+    assert plan.rows["compute"] + plan.rows["compute_eval"] == prog.compute_buffer_bytes()
+    assert "gradient sums over micro-batches (accumulate)" in plan.table()
+    prog.close()
+
+
+def test_accumulation_with_recomputed_blocks_gives_the_same_bits(tmp_path):
+    runs = []
+    for recompute in ("false", "true"):
+        out = tmp_path / recompute
+        train("gpt2", steps=4, sets=[*golden_sets_for("gpt2"), "accumulate=2", "grad_clip=0.05",
+                                     f"recompute_blocks={recompute}", *QUIET], out=str(out), progress=False)
+        runs.append([m["loss_hex"] for m in metrics(out)])
+    assert runs[0] == runs[1]
+
+
+def test_a_trainer_built_without_the_runs_controls_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from toyharness.training_loop import check_loop_controls
+
+    options = SimpleNamespace(accumulate=1, grad_clip=0.5)
+    with pytest.raises(InputError) as err:
+        check_loop_controls("mine", SimpleNamespace(loop=TrainingLoop()), options)
+    assert str(err.value) == ("option 'grad_clip': recipe mine's trainer was not built with it (its program was not "
+                              "made on the run's engine in realize); leave grad_clip at 0.0")
+    check_loop_controls("mine", SimpleNamespace(loop=TrainingLoop(1, 0.5)), options)      # built with it: fine

@@ -72,7 +72,10 @@ class RecipeSpec:
     @hookspec(firstresult=True)
     def step(self, model, batch: dict, hp) -> float:
         """One training step on one batch; return the loss (a float32 value). `Recipe`'s
-        default: ``model.trainer.step(batch, hp)``."""
+        default: ``model.trainer.step(batch, hp)``. With the option ``accumulate`` K > 1 it is
+        called K times per optimizer step, once per micro-batch of t_batch rows, with the step's
+        row each time; it must call ``Trainer.step`` once per call (the Trainer accumulates and
+        steps on the last; the runner reports ``Trainer.step_loss``)."""
 
     @hookspec(firstresult=True)
     def evaluate(self, model, batch: dict) -> dict:

@@ -490,7 +490,10 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
 def _sizes(options) -> dict[str, Any]:
     d = options.to_dict()
     keys = (*SHOWN_SIZES, *recipe_sizes(options), "recompute_blocks")
-    return {k: d[k] for k in keys if k in d}
+    shown = {k: d[k] for k in keys if k in d}
+    if d.get("accumulate", 1) != 1:       # shown where it is on (a plan without it reads as before)
+        shown["accumulate"] = d["accumulate"]
+    return shown
 
 
 def shrink_suggestions(plan: MemoryPlan, replan: Callable[[dict[str, Any]], MemoryPlan],

@@ -494,19 +494,22 @@ class Program(LossBuilders):
             self._gallocs[key] = galloc
         return galloc
 
+    def _distinct_gallocs(self) -> list:
+        """Each graph allocator once (a Trainer's training graphs share one: accumulation)."""
+        gallocs = {int(ffi.cast("uintptr_t", g)): g for g in self._gallocs.values()}
+        return list(gallocs.values()) or [self._galloc]
+
     def compute_buffer_bytes(self) -> int:
         """The compute buffers of every graph computed so far (or reserved), together."""
-        gallocs = list(self._gallocs.values()) or [self._galloc]
-        return sum(int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in gallocs)
+        return sum(int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in self._distinct_gallocs())
 
     def persistent_bytes(self) -> int:
         return sum(int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers)
 
     def buffer_sizes(self) -> list[int]:
         """Each backend buffer the program holds, in bytes: persistent ones, then each graph's."""
-        gallocs = list(self._gallocs.values()) or [self._galloc]
         return ([int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers]
-                + [int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in gallocs])
+                + [int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in self._distinct_gallocs()])
 
     def close(self) -> None:
         for tg in self._targets.values():   # views of the memory freed below

@@ -37,6 +37,12 @@ class Trainer:
     valid after a step or `grads_only` until another graph of the program is computed (the compute
     buffer they are in is then reused). The first step after construction does a full reset (gradients
     and moments); later steps reset gradients only, so the moments carry over.
+
+    `loop` (engine/loop_controls.py; default the program's, which its engine gave it) adds gradient
+    accumulation over micro-batches (each `step` call one micro-batch; `gb_micro` the graphs of all
+    but a step's last, `controls.accumulators` the sums) and clipping by the global norm
+    (`grad_norm` after each step). Weight decay applies to `decayed` (tensors of 2 or more axes);
+    the others step on a second row, `hp_no_decay`, the same with weight_decay 0.
     """
 
     def __init__(self, prog: Program, loss: CrossEntropy, convention: str, loop: TrainingLoop | None = None):
@@ -216,7 +222,7 @@ class Trainer:
         """gb_opt: gb_grad and one AdamW step per parameter (on the accumulated and clipped
         gradient where the loop's controls are on)."""
         prog, ctx = self.prog, self.prog._ctx_compute
-        self._check_controls_room(1)
+        self._check_controls_room()
         self.gb_opt = prog._new_graph(opt_size, True)
         lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
         stepped = self.controls.step_gradients(ctx, grads)
@@ -229,7 +235,8 @@ class Trainer:
             step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, row.ptr)
             lib.ggml_build_forward_expand(self.gb_opt, step)
 
-    def _check_controls_room(self, graphs: int) -> None:
+    def _check_controls_room(self) -> None:
+        """Room in the compute context for one graph's control nodes (ggml aborts when it runs out)."""
         extra = GraphControls.extra_nodes(len(self.prog.params), self.loop)
         if extra:
             self.prog._check_room(extra * lib.ggml_tensor_overhead(), "the training loop's controls")
@@ -238,7 +245,7 @@ class Trainer:
         """A micro-batch's graph before the step's last: gb_grad, then its gradients copied (the
         first) or added (later ones) into the accumulators."""
         prog = self.prog
-        self._check_controls_room(1)
+        self._check_controls_room()
         graph = prog._new_graph(size, True)
         lib.ggml_graph_cpy(self.gb_grad, graph)
         for node in self.controls.into_accumulators(prog._ctx_compute, grads, first):
