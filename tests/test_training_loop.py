@@ -371,3 +371,13 @@ def test_a_trainer_built_without_the_runs_controls_is_refused_by_name():
     assert str(err.value) == ("option 'grad_clip': recipe mine's trainer was not built with it (its program was not "
                               "made on the run's engine in realize); leave grad_clip at 0.0")
     check_loop_controls("mine", SimpleNamespace(loop=TrainingLoop(1, 0.5)), options)      # built with it: fine
+
+
+def test_a_step_larger_than_the_image_data_is_refused_naming_both_options(tmp_path):
+    from toyharness.images import load_image_data
+
+    n = len(load_image_data().train_y)
+    with pytest.raises(InputError) as err:
+        train("vit_tiny", steps=1, sets=["t_batch=64", f"accumulate={n // 64 + 1}"], out=str(tmp_path / "r"),
+              progress=False)
+    assert f"training images, fewer than t_batch * accumulate {64 * (n // 64 + 1)}" in str(err.value)

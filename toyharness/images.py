@@ -51,7 +51,9 @@ class ImageData:
                 raise InputError(f"data {self.source}: label {top} out of range [0, {wanted}) (option 'n_classes')")
             self.n_classes = wanted
         if len(self.train_y) < options.t_batch:
-            raise InputError(f"data {self.source}: {len(self.train_y)} training images, fewer than t_batch "
+            # `options` are a step's (toyharness/training_loop.py): t_batch * accumulate rows
+            what = "t_batch * accumulate" if getattr(options, "accumulate", 1) > 1 else "t_batch"
+            raise InputError(f"data {self.source}: {len(self.train_y)} training images, fewer than {what} "
                              f"{options.t_batch}")
 
     def items_per_batch(self, options) -> int:

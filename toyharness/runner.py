@@ -92,7 +92,8 @@ def load_data(pm, options):
                              "the core text data, which reads t_seq and eval_batches: derive its options from "
                              "toyharness.TextOptions, or implement load_data")
         data = load_text_data(options.data)
-    data.check(options) if hasattr(data, "check") else data.check_fits(options.t_seq)
+    # a step's batch holds t_batch * accumulate rows
+    data.check(options_for_steps(options)) if hasattr(data, "check") else data.check_fits(options.t_seq)
     return data
 
 
