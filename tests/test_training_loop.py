@@ -175,11 +175,12 @@ def test_clip_matches_float64_numpy_on_the_gradients(clip):
     prog.close()
 
 
-def test_clipped_run_bits_and_norm_do_not_depend_on_the_thread_count(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["accumulate=2"], ["portable=true", "accumulate=2"]])
+def test_clipped_run_bits_and_norm_do_not_depend_on_the_thread_count(tmp_path, extra):
     runs = []
     for threads in (1, 2):
         out = tmp_path / f"t{threads}"
-        train("gpt2", steps=4, threads=threads, sets=[*golden_sets_for("gpt2"), "grad_clip=0.05", *QUIET],
+        train("gpt2", steps=4, threads=threads, sets=[*golden_sets_for("gpt2"), "grad_clip=0.05", *extra, *QUIET],
               out=str(out), progress=False)
         runs.append([(m["loss_hex"], m["grad_norm"]) for m in metrics(out)])
     assert runs[0] == runs[1]
