@@ -53,6 +53,18 @@ def test_the_cuda_rewrite_takes_a_run_of_adamw_steps_as_one_and_refuses_a_part_o
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0 and "OPT_STEP_ADAMW" in ops_of(trainer.gb_opt)
 
 
+def test_matrices_and_vectors_interleaved_still_make_runs_of_adamw_steps():
+    """A vector steps on the AdamW row without weight decay, a matrix on the other: the Trainer puts
+    each row's steps together, so that weight, bias, weight, bias ... still makes two runs (no step
+    left to ggml's lone kernel)."""
+    shapes = [(5, 7), (7,), (6, 3), (3,), (4, 4), (4,)]
+    prog, trainer = adamw_program("cpu", shapes)
+    assert trainer.hp_no_decay is not None
+    lib.th_cuda_rewrite(trainer.gb_opt, 1)
+    assert cuda_kernel_names(trainer.gb_opt).count("adamw") == len(shapes)
+    assert "OPT_STEP_ADAMW" not in ops_of(trainer.gb_opt)
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
     """Three steps of the run's kernel (ours: 4 floats a thread, float4s where they fit, 32

@@ -227,7 +227,12 @@ class Trainer:
         lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
         stepped = self.controls.step_gradients(ctx, grads)
         decayed = set(self.decayed)
-        for name, p in prog.params.items():
+        # the decayed tensors' steps, then the others': each row's steps consecutive, so that the
+        # cuda rewrite takes each as one run (native/cuda_rewrite/adamw_runs.c); the order of
+        # independent steps changes no bit
+        order = [*self.decayed, *(n for n in prog.params if n not in decayed)]
+        for name in order:
+            p = prog.params[name]
             grad = stepped[name]
             if not lib.ggml_is_contiguous(grad):
                 grad = lib.ggml_cont(ctx, grad)
