@@ -90,3 +90,28 @@ def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
         ours, ggmls = prog.read(prog.params[f"p{i}"]), alone.read(p)
         assert np.array_equal(ours, ggmls), (shape, np.abs(ours - ggmls).max())
         assert not np.array_equal(ours, drawn[i][0])                   # it did step
+
+
+def test_the_cuda_rewrite_takes_accumulations_and_clippings_graphs():
+    """gpt2 with accumulate=2 and grad_clip, built on cpu as cuda builds it: the last micro-batch's
+    graph (the AdamW steps on the clipped sum, two runs) and both earlier micro-batches' graphs are
+    graphs the rewrite accepts, every step in a run."""
+    from toyharness.discovery import get_recipe
+    from toyharness.goldens import golden_sets_for
+    from toyharness.hookspecs import plugin_manager
+    from toyharness.runner import load_data, resolve_options
+
+    _, obj = get_recipe("gpt2")
+    options = resolve_options(obj, None, golden_sets_for("gpt2"), {})
+    pm = plugin_manager(obj)
+    engine = get_engine("cpu")
+    engine.set_training_loop(2, 0.05)
+    try:
+        trainer = pm.hook.realize(engine=engine, options=options, data=load_data(pm, options)).trainer
+    finally:
+        engine.set_training_loop()
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) > 0
+    assert cuda_kernel_names(trainer.gb_opt).count("adamw") == len(trainer.prog.params)
+    for graph in trainer.gb_micro:
+        assert lib.th_cuda_rewrite(graph, 1) >= 0
+    trainer.prog.close()

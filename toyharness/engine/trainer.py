@@ -231,6 +231,11 @@ class Trainer:
         # cuda rewrite takes each as one run (native/cuda_rewrite/adamw_runs.c); the order of
         # independent steps changes no bit
         order = [*self.decayed, *(n for n in prog.params if n not in decayed)]
+        if not self.loop.is_default:
+            # the controls' nodes (sums, scale, clip) all before the first step: the steps stay
+            # consecutive (the cuda rewrite's runs)
+            for name in order:
+                lib.ggml_build_forward_expand(self.gb_opt, stepped[name])
         for name in order:
             p = prog.params[name]
             grad = stepped[name]
