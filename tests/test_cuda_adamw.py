@@ -53,6 +53,18 @@ def test_the_cuda_rewrite_takes_a_run_of_adamw_steps_as_one_and_refuses_a_part_o
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0 and "OPT_STEP_ADAMW" in ops_of(trainer.gb_opt)
 
 
+def test_matrices_and_vectors_interleaved_still_make_runs_of_adamw_steps():
+    """A vector steps on the AdamW row without weight decay, a matrix on the other: the Trainer puts
+    each row's steps together, so that weight, bias, weight, bias ... still makes two runs (no step
+    left to ggml's lone kernel)."""
+    shapes = [(5, 7), (7,), (6, 3), (3,), (4, 4), (4,)]
+    prog, trainer = adamw_program("cpu", shapes)
+    assert trainer.hp_no_decay is not None
+    lib.th_cuda_rewrite(trainer.gb_opt, 1)
+    assert cuda_kernel_names(trainer.gb_opt).count("adamw") == len(shapes)
+    assert "OPT_STEP_ADAMW" not in ops_of(trainer.gb_opt)
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
 def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
     """Three steps of the run's kernel (ours: 4 floats a thread, float4s where they fit, 32
@@ -78,3 +90,28 @@ def test_adamw_over_a_run_on_cuda_gives_ggmls_steps_bit_for_bit(backend):
         ours, ggmls = prog.read(prog.params[f"p{i}"]), alone.read(p)
         assert np.array_equal(ours, ggmls), (shape, np.abs(ours - ggmls).max())
         assert not np.array_equal(ours, drawn[i][0])                   # it did step
+
+
+def test_the_cuda_rewrite_takes_accumulations_and_clippings_graphs():
+    """gpt2 with accumulate=2 and grad_clip, built on cpu as cuda builds it: the last micro-batch's
+    graph (the AdamW steps on the clipped sum, two runs) and both earlier micro-batches' graphs are
+    graphs the rewrite accepts, every step in a run."""
+    from toyharness.discovery import get_recipe
+    from toyharness.goldens import golden_sets_for
+    from toyharness.hookspecs import plugin_manager
+    from toyharness.runner import load_data, resolve_options
+
+    _, obj = get_recipe("gpt2")
+    options = resolve_options(obj, None, golden_sets_for("gpt2"), {})
+    pm = plugin_manager(obj)
+    engine = get_engine("cpu")
+    engine.set_training_loop(2, 0.05)
+    try:
+        trainer = pm.hook.realize(engine=engine, options=options, data=load_data(pm, options)).trainer
+    finally:
+        engine.set_training_loop()
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) > 0
+    assert cuda_kernel_names(trainer.gb_opt).count("adamw") == len(trainer.prog.params)
+    for graph in trainer.gb_micro:
+        assert lib.th_cuda_rewrite(graph, 1) >= 0
+    trainer.prog.close()

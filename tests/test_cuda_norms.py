@@ -62,8 +62,11 @@ def test_the_cuda_rewrite_marks_each_layer_norm_stand_in_and_its_backward():
     ops = ops_of(trainer.gb_grad)
     assert "RMS_NORM" not in ops and "RMS_NORM_BACK" not in ops
     assert ops.count("MUL") == 2 and ops.count("OUT_PROD") == 1       # the loss's weights; the bias's column sum
-    # the same nodes, marked already, and AdamW's steps (one a parameter): one run
-    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == len(prog.params) >= 2
+    # the same nodes, marked already, and AdamW's steps (one a parameter): a run for each row of
+    # two or more: gain and bias (vectors, no weight decay); x, the one matrix, alone on its row,
+    # steps on ggml's own kernel (the same bits, tests/test_cuda_adamw.py)
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == len(prog.params) - 1 == 2
+    assert trainer.decayed == ["x"]
     for graph in (trainer.gb_grad, trainer.gb_opt, fg.graph):
         lib.th_cuda_rewrite(graph, 1)
         names = kernel_names_in_order(graph)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from toyharness.cli import main
@@ -325,6 +326,19 @@ def test_sweep_refuses_an_unknown_log_name_before_anything_runs(tmp_path, capsys
 
 
 # ---------------------------------------------------------------- tensorboard, read back with its own reader
+
+
+def test_tensorboard_shows_the_gradient_norm_with_grad_clip(tmp_path):
+    """train/grad_norm: metrics.jsonl's grad_norm (the norm before clipping), as float32."""
+    pytest.importorskip("tensorboard", reason='tensorboard is not installed (pip install "toyharness[tensorboard]")')
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    train("gpt2", steps=3, sets=[*TINY, "grad_clip=0.1"], out=str(out), progress=False, log="tensorboard")
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e.value for e in acc.Scalars("train/grad_norm")] == [np.float32(m["grad_norm"]) for m in metrics]
 
 
 def test_tensorboard_events_read_back_with_tensorboards_reader(plain_run, tmp_path):

@@ -173,3 +173,35 @@ def test_the_references_bf16_run_is_autocast_and_near_its_fp32_run():
     bf16 = reference.train_reference("gpt2", STEPS, SMALL, "bf16", "cpu")["losses"]
     assert fp32 != bf16
     assert relative_difference(bf16, fp32) < 2 ** -7
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "llama"])
+def test_clipped_losses_match_pytorch_clip_grad_norm(recipe, tmp_path):
+    """grad_clip small enough to clip every step (the norm before clipping, metrics.jsonl's
+    grad_norm, above it each time): the first 16 losses against the twin with
+    torch.nn.utils.clip_grad_norm_ at the same bound."""
+    out = tmp_path / recipe
+    train(recipe, steps=16, sets=[*SMALL, "grad_clip=0.05"], out=str(out), save_init=True, save_batches=True,
+          progress=False)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert min(m["grad_norm"] for m in metrics) > 0.05, "clipping must be active at every step"
+    ours = [m["loss"] for m in metrics]
+    theirs = reference.replay_losses(out, 16)
+    diff = relative_difference(ours, theirs)
+    print(f"{recipe} with grad_clip=0.05: largest relative difference over 16 steps {diff:.3g}")
+    assert diff < 2e-5, (ours, theirs)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "llama"])
+def test_accumulated_clipped_decayed_losses_match_pytorch(recipe, tmp_path):
+    """accumulate=2 (the twin weights each micro-batch's loss by its count), clipping, weight
+    decay on matrices only and a linear schedule to min_lr, against the twin doing the same."""
+    out = tmp_path / recipe
+    train(recipe, steps=16, sets=[*SMALL, "grad_clip=0.05", "accumulate=2", "weight_decay=0.1",
+                                  "lr_schedule=linear", "min_lr=1e-4"],
+          out=str(out), save_init=True, save_batches=True, progress=False)
+    ours = first_losses(out)
+    theirs = reference.replay_losses(out, 16)
+    diff = relative_difference(ours, theirs)
+    print(f"{recipe} accumulate=2, clipped, decayed: largest relative difference over 16 steps {diff:.3g}")
+    assert diff < 2e-5, (ours, theirs)

@@ -38,25 +38,55 @@ class HPRow(tuple):
         return self[0]
 
 
+SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """LR schedule for slot 0: ``constant``, or ``cosine`` (linear warmup, cosine decay to min_lr)."""
+    """LR schedule for slot 0: ``constant``; ``cosine`` or ``linear``: `warmup` steps of linear
+    warmup (step s at (s+1)/warmup of lr), then a decay over the remaining steps to the floor.
+
+    The floor: `min_lr` where set (an absolute learning rate, nanoGPT's ``min_lr``), else
+    `min_lr_ratio` (0.1) of lr, nanoGPT's own default (min_lr = learning_rate/10). nanoGPT's warmup
+    is (it+1)/(warmup_iters+1): ours reaches lr at the last warmup step, one step earlier."""
 
     kind: str = "constant"
     warmup: int = 0
     total: int = 0
     min_lr_ratio: float = 0.1
+    min_lr: float | None = None
+
+    def _progress(self, step: int) -> float:
+        span = max(1, self.total - self.warmup)
+        return min(1.0, (step - self.warmup) / span)
+
+    def _decay(self, step: int) -> float:
+        """Where the decay stands, from 1 (lr) to 0 (the floor)."""
+        progress = self._progress(step)
+        if self.kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    def _check(self) -> None:
+        if self.kind not in SCHEDULES:
+            raise InputError(f"lr_schedule: unknown schedule {self.kind!r}; allowed: {', '.join(SCHEDULES)}")
 
     def factor(self, step: int) -> float:
+        """lr's multiplier at `step` with the floor a ratio of lr (`min_lr` unset)."""
+        self._check()
         if self.kind == "constant":
             return 1.0
-        if self.kind != "cosine":
-            raise InputError(f"lr_schedule: unknown schedule {self.kind!r}; allowed: constant, cosine")
         if self.warmup > 0 and step < self.warmup:
             return (step + 1) / self.warmup
-        span = max(1, self.total - self.warmup)
-        progress = min(1.0, (step - self.warmup) / span)
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * self._decay(step)
+
+    def learning_rate(self, lr: float, step: int) -> float:
+        """The learning rate at 0-indexed `step`: lr * factor(step), or with `min_lr` set, nanoGPT's
+        min_lr + coeff * (lr - min_lr) after the warmup."""
+        self._check()
+        if self.min_lr is None or self.kind == "constant" or (self.warmup > 0 and step < self.warmup):
+            return lr * self.factor(step)
+        return self.min_lr + self._decay(step) * (lr - self.min_lr)
 
 
 @dataclass(frozen=True)
@@ -80,7 +110,7 @@ class AdamWRow:
         """The row for 0-indexed ``step``, slot 0 scaled by the schedule."""
         if step < 0:
             raise InputError(f"step must be >= 0, got {step}")
-        lr = self.lr * self.schedule.factor(step)
+        lr = self.schedule.learning_rate(self.lr, step)
         b1, b2 = self.beta1, self.beta2
         if self.convention == "bias_corrected":
             t = step + 1

@@ -123,7 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="train a recipe and write a run folder",
                        description="Train RECIPE and write its run folder (config.toml, metrics.jsonl, "
-                                   "summary.json, loss.png, checkpoint.gguf, model.gguf).")
+                                   "summary.json, loss.png, checkpoint.gguf, model.gguf).",
+                       epilog="training-loop options (--set, all off by default): accumulate=K sums the gradients "
+                              "of K micro-batches of t_batch rows per optimizer step (the rows of one t_batch*K "
+                              "batch); grad_clip=C clips each step's gradient to global L2 norm C, as PyTorch's "
+                              "clip_grad_norm_ (metrics.jsonl's grad_norm); lr_schedule=constant|linear|cosine "
+                              "with warmup=N and min_lr=LR (the decay's floor; unset: lr/10, nanoGPT's default); "
+                              "weight_decay applies to matrices and embeddings only. `--set bogus=1` lists every "
+                              "option of the recipe.")
     r.add_argument("recipe", help="an installed recipe (`toyharness recipes` lists them)")
     r.add_argument("--steps", type=int, help="number of training steps (default: the recipe's)")
     add_shared_flags(r, backend_default=None,

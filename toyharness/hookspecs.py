@@ -72,7 +72,10 @@ class RecipeSpec:
     @hookspec(firstresult=True)
     def step(self, model, batch: dict, hp) -> float:
         """One training step on one batch; return the loss (a float32 value). `Recipe`'s
-        default: ``model.trainer.step(batch, hp)``."""
+        default: ``model.trainer.step(batch, hp)``. With the option ``accumulate`` K > 1 it is
+        called K times per optimizer step, once per micro-batch of t_batch rows, with the step's
+        row each time; it must call ``Trainer.step`` once per call (the Trainer accumulates and
+        steps on the last; the runner reports ``Trainer.step_loss``)."""
 
     @hookspec(firstresult=True)
     def evaluate(self, model, batch: dict) -> dict:
@@ -114,9 +117,13 @@ class ObserverSpec:
         ``sweep_dir``, ``point`` (its index) and ``point_name``; empty for a plain run."""
 
     @hookspec
-    def step_end(self, run, step: int, loss: float, lr: float, ms: float, tokens_per_s: float) -> None:
-        """A training step finished (0-indexed `step`): its loss (a float32 value), the learning
-        rate it used, its time in milliseconds and items (tokens or images) per second."""
+    def step_end(self, run, step: int, loss: float, lr: float, ms: float, tokens_per_s: float,
+                 grad_norm: float | None) -> None:
+        """A training step finished (0-indexed `step`): its loss (a float32 value; with
+        ``accumulate`` the count-weighted mean of its micro-batches'), the learning rate it used,
+        its time in milliseconds, items (tokens or images) per second, and with ``grad_clip`` set
+        the global L2 norm of its gradient before clipping (None otherwise). An implementation may
+        leave out any of these arguments (grad_norm among them)."""
 
     @hookspec
     def eval_end(self, run, step: int, loss: float, accuracy: float | None) -> None:

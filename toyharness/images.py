@@ -51,7 +51,9 @@ class ImageData:
                 raise InputError(f"data {self.source}: label {top} out of range [0, {wanted}) (option 'n_classes')")
             self.n_classes = wanted
         if len(self.train_y) < options.t_batch:
-            raise InputError(f"data {self.source}: {len(self.train_y)} training images, fewer than t_batch "
+            # `options` are a step's (toyharness/training_loop.py): t_batch * accumulate rows
+            what = "t_batch * accumulate" if getattr(options, "accumulate", 1) > 1 else "t_batch"
+            raise InputError(f"data {self.source}: {len(self.train_y)} training images, fewer than {what} "
                              f"{options.t_batch}")
 
     def items_per_batch(self, options) -> int:
@@ -80,6 +82,21 @@ class ImageData:
                "labels": y.astype(np.int32)}
         if split == "eval":
             out["valid"] = np.int32(valid)
+        return out
+
+    def micro_batches(self, batch: dict[str, np.ndarray], k: int, options) -> list[dict[str, np.ndarray]]:
+        """A batch of t_batch * k rows (`step_batch` at that size) as k micro-batches of t_batch rows
+        (option ``accumulate``): each its own class-token rows and, held out, its own count of
+        valid rows."""
+        b = len(batch["labels"]) // k
+        out = []
+        for j in range(k):
+            rows = slice(j * b, (j + 1) * b)
+            part = {"images": np.ascontiguousarray(batch["images"][rows]),
+                    "cls_index": batch["cls_index"][:b].copy(), "labels": np.ascontiguousarray(batch["labels"][rows])}
+            if "valid" in batch:
+                part["valid"] = np.int32(min(b, max(0, int(batch["valid"]) - j * b)))
+            out.append(part)
         return out
 
 

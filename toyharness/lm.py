@@ -335,7 +335,10 @@ def seeded_model_file(recipe: str, sets: list[str], vocab: int = 256) -> Path:
     base model without shipping one."""
     _, obj = get_recipe(recipe)
     options = resolve_options(obj, None, sets, {})
-    key = hashlib.sha256(repr((recipe, sorted(options.to_dict().items()), vocab)).encode()).hexdigest()[:12]
+    # the training loop's controls change no initial weight: left out, so the key (the file's name)
+    # stays what it was before they existed
+    values = {k: v for k, v in options.to_dict().items() if k not in ("accumulate", "grad_clip", "min_lr")}
+    key = hashlib.sha256(repr((recipe, sorted(values.items()), vocab)).encode()).hexdigest()[:12]
     path = cache_root() / "models" / f"{recipe}-init-{key}.gguf"
     if not path.is_file():
         with with_values():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import tomllib
 
-from .adamw import CONVENTIONS, AdamWRow, Schedule
+from .adamw import CONVENTIONS, SCHEDULES, AdamWRow, Schedule
 from .discovery import recipe_name
 from .errors import InputError, RecipeError, ToyharnessError
 from .hookspecs import plugin_manager
@@ -82,10 +83,20 @@ class Options:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # decays matrices and embeddings only (2 or more axes); biases, norms' gains and other vectors
+    # step with weight_decay 0 (nanoGPT's configure_optimizers; engine/loop_controls.decays)
     weight_decay: float = 0.0
     adamw_convention: str = choice("constant_betas", CONVENTIONS)
-    lr_schedule: str = choice("constant", ("constant", "cosine"))
+    # constant | linear | cosine: `warmup` steps of linear warmup, then a decay to min_lr
+    lr_schedule: str = choice("constant", SCHEDULES)
     warmup: int = 0
+    # the decay's floor, an absolute learning rate; unset: lr/10 (nanoGPT's default min_lr)
+    min_lr: float | None = None
+    # micro-batches of t_batch rows per optimizer step, their gradients summed (1: off); a step's
+    # rows are those one batch of t_batch * accumulate holds
+    accumulate: int = positive(1)
+    # clip each step's gradient to this global L2 norm, as torch.nn.utils.clip_grad_norm_ (0: off)
+    grad_clip: float = 0.0
     # the loop
     steps: int = positive(200)
     eval_every: int = positive(50)
@@ -100,7 +111,7 @@ class Options:
     log: tuple[str, ...] = ()
 
     def adamw_row(self, total_steps: int | None = None) -> AdamWRow:
-        schedule = Schedule(self.lr_schedule, self.warmup, total_steps or self.steps)
+        schedule = Schedule(self.lr_schedule, self.warmup, total_steps or self.steps, min_lr=self.min_lr)
         return AdamWRow(self.adamw_convention, self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, schedule)
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,6 +140,14 @@ class Options:
         for key in ("warmup", "seed"):
             if getattr(self, key) < 0:
                 raise self.invalid(key, f"must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.grad_clip < math.inf:
+            raise self.invalid("grad_clip", f"must be >= 0 and finite (0: off), got {self.grad_clip}")
+        if self.min_lr is not None:
+            if not 0 <= self.min_lr <= self.lr:
+                raise self.invalid("min_lr", f"must be in [0, lr={self.lr:g}], got {self.min_lr:g}")
+            if self.lr_schedule == "constant":
+                raise self.invalid("min_lr", "the constant schedule has no floor; set lr_schedule=cosine or linear "
+                                   "(or leave min_lr unset)")
 
     @staticmethod
     def invalid(key: str, reason: str) -> InputError:
@@ -162,6 +181,11 @@ def convert(cls: type[Options], key: str, raw: Any) -> Any:
     hints = typing.get_type_hints(cls)
     typ = hints[key]
     choices = f.metadata.get("choices")
+    if typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ):
+        # an optional value (min_lr): "none" or "" unsets it, else the value's own type
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none")):
+            return None
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
     try:
         if typ is bool:
             if isinstance(raw, bool):

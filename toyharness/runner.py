@@ -35,6 +35,7 @@ from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
 from .observers import ObserverBus, load_observers
 from .options import Options, read_toml, resolve_options
+from .training_loop import Progress, check_loop_controls, evaluate_batch, optimizer_step, options_for_steps
 
 GGML_VERSION = "0.25.3"
 
@@ -91,7 +92,8 @@ def load_data(pm, options):
                              "the core text data, which reads t_seq and eval_batches: derive its options from "
                              "toyharness.TextOptions, or implement load_data")
         data = load_text_data(options.data)
-    data.check(options) if hasattr(data, "check") else data.check_fits(options.t_seq)
+    # a step's batch holds t_batch * accumulate rows
+    data.check(options_for_steps(options)) if hasattr(data, "check") else data.check_fits(options.t_seq)
     return data
 
 
@@ -111,7 +113,9 @@ def items_per_batch(data, options) -> int:
 def config_toml(run: Run, threads: int) -> str:
     import tomli_w
 
-    doc = {"recipe": run.recipe, **run.options.to_dict(), "ggml_version": GGML_VERSION,
+    # an unset optional option (min_lr) is left out: TOML has no null, and absent reads back unset
+    options = {k: v for k, v in run.options.to_dict().items() if v is not None}
+    doc = {"recipe": run.recipe, **options, "ggml_version": GGML_VERSION,
            "backend": run.engine.backend, "fingerprint": run.engine.fingerprint(), "threads": threads,
            "toyharness_version": __version__}
     return tomli_w.dumps(doc)
@@ -181,7 +185,11 @@ def plan_run(recipe: str, backend: str | None = None, threads: int | None = None
     engine = get_engine(backend, threads)
     engine.set_portable(options.portable)
     engine.set_precision(options.precision)
-    return plan_model(recipe, pm, engine, options, data)
+    engine.set_training_loop(options.accumulate, options.grad_clip)
+    try:
+        return plan_model(recipe, pm, engine, options, data)
+    finally:
+        engine.set_training_loop()      # the engine is the process's: later programs train plainly
 
 
 def resume_backend(resume_dir: Path, saved: dict, backend: str | None, options: Options) -> str:
@@ -253,13 +261,21 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = Run(recipe, options, out_dir, engine, entry, tags=tags)
 
-    # Refused here, before anything large is allocated, when it cannot fit (exit 2).
-    check_fits(recipe, pm, engine, options, data)
-    model = pm.hook.realize(engine=engine, options=options, data=data)
+    # The programs the recipe makes now take the run's accumulation and clipping (the engine's,
+    # which goes back to its defaults once they are made).
+    engine.set_training_loop(options.accumulate, options.grad_clip)
+    try:
+        # Refused here, before anything large is allocated, when it cannot fit (exit 2).
+        check_fits(recipe, pm, engine, options, data)
+        model = pm.hook.realize(engine=engine, options=options, data=data)
+    finally:
+        engine.set_training_loop()
     trainer = getattr(model, "trainer", None)
     if trainer is None:
         raise InputError(f"recipe {recipe}: realize returned {type(model).__name__}, which has no `trainer` "
                          "(the Trainer of its program: prog.trainer(loss, convention))")
+    check_loop_controls(recipe, trainer, options)
+    step_options = options_for_steps(options)
     start = 0
     if resume_dir is not None:
         start = load_checkpoint(resume_dir / "checkpoint.gguf", trainer, options)
@@ -293,34 +309,37 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     batches_log: dict[str, list] = {}
     if save_batches:    # a resumed run's file holds every step too: the batches before `start` made again
         for i in range(start):
-            for k, v in batch_for(data, "train", i, options).items():
+            for k, v in batch_for(data, "train", i, step_options).items():
                 batches_log.setdefault(k, []).append(v)
-    per_batch = items_per_batch(data, options)
+    per_batch = items_per_batch(data, step_options)
     t_run = time.perf_counter()
-    bar = _Progress(options.steps - start, recipe, enabled=progress)
+    bar = Progress(options.steps - start, recipe, enabled=progress)
     try:
         if write_files and start == options.steps and out_dir != resume_dir:
             # a resume with no step left, into another folder: that folder can be resumed too
             atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
             save_checkpoint(out_dir, trainer, options, start)
         for i in range(start, options.steps):
-            batch = batch_for(data, "train", i, options)
+            batch = batch_for(data, "train", i, step_options)
             if save_batches:
                 for k, v in batch.items():
                     batches_log.setdefault(k, []).append(v)
             row = pm.hook.hp(options=options, step=i)
             t0 = time.perf_counter()
-            loss = float(np.float32(pm.hook.step(model=model, batch=batch, hp=row)))
+            loss = float(np.float32(optimizer_step(pm, model, trainer, data, batch, row, options, recipe)))
             ms = (time.perf_counter() - t0) * 1000
             if not math.isfinite(loss):
                 raise CheckFailed(f"{recipe}: loss is {loss} at step {i}; stopping (lr {row.lr:g})")
             tps = per_batch / (ms / 1000) if ms > 0 else 0.0
+            grad_norm = trainer.grad_norm if options.grad_clip > 0 else None
             run.metrics.append({"step": i, "loss": loss, "loss_hex": float_hex(loss), "lr": row.lr,
                                 "ms": round(ms, 3), "tokens_per_s": round(tps, 1)})
             if hasattr(data, "step_metrics"):     # JSONL examples: padding, and the tokens the loss counts
-                run.metrics[-1].update(data.step_metrics(i, options, ms))
-            pm.hook.step_end(run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps)
-            bus.emit("step_end", run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps)
+                run.metrics[-1].update(data.step_metrics(i, step_options, ms))
+            if grad_norm is not None:
+                run.metrics[-1]["grad_norm"] = grad_norm
+            pm.hook.step_end(run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps, grad_norm=grad_norm)
+            bus.emit("step_end", run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps, grad_norm=grad_norm)
             done = i + 1
             if (done % options.eval_every == 0) or done == options.steps:
                 ev = evaluate(pm, model, data, options)
@@ -332,7 +351,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                 eval_args = {"step": i, "loss": ev["loss"], "accuracy": ev.get("accuracy")}
                 pm.hook.eval_end(run=run, **eval_args)
                 bus.emit("eval_end", run=run, **eval_args)
-            bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None)
+            bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None, grad_norm)
             if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
                 atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
                 save_checkpoint(out_dir, trainer, options, done)
@@ -400,13 +419,14 @@ def last_eval_loss(run: Run) -> float | None:
 def evaluate(pm, model, data, options) -> dict:
     """Mean of the evaluate hook over the held-out batches (the data's own count, else
     options.eval_batches); classifiers' counts and confusion matrices are summed."""
-    n = data.eval_batches(options) if hasattr(data, "eval_batches") else getattr(options, "eval_batches", None)
+    step_options = options_for_steps(options)
+    n = data.eval_batches(step_options) if hasattr(data, "eval_batches") else getattr(options, "eval_batches", None)
     if n is None:
         raise InputError(f"options {type(options).__name__}: the recipe's data has no eval_batches(options) and its "
                          "options no eval_batches key: add one of them (TextOptions has the key)")
     total, correct, count, confusion = 0.0, 0, 0, None
     for j in range(n):
-        res = pm.hook.evaluate(model=model, batch=batch_for(data, "eval", j, options))
+        res = evaluate_batch(pm, model, data, batch_for(data, "eval", j, step_options), options)
         total += res["loss"]
         correct += res.get("correct", 0)
         count += res.get("count", 0)
@@ -425,7 +445,8 @@ def trainer_params(trainer) -> dict[str, np.ndarray]:
 
 
 def save_checkpoint(out_dir: Path, trainer, options: Options, steps_done: int) -> None:
-    meta = {"toyharness.step": steps_done, "toyharness.data_position": steps_done * options.t_batch,
+    rows = options.t_batch * options.accumulate     # a step's rows
+    meta = {"toyharness.step": steps_done, "toyharness.data_position": steps_done * rows,
             "toyharness.seed": options.seed}
     write_gguf(out_dir / "checkpoint.gguf", "toyharness-checkpoint", trainer.state(), meta)
 
@@ -563,37 +584,3 @@ def plot_confusion(path: Path, confusion: np.ndarray, title: str) -> None:
     fig.savefig(buf, format="png")
     plt.close(fig)
     atomic_write(path, buf.getvalue())
-
-
-class _Progress:
-    """rich progress bar with loss, tokens/s and ETA; a line every 10% when not a terminal."""
-
-    def __init__(self, total: int, label: str, enabled: bool):
-        self.total, self.done, self.enabled = total, 0, enabled
-        self._bar = None
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.console = Console(stderr=True)
-        if self.console.is_terminal:
-            self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                                 TextColumn("eval {task.fields[ev]}"), TimeRemainingColumn(), console=self.console)
-            self._task = self._bar.add_task(label, total=total, loss="-", tps="-", ev="-")
-            self._bar.start()
-
-    def update(self, loss: float, tps: float, ev: float | None) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        ev_s = f"{ev:.4f}" if ev is not None else "-"
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", ev=ev_s)
-        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
-            self.console.print(f"step {self.done}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s  eval {ev_s}")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()

@@ -25,7 +25,7 @@ class GPT2Options(LMOptions):
     lr: float = 3e-3
     beta2: float = 0.999
     adamw_convention: str = choice("bias_corrected", ("bias_corrected", "constant_betas"))
-    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    lr_schedule: str = choice("cosine", ("constant", "linear", "cosine"))
     warmup: int = 20
     steps: int = 1500
     eval_every: int = 250
@@ -41,8 +41,10 @@ class GPT2Options(LMOptions):
 class GPT2(LMRecipe):
     name = "gpt2"
     options_class = GPT2Options
-    # gpt2@dropout: the golden config with dropout 0.1 at its four sites
-    golden_variants = {"dropout": ["dropout=0.1"]}
+    # gpt2@dropout: the golden config with dropout 0.1 at its four sites; gpt2@accum: two
+    # micro-batches of the golden t_batch a step; gpt2@clip: a global norm bound below every step's
+    # gradient norm at the golden config, so that every step clips
+    golden_variants = {"dropout": ["dropout=0.1"], "accum": ["accumulate=2"], "clip": ["grad_clip=0.05"]}
 
     def torch_reference(self, options):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""

@@ -51,7 +51,7 @@ class LlamaOptions(LMOptions):
     t_seq: int = 64
     t_batch: int = 16
     lr: float = 3e-3
-    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    lr_schedule: str = choice("cosine", ("constant", "linear", "cosine"))
     warmup: int = 20
     steps: int = 600
     eval_every: int = 100

@@ -77,7 +77,7 @@ class LoRAOptions(LMOptions):
     lr: float = 2e-3
     beta2: float = 0.999
     adamw_convention: str = choice("bias_corrected", CONVENTIONS)
-    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    lr_schedule: str = choice("cosine", ("constant", "linear", "cosine"))
     warmup: int = 10
     steps: int = 200
     eval_every: int = 50

@@ -34,7 +34,7 @@ class ViTOptions(Options):
     d_ff: int = positive(128)
     t_batch: int = 64
     lr: float = 2e-3
-    lr_schedule: str = choice("cosine", ("constant", "cosine"))
+    lr_schedule: str = choice("cosine", ("constant", "linear", "cosine"))
     warmup: int = 30
     steps: int = 900
     eval_every: int = 300

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from ..errors import InputError
+
 N_BATCHES = 8          # distinct batches cycled through (same ones on both sides)
 # Named model sizes (`bench --size`), laid over a recipe's bench config before its --set: the
 # sizes people train small models at. nano: nanoGPT's shakespeare-char model (on a 2-core cpu, add
@@ -62,6 +64,12 @@ def realize_for_bench(recipe: str, backend: str, threads: int, sets: list[str] |
     from ..runner import load_data
 
     obj, opts = bench_options(recipe, sets)
+    # bench times one optimizer step per batch beside PyTorch's plain step: the loop's controls
+    # are not measured there, so they are refused rather than ignored
+    for key, off in (("accumulate", 1), ("grad_clip", 0.0)):
+        if getattr(opts, key, off) != off:
+            raise InputError(f"option {key!r}: bench times plain steps (one batch, no clipping) beside PyTorch's; "
+                             f"leave {key} at {off:g}")
     pm = plugin_manager(obj)
     data = load_data(pm, opts)
     engine = get_engine(backend, threads)

@@ -83,13 +83,45 @@ def class_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def adamw_row_step(params: dict, m: dict, v: dict, row) -> None:
-    """One AdamW step from our 7-slot row (toyharness/adamw.py), applied as written."""
+    """One AdamW step from our 7-slot row (toyharness/adamw.py), applied as written; weight decay
+    on tensors of 2 or more axes only, as nanoGPT's configure_optimizers groups them."""
     lr, b1, b2, eps, wd, s5, s6 = (float(x) for x in row)
     for name, p in params.items():
         g = p.grad
         m[name].mul_(b1).add_(g, alpha=1 - b1)
         v[name].mul_(b2).addcmul_(g, g, value=1 - b2)
-        p.mul_(1 - lr * wd).sub_(lr * (m[name] * s5) / ((v[name] * s6).sqrt() + eps))
+        decay = wd if p.dim() >= 2 else 0.0
+        p.mul_(1 - lr * decay).sub_(lr * (m[name] * s5) / ((v[name] * s6).sqrt() + eps))
+
+
+def micro_batches(batch: dict, k: int) -> list[dict]:
+    """A step's batch (t_batch * k rows, as batches.npz holds it) as k micro-batches of
+    consecutive rows; what the loss reads only (images, tokens, targets, labels, mask)."""
+    keep = {n: a for n, a in batch.items() if n != "cls_index" and getattr(a, "ndim", 0) >= 1}
+    rows = len(next(iter(keep.values())))
+    return [{n: a[j * rows // k:(j + 1) * rows // k] for n, a in keep.items()} for j in range(k)]
+
+
+def accumulated_step(twin, P: dict, train: dict, batch: dict, options) -> float:
+    """Forward and backward of one optimizer step as the runner makes it: `accumulate`
+    micro-batches, each loss weighted by its count (its mask's positions, else its rows) over the
+    step's count, so the gradients sum to the big batch's; then clip_grad_norm_ with `grad_clip`.
+    Returns the step's loss (the count-weighted mean)."""
+    k = getattr(options, "accumulate", 1)
+    parts = micro_batches(batch, k) if k > 1 else [batch]
+    counts = [float(p["mask"].sum()) if "mask" in p else 1.0 for p in parts]
+    total = sum(counts)
+    for p in train.values():
+        p.grad = None
+    loss_sum = 0.0
+    for part, count in zip(parts, counts):
+        loss = twin.loss(twin.forward(P, part), part)
+        (loss * (count / total)).backward()
+        loss_sum += float(loss.detach()) * count
+    clip = getattr(options, "grad_clip", 0.0)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(list(train.values()), clip)
+    return loss_sum / total
 
 
 def torch_precision_setup(precision: str) -> Callable[[torch.device], contextlib.AbstractContextManager]:
@@ -206,11 +238,7 @@ def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
     losses = []
     for i in range(steps):
         batch = _on({k: batches[k][i] for k in batches}, "cpu")
-        for p in train.values():
-            p.grad = None
-        loss = twin.loss(twin.forward(P, batch), batch)
-        loss.backward()
-        losses.append(float(loss.detach()))
+        losses.append(accumulated_step(twin, P, train, batch, opts))
         adamw_row_step(train, m, v, opts.adamw_row().hp_for_step(i))
     return losses
 
@@ -230,6 +258,7 @@ def train_reference(recipe: str, steps: int, sets: list[str] | None = None, prec
     from ..hookspecs import plugin_manager
     from ..options import PRECISIONS
     from ..runner import batch_for, load_data, resolve_options
+    from ..training_loop import options_for_steps
 
     _, obj = get_recipe(recipe)
     missing = [m for m in ("torch_reference", "init_params", "vocab_for") if not callable(getattr(obj, m, None))]
@@ -257,17 +286,14 @@ def train_reference(recipe: str, steps: int, sets: list[str] | None = None, prec
         return twin.loss(twin.forward(P, batch), batch)
 
     losses = []
+    step_options = options_for_steps(options)      # t_batch * accumulate rows a step
     for i in range(options.steps):
-        batch = _on(batch_for(data, "train", i, options), dev)
-        for p in train.values():
-            p.grad = None
+        batch = _on(batch_for(data, "train", i, step_options), dev)
         with autocast(dev):
-            loss = loss_of(batch)
-        loss.backward()
-        losses.append(float(loss.detach()))
+            losses.append(accumulated_step(twin, P, train, batch, options))
         adamw_row_step(train, m, v, options.adamw_row().hp_for_step(i))
     evals = {}
     with torch.no_grad(), autocast(dev):
         for n in {options.eval_batches, *eval_batches}:
-            evals[n] = sum(float(loss_of(_on(batch_for(data, "eval", j, options), dev))) for j in range(n)) / n
+            evals[n] = sum(float(loss_of(_on(batch_for(data, "eval", j, step_options), dev))) for j in range(n)) / n
     return {"losses": losses, "eval": evals[options.eval_batches], "evals": evals}

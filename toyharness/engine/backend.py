@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
 from ..switches import switch
+from .loop_controls import TrainingLoop
 
 if TYPE_CHECKING:
     from .program import Program
@@ -53,6 +54,8 @@ class Engine:
         self.set_threads(threads)
         self.portable = False
         self.precision = "fp32"
+        # accumulation and clipping of the Trainers of programs made from now on (set_training_loop)
+        self.training_loop = TrainingLoop()
         # While a memory plan is made (toyharness/engine/memory_plan.py), programs made on this engine
         # record what they would allocate instead of allocating it.
         self.planner = None
@@ -64,6 +67,12 @@ class Engine:
         if portable and not self.is_cpu:
             raise BackendError(f"the portable mode is for the cpu backend, not {self.backend}")
         self.portable = bool(portable)
+
+    def set_training_loop(self, accumulate: int = 1, grad_clip: float = 0.0) -> None:
+        """The training loop's controls for the Trainers of programs made from now on (Options'
+        `accumulate` and `grad_clip`; engine/loop_controls.py). A run sets them and puts the
+        defaults back when it ends: this engine is the process's."""
+        self.training_loop = TrainingLoop(accumulate, grad_clip)
 
     def set_precision(self, precision: str) -> None:
         """The precision of the matrix products of programs made from now on (Options.precision;

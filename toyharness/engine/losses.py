@@ -23,6 +23,10 @@ class CrossEntropy:
     train: Tensor
     report: Tensor
     targets: str
+    # what a micro-batch of gradient accumulation counts (engine/loop_controls.py): its rows, or the
+    # positions the f32 input named `mask` counts (its sum, from the feeds)
+    rows: int = 1
+    mask: str | None = None
 
 
 class LossBuilders:
@@ -69,11 +73,11 @@ class LossBuilders:
         if self.cpu_kernels:
             lib.ggml_set_output(train.ptr)
             named = train.named(f"{targets}.loss")
-            return CrossEntropy(named, named, targets)
+            return CrossEntropy(named, named, targets, rows)
         picked = logits2.softmax().reshape(rows * vocab, 1).get_rows(flat)
         report = picked.log().sum().scale(-1.0 / rows)
         lib.ggml_set_output(report.ptr)
-        return CrossEntropy(train.named(f"{targets}.loss"), report.named(f"{targets}.loss_report"), targets)
+        return CrossEntropy(train.named(f"{targets}.loss"), report.named(f"{targets}.loss_report"), targets, rows)
 
     def masked_cross_entropy(self, logits: Tensor, targets: str, mask: str) -> CrossEntropy:
         """Mean cross-entropy over the positions where the f32 input `mask` (fed by name, shaped
@@ -99,7 +103,7 @@ class LossBuilders:
         report = -((picked * m + m.scale_bias(-1.0, 1.0)).log().sum() / counted)
         lib.ggml_set_output(report.ptr)
         return CrossEntropy(train.named(f"{targets}.masked_loss"), report.named(f"{targets}.masked_loss_report"),
-                            targets)
+                            targets, rows, mask)
 
     def chunked_cross_entropy(self, logits: Tensor, targets: str, mask: str | None = None) -> CrossEntropy:
         """Mean cross-entropy (over the rows `mask` counts, when given) of `logits` = h @ W.T, a
@@ -132,7 +136,7 @@ class LossBuilders:
         report = row_loss.sum() / counted if mask is not None else row_loss.sum().scale(1.0 / rows)
         lib.ggml_set_output(report.ptr)
         return CrossEntropy(train.named(f"{targets}.chunked_loss"), report.named(f"{targets}.chunked_loss_report"),
-                            targets)
+                            targets, rows, mask)
 
     def scalar_loss(self, value: Tensor, name: str = "loss") -> CrossEntropy:
         """Train on any scalar (tests, custom objectives); it is also what `step` reports."""

@@ -35,6 +35,7 @@ ROWS = {
     "params": "parameters (trainable, f32)",
     "moments": "AdamW moments (m and v)",
     "grads": "gradient accumulators",
+    "accumulators": "gradient sums over micro-batches (accumulate)",
     "frozen_uploaded": "frozen weights (uploaded)",
     "frozen_mapped": "frozen weights (mapped from the file)",
     "inputs": "inputs, targets and constants",
@@ -109,8 +110,8 @@ class MemoryPlan:
     @property
     def ggml_bytes(self) -> int:
         """ggml's buffers alone (no host copies, nothing mapped): what a device's used memory holds."""
-        return sum(self.rows[k] for k in ("params", "moments", "grads", "frozen_uploaded", "inputs", "compute",
-                                          "compute_eval", "granularity"))
+        return sum(self.rows[k] for k in ("params", "moments", "grads", "accumulators", "frozen_uploaded", "inputs",
+                                          "compute", "compute_eval", "granularity"))
 
     def table(self) -> str:
         sizes = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.sizes.items())
@@ -119,6 +120,8 @@ class MemoryPlan:
             if key == "checkpoint" and self.backend != "cpu":
                 continue
             if key == "granularity" and self.backend not in ALLOCATION_GRANULARITY:
+                continue
+            if key == "accumulators" and not self.rows[key]:
                 continue
             lines.append(f"  {label:<46}{fmt_bytes(self.rows[key]):>12}")
             if key == "compute":
@@ -249,13 +252,17 @@ class Planner:
                 # is static in ggml-alloc.c: replayed here); only then does ggml place it again.
                 if self._needs_realloc(trainer.gb_opt, reserved):
                     parts["train_rewritten"] = size(trainer.gb_opt)
+            # accumulation's micro-batch graphs share the training graph's allocator: its buffer is
+            # the largest of them
+            for j, graph in enumerate(getattr(trainer, "gb_micro", [])):
+                parts[f"train_micro_{j}"] = size(graph)
             prog._prepare(trainer.eval_graph)
             parts["eval"] = size(trainer.eval_graph)
         finally:
             lib.ggml_gallocr_free(galloc)
         self.compute_parts = parts
         # each graph has its own allocator (Program.galloc_for), whose buffer only grows
-        self.rows["compute"] = max(parts["train"], parts.get("train_rewritten", 0))
+        self.rows["compute"] = max(v for k, v in parts.items() if k.startswith("train"))
         self.rows["compute_eval"] = parts["eval"]
         self.buffers += [self.rows["compute"], self.rows["compute_eval"]]
         self.rows["granularity"] = rounding_to_pages(self.buffers, ALLOCATION_GRANULARITY.get(self.engine.backend, 0))
@@ -401,6 +408,8 @@ def _kind(prog, name: str) -> str:
         return "params"
     if name.startswith(("adamw.m.", "adamw.v.")):
         return "moments"
+    if name.startswith("grad.sum."):
+        return "accumulators"
     if name.startswith("grad."):
         return "grads"
     if name in prog.frozen:
@@ -481,7 +490,10 @@ def plan_model(recipe: str, pm, engine, options, data) -> MemoryPlan:
 def _sizes(options) -> dict[str, Any]:
     d = options.to_dict()
     keys = (*SHOWN_SIZES, *recipe_sizes(options), "recompute_blocks")
-    return {k: d[k] for k in keys if k in d}
+    shown = {k: d[k] for k in keys if k in d}
+    if d.get("accumulate", 1) != 1:       # shown where it is on (a plan without it reads as before)
+        shown["accumulate"] = d["accumulate"]
+    return shown
 
 
 def shrink_suggestions(plan: MemoryPlan, replan: Callable[[dict[str, Any]], MemoryPlan],

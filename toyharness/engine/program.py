@@ -46,6 +46,7 @@ from .host_values import (
     feed_targets,
     upload,
 )
+from .loop_controls import TrainingLoop
 from .losses import CrossEntropy, LossBuilders
 from .lowering import Lowering, declares_for
 from .origins import located
@@ -119,6 +120,8 @@ class Program(LossBuilders):
         self.planner = engine.planner
         # Activation recompute by block (engine/recompute.py): set by enable_recompute.
         self.recompute = None
+        # What its Trainer does beyond one AdamW step per batch (Engine.set_training_loop)
+        self.training_loop = engine.training_loop
         # While set, blocks.attention builds cached attention through it (toyharness/sampling.py)
         self.kv_cache = None
         self.packed_rows = None      # engine/packed.py: rows of several examples (masks, positions fed)
@@ -440,8 +443,10 @@ class Program(LossBuilders):
     def forward(self, outputs: dict[str, Tensor]) -> ForwardGraph:
         return ForwardGraph(self, outputs)
 
-    def trainer(self, loss: CrossEntropy, convention: str) -> Trainer:
-        return Trainer(self, loss, convention)
+    def trainer(self, loss: CrossEntropy, convention: str, loop: TrainingLoop | None = None) -> Trainer:
+        """The training graph of `loss` (engine/trainer.py); `loop`: accumulation and clipping
+        (default: the engine's, Engine.set_training_loop, which a run sets from its options)."""
+        return Trainer(self, loss, convention, loop)
 
     def _compute(self, graph) -> None:
         self._no_plan("compute")
@@ -500,19 +505,22 @@ class Program(LossBuilders):
             self._gallocs[key] = galloc
         return galloc
 
+    def _distinct_gallocs(self) -> list:
+        """Each graph allocator once (a Trainer's training graphs share one: accumulation)."""
+        gallocs = {int(ffi.cast("uintptr_t", g)): g for g in self._gallocs.values()}
+        return list(gallocs.values()) or [self._galloc]
+
     def compute_buffer_bytes(self) -> int:
         """The compute buffers of every graph computed so far (or reserved), together."""
-        gallocs = list(self._gallocs.values()) or [self._galloc]
-        return sum(int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in gallocs)
+        return sum(int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in self._distinct_gallocs())
 
     def persistent_bytes(self) -> int:
         return sum(int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers)
 
     def buffer_sizes(self) -> list[int]:
         """Each backend buffer the program holds, in bytes: persistent ones, then each graph's."""
-        gallocs = list(self._gallocs.values()) or [self._galloc]
         return ([int(lib.ggml_backend_buffer_get_size(b)) for b in self._buffers]
-                + [int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in gallocs])
+                + [int(lib.ggml_gallocr_get_buffer_size(g, 0)) for g in self._distinct_gallocs()])
 
     def close(self) -> None:
         for tg in self._targets.values():   # views of the memory freed below

@@ -14,6 +14,7 @@ from ..adamw import AdamWRow, HPRow, check_convention
 from ..errors import InputError
 from . import graph_check, graph_rewrites
 from .allocation import allocation_failed, ggml_quiet, graph_buffer_bytes
+from .loop_controls import GraphControls, TrainingLoop, decayed_names
 from .tensor import Tensor
 
 if TYPE_CHECKING:
@@ -36,11 +37,19 @@ class Trainer:
     valid after a step or `grads_only` until another graph of the program is computed (the compute
     buffer they are in is then reused). The first step after construction does a full reset (gradients
     and moments); later steps reset gradients only, so the moments carry over.
+
+    `loop` (engine/loop_controls.py; default the program's, which its engine gave it) adds gradient
+    accumulation over micro-batches (each `step` call one micro-batch; `gb_micro` the graphs of all
+    but a step's last, `controls.accumulators` the sums) and clipping by the global norm
+    (`grad_norm` after each step). Weight decay applies to `decayed` (tensors of 2 or more axes);
+    the others step on a second row, `hp_no_decay`, the same with weight_decay 0.
     """
 
-    def __init__(self, prog: Program, loss: CrossEntropy, convention: str):
+    def __init__(self, prog: Program, loss: CrossEntropy, convention: str, loop: TrainingLoop | None = None):
         check_convention(AdamWRow(convention, 0, 0, 0, 0, 0), convention)
         self.prog, self.loss, self.convention = prog, loss, convention
+        # accumulation and clipping (engine/loop_controls.py): the program's (its engine's) unless given
+        self.loop = loop or prog.training_loop
         if not prog.params:
             raise InputError("the program has no trainable parameters")
         if prog._gemm_rewritten:
@@ -49,24 +58,48 @@ class Trainer:
         roots = [loss.train] if loss.report is loss.train else [loss.train, loss.report]
         gf = self._forward_graph(roots)
         accs = self._loss_gradient(gf)
+        self.controls = GraphControls(prog, self.loop)
         self._grads_buffer = prog.allocate()
         self._optimizer_state()
         gf, opt_size = self._backward_graph(gf, accs, roots)
         grads = self._keep_gradients()
         self._optimizer_graph(grads, opt_size)
+        # accumulation: the first micro-batch's graph copies the gradients into the accumulators, a
+        # later one's adds them; gb_opt (the last micro-batch's) steps on the accumulated sum
+        self.gb_micro: list = []
+        if self.loop.accumulate > 1:
+            self.gb_micro = [self._micro_graph(grads, first, opt_size) for first in (True, False)]
         if prog.recompute is not None and prog.recompute.copies:
             from .recompute import apply
 
-            self.gb_grad, self.gb_opt = apply(prog, gf, [self.gb_grad, self.gb_opt])
-        graph_rewrites.fold_cpu_products(prog, self.gb_opt)
+            graphs = [self.gb_grad, *self.gb_micro, self.gb_opt]
+            if self.gb_micro:      # apply wants a last graph holding every node of the others
+                graphs.append(self._union_graph(graphs))
+            graphs = apply(prog, gf, graphs)
+            self.gb_grad, self.gb_micro, self.gb_opt = graphs[0], graphs[1:1 + len(self.gb_micro)], \
+                graphs[1 + len(self.gb_micro)]
+        for graph in (self.gb_opt, *self.gb_micro):
+            graph_rewrites.fold_cpu_products(prog, graph)
         self.gf = gf
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
         self.eval_graph = graph_rewrites.lowered(prog, self.eval_graph, False)
-        graph_check.refuse_unsupported(prog, [self.gb_opt, self.eval_graph])
+        graph_check.refuse_unsupported(prog, [self.gb_opt, *self.gb_micro, self.eval_graph])
+        for graph in self.gb_micro:     # one compute buffer for every training graph: the largest
+            prog._gallocs[int(ffi.cast("uintptr_t", graph))] = prog.galloc_for(self.gb_opt)
         self._reserve()
         self.needs_full_reset = True
         self.steps_done = 0
+        self.micro = 0                  # the next micro-batch's index within its step
+        self._micro_count = 0.0         # the step's count so far, and its count-weighted loss sum
+        self._micro_loss = 0.0
+        self.step_loss: float | None = None
+        self.grad_norm: float | None = None
+
+    @property
+    def forwards_done(self) -> int:
+        """Training forwards computed so far: steps_done * accumulate + the micro-batch index."""
+        return self.steps_done * self.loop.accumulate + self.micro
 
     def _forward_graph(self, roots: list[Tensor]):
         gf = self.prog._new_graph(self.prog._forward_size(roots), False)
@@ -114,6 +147,16 @@ class Trainer:
         self._hp_row = ffi.new("float[7]")
         self.hp = prog._new_static("adamw.hp", (7,), GGML_TYPE_F32)
         lib.ggml_set_input(self.hp.ptr)
+        # weight decay on matrices only (loop_controls.decays): the others step on a second row, the
+        # same with weight_decay 0
+        self.decayed = decayed_names(prog.params)
+        self.hp_no_decay = None
+        if len(self.decayed) < len(prog.params):
+            self._hp_row_no_decay = ffi.new("float[7]")
+            self.hp_no_decay = prog._new_static("adamw.hp_no_decay", (7,), GGML_TYPE_F32)
+            lib.ggml_set_input(self.hp_no_decay.ptr)
+        self.controls.make_state()
+        self._count_in = ffi.new("float *", 1.0)
         self.m: dict[str, Tensor] = {}
         self.v: dict[str, Tensor] = {}
         for name, p in prog.params.items():
@@ -132,22 +175,26 @@ class Trainer:
         grad_size, made = prog._backward_size(gf, accs)
         conts = len(prog.params)
         grad_size, made = max(grad_size, lib.ggml_graph_size(gf)) + conts, made + conts
-        opt_size = grad_size + 2 * len(prog.params) + 1
+        opt_size = grad_size + 2 * len(prog.params) + 1 + self._extra_leafs()
         prog._check_room(made * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(grad_size, True)
                          + lib.ggml_graph_overhead_custom(opt_size, True), "the backward graph")
         self.gb_grad = prog._new_graph(grad_size, True)
         lib.ggml_graph_cpy(gf, self.gb_grad)
         lib.ggml_build_backward_expand(ctx, self.gb_grad, accs)
         self.gb_grad = graph_check.cont_strided_operands(prog, self.gb_grad, True)
-        opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
+        opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1 + self._extra_leafs())
         if prog.column_sums_as_products:
             graph_rewrites.column_sums_as_products(prog, self.gb_grad)
         lowered = graph_rewrites.lowered(prog, self.gb_grad, True)
         if lowered != self.gb_grad:
             # nodes of gf were rewritten in place: gf again, with the nodes they now read
             self.gb_grad, gf = lowered, self._forward_graph(roots)
-            opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1)
+            opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1 + self._extra_leafs())
         return gf, opt_size
+
+    def _extra_leafs(self) -> int:
+        """What the second AdamW row and the loop's controls add to the optimizer graph."""
+        return (self.hp_no_decay is not None) + GraphControls.extra_nodes(len(self.prog.params), self.loop)
 
     def _keep_gradients(self) -> dict:
         """Each parameter's gradient node, made a contiguous graph output (grad_acc holds it)."""
@@ -172,16 +219,58 @@ class Trainer:
         return grads
 
     def _optimizer_graph(self, grads: dict, opt_size: int) -> None:
-        """gb_opt: gb_grad and one AdamW step per parameter."""
+        """gb_opt: gb_grad and one AdamW step per parameter (on the accumulated and clipped
+        gradient where the loop's controls are on)."""
         prog, ctx = self.prog, self.prog._ctx_compute
+        self._check_controls_room()
         self.gb_opt = prog._new_graph(opt_size, True)
         lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
-        for name, p in prog.params.items():
-            grad = grads[name]
+        stepped = self.controls.step_gradients(ctx, grads)
+        decayed = set(self.decayed)
+        # the decayed tensors' steps, then the others': each row's steps consecutive, so that the
+        # cuda rewrite takes each as one run (native/cuda_rewrite/adamw_runs.c); the order of
+        # independent steps changes no bit
+        order = [*self.decayed, *(n for n in prog.params if n not in decayed)]
+        if not self.loop.is_default:
+            # the controls' nodes (sums, scale, clip) all before the first step: the steps stay
+            # consecutive (the cuda rewrite's runs)
+            for name in order:
+                lib.ggml_build_forward_expand(self.gb_opt, stepped[name])
+        for name in order:
+            p = prog.params[name]
+            grad = stepped[name]
             if not lib.ggml_is_contiguous(grad):
                 grad = lib.ggml_cont(ctx, grad)
-            step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, self.hp.ptr)
+            row = self.hp if name in decayed else self.hp_no_decay
+            step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, row.ptr)
             lib.ggml_build_forward_expand(self.gb_opt, step)
+
+    def _check_controls_room(self) -> None:
+        """Room in the compute context for one graph's control nodes (ggml aborts when it runs out)."""
+        extra = GraphControls.extra_nodes(len(self.prog.params), self.loop)
+        if extra:
+            self.prog._check_room(extra * lib.ggml_tensor_overhead(), "the training loop's controls")
+
+    def _micro_graph(self, grads: dict, first: bool, size: int):
+        """A micro-batch's graph before the step's last: gb_grad, then its gradients copied (the
+        first) or added (later ones) into the accumulators."""
+        prog = self.prog
+        self._check_controls_room()
+        graph = prog._new_graph(size, True)
+        lib.ggml_graph_cpy(self.gb_grad, graph)
+        for node in self.controls.into_accumulators(prog._ctx_compute, grads, first):
+            lib.ggml_build_forward_expand(graph, node)
+        return graph
+
+    def _union_graph(self, graphs: list):
+        """Every node of `graphs` in one graph (for recompute.apply, which rewires reads in its last)."""
+        prog = self.prog
+        union = prog._new_graph(sum(lib.ggml_graph_size(g) for g in graphs), True)
+        lib.ggml_graph_cpy(self.gb_opt, union)
+        for graph in graphs:
+            for i in range(lib.ggml_graph_n_nodes(graph)):
+                lib.ggml_build_forward_expand(union, lib.ggml_graph_node(graph, i))
+        return union
 
     def _reserve(self) -> None:
         """The training graph's compute buffer, reserved now (in a memory plan, measured only)."""
@@ -220,6 +309,10 @@ class Trainer:
 
         `hp` is a step's row (an `HPRow`, whose convention must be the declared one, or 7 bare
         floats), or an `AdamWRow` evaluated at `step_index` (default: steps done so far).
+
+        With accumulation (`loop.accumulate` K > 1) each call is one micro-batch of the step, in
+        order: the K-th runs AdamW, and `step_loss` is then the step's loss (the count-weighted
+        mean of its micro-batches'); each call returns its own micro-batch's loss.
         """
         if isinstance(hp, HPRow):
             check_convention(hp, self.convention)
@@ -232,23 +325,73 @@ class Trainer:
             row = []
         if len(row) != 7 or not all(map(math.isfinite, row)):
             raise InputError(f"the AdamW row must be 7 finite floats, got {hp!r}")
+        k, last = self.micro, self.micro == self.loop.accumulate - 1
+        count = self.micro_count(feeds) if self.loop.accumulate > 1 else 1.0
         self.prog.feed(feeds)
         self.prog.set_dropout(self._forward_index(), True)
-        self._hp_row[0:7] = row
-        lib.ggml_backend_tensor_set(self.hp.ptr, self._hp_row, 0, 7 * 4)
+        if last:
+            self._feed_rows(row)
         if self.needs_full_reset:
             self.reset_full()
             self.needs_full_reset = False
         else:
             self.reset_grads()
-        self.prog._compute(self.gb_opt)
-        self.steps_done += 1
-        return self.loss_value()
+        if self.loop.accumulate == 1:
+            self.prog._compute(self.gb_opt)
+        else:
+            # the loss gradient seeded with the micro-batch's count: its gradients are sums
+            self._count_in[0] = count
+            lib.ggml_backend_tensor_set(self._loss_grad, self._count_in, 0, 4)
+            if k == 0:
+                self._micro_count, self._micro_loss = 0.0, 0.0
+            self._micro_count += count
+            if last:
+                self._count_in[0] = 1.0 / self._micro_count
+                lib.ggml_backend_tensor_set(self.controls.inv_count.ptr, self._count_in, 0, 4)
+            self.prog._compute(self.gb_opt if last else self.gb_micro[0 if k == 0 else 1])
+        loss = self.loss_value()
+        self._micro_loss += count * loss
+        self.micro = 0 if last else k + 1
+        if last:
+            self.steps_done += 1
+            self.step_loss = loss if self.loop.accumulate == 1 else self._micro_loss / self._micro_count
+            self.grad_norm = self._read_grad_norm()
+        return loss
+
+    def micro_count(self, feeds: dict[str, np.ndarray]) -> float:
+        """What a micro-batch counts: the positions its loss's mask counts (the mask's sum), else its
+        rows (equal for every micro-batch: a scalar loss counts 1)."""
+        mask = self.loss.mask
+        if mask is None or mask not in feeds:
+            return float(self.loss.rows)
+        counted = float(np.sum(np.asarray(feeds[mask], dtype=np.float64)))
+        if not counted > 0:
+            raise InputError(f"accumulate={self.loop.accumulate}: micro-batch {self.micro} of step "
+                             f"{self.steps_done} counts no position of its loss (its {mask!r} is all 0); "
+                             "use fewer micro-batches or more rows each")
+        return counted
+
+    def _feed_rows(self, row: list[float]) -> None:
+        self._hp_row[0:7] = row
+        lib.ggml_backend_tensor_set(self.hp.ptr, self._hp_row, 0, 7 * 4)
+        if self.hp_no_decay is not None:
+            self._hp_row_no_decay[0:7] = row
+            self._hp_row_no_decay[4] = 0.0
+            lib.ggml_backend_tensor_set(self.hp_no_decay.ptr, self._hp_row_no_decay, 0, 7 * 4)
+
+    def _read_grad_norm(self) -> float | None:
+        """The step's global gradient norm before clipping (grad_clip on), else None."""
+        if self.controls.norm is None:
+            return None
+        out = ffi.new("float[1]")
+        lib.ggml_backend_tensor_get(self.controls.norm, out, 0, 4)
+        return float(out[0])
 
     def _forward_index(self) -> int:
         """The training forward about to run, counted from 0 over the run: the dropout stream's
-        counter (engine/dropout.py), so a resumed run draws the masks of the uninterrupted one."""
-        return self.steps_done
+        counter (engine/dropout.py), so a resumed run draws the masks of the uninterrupted one, and
+        each micro-batch of an accumulated step draws its own."""
+        return self.forwards_done
 
     def grads_only(self, feeds: dict[str, np.ndarray]) -> float:
         """Forward and backward without the AdamW step (gradients land in the accumulators)."""
@@ -294,3 +437,4 @@ class Trainer:
                 self.prog.write(t, state[key])
         self.needs_full_reset = False
         self.steps_done = steps_done
+        self.micro = 0

@@ -126,8 +126,10 @@ class MLflowObserver:
         self._params(options)
 
     @hookimpl
-    def step_end(self, step: int, loss: float, lr: float, ms: float, tokens_per_s: float) -> None:
-        self._metrics(step, {"loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_ms": ms})
+    def step_end(self, step: int, loss: float, lr: float, ms: float, tokens_per_s: float,
+                 grad_norm: float | None) -> None:
+        self._metrics(step, {"loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_ms": ms,
+                             "grad_norm": grad_norm})
 
     @hookimpl
     def eval_end(self, step: int, loss: float, accuracy: float | None) -> None:

@@ -72,9 +72,10 @@ class TensorBoardObserver:
             self._text("tags", _markdown_table(tags, ("tag", "value")))
 
     @hookimpl
-    def step_end(self, step: int, loss: float, lr: float, ms: float, tokens_per_s: float) -> None:
+    def step_end(self, step: int, loss: float, lr: float, ms: float, tokens_per_s: float,
+                 grad_norm: float | None) -> None:
         self._scalars(step, {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s,
-                             "train/step_ms": ms})
+                             "train/step_ms": ms, "train/grad_norm": grad_norm})
 
     @hookimpl
     def eval_end(self, step: int, loss: float, accuracy: float | None) -> None:
