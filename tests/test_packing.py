@@ -183,8 +183,10 @@ def test_packed_step_loss_and_gradients_equal_the_unpacked_step(recipe, backend,
     assert abs(loss_a - loss_b) <= 1e-6 * abs(loss_a)
     # lora over the six-layer gemma3 base on the fast cpu path: its q and k adapters' gradients
     # come 1.3e-6 apart, where the fast path's unpacked step is itself 1.1e-6 from the portable
-    # mode's (OpenBLAS's blocking follows the product's size): rounding, held to 2e-6
-    assert_close(grads_b, grads_a, 2e-6 if (recipe, backend, portable) == ("lora", "cpu", False) else 1e-6)
+    # mode's (OpenBLAS's blocking follows the product's size): rounding, held to 2e-6; on cuda the
+    # k adapter's come 1.14e-6 apart (an H200: cuBLAS picks its kernel by the product's size)
+    fast_lora = recipe == "lora" and not portable
+    assert_close(grads_b, grads_a, 2e-6 if fast_lora else 1e-6)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["cpu-fast", "cpu-portable"])
