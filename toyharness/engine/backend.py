@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
 from ..switches import switch
+from .precision import PRECISIONS
 
 if TYPE_CHECKING:
     from .program import Program
@@ -146,7 +147,6 @@ def check_precision(backend: str, precision: str) -> None:
     """fp32 on every backend; tf32 and bf16 on cuda with toyharness's kernels
     (native/cuda/th-precision.cu). Anything else is refused with the reason, before a program is built."""
     from .._ffi import cuda_kernels_built
-    from ..options import PRECISIONS
 
     if precision not in PRECISIONS:
         raise BackendError(f"precision {precision!r} is not known; allowed: {', '.join(PRECISIONS)}")
