@@ -48,12 +48,12 @@ def test_sample_is_deterministic_with_a_seed(trained):
 def test_greedy_sample_follows_the_models_argmax(trained):
     import numpy as np
 
-    from toyharness.lm import sample_text
+    from toyharness.sampling import FullRecompute, generate
 
     _, obj = get_recipe("llama")
     opts = resolve_options(obj, str(trained / "config.toml"), [], {})
     model = obj.load_for_sampling(trained / "checkpoint.gguf", opts, 256)
-    ids = sample_text(model, list(b"The "), 3, temperature=0, top_k=0, seed=0)
+    ids = generate(FullRecompute(model), list(b"The "), 3, temperature=0, top_k=0, seed=0)
     buf = np.zeros((1, 16), np.int32)
     buf[0, :4] = list(b"The ")
     assert ids[0] == int(np.argmax(model.next_logits(buf)[0, 3]))

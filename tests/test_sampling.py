@@ -1,5 +1,5 @@
-"""Sampling with a KV cache (toyharness/sampling.py): logits within rounding of the full
-recompute and the same tokens as lm.generate, greedy and sampled, over every architecture the
+"""Sampling (toyharness/sampling.py): the full recompute's window, and the KV cache's logits within
+rounding of it and the same tokens, greedy and sampled, over every architecture the
 recipes take, past the cache's end too; `sample --prompts FILE` writes JSONL replies and scores
 them. The cuda case runs under `nox -s tests-cuda` and skips elsewhere, saying why."""
 
@@ -15,9 +15,9 @@ from toyharness._ffi import available_native_backends
 from toyharness.architectures import example_file, read_model
 from toyharness.cli import main
 from toyharness.discovery import get_recipe
-from toyharness.lm import generate
+from toyharness.errors import InputError
 from toyharness.runner import resolve_options, train
-from toyharness.sampling import generate_cached, load_cached
+from toyharness.sampling import FullRecompute, generate, load_cached
 
 PROMPT = list(b"Hello there, a")
 SEQ = 24
@@ -44,12 +44,27 @@ def cached_vs_full_logits(full, kv, ids: list[int]) -> float:
     return max(float(np.max(np.abs(ref[split - 1 + i] - g)) / np.max(np.abs(ref))) for i, g in enumerate(got))
 
 
+def test_the_full_recompute_reads_the_text_left_aligned_in_its_window():
+    """The reference: each new token the argmax of the window's forward at the text's last
+    position, the text left-aligned and zero-padded; past the window, its last SEQ tokens."""
+    full, _, _, _ = lora_models("llama")
+    ids = list(PROMPT)
+    for _ in range(30):
+        window = ids[-SEQ:]
+        buf = np.zeros((1, SEQ), np.int32)
+        buf[0, :len(window)] = window
+        ids.append(int(np.argmax(full.next_logits(buf)[0, len(window) - 1])))
+    assert generate(FullRecompute(full), PROMPT, 30, 0.0, 0, 0) == ids[len(PROMPT):]
+    with pytest.raises(InputError, match="do not fit a window of 24"):
+        FullRecompute(full).extend(list(range(SEQ + 1)))
+
+
 @pytest.mark.parametrize("case", list(ARCHES))
 def test_kv_cache_gives_the_full_recomputes_logits_and_greedy_tokens(case):
     full, kv, _, _ = lora_models(case)
     # 30 new tokens from a 14-token prompt: past the 24 positions of the cache, the sliding window
-    want = generate(full, [PROMPT], 30, 0.0, 0, 0)[0]
-    got = generate_cached(kv, PROMPT, 30, 0.0, 0, 0)
+    want = generate(FullRecompute(full), PROMPT, 30, 0.0, 0, 0)
+    got = generate(kv, PROMPT, 30, 0.0, 0, 0)
     err = cached_vs_full_logits(full, kv, PROMPT + want[:SEQ - len(PROMPT)])
     print(f"{case}: KV cache vs full recompute, relative logits error {err:.3g}; {len(got)} tokens")
     assert len(want) == 30 and got == want
@@ -59,9 +74,9 @@ def test_kv_cache_gives_the_full_recomputes_logits_and_greedy_tokens(case):
 def test_kv_cache_samples_the_same_tokens_at_a_temperature():
     full, kv, _, _ = lora_models("llama")
     for seed in range(3):
-        want = generate(full, [PROMPT], 20, 0.9, 20, seed)[0]
-        assert generate_cached(kv, PROMPT, 20, 0.9, 20, seed) == want
-    assert generate_cached(kv, PROMPT, 20, 0.9, 20, 0) != generate_cached(kv, PROMPT, 20, 0.9, 20, 1)
+        want = generate(FullRecompute(full), PROMPT, 20, 0.9, 20, seed)
+        assert generate(kv, PROMPT, 20, 0.9, 20, seed) == want
+    assert generate(kv, PROMPT, 20, 0.9, 20, 0) != generate(kv, PROMPT, 20, 0.9, 20, 1)
 
 
 def test_a_long_prompt_fills_the_cache_in_chunks(monkeypatch):
@@ -72,7 +87,7 @@ def test_a_long_prompt_fills_the_cache_in_chunks(monkeypatch):
     kv = sampling.CachedLM(obj, full.prog.engine, opts, 256, obj.init_params(opts, 256), prefill=4)
     assert sorted(kv.graphs) == [1, 4]
     prompt = list(b"A longer prompt, 19.")
-    assert generate_cached(kv, prompt, 8, 0.0, 0, 0) == generate(full, [prompt], 8, 0.0, 0, 0)[0]
+    assert generate(kv, prompt, 8, 0.0, 0, 0) == generate(FullRecompute(full), prompt, 8, 0.0, 0, 0)
 
 
 @pytest.mark.cuda
@@ -81,10 +96,10 @@ def test_a_long_prompt_fills_the_cache_in_chunks(monkeypatch):
 @pytest.mark.parametrize("case", list(ARCHES))
 def test_kv_cache_on_cuda(case):
     full, kv, _, _ = lora_models(case, "cuda")
-    want = generate(full, [PROMPT], 30, 0.0, 0, 0)[0]
+    want = generate(FullRecompute(full), PROMPT, 30, 0.0, 0, 0)
     err = cached_vs_full_logits(full, kv, PROMPT + want[:SEQ - len(PROMPT)])
     print(f"{case} on cuda: KV cache vs full recompute, relative logits error {err:.3g}")
-    assert generate_cached(kv, PROMPT, 30, 0.0, 0, 0) == want
+    assert generate(kv, PROMPT, 30, 0.0, 0, 0) == want
     assert err < 1e-5
 
 
@@ -165,7 +180,7 @@ def test_kv_cache_for_the_recipes_trained_whole(tmp_path, recipe):
     full = obj.load_for_sampling(out / "checkpoint.gguf", opts, 256)
     kv = load_cached(obj, out / "checkpoint.gguf", opts, 256)
     prompt = list(b"To be")
-    assert generate_cached(kv, prompt, 24, 0.0, 0, 0) == generate(full, [prompt], 24, 0.0, 0, 0)[0]
+    assert generate(kv, prompt, 24, 0.0, 0, 0) == generate(FullRecompute(full), prompt, 24, 0.0, 0, 0)
 
 
 @pytest.mark.parametrize("dtype", ["q4_1", "q4_k"])
@@ -181,4 +196,4 @@ def test_dequantize_holds_a_quantized_base_as_its_f32_values(dtype):
     assert kept.prog.frozen[q].dtype == dtype and f32.prog.frozen[q].dtype == "f32"
     a, b = kept.extend(PROMPT), f32.extend(PROMPT)
     assert float(np.max(np.abs(a - b)) / np.max(np.abs(a))) < 1e-5
-    assert generate_cached(kept, PROMPT, 16, 0.0, 0, 0) == generate_cached(f32, PROMPT, 16, 0.0, 0, 0)
+    assert generate(kept, PROMPT, 16, 0.0, 0, 0) == generate(f32, PROMPT, 16, 0.0, 0, 0)

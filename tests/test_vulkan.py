@@ -1,18 +1,21 @@
 """The vulkan backend in the default suite, on Mesa's lavapipe (llvmpipe, a Vulkan device on the
 CPU): a ggml build with vulkan is made (cached in ~/.cache/toyharness like every build) into a
-folder of its own, and the op checks (tests/test_engine_ops.py) and the golden checks
-(tests/test_backends.py -m vulkan) run against it in a child pytest. Where Debian's packages are
-absent, these skip and name the apt-get line. `nox -s tests-vulkan` runs the same in-process.
+folder of its own, and the op checks (tests/test_engine_ops.py, tests/test_metal_lowering.py), the
+golden checks (tests/test_backends.py -m vulkan) and the frozen types' (tests/test_quant.py -m
+vulkan) run against it in one child pytest, whose report each test below reads for its module.
+Where Debian's packages are absent, these skip and name the apt-get line. `nox -s tests-vulkan` runs
+the same in-process.
 
 ggml skips CPU devices unless GGML_VK_VISIBLE_DEVICES names them: lavapipe is device 0 here."""
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,62 +48,102 @@ def vulkan_native(tmp_path_factory) -> Path:
     return out
 
 
-def child_pytest(native: Path, args: list[str], extra_env: dict[str, str]) -> tuple[int, str]:
-    env = {**os.environ, "TOYHARNESS_NATIVE_DIR": str(native), **extra_env}
+# What the child pytest runs: every op and block and the graphs lowered for metal
+# (TOYHARNESS_TEST_BACKEND=vulkan, which only those two modules read), and the tests marked vulkan
+# of the golden and frozen-type modules. One process for all four: ggml-vulkan compiles each
+# pipeline once per process (on lavapipe, LLVM compiling its shaders), and most are shared.
+CHILD_FILES = ["tests/test_engine_ops.py", "tests/test_metal_lowering.py", "tests/test_backends.py",
+               "tests/test_quant.py"]
+# -k matches markers too: vulkan-marked tests (whatever their module) and all of the first two
+CHILD_SELECTION = "test_engine_ops or test_metal_lowering or vulkan"
+
+
+@dataclass
+class ChildResults:
+    """The child pytest's outcome per module: {module: {"passed": [...], "skipped": [(id, reason)],
+    "failed": [(id, message)]}}, and its output's tail."""
+
+    modules: dict[str, dict[str, list]]
+    output: str
+
+    def of(self, module: str) -> dict[str, list]:
+        return self.modules.get(module, {"passed": [], "skipped": [], "failed": []})
+
+
+@pytest.fixture(scope="module")
+def vulkan_child(vulkan_native, tmp_path_factory) -> ChildResults:
+    report = tmp_path_factory.mktemp("vulkan-child") / "junit.xml"
+    env = {**os.environ, "TOYHARNESS_NATIVE_DIR": str(vulkan_native), "TOYHARNESS_TEST_BACKEND": "vulkan"}
     env.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           f"--junitxml={report}", "-k", CHILD_SELECTION, *CHILD_FILES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
-    return proc.returncode, proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert report.is_file(), f"the child pytest wrote no report (exit {proc.returncode}):\n{output[-6000:]}"
+    modules: dict[str, dict[str, list]] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        module = next((part for part in case.get("classname", "").split(".") if part.startswith("test_")), "")
+        got = modules.setdefault(module, {"passed": [], "skipped": [], "failed": []})
+        name = case.get("name", "")
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skip = case.find("skipped")
+        if bad is not None:
+            got["failed"].append((name, (bad.get("message") or "") + (bad.text or "")[-2000:]))
+        elif skip is not None:
+            got["skipped"].append((name, skip.get("message") or ""))
+        else:
+            got["passed"].append(name)
+    # an error outside the tests (collection, a fixture) is a testcase with an error in the report
+    return ChildResults(modules, output[-6000:])
 
 
-def counts(output: str) -> dict[str, int]:
-    """pytest's summary line as {"passed": n, "failed": n, "skipped": n, ...}."""
-    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", output)}
+def outcome(child: ChildResults, module: str) -> dict[str, list]:
+    got = child.of(module)
+    print(f"{module} on vulkan: {len(got['passed'])} passed, {len(got['skipped'])} skipped, "
+          f"{len(got['failed'])} failed")
+    assert not got["failed"], "\n\n".join(f"{name}: {message}" for name, message in got["failed"])
+    return got
 
 
 @needs_lavapipe
-def test_every_op_and_block_on_vulkan_against_float64_numpy(vulkan_native):
-    rc, out = child_pytest(vulkan_native, ["tests/test_engine_ops.py"], {"TOYHARNESS_TEST_BACKEND": "vulkan"})
-    print(out[-3000:])
-    got = counts(out)
+def test_every_op_and_block_on_vulkan_against_float64_numpy(vulkan_child):
+    got = outcome(vulkan_child, "test_engine_ops")
     # the portable mode's cases in that module are the cpu backend's: the only skips allowed
-    other_skips = [line for line in out.splitlines()
-                   if line.startswith("SKIPPED") and "the portable mode is the cpu backend's" not in line]
-    assert rc == 0 and got.get("passed", 0) > 40 and not other_skips, out[-6000:]
+    other_skips = [(name, why) for name, why in got["skipped"] if "the portable mode is the cpu backend's" not in why]
+    assert len(got["passed"]) > 40 and not other_skips, (other_skips, vulkan_child.output)
 
 
 @needs_lavapipe
-def test_graphs_lowered_for_metal_on_vulkan(vulkan_native):
+def test_graphs_lowered_for_metal_on_vulkan(vulkan_child):
     """tests/test_metal_lowering.py on vulkan: the lowered graphs within 1e-6 of vulkan's goldens."""
-    rc, out = child_pytest(vulkan_native, ["tests/test_metal_lowering.py", "-s"], {"TOYHARNESS_TEST_BACKEND": "vulkan"})
-    print(out[-3000:])
-    got = counts(out)
-    assert rc == 0 and got.get("passed", 0) >= 20 and not got.get("skipped"), out[-6000:]
+    got = outcome(vulkan_child, "test_metal_lowering")
+    assert len(got["passed"]) >= 20 and not got["skipped"], (got["skipped"], vulkan_child.output)
 
 
 @needs_lavapipe
-def test_every_recipe_on_vulkan_near_the_cpu_golden_repeatable_and_on_its_own_golden(vulkan_native):
+def test_every_recipe_on_vulkan_near_the_cpu_golden_repeatable_and_on_its_own_golden(vulkan_child):
     """Each golden config (lora over q4_k and q8_0 included): 16 losses within 1e-5 relative of
     the cpu golden, the same bits twice, and bit for bit goldens/vulkan-<device>/ where recorded
     for this device."""
-    rc, out = child_pytest(vulkan_native, ["tests/test_backends.py", "-m", "vulkan", "-s"], {})
-    print(out[-4000:])
-    got = counts(out)
-    assert rc == 0 and got.get("passed", 0) >= 7, out[-6000:]
+    got = outcome(vulkan_child, "test_backends")
+    assert len(got["passed"]) >= 7, vulkan_child.output
     # a golden of this device that is missing is a skip naming the file; any other skip is a failure
-    skips = re.findall(r"SKIPPED \[\d+\] [^\n]*", out)
-    assert all("No such file" in s or "no golden" in s.lower() for s in skips), skips
+    assert all("no golden" in why.lower() for _, why in got["skipped"]), got["skipped"]
 
 
 @needs_lavapipe
-def test_frozen_products_and_lora_over_every_frozen_type_on_vulkan(vulkan_native):
+def test_frozen_products_and_lora_over_every_frozen_type_on_vulkan(vulkan_child):
     """tests/test_quant.py -m vulkan: each frozen type's product and input gradient against
     gguf-py's dequantization, and lora over a base of each quantized type repeating its bits
     and within 1e-4 of cpu."""
-    rc, out = child_pytest(vulkan_native, ["tests/test_quant.py", "-m", "vulkan"], {})
-    print(out[-3000:])
-    got = counts(out)
-    assert rc == 0 and got.get("passed", 0) >= 21 and not got.get("skipped"), out[-6000:]
+    got = outcome(vulkan_child, "test_quant")
+    assert len(got["passed"]) >= 21 and not got["skipped"], (got["skipped"], vulkan_child.output)
+
+
+@needs_lavapipe
+def test_the_vulkan_child_ran_only_what_it_was_given(vulkan_child):
+    """The selection above reached the four modules, and no other."""
+    assert set(vulkan_child.modules) == {Path(f).stem for f in CHILD_FILES}, vulkan_child.output
 
 
 @needs_lavapipe

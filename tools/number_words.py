@@ -73,7 +73,7 @@ def score(run_dir: Path, data: Path, base: bool, loss: bool = True, fused: Path 
     from toyharness.data.jsonl import read_jsonl
     from toyharness.discovery import get_recipe
     from toyharness.runner import resolve_options
-    from toyharness.sampling import generate_cached, load_cached
+    from toyharness.sampling import generate, load_cached
 
     cfg = tomllib.loads((run_dir / "config.toml").read_text())
     _, obj = get_recipe(cfg["recipe"])
@@ -101,7 +101,7 @@ def score(run_dir: Path, data: Path, base: bool, loss: bool = True, fused: Path 
         outs = llama_cpp_greedy(tool, fused, prompts, 12)
     else:
         model = load_cached(obj, None if base else run_dir / "checkpoint.gguf", opts, tok.vocab_size)
-        outs = [generate_cached(model, ids, 12, 0.0, 0, 0, tok.end_ids) for ids in prompts]
+        outs = [generate(model, ids, 12, 0.0, 0, 0, tok.end_ids) for ids in prompts]
     hits = 0
     for r, out in zip(held, outs):
         reply = tok.decode(out).strip()

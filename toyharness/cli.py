@@ -490,9 +490,8 @@ def cmd_fuse(args) -> int:
 
 def cmd_sample(args) -> int:
     from .errors import InputError
-    from .lm import generate
     from .runner import load_finished_run
-    from .sampling import generate_cached, load_cached, read_prompts
+    from .sampling import FullRecompute, generate, load_cached, read_prompts
 
     obj, opts, ckpt = load_finished_run(args.run_dir)
     if args.prompts and args.prompt:
@@ -518,15 +517,12 @@ def cmd_sample(args) -> int:
         vocab = tok.vocab_size
     rows = read_prompts(args.prompts, tok, args.chat) if args.prompts else None
     if args.no_cache:
-        model = obj.load_for_sampling(ckpt, opts, vocab, args.backend, args.threads)
-
-        def ask(ids: list[int]) -> list[int]:
-            return generate(model, [ids], args.tokens, args.temperature, args.top_k, args.seed, tok.end_ids)[0]
+        model = FullRecompute(obj.load_for_sampling(ckpt, opts, vocab, args.backend, args.threads))
     else:
         model = load_cached(obj, ckpt, opts, vocab, args.backend, args.threads, args.context, args.dequantize)
 
-        def ask(ids: list[int]) -> list[int]:
-            return generate_cached(model, ids, args.tokens, args.temperature, args.top_k, args.seed, tok.end_ids)
+    def ask(ids: list[int]) -> list[int]:
+        return generate(model, ids, args.tokens, args.temperature, args.top_k, args.seed, tok.end_ids)
     if rows is None:
         text = chat_prompt(tok, args.prompt) if args.chat else args.prompt
         out = ask(tok.encode(text, add_special=not args.chat))

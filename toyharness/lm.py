@@ -274,59 +274,6 @@ def tokenizer_metadata(vocab: int) -> dict[str, Any]:
             "tokenizer.ggml.eos_token_id": ord("\n")}
 
 
-def sample_text(model: LanguageModel, prompt_ids: list[int], n_tokens: int, temperature: float, top_k: int,
-                seed: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
-    """Autoregressive sampling with a fixed-length causal forward (the prompt left-aligned),
-    stopping after a token of `stop_ids` (end of sequence or of turn; not returned)."""
-    return generate(model, [prompt_ids], n_tokens, temperature, top_k, seed, stop_ids)[0]
-
-
-def generate(model: LanguageModel, prompts: list[list[int]], n_tokens: int, temperature: float, top_k: int,
-             seed: int, stop_ids: frozenset[int] = frozenset()) -> list[list[int]]:
-    """`sample_text` for up to `model.batch` prompts at once (one forward per new token)."""
-    if temperature < 0:
-        raise InputError(f"--temperature must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise InputError(f"--top-k must be >= 0, got {top_k}")
-    if len(prompts) > model.batch:
-        raise InputError(f"{len(prompts)} prompts for a model built for {model.batch}")
-    rng = np.random.default_rng(seed)
-    seqs = [list(p) or [ord("\n")] for p in prompts]
-    starts = [len(p) or 1 for p in prompts]
-    done = [False] * len(seqs)
-    seq = model.seq
-    for _ in range(n_tokens):
-        buf = np.zeros((model.batch, seq), dtype=np.int32)
-        for r, ids in enumerate(seqs):
-            window = ids[-seq:]
-            buf[r, :len(window)] = window
-        logits_all = model.next_logits(buf)
-        for r, ids in enumerate(seqs):
-            if done[r]:
-                continue
-            nxt = next_token(logits_all[r, min(len(ids), seq) - 1], temperature, top_k, rng)
-            if nxt in stop_ids:
-                done[r] = True
-            else:
-                ids.append(nxt)
-        if all(done):
-            break
-    return [ids[start:] for ids, start in zip(seqs, starts)]
-
-
-def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
-    """The next token from one position's logits: argmax at temperature 0, else a draw from the
-    softmax of logits / temperature over the top_k (0: all). The one rule of every sampler."""
-    logits = logits.astype(np.float64)
-    if temperature == 0:
-        return int(np.argmax(logits))
-    logits = logits / temperature
-    if 0 < top_k < len(logits):
-        cutoff = np.sort(logits)[-top_k]
-        logits = np.where(logits < cutoff, -np.inf, logits)
-    p = np.exp(logits - logits.max())
-    p /= p.sum()
-    return int(rng.choice(len(p), p=p))
 
 
 def seeded_model_file(recipe: str, sets: list[str], vocab: int = 256) -> Path:

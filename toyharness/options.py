@@ -23,12 +23,9 @@ import tomllib
 
 from .adamw import CONVENTIONS, SCHEDULES, AdamWRow, Schedule
 from .discovery import recipe_name
+from .engine.precision import PRECISIONS
 from .errors import InputError, RecipeError, ToyharnessError
 from .hookspecs import plugin_manager
-
-# The precisions a run's matrix products can take (docs/design.md, "Precision"; engine/backend.py says
-# which backend computes which).
-PRECISIONS = ("fp32", "tf32", "bf16")
 
 # Sizes, counts and seeds beyond this are typos or hostile input (ggml's dims and our int32 ids
 # cannot use them); refusing them here keeps a config from sizing an allocation.

@@ -1,17 +1,20 @@
-"""Sampling with a KV cache: each new token costs one token's forward, not the whole window's.
+"""Sampling: the one loop that turns a model's logits into text (`generate`), over either of two
+ways of getting the logits after the text so far, each with `context`, `reset()` and `extend(ids)`:
 
-The recipe's own forward is built twice on one program, for a chunk of new tokens (the prompt,
-`prefill` at a time) and for one token, while the program's `kv_cache` is set: each
-`blocks.attention` call then writes its (roped) keys and values into that layer's cache at the
-tokens' positions (ggml's SET_ROWS into a persistent tensor, so the cache lives on the backend,
-cpu or cuda) and its queries attend over every cached position that a mask fed per step lets them
-see (causal, and each sliding window: gemma3's local layers). Every architecture the recipes take
-runs through it unchanged, adapters included.
+- `CachedLM`, with a KV cache: each new token costs one token's forward, not the whole window's.
+  The recipe's own forward is built twice on one program, for a chunk of new tokens (the prompt,
+  `prefill` at a time) and for one token, while the program's `kv_cache` is set: each
+  `blocks.attention` call then writes its (roped) keys and values into that layer's cache at the
+  tokens' positions (ggml's SET_ROWS into a persistent tensor, so the cache lives on the backend,
+  cpu or cuda) and its queries attend over every cached position that a mask fed per step lets
+  them see (causal, and each sliding window: gemma3's local layers). Every architecture the
+  recipes take runs through it unchanged, adapters included.
+- `FullRecompute`, the reference (`sample --no-cache`): the recipe's training-shaped forward over
+  a fixed window of t_seq positions, the text left-aligned, recomputed for each new token.
 
-The tokens are those of `lm.generate` (the full recompute of a fixed window, the prompt
-left-aligned) for the same seed: the same choice rule on logits equal to rounding (a product of
-one row and one of many sum in another order), and once the text outgrows the cache (`context`,
-the model's t_seq by default) the same sliding window, recomputed as `lm.generate` does.
+Both give the same tokens for the same seed: the same choice rule (`next_token`) on logits equal
+to rounding (a product of one row and one of many sum in another order); once the text outgrows
+`context` both slide the same window (the last `context` tokens, from position 0, recomputed).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from ._ffi import lib
 from .engine import Tensor, get_engine
 from .errors import InputError, ShapeError
-from .lm import next_token
+from .lm import LanguageModel
 
 PREFILL = 32   # prompt tokens per forward; the rest of a prompt goes one token at a time
 
@@ -168,9 +171,40 @@ def load_cached(recipe: SamplingRecipe, path, options, vocab: int, backend: str 
     return CachedLM(recipe, get_engine(backend, threads), options, vocab, params, context, dequantize=dequantize)
 
 
-def generate_cached(model: CachedLM, prompt: list[int], n_tokens: int, temperature: float, top_k: int, seed: int,
-                    stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
-    """`lm.generate` for one prompt, through the cache: the same tokens for the same seed."""
+class FullRecompute:
+    """The reference sampler's model (`sample --no-cache`): a forward-only `LanguageModel` of one
+    row, whose whole window (the text left-aligned, zeros after it) is recomputed for each call of
+    `extend`; the interface of `CachedLM`."""
+
+    def __init__(self, model: LanguageModel):
+        if model.batch != 1:
+            raise ShapeError(f"the full recompute samples one sequence: the model is built for {model.batch}")
+        self.model, self.context = model, model.seq
+        self.text: list[int] = []
+
+    def reset(self) -> None:
+        self.text = []
+
+    def extend(self, ids: list[int]) -> np.ndarray:
+        """Append `ids` to the text; the logits (vocab,) after its last token."""
+        if not ids:
+            raise InputError("full recompute: nothing to add")
+        if len(self.text) + len(ids) > self.context:
+            raise InputError(f"full recompute: {len(self.text)} + {len(ids)} tokens do not fit a window of "
+                             f"{self.context}")
+        self.text += ids
+        window = np.zeros((1, self.context), np.int32)
+        window[0, :len(self.text)] = self.text
+        return self.model.next_logits(window)[0, len(self.text) - 1]
+
+
+def generate(model: CachedLM | FullRecompute, prompt: list[int], n_tokens: int, temperature: float, top_k: int,
+             seed: int, stop_ids: frozenset[int] = frozenset(),
+             on_token: Callable[[int], None] | None = None) -> list[int]:
+    """Up to `n_tokens` new tokens after `prompt` (empty: a newline), each chosen by `next_token`
+    from a generator seeded with `seed`; stops before a token of `stop_ids` (end of sequence or of
+    turn; not returned). Text longer than the model's `context` is read through a sliding window of
+    its last `context` tokens."""
     if temperature < 0:
         raise InputError(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
@@ -185,7 +219,7 @@ def generate_cached(model: CachedLM, prompt: list[int], n_tokens: int, temperatu
         if step and len(ids) <= seq:
             logits = model.extend(ids[-1:])
         elif step:
-            # past the cache: lm.generate's window (the last `seq` tokens from position 0), recomputed
+            # past the context: the window of the last `seq` tokens from position 0, recomputed
             model.reset()
             logits = model.extend(ids[-seq:])
         nxt = next_token(logits, temperature, top_k, rng)
@@ -195,6 +229,21 @@ def generate_cached(model: CachedLM, prompt: list[int], n_tokens: int, temperatu
         if on_token:
             on_token(nxt)
     return ids[start:]
+
+
+def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """The next token from one position's logits: argmax at temperature 0, else a draw from the
+    softmax of logits / temperature over the top_k (0: all)."""
+    logits = logits.astype(np.float64)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    logits = logits / temperature
+    if 0 < top_k < len(logits):
+        cutoff = np.sort(logits)[-top_k]
+        logits = np.where(logits < cutoff, -np.inf, logits)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    return int(rng.choice(len(p), p=p))
 
 
 # --- a file of prompts: `toyharness sample RUN_DIR --prompts FILE` ------------------------------------

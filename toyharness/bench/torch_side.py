@@ -255,8 +255,8 @@ def train_reference(recipe: str, steps: int, sets: list[str] | None = None, prec
 
     What it is for: how far PyTorch's own bf16 run ends from its fp32 run, beside ours."""
     from ..discovery import get_recipe
+    from ..engine.precision import PRECISIONS
     from ..hookspecs import plugin_manager
-    from ..options import PRECISIONS
     from ..runner import batch_for, load_data, resolve_options
     from ..training_loop import options_for_steps
 

@@ -11,6 +11,7 @@ from .._ffi import available_native_backends, blas, ffi, lib
 from ..errors import BackendError
 from ..switches import switch
 from .loop_controls import TrainingLoop
+from .precision import PRECISIONS
 
 if TYPE_CHECKING:
     from .program import Program
@@ -155,7 +156,6 @@ def check_precision(backend: str, precision: str) -> None:
     """fp32 on every backend; tf32 and bf16 on cuda with toyharness's kernels
     (native/cuda/th-precision.cu). Anything else is refused with the reason, before a program is built."""
     from .._ffi import cuda_kernels_built
-    from ..options import PRECISIONS
 
     if precision not in PRECISIONS:
         raise BackendError(f"precision {precision!r} is not known; allowed: {', '.join(PRECISIONS)}")
