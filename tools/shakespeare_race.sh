@@ -3,21 +3,23 @@
 # script, seed by seed, then the table (tools/shakespeare_race.py). Offline: the corpus is a file
 # made beforehand (python -m toyharness.data.corpora shakespeare shakespeare.txt) and carried.
 #
-#   tools/shakespeare_race.sh [--backend cuda] [--target 1.47] [--python PY] [--ours "ARGS"]
+#   tools/shakespeare_race.sh [--build] [--backend cuda] [--target 1.47] [--python PY] [--ours "ARGS"]
 #                             [--torch "ARGS"] CORPUS OUT [SEED...]        (seeds: 1337 unless named)
 #
 # Ours: toyharness run gpt2 --config plugins/toyharness_recipes/configs/shakespeare_char.toml
 #       --backend B (cuda: --set precision=bf16) --set seed=S --set data=CORPUS --out OUT/ours-S
 # Torch: PY tools/nanogpt_shakespeare_torch.py CORPUS --seed S --target T --log OUT/torch-S.jsonl
 #        (--device cpu --no-compile where --backend is not cuda)
-# --ours / --torch add arguments to one side (a smaller model for a smoke test, say). Each side's
+# --build first builds toyharness with cuda on the GPU machine (tools/gpu_env.sh's build_cuda, offline,
+# as tools/gpu_check.sh does; its log: OUT/race.log). --ours / --torch add arguments to one side (a smaller model for a smoke test, say). Each side's
 # output goes to OUT/ours-S.log and OUT/torch-S.log; its whole command's seconds to OUT/process-S.txt.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
-backend=cuda target=1.47 py=python3 ours_args="" torch_args=""
+backend=cuda target=1.47 py=python3 ours_args="" torch_args="" build=0
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
+    --build) build=1; shift ;;
     --backend) backend=$2; shift 2 ;;
     --target) target=$2; shift 2 ;;
     --python) py=$2; shift 2 ;;
@@ -36,6 +38,12 @@ pinned=1824186779d4ce04ff287192132e1cfecc1c5238fe76c11489b501fea3ae08a8
 got=$(sha256sum "$corpus" | cut -d' ' -f1)
 [[ $got == "$pinned" ]] || echo "note: $corpus has sha256 $got, not the pinned shakespeare corpus" >&2
 mkdir -p "$out"
+if [[ $build == 1 ]]; then
+  log="$out/race.log"
+  # shellcheck source=tools/gpu_env.sh
+  source "$here/gpu_env.sh"
+  (cd "$root" && build_cuda)
+fi
 config="$root/plugins/toyharness_recipes/configs/shakespeare_char.toml"
 precision=(); torch_device=()
 if [[ $backend == cuda ]]; then precision=(--set precision=bf16); else torch_device=(--device cpu --no-compile); fi
