@@ -81,6 +81,10 @@ def test_run_writes_the_run_folder(tmp_path):
     assert all(m["loss_hex"].startswith("0x") and len(m["loss_hex"]) == 10 for m in lines)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_loss"] > 0 and summary["steps"] == 6
+    # each row's wall_s: the run's seconds so far, rising step by step, within the summary's wall_s
+    walls = [m["wall_s"] for m in lines]
+    assert 0 < walls[0] and walls == sorted(walls) and walls[-1] <= summary["wall_s"]
+    assert walls[0] >= lines[0]["ms"] / 1000 - 1e-3
     assert not list(out.glob(".*.tmp")), "temporary files left behind"
     # The summary names the run folder whole, on one line, however wide the path.
     assert f"run folder: {out}" in res.stdout.splitlines(), res.stdout

@@ -351,6 +351,8 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                 eval_args = {"step": i, "loss": ev["loss"], "accuracy": ev.get("accuracy")}
                 pm.hook.eval_end(run=run, **eval_args)
                 bus.emit("eval_end", run=run, **eval_args)
+            # seconds since this process began the run's steps, the step's evaluation included
+            run.metrics[-1]["wall_s"] = round(time.perf_counter() - t_run, 3)
             bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None, grad_norm)
             if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
                 atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
