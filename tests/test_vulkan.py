@@ -50,10 +50,11 @@ def vulkan_native(tmp_path_factory) -> Path:
 
 # What the child pytest runs: every op and block and the graphs lowered for metal
 # (TOYHARNESS_TEST_BACKEND=vulkan, which only those two modules read), and the tests marked vulkan
-# of the golden and frozen-type modules. One process for all four: ggml-vulkan compiles each
-# pipeline once per process (on lavapipe, LLVM compiling its shaders), and most are shared.
+# of the golden, frozen-type, packing and dropout modules. One process for all: ggml-vulkan
+# compiles each pipeline once per process (on lavapipe, LLVM compiling its shaders), and most are
+# shared.
 CHILD_FILES = ["tests/test_engine_ops.py", "tests/test_metal_lowering.py", "tests/test_backends.py",
-               "tests/test_quant.py"]
+               "tests/test_quant.py", "tests/test_packing.py", "tests/test_dropout.py"]
 # -k matches markers too: vulkan-marked tests (whatever their module) and all of the first two
 CHILD_SELECTION = "test_engine_ops or test_metal_lowering or vulkan"
 
@@ -142,18 +143,24 @@ def test_frozen_products_and_lora_over_every_frozen_type_on_vulkan(vulkan_child)
 
 @needs_lavapipe
 def test_the_vulkan_child_ran_only_what_it_was_given(vulkan_child):
-    """The selection above reached the four modules, and no other."""
+    """The selection above reached the modules it names, and no other."""
     assert set(vulkan_child.modules) == {Path(f).stem for f in CHILD_FILES}, vulkan_child.output
 
 
 @needs_lavapipe
-def test_packed_rows_on_vulkan_give_the_unpacked_loss_and_gradients(vulkan_native):
-    """tests/test_packing.py -m vulkan: llama, gpt2 and lora over gemma3, the packed step's loss and
-    every gradient within 1e-6 of the unpacked step's over the same examples."""
-    rc, out = child_pytest(vulkan_native, ["tests/test_packing.py", "-m", "vulkan"], {})
-    print(out[-3000:])
-    got = counts(out)
-    assert rc == 0 and got.get("passed", 0) == 3 and not got.get("skipped"), out[-6000:]
+def test_packed_rows_on_vulkan_give_the_unpacked_loss_and_gradients(vulkan_child):
+    """tests/test_packing.py's vulkan cases: llama, gpt2 and lora over gemma3, the packed step's
+    loss and every gradient within 1e-6 of the unpacked step's over the same examples."""
+    got = outcome(vulkan_child, "test_packing")
+    assert len(got["passed"]) == 3 and not got["skipped"], (got["skipped"], vulkan_child.output)
+
+
+@needs_lavapipe
+def test_dropout_on_vulkan_is_the_numpy_stream(vulkan_child):
+    """tests/test_dropout.py's vulkan cases: the host-fed masks equal the numpy stream bit for bit,
+    evaluation's bits are the model's without dropout, and two runs repeat."""
+    got = outcome(vulkan_child, "test_dropout")
+    assert len(got["passed"]) >= 3 and not got["skipped"], (got["skipped"], vulkan_child.output)
 
 
 # --- runs without the packages: the build's staged edit and the backend names ----------------
