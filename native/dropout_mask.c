@@ -42,13 +42,7 @@ static void th_dropout_lanes(float * restrict y, uint64_t b0, const int32_t key[
 }
 
 th_dropout_params th_dropout_params_of(const struct ggml_tensor * t, int slot) {
-    th_dropout_params p;
-    int32_t w[4];
-    memcpy(w, t->op_params + slot, sizeof(w));
-    p.node = (uint32_t) w[0];
-    p.threshold = (uint64_t) (uint32_t) w[1] | (uint64_t) (uint32_t) w[2] << 32;
-    memcpy(&p.kept, &w[3], sizeof(float));
-    return p;
+    return th_dropout_params_from(t->op_params + slot);
 }
 
 void th_dropout_params_set(struct ggml_tensor * t, int slot, th_dropout_params p) {

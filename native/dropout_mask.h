@@ -9,6 +9,7 @@
 #define TH_DROPOUT_MASK_H
 
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define TH_DROPOUT_FN static __host__ __device__ __forceinline__
@@ -28,6 +29,15 @@ typedef struct {
     uint64_t threshold;       /* keep iff u < threshold, in [0, 2^32] */
     float kept;               /* 1 / (1 - p) rounded to float32 */
 } th_dropout_params;
+
+/* a mask node's parameters from its four op_params words at its slot (the layout above) */
+TH_DROPOUT_FN th_dropout_params th_dropout_params_from(const int32_t w[4]) {
+    th_dropout_params p;
+    p.node = (uint32_t) w[0];
+    p.threshold = (uint64_t) (uint32_t) w[1] | (uint64_t) (uint32_t) w[2] << 32;
+    memcpy(&p.kept, &w[3], sizeof(float));
+    return p;
+}
 
 TH_DROPOUT_FN void th_philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
     for (int r = 0; r < 10; r++) {

@@ -291,12 +291,7 @@ static __global__ void th_dropout_mask_kernel(const int32_t * __restrict__ key, 
 }
 
 static void th_dropout_mask(cudaStream_t stream, ggml_tensor * dst) {
-    th_dropout_params p;
-    int32_t w[4];
-    memcpy(w, dst->op_params + TH_DROPOUT_CUDA_SLOT, sizeof(w));
-    p.node = (uint32_t) w[0];
-    p.threshold = (uint64_t) (uint32_t) w[1] | (uint64_t) (uint32_t) w[2] << 32;
-    memcpy(&p.kept, &w[3], sizeof(float));
+    const th_dropout_params p = th_dropout_params_from(dst->op_params + TH_DROPOUT_CUDA_SLOT);
     const int64_t n = ggml_nelements(dst), blocks = (n + 3) / 4;
     const int threads = 256;
     const int64_t grid = std::min<int64_t>((blocks + threads - 1) / threads, 65535);
