@@ -15,7 +15,8 @@ RECIPES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start"]
 # lora over a seeded base of each architecture beyond llama's (toyharness/architectures)
 ARCH_LORA = ["lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]
 # vulkan's: every golden config, lora over the quantized bases included
-VULKAN_GOLDENS = [*RECIPES, "lora@q4_k", "lora@q8_0", *ARCH_LORA, "gpt2@dropout", "lora@dropout"]
+VULKAN_GOLDENS = [*RECIPES, "lora@q4_k", "lora@q8_0", *ARCH_LORA, "gpt2@dropout", "lora@dropout",
+                  "gpt2@accum", "gpt2@clip", "lora@packed", "llama@packed"]
 # how far each backend's losses may be from the cpu golden's (relative, any of the 16 steps)
 TOLERANCE = {"cuda": 1e-4, "metal": 1e-4, "vulkan": 1e-5}
 GPUS = ("cuda", "vulkan", "metal")
