@@ -18,10 +18,10 @@ from toyharness.switches import switch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+def cli(*args: str | Path, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     """`toyharness ARGS...` in a process of its own, its output captured as text; `kwargs` go to
     subprocess.run (env, cwd, preexec_fn)."""
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "toyharness.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
 
 

@@ -371,3 +371,14 @@ def test_rope_of_repeated_positions_makes_each_table_once_with_the_same_bits():
     got = prog.forward({"whole": whole, **parts}).run({})
     each = np.concatenate([got[f"h{h}"] for h in range(heads)])
     np.testing.assert_array_equal(got["whole"].reshape(heads, t, 1, d), each)
+
+
+def test_pack_false_on_text_data_is_refused_by_name(tmp_path, capsys):
+    """Text is one stream cut into rows: there are no examples for pack=false to keep a row each."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be " * 50)
+    assert main(["run", "gpt2", "--steps", "1", "--set", f"data={text}", "--set", "pack=false",
+                 "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "option 'pack'" in err[0] and str(text) in err[0], err
+    assert not (tmp_path / "run").exists()

@@ -5,11 +5,10 @@ its own command with the flag it meant."""
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from toyharness import goldens
 from toyharness._ffi import available_native_backends
@@ -23,11 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent / "goldens"
 STEPS = 16    # many enough that the portable mode's rounding shows (its first steps can round as the fast path's)
 TINY = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2", "--set", "t_seq=24", "--set", "t_batch=2",
         "--set", "eval_every=2", "--set", "checkpoint_every=2", "--set", "warmup=1"]
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
 
 
 def loss_bits(run: Path) -> list[str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 import toyharness
 from toyharness import InputError, Options, TextOptions, positive
@@ -116,11 +117,6 @@ def mlp_plugin(site: Path, hook: str | None = None, raise_: str = "ZeroDivisionE
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
-
-
-def cli(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=cwd)
 
 
 def one_line(res) -> str:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from toyharness import switches
 from toyharness.switches import BY_NAME, SWITCHES, SwitchError, switch
@@ -145,17 +146,12 @@ def test_a_switch_error_is_an_input_error_inside_the_package():
     assert issubclass(SwitchError, InputError)
 
 
-def run_cli(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toyharness.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=ROOT)
-
-
 def test_the_cli_refuses_a_bad_value_in_one_line_exit_2():
-    done = run_cli(["recipes"], TOYHARNESS_GGML_LOG="banana")
+    done = cli("recipes", env={**os.environ, "TOYHARNESS_GGML_LOG": "banana"}, cwd=ROOT)
     assert done.returncode == 2, done.stderr
     assert done.stderr == "toyharness: error: TOYHARNESS_GGML_LOG=banana: not one of 1, 2, 3, 4, 5\n"
     assert done.stdout == ""
-    assert run_cli(["recipes"], TOYHARNESS_GGML_LOG="4").returncode == 0
+    assert cli("recipes", env={**os.environ, "TOYHARNESS_GGML_LOG": "4"}, cwd=ROOT).returncode == 0
 
 
 def test_native_build_refuses_a_bad_value_by_name_before_anything_builds(tmp_path):

@@ -30,6 +30,10 @@ def load_lm_data(spec: str, tokenizer, options) -> TokenData | ExampleData:
             raise InputError(f"data {spec!r}: no such file")
         return load_jsonl(path, tokenizer, options.t_seq, getattr(options, "mask_prompt", True),
                           pack=getattr(options, "pack", False), cache=True, progress=True)
+    if getattr(options, "pack", True) is False:
+        # text is one stream cut into rows of t_seq: there are no examples for a row to keep apart
+        raise InputError(f"option 'pack': false keeps each JSONL example a row of its own, but data "
+                         f"{spec or 'default'!r} is text (one stream cut into rows of t_seq); leave pack unset")
     data = load_text_data(spec)
     if tokenizer.byte_level:
         return data
