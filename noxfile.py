@@ -40,8 +40,10 @@ def tests_vulkan(session):
     saying why, where the backend has no device."""
     session.env["TOYHARNESS_BACKENDS"] = "cpu,vulkan"
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", "-rs", "-m", "vulkan", "tests/test_backends.py", *session.posargs)
-    session.run("pytest", "-q", "-rs", "tests/test_engine_ops.py", env={"TOYHARNESS_TEST_BACKEND": "vulkan"})
+    session.run("pytest", "-q", "-rs", "-m", "vulkan", "tests/test_backends.py", "tests/test_quant.py",
+                "tests/test_packing.py", "tests/test_dropout.py", *session.posargs)
+    session.run("pytest", "-q", "-rs", "tests/test_engine_ops.py", "tests/test_metal_lowering.py",
+                env={"TOYHARNESS_TEST_BACKEND": "vulkan"})
     session.run("pytest", "-q", "-rs", "tests/test_ops_modes.py", "-k", "vulkan")
 
 

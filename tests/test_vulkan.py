@@ -1,10 +1,13 @@
 """The vulkan backend in the default suite, on Mesa's lavapipe (llvmpipe, a Vulkan device on the
 CPU): a ggml build with vulkan is made (cached in ~/.cache/toyharness like every build) into a
-folder of its own, and the op checks (tests/test_engine_ops.py, tests/test_metal_lowering.py), the
-golden checks (tests/test_backends.py -m vulkan) and the frozen types' (tests/test_quant.py -m
-vulkan) run against it in one child pytest, whose report each test below reads for its module.
-Where Debian's packages are absent, these skip and name the apt-get line. `nox -s tests-vulkan` runs
-the same in-process.
+folder of its own, and the op checks (tests/test_engine_ops.py), the golden checks
+(tests/test_backends.py -m vulkan) and packing's and dropout's vulkan cases run against it in one
+child pytest, whose report each test below reads for its module. Where Debian's packages are
+absent, these skip and name the apt-get line.
+
+`nox -s tests-vulkan` runs these and the slower vulkan checks that the default suite leaves to it:
+the graphs lowered for metal (tests/test_metal_lowering.py) and every frozen type's products and
+lora (tests/test_quant.py -m vulkan), about two minutes on lavapipe.
 
 ggml skips CPU devices unless GGML_VK_VISIBLE_DEVICES names them: lavapipe is device 0 here."""
 
@@ -48,15 +51,13 @@ def vulkan_native(tmp_path_factory) -> Path:
     return out
 
 
-# What the child pytest runs: every op and block and the graphs lowered for metal
-# (TOYHARNESS_TEST_BACKEND=vulkan, which only those two modules read), and the tests marked vulkan
-# of the golden, frozen-type, packing and dropout modules. One process for all: ggml-vulkan
-# compiles each pipeline once per process (on lavapipe, LLVM compiling its shaders), and most are
-# shared.
-CHILD_FILES = ["tests/test_engine_ops.py", "tests/test_metal_lowering.py", "tests/test_backends.py",
-               "tests/test_quant.py", "tests/test_packing.py", "tests/test_dropout.py"]
-# -k matches markers too: vulkan-marked tests (whatever their module) and all of the first two
-CHILD_SELECTION = "test_engine_ops or test_metal_lowering or vulkan"
+# What the child pytest runs: every op and block (TOYHARNESS_TEST_BACKEND=vulkan, which that module
+# reads), and the tests marked vulkan of the golden, packing and dropout modules. One process for
+# all: ggml-vulkan compiles each pipeline once per process (on lavapipe, LLVM compiling its
+# shaders), and most are shared.
+CHILD_FILES = ["tests/test_engine_ops.py", "tests/test_backends.py", "tests/test_packing.py", "tests/test_dropout.py"]
+# -k matches markers too: vulkan-marked tests (whatever their module) and all of the first
+CHILD_SELECTION = "test_engine_ops or vulkan"
 
 
 @dataclass
@@ -115,13 +116,6 @@ def test_every_op_and_block_on_vulkan_against_float64_numpy(vulkan_child):
 
 
 @needs_lavapipe
-def test_graphs_lowered_for_metal_on_vulkan(vulkan_child):
-    """tests/test_metal_lowering.py on vulkan: the lowered graphs within 1e-6 of vulkan's goldens."""
-    got = outcome(vulkan_child, "test_metal_lowering")
-    assert len(got["passed"]) >= 20 and not got["skipped"], (got["skipped"], vulkan_child.output)
-
-
-@needs_lavapipe
 def test_every_recipe_on_vulkan_near_the_cpu_golden_repeatable_and_on_its_own_golden(vulkan_child):
     """Each golden config (lora over q4_k and q8_0 included): 16 losses within 1e-5 relative of
     the cpu golden, the same bits twice, and bit for bit goldens/vulkan-<device>/ where recorded
@@ -130,15 +124,6 @@ def test_every_recipe_on_vulkan_near_the_cpu_golden_repeatable_and_on_its_own_go
     assert len(got["passed"]) >= 7, vulkan_child.output
     # a golden of this device that is missing is a skip naming the file; any other skip is a failure
     assert all("no golden" in why.lower() for _, why in got["skipped"]), got["skipped"]
-
-
-@needs_lavapipe
-def test_frozen_products_and_lora_over_every_frozen_type_on_vulkan(vulkan_child):
-    """tests/test_quant.py -m vulkan: each frozen type's product and input gradient against
-    gguf-py's dequantization, and lora over a base of each quantized type repeating its bits
-    and within 1e-4 of cpu."""
-    got = outcome(vulkan_child, "test_quant")
-    assert len(got["passed"]) >= 21 and not got["skipped"], (got["skipped"], vulkan_child.output)
 
 
 @needs_lavapipe
