@@ -170,7 +170,8 @@ class TwinModule(torch.nn.Module):
             if t.requires_grad:
                 # a plain leaf tensor (a third-party twin's) becomes a Parameter on its storage;
                 # forward reads it from P, so the twin sees this one
-                self.register_parameter(attr, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t.detach()))
+                param = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t.detach())
+                self.register_parameter(attr, param)
             else:
                 self.register_buffer(attr, t)
 
