@@ -9,7 +9,7 @@ torch.profiler (CUPTI), which records every kernel of the process: ggml-cuda's, 
 the same for the PyTorch eager step of the recipe's twin (fused AdamW) after ours.
 `--precision` runs both sides at that precision (ours: the recipe's `precision` option; PyTorch's
 as `bench --precision` sets it up: TF32 products for tf32, bf16 autocast for bf16), and
-`--torch-compile` compiles PyTorch's forward and loss as `bench` does for bf16 (nanoGPT's defaults).
+`--torch-compile` compiles the twin's module as `bench` does for bf16 (nanoGPT's defaults).
 Prints ms per step by kernel name, largest first, and the total. Needs a cuda build of
 toyharness and PyTorch with cuda (the GPU machine of tools/gpu_check.sh).
 """
@@ -17,6 +17,7 @@ toyharness and PyTorch with cuda (the GPU machine of tools/gpu_check.sh).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from toyharness.bench import realize_for_bench, size_sets  # noqa: E402
-from toyharness.bench.torch_side import torch_precision_setup, twin_for  # noqa: E402
+from toyharness.bench.torch_side import twin_for, twin_step  # noqa: E402
 from toyharness.discovery import get_recipe  # noqa: E402
 from toyharness.runner import batch_for  # noqa: E402
 
@@ -63,29 +64,17 @@ def ours(recipe: str, size: str, rows: int, precision: str, extra: list[str] | N
 
 def pytorch(recipe: str, size: str, rows: int, precision: str, compiled: bool) -> None:
     pm, opts, data, engine, model = realize_for_bench(recipe, "cpu", 2, size_sets(recipe, size))
+    opts = dataclasses.replace(opts, precision=precision)     # PyTorch's precision; ours was built at fp32 on cpu
     dev = torch.device("cuda")
-    autocast = torch_precision_setup(precision)
-    twin = twin_for(get_recipe(recipe)[1], opts)       # the recipe's PyTorch twin
+    twin = twin_for(get_recipe(recipe)[1], opts)       # the recipe's PyTorch twin, stepped as bench does
     params = twin.parameters({n: model.trainer.prog.read(t) for n, t in model.trainer.prog.params.items()}, dev)
-    opt = torch.optim.AdamW([p for p in params.values() if p.requires_grad], fused=True, lr=1e-3)
+    step, _ = twin_step(twin, params, opts, dev, "compile" if compiled else "eager")
     batch = {k: torch.from_numpy(v).to(dev) for k, v in batch_for(data, "train", 0, opts).items()}
-
-    def model_loss(params, batch):
-        with autocast(dev):
-            return twin.loss(twin.forward(params, batch), batch)
-
-    model_loss = torch.compile(model_loss) if compiled else model_loss
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        model_loss(params, batch).backward()
-        opt.step()
-
     for _ in range(3):
-        step()
+        step(batch)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
-            step()
+            step(batch)
         torch.cuda.synchronize()
     mode = "torch.compile" if compiled else "eager"
     kernel_table(prof, f"PyTorch {mode} {recipe} {size} {precision}", rows)
@@ -98,7 +87,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--torch", action="store_true", help="PyTorch eager's step too")
     ap.add_argument("--rows", type=int, default=30, help="kernels listed (largest first)")
     ap.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32", help="both sides' precision")
-    ap.add_argument("--torch-compile", action="store_true", help="PyTorch's forward and loss under torch.compile")
+    ap.add_argument("--torch-compile", action="store_true", help="the twin's module under torch.compile, as bench")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of ours (e.g. lora's base); PyTorch's side does not take it")
     args = ap.parse_args(argv)

@@ -8,8 +8,9 @@ options, builds its parameters from the recipe's own init (the arrays our side s
 their GGUF names, numpy order) and computes the loss of a batch as the recipe's data gives it. From
 that alone this module
 
-- times its steps beside ours (`torch_worker`: torch.optim.AdamW, eager or torch.compile, at
-  fp32, tf32 or bf16 autocast; toyharness/bench/run.py drives it),
+- times its steps beside ours (`torch_worker`: the twin as one nn.Module (`TwinModule`), fused
+  torch.optim.AdamW, eager or torch.compile, at fp32, tf32 or bf16 autocast;
+  toyharness/bench/run.py drives it),
 - replays a run folder's first losses with the run's own AdamW rows (`replay_losses`, the parity
   tests' numerical truth), and
 - trains a whole run as `toyharness run` would (`train_reference`).
@@ -47,9 +48,12 @@ class TorchTwin:
 
     def parameters(self, init: dict[str, np.ndarray], device: torch.device | str = "cpu",
                    frozen_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """The tensors `forward` reads: the recipe's `init` (trainable, requires_grad) and any
-        frozen weights the twin loads itself (a base model, in `frozen_dtype`)."""
-        return {n: torch.tensor(a, device=device, requires_grad=True) for n, a in init.items()}
+        """The tensors `forward` reads: the recipe's `init` (trainable: nn.Parameter) and any
+        frozen weights the twin loads itself (a base model, in `frozen_dtype`). A twin may hold
+        some trained arrays differently from `init`, as long as AdamW treats them alike (element
+        by element, decay on the tensors of 2 or more axes): GPT-2's and Llama's fuse q, k and v
+        into one projection (torch_twins/blocks.py, fuse_qkv)."""
+        return {n: torch.nn.Parameter(torch.tensor(a, device=device)) for n, a in init.items()}
 
     def forward(self, P: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -144,62 +148,118 @@ def _on(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
 
 
 # --- bench: the twin's steps timed ------------------------------------------------------------------
+def _attribute(name: str) -> str:
+    return name.replace(".", "__")       # nn.Module names take no dots; GGUF names never hold "__"
+
+
+class TwinModule(torch.nn.Module):
+    """A twin and its tensors as one nn.Module, as a PyTorch user's model is: the trained tensors its
+    parameters, the frozen ones its buffers (the same tensor objects: a twin over transformers'
+    model has them inside that model too). `forward(batch)` is the twin's logits; torch.compile
+    takes the module whole, its weights the module's own rather than inputs of a function."""
+
+    def __init__(self, twin, P: dict[str, torch.Tensor]):
+        super().__init__()
+        self.twin = twin
+        self.names = {}
+        for name, t in P.items():
+            attr = _attribute(name)
+            if attr in self.names.values():
+                raise ValueError(f"TwinModule: tensors {name!r} and another share the attribute name {attr!r}")
+            self.names[name] = attr
+            if t.requires_grad:
+                # a plain leaf tensor (a third-party twin's) becomes a Parameter on its storage;
+                # forward reads it from P, so the twin sees this one
+                param = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t.detach())
+                self.register_parameter(attr, param)
+            else:
+                self.register_buffer(attr, t)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The twin's P: its tensors by their names."""
+        return {name: getattr(self, attr) for name, attr in self.names.items()}
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.twin.forward(self.tensors(), batch)
+
+
+def adamw(params: list[torch.Tensor], options) -> tuple[torch.optim.AdamW, str]:
+    """torch.optim.AdamW at bench's hyperparameters: fused (one kernel a step) where this torch
+    has it for the device, else foreach (multi-tensor); and which it is."""
+    kw = {"lr": 1e-3, "betas": (0.9, getattr(options, "beta2", 0.999)), "eps": 1e-8,
+          "weight_decay": getattr(options, "weight_decay", 0.0)}
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw), "fused"
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(params, foreach=True, **kw), "foreach"
+
+
+def twin_step(twin, P: dict[str, torch.Tensor], options, dev: torch.device, mode: str = "eager"):
+    """One training step of the twin as a PyTorch user writes it (nanoGPT's choices): the twin as
+    a module (TwinModule), under torch.compile in mode "compile" (the module, as nanoGPT compiles
+    its model; the loss and the fused AdamW step outside it), the loss under the precision's
+    autocast. Returns (step, optimizer flavour); step(batch) takes a batch already on `dev` and
+    returns the loss as a tensor: reading it is the caller's (a host sync)."""
+    autocast = torch_precision_setup(getattr(options, "precision", "fp32"))
+    module = TwinModule(twin, P)
+    opt, flavour = adamw([p for p in module.parameters() if p.requires_grad], options)
+    model = torch.compile(module) if mode == "compile" else module
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with autocast(dev):
+            loss = twin.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step, flavour
+
+
+def host_batches(batches: list[dict[str, np.ndarray]], dev: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The batches as host tensors, in pinned (page-locked) memory for a cuda device, so that each
+    step's copy to the device is asynchronous (nanoGPT's get_batch)."""
+    pin = dev.type == "cuda"
+    return [{k: (t.pin_memory() if pin else t) for k, t in
+             ((k, torch.from_numpy(np.ascontiguousarray(a))) for k, a in b.items())} for b in batches]
+
+
 def torch_worker(conn, recipe: str, options, device: str, threads: int, payload: dict, mode: str = "eager") -> None:
     """bench's PyTorch worker (toyharness/bench/procs.py): the twin trained from ours's initial
-    weights (payload "params") on ours's batches (payload "batches"), timed per step."""
+    weights (payload "params") on ours's batches (payload "batches"), timed per step.
+
+    A timed step is what ours's is (toyharness/bench/config.py, step_timer): the batch copied from
+    the host to the device (ours uploads its numpy batch each step; here from pinned memory,
+    non-blocking, as nanoGPT does), forward, backward and AdamW, then a wait for the device
+    (torch.cuda.synchronize, as a PyTorch benchmark waits; no .item() of the loss)."""
     from ..device_memory import PeakDeviceMemory
     from ..discovery import get_recipe
 
     torch.set_num_threads(threads)
     precision = getattr(options, "precision", "fp32")
-    autocast = torch_precision_setup(precision)
     dev = torch.device(device)
     device_memory = PeakDeviceMemory() if dev.type == "cuda" else None
     twin = twin_for(get_recipe(recipe)[1], options)
     # bf16: frozen weights (a base) in bf16, as transformers + PEFT users load them; the trained
     # ones fp32 master weights under bf16 autocast, as ours
     P = twin.parameters(payload["params"], dev, torch.bfloat16 if precision == "bf16" else torch.float32)
-    trainable = [p for p in P.values() if p.requires_grad]
-    kw = {"lr": 1e-3, "betas": (0.9, getattr(options, "beta2", 0.999)), "eps": 1e-8,
-          "weight_decay": getattr(options, "weight_decay", 0.0)}
-    # fused (one kernel per step) where this torch has it for the device, else foreach (multi-tensor)
-    try:
-        opt = torch.optim.AdamW(trainable, fused=True, **kw)
-        flavour = "fused"
-    except (RuntimeError, TypeError):
-        opt = torch.optim.AdamW(trainable, foreach=True, **kw)
-        flavour = "foreach"
-    batches = payload["batches"]
+    step, flavour = twin_step(twin, P, options, dev, mode)
+    batches = host_batches(payload["batches"], dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def model_loss(P, batch):
-        with autocast(dev):
-            return twin.loss(twin.forward(P, batch), batch)
-
-    # compile: the forward and loss (and so their backward), as nanoGPT compiles its model;
-    # the optimizer step stays the fused AdamW
-    model_loss = torch.compile(model_loss) if mode == "compile" else model_loss
-
-    def one_step(b: dict) -> float:
-        batch = {k: torch.from_numpy(v).to(dev) for k, v in b.items()}
-        opt.zero_grad(set_to_none=True)
-        loss = model_loss(P, batch)
-        loss.backward()
-        opt.step()
-        return loss.item()            # waits for the device, as toyharness's step does
-
     conn.send({"ready": True, "optimizer": flavour, "torch": torch.__version__, "mode": mode})
-    step = 0
+    done = 0
     while True:
         cmd, n = conn.recv()
         if cmd == "steps":
             times = []
+            sync()
             for _ in range(n):
-                sync()
                 t0 = time.perf_counter()
-                one_step(batches[step % len(batches)])
+                step({k: t.to(dev, non_blocking=True) for k, t in batches[done % len(batches)].items()})
+                sync()
                 times.append((time.perf_counter() - t0) * 1e3)
-                step += 1
+                done += 1
             if device_memory is not None:
                 device_memory.sample()
             conn.send(times)

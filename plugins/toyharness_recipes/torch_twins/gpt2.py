@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from toyharness import TorchTwin
 
-from .blocks import attention, layer_norm
+from .blocks import attention, fuse_qkv, layer_norm
 
 
 def gpt2(P, batch, o: dict):
     tokens = batch["tokens"]
-    h = P["token_embd.weight"][tokens] + P["position_embd.weight"][: tokens.shape[1]]
+    h = F.embedding(tokens, P["token_embd.weight"]) + P["position_embd.weight"][: tokens.shape[1]]
     for i in range(o["n_layer"]):
         b = f"blk.{i}."
         h = h + attention(layer_norm(h, P[b + "attn_norm.weight"], P[b + "attn_norm.bias"]), P, b, o["n_head"])
@@ -23,5 +24,12 @@ def gpt2(P, batch, o: dict):
 
 
 class GPT2Twin(TorchTwin):
+    def __init__(self, options):
+        super().__init__(options)
+        self.sizes = options.to_dict()
+
+    def parameters(self, init, device="cpu", frozen_dtype=torch.float32):
+        return super().parameters(fuse_qkv(init), device, frozen_dtype)
+
     def forward(self, P, batch):
-        return gpt2(P, batch, self.options.to_dict())
+        return gpt2(P, batch, self.sizes)

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from toyharness import TorchTwin
 
-from .blocks import attention, rms_norm
+from .blocks import attention, fuse_qkv, rms_norm
 
 
 def llama(P, batch, o: dict, q_fn_for=None):
     """`o` may carry a base's `rope_base` and `rms_eps` (lora over a real model); else llama's."""
     rope_base, eps = o.get("rope_base", 10000.0), o.get("rms_eps", 1e-5)
-    h = P["token_embd.weight"][batch["tokens"]]
+    h = F.embedding(batch["tokens"], P["token_embd.weight"])
     for i in range(o["n_layer"]):
         b = f"blk.{i}."
         x = rms_norm(h, P[b + "attn_norm.weight"], eps)
@@ -26,5 +27,12 @@ def llama(P, batch, o: dict, q_fn_for=None):
 
 
 class LlamaTwin(TorchTwin):
+    def __init__(self, options):
+        super().__init__(options)
+        self.sizes = options.to_dict()
+
+    def parameters(self, init, device="cpu", frozen_dtype=torch.float32):
+        return super().parameters(fuse_qkv(init), device, frozen_dtype)
+
     def forward(self, P, batch):
-        return llama(P, batch, self.options.to_dict())
+        return llama(P, batch, self.sizes)
