@@ -33,6 +33,24 @@ def test_the_cuda_rewrite_marks_each_gelu_stand_in_and_its_backward():
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0      # the same nodes, marked already
 
 
+def test_the_cuda_rewrite_refuses_the_erf_stand_in_and_blocks_compose_erf_for_cuda():
+    """Built on cpu (never computed here): the exact GELU has no kernel of ours on cuda. A graph
+    holding the cpu kernels' erf stand-in (a SILU) is refused rather than computed as silu, and
+    blocks.gelu_erf built as cuda builds it holds no stand-in and no GELU node at all (nothing a
+    backend could take for the tanh form)."""
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    prog = get_engine("cpu").program()
+    prog.cpu_kernels = True          # blocks build the cpu kernels' stand-in
+    trainer = prog.trainer(prog.scalar_loss(blocks.gelu_erf(prog.param("x", x)).sum()), "bias_corrected")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == -1
+    prog = get_engine("cpu").program()
+    prog.cpu_kernels, prog.cuda_kernels = False, True
+    trainer = prog.trainer(prog.scalar_loss(blocks.gelu_erf(prog.param("x", x)).sum()), "bias_corrected")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 0
+    assert "gelu" not in cuda_kernel_names(trainer.gb_grad) and "gelu_back" not in cuda_kernel_names(trainer.gb_grad)
+    assert not {"SILU", "SILU_BACK", "GELU", "GELU_ERF"} & set(ops_of(trainer.gb_grad))
+
+
 def test_the_cuda_rewrite_takes_conts_of_permutes_and_leaves_plain_ones():
     prog = get_engine("cpu").program()
     x = prog.param("x", RNG.normal(size=(2, 3, 4, 5)).astype(np.float32))
