@@ -521,8 +521,9 @@ static void th_gelu_back_op(struct ggml_tensor * dst, const struct ggml_tensor *
 
 /* ---- GELU, exact (erf) form: one node forward, one backward ----------------------------------
  * nanoGPT's nn.GELU(). ggml 0.25.3's GELU_ERF has no backward, so blocks.gelu_erf builds a SILU
- * named TH_GELU_ERF_NAME where these kernels compute it (elsewhere Tensor.gelu("none") composes
- * it from ops that have a backward), and the rewrite turns it and its SILU_BACK into:
+ * named TH_GELU_ERF_NAME where these kernels (or our cuda kernels: cuda_rewrite/gelu.c) compute
+ * it (elsewhere Tensor.gelu("none") composes it from ops that have a backward), and the rewrite
+ * turns it and its SILU_BACK into:
  *   y  = x Phi(x)                          Phi(x) = 0.5 (1 + erf(x / sqrt 2))
  *   dx = dy (Phi(x) + x exp(-x^2/2) / sqrt(2 pi))
  * erf as Tensor.gelu("none") takes it, Abramowitz and Stegun 7.1.26 (absolute error under
@@ -570,15 +571,6 @@ static void th_gelu_erf_back_op(struct ggml_tensor * dst, const struct ggml_tens
 
 static int th_is_gelu_stand_in(const struct ggml_tensor * t, const char * name) {
     return t->op == GGML_OP_UNARY && ggml_get_unary_op(t) == GGML_UNARY_OP_SILU && strcmp(t->name, name) == 0;
-}
-
-/* Whether a graph holds a GELU stand-in of the erf form: only these kernels compute it (the cuda
- * rewrite refuses such a graph rather than compute silu there) */
-int th_has_gelu_erf_stand_in(struct ggml_cgraph * graph) {
-    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
-        if (th_is_gelu_stand_in(ggml_graph_node(graph, i), TH_GELU_ERF_NAME)) return 1;
-    }
-    return 0;
 }
 
 static int th_is_custom(const struct ggml_tensor * t, void * fun) {

@@ -152,9 +152,6 @@ struct th_gelu_kernels {
     int (*is_backward)(const struct ggml_tensor * b);
 };
 int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kernels * k);
-/* cpu_kernels.c: whether `graph` holds the erf form's stand-in (blocks.gelu_erf: a SILU named
- * "th.gelu_erf"), which only the cpu kernels compute */
-int th_has_gelu_erf_stand_in(struct ggml_cgraph * graph);
 
 /* frozen_matmul.c: products with a frozen non-f32 weight (f16, bf16, quantized), in f32 */
 int th_rewrite_frozen(struct ggml_cgraph * graph);

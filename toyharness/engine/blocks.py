@@ -132,12 +132,14 @@ def gelu_erf(x: Tensor) -> Tensor:
 
     ggml 0.25.3's GELU_ERF has no backward. With the cpu kernels, one node each way: a SILU
     node named "th.gelu_erf" that the cpu rewrite computes as exact GELU and its SILU_BACK as
-    its derivative (native/cpu_kernels.c, th_gelu_erf_op). Elsewhere (the portable mode, cuda,
-    the lowerings) composed from ops that each have a backward (Tensor.gelu("none")): no
-    backend sees a GELU node it could take for the tanh form, and the cuda rewrite refuses a
-    graph holding this stand-in rather than compute it as silu. Both take erf by Abramowitz
-    and Stegun 7.1.26 (absolute error under 1.5e-7)."""
-    if x.prog.cpu_kernels and x.type == GGML_TYPE_F32 and x.is_contiguous():
+    its derivative (native/cpu_kernels.c, th_gelu_erf_op, erf by Abramowitz and Stegun 7.1.26,
+    absolute error under 1.5e-7); on cuda the same stand-ins go to our kernels inside ggml-cuda
+    (native/cuda_rewrite/gelu.c, native/cuda/th-custom.cu: CUDA's normcdff, within 1e-6 relative).
+    Elsewhere (the portable mode, the lowerings, vulkan, metal) composed from ops that each have a
+    backward (Tensor.gelu("none"), erf by Abramowitz and Stegun too): no backend sees a GELU node
+    it could take for the tanh form, and a stand-in that no rewrite pairs is refused rather than
+    computed as silu."""
+    if (x.prog.cpu_kernels or x.prog.cuda_kernels) and x.type == GGML_TYPE_F32 and x.is_contiguous():
         return x.silu().named(GELU_ERF_STAND_IN)
     return x.gelu("none")
 
