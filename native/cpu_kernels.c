@@ -519,9 +519,58 @@ static void th_gelu_back_op(struct ggml_tensor * dst, const struct ggml_tensor *
     }
 }
 
-static int th_is_gelu_stand_in(const struct ggml_tensor * t) {
-    return t->op == GGML_OP_UNARY && ggml_get_unary_op(t) == GGML_UNARY_OP_SILU &&
-           strcmp(t->name, TH_GELU_NAME) == 0;
+/* ---- GELU, exact (erf) form: one node forward, one backward ----------------------------------
+ * nanoGPT's nn.GELU(). ggml 0.25.3's GELU_ERF has no backward, so blocks.gelu_erf builds a SILU
+ * named TH_GELU_ERF_NAME where these kernels (or our cuda kernels: cuda_rewrite/gelu.c) compute
+ * it (elsewhere Tensor.gelu("none") composes it from ops that have a backward), and the rewrite
+ * turns it and its SILU_BACK into:
+ *   y  = x Phi(x)                          Phi(x) = 0.5 (1 + erf(x / sqrt 2))
+ *   dx = dy (Phi(x) + x exp(-x^2/2) / sqrt(2 pi))
+ * erf as Tensor.gelu("none") takes it, Abramowitz and Stegun 7.1.26 (absolute error under
+ * 1.5e-7), branch-free with th_expf so that the loops vectorise; the backward takes the exact
+ * density. Both elementwise: dst may share a buffer with x or dy. */
+static const char TH_GELU_ERF_NAME[] = "th.gelu_erf";
+
+/* e = exp(-x^2/2); Phi(x) from erfc(|x|/sqrt 2) = P(t) e, t = 1 / (1 + p |x|/sqrt 2) */
+static inline float th_gelu_erf_phi(float xi, float e) {
+    const float t = 1.0f / (1.0f + 0.3275911f * 0.70710678f * fabsf(xi));
+    const float p = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t +
+                     0.254829592f) * t;
+    const float tail = 0.5f * p * e;                       /* Phi(-|x|) */
+    return xi >= 0.0f ? 1.0f - tail : tail;
+}
+
+static void th_gelu_erf_op(struct ggml_tensor * dst, const struct ggml_tensor * src, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const float * x = (const float *) src->data;
+    float * y = (float *) dst->data;
+    int64_t taken = 0, i0, i1;
+    while (th_next_chunk(ggml_nelements(dst), ith, nth, &taken, &i0, &i1)) {
+#pragma GCC ivdep
+        for (int64_t i = i0; i < i1; i++) {
+            const float xi = x[i];
+            y[i] = xi * th_gelu_erf_phi(xi, th_expf(-0.5f * xi * xi));
+        }
+    }
+}
+
+static void th_gelu_erf_back_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                                int ith, int nth, void * userdata) {
+    (void) userdata;
+    const float * dy = (const float *) a->data, * x = (const float *) b->data;
+    float * dx = (float *) dst->data;
+    int64_t taken = 0, i0, i1;
+    while (th_next_chunk(ggml_nelements(dst), ith, nth, &taken, &i0, &i1)) {
+#pragma GCC ivdep
+        for (int64_t i = i0; i < i1; i++) {
+            const float xi = x[i], e = th_expf(-0.5f * xi * xi);
+            dx[i] = dy[i] * (th_gelu_erf_phi(xi, e) + xi * e * 0.39894228f);     /* 1 / sqrt(2 pi) */
+        }
+    }
+}
+
+static int th_is_gelu_stand_in(const struct ggml_tensor * t, const char * name) {
+    return t->op == GGML_OP_UNARY && ggml_get_unary_op(t) == GGML_UNARY_OP_SILU && strcmp(t->name, name) == 0;
 }
 
 static int th_is_custom(const struct ggml_tensor * t, void * fun) {
@@ -1094,6 +1143,7 @@ TH_EXPORT const char * th_kernel_name(const struct ggml_tensor * t) {
         {(void *) th_gemm_op, "sgemm"},         {(void *) th_cont_op, "copy"},
         {(void *) th_silu_back_op, "silu_back"}, {(void *) th_gelu_op, "gelu"},
         {(void *) th_gelu_back_op, "gelu_back"}, {(void *) th_soft_max_op, "softmax"},
+        {(void *) th_gelu_erf_op, "gelu_erf"},  {(void *) th_gelu_erf_back_op, "gelu_erf_back"},
         {(void *) th_rms_norm_op, "rms_norm"},   {(void *) th_rms_norm_back_op, "rms_norm_back"},
         {(void *) th_add_rows_op, "add_rows"},   {(void *) th_rope_op, "rope"},
         {(void *) th_cross_entropy_op, "cross_entropy"}, {(void *) th_centre_op, "centre"},
@@ -1146,7 +1196,7 @@ static void th_set_custom(struct ggml_tensor * t, ggml_custom_op_t fun) {
     t->op = GGML_OP_CUSTOM;
 }
 
-/* The GELU stand-ins (see th_gelu_op): each SILU named TH_GELU_NAME becomes the kernels' forward,
+/* The GELU stand-ins (see th_gelu_op): each SILU named k->name becomes the kernels' forward,
  * and the SILU_BACK that ggml built for it (reading its gradient and its input) their backward.
  * A stand-in left as SILU, or a gradient whose SILU_BACK is not found, would compute silu:
  * returns -1 then, and the caller must not compute the graph. Shared with the cuda rewrite
@@ -1156,7 +1206,7 @@ int th_rewrite_gelu_pairs(struct ggml_cgraph * graph, const struct th_gelu_kerne
     const int n = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
-        if (th_is_gelu_stand_in(t)) {
+        if (th_is_gelu_stand_in(t, k->name)) {
             const struct ggml_tensor * x = t->src[0];
             if (t->type != GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || !ggml_is_contiguous(t) ||
                 !ggml_is_contiguous(x) || !ggml_are_same_shape(t, x)) {
@@ -1192,10 +1242,23 @@ static void th_cpu_gelu_backward(struct ggml_tensor * b) { th_set_custom2(b, th_
 static int th_cpu_is_gelu(const struct ggml_tensor * t) { return th_is_custom(t, (void *) th_gelu_op); }
 static int th_cpu_is_gelu_back(const struct ggml_tensor * b) { return th_is_custom(b, (void *) th_gelu_back_op); }
 
+static void th_cpu_gelu_erf_forward(struct ggml_tensor * t) { th_set_custom1(t, th_gelu_erf_op, t->src[0], NULL); }
+static void th_cpu_gelu_erf_backward(struct ggml_tensor * b) {
+    th_set_custom2(b, th_gelu_erf_back_op, NULL, GGML_N_TASKS_MAX);
+}
+static int th_cpu_is_gelu_erf(const struct ggml_tensor * t) { return th_is_custom(t, (void *) th_gelu_erf_op); }
+static int th_cpu_is_gelu_erf_back(const struct ggml_tensor * b) { return th_is_custom(b, (void *) th_gelu_erf_back_op); }
+
+/* both forms' pairs: tanh (blocks.gelu_tanh) and erf (blocks.gelu_erf) */
 static int th_rewrite_gelu(struct ggml_cgraph * graph) {
-    static const struct th_gelu_kernels cpu = {th_cpu_gelu_forward, th_cpu_gelu_backward, th_cpu_is_gelu,
-                                               th_cpu_is_gelu_back};
-    return th_rewrite_gelu_pairs(graph, &cpu);
+    static const struct th_gelu_kernels tanh_form = {TH_GELU_NAME, th_cpu_gelu_forward, th_cpu_gelu_backward,
+                                                     th_cpu_is_gelu, th_cpu_is_gelu_back};
+    static const struct th_gelu_kernels erf_form = {TH_GELU_ERF_NAME, th_cpu_gelu_erf_forward,
+                                                    th_cpu_gelu_erf_backward, th_cpu_is_gelu_erf,
+                                                    th_cpu_is_gelu_erf_back};
+    const int tanh_pairs = th_rewrite_gelu_pairs(graph, &tanh_form);
+    const int erf_pairs = tanh_pairs < 0 ? -1 : th_rewrite_gelu_pairs(graph, &erf_form);
+    return erf_pairs < 0 ? -1 : tanh_pairs + erf_pairs;
 }
 
 /* GELU's slope kept from the forward: the forward takes exp once for y and its slope, and

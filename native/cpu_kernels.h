@@ -141,10 +141,11 @@ extern th_sgemm_fn th_sgemm;
 /* cpu_kernels.c: turn node t into a two-source custom op (its op_params cleared first) */
 void th_set_custom2(struct ggml_tensor * t, ggml_custom2_op_t fun, void * ud, int n_tasks);
 
-/* cpu_kernels.c: GELU's stand-in pairs (blocks.gelu_tanh: a SILU named "th.gelu_tanh" and the
+/* cpu_kernels.c: GELU's stand-in pairs (blocks.gelu_tanh, blocks.gelu_erf: a SILU named k->name and the
  * SILU_BACK ggml built for it) handed to a backend's kernels: cpu_kernels.c's, or ggml-cuda's of
  * ours (native/cuda_rewrite/gelu.c). Returns how many nodes were set, or -1 when a pair cannot be. */
 struct th_gelu_kernels {
+    const char * name;                                    /* the stand-in SILU's name */
     void (*set_forward)(struct ggml_tensor * t);          /* t: the stand-in SILU, its input t->src[0] */
     void (*set_backward)(struct ggml_tensor * b);         /* b: its SILU_BACK(gradient, input) */
     int (*is_forward)(const struct ggml_tensor * t);      /* set already, by an earlier graph */

@@ -212,6 +212,11 @@ static int th_swiglu_bf16(struct ggml_cgraph * graph, char * why, int why_size) 
     return taken;
 }
 
+/* a GELU's forward or backward kernel, either form (tanh: GELU, GELU_BACK; erf: GELU_ERF,
+ * GELU_ERF_BACK): they read their input alike, so they keep it bf16 alike */
+static int th_is_gelu_kernel(int kernel) { return kernel == TH_CUDA_GELU || kernel == TH_CUDA_GELU_ERF; }
+static int th_is_gelu_back_kernel(int kernel) { return kernel == TH_CUDA_GELU_BACK || kernel == TH_CUDA_GELU_ERF_BACK; }
+
 /* Whether the MLP's hidden activation `fh` (a LINEAR_BIAS with its reshapes) can be, or is, bf16
  * in `graph` (`type` what it is now): every reader of it a member, a GELU of it (src 0), a
  * GELU_BACK of it (src 1, its gradient src 0 not a member) or a node of ours that computes nothing.
@@ -226,8 +231,8 @@ static int th_gelu_input_ok(struct ggml_cgraph * graph, const th_family * fh, en
         for (int k = 0; k < fh->n; k++) reads |= th_reads(u, fh->t[k]);
         if (!reads || th_in(fh, u)) continue;
         const int kernel = th_kernel_of(u);
-        if (kernel == TH_CUDA_FOLDED || kernel == TH_CUDA_ROOM || (kernel == TH_CUDA_GELU && th_in(fh, u->src[0])) ||
-            (kernel == TH_CUDA_GELU_BACK && th_in(fh, u->src[1]) && !th_in(fh, u->src[0]))) {
+        if (kernel == TH_CUDA_FOLDED || kernel == TH_CUDA_ROOM || (th_is_gelu_kernel(kernel) && th_in(fh, u->src[0])) ||
+            (th_is_gelu_back_kernel(kernel) && th_in(fh, u->src[1]) && !th_in(fh, u->src[0]))) {
             continue;
         }
         *other = u;
@@ -236,8 +241,8 @@ static int th_gelu_input_ok(struct ggml_cgraph * graph, const th_family * fh, en
     return 1;
 }
 
-/* At bf16, a GELU over a product with a bias (LINEAR_BIAS: the MLP's first product in gpt2 and
- * ViT) keeps that product's output, its hidden activation, as bf16: cuBLASLt rounds the fp32 sums
+/* At bf16, a GELU (either form) over a product with a bias (LINEAR_BIAS: the MLP's first product in
+ * gpt2 and ViT) keeps that product's output, its hidden activation, as bf16: cuBLASLt rounds the fp32 sums
  * plus the bias (as bf16, as autocast casts it) to bf16 once, what bf16 autocast's linear returns,
  * and GELU and its backward compute in fp32 on those values. Half the bytes the product writes,
  * GELU reads and GELU_BACK reads again (4 x d_model floats a token, each pass). Taken only where
@@ -251,8 +256,8 @@ static int th_gelu_bf16(struct ggml_cgraph * graph, char * why, int why_size) {
         const int kernel = th_kernel_of(n);
         /* a product kept bf16 by another graph is checked wherever it is, GELU here or not */
         struct ggml_tensor * h = kernel == TH_CUDA_LINEAR_BIAS && n->type == GGML_TYPE_BF16 && !th_kept_for_attention(n) ? n
-                               : kernel == TH_CUDA_GELU ? th_under_reshape_views(n->src[0])
-                               : kernel == TH_CUDA_GELU_BACK ? th_under_reshape_views(n->src[1]) : NULL;
+                               : th_is_gelu_kernel(kernel) ? th_under_reshape_views(n->src[0])
+                               : th_is_gelu_back_kernel(kernel) ? th_under_reshape_views(n->src[1]) : NULL;
         th_family fh;
         if (h == NULL || th_kernel_of(h) != TH_CUDA_LINEAR_BIAS || !th_family_of(graph, h, &fh)) continue;
         if (h->type == GGML_TYPE_BF16) {

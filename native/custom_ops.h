@@ -13,7 +13,7 @@
 /* the widest rows whose gain's gradient LAYER_NORM_BACK sums (its block's 8 warps keep a partial
  * sum of every column in shared memory: 8 x 1536 floats, 48 KiB) */
 #define TH_GAIN_SUMS_MAX_COLUMNS 1536
-#define TH_CUDA_KERNELS_VERSION 21  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 22  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -27,7 +27,8 @@
                                            AFFINE computing its norm (th_norm_affine_params);
                                            19: LAYER_NORM_BACK summing its gain's gradient,
                                            an AFFINE's t not written where unread; 20: and
-                                           at bf16 its bias's (src 6); 21: DROPOUT_MASK */
+                                           at bf16 its bias's (src 6); 21: DROPOUT_MASK;
+                                           22: GELU_ERF, GELU_ERF_BACK */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -144,6 +145,11 @@ enum {
      * cpu): src the fed key i32[4]; th_dropout_params at op_params[TH_DROPOUT_CUDA_SLOT..]; y f32
      * contiguous, element i the stream's value for i, bit for bit the cpu kernel's */
     TH_CUDA_DROPOUT_MASK = 30,
+    /* GELU's exact (erf) form (blocks.gelu_erf), as GELU and GELU_BACK are the tanh form's: srcs
+     * and types the same (the input f32, or bf16 where th_gelu_bf16 kept it);
+     *   GELU_ERF       y = x Phi(x)
+     *   GELU_ERF_BACK  srcs dy, x; dx = dy (Phi(x) + x phi(x)) */
+    TH_CUDA_GELU_ERF = 31, TH_CUDA_GELU_ERF_BACK = 32,
 };
 /* `t` becomes a node of ours computed by `kernel` (TH_CUDA_*), its parameters cleared */
 static inline void th_mark(struct ggml_tensor * t, int kernel) {
@@ -166,7 +172,7 @@ static inline const char * th_cuda_kernel_name_of(int k) {
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
                                    "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
                                    "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu",
-                                   "dropout_mask"};
+                                   "dropout_mask", "gelu_erf", "gelu_erf_back"};
     return k > 0 && k < (int) (sizeof(names) / sizeof(*names)) ? names[k] : NULL;
 }
 /* whether t is a column of ones (rows, 1): the constant the Python side names "ones.ROWS"

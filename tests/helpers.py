@@ -4,6 +4,7 @@ import cli`). A test module imports these, never another test module."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,12 @@ def gelu_tanh_f64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     u = c * (x + 0.044715 * x ** 3)
     t = np.tanh(u)
     return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+
+
+def gelu_erf_f64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The exact GELU x Phi(x) and its derivative Phi(x) + x phi(x), in float64."""
+    phi = 0.5 * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))
+    return x * phi, phi + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)
 
 
 def relative_error(ours, theirs) -> float:

@@ -190,6 +190,20 @@ def test_resume_with_fewer_steps_than_the_checkpoint_says_what_to_pass(tmp_path)
     assert {p.name: p.read_bytes() for p in part.iterdir()} == before
 
 
+def test_resume_with_a_model_option_changed_refuses_the_tensor_it_would_drop(tmp_path):
+    """A checkpoint of gpt2 with biases resumed with bias=false: the biases would be dropped
+    without a word; refused by the first tensor's name, nothing written."""
+    part = tmp_path / "part"
+    assert cli("run", "gpt2", "--steps", "4", *TINY, "--out", str(part), "--no-progress").returncode == 0
+    before = {p.name: p.read_bytes() for p in part.iterdir()}
+    res = cli("run", "gpt2", "--steps", "8", "--resume", str(part), "--set", "bias=false", "--no-progress")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == (f"toyharness: error: {part / 'checkpoint.gguf'}: tensor 'blk.0.attn_norm.bias' is "
+                                  "not one this run's options make (its model differs from the checkpoint's); "
+                                  "resume with the options the run was made with")
+    assert {p.name: p.read_bytes() for p in part.iterdir()} == before
+
+
 def test_chat_on_the_byte_tokenizer_names_it(tmp_path):
     """sample --chat on a run of the byte tokenizer began "bytes: has no chat template", as if a file
     called bytes lacked one."""

@@ -1,6 +1,6 @@
 """native/cpu_kernels.c: each stand-in replaces the ggml node it is meant to (counted after the
 rewrite), and gives what that node means: a copy bit for bit, SILU_BACK / SOFT_MAX /
-CROSS_ENTROPY_LOSS / the GELU stand-in against float64 numpy, the centring product as x - mean(x),
+CROSS_ENTROPY_LOSS / the GELU stand-ins (tanh and erf forms) against float64 numpy, the centring product as x - mean(x),
 a bias added to rows with the bits of the product it replaces. The finite-
 difference checks of tests/test_engine_ops.py run through the same kernels."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from attention_cases import attention_float64, attention_program
-from helpers import gelu_tanh_f64
+from helpers import gelu_erf_f64, gelu_tanh_f64
 
 from toyharness._ffi import blas, ffi, lib
 from toyharness.engine import blocks, get_engine
@@ -175,12 +175,12 @@ def test_rms_norm_forward_and_backward():
     assert rel_err(g, expected) < 1e-5
 
 
-def gelu_program(x: np.ndarray, dy: np.ndarray, cpu_kernels: bool, forward_first: bool):
+def gelu_program(x: np.ndarray, dy: np.ndarray, cpu_kernels: bool, forward_first: bool, gelu=blocks.gelu_tanh):
     """GELU of x and the gradient of sum(GELU(x) * dy); `forward_first`: the forward graph is
     computed (and rewritten) before the backward's graph, whose SILU_BACK must still be paired."""
     prog = get_engine("cpu", 2).program()
     prog.cpu_kernels = cpu_kernels
-    y = blocks.gelu_tanh(prog.param("x", x))
+    y = gelu(prog.param("x", x))
     fg = prog.forward({"y": y})
     tr = prog.trainer(prog.scalar_loss((y * prog.constant("w", dy)).sum()), "bias_corrected")
     if forward_first:
@@ -213,6 +213,35 @@ def test_gelu_stand_in_agrees_with_the_composed_form_and_any_graph_order():
     composed = gelu_program(x, dy, cpu_kernels=False, forward_first=True)
     assert custom_ops(composed[2].graph) == 0
     assert rel_err(fused[0], composed[0]) < 2e-6 and rel_err(fused[1], composed[1]) < 2e-6
+
+
+def test_gelu_erf_stand_in_is_exact_gelu_forward_and_backward():
+    x = np.concatenate([RNG.normal(size=5000) * 3, [-100.0, -12.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 12.0, 100.0]])
+    x = x.astype(np.float32)
+    dy = RNG.normal(size=x.shape)
+    got, g, fg, tr = gelu_program(x, dy, cpu_kernels=True, forward_first=False, gelu=blocks.gelu_erf)
+    assert kernel_names(fg.graph) == ["gelu_erf"]                          # one node forward
+    assert "gelu_erf_back" in kernel_names(tr.gb_grad)                     # its SILU_BACK the derivative
+    assert "gelu_erf_back" not in kernel_names(gelu_program(x, dy, True, False)[3].gb_grad)   # tanh's own
+    y64, d64 = gelu_erf_f64(x.astype(np.float64))
+    dyd = dy.astype(np.float32).astype(np.float64)
+    assert np.isfinite(got).all() and np.isfinite(g).all()
+    # Phi within 3e-7: erf by Abramowitz and Stegun 7.1.26 (7.5e-8 in Phi) and float32's rounding
+    # of Phi near 1 (6e-8 an ulp)
+    assert (np.abs(got - y64) <= 3e-7 * np.abs(x) + 1e-12).all()
+    assert (np.abs(g - dyd * d64) <= 3e-7 * (1 + np.abs(x)) * np.abs(dyd)).all()
+    tanh_y = gelu_program(x, dy, cpu_kernels=True, forward_first=False)[0]
+    assert np.abs(tanh_y - y64).max() > 1e-4                               # not the tanh form
+
+
+def test_gelu_erf_stand_in_agrees_with_the_composed_form_and_any_graph_order():
+    x = (RNG.normal(size=(64, 33)) * 2).astype(np.float32)
+    dy = RNG.normal(size=x.shape)
+    fused = gelu_program(x, dy, cpu_kernels=True, forward_first=True, gelu=blocks.gelu_erf)
+    composed = gelu_program(x, dy, cpu_kernels=False, forward_first=True, gelu=blocks.gelu_erf)
+    assert kernel_names(fused[2].graph) == ["gelu_erf"] and custom_ops(composed[2].graph) == 0
+    assert np.abs(fused[0] - composed[0]).max() < 1e-6
+    assert np.abs(fused[1] - composed[1]).max() < 2e-6 * np.abs(dy).max()
 
 
 def kernel_names(graph) -> list[str]:

@@ -7,6 +7,8 @@ else those tests skip and say why."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from helpers import cuda_kernel_names, gelu_tanh_f64, kernel_names_in_order, needs, ops_of
@@ -31,6 +33,58 @@ def test_the_cuda_rewrite_marks_each_gelu_stand_in_and_its_backward():
     assert sorted(ffi.string(n).decode() for n in names if n != ffi.NULL) == ["gelu", "gelu_back"]
     assert "SILU" not in ops_of(trainer.gb_grad) and "SILU_BACK" not in ops_of(trainer.gb_grad)
     assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0      # the same nodes, marked already
+
+
+def test_the_cuda_rewrite_marks_each_gelu_form_with_its_own_kernels():
+    """Built on cpu as cuda builds it (never computed here): blocks.gelu_erf builds its stand-in
+    there as on cpu (a SILU named "th.gelu_erf", one node), and the rewrite marks it and its
+    SILU_BACK gelu_erf and gelu_erf_back, the tanh form's pair in the same graph gelu and gelu_back,
+    each kernel over its own form's input; no SILU is left to compute silu."""
+    prog = get_engine("cpu").program()
+    prog.cpu_kernels, prog.cuda_kernels = False, True
+    xt, xe = (prog.param(n, RNG.normal(size=(4, 8)).astype(np.float32)) for n in ("xt", "xe"))
+    yt, ye = blocks.gelu_tanh(xt), blocks.gelu_erf(xe)
+    assert ye.name == blocks.GELU_ERF_STAND_IN
+    assert [op for op in ops_of(prog.forward({"y": ye}).graph) if op != "NONE"] == ["SILU"]      # one node
+    trainer = prog.trainer(prog.scalar_loss(yt.sum() + ye.sum()), "bias_corrected")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 4
+    nodes = [lib.ggml_graph_node(trainer.gb_grad, i) for i in range(lib.ggml_graph_n_nodes(trainer.gb_grad))]
+    marked = {}
+    for node in nodes:
+        name = lib.th_cuda_kernel_name(node)
+        if name != ffi.NULL and ffi.string(name).decode().startswith("gelu"):
+            x = lib.th_tensor_src(node, 0 if ffi.string(name).decode() in ("gelu", "gelu_erf") else 1)
+            marked[ffi.string(name).decode()] = x
+    assert sorted(marked) == ["gelu", "gelu_back", "gelu_erf", "gelu_erf_back"]
+    assert marked["gelu"] == marked["gelu_back"] == xt.ptr and marked["gelu_erf"] == marked["gelu_erf_back"] == xe.ptr
+    assert "SILU" not in ops_of(trainer.gb_grad) and "SILU_BACK" not in ops_of(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) >= 0      # the same nodes, marked already (AdamW's are new)
+    assert sorted(n for n in cuda_kernel_names(trainer.gb_opt) if n.startswith("gelu")) == sorted(marked)
+
+
+def test_a_gpt2_with_the_exact_gelu_built_as_cuda_builds_it_has_its_kernels_and_keeps_their_input_bf16(monkeypatch):
+    """gpt2 gelu=erf's training graph as cuda builds it: each block's MLP a gelu_erf and a
+    gelu_erf_back, no tanh GELU and no SILU, and at bf16 the product they read (LINEAR_BIAS) kept
+    bf16 as the tanh form's is (th_gelu_bf16)."""
+    from helpers import as_cuda_builds_it, graph_nodes
+
+    from toyharness._ffi import GGML_TYPE_BF16
+
+    _, trainer, _ = as_cuda_builds_it("gpt2", ["n_layer=2", "gelu=erf"], "bf16", monkeypatch)
+    names = cuda_kernel_names(trainer.gb_opt)
+    assert names.count("gelu_erf") == 2 and names.count("gelu_erf_back") == 2
+    assert "gelu" not in names and "gelu_back" not in names
+    assert "SILU" not in ops_of(trainer.gb_opt) and "SILU_BACK" not in ops_of(trainer.gb_opt)
+    inputs = []
+    for node in graph_nodes(trainer.gb_opt):
+        name = lib.th_cuda_kernel_name(node)
+        if name != ffi.NULL and ffi.string(name).decode() == "gelu_erf":
+            t = lib.th_tensor_src(node, 0)
+            while ffi.string(lib.ggml_op_desc(t)).decode() == "RESHAPE":
+                t = lib.th_tensor_src(t, 0)
+            inputs.append(t)
+    assert [ffi.string(lib.th_cuda_kernel_name(t)).decode() for t in inputs] == ["linear_bias"] * 2
+    assert [lib.th_tensor_type(t) for t in inputs] == [GGML_TYPE_BF16] * 2
 
 
 def test_the_cuda_rewrite_takes_conts_of_permutes_and_leaves_plain_ones():
@@ -66,6 +120,80 @@ def test_gelu_on_cuda_is_one_kernel_each_way_and_matches_float64(backend):
     assert np.isfinite(got).all() and np.isfinite(g).all()
     assert (np.abs(got - y64) <= 1e-5 * np.abs(y64) + 1e-6).all()
     assert (np.abs(g - dyd * d64) <= 2e-5 * np.abs(dyd * d64) + 2e-6 * np.abs(dyd)).all()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("n", [5012, 5011])        # a float4 at a time, and one float at a time
+def test_gelu_erf_on_cuda_is_one_kernel_each_way_and_within_1e6_of_float64(backend, n):
+    """The exact GELU's kernels (blocks.gelu_erf on cuda) against float64 from erfc, far into
+    both tails: y within 1e-6 relative; the gradient within 1e-6 of |dy| (|Phi| + |x phi|), the
+    scale of its two terms (they cancel near GELU's minimum, x = -0.75). Below 1.2e-38 floats
+    flush to zero (ggml-cuda's -use_fast_math): x < -13 gives 0 for values of that size."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    specials = [-100.0, -14.0, -12.0, -8.0, -5.0, -0.7518, -1e-3, -1e-30, 0.0, 1e-30, 1e-3, 1.4142, 5.0, 12.0, 100.0]
+    x = np.concatenate([RNG.normal(size=n - len(specials)) * 4, specials]).astype(np.float32)
+    dy = RNG.normal(size=x.shape)
+    prog = get_engine(backend).program()
+    y = blocks.gelu_erf(prog.param("x", x))
+    trainer = prog.trainer(prog.scalar_loss((y * prog.constant("w", dy)).sum()), "bias_corrected")
+    fg = prog.forward({"y": y})
+    got = fg.run({})["y"]
+    trainer.grads_only({})
+    g = prog.read(trainer.grad_acc["x"])
+    assert cuda_kernel_names(fg.graph) == ["gelu_erf"] and ops_of(fg.graph).count("CUSTOM") == 1
+    assert "SILU" not in ops_of(fg.graph)
+    assert "gelu_erf_back" in cuda_kernel_names(trainer.gb_grad) and "SILU_BACK" not in ops_of(trainer.gb_grad)
+    xd, dyd = x.astype(np.float64), dy.astype(np.float32).astype(np.float64)
+    cdf = 0.5 * np.vectorize(math.erfc)(-xd / math.sqrt(2))          # no cancellation in the lower tail
+    slope = xd * np.exp(-0.5 * xd * xd) / math.sqrt(2 * math.pi)
+    assert np.isfinite(got).all() and np.isfinite(g).all()
+    assert (np.abs(got - xd * cdf) <= 1e-6 * np.abs(xd * cdf) + 1e-37).all()
+    assert (np.abs(g - dyd * (cdf + slope)) <= (1e-6 * (cdf + np.abs(slope)) + 1e-35) * np.abs(dyd)).all()
+    assert got[x == -5.0][0] < 0 and abs(got[x == -5.0][0] / (-5.0 * 0.5 * math.erfc(5 / math.sqrt(2))) - 1) < 1e-6
+    assert np.abs(got - gelu_tanh_f64(xd)[0]).max() > 1e-4            # not the tanh form
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_a_gpt2_step_with_the_exact_gelu_on_cuda_matches_the_composed_form(backend, monkeypatch):
+    """gpt2 gelu=erf on cuda, its GELU our two kernels, against the same run with the GELU composed
+    from ggml's ops (Tensor.gelu("none"), Abramowitz and Stegun's erf, absolute error 1.5e-7): the
+    same losses to float32's noise, step after step; the two forms' erf differ by a few 1e-7, so
+    the first loss agrees to 1e-6 and the later ones, through AdamW, to 1e-4."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    from toyharness.hookspecs import hookimpl
+    from toyharness.runner import train
+
+    class Losses:
+        def __init__(self):
+            self.losses: list[float] = []
+
+        @hookimpl
+        def step_end(self, step, loss):
+            self.losses.append(loss)
+
+    sets = ["n_layer=2", "d_model=64", "n_head=4", "t_seq=32", "t_batch=8", "bias=false", "gelu=erf",
+            "eval_every=100", "checkpoint_every=100"]
+    runs, built = {}, {}
+    for form, gelu in (("kernels", blocks.GELUS["erf"]), ("composed", lambda x: x.gelu("none"))):
+        built[form] = []
+
+        def build(x, gelu=gelu, names=built[form]):
+            y = gelu(x)
+            names.append(y.name)         # what the MLP's GELU is: the stand-in, or the composed form's last node
+            return y
+
+        monkeypatch.setitem(blocks.GELUS, "erf", build)
+        runs[form] = Losses()
+        train("gpt2", steps=6, backend=backend, sets=sets, write_files=False, progress=False, observers=(runs[form],))
+    assert len(built["kernels"]) >= 2 and set(built["kernels"]) == {blocks.GELU_ERF_STAND_IN}
+    assert len(built["composed"]) >= 2 and blocks.GELU_ERF_STAND_IN not in built["composed"]
+    ours, composed = np.array(runs["kernels"].losses), np.array(runs["composed"].losses)
+    assert len(ours) == len(composed) == 6 and np.isfinite(ours).all()
+    assert abs(ours[0] - composed[0]) <= 1e-6 * abs(composed[0])
+    assert (np.abs(ours - composed) <= 1e-4 * np.abs(composed)).all(), (ours, composed)
+    assert ours[-1] < ours[0]                                   # it trains
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])

@@ -90,6 +90,10 @@ def np_gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
+def np_gelu_erf(x):
+    return x * 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
 def np_rope(x, pos, base=10000.0):
     """Adjacent pairs (x[2i], x[2i+1]) rotated by pos * base^(-2i/d); x (B, T, H, d)."""
     d = x.shape[-1]
@@ -153,6 +157,7 @@ UNARY_CASES = [
     ("causal_softmax_fused", lambda t: t.softmax(scale=0.3, causal=True),
      lambda a: np_softmax(0.3 * a + np.triu(np.full((5, 5), -np.inf), 1)), lambda: r(2, 3, 5, 5)),
     ("gelu_tanh", blocks.gelu_tanh, np_gelu_tanh, lambda: r(4, 6, scale=2.0)),
+    ("gelu_erf", blocks.gelu_erf, np_gelu_erf, lambda: r(4, 6, scale=2.0)),
 ]
 
 

@@ -52,6 +52,22 @@ def test_gpt2_export_has_llama_cpp_names_and_fused_qkv(tmp_path):
     assert got["blk.0.attn_qkv.weight"].shape == (96, 32)
 
 
+def test_gpt2_without_biases_exports_zero_biases_llama_cpp_requires(tmp_path):
+    """bias=false trains no bias; llama.cpp's gpt2 loads every bias, so model.gguf holds zeros
+    (the same function) beside the trained weights."""
+    reader, params = run("gpt2", tmp_path, ["bias=false", "gelu=erf", "scaled_proj_init=true"])
+    got = tensors(reader)
+    assert not [n for n in params if n.endswith(".bias")]
+    with_biases, _ = run("gpt2", tmp_path / "b")
+    assert sorted(got) == sorted(tensors(with_biases))
+    for name, value in got.items():
+        if name.endswith(".bias"):
+            np.testing.assert_array_equal(value, np.zeros_like(value), err_msg=name)
+    np.testing.assert_array_equal(got["blk.1.ffn_down.weight"], params["blk.1.ffn_down.weight"])
+    np.testing.assert_array_equal(got["blk.0.attn_qkv.weight"], np.concatenate(
+        [params[f"blk.0.attn_{p}.weight"] for p in "qkv"], axis=0))
+
+
 @pytest.mark.parametrize("extra,arch", [(["n_kv_head=4"], "llama"), (["untied=true", "n_kv_head=2"], "llama"),
                                         (["qkv_bias=true", "n_kv_head=2"], "qwen2")])
 def test_llama_export_round_trip(tmp_path, extra, arch):

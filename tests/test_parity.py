@@ -24,10 +24,15 @@ SMALL = ["n_layer=2", "d_model=64", "n_head=4", "t_seq=32", "t_batch=4", "eval_e
 CASES = {
     "gpt2": [],
     "gpt2-untied": ["untied=true"],
+    # nanoGPT's model; init_scale 4 spreads the MLP's inputs over where the erf and tanh forms differ
+    "gpt2-nanogpt": ["bias=false", "gelu=erf", "scaled_proj_init=true", "init_scale=4"],
     "llama": [],
     "llama-gqa-untied-qkv_bias": ["n_kv_head=1", "untied=true", "qkv_bias=true"],
     "vit_tiny": ["d_ff=96", "t_batch=16", "init_scale=5"],
 }
+# a bound tighter than 2e-4 where a wrong twin would pass it: the erf case measured 9.7e-7 against a
+# twin of erf, 1.55e-5 against one of tanh
+TOLERANCE = {"gpt2-nanogpt": 5e-6}
 
 
 def relative_difference(ours, theirs) -> float:
@@ -78,7 +83,7 @@ def test_first_losses_match_pytorch(case, tmp_path):
     theirs = reference.replay_losses(out, STEPS)
     diff = relative_difference(ours, theirs)
     print(f"{case}: largest relative difference over {STEPS} steps {diff:.3g}")
-    assert diff < 2e-4, (ours, theirs)
+    assert diff < TOLERANCE.get(case, 2e-4), (ours, theirs)
     assert ours[-1] < ours[0], "the loss must fall over 8 steps for the comparison to mean something"
 
 

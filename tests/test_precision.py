@@ -476,8 +476,9 @@ def test_a_product_rounds_its_inputs_to_the_precision_and_sums_in_fp32(precision
         assert err_exact > 0.05 * UNIT_ROUNDOFF[precision]
 
 
-def bias_product_at_bf16(backend: str, rows: int, d_in: int, d_out: int, gelu: bool) -> dict:
-    """y = x W^T + b (GELU of it where `gelu`) computed forward at bf16 on `backend`, random inputs:
+def bias_product_at_bf16(backend: str, rows: int, d_in: int, d_out: int, gelu: bool, form: str = "tanh") -> dict:
+    """y = x W^T + b (GELU of it where `gelu`, of that `form`: blocks.GELUS) computed forward at bf16 on
+    `backend`, random inputs:
     them, y (float64), the graph, the LINEAR_BIAS calls cuBLASLt and the plain path made, and the
     product's ggml type."""
     x = RNG.normal(size=(rows, d_in)).astype(np.float32)
@@ -488,7 +489,7 @@ def bias_product_at_bf16(backend: str, rows: int, d_in: int, d_out: int, gelu: b
         calls = linear_bias_calls()
         prog = engine.program()
         h = blocks.linear(prog.constant("x", x), prog.param("w", w), prog.param("b", b))
-        fg = prog.forward({"y": blocks.gelu_tanh(h) if gelu else h})
+        fg = prog.forward({"y": blocks.GELUS[form](h) if gelu else h})
         y = fg.run({})["y"].astype(np.float64)
         lt, plain = (now - then for now, then in zip(linear_bias_calls(), calls))
         return {"x": x, "w": w, "b": b, "y": y, "graph": fg.graph, "lt": lt, "plain": plain,
@@ -498,27 +499,29 @@ def bias_product_at_bf16(backend: str, rows: int, d_in: int, d_out: int, gelu: b
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
-def test_at_bf16_a_gelus_input_is_the_bias_product_rounded_once_to_bf16(backend):
-    """y = gelu(x W^T + b) at bf16: the product, written in bf16 (th_gelu_bf16), is the sum of the
-    bf16 copies' products plus b's bf16 copy, rounded once to bf16 by cuBLASLt's epilogue, and GELU
-    computes on it in fp32. Against float64 on the same roundings: where
+@pytest.mark.parametrize("form", ["tanh", "erf"])
+def test_at_bf16_a_gelus_input_is_the_bias_product_rounded_once_to_bf16(backend, form):
+    """y = gelu(x W^T + b) at bf16, either form: the product, written in bf16 (th_gelu_bf16), is the
+    sum of the bf16 copies' products plus b's bf16 copy, rounded once to bf16 by cuBLASLt's epilogue,
+    and GELU computes on it in fp32. Against float64 on the same roundings: where
     fp32's sum and float64's straddle a bf16 rounding boundary they round one bf16 ulp apart
-    (2^-7 of |h| at most), and GELU's slope is below 1.13; and the bf16 rounding really happened
-    (float64's GELU of the unrounded sum is further off)."""
-    from helpers import gelu_tanh_f64
+    (2^-7 of |h| at most), and either GELU's slope is below 1.13; and the bf16 rounding really
+    happened (float64's GELU of the unrounded sum is further off)."""
+    from helpers import gelu_erf_f64, gelu_tanh_f64
 
     if not cuda_kernels_built():
         pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
-    run = bias_product_at_bf16(backend, 64, 32, 48, gelu=True)
+    gelu_f64, kernel = {"tanh": (gelu_tanh_f64, "gelu"), "erf": (gelu_erf_f64, "gelu_erf")}[form]
+    run = bias_product_at_bf16(backend, 64, 32, 48, gelu=True, form=form)
     x, w, b, y = run["x"], run["w"], run["b"], run["y"]
-    assert run["type"] == GGML_TYPE_BF16 and "gelu" in cuda_kernel_names(run["graph"])
+    assert run["type"] == GGML_TYPE_BF16 and kernel in cuda_kernel_names(run["graph"])
     assert run["lt"] >= 1 and run["plain"] == 0, run
     exact = round_mantissa(x, 7) @ round_mantissa(w, 7).T + round_mantissa(b, 7)
     h16 = round_mantissa(exact.astype(np.float32), 7)
-    want = gelu_tanh_f64(h16)[0]
+    want = gelu_f64(h16)[0]
     assert (np.abs(y - want) <= 1.13 * 2.0**-7 * np.abs(h16) + 1e-5 * (1 + np.abs(want))).all()
     assert np.mean(np.abs(y - want) <= 1e-5 * (1 + np.abs(want))) > 0.95     # ulp flips are rare
-    assert np.abs(y - gelu_tanh_f64(exact)[0]).max() > 1e-3
+    assert np.abs(y - gelu_f64(exact)[0]).max() > 1e-3
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])

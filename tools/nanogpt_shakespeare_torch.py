@@ -109,7 +109,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--t-batch", type=int, default=64)
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--bias", action="store_true",
-                   help="biases in the linears and LayerNorms (toyharness's gpt2 has them)")
+                   help="biases in the linears and LayerNorms (toyharness's gpt2 with bias=true)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=100)

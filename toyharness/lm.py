@@ -241,6 +241,10 @@ class LMRecipe(Recipe):
         if path is None:
             return expected
         with GGUFFile(path) as f:
+            unused = [n for n in f.names if n not in expected and not n.startswith(("adamw.m.", "adamw.v."))]
+            if unused:     # a model option differs from the run's (bias, untied ...): never drop a tensor
+                raise InputError(f"{path}: tensor {unused[0]!r} is not one these options make (the model "
+                                 f"differs from the one that wrote it)")
             return {name: f.tensor(name, expect_shape=value.shape).to_numpy() for name, value in expected.items()}
 
 

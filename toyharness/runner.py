@@ -478,6 +478,10 @@ def read_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]], seed: int,
         for name, shape in shapes.items():
             for key in (name, f"adamw.m.{name}", f"adamw.v.{name}"):
                 state[key] = f.tensor(key, expect_shape=shape).to_numpy()
+        unused = [name for name in f.names if name not in state]
+        if unused:     # a model option changed since (bias, untied ...): never drop a tensor silently
+            raise InputError(f"{path}: tensor {unused[0]!r} is not one this run's options make (its model "
+                             f"differs from the checkpoint's); resume with the options the run was made with")
     return step, state
 
 

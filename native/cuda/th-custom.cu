@@ -6,6 +6,11 @@
 // GELU, tanh form, one node each way (ggml 0.25.3 has no GELU backward; see blocks.gelu_tanh):
 //   y  = x s                                    s = sigmoid(x (k1 + k3 x^2))
 //   dx = dy (s + x s (1 - s) (k1 + 3 k3 x^2))
+// GELU, exact (erf) form, one node each way (blocks.gelu_erf, nanoGPT's nn.GELU()):
+//   y  = x Phi(x)                               Phi(x) = 0.5 (1 + erf(x / sqrt 2))
+//   dx = dy (Phi(x) + x phi(x))                 phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+// CUDA's own erf, not the cpu kernel's Abramowitz and Stegun (the bits differ from the cpu's, a
+// few 1e-7 of Phi): within 1e-6 relative of float64 over the whole range (th_gelu_erf_cdf).
 // Elementwise, so every element's bits are the same run to run.
 //
 // LayerNorm's normalization (blocks.layer_norm), one node each way, a warp a row:
@@ -67,6 +72,34 @@ static __device__ float th_gelu_back(const float dyi, const float xi) {
     return dyi * (s + xi * s * (1.0f - s) * (TH_GELU_K1 + 3.0f * TH_GELU_K3 * x2));
 }
 
+// Phi(x) by normcdff: 0.5 erfc(-x / sqrt 2) with the rounding of x / sqrt 2 made up for inside
+// (5 ulp). 0.5 (1 + erff(x / sqrt 2)) would cancel for x < 0: Phi(-5) = 2.9e-7 from 1 - 0.9999994,
+// a tenth of it lost to erff's last bit. (-use_fast_math, ggml-cuda's flag, leaves it alone: it
+// maps expf, logf, sinf, cosf, powf and divisions to their approximations.)
+static __device__ __forceinline__ float th_gelu_erf_cdf(const float x) { return normcdff(x); }
+
+// phi(x) = exp(-x^2 / 2) / sqrt(2 pi) as exp2f(-(t + t_err)), t + t_err = x^2 log2(e) / 2 carried
+// past float's rounding (x^2 and the constant each as a sum of two floats, their errors by fmaf):
+// expf(-x^2 / 2) of the rounded argument is off by that rounding, relative to phi, about 4e-6 by
+// |x| = 13 (and expf is __expf under -use_fast_math); exp2f is 2 ulp of its argument. |x| clamped
+// at 16 (phi underflows from 13.2 on), so that x^2 never overflows.
+#define TH_HALF_LOG2E 0.72134752f               /* log2(e) / 2, rounded to float ... */
+#define TH_HALF_LOG2E_LO 9.6298150e-9f          /* ... and what that rounding left out */
+static __device__ __forceinline__ float th_gelu_erf_density(const float x) {
+    const float a = fminf(fabsf(x), 16.0f);
+    const float a2 = a * a, a2_err = fmaf(a, a, -a2);                  // a^2 = a2 + a2_err exactly
+    const float t = TH_HALF_LOG2E * a2;
+    const float t_err = fmaf(TH_HALF_LOG2E, a2, -t) + fmaf(TH_HALF_LOG2E_LO, a2, TH_HALF_LOG2E * a2_err);
+    const float e = exp2f(-t);                                          // then exp2(-t_err) = 1 - t_err ln 2
+    return fmaf(e, -0.69314718f * t_err, e) * 0.39894228f;             // 1 / sqrt(2 pi)
+}
+
+static __device__ float th_gelu_erf(const float xi) { return xi * th_gelu_erf_cdf(xi); }
+
+static __device__ float th_gelu_erf_back(const float dyi, const float xi) {
+    return dyi * (th_gelu_erf_cdf(xi) + xi * th_gelu_erf_density(xi));
+}
+
 // four floats as bf16 (each rounded to nearest even, as th_to_bf16 rounds) into p, 8-byte aligned
 static __device__ __forceinline__ void th_store_bf16x4(__nv_bfloat16 * p, const float4 v) {
     const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
@@ -100,8 +133,8 @@ static __device__ __forceinline__ float4 th_load4(const __nv_bfloat16 * p, const
 static __device__ __forceinline__ float th_load1(const float * p, const int64_t i) { return p[i]; }
 static __device__ __forceinline__ float th_load1(const __nv_bfloat16 * p, const int64_t i) { return __bfloat162float(p[i]); }
 
-// y[i] = op(a[i], b[i]) over n floats (b read only by a binary op): GELU, its backward, same-shape
-// ADD. A float4 at a time where n is a multiple of 4 and every pointer 16-aligned (vec4), else a
+// y[i] = op(a[i], b[i]) over n floats (b read only by a binary op): GELU (either form), its backward,
+// same-shape ADD. A float4 at a time where n is a multiple of 4 and every pointer 16-aligned (vec4), else a
 // float; elementwise, so every element's bits are the same run to run. With y16 (copy16) each value
 // also as bf16 rounded to nearest even: the copy a bf16 product would otherwise convert
 // (th_copy_for_writer), 8 bytes a float4; y nullptr: the copy alone (only products read y).
@@ -129,6 +162,14 @@ struct th_gelu_op {
 struct th_gelu_back_op {
     static constexpr bool binary = true;
     __device__ float operator()(const float dy, const float x) const { return th_gelu_back(dy, x); }
+};
+struct th_gelu_erf_op {
+    static constexpr bool binary = false;
+    __device__ float operator()(const float x, float) const { return th_gelu_erf(x); }
+};
+struct th_gelu_erf_back_op {
+    static constexpr bool binary = true;
+    __device__ float operator()(const float dy, const float x) const { return th_gelu_erf_back(dy, x); }
 };
 struct th_add_op {
     static constexpr bool binary = true;
@@ -1387,8 +1428,10 @@ static bool th_norm_affine_supported(const ggml_tensor * op) {
 bool th_cuda_custom_supported(const ggml_tensor * op) {
     switch (th_kernel_of(op)) {
         case TH_CUDA_GELU:              // (the input f32, or bf16: th_gelu_bf16)
+        case TH_CUDA_GELU_ERF:
             return th_f32_contiguous(op) && th_f32_or_bf16_contiguous(op->src[0]) && ggml_are_same_shape(op, op->src[0]);
         case TH_CUDA_GELU_BACK:
+        case TH_CUDA_GELU_ERF_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_or_bf16_contiguous(op->src[1]) &&
                    ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]);
         case TH_CUDA_CONT:
@@ -1517,6 +1560,12 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_GELU_BACK:
             th_map(stream, th_gelu_back_op(), dst->src[0], dst->src[1], dst, true);
+            return true;
+        case TH_CUDA_GELU_ERF:          // (as GELU and GELU_BACK)
+            th_map(stream, th_gelu_erf_op(), dst->src[0], dst->src[0], dst, true);
+            return true;
+        case TH_CUDA_GELU_ERF_BACK:
+            th_map(stream, th_gelu_erf_back_op(), dst->src[0], dst->src[1], dst, true);
             return true;
         case TH_CUDA_CONT:
             th_cont_of(stream, dst->src[0], dst);

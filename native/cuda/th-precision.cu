@@ -363,7 +363,8 @@ static bool th_writes_known(const ggml_tensor * node) {
     if (node->op == GGML_OP_OPT_STEP_ADAMW || node->op == GGML_OP_OPT_STEP_SGD) return false;   // in place
     if (node->op != GGML_OP_CUSTOM) return true;
     switch (th_kernel_of(node)) {
-        case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
+        case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_GELU_ERF: case TH_CUDA_GELU_ERF_BACK:
+        case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
@@ -396,7 +397,8 @@ static void th_writes(const ggml_tensor * node) {
             }
             if (node->src[6] != nullptr) th_drop_tensor(node->src[6], node);
             return;
-        case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
+        case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_GELU_ERF: case TH_CUDA_GELU_ERF_BACK:
+        case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
         case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:

@@ -1,9 +1,9 @@
 """Composed blocks the recipes share, built only from ops with a backward in ggml 0.25.3.
 
-ggml 0.25.3 has no backward for NORM (LayerNorm), GELU, CONCAT or FLASH_ATTN_EXT, so:
+ggml 0.25.3 has no backward for NORM (LayerNorm), GELU, GELU_ERF, CONCAT or FLASH_ATTN_EXT, so:
 LayerNorm is rms_norm of the centred input; tanh-GELU is x * sigmoid(2u) written as
-silu(2u) / w with w = 2u / x (see gelu_tanh); attention is batched over heads with one
-mul_mat per product.
+silu(2u) / w with w = 2u / x (see gelu_tanh); exact GELU is x Phi(x) with erf composed
+(gelu_erf); attention is batched over heads with one mul_mat per product.
 Every block here has a forward and finite-difference test in tests/test_engine_ops.py.
 """
 
@@ -22,6 +22,7 @@ from .tensor import Tensor
 GELU_C = math.sqrt(2.0 / math.pi)
 # node names that native/cpu_kernels.c's rewrite looks for (TH_GELU_NAME, TH_BIAS_ROWS_NAME)
 GELU_STAND_IN = "th.gelu_tanh"
+GELU_ERF_STAND_IN = "th.gelu_erf"
 BIAS_ROWS = "th.bias_rows"
 # the RMS_NORM that native/cuda_rewrite.c computes as LayerNorm's normalization (TH_LAYER_NORM_NAME)
 LAYER_NORM_STAND_IN = "th.layer_norm"
@@ -79,8 +80,9 @@ def scale_columns(x: Tensor, gain: Tensor) -> Tensor:
     return x * gain
 
 
-def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
-    """LayerNorm over the last axis = rms_norm(x - mean(x)) * g + b (same eps placement).
+def layer_norm(x: Tensor, gain: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last axis = rms_norm(x - mean(x)) * g + b (same eps placement); `bias`
+    None: no b (torch's LayerNorm(bias=False), nanoGPT's default).
 
     On cpu x - mean(x) is x @ (I - 1/d), one matrix product forward and one backward: ggml's
     sum_rows, broadcast and their backward ops (REPEAT, REPEAT_BACK) took 3x longer. On cuda
@@ -92,14 +94,18 @@ def layer_norm(x: Tensor, gain: Tensor, bias: Tensor, eps: float = 1e-5) -> Tens
         # one kernel each way, our cuda kernels' (native/cuda/th-custom.cu): an RMS_NORM named
         # LAYER_NORM_STAND_IN that the cuda rewrite computes as the normalization of centred rows
         normed = x.reshape(-1, d).rms_norm(eps).named(LAYER_NORM_STAND_IN).reshape(*x.shape)
-        return add_bias(scale_columns(normed, gain), bias)
+        return _with_bias(scale_columns(normed, gain), bias)
     if x.prog.column_sums_as_products:
         rows = x.reshape(-1, d)
         centred = (rows - rows.mean_rows()).reshape(*x.shape)
     else:
         centring = x.prog.cached_constant(f"centring.{d}", lambda: np.eye(d, dtype=np.float32) - np.float32(1.0 / d))
         centred = x.matmul_t(centring)
-    return add_bias(scale_columns(centred.rms_norm(eps), gain), bias)
+    return _with_bias(scale_columns(centred.rms_norm(eps), gain), bias)
+
+
+def _with_bias(y: Tensor, b: Tensor | None) -> Tensor:
+    return add_bias(y, b) if b is not None else y
 
 
 def rms_norm(x: Tensor, gain: Tensor, eps: float = 1e-5) -> Tensor:
@@ -121,6 +127,26 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return (x * w).silu() / w
 
 
+def gelu_erf(x: Tensor) -> Tensor:
+    """x Phi(x), Phi(x) = 0.5 (1 + erf(x / sqrt 2)): the exact GELU (torch's nn.GELU(), nanoGPT's).
+
+    ggml 0.25.3's GELU_ERF has no backward. With the cpu kernels, one node each way: a SILU
+    node named "th.gelu_erf" that the cpu rewrite computes as exact GELU and its SILU_BACK as
+    its derivative (native/cpu_kernels.c, th_gelu_erf_op, erf by Abramowitz and Stegun 7.1.26,
+    absolute error under 1.5e-7); on cuda the same stand-ins go to our kernels inside ggml-cuda
+    (native/cuda_rewrite/gelu.c, native/cuda/th-custom.cu: CUDA's normcdff, within 1e-6 relative).
+    Elsewhere (the portable mode, the lowerings, vulkan, metal) composed from ops that each have a
+    backward (Tensor.gelu("none"), erf by Abramowitz and Stegun too): no backend sees a GELU node
+    it could take for the tanh form, and a stand-in that no rewrite pairs is refused rather than
+    computed as silu."""
+    if (x.prog.cpu_kernels or x.prog.cuda_kernels) and x.type == GGML_TYPE_F32 and x.is_contiguous():
+        return x.silu().named(GELU_ERF_STAND_IN)
+    return x.gelu("none")
+
+
+GELUS = {"tanh": gelu_tanh, "erf": gelu_erf}
+
+
 def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     return linear(linear(x, w_gate).swiglu(linear(x, w_up)), w_down)
 
@@ -140,8 +166,13 @@ def fused_swiglu_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
     return linear(y.view_columns(0, d_ff).swiglu(y.view_columns(d_ff, d_ff)).reshape(*lead, d_ff), w_down)
 
 
-def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Tensor, w_proj: Tensor, b_proj: Tensor) -> Tensor:
-    return linear(gelu_tanh(linear(x, w_fc, b_fc)), w_proj, b_proj)
+def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Tensor | None, w_proj: Tensor, b_proj: Tensor | None,
+             gelu: str = "tanh") -> Tensor:
+    """W_proj gelu(W_fc x + b_fc) + b_proj: GPT-2's feed-forward; `gelu` "tanh" (gelu_tanh) or
+    "erf" (gelu_erf); a bias None: none."""
+    if gelu not in GELUS:
+        raise ShapeError(f"gelu_mlp: gelu={gelu!r}; use one of {sorted(GELUS)}")
+    return linear(GELUS[gelu](linear(x, w_fc, b_fc)), w_proj, b_proj)
 
 
 def lora_linear(x: Tensor, w: Tensor, a: Tensor, b: Tensor, scale: float, bias: Tensor | None = None,
