@@ -343,3 +343,27 @@ def test_first_losses_and_margins_match_trl(tmp_path, base, pairs, recipe):
     assert loss_err.max() < 2e-5, (ours["loss"], theirs["loss"])
     assert margin_err.max() < 2e-5, (ours["rewards/margins"], theirs["rewards/margins"])
     assert np.abs(theirs["rewards/margins"]).max() > 1e-3, "the policy must separate the sides for this to mean much"
+
+
+# --- the sweep's table ----------------------------------------------------------------------------
+def test_sweep_ranks_by_a_recipe_metric_and_refuses_unknown_ones(tmp_path):
+    from toyharness.sweep.plan import DONE
+    from toyharness.sweep.report import parse_rank, read_point, summarize
+
+    _, dpo = get_recipe("dpo")
+    with pytest.raises(InputError, match="--rank margins: recipe dpo logs no metric 'margins'; it logs: eval_loss"):
+        parse_rank("margins", "dpo", dpo.metric_names)
+    with pytest.raises(InputError, match="the order after ':' is min or max"):
+        parse_rank("loss:up", "dpo", dpo.metric_names)
+    rank = parse_rank("eval_rewards/accuracies:max", "dpo", dpo.metric_names)
+    records = []
+    for i, acc in enumerate((0.25, 0.75, 0.5)):
+        run = tmp_path / str(i)
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 0.69, "eval_loss": 0.7 - acc,
+                                                       "eval_rewards/accuracies": acc}) + "\n")
+        records.append({"status": DONE, **read_point(run)})
+    points = [SimpleNamespace(index=i, config=(("beta", b),)) for i, b in enumerate((0.1, 0.2, 0.3))]
+    rows = summarize(SimpleNamespace(points=points), records, rank)
+    assert [r["config"]["beta"] for r in rows] == [0.2, 0.3, 0.1]
+    assert [r["rank_mean"] for r in rows] == [0.75, 0.5, 0.25]
