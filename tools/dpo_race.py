@@ -136,7 +136,10 @@ def import_trl(wheels: str | None):
                           "trl"], capture_output=True, text=True)
     if res.returncode:
         raise ImportError(f"pip could not install trl from {wheels}: {res.stderr.strip().splitlines()[-1:]}")
-    import trl
+    try:
+        import trl
+    except ImportError as exc:
+        raise ImportError(f"trl installed from {wheels} but does not import: {exc}") from None
     return trl
 
 

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = out / "run"
     t0 = time.perf_counter()
     train("dpo", steps=args.steps, backend=args.backend, threads=args.threads, sets=sets, out=str(run_dir),
-          progress=False)
+          progress=sys.stderr.isatty())
     train_s = time.perf_counter() - t0
     last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     after = {k[len("eval_"):]: v for k, v in last.items() if k.startswith("eval_")}
