@@ -8,6 +8,8 @@ nox.options.reuse_existing_virtualenvs = True
 # transformers' model of each base architecture (toyharness/architectures/hf.py): the parity
 # sessions' numerical truth and the PyTorch side of lora's bench; pinned as torch is
 TRANSFORMERS = "transformers==5.23.0"
+# TRL's DPO and ORPO losses: the numerical truth of the dpo and orpo recipes (tests/test_preference.py)
+TRL = "trl==1.16.0"
 
 
 @nox.session(name="tests-cpu")
@@ -69,9 +71,9 @@ def lint(session):
 def parity(session):
     """First losses of every installed recipe that has a PyTorch twin (its `torch_reference`) against
     it, and of LoRA over each base architecture against transformers' model of it
-    (tests/test_arch_parity.py)."""
+    (tests/test_arch_parity.py), and dpo's and orpo's against TRL's loss code (tests/test_preference.py)."""
     session.install("-e", ".[test]")
-    session.install("torch==2.13.0", TRANSFORMERS)  # the CPU build; never another version
+    session.install("torch==2.13.0", TRANSFORMERS, TRL)  # the CPU build; never another version
     session.run("pytest", "-q", "-m", "parity", "-rs", *session.posargs)
 
 

@@ -82,5 +82,5 @@ def test_a_name_or_folder_that_is_not_there_exits_2(args, message, tmp_path, cap
     out = capsys.readouterr()
     assert out.err.startswith("toyharness: error: " + message.replace("NOWHERE", where)), out.err
     if "nosuch" in args:     # the built-ins, in order, wherever a plugin installed beside them sorts
-        assert "gpt2, llama, lora, vit_tiny, warm_start" in out.err, out.err
+        assert "dpo, gpt2, llama, lora, orpo, vit_tiny, warm_start" in out.err, out.err
     assert len(out.err.strip().splitlines()) == 1 and out.out == ""

@@ -56,6 +56,16 @@ Real models and data
     `cached_copy_as`     a GGUF with its matrices converted to another type, cached.
     `synthetic_instruction_file`  a synthetic prompt/completion JSONL with an instruction set's
                     lengths, cached (the packed goldens' data; toyharness/data/instructions.py).
+    `synthetic_preference_file`   synthetic preference pairs ({"prompt", "chosen", "rejected"})
+                    as JSONL, cached (the dpo and orpo goldens' data).
+    `load_preference_data`  a JSONL file of preference pairs in TRL's forms (strings, or
+                    conversations through the chat template) as batches of pairs, both sides of
+                    each, the prompt masked (toyharness/data/preference.py).
+    `PreferenceModel`  a recipe's forward over preference pairs: each side's summed completion
+                    log-probability (`PairLogps`), a loss built from them, the reference policy
+                    (the recipe's ``reference_params``: in the step's graph or precomputed), and
+                    per-step metrics; its step and evaluate return ``{"loss", **metrics}``.
+    `PairLogps`     the per-pair tensors a preference loss is built from (toyharness/preference.py).
     `LanguageModel` a recipe's forward wrapped with inputs, loss and trainer on one program.
     `load_image_data`    image data (the embedded 8x8 digits, or an .npz) for image recipes.
     `CONVENTIONS`   the AdamW row's conventions (``bias_corrected``, ``constant_betas``).
@@ -116,6 +126,10 @@ _EXPORTS: dict[str, str] = {
     "synthetic_instruction_file": ".data.instructions",
     "cached_copy_as": ".engine.gguf_io",
     "LanguageModel": ".lm",
+    "synthetic_preference_file": ".data.instructions",
+    "load_preference_data": ".data.preference",
+    "PreferenceModel": ".preference",
+    "PairLogps": ".preference",
     "load_image_data": ".images",
     "CONVENTIONS": ".adamw",
     "AdapterFold": ".merge_adapters",

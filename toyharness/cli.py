@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "message is in sweep.json)")
     w.add_argument("--log", action="append", metavar="NAME[,NAME]",
                    help=LOG_HELP + "; the sweep and each of its points (grid values and seed as tags)")
+    w.add_argument("--rank", metavar="METRIC[:max]",
+                   help="sort the table by the mean over seeds of METRIC's last value: eval_loss (the default), "
+                        "loss, accuracy, or a metric the recipe logs (dpo: rewards/margins, eval_rewards/accuracies, "
+                        "...); lowest first, or highest with :max")
 
     f = sub.add_parser("fuse", help="fold a run's LoRA adapters into its base: one GGUF llama.cpp runs",
                        description="Write RUN_DIR's model as one GGUF: for lora, each adapted weight W + (alpha/rank) "

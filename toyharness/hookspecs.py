@@ -118,17 +118,21 @@ class ObserverSpec:
 
     @hookspec
     def step_end(self, run, step: int, loss: float, lr: float, ms: float, tokens_per_s: float,
-                 grad_norm: float | None) -> None:
+                 grad_norm: float | None, metrics: dict) -> None:
         """A training step finished (0-indexed `step`): its loss (a float32 value; with
         ``accumulate`` the count-weighted mean of its micro-batches'), the learning rate it used,
-        its time in milliseconds, items (tokens or images) per second, and with ``grad_clip`` set
-        the global L2 norm of its gradient before clipping (None otherwise). An implementation may
-        leave out any of these arguments (grad_norm among them)."""
+        its time in milliseconds, items (tokens or images) per second, with ``grad_clip`` set
+        the global L2 norm of its gradient before clipping (None otherwise), and `metrics`: the
+        recipe's own metrics of the step by name (dpo's ``rewards/margins``, ...: the recipe's
+        ``metric_names``; empty for most recipes), as metrics.jsonl has them. An implementation may
+        leave out any of these arguments (grad_norm and metrics among them)."""
 
     @hookspec
-    def eval_end(self, run, step: int, loss: float, accuracy: float | None) -> None:
-        """The held-out evaluation after 0-indexed `step`: mean loss over the eval batches, and
-        for classifiers the accuracy in [0, 1] (None otherwise)."""
+    def eval_end(self, run, step: int, loss: float, accuracy: float | None, metrics: dict) -> None:
+        """The held-out evaluation after 0-indexed `step`: mean loss over the eval batches, for
+        classifiers the accuracy in [0, 1] (None otherwise), and `metrics`: the recipe's own
+        metrics by name, each the mean over the eval batches (metrics.jsonl has them as
+        ``eval_NAME``); empty for most recipes. An implementation may leave out any argument."""
 
     @hookspec
     def run_end(self, run, summary: dict, artifacts: dict) -> None:

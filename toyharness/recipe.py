@@ -76,6 +76,9 @@ class Recipe:
       each checked as ``RECIPE@VARIANT`` (lora's ``lora@q4_k``: its golden over a quantized base).
     - ``bench_sets`` ([]): ``KEY=VALUE`` options ``toyharness bench`` adds to the recipe's
       defaults, before ``--set``.
+    - ``metric_names`` (()): the metrics its step and evaluate hooks return beside the loss (a
+      dict ``{"loss": ..., NAME: float}``); each step's go into metrics.jsonl by name and each
+      evaluation's as ``eval_NAME``, and ``toyharness sweep --rank`` ranks by them.
     - ``gguf_metadata`` (a method, ``(options, model) -> (arch, metadata)``; default
       ``toyharness-NAME`` and no keys): the exported GGUF's
       architecture and metadata, as the default ``export`` writes them.
@@ -96,6 +99,7 @@ class Recipe:
     golden_sets: ClassVar[list[str] | None] = []
     golden_variants: ClassVar[dict[str, list[str]]] = {}
     bench_sets: ClassVar[list[str]] = []
+    metric_names: ClassVar[tuple[str, ...]] = ()
 
     # --- hooks ---------------------------------------------------------------------------------
     @hookimpl

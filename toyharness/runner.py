@@ -326,7 +326,8 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                     batches_log.setdefault(k, []).append(v)
             row = pm.hook.hp(options=options, step=i)
             t0 = time.perf_counter()
-            loss = float(np.float32(optimizer_step(pm, model, trainer, data, batch, row, options, recipe)))
+            loss, step_metrics = optimizer_step(pm, model, trainer, data, batch, row, options, recipe)
+            loss = float(np.float32(loss))
             ms = (time.perf_counter() - t0) * 1000
             if not math.isfinite(loss):
                 raise CheckFailed(f"{recipe}: loss is {loss} at step {i}; stopping (lr {row.lr:g})")
@@ -338,8 +339,10 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                 run.metrics[-1].update(data.step_metrics(i, step_options, ms))
             if grad_norm is not None:
                 run.metrics[-1]["grad_norm"] = grad_norm
-            pm.hook.step_end(run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps, grad_norm=grad_norm)
-            bus.emit("step_end", run=run, step=i, loss=loss, lr=row.lr, ms=ms, tokens_per_s=tps, grad_norm=grad_norm)
+            run.metrics[-1].update(step_metrics)      # a recipe's own (dpo's rewards/margins, ...)
+            step_args = {"step": i, "loss": loss, "lr": row.lr, "ms": ms, "tokens_per_s": tps, "grad_norm": grad_norm}
+            pm.hook.step_end(run=run, **step_args, metrics=dict(step_metrics))
+            bus.emit("step_end", run=run, **step_args, metrics=dict(step_metrics))
             done = i + 1
             if (done % options.eval_every == 0) or done == options.steps:
                 ev = evaluate(pm, model, data, options)
@@ -348,7 +351,9 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                 run.metrics[-1]["eval_loss"] = ev["loss"]
                 if "accuracy" in ev:
                     run.metrics[-1]["accuracy"] = ev["accuracy"]
-                eval_args = {"step": i, "loss": ev["loss"], "accuracy": ev.get("accuracy")}
+                run.metrics[-1].update({f"eval_{k}": v for k, v in ev["metrics"].items()})
+                eval_args = {"step": i, "loss": ev["loss"], "accuracy": ev.get("accuracy"),
+                             "metrics": dict(ev["metrics"])}
                 pm.hook.eval_end(run=run, **eval_args)
                 bus.emit("eval_end", run=run, **eval_args)
             # seconds since this process began the run's steps, the step's evaluation included
@@ -420,13 +425,15 @@ def last_eval_loss(run: Run) -> float | None:
 
 def evaluate(pm, model, data, options) -> dict:
     """Mean of the evaluate hook over the held-out batches (the data's own count, else
-    options.eval_batches); classifiers' counts and confusion matrices are summed."""
+    options.eval_batches); classifiers' counts and confusion matrices are summed; a recipe's other
+    metrics (floats beside the loss) are averaged into ``metrics``."""
     step_options = options_for_steps(options)
     n = data.eval_batches(step_options) if hasattr(data, "eval_batches") else getattr(options, "eval_batches", None)
     if n is None:
         raise InputError(f"options {type(options).__name__}: the recipe's data has no eval_batches(options) and its "
                          "options no eval_batches key: add one of them (TextOptions has the key)")
     total, correct, count, confusion = 0.0, 0, 0, None
+    sums: dict[str, float] = {}
     for j in range(n):
         res = evaluate_batch(pm, model, data, batch_for(data, "eval", j, step_options), options)
         total += res["loss"]
@@ -434,7 +441,10 @@ def evaluate(pm, model, data, options) -> dict:
         count += res.get("count", 0)
         if "confusion" in res:
             confusion = res["confusion"] if confusion is None else confusion + res["confusion"]
-    out = {"loss": total / n}
+        for key, value in res.items():       # a recipe's own metrics (dpo's rewards/margins, ...)
+            if key not in ("loss", "correct", "count", "confusion"):
+                sums[key] = sums.get(key, 0.0) + float(value)
+    out = {"loss": total / n, "metrics": {k: v / n for k, v in sums.items()}}
     if count:
         out["accuracy"] = correct / count
     if confusion is not None:
@@ -519,7 +529,8 @@ def save_batches_npz(path: Path, log: dict[str, list]) -> None:
     atomic_write(path, buf.getvalue())
 
 
-BATCH_DTYPES = {"tokens": "i", "targets": "i", "labels": "i", "cls_index": "i", "images": "f", "mask": "f"}
+BATCH_DTYPES = {"tokens": "i", "targets": "i", "labels": "i", "cls_index": "i", "images": "f", "mask": "f",
+                "completion": "f", "valid": "f", "pairs": "i"}
 
 
 def read_batches_npz(path: Path) -> dict[str, np.ndarray]:

@@ -144,7 +144,8 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("TOYHARNESS_LLAMACPP_TOOL", "testing",
            "Path of llama.cpp's th_logits tool, built by `python native/build.py --llamacpp-tool` (its "
            "th_tokenize and th_generate lie beside it): the tests that compare with llama.cpp run with it "
-           "(nox -s llamacpp, realmodel).",
+           "(nox -s llamacpp, realmodel); tools/number_words.py, sample_speed.py and preference_demo.py "
+           "use it too.",
            "", form="file"),
 )
 

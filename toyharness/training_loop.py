@@ -43,25 +43,39 @@ def check_loop_controls(recipe: str, trainer, options: Options) -> None:
                              f"made on the run's engine in realize); leave {key} at {default}")
 
 
-def optimizer_step(pm, model, trainer, data, batch: dict, row, options: Options, recipe: str) -> float:
+def split_result(result, what: str) -> tuple[float, dict[str, float]]:
+    """A step hook's result: a loss, or a dict of the loss and the recipe's metrics by name."""
+    if isinstance(result, dict):
+        if "loss" not in result:
+            raise InputError(f"{what} returned a dict without 'loss': {sorted(result)}")
+        return result["loss"], {k: float(v) for k, v in result.items() if k != "loss"}
+    return result, {}
+
+
+def optimizer_step(pm, model, trainer, data, batch: dict, row, options: Options,
+                   recipe: str) -> tuple[float, dict[str, float]]:
     """One optimizer step: the step hook on the batch, or on each of its `accumulate` micro-batches
-    in order (the Trainer sums their gradients and steps on the last); the step's loss."""
+    in order (the Trainer sums their gradients and steps on the last); the step's loss and the
+    recipe's metrics (the micro-batches' mean: each counts the same rows)."""
     if options.accumulate == 1:
-        return pm.hook.step(model=model, batch=batch, hp=row)
+        return split_result(pm.hook.step(model=model, batch=batch, hp=row), f"recipe {recipe}'s step hook")
     before = trainer.steps_done
+    sums: dict[str, float] = {}
     for chunk in micro_batches(data, batch, options.accumulate, options):
-        pm.hook.step(model=model, batch=chunk, hp=row)
+        _, metrics = split_result(pm.hook.step(model=model, batch=chunk, hp=row), f"recipe {recipe}'s step hook")
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
     if trainer.steps_done != before + 1:
         raise InputError(f"option 'accumulate': recipe {recipe}'s step hook did not step its trainer once per "
                          "micro-batch (Trainer.step); leave accumulate at 1")
-    return trainer.step_loss
+    return trainer.step_loss, {k: v / options.accumulate for k, v in sums.items()}
 
 
 def evaluate_batch(pm, model, data, batch: dict, options: Options) -> dict:
     """The evaluate hook on a held-out batch of t_batch * accumulate rows, a micro-batch at a time:
-    the loss their count-weighted mean (a held-out batch's valid rows where it says, else the
-    trainer's counts: rows, or the mask's positions), classifiers' counts and confusion matrices
-    summed; a micro-batch with no valid row is skipped."""
+    the loss and a recipe's other float metrics their count-weighted mean (a held-out batch's
+    valid rows where it says, else the trainer's counts: rows, or the mask's positions),
+    classifiers' counts and confusion matrices summed; a micro-batch with no valid row is skipped."""
     if options.accumulate == 1:
         return pm.hook.evaluate(model=model, batch=batch)
     trainer = model.trainer
@@ -73,11 +87,15 @@ def evaluate_batch(pm, model, data, batch: dict, options: Options) -> dict:
             continue
         res = pm.hook.evaluate(model=model, batch=chunk)
         weights += w
-        out["loss"] = out.get("loss", 0.0) + w * res["loss"]
         for key in ("correct", "count", "confusion"):
             if key in res:
                 out[key] = res[key] if key not in out else out[key] + res[key]
-    out["loss"] /= weights
+        for key, value in res.items():
+            if key not in ("correct", "count", "confusion"):
+                out[key] = out.get(key, 0.0) + w * float(value)
+    for key in out:
+        if key not in ("correct", "count", "confusion"):
+            out[key] /= weights
     return out
 
 

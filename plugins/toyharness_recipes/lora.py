@@ -61,7 +61,10 @@ ARCH_GOLDEN_BASES = {
 
 
 @dataclass
-class LoRAOptions(LMOptions):
+class AdapterOptions(LMOptions):
+    """The keys of LoRA adapters on a frozen GGUF base, shared by every adapter recipe (lora, dpo,
+    orpo)."""
+
     # the memory plan halves these too when it says what would shrink a run (toyharness/engine/memory_plan.py)
     plan_sizes: ClassVar[tuple[str, ...]] = ("rank",)
     base: str = ""
@@ -69,9 +72,6 @@ class LoRAOptions(LMOptions):
     alpha: float = 16.0
     targets: tuple[str, ...] = choice(("q",), ALL_TARGETS)
     merged: bool = False
-    # the loss over the base's vocabulary a tile at a time (toyharness.lm.use_chunked_loss):
-    # auto = from 4,096 classes on cpu (every real vocabulary), on, off
-    chunked_loss: str = choice("auto", ("auto", "on", "off"))
     t_seq: int = 64
     t_batch: int = 16
     lr: float = 2e-3
@@ -91,15 +91,119 @@ class LoRAOptions(LMOptions):
     lora_dropout: float = probability(0.0)
 
 
-def read_base(path: str) -> ModelFile:
+@dataclass
+class LoRAOptions(AdapterOptions):
+    # the loss over the base's vocabulary a tile at a time (toyharness.lm.use_chunked_loss):
+    # auto = from 4,096 classes on cpu (every real vocabulary), on, off
+    chunked_loss: str = choice("auto", ("auto", "on", "off"))
+
+
+def read_base(path: str, recipe: str = "lora") -> ModelFile:
     """Open and check a base GGUF of any architecture of toyharness.architectures; every problem
     names the file and the key or tensor."""
     if not path:
-        raise InputError("lora needs a base model: --set base=PATH.gguf (a llama, qwen2, qwen3, gemma3 or phi3 GGUF)")
+        raise InputError(f"{recipe} needs a base model: --set base=PATH.gguf (a llama, qwen2, qwen3, gemma3 or phi3 "
+                         "GGUF)")
     return read_model(path, "base")
 
 
-class LoRA(LMRecipe):
+class AdapterRecipe(LMRecipe):
+    """LoRA adapters on a frozen GGUF base (`AdapterOptions`): the base, the adapters' init, the
+    weights the forward reads, the forward, `fuse` and the export. lora trains them on
+    cross-entropy; dpo and orpo (preference.py) on preference pairs."""
+
+    options_class = AdapterOptions
+
+    def __init__(self):
+        self._bases: dict[str, ModelFile] = {}
+
+    def base(self, o: AdapterOptions) -> ModelFile:
+        if o.base not in self._bases:
+            self._bases[o.base] = read_base(o.base, self.name)
+        base = self._bases[o.base]
+        if base.shape.max_seq and o.t_seq > base.shape.max_seq:
+            raise InputError(f"option 't_seq': {o.t_seq} is longer than {base.shape.max_seq}: {base.shape.max_seq_why}")
+        return base
+
+    def tokenizer_file(self, o: AdapterOptions) -> str:
+        """The data is read with the base's own tokenizer (bytes for bases the harness made)."""
+        if o.tokenizer and o.tokenizer != o.base:
+            raise InputError(f"{self.name} reads its data with the base's tokenizer: leave option 'tokenizer' unset")
+        self.base(o)                   # a missing or bad base is named first
+        return o.base
+
+    def vocab_for(self, o: AdapterOptions, data_vocab: int) -> int:
+        base = self.base(o)
+        if data_vocab > base.shape.vocab:
+            raise InputError(f"{self.name}: the data has token ids up to {data_vocab - 1} but the base {o.base} has "
+                             f"a vocabulary of {base.shape.vocab}")
+        return base.shape.vocab
+
+    def init_params(self, o: AdapterOptions, vocab: int) -> dict[str, np.ndarray]:
+        if o.rank <= 0:
+            raise InputError(f"option 'rank': must be > 0, got {o.rank}")
+        base, P = self.base(o), {}
+        for i in range(base.shape.n_layer):
+            for t in o.targets:
+                name = base.target_tensor(i, t)
+                out_dim, in_dim = base.tensors[name]
+                P[name + ".lora_a"] = normal(o.seed, name + ".lora_a", (o.rank, in_dim), o.init_scale / np.sqrt(in_dim))
+                P[name + ".lora_b"] = np.zeros((out_dim, o.rank), np.float32)
+        return P
+
+    def build_params(self, prog, o: AdapterOptions, vocab, values, trainable):
+        base = self.base(o)
+        gguf = GGUFFile(base.path)
+        prog._keepalive.append(gguf)         # mmap'd weights live as long as the program
+        P = {}
+        for name, shape in base.tensors.items():
+            P[name] = prog.frozen_gguf(gguf, name, expect_shape=shape)
+        scale = o.alpha / o.rank
+        for name, value in values.items():
+            P[name] = prog.param(name, value, trainable=trainable)
+        for i in range(base.shape.n_layer):
+            for t in o.targets:
+                name = base.target_tensor(i, t)
+                P[name] = blocks.LoRAWeight(P[name], P[name + ".lora_a"], P[name + ".lora_b"], scale,
+                                            o.lora_dropout, f"dropout.{name}.lora")
+        return P
+
+    def reference_params(self, P: dict) -> dict:
+        """The weights with the adapters left out: the frozen base alone (the reference policy of
+        preference training), the same tensors, no copy."""
+        return {name: w.base if isinstance(w, blocks.LoRAWeight) else w for name, w in P.items()}
+
+    def forward(self, P, tokens, positions, o: AdapterOptions):
+        tokens.prog.dropout_seed = o.seed
+        base = self.base(o)
+        return base.arch.forward(P, P["token_embd.weight"].get_rows(tokens), positions, base.shape)
+
+    def fuse_adapters(self, o: AdapterOptions, checkpoint: Path):
+        """`toyharness fuse`: each adapted weight of the base gains (alpha / rank) B A."""
+        from toyharness import AdapterFold
+
+        base = self.base(o)
+        adapters = self.params_for_sampling(checkpoint, o, base.shape.vocab)
+        scale = np.float32(o.alpha / o.rank)
+        adapted = frozenset(name[: -len(".lora_a")] for name in adapters if name.endswith(".lora_a"))
+        return AdapterFold(base.path, base.arch.name, adapted,
+                           lambda name: scale * (adapters[name + ".lora_b"] @ adapters[name + ".lora_a"]), "lora",
+                           {"toyharness.fuse.rank": int(o.rank), "toyharness.fuse.alpha": float(o.alpha),
+                            "toyharness.fuse.targets": ",".join(o.targets)})
+
+    @hookimpl
+    def export(self, model, options, out_dir):
+        o, base = options, self.base(options)
+        adapters = {name: model.prog.read(t) for name, t in model.prog.params.items()}
+        written = [write_gguf(Path(out_dir) / "adapter.gguf", base.arch.name, adapters,
+                              {"general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": float(o.alpha),
+                               "general.name": "toyharness-lora"})]
+        if o.merged:
+            written.append(write_merged(Path(out_dir) / "model.gguf", base, adapters, o.alpha / o.rank))
+        return written
+
+
+class LoRA(AdapterRecipe):
     name = "lora"
     options_class = LoRAOptions
 
@@ -138,89 +242,6 @@ class LoRA(LMRecipe):
     @property
     def bench_sets(self) -> list[str]:
         return [f"base={seeded_model_file('llama', [])}"]      # llama's default size
-
-    def __init__(self):
-        self._bases: dict[str, ModelFile] = {}
-
-    def base(self, o: LoRAOptions) -> ModelFile:
-        if o.base not in self._bases:
-            self._bases[o.base] = read_base(o.base)
-        base = self._bases[o.base]
-        if base.shape.max_seq and o.t_seq > base.shape.max_seq:
-            raise InputError(f"option 't_seq': {o.t_seq} is longer than {base.shape.max_seq}: {base.shape.max_seq_why}")
-        return base
-
-    def tokenizer_file(self, o: LoRAOptions) -> str:
-        """The data is read with the base's own tokenizer (bytes for bases the harness made)."""
-        if o.tokenizer and o.tokenizer != o.base:
-            raise InputError("lora reads its data with the base's tokenizer: leave option 'tokenizer' unset")
-        self.base(o)                   # a missing or bad base is named first
-        return o.base
-
-    def vocab_for(self, o: LoRAOptions, data_vocab: int) -> int:
-        base = self.base(o)
-        if data_vocab > base.shape.vocab:
-            raise InputError(f"lora: the data has token ids up to {data_vocab - 1} but the base {o.base} has "
-                             f"a vocabulary of {base.shape.vocab}")
-        return base.shape.vocab
-
-    def init_params(self, o: LoRAOptions, vocab: int) -> dict[str, np.ndarray]:
-        if o.rank <= 0:
-            raise InputError(f"option 'rank': must be > 0, got {o.rank}")
-        base, P = self.base(o), {}
-        for i in range(base.shape.n_layer):
-            for t in o.targets:
-                name = base.target_tensor(i, t)
-                out_dim, in_dim = base.tensors[name]
-                P[name + ".lora_a"] = normal(o.seed, name + ".lora_a", (o.rank, in_dim), o.init_scale / np.sqrt(in_dim))
-                P[name + ".lora_b"] = np.zeros((out_dim, o.rank), np.float32)
-        return P
-
-    def build_params(self, prog, o: LoRAOptions, vocab, values, trainable):
-        base = self.base(o)
-        gguf = GGUFFile(base.path)
-        prog._keepalive.append(gguf)         # mmap'd weights live as long as the program
-        P = {}
-        for name, shape in base.tensors.items():
-            P[name] = prog.frozen_gguf(gguf, name, expect_shape=shape)
-        scale = o.alpha / o.rank
-        for name, value in values.items():
-            P[name] = prog.param(name, value, trainable=trainable)
-        for i in range(base.shape.n_layer):
-            for t in o.targets:
-                name = base.target_tensor(i, t)
-                P[name] = blocks.LoRAWeight(P[name], P[name + ".lora_a"], P[name + ".lora_b"], scale,
-                                            o.lora_dropout, f"dropout.{name}.lora")
-        return P
-
-    def forward(self, P, tokens, positions, o: LoRAOptions):
-        tokens.prog.dropout_seed = o.seed
-        base = self.base(o)
-        return base.arch.forward(P, P["token_embd.weight"].get_rows(tokens), positions, base.shape)
-
-    def fuse_adapters(self, o: LoRAOptions, checkpoint: Path):
-        """`toyharness fuse`: each adapted weight of the base gains (alpha / rank) B A."""
-        from toyharness import AdapterFold
-
-        base = self.base(o)
-        adapters = self.params_for_sampling(checkpoint, o, base.shape.vocab)
-        scale = np.float32(o.alpha / o.rank)
-        adapted = frozenset(name[: -len(".lora_a")] for name in adapters if name.endswith(".lora_a"))
-        return AdapterFold(base.path, base.arch.name, adapted,
-                           lambda name: scale * (adapters[name + ".lora_b"] @ adapters[name + ".lora_a"]), "lora",
-                           {"toyharness.fuse.rank": int(o.rank), "toyharness.fuse.alpha": float(o.alpha),
-                            "toyharness.fuse.targets": ",".join(o.targets)})
-
-    @hookimpl
-    def export(self, model, options, out_dir):
-        o, base = options, self.base(options)
-        adapters = {name: model.prog.read(t) for name, t in model.prog.params.items()}
-        written = [write_gguf(Path(out_dir) / "adapter.gguf", base.arch.name, adapters,
-                              {"general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": float(o.alpha),
-                               "general.name": "toyharness-lora"})]
-        if o.merged:
-            written.append(write_merged(Path(out_dir) / "model.gguf", base, adapters, o.alpha / o.rank))
-        return written
 
 
 def write_merged(path: Path, base: ModelFile, adapters: dict[str, np.ndarray], scale: float) -> Path:

@@ -79,3 +79,23 @@ def synthetic_instruction_file(n: int, seed: int = 0, **shape) -> Path:
     if not path.is_file():
         write_synthetic_instructions(path, n, seed, **shape)
     return path
+
+
+def synthetic_preferences(n: int, seed: int = 0, median: float = 16, sigma: float = 0.4, shortest: int = 8,
+                          longest: int = 32) -> list[dict[str, str]]:
+    """n preference pairs made from `synthetic_instructions` of those lengths: each example's
+    prompt, its own completion as the chosen one and the next example's as the rejected one."""
+    rows = synthetic_instructions(n, seed, median, sigma, shortest, longest)
+    return [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[(i + 1) % n]["completion"]}
+            for i, r in enumerate(rows)]
+
+
+def synthetic_preference_file(n: int, seed: int = 0, **shape) -> Path:
+    """The pairs of `synthetic_preferences(n, seed, **shape)` as a JSONL file in the user cache,
+    written once (the dpo and orpo goldens' data)."""
+    key = hashlib.sha256(repr(("preferences", n, seed, sorted(shape.items()))).encode()).hexdigest()[:12]
+    path = cache_root() / "data" / f"preferences-{n}-{key}.jsonl"
+    if not path.is_file():
+        rows = synthetic_preferences(n, seed, **shape)
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return path

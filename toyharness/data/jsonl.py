@@ -76,15 +76,19 @@ def _string(obj: dict, key: str, where: str) -> str:
 
 
 def _messages(obj: dict, where: str) -> list[dict]:
-    msgs = obj["messages"]
+    return message_list(obj["messages"], "messages", where)
+
+
+def message_list(msgs, key: str, where: str) -> list[dict]:
+    """`msgs` (the value of `key`) checked as a non-empty list of {"role", "content"} messages."""
     if not isinstance(msgs, list) or not msgs:
-        raise InputError(f"{where}: 'messages' must be a non-empty list")
+        raise InputError(f"{where}: {key!r} must be a non-empty list")
     for k, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise InputError(f"{where}: messages[{k}] must be an object with 'role' and 'content'")
-        role, _ = _string(m, "role", f"{where}: messages[{k}]"), _string(m, "content", f"{where}: messages[{k}]")
+            raise InputError(f"{where}: {key}[{k}] must be an object with 'role' and 'content'")
+        role, _ = _string(m, "role", f"{where}: {key}[{k}]"), _string(m, "content", f"{where}: {key}[{k}]")
         if role not in ROLES:
-            raise InputError(f"{where}: messages[{k}] has role {role!r}; allowed: {', '.join(ROLES)}")
+            raise InputError(f"{where}: {key}[{k}] has role {role!r}; allowed: {', '.join(ROLES)}")
     return msgs
 
 

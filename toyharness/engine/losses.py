@@ -1,5 +1,6 @@
 """The losses a program trains on: cross-entropy (plain, masked, or chunked over the vocabulary)
-and any scalar. Each builds its nodes in the program's compute context and returns a
+and any scalar, and each position's log-probability of its target (what preference losses are
+made of). Each builds its nodes in the program's compute context and returns a
 CrossEntropy: the tensor the backward starts from and a thread-invariant one to report."""
 
 from __future__ import annotations
@@ -137,6 +138,36 @@ class LossBuilders:
         lib.ggml_set_output(report.ptr)
         return CrossEntropy(train.named(f"{targets}.chunked_loss"), report.named(f"{targets}.chunked_loss_report"),
                             targets, rows, mask)
+
+    def token_logps(self, logits: Tensor, targets: str, mask: str) -> Tensor:
+        """Each position's log-probability of its target where the f32 input `mask` is 1, and 0
+        where it is 0: logits (R, T, V), integer targets fed as `targets` and `mask` fed by name,
+        both (R, T) -> (R, T). What preference losses are built from: summed over a row's
+        completion (``(logps * completion).sum_rows()``), a sequence's log-likelihood.
+
+        log p is the log of the target's softmax probability, picked by the target's one-hot row
+        (MUL and SUM_ROWS: ops every backend trains), taken as log(p m + 1 - m), so that a masked
+        position (padding) adds 0 and gets no gradient. Called again with the same `targets` and
+        `mask` (another model's logits of the same rows) it reads the same fed inputs. A counted
+        target whose probability underflows float32 (log p below about -87) gives -inf: a loss the
+        run stops on."""
+        if logits.ndim != 3:
+            raise ShapeError(f"token_logps: logits must be (rows, positions, vocab), got {logits.shape}")
+        # a second model's logits of the same rows (a reference policy) read the same fed targets
+        made = self.__dict__.setdefault("_token_targets", {})
+        if (targets, mask) in made:
+            tg, onehot, m = made[targets, mask]
+            if (*tg.shape, tg.vocab) != logits.shape:
+                raise ShapeError(f"token_logps: logits {logits.shape} differ from the {(*tg.shape, tg.vocab)} that "
+                                 f"targets {targets!r} were declared for")
+        else:
+            tg, onehot = self._new_targets(logits, targets, "token_logps")
+            m = self.input(mask, tg.shape, "f32").reshape(math.prod(tg.shape), 1)
+            made[targets, mask] = tg, onehot, m
+        (rows, seq), vocab = tg.shape, tg.vocab
+        picked = (logits.reshape(rows * seq, vocab).softmax() * onehot).sum_rows()         # (R*T, 1)
+        logp = (picked * m + m.scale_bias(-1.0, 1.0)).log()
+        return logp.reshape(rows, seq).named(f"{targets}.logps")
 
     def scalar_loss(self, value: Tensor, name: str = "loss") -> CrossEntropy:
         """Train on any scalar (tests, custom objectives); it is also what `step` reports."""

@@ -573,6 +573,6 @@ class ForwardGraph:
 
 # a ShapeError of a graph-building method ends with the recipe's line, as Tensor's ops' do
 for _name in ("param", "input", "constant", "cross_entropy", "masked_cross_entropy", "chunked_cross_entropy",
-              "scalar_loss"):
+              "token_logps", "scalar_loss"):
     setattr(Program, _name, located(getattr(Program, _name)))
 register_program_class(Program)

@@ -127,13 +127,14 @@ class MLflowObserver:
 
     @hookimpl
     def step_end(self, step: int, loss: float, lr: float, ms: float, tokens_per_s: float,
-                 grad_norm: float | None) -> None:
+                 grad_norm: float | None, metrics: dict) -> None:
         self._metrics(step, {"loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_ms": ms,
-                             "grad_norm": grad_norm})
+                             "grad_norm": grad_norm, **metrics})
 
     @hookimpl
-    def eval_end(self, step: int, loss: float, accuracy: float | None) -> None:
-        self._metrics(step, {"eval_loss": loss, "eval_accuracy": accuracy})
+    def eval_end(self, step: int, loss: float, accuracy: float | None, metrics: dict) -> None:
+        self._metrics(step, {"eval_loss": loss, "eval_accuracy": accuracy,
+                             **{f"eval_{k}": v for k, v in metrics.items()}})
         self._flush()
 
     @hookimpl

@@ -73,13 +73,15 @@ class TensorBoardObserver:
 
     @hookimpl
     def step_end(self, step: int, loss: float, lr: float, ms: float, tokens_per_s: float,
-                 grad_norm: float | None) -> None:
+                 grad_norm: float | None, metrics: dict) -> None:
         self._scalars(step, {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s,
-                             "train/step_ms": ms, "train/grad_norm": grad_norm})
+                             "train/step_ms": ms, "train/grad_norm": grad_norm,
+                             **{f"train/{k}": v for k, v in metrics.items()}})
 
     @hookimpl
-    def eval_end(self, step: int, loss: float, accuracy: float | None) -> None:
-        self._scalars(step, {"eval/loss": loss, "eval/accuracy": accuracy})
+    def eval_end(self, step: int, loss: float, accuracy: float | None, metrics: dict) -> None:
+        self._scalars(step, {"eval/loss": loss, "eval/accuracy": accuracy,
+                             **{f"eval/{k}": v for k, v in metrics.items()}})
         self.writer.flush()
 
     @hookimpl

@@ -12,11 +12,12 @@ from typing import Any
 
 from .. import __version__
 from ..atomic import atomic_write
+from ..discovery import get_recipe
 from ..errors import InputError, WriteError
 from ..observers import ObserverBus, load_observers
 from .executors import LocalPool, RayExecutor
 from .plan import DONE, FAILED, PENDING, RUNNING, SWEEP_JSON, Plan, Point, make_plan
-from .report import Tracker, plot_sweep, print_table, read_point, summarize
+from .report import Rank, Tracker, parse_rank, plot_sweep, print_table, read_point, summarize
 from .resume import resumed_plan
 
 
@@ -60,7 +61,7 @@ def _point_record(plan: Plan, point: Point, out_dir: Path) -> dict[str, Any]:
 
 
 def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
-              previous: dict[str, Any] | None = None, bus=None) -> SweepResult:
+              previous: dict[str, Any] | None = None, bus=None, rank: Rank | None = None) -> SweepResult:
     """Run every point not finished yet; write sweep.json (as it goes) and sweep.png.
     `previous`: the sweep.json of an earlier, interrupted go (--resume); `bus`: the sweep's
     observers (toyharness.observers.ObserverBus), told of its start and end."""
@@ -76,7 +77,7 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
 
     def document() -> dict[str, Any]:
         return {"toyharness_version": __version__, **plan.to_json(), **executor.describe(),
-                "points": records, "configs": summarize(plan, records)}
+                "points": records, "configs": summarize(plan, records, rank)}
 
     def save() -> None:
         atomic_write(out_dir / SWEEP_JSON, json.dumps(document(), indent=2) + "\n")
@@ -115,7 +116,7 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
     artifacts = {name: (out_dir / name).resolve() for name in (SWEEP_JSON, "sweep.png")
                  if (out_dir / name).is_file() and (name != "sweep.png" or plotted)}
     bus.emit("sweep_end", sweep=info, results=json.loads(json.dumps(document())), artifacts=artifacts)
-    return SweepResult(records, summarize(plan, records), plotted)
+    return SweepResult(records, summarize(plan, records, rank), plotted)
 
 
 def main(args) -> int:
@@ -138,6 +139,9 @@ def main(args) -> int:
         if out_dir.exists() and any(out_dir.iterdir()):
             raise InputError(f"--out {out_dir}: the folder is not empty")
         previous = None
+    _, recipe_obj = get_recipe(plan.recipe)
+    # an unknown metric stops the sweep here, before any point runs (exit 2)
+    rank = parse_rank(getattr(args, "rank", None), plan.recipe, tuple(getattr(recipe_obj, "metric_names", ())))
     observers = load_observers(observer_names(plan))     # an unknown name stops the sweep here, exit 2
     if args.ray:
         executor = RayExecutor(args.ray, args.threads, plan.backend, args.keep_models, args.workers)
@@ -145,10 +149,11 @@ def main(args) -> int:
         executor = LocalPool(args.workers, args.threads, plan.backend)
     bus = ObserverBus(observers)
     try:
-        result = run_sweep(plan, out_dir, executor, progress=not args.no_progress, previous=previous, bus=bus)
+        result = run_sweep(plan, out_dir, executor, progress=not args.no_progress, previous=previous, bus=bus,
+                           rank=rank)
     finally:
         bus.close()
-    print_table(plan, result.rows, result.records, out_dir)
+    print_table(plan, result.rows, result.records, out_dir, rank)
     plot = f", {out_dir / 'sweep.png'}" if result.plotted else " (no sweep.png: no point finished)"
     print(f"wrote {out_dir / SWEEP_JSON}{plot} and {len(plan.points)} run folders under {out_dir / 'points'}")
     if result.failed:

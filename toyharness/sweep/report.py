@@ -8,14 +8,47 @@ import json
 import math
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import tomllib
 
 from ..atomic import atomic_write
+from ..errors import InputError
 from .plan import DONE, FAILED, PENDING, RUNNING, Plan
 from .point import Outcome
+
+# what `--rank` may name beside a recipe's own metrics (its metric_names, and eval_NAME for each)
+BUILTIN_RANKS = ("eval_loss", "loss", "accuracy")
+
+
+@dataclass(frozen=True)
+class Rank:
+    """What the table sorts configurations by: the mean over seeds of a metric's last value in each
+    point's metrics.jsonl (eval_loss: the last evaluation's), lowest first, or highest with `best_high`."""
+
+    metric: str = "eval_loss"
+    best_high: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"mean final {self.metric.replace('_', ' ') if self.metric == 'eval_loss' else self.metric}" + (
+            ", highest first" if self.best_high else "")
+
+
+def parse_rank(spec: str | None, recipe: str, metric_names: tuple[str, ...]) -> Rank:
+    """`--rank METRIC[:max|:min]` checked against the metrics the recipe logs; an unknown name is
+    refused naming the ones it has."""
+    if not spec:
+        return Rank()
+    name, _, order = spec.partition(":")
+    if order not in ("", "min", "max"):
+        raise InputError(f"--rank {spec}: the order after ':' is min or max, not {order!r}")
+    known = [*BUILTIN_RANKS, *metric_names, *(f"eval_{n}" for n in metric_names)]
+    if name not in known:
+        raise InputError(f"--rank {spec}: recipe {recipe} logs no metric {name!r}; it logs: {', '.join(known)}")
+    return Rank(name, order == "max")
 
 
 class Tracker:
@@ -112,6 +145,11 @@ def read_point(run_dir: Path) -> dict[str, Any]:
         acc = [m["accuracy"] for m in metrics if "accuracy" in m]
         if acc:
             rec["accuracy"] = acc[-1]
+        # every numeric metric's last value (a recipe's own, eval_NAME ones at the last evaluation)
+        final: dict[str, float] = {}
+        for m in metrics:
+            final.update({k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        rec["final_metrics"] = final
     if (run_dir / "summary.json").is_file():
         rec["wall_s"] = json.loads((run_dir / "summary.json").read_text()).get("wall_s")
     if (run_dir / "config.toml").is_file():
@@ -127,9 +165,10 @@ def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
     return mean, std
 
 
-def summarize(plan: Plan, records: list[dict]) -> list[dict]:
-    """One row per configuration, sorted by mean final eval loss (configurations with no
-    finished seed last): mean and sample std over its finished seeds."""
+def summarize(plan: Plan, records: list[dict], rank: Rank | None = None) -> list[dict]:
+    """One row per configuration, sorted by `rank` (default: mean final eval loss, lowest first;
+    configurations with no finished seed last): mean and sample std over its finished seeds."""
+    rank = rank or Rank()
     rows = []
     for config, group in itertools.groupby(plan.points, key=lambda p: p.config):
         recs = [records[p.index] for p in group]
@@ -142,18 +181,27 @@ def summarize(plan: Plan, records: list[dict]) -> list[dict]:
         acc = [r["accuracy"] for r in ok if "accuracy" in r]
         if acc:
             row["accuracy_mean"] = sum(acc) / len(acc)
+        if rank.metric != "eval_loss":
+            done = [r for r in recs if r["status"] == DONE and rank.metric in r.get("final_metrics", {})]
+            row["rank_metric"] = rank.metric
+            row["rank_mean"], _ = _mean_std([r["final_metrics"][rank.metric] for r in done])
         rows.append(row)
-    return sorted(rows, key=lambda r: (r["final_eval_loss_mean"] is None, r["final_eval_loss_mean"] or 0.0))
+    key = "final_eval_loss_mean" if rank.metric == "eval_loss" else "rank_mean"
+    sign = -1.0 if rank.best_high else 1.0
+    return sorted(rows, key=lambda r: (r[key] is None, sign * (r[key] or 0.0)))
 
 
-def print_table(plan: Plan, rows: list[dict], records: list[dict], out_dir: Path) -> None:
+def print_table(plan: Plan, rows: list[dict], records: list[dict], out_dir: Path, rank: Rank | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    rank = rank or Rank()
     t = Table(title=f"sweep {plan.recipe} — {out_dir} ({len(plan.seeds)} seed(s) per configuration; "
-                    "sorted by mean final eval loss)")
+                    f"sorted by {rank.label})")
     for key in plan.grid:
         t.add_column(key)
+    if rank.metric != "eval_loss":
+        t.add_column(f"{rank.metric} (mean)", justify="right")
     t.add_column("final eval loss (mean ± std)", justify="right")
     t.add_column("best eval loss (mean)", justify="right")
     has_acc = any("accuracy_mean" in r for r in rows)
@@ -162,6 +210,8 @@ def print_table(plan: Plan, rows: list[dict], records: list[dict], out_dir: Path
     t.add_column("seeds ok", justify="right")
     for r in rows:
         cells = [r["config"][k] for k in plan.grid]
+        if rank.metric != "eval_loss":
+            cells.append("-" if r.get("rank_mean") is None else f"{r['rank_mean']:.4g}")
         if r["final_eval_loss_mean"] is None:
             cells += ["-", "-"]
         else:
