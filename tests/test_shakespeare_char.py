@@ -60,13 +60,15 @@ def test_race_table_reads_a_tiny_run(tmp_path):
     race = _race_module()
     got = race.collect(out, target=1.5)
     summary = json.loads((out / "ours-7" / "summary.json").read_text())
-    assert got[0] == {"seed": "7", "side": "toyharness", "final": evals[-1]["eval_loss"], "wall": summary["wall_s"],
+    assert got[0] == {"seed": "7", "side": "toyharness", "final": evals[-1]["eval_loss"],
+                      "best": min(r["eval_loss"] for r in evals), "wall": summary["wall_s"],
                       "to_target": None, "steps": 6, "process": 2.5}       # a byte model after 6 steps: ~5.5
-    assert got[1] == {"seed": "7", "side": "torch", "final": 1.25, "wall": 3.25, "to_target": 3.0, "steps": 6,
-                      "process": 9.75}
+    assert got[1] == {"seed": "7", "side": "torch", "final": 1.25, "best": 1.25, "wall": 3.25, "to_target": 3.0,
+                      "steps": 6, "process": 9.75}
     # a target every eval meets: the first eval's wall_s
     assert race.collect(out, target=100.0)[0]["to_target"] == evals[0]["wall_s"]
     text = race.table(got, 1.5).splitlines()
     assert text[-2].split()[:3] == ["mean", "toyharness", f"{evals[-1]['eval_loss']:.4f}"]
-    assert text[-1].split() == ["mean", "torch", "1.2500", "3.2", "9.8", "3.0", "(1/1", "seeds", "reach", "1.5)"]
+    assert text[-1].split() == ["mean", "torch", "1.2500", "1.2500", "3.2", "9.8", "3.0", "(1/1", "seeds", "reach",
+                                "1.5)"]
     assert race.main([str(tmp_path / "empty")]) == 2

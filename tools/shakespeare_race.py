@@ -27,7 +27,8 @@ def ours(run: Path, target: float) -> dict:
         raise ValueError(f"{run}/metrics.jsonl: eval rows without wall_s (a toyharness older than the race)")
     summary = json.loads((run / "summary.json").read_text())
     hit = next((r["wall_s"] for r in evals if r["eval_loss"] <= target), None)
-    return {"final": evals[-1]["eval_loss"], "wall": summary["wall_s"], "to_target": hit, "steps": len(rows)}
+    return {"final": evals[-1]["eval_loss"], "best": min(r["eval_loss"] for r in evals), "wall": summary["wall_s"],
+            "to_target": hit, "steps": len(rows)}
 
 
 def theirs(log: Path, target: float) -> dict:
@@ -37,7 +38,8 @@ def theirs(log: Path, target: float) -> dict:
     if not evals or end is None:
         raise ValueError(f"{log}: no eval rows or no end row (did the torch run finish?)")
     hit = next((r["wall_s"] for r in evals if r["val_loss"] <= target), None)
-    return {"final": evals[-1]["val_loss"], "wall": end["wall_s"], "to_target": hit, "steps": end["steps"]}
+    return {"final": evals[-1]["val_loss"], "best": min(r["val_loss"] for r in evals), "wall": end["wall_s"],
+            "to_target": hit, "steps": end["steps"]}
 
 
 def process_seconds(out: Path, seed: str) -> dict[str, float]:
@@ -70,10 +72,12 @@ def _mean(xs: list[float]) -> float | None:
 
 def table(rows: list[dict], target: float) -> str:
     to_target = f"to<={target} s"
-    head = f"{'seed':>8} {'side':<11} {'steps':>6} {'final val':>10} {'loop s':>9} {'process s':>10} {to_target:>11}"
+    head = (f"{'seed':>8} {'side':<11} {'steps':>6} {'final val':>10} {'best val':>9} {'loop s':>9} {'process s':>10} "
+            f"{to_target:>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['seed']:>8} {r['side']:<11} {r['steps']:>6} {r['final']:>10.4f} {r['wall']:>9.1f} "
+        lines.append(f"{r['seed']:>8} {r['side']:<11} {r['steps']:>6} {r['final']:>10.4f} {r['best']:>9.4f} "
+                     f"{r['wall']:>9.1f} "
                      f"{_fmt(r['process'], '10.1f'):>10} {_fmt(r['to_target'], '11.1f'):>11}")
     lines.append("-" * len(head))
     for side in ("toyharness", "torch"):
@@ -83,6 +87,7 @@ def table(rows: list[dict], target: float) -> str:
         hits = [r["to_target"] for r in mine if r["to_target"] is not None]
         procs = [r["process"] for r in mine if r["process"] is not None]
         lines.append(f"{'mean':>8} {side:<11} {'':>6} {_mean([r['final'] for r in mine]):>10.4f} "
+                     f"{_mean([r['best'] for r in mine]):>9.4f} "
                      f"{_mean([r['wall'] for r in mine]):>9.1f} {_fmt(_mean(procs), '10.1f'):>10} "
                      f"{_fmt(_mean(hits), '11.1f'):>11}   ({len(hits)}/{len(mine)} seeds reach {target})")
     return "\n".join(lines)

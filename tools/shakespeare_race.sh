@@ -4,7 +4,8 @@
 # made beforehand (python -m toyharness.data.corpora shakespeare shakespeare.txt) and carried.
 #
 #   tools/shakespeare_race.sh [--build] [--backend cuda] [--target 1.47] [--python PY] [--ours "ARGS"]
-#                             [--torch "ARGS"] CORPUS OUT [SEED...]        (seeds: 1337 unless named)
+#                             [--torch "ARGS"] [--sides ours,torch] CORPUS OUT [SEED...]
+#                                                                  (seeds: 1337 unless named)
 #
 # Ours: toyharness run gpt2 --config plugins/toyharness_recipes/configs/shakespeare_char.toml
 #       --backend B (cuda: --set precision=bf16) --set seed=S --set data=CORPUS --out OUT/ours-S
@@ -13,10 +14,12 @@
 # --build first builds toyharness with cuda on the GPU machine (tools/gpu_env.sh's build_cuda, offline,
 # as tools/gpu_check.sh does; its log: OUT/race.log). --ours / --torch add arguments to one side (a smaller model for a smoke test, say). Each side's
 # output goes to OUT/ours-S.log and OUT/torch-S.log; its whole command's seconds to OUT/process-S.txt.
+# --sides runs one side alone (a GPU call's time limit may not hold both for every seed); the table
+# reads whatever the OUT folder holds.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
-backend=cuda target=1.47 py=python3 ours_args="" torch_args="" build=0
+backend=cuda target=1.47 py=python3 ours_args="" torch_args="" build=0 sides=ours,torch
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --build) build=1; shift ;;
@@ -25,6 +28,7 @@ while [[ $# -gt 0 && $1 == --* ]]; do
     --python) py=$2; shift 2 ;;
     --ours) ours_args=$2; shift 2 ;;
     --torch) torch_args=$2; shift 2 ;;
+    --sides) sides=$2; shift 2 ;;
     *) echo "shakespeare_race.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -50,17 +54,21 @@ if [[ $backend == cuda ]]; then precision=(--set precision=bf16); else torch_dev
 
 now() { date +%s.%N; }
 for seed in "${seeds[@]}"; do
-  echo "== seed $seed: toyharness ($backend)" >&2
-  t0=$(now)
-  # shellcheck disable=SC2086  # the extra arguments split on blanks, as typed
-  toyharness run gpt2 --config "$config" --backend "$backend" "${precision[@]}" --set seed="$seed" \
-    --set data="$corpus" --out "$out/ours-$seed" --no-progress $ours_args >"$out/ours-$seed.log" 2>&1
-  t1=$(now)
-  echo "== seed $seed: torch" >&2
-  # shellcheck disable=SC2086
-  "$py" "$here/nanogpt_shakespeare_torch.py" "$corpus" --seed "$seed" --target "$target" "${torch_device[@]}" \
-    --log "$out/torch-$seed.jsonl" $torch_args >"$out/torch-$seed.log" 2>&1
-  t2=$(now)
-  printf 'toyharness %s\ntorch %s\n' "$(awk "BEGIN{print $t1 - $t0}")" "$(awk "BEGIN{print $t2 - $t1}")" >"$out/process-$seed.txt"
+  t0=$(now) t1=$(now)
+  if [[ ,$sides, == *,ours,* ]]; then
+    echo "== seed $seed: toyharness ($backend)" >&2
+    # shellcheck disable=SC2086  # the extra arguments split on blanks, as typed
+    toyharness run gpt2 --config "$config" --backend "$backend" "${precision[@]}" --set seed="$seed" \
+      --set data="$corpus" --out "$out/ours-$seed" --no-progress $ours_args >"$out/ours-$seed.log" 2>&1
+    t1=$(now)
+    echo "toyharness $(awk "BEGIN{print $t1 - $t0}")" >>"$out/process-$seed.txt"
+  fi
+  if [[ ,$sides, == *,torch,* ]]; then
+    echo "== seed $seed: torch" >&2
+    # shellcheck disable=SC2086
+    "$py" "$here/nanogpt_shakespeare_torch.py" "$corpus" --seed "$seed" --target "$target" "${torch_device[@]}" \
+      --log "$out/torch-$seed.jsonl" $torch_args >"$out/torch-$seed.log" 2>&1
+    echo "torch $(awk "BEGIN{print $(now) - $t1}")" >>"$out/process-$seed.txt"
+  fi
 done
 python3 "$here/shakespeare_race.py" "$out" --target "$target"
