@@ -11,12 +11,12 @@ from helpers import needs
 from toyharness import goldens
 
 ROOT = Path(__file__).resolve().parent.parent / "goldens"
-RECIPES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start"]
+RECIPES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start", "dpo", "orpo"]
 # lora over a seeded base of each architecture beyond llama's (toyharness/architectures)
 ARCH_LORA = ["lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3"]
 # vulkan's: every golden config, lora over the quantized bases included
 VULKAN_GOLDENS = [*RECIPES, "lora@q4_k", "lora@q8_0", *ARCH_LORA, "gpt2@dropout", "lora@dropout",
-                  "gpt2@accum", "gpt2@clip", "lora@packed", "llama@packed"]
+                  "gpt2@accum", "gpt2@clip", "lora@packed", "llama@packed", "gpt2@nanogpt", "dpo@q4_k", "orpo@q4_k"]
 # how far each backend's losses may be from the cpu golden's (relative, any of the 16 steps)
 TOLERANCE = {"cuda": 1e-4, "metal": 1e-4, "vulkan": 1e-5}
 GPUS = ("cuda", "vulkan", "metal")

@@ -6,8 +6,9 @@ child pytest, whose report each test below reads for its module. Where Debian's 
 absent, these skip and name the apt-get line.
 
 `nox -s tests-vulkan` runs these and the slower vulkan checks that the default suite leaves to it:
-the graphs lowered for metal (tests/test_metal_lowering.py) and every frozen type's products and
-lora (tests/test_quant.py -m vulkan), about two minutes on lavapipe.
+the graphs lowered for metal (tests/test_metal_lowering.py), every frozen type's products and
+lora (tests/test_quant.py -m vulkan), and the dpo@q4_k and orpo@q4_k goldens, about three minutes
+on lavapipe.
 
 ggml skips CPU devices unless GGML_VK_VISIBLE_DEVICES names them: lavapipe is device 0 here."""
 
@@ -56,8 +57,10 @@ def vulkan_native(tmp_path_factory) -> Path:
 # all: ggml-vulkan compiles each pipeline once per process (on lavapipe, LLVM compiling its
 # shaders), and most are shared.
 CHILD_FILES = ["tests/test_engine_ops.py", "tests/test_backends.py", "tests/test_packing.py", "tests/test_dropout.py"]
-# -k matches markers too: vulkan-marked tests (whatever their module) and all of the first
-CHILD_SELECTION = "test_engine_ops or vulkan"
+# -k matches markers too: vulkan-marked tests (whatever their module) and all of the first; the
+# preference recipes over the quantized base (about a minute on lavapipe, their products the ones
+# lora@q4_k checks) are left to nox -s tests-vulkan
+CHILD_SELECTION = "test_engine_ops or (vulkan and not (dpo and q4_k) and not (orpo and q4_k))"
 
 
 @dataclass
