@@ -86,28 +86,38 @@ def llama_cpp_logits(model: Path, ids: list[int], tmp_path: Path, lora: tuple[Pa
     return np.fromfile(out, dtype=np.float32).reshape(n, vocab)
 
 
-def transformers_replay(run_dir, base_path, hf_overrides: dict, steps: int = 8) -> list[float]:
-    """The first `steps` losses of a lora run folder (its init.gguf and batches.npz) replayed by
-    transformers' model of the base's architecture, with the run's own AdamW rows."""
+def adapter_replay_start(run_dir, recipe: str, base_path, hf_overrides: dict | None = None):
+    """What replaying an adapter run folder (config.toml, init.gguf, batches.npz) in transformers
+    starts from: the run's options, transformers' model of the base with the run's initial
+    adapters added, those adapters by name, AdamW's zeroed moments (m, v) and the run's batches."""
     import torch
 
     from toyharness.architectures.hf import add_lora, hf_model
-    from toyharness.bench.torch_side import adamw_row_step, lm_loss
     from toyharness.discovery import get_recipe
     from toyharness.engine import GGUFFile
     from toyharness.options import read_toml
     from toyharness.runner import read_batches_npz, resolve_options
 
-    _, recipe = get_recipe("lora")
-    opts = resolve_options(recipe, str(run_dir / "config.toml"), [], {})
-    assert read_toml(run_dir / "config.toml")["recipe"] == "lora"
-    model = hf_model(base_path, hf_overrides)
+    _, obj = get_recipe(recipe)
+    opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})
+    assert read_toml(run_dir / "config.toml")["recipe"] == recipe
+    model = hf_model(base_path, hf_overrides or {})
     with GGUFFile(run_dir / "init.gguf") as f:
         init = {n: f.tensor(n).to_numpy() for n in f.names}
-    train_params = add_lora(model, base_path, init, opts.alpha / opts.rank)
-    m = {n: torch.zeros_like(p) for n, p in train_params.items()}
-    v = {n: torch.zeros_like(p) for n, p in train_params.items()}
-    batches = read_batches_npz(run_dir / "batches.npz")
+    params = add_lora(model, base_path, init, opts.alpha / opts.rank)
+    m = {n: torch.zeros_like(p) for n, p in params.items()}
+    v = {n: torch.zeros_like(p) for n, p in params.items()}
+    return opts, model, params, m, v, read_batches_npz(run_dir / "batches.npz")
+
+
+def transformers_replay(run_dir, base_path, hf_overrides: dict, steps: int = 8) -> list[float]:
+    """The first `steps` losses of a lora run folder (its init.gguf and batches.npz) replayed by
+    transformers' model of the base's architecture, with the run's own AdamW rows."""
+    import torch
+
+    from toyharness.bench.torch_side import adamw_row_step, lm_loss
+
+    opts, model, train_params, m, v, batches = adapter_replay_start(run_dir, "lora", base_path, hf_overrides)
     losses = []
     for i in range(steps):
         batch = {k: torch.from_numpy(np.array(batches[k][i])) for k in batches}

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import adapter_replay_start
 
 from toyharness import InputError, seeded_model_file, synthetic_preference_file
 from toyharness.data.preference import load_preference_data
@@ -261,20 +262,11 @@ def trl_replay(recipe: str, run_dir: Path, base: Path, steps: int) -> dict[str, 
     import torch.nn.functional as F
     from trl.experimental.orpo import ORPOTrainer
 
-    from toyharness import add_lora, hf_model
+    from toyharness import hf_model
     from toyharness.bench.torch_side import adamw_row_step
-    from toyharness.engine import GGUFFile
-    from toyharness.runner import read_batches_npz
 
-    _, obj = get_recipe(recipe)
-    o = resolve_options(obj, str(run_dir / "config.toml"), [], {})
-    model, reference = hf_model(base), hf_model(base)
-    with GGUFFile(run_dir / "init.gguf") as f:
-        init = {n: f.tensor(n).to_numpy() for n in f.names}
-    params = add_lora(model, base, init, o.alpha / o.rank)
-    m = {n: torch.zeros_like(p) for n, p in params.items()}
-    v = {n: torch.zeros_like(p) for n, p in params.items()}
-    batches = read_batches_npz(run_dir / "batches.npz")
+    o, model, params, m, v, batches = adapter_replay_start(run_dir, recipe, base)
+    reference = hf_model(base)
     trainer = SimpleNamespace(beta=o.beta, accelerator=SimpleNamespace(device="cpu"))
     out = {"loss": [], "rewards/margins": [], "rewards/chosen": [], "rewards/rejected": []}
     for i in range(steps):
