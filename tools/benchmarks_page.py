@@ -95,7 +95,7 @@ def _ratio(x: float | None) -> str:
 
 # The options that decide a step's work, shown in the table; the bench file keeps every option.
 SHAPE_KEYS = ("t_batch", "t_seq", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "patch", "base", "rank",
-              "targets", "weight_dtype", "accumulate", "dropout")
+              "targets", "weight_dtype", "accumulate", "dropout", "bias", "gelu", "reference")
 
 
 def _config(cfg: dict) -> str:
