@@ -281,7 +281,7 @@ def test_bus_delivers_in_order_and_isolates_a_failure():
     bus = ObserverBus([("a", observer_manager("a", A())), ("b", observer_manager("b", B()))], report=lines.append,
                       wait_s=5)
     for i in range(4):
-        bus.emit("step_end", run=None, step=i, loss=0.0, lr=0.0, ms=0.0, tokens_per_s=0.0, grad_norm=None)
+        bus.emit("step_end", run=None, step=i, loss=0.0, lr=0.0, ms=0.0, tokens_per_s=0.0, grad_norm=None, metrics={})
     bus.close()
     assert seen == [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("a", 3)]
     assert lines == ["toyharness: observer 'b' failed in step_end: RuntimeError: boom; it gets no further events "
