@@ -95,8 +95,8 @@ def adapter_replay_start(run_dir, recipe: str, base_path, hf_overrides: dict | N
     from toyharness.architectures.hf import add_lora, hf_model
     from toyharness.discovery import get_recipe
     from toyharness.engine import GGUFFile
-    from toyharness.options import read_toml
-    from toyharness.runner import read_batches_npz, resolve_options
+    from toyharness.options import read_toml, resolve_options
+    from toyharness.run_files import read_batches_npz
 
     _, obj = get_recipe(recipe)
     opts = resolve_options(obj, str(run_dir / "config.toml"), [], {})

@@ -277,8 +277,8 @@ def replay_losses(run_dir: str | Path, steps: int) -> list[float]:
     InputError naming it."""
     from ..discovery import get_recipe
     from ..engine import GGUFFile
-    from ..options import read_toml
-    from ..runner import read_batches_npz, resolve_options
+    from ..options import read_toml, resolve_options
+    from ..run_files import read_batches_npz
 
     run_dir = Path(run_dir)
     recipe = read_toml(run_dir / "config.toml")["recipe"]

@@ -166,7 +166,7 @@ def _tiny_shapes(recipe: str, sets: tuple[str, ...]) -> dict[str, tuple[int, ...
 @reader("checkpoint", ".gguf", mutate_for_seed=gguf_mutator)
 def _checkpoint(path: Path) -> None:
     """A resume checkpoint of a tiny gpt2: step, seed, and every parameter and moment."""
-    from ..runner import read_checkpoint
+    from ..run_files import read_checkpoint
 
     _, opts = _tiny_options("gpt2", TINY_GPT2)
     read_checkpoint(path, _tiny_shapes("gpt2", TINY_GPT2), opts.seed, opts.steps)
@@ -266,7 +266,7 @@ def _(workdir: Path) -> list[bytes]:
 
 @reader("batches_npz", ".npz", mutate=mutate_npz)
 def _batches_npz(path: Path) -> None:
-    from ..runner import read_batches_npz
+    from ..run_files import read_batches_npz
 
     read_batches_npz(path)
 
@@ -303,7 +303,7 @@ def _(workdir: Path) -> list[bytes]:
 @reader("metrics_jsonl", ".jsonl", mutate=mutate_jsonl)
 def _metrics_jsonl(path: Path) -> None:
     """A run folder's metrics.jsonl as --resume reads it (the checkpoint covers 4 steps)."""
-    from ..runner import read_metrics
+    from ..run_files import read_metrics
 
     read_metrics(path, 4)
 
