@@ -203,6 +203,18 @@ def test_get_rows_embedding():
           ids={"ids": (ids, 7)})
 
 
+def test_softmax_whose_gradient_arrives_as_a_view():
+    """Each row's target probability picked from the flattened softmax (as token_logps picks it):
+    SOFT_MAX_BACK's gradient is then a view, and ggml-alloc would give dx the softmax's own buffer,
+    which ggml's cpu kernel reads after writing (graph_rewrites.keep_softmax_for_backward)."""
+    rows, vocab = 6, 9
+    picks = RNG.integers(0, vocab, rows)
+    flat = (np.arange(rows) * vocab + picks).astype(np.int32)
+    check(lambda p, T: T["x"].softmax().reshape(rows * vocab, 1).get_rows(T["flat"]).log(),
+          lambda A: np.log(np_softmax(A["x"])[np.arange(rows), picks])[:, None], {"x": r(rows, vocab)},
+          ids={"flat": (flat, rows * vocab)})
+
+
 def test_rope_adjacent_pairs():
     pos = np.arange(5, dtype=np.int32)
     check(lambda p, T: T["x"].rope(T["pos"], 8), lambda A: np_rope(A["x"], A["pos"].astype(np.float64)),

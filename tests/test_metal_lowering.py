@@ -25,7 +25,8 @@ from toyharness.switches import switch
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_NAMES = ["gpt2", "llama", "lora", "vit_tiny", "warm_start", "lora@q4_k", "lora@q8_0",
-                "lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3", "gpt2@dropout", "lora@dropout"]
+                "lora@llama3", "lora@qwen3", "lora@gemma3", "lora@phi3", "gpt2@dropout", "lora@dropout", "dpo",
+                "orpo"]
 BACKEND = switch("TOYHARNESS_TEST_BACKEND")
 if BACKEND not in available_native_backends():
     pytestmark = pytest.mark.skip(reason=f"TOYHARNESS_TEST_BACKEND={BACKEND}: that backend is not built into this "

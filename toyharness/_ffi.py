@@ -104,6 +104,7 @@ ggml_tensor * ggml_out_prod(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b
 ggml_tensor * ggml_cont_4d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
 ggml_tensor * ggml_get_rows(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
 ggml_tensor * ggml_set_rows(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b, ggml_tensor * c);
+ggml_tensor * ggml_fill(ggml_context * ctx, ggml_tensor * a, float c);
 ggml_tensor * ggml_fill_inplace(ggml_context * ctx, ggml_tensor * a, float c);
 ggml_tensor * ggml_diag_mask_inf(ggml_context * ctx, ggml_tensor * a, int n_past);
 ggml_tensor * ggml_soft_max(ggml_context * ctx, ggml_tensor * a);

@@ -5,6 +5,8 @@ program's flags (Program.__init__) ask for it:
 - `column_sums_as_products`: a training graph's column sums (REPEAT_BACK) become products with
   a column of ones (Program.column_sums_as_products);
 - `fold_cpu_products`: on cpu, products folded into the ADDs that read them (th_cpu_fold);
+- `keep_softmax_for_backward`: a training graph's softmaxes that their backward could overwrite
+  kept (Trainer, once the backward is built, before any allocator places it);
 - `prepare`, once per graph before its first compute: the backend's rewrite (the portable
   kernels, our cpu kernels or the cuda rewrite), the precision stamp of each product, then the
   check that the backend declares every node.
@@ -67,6 +69,36 @@ def prepare(prog: Program, graph, recomputed: bool = False) -> None:
         # after the rewrites: every node as the backend's dispatch will see it (ours included)
         check_supported(prog, graph)
         prog._gemm_rewritten.add(graph)
+
+
+_VIEWS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
+
+
+def keep_softmax_for_backward(graph) -> int:
+    """Mark as outputs the softmaxes whose SOFT_MAX_BACK could be placed in their own buffer; the
+    count. ggml-alloc puts an op that may run in place in the buffer of its first source that no
+    later node reads; SOFT_MAX_BACK's are (dy, y), and ggml's cpu kernel writes dx = dy before it
+    reads y. Where dy cannot take dx (a view of another node's result, as a GET_ROWS pick's
+    gradient reshaped is, or read by another node too) y would, and the gradient would be wrong;
+    an output is never reused. Graphs whose dy takes dx (every built-in attention's) are left as
+    they are: their memory and bits do not change."""
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    readers: dict[int, int] = {}
+    for node in nodes:
+        for j in range(10):
+            s = lib.th_tensor_src(node, j)
+            if s != ffi.NULL:
+                key = int(ffi.cast("uintptr_t", s))
+                readers[key] = readers.get(key, 0) + 1
+    kept = 0
+    for node in nodes:
+        if ffi.string(lib.ggml_op_desc(node)).decode() != "SOFT_MAX_BACK":
+            continue
+        dy, y = lib.th_tensor_src(node, 0), lib.th_tensor_src(node, 1)
+        if ffi.string(lib.ggml_op_desc(dy)).decode() in _VIEWS or readers.get(int(ffi.cast("uintptr_t", dy)), 0) > 1:
+            lib.ggml_set_output(y)
+            kept += 1
+    return kept
 
 
 def lowered(prog: Program, graph, grads: bool):

@@ -47,7 +47,7 @@ class FedTargets:
 
     shape: tuple[int, ...]
     vocab: int
-    onehot: Tensor
+    onehot: Tensor | None      # None: the loss reads the flat indices only (a GET_ROWS pick)
     flat_index: Tensor
     # The one-hot rows are kept between steps and updated where the ids changed (a full
     # rebuild of rows x vocab floats was most of a step's host time): `mirror` is the tensor's

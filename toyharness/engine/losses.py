@@ -33,9 +33,11 @@ class CrossEntropy:
 class LossBuilders:
     """Program's loss methods (Program inherits them); they declare the targets each loss is fed."""
 
-    def _new_targets(self, logits: Tensor, targets: str, op: str) -> tuple[FedTargets, Tensor]:
+    def _new_targets(self, logits: Tensor, targets: str, op: str, onehot: bool = True) -> tuple[FedTargets, Tensor | None]:
         """The one-hot rows and flat indices that class ids fed as `targets` become, and the
-        one-hot tensor the loss reads (on a device, made in the graph from the indices)."""
+        one-hot tensor the loss reads (on a device, made in the graph from the indices). With
+        `onehot` False only the flat indices (row r's: r V + its id, distinct rows by
+        construction): what a loss that picks each row's target by GET_ROWS reads."""
         self._check_new_name(targets)
         if logits.type != GGML_TYPE_F32:
             raise ShapeError(f"{op}: logits must be f32, got {logits!r}")
@@ -43,10 +45,13 @@ class LossBuilders:
         rows = math.prod(logits.shape[:-1])
         if rows * vocab >= 2 ** 31:    # the flat index into the rows' logits is an i32
             raise ShapeError(f"{op}: {rows} rows x {vocab} classes is too many for i32 indices")
-        onehot = self._new_static(f"{targets}.onehot", (rows, vocab), GGML_TYPE_F32)
         flat = self._new_static(f"{targets}.flat", (rows,), GGML_TYPE_I32)
-        lib.ggml_set_input(onehot.ptr)
         lib.ggml_set_input(flat.ptr)
+        if not onehot:
+            self._targets[targets] = tg = FedTargets(tuple(logits.shape[:-1]), vocab, None, flat, in_graph=True)
+            return tg, None
+        onehot = self._new_static(f"{targets}.onehot", (rows, vocab), GGML_TYPE_F32)
+        lib.ggml_set_input(onehot.ptr)
         tg = self._targets[targets] = FedTargets(tuple(logits.shape[:-1]), vocab, onehot, flat,
                                                in_graph=self.onehot_in_graph)
         if self.onehot_in_graph:     # zeroed, then a one at each row's target, in place
@@ -145,27 +150,28 @@ class LossBuilders:
         both (R, T) -> (R, T). What preference losses are built from: summed over a row's
         completion (``(logps * completion).sum_rows()``), a sequence's log-likelihood.
 
-        log p is the log of the target's softmax probability, picked by the target's one-hot row
-        (MUL and SUM_ROWS: ops every backend trains), taken as log(p m + 1 - m), so that a masked
-        position (padding) adds 0 and gets no gradient. Called again with the same `targets` and
-        `mask` (another model's logits of the same rows) it reads the same fed inputs. A counted
-        target whose probability underflows float32 (log p below about -87) gives -inf: a loss the
-        run stops on."""
+        log p is the log of the target's softmax probability, picked by GET_ROWS at the row's flat
+        index (no one-hot rows: on a 128k vocabulary those and their product were two more
+        rows x vocab tensors), taken as log(p m + 1 - m), so that a masked position (padding)
+        adds 0 and gets no gradient. Called again with the same `targets` and `mask` (another
+        model's logits of the same rows) it reads the same fed inputs. A counted target whose
+        probability underflows float32 (log p below about -87) gives -inf: a loss the run
+        stops on."""
         if logits.ndim != 3:
             raise ShapeError(f"token_logps: logits must be (rows, positions, vocab), got {logits.shape}")
         # a second model's logits of the same rows (a reference policy) read the same fed targets
         made = self.__dict__.setdefault("_token_targets", {})
         if (targets, mask) in made:
-            tg, onehot, m = made[targets, mask]
+            tg, m = made[targets, mask]
             if (*tg.shape, tg.vocab) != logits.shape:
                 raise ShapeError(f"token_logps: logits {logits.shape} differ from the {(*tg.shape, tg.vocab)} that "
                                  f"targets {targets!r} were declared for")
         else:
-            tg, onehot = self._new_targets(logits, targets, "token_logps")
+            tg, _ = self._new_targets(logits, targets, "token_logps", onehot=False)
             m = self.input(mask, tg.shape, "f32").reshape(math.prod(tg.shape), 1)
-            made[targets, mask] = tg, onehot, m
+            made[targets, mask] = tg, m
         (rows, seq), vocab = tg.shape, tg.vocab
-        picked = (logits.reshape(rows * seq, vocab).softmax() * onehot).sum_rows()         # (R*T, 1)
+        picked = logits.reshape(rows * seq, vocab).softmax().reshape(rows * seq * vocab, 1).get_rows(tg.flat_index)
         logp = (picked * m + m.scale_bias(-1.0, 1.0)).log()
         return logp.reshape(rows, seq).named(f"{targets}.logps")
 

@@ -22,8 +22,10 @@ The rewrites (ggml's semantics, f32 only):
   ms = sum_rows(x^2) / n.
 - REPEAT_BACK(a -> shape) = for each repeated axis, the axis split into (kept, repeats), the
   repeats moved to the rows and summed with SUM_ROWS.
-- GET_ROWS_BACK(g, ids -> (V, D)) = MUL_MAT(cont(g^T), cont(onehot(ids)^T)), the one-hot rows
-  GET_ROWS of an identity constant (V <= MAX_ONEHOT_VOCAB).
+- GET_ROWS_BACK(g, ids -> (V, D)) where the ids are a loss's flat target indices (named
+  "<targets>.flat": one per row, r V + its class, so no two alike) = SET_ROWS(zeros, g, ids);
+  else MUL_MAT(cont(g^T), cont(onehot(ids)^T)), the one-hot rows GET_ROWS of an identity
+  constant (V <= MAX_ONEHOT_VOCAB).
 """
 
 from __future__ import annotations
@@ -224,6 +226,19 @@ def repeat_back_by_sum_rows(lo: Lowering, node):
     return x
 
 
+def get_rows_back_distinct(lo: Lowering, node):
+    """Only where no id repeats (ggml's GET_ROWS_BACK sums a repeated id's rows; SET_ROWS would keep
+    one): Program's flat target indices, distinct by construction (engine/losses.py)."""
+    g, ids = src(node, 0), src(node, 1)
+    _f32(g)
+    if not ffi.string(lib.ggml_get_name(ids)).decode().endswith(".flat"):
+        raise Unlowerable("ids that may repeat")
+    ne0, ne1 = shape(node)[:2]
+    zeros = lo.constant(f"lowering.zeros.{ne0}x{ne1}", lambda: np.zeros((ne1, ne0), np.float32))
+    # SET_ROWS is a view of what it writes into; the node takes a contiguous copy's place
+    return lo.cont(lib.ggml_set_rows(lo.ctx, lib.ggml_fill(lo.ctx, zeros, 0.0), g, ids))
+
+
 def get_rows_back_onehot(lo: Lowering, node):
     g, ids = src(node, 0), src(node, 1)    # the table's shape is the node's own
     _f32(g)
@@ -242,7 +257,7 @@ RULES: dict[str, tuple] = {
     "SOFT_MAX_BACK": (soft_max_back_elementwise,),
     "RMS_NORM_BACK": (rms_norm_back_elementwise,),
     "REPEAT_BACK": (repeat_back_by_sum_rows,),
-    "GET_ROWS_BACK": (get_rows_back_onehot,),
+    "GET_ROWS_BACK": (get_rows_back_distinct, get_rows_back_onehot),
 }
 
 def add1_as_add(lo: Lowering, node):
