@@ -33,7 +33,8 @@ class CrossEntropy:
 class LossBuilders:
     """Program's loss methods (Program inherits them); they declare the targets each loss is fed."""
 
-    def _new_targets(self, logits: Tensor, targets: str, op: str, onehot: bool = True) -> tuple[FedTargets, Tensor | None]:
+    def _new_targets(self, logits: Tensor, targets: str, op: str,
+                     onehot: bool = True) -> tuple[FedTargets, Tensor | None]:
         """The one-hot rows and flat indices that class ids fed as `targets` become, and the
         one-hot tensor the loss reads (on a device, made in the graph from the indices). With
         `onehot` False only the flat indices (row r's: r V + its id, distinct rows by
