@@ -15,7 +15,15 @@ TRL = "trl==1.16.0"
 @nox.session(name="tests-cpu")
 def tests_cpu(session):
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", *session.posargs)
+    session.run("pytest", "-q", "-n", "auto", *session.posargs)
+
+
+@nox.session
+def slow(session):
+    """The tests marked slow, which the default suite skips saying so: a first install compiling ggml
+    from scratch into a fresh cache, and a second install reusing it (minutes on two cores)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "-rs", "-m", "slow", *session.posargs)
 
 
 @nox.session

@@ -6,6 +6,23 @@ import pytest
 from toyharness.runner import train
 
 
+# The modules that take minutes, collected first: under `pytest -n` (pytest-xdist, one module per
+# worker at a time) they start at once beside the rest instead of running alone at the end.
+LONGEST_FIRST = ("test_vulkan.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
+    # tests marked slow (minutes of compiling or training) are `nox -s slow`'s: skipped, saying so,
+    # unless a -m expression picks tests (`pytest -m slow`)
+    if not config.option.markexpr:
+        skip = pytest.mark.skip(reason="slow, not in the default suite: `nox -s slow` (pytest -m slow) runs it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
 def pytest_addoption(parser):
     parser.addoption("--kill-trials", type=int, default=5,
                      help="tests/test_hostile_machine.py: SIGKILL trials (nox -s fuzz runs 40)")
