@@ -20,6 +20,7 @@ def object_times(cache: Path) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in cache.rglob("*.o")}
 
 
+@pytest.mark.slow      # the first install compiles ggml from scratch: minutes on two cores
 def test_second_install_reuses_the_cache_of_the_first(tmp_path):
     src = checkout_copy(tmp_path / "checkout")
     env = {**os.environ, "TOYHARNESS_CACHE": str(tmp_path / "cache")}
