@@ -5,7 +5,6 @@ import pytest
 
 from toyharness.runner import train
 
-
 # The modules that take minutes, collected first: under `pytest -n` (pytest-xdist, one module per
 # worker at a time) they start at once beside the rest instead of running alone at the end.
 LONGEST_FIRST = ("test_vulkan.py",)
