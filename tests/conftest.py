@@ -5,14 +5,12 @@ import pytest
 
 from toyharness.runner import train
 
-# The modules that take minutes, collected first: under `pytest -n` (pytest-xdist, one module per
-# worker at a time) they start at once beside the rest instead of running alone at the end.
-LONGEST_FIRST = ("test_vulkan.py",)
-
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
+    # tests/test_vulkan.py (minutes: its lavapipe child run) collected first: under `pytest -n`
+    # (pytest-xdist, a module a worker) it starts at once beside the rest instead of alone at the end;
+    # the sort is stable, so the rest keep their order
+    items.sort(key=lambda item: item.path.name != "test_vulkan.py")
     # tests marked slow (minutes of compiling or training) are `nox -s slow`'s: skipped, saying so,
     # unless a -m expression picks tests (`pytest -m slow`)
     if not config.option.markexpr:
