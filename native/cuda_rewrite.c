@@ -13,6 +13,8 @@
  *     and for their backward
  *       dvt = OUT_PROD(P, dO), dP = OUT_PROD(vt, T(dO)), dS = SOFT_MAX_BACK(dP, P),
  *       dk = OUT_PROD(q, dS), dq = OUT_PROD(k, T(dS))
+ *     (with dropout on P, flag 8: P times its mask read by O and dvt, and dP's MUL by the mask,
+ *     which then compute nothing: the kernels draw the mask)
  *     become the fused kernels of cuda/th-attention.cu (custom_ops.h has their layouts): P the
  *     forward (O and L, S then computes nothing), dP the prep (D), dS the backward (dS, dK, dV;
  *     at tf32 and bf16 dK and dV alone: native/cuda_precision.c), dq our dQ kernel. The kernels
@@ -79,12 +81,13 @@
  * a LayerNorm's t that its AFFINE leaves unwritten (th_check_unread_norms).
  * `flags`: 1, fuse attention, and with 2 also the kv heads of grouped-query attention read in
  * place (th_attention_group) rather than repeated; 4, `graph` holds recomputed blocks alone
- * (th_order_rooms). */
+ * (th_order_rooms); 8, with 1 an attention with dropout on its weights fused too, the kernels
+ * drawing its mask (bf16's and tf32's kernels do; fp32's do not). */
 TH_EXPORT int th_cuda_rewrite(struct ggml_cgraph * graph, int flags) {
     const int attention = flags & 3;
     const int gelu = th_mark_gelu_pairs(graph);
     if (gelu < 0) return -1;
-    const int fused = attention ? th_rewrite_attention(graph, (attention & 2) != 0) : 0;
+    const int fused = attention ? th_rewrite_attention(graph, (attention & 2) != 0, (flags & 8) != 0) : 0;
     if (fused < 0) return -1;
     const int norms = th_rewrite_layer_norms(graph);
     if (norms < 0) return -1;

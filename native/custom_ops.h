@@ -13,7 +13,7 @@
 /* the widest rows whose gain's gradient LAYER_NORM_BACK sums (its block's 8 warps keep a partial
  * sum of every column in shared memory: 8 x 1536 floats, 48 KiB) */
 #define TH_GAIN_SUMS_MAX_COLUMNS 1536
-#define TH_CUDA_KERNELS_VERSION 22  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 23  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -28,11 +28,13 @@
                                            19: LAYER_NORM_BACK summing its gain's gradient,
                                            an AFFINE's t not written where unread; 20: and
                                            at bf16 its bias's (src 6); 21: DROPOUT_MASK;
-                                           22: GELU_ERF, GELU_ERF_BACK */
+                                           22: GELU_ERF, GELU_ERF_BACK; 23: dropout on P
+                                           inside the attention kernels (th_attention_params) */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
-     *   ATTN_FWD   srcs q (hd,T,BH), k (hd,T,BH), vt (T,hd,BH); per head O (T x hd) then L (T)
+     *   ATTN_FWD   srcs q (hd,T,BH), k (hd,T,BH), vt (T,hd,BH), [dropout's key i32[4], and the
+     *              mask and P*mask nodes that compute nothing now]; per head O (T x hd) then L (T)
      *   ATTN_PREP  srcs dO (hd,T,BH), the ATTN_FWD node; per head dK (T x hd),
      *              dV^T (hd x T), D (T): it computes D, and ATTN_BWD (which reads it) writes dK
      *              and dV^T into it, or into their rooms
@@ -261,8 +263,12 @@ typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
 
 /* op_params[2..] of the attention nodes, and of SLICE. `group`: query heads a key/value head
  * (grouped-query heads, read in place: head bh reads k and v^T's head bh / group, and the
- * backward writes dK and dV summed over each group, into rooms of the kv heads; 1: none) */
-typedef struct { int32_t hd, T, causal; float scale; int32_t group; } th_attention_params;
+ * backward writes dK and dV summed over each group, into rooms of the kv heads; 1: none).
+ * `dropout`: the four words of the dropout mask on P that the kernels draw themselves
+ * (dropout_mask.h's th_dropout_params layout: node, threshold's two words, the kept value's
+ * bits; all 0: no dropout); ATTN_FWD's src 3 is then the program's fed key. */
+typedef struct { int32_t hd, T, causal; float scale; int32_t group; int32_t dropout[4]; } th_attention_params;
+static inline int th_attention_has_dropout(const th_attention_params * ap) { return ap->dropout[3] != 0; }
 typedef struct { int64_t stride, offset; } th_slice_params;
 /* Where a head's (d, t) elements go in a room: the room's axis that each of d, t, h and b is
  * (-1: that axis has one element), head bh = b H + h, H the h axis's elements. op_params after
@@ -338,7 +344,7 @@ static inline int th_attention_cudnn(const struct ggml_tensor * fwd) {
     }
     th_attention_params ap;
     memcpy(&ap, (const char *) fwd->op_params + 2 * sizeof(int32_t), sizeof(ap));
-    if ((ap.hd != 32 && ap.hd != 64) || ap.T % 8 != 0) return 0;
+    if ((ap.hd != 32 && ap.hd != 64) || ap.T % 8 != 0 || th_attention_has_dropout(&ap)) return 0;   /* our stream's masks */
     for (int j = 0; j < 3; j++) {    /* all three bf16 (read in place) or all f32 (narrowed) */
         if (fwd->src[j] == NULL || fwd->src[j]->type != fwd->src[0]->type) return 0;
     }

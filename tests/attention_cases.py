@@ -7,6 +7,8 @@ import numpy as np
 
 from toyharness.engine import blocks, get_engine
 
+DROPOUT_NAME = "probs"
+
 
 def attention_arrays(b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
                      seed: int = 5) -> dict[str, np.ndarray]:
@@ -21,22 +23,25 @@ def attention_arrays(b: int, t: int, d: int, n_head: int, n_kv_head: int | None 
 
 
 def attention_program(backend: str, b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None,
-                      causal: bool = True, seed: int = 5, threads: int | None = None):
-    """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph)."""
+                      causal: bool = True, seed: int = 5, threads: int | None = None, dropout: float = 0.0):
+    """One attention block, its loss a weighted sum of its output: (program, trainer, forward graph).
+    `dropout`: on the attention weights, mask "probs" (DROPOUT_NAME)."""
     arrays = attention_arrays(b, t, d, n_head, n_kv_head, seed)
     prog = get_engine(backend, threads).program()
     x = prog.param("x", arrays["x"])
     w = {n: prog.param(n, arrays[n]) for n in ("wq", "wk", "wv", "wo")}
-    y = blocks.attention(x, w["wq"], w["wk"], w["wv"], w["wo"], n_head, n_kv_head, causal=causal)
+    y = blocks.attention(x, w["wq"], w["wk"], w["wv"], w["wo"], n_head, n_kv_head, causal=causal,
+                         dropout=dropout, dropout_name=DROPOUT_NAME)
     weights = prog.constant("weights", arrays["weights"])
     trainer = prog.trainer(prog.scalar_loss((y * weights).sum()), "bias_corrected")
     return prog, trainer, prog.forward({"y": y})
 
 
 def attention_float64(b: int, t: int, d: int, n_head: int, n_kv_head: int | None = None, causal: bool = True,
-                      seed: int = 5) -> dict[str, np.ndarray]:
+                      seed: int = 5, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """float64 forward and backward of attention_program's block: y and the gradients of
-    sum(y * weights) for x, wq, wk, wv and wo (grouped-query heads repeated as llama's are)."""
+    sum(y * weights) for x, wq, wk, wv and wo (grouped-query heads repeated as llama's are).
+    `mask` (b * n_head, t, t): dropout's multipliers of the attention weights."""
     a = {n: m.astype(np.float64) for n, m in attention_arrays(b, t, d, n_head, n_kv_head, seed).items()}
     x, wq, wk, wv, wo, g = (a[n] for n in ("x", "wq", "wk", "wv", "wo", "weights"))
     hd, kvh = d // n_head, n_kv_head or n_head
@@ -55,13 +60,14 @@ def attention_float64(b: int, t: int, d: int, n_head: int, n_kv_head: int | None
         s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    o = flat(p @ v)
+    keep = np.ones_like(p) if mask is None else mask.astype(np.float64).reshape(p.shape)
+    o = flat((p * keep) @ v)
     do = heads(g @ wo, n_head)
-    dp = do @ v.transpose(0, 1, 3, 2)
+    dp = (do @ v.transpose(0, 1, 3, 2)) * keep               # the gradient of P (before its mask)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(hd)
     dq = flat(ds @ k)
     dk, dv = (flat(m.reshape(b, kvh, rep, t, hd).sum(2))
-              for m in (ds.transpose(0, 1, 3, 2) @ q, p.transpose(0, 1, 3, 2) @ do))
+              for m in (ds.transpose(0, 1, 3, 2) @ q, (p * keep).transpose(0, 1, 3, 2) @ do))
 
     def outer(dy):
         return np.einsum("btj,bti->ji", dy, x)

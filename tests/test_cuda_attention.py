@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_cases import attention_float64, attention_program
+from attention_cases import DROPOUT_NAME, attention_float64, attention_program
 from helpers import cuda_kernel_names, needs, ops_of
 
 from toyharness._ffi import cuda_kernels_built, ffi, lib
 from toyharness.engine import get_engine
+from toyharness.engine.dropout import dropout_mask, keep_threshold, kept_value, node_id
 
 # every test builds its graphs on cpu as cuda builds them (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("graphs_as_cuda_builds_them")
@@ -136,6 +137,52 @@ def test_the_cuda_rewrite_reads_grouped_kv_heads_in_place_in_either_graph_order(
     assert all(group_of(t) == 1 for t in attention_nodes(trainer.gb_grad))
 
 
+def node_params(t) -> list[int]:
+    """A node's op_params, as int32 words."""
+    params = ffi.new("int32_t[16]")
+    lib.th_lowering_op_params(t, params)
+    return list(params)
+
+
+@pytest.mark.parametrize("first", ["training", "forward"])
+def test_the_cuda_rewrite_fuses_attention_with_dropout_where_its_kernels_draw_the_mask(first):
+    """Dropout on the attention weights with the rewrite's flag 8 (bf16's and tf32's kernels draw
+    the mask themselves): the mask node, P times it and dP's MUL by it compute nothing (ops NONE,
+    one float each), the forward node reads the program's fed key and carries the mask's stream
+    words (node, threshold, kept value: dropout_mask.h's), whichever graph is rewritten first.
+    Without flag 8 (fp32's kernels do not draw it) the attention stays composed."""
+    p = 0.1
+    prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2, dropout=p)
+    graph = trainer.gb_grad
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    mask = next(t for t in nodes if ffi.string(lib.ggml_op_desc(t)).decode() == "CUSTOM")
+    masked = [t for t in nodes if lib.th_tensor_src(t, 1) == mask]          # P's and dP's MULs
+    assert [ffi.string(lib.ggml_op_desc(t)).decode() for t in masked] == ["MUL", "MUL"]
+    graphs = [graph, fg.graph] if first == "training" else [fg.graph, graph]
+    assert lib.th_cuda_rewrite(graphs[0], 9) > 0 and lib.th_cuda_rewrite(graphs[1], 9) >= 0
+    names, ops = cuda_kernel_names(graph), ops_of(graph)
+    assert [n for n in names if n.startswith("attention")] == [
+        "attention", "attention_prep", "attention_back", "attention_dq"], names
+    assert "dropout_mask" not in names and "SOFT_MAX" not in ops and "SOFT_MAX_BACK" not in ops
+    for t in [mask, *masked]:                       # compute nothing, hold one float
+        assert ffi.string(lib.ggml_op_desc(t)).decode() == "NONE" and lib.ggml_nelements(t) == 1
+    fwd = next(t for t in nodes if cuda_kernel_name_of(t) == "attention")
+    assert lib.th_tensor_src(fwd, 3) == prog._dropout.key.ptr
+    words = np.array(node_params(fwd)[7:11], np.int32)
+    threshold = keep_threshold(p)
+    assert words[:3].view(np.uint32).tolist() == [node_id(DROPOUT_NAME), threshold & 0xFFFFFFFF, threshold >> 32]
+    assert words[3:].view(np.float32)[0] == kept_value(p)
+    prog, trainer, fg = attention_program("cpu", 2, 8, 32, 2, dropout=p)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) > 0
+    names = cuda_kernel_names(trainer.gb_grad)
+    assert "attention" not in names and "dropout_mask" in names, names
+
+
+def cuda_kernel_name_of(t) -> str | None:
+    name = lib.th_cuda_kernel_name(t)
+    return None if name == ffi.NULL else ffi.string(name).decode()
+
+
 @pytest.mark.parametrize("why, kwargs, flag", [
     ("a head size the kernels lack (8)", dict(d=16), 1),
     ("fusion not asked for", dict(d=32), 0),
@@ -149,14 +196,20 @@ def test_the_cuda_rewrite_leaves_attention_to_ggml(why, kwargs, flag):
 
 def attention_values(**shape) -> dict[str, np.ndarray]:
     """The attention block's output and gradients on cuda, on the fused kernels (grouped-query
-    heads' kv heads read in place: no REPEAT_BACK)."""
+    heads' kv heads read in place: no REPEAT_BACK). With `dropout`, the gradients are those of
+    the first training forward (dropout_seed DROPOUT_SEED), y evaluation's (no mask)."""
     prog, trainer, fg = attention_program("cuda", **shape)
+    prog.dropout_seed = DROPOUT_SEED
     out = {"y": fg.run({})["y"]}
     trainer.grads_only({})
     out.update({n: prog.read(trainer.grad_acc[n]) for n in ("x", "wq", "wk", "wv", "wo")})
     assert "attention_back" in cuda_kernel_names(trainer.gb_grad) + cuda_kernel_names(fg.graph)
+    assert "dropout_mask" not in cuda_kernel_names(trainer.gb_grad)
     assert "REPEAT_BACK" not in ops_of(trainer.gb_grad)
     return out
+
+
+DROPOUT_SEED = 1337
 
 
 def attention_values_at(precision: str, runs: int, **shape) -> list[dict[str, np.ndarray]]:
@@ -300,3 +353,35 @@ def test_fused_attention_in_tf32_matches_float64_within_its_rounding_and_repeats
         assert err < 4 * u, (name, err)
         assert np.array_equal(got, again[name]), name
         assert not np.array_equal(got, fp32[name]), name
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("precision, u", [("tf32", 2.0**-11), ("bf16", 2.0**-8)])
+@pytest.mark.parametrize("shape", [
+    dict(b=2, t=64, d=128, n_head=2),                         # one tile, head size 64
+    dict(b=3, t=201, d=64, n_head=2),                         # partial tiles, an odd length: pairs across rows
+    dict(b=1, t=130, d=96, n_head=6, n_kv_head=2),            # grouped-query heads, head size 16
+    dict(b=1, t=256, d=384, n_head=6),                        # nanoGPT's shakespeare-char attention, one row
+])
+def test_fused_attention_with_dropout_matches_float64_under_the_numpy_mask(backend, precision, u, shape):
+    """Dropout 0.2 on the attention weights inside the tensor-core kernels (th-attention.cu,
+    "Dropout on P"): the gradients of the first training forward against the float64 block with
+    the numpy reference's mask (engine/dropout.py's stream, the mask node's element order), within
+    4 u of each one's largest element (the bound of the tests without dropout above); the
+    evaluation forward is the block without dropout. The same bits on a second run."""
+    p = 0.2
+    fused, again = attention_values_at(precision, 2, dropout=p, **shape)
+    b, t, heads = shape["b"], shape["t"], shape["n_head"]
+    mask = dropout_mask((b * heads, t, t), p, DROPOUT_SEED, 0, DROPOUT_NAME)
+    want = attention_float64(**shape, mask=mask)
+    want["y"] = attention_float64(**shape)["y"]
+    without = attention_float64(**shape)
+    for name, ref in want.items():
+        got = fused[name]
+        assert np.isfinite(got).all(), name
+        err = float(np.abs(got - ref).max() / np.abs(ref).max())
+        print(f"{precision} attention with dropout {shape} {name}: {err:.3g} of the largest element from float64")
+        assert err < 4 * u, (name, err)
+        assert np.array_equal(got, again[name]), name
+        if name != "y":    # the mask mattered: its gradients are not those without dropout
+            assert float(np.abs(got - without[name]).max() / np.abs(ref).max()) > 16 * u, name

@@ -277,7 +277,8 @@ def test_sampling_a_run_trained_with_dropout(tmp_path):
 
 def test_the_cuda_rewrite_marks_the_mask_for_its_kernel(programs_built_as):
     """Built on cpu as cuda builds it (never computed here): the mask node gets cuda's mark with
-    its parameters, and attention with dropout on its weights stays composed (not fused)."""
+    its parameters, and, without the rewrite's flag 8 (fp32: its kernels draw no mask), attention
+    with dropout on its weights stays composed (not fused)."""
     from toyharness.engine import blocks
 
     programs_built_as(cpu_folds=False, kv_in_place=False)
@@ -312,7 +313,7 @@ def test_attention_dropout_keeps_the_cpus_causal_blocks():
 @pytest.mark.parametrize("backend", DEVICES)
 @pytest.mark.parametrize("name", ["gpt2@dropout", "lora@dropout"])
 def test_dropout_goldens_repeat_bit_for_bit_on_a_device_and_differ_from_no_dropout(backend, name):
-    """On cuda (the mask kernel of cuda/th-custom.cu, attention unfused) and vulkan (the host's
+    """On cuda (the mask kernel of cuda/th-custom.cu, attention unfused at fp32) and vulkan (the host's
     masks): two runs, the same bits; and dropout does change the run."""
     from toyharness import goldens
 

@@ -35,6 +35,7 @@
 extern "C" {
 #include "custom_ops.h"
 }
+#include "dropout_mask.h"                   // the stream of P's dropout mask (the section "Dropout" below)
 
 // TOYHARNESS_CUDNN_ATTENTION as toyharness/_ffi.py passed it (custom_ops.h, TH_CUDNN_MODE): ggml-cuda's copy
 int th_cuda_cudnn_mode = TH_CUDNN_ON;
@@ -132,6 +133,8 @@ struct th_attn_args {
     float scale;
     int causal;
     int group;            // query heads a kv head (the backward: one CTA a kv head, its heads in turn)
+    const int32_t * drop_key;   // dropout on P: the program's fed key (dropout_mask.h), or none
+    th_dropout_params drop;     // and the mask's stream (th_attention_params.dropout)
 };
 
 static __device__ __forceinline__ float4 th_ld4(const float * p) { return *(const float4 *) p; }
@@ -738,6 +741,79 @@ static constexpr size_t th_dq_mma_smem() {          // the forward's: the rows (
 
 // The tensor-core kernels' shared steps (bf16 and tf32).
 // a warp's C fragments of 16 x HD, zeroed
+// --- Dropout on P, drawn inside the tensor-core kernels ------------------------------------------
+// blocks.attention's dropout on the attention weights: O = (P * M) V with M the mask node of
+// native/dropout_mask.h's stream, P's element (query row, key col) of head bh multiplied by the
+// mask's element col + T (row + T bh), as ggml's nodes would multiply P by the mask node. The
+// kernels draw those elements where they use them (the forward's P V, the backward's dV = (P M)^T dO
+// and dS = scale P (dP M - D), dQ's dS again), so the (BH, T, T) mask never reaches memory.
+// D = rowsum(dO * O) holds as it is: rowsum(P * dP M) = rowsum(dO * (P M) V). Off: no key
+// (no dropout), or the key's enabled word 0 (evaluation), where th_dropout_block gives 1.
+struct th_drop {
+    bool on;
+    int32_t key[TH_DROPOUT_KEY_WORDS];
+    th_dropout_params p;
+};
+
+// a kernel's instance with DROP (launched where a.drop_key is set) draws the mask; without, every
+// test of `on` is false at compile time, so those instances are the kernels without dropout
+template <bool DROP>
+static __device__ __forceinline__ th_drop th_drop_of(const th_attn_args & a) {
+    th_drop d = {};
+    d.on = DROP;
+    if constexpr (DROP) {
+#pragma unroll
+        for (int j = 0; j < TH_DROPOUT_KEY_WORDS; j++) d.key[j] = a.drop_key[j];
+        d.p = a.drop;
+    }
+    return d;
+}
+
+static __device__ __forceinline__ float th_pick4(const float (&m)[4], const unsigned w) {   // m[w], in registers
+    return w == 0 ? m[0] : w == 1 ? m[1] : w == 2 ? m[2] : m[3];
+}
+
+static __device__ __forceinline__ uint64_t th_drop_index(const int T, const int bh, const int row, const int col) {
+    return (uint64_t) col + (uint64_t) T * ((uint64_t) row + (uint64_t) T * (uint64_t) bh);
+}
+
+// the mask's elements (row, col) and (row, col + 1): one block of the stream where both are in it
+static __device__ __forceinline__ float2 th_drop_pair(const th_drop & d, const int T, const int bh, const int row,
+                                                      const int col) {
+    const uint64_t i = th_drop_index(T, bh, row, col);
+    const unsigned w = (unsigned) (i % 4);
+    float m[4];
+    th_dropout_block(m, i / 4, d.key, d.p);
+    if (w != 3) return make_float2(th_pick4(m, w), th_pick4(m, w + 1));
+    const float first = m[3];
+    th_dropout_block(m, i / 4 + 1, d.key, d.p);
+    return make_float2(first, m[0]);
+}
+
+// the mask's element (row, col)
+static __device__ __forceinline__ float th_drop_at(const th_drop & d, const int T, const int bh, const int row,
+                                                   const int col) {
+    const uint64_t i = th_drop_index(T, bh, row, col);
+    float m[4];
+    th_dropout_block(m, i / 4, d.key, d.p);
+    return th_pick4(m, (unsigned) (i % 4));
+}
+
+// the forward's P (th_softmax_block's C fragments: rows w0 + g, + 8, keys k0 + 8 nt + c, + 1)
+// times the mask, after the softmax's sum took P itself
+static __device__ __forceinline__ void th_drop_p(float (&s)[8][4], const th_drop & d, const int T, const int bh,
+                                                 const int w0, const int k0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const float2 m = th_drop_pair(d, T, bh, w0 + g + 8 * r, k0 + nt * 8 + c);
+            s[nt][2 * r] *= m.x;
+            s[nt][2 * r + 1] *= m.y;
+        }
+}
+
 template <int HD>
 static __device__ __forceinline__ void th_zero(float (&x)[HD / 8][4]) {
 #pragma unroll
@@ -891,7 +967,8 @@ static __device__ __forceinline__ float th_ds_of(const float p, const float dp, 
 template <bool TF32>
 static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&dp)[2][4], const float * Lq,
                                                      const float * Dq, const int j, const th_attn_args & a,
-                                                     const int w0, const int qc) {
+                                                     const int w0, const int qc, const th_drop & drop,
+                                                     const int bh) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
     float lq[2][2], dq[2][2];
 #pragma unroll
@@ -911,8 +988,14 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
                 const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
                 const bool seen = WHOLE || (key < T && qr < T && !(a.causal && key > qr));
                 const float p = th_p_of(s[nt][e], lq[nt][e % 2], a.scale, seen);
-                s[nt][e] = p;
-                dp[nt][e] = th_ds_of(p, dp[nt][e], dq[nt][e % 2], a.scale);
+                if (drop.on) {                           // P M into dV's product, dP M into dS
+                    const float m = th_drop_at(drop, T, bh, qr, key);
+                    s[nt][e] = p * m;
+                    dp[nt][e] = th_ds_of(p, dp[nt][e] * m, dq[nt][e % 2], a.scale);
+                } else {
+                    s[nt][e] = p;
+                    dp[nt][e] = th_ds_of(p, dp[nt][e], dq[nt][e % 2], a.scale);
+                }
                 if constexpr (TF32) dp[nt][e] = th_tf32(dp[nt][e]);
             }
     };
@@ -929,8 +1012,9 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
 // the backward's values)
 static __device__ __forceinline__ void th_dq_chunk_ds(const float (&s)[2][4], float (&dp)[2][4], const float (&lr)[2],
                                                       const float (&dr)[2], const th_attn_args & a, const int w0,
-                                                      const int kc) {
+                                                      const int kc, const th_drop & drop, const int bh) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
+    float2 m2 = make_float2(1.0f, 1.0f);
     auto p_and_ds = [&](auto whole_chunk) {            // WHOLE: every key seen by every query
         constexpr bool WHOLE = decltype(whole_chunk)::value;
 #pragma unroll
@@ -939,7 +1023,12 @@ static __device__ __forceinline__ void th_dq_chunk_ds(const float (&s)[2][4], fl
             for (int e = 0; e < 4; e++) {
                 const int row = w0 + g + 8 * (e / 2), key = kc + nt * 8 + c + e % 2;
                 const bool seen = WHOLE || (key < T && row < T && !(a.causal && key > row));
-                dp[nt][e] = th_ds_of(th_p_of(s[nt][e], lr[e / 2], a.scale, seen), dp[nt][e], dr[e / 2], a.scale);
+                float d = dp[nt][e];
+                if (drop.on) {                           // dP M, the mask's pair drawn at the pair's first
+                    if (e % 2 == 0) m2 = th_drop_pair(drop, T, bh, row, key);
+                    d *= e % 2 == 0 ? m2.x : m2.y;
+                }
+                dp[nt][e] = th_ds_of(th_p_of(s[nt][e], lr[e / 2], a.scale, seen), d, dr[e / 2], a.scale);
             }
     };
     if (w0 + 16 <= T && kc + 16 <= T && !(a.causal && kc + 15 > w0)) {
@@ -966,10 +1055,11 @@ static __device__ __forceinline__ void th_dq_rows_ld(float (&lr)[2], float (&dr)
 
 // the forward: one CTA a (head, 16 WARPS queries), the last query blocks first; a warp's 16 queries
 // against the key blocks they see (causal: a warp skips the key blocks past its rows)
-template <int HD, int WARPS, bool B16 = false>
+template <int HD, int WARPS, bool B16 = false, bool DROP = false>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    const th_drop drop = th_drop_of<DROP>(a);                   // dropout on P, or off (compiled away)
     __nv_bfloat16 * Qs = (__nv_bfloat16 *) th_mma_smem;           // [q][d]
     __nv_bfloat16 * Ks = Qs + QR * LDR;                            // [key][d]
     __nv_bfloat16 * Vs = Ks + TH_MM_B * LDR;                       // [key][d]
@@ -996,6 +1086,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
         float s[8][4];
         th_mm_rows<HD>(s, qf, Ks, LDR);
         th_softmax_block<HD>(s, o, m, l, a, w0, k0);
+        if (drop.on) th_drop_p(s, drop, T, bh, w0, k0);
         th_mm_acc<HD>(o, s, Vs, LDR);
     }
     th_put_o<HD>(o, m, l, a, bh, w0);
@@ -1068,10 +1159,11 @@ static __device__ __forceinline__ void th_bwd_put(const th_attn_args & a, const 
 // (MINB) fit an SM: twice the warps to hide the latencies of a step that is mostly not mma.
 // A chunk whose queries see none of the warp's keys is skipped.
 // gpt2-small's bf16 step (H100): 3.95 -> 3.23 ms of backward, 24.97 -> 24.24 ms a step.
-template <int HD, int WARPS, bool GROUPED, int MINB, bool B16 = false>
+template <int HD, int WARPS, bool GROUPED, int MINB, bool B16 = false, bool DROP = false>
 static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    const th_drop drop = th_drop_of<DROP>(a);                   // dropout on P, or off (compiled away)
     __nv_bfloat16 * Ks = (__nv_bfloat16 *) th_mma_smem;           // [key][d], the CTA's keys
     __nv_bfloat16 * Vs = Ks + KR * LDR;                            // [key][d]
     __nv_bfloat16 * Qs = Vs + KR * LDR;                            // [q][d], a step's queries
@@ -1122,7 +1214,7 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
                     th_mma16816(dp[0], af, bf[0], bf[1]);
                     th_mma16816(dp[1], af, bf[2], bf[3]);
                 }
-                th_chunk_p_ds<false>(s, dp, Lq, Dq, j, a, w0, qc);
+                th_chunk_p_ds<false>(s, dp, Lq, Dq, j, a, w0, qc, drop, bh);
                 // dV += P^T dO and dK += dS^T Q over the chunk's 16 queries (A: the C fragments
                 // above, rounded to bf16 as th_mm_acc rounds them)
                 const uint32_t pa[4] = {th_pack_bf16(s[0][0], s[0][1]), th_pack_bf16(s[0][2], s[0][3]),
@@ -1161,10 +1253,11 @@ static constexpr size_t th_bwd_chunk_smem() {
 // straight from the C fragments), in the order the kernel that read the backward's dS summed:
 // so the same bits, and the (B*H, T, T) dS (192 MiB a gpt2-small layer) is never formed, for two
 // more products a tile. Keys past every row of the warp (causal) are skipped: their dS is 0.
-template <int HD, int WARPS, bool B16 = false>
+template <int HD, int WARPS, bool B16 = false, bool DROP = false>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_kernel(const th_attn_args a) {
     constexpr int LDR = HD + TH_MM_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    const th_drop drop = th_drop_of<DROP>(a);                   // dropout on P, or off (compiled away)
     __nv_bfloat16 * Rs = (__nv_bfloat16 *) th_mma_smem;           // [q][d]: Q's rows, then dO's
     __nv_bfloat16 * Ks = Rs + QR * LDR;                            // [key][d]
     __nv_bfloat16 * Vs = Ks + TH_MM_B * LDR;                       // [key][d]
@@ -1220,7 +1313,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
                 th_mma16816(dp[0], of[kk], bv[n][0], bv[n][1]);
                 th_mma16816(dp[1], of[kk], bv[n][2], bv[n][3]);
             }
-            th_dq_chunk_ds(s, dp, lr, dr, a, w0, kc);
+            th_dq_chunk_ds(s, dp, lr, dr, a, w0, kc, drop, bh);
             const uint32_t sa[4] = {th_pack_bf16(dp[0][0], dp[0][1]), th_pack_bf16(dp[0][2], dp[0][3]),
                                     th_pack_bf16(dp[1][0], dp[1][1]), th_pack_bf16(dp[1][2], dp[1][3])};
             uint32_t b[HD / 16][4];                                  // every step's fragments first
@@ -1305,10 +1398,11 @@ static constexpr size_t th_dq_tf_smem() {           // the forward's: the rows (
 
 // the forward in TF32: th_attn_fwd_mma_kernel's walk (a CTA 16 WARPS queries, a warp 16, key blocks
 // of 64 staged one ahead), Q's fragments read from shared memory each block
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool DROP = false>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_kernel(const th_attn_args a) {
     constexpr int LDF = HD + TH_TF_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    const th_drop drop = th_drop_of<DROP>(a);                   // dropout on P, or off (compiled away)
     float * Qs = (float *) th_mma_smem;                            // [q][d]
     float * Ks = Qs + QR * LDF, * Vs = Ks + TH_MM_B * LDF;         // [key][d]
     float * Kst = Vs + TH_MM_B * LDF, * Vst = Kst + TH_MM_B * HD;  // staging
@@ -1331,6 +1425,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
         float s[8][4];
         th_tf_rows<HD>(s, Qs, 16 * warp, Ks, LDF);
         th_softmax_block<HD>(s, o, m, l, a, w0, k0);
+        if (drop.on) th_drop_p(s, drop, T, bh, w0, k0);
         // O += P V over the block's keys, 8 at a time (keys nt 8 + 2t, + 1: this thread's columns)
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -1345,10 +1440,11 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
 // the backward in TF32: th_attn_bwd_chunk_kernel's walk (a CTA 16 WARPS keys of a query head, a
 // warp 16 keys, a step 64 queries by chunks of 16), K's and V's fragments from shared memory; dS
 // not written (dQ's kernel computes it again). One CTA an SM (its tiles are fp32).
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool DROP = false>
 static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const th_attn_args a) {
     constexpr int LDF = HD + TH_TF_PAD, KR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    const th_drop drop = th_drop_of<DROP>(a);                   // dropout on P, or off (compiled away)
     float * Ks = (float *) th_mma_smem, * Vs = Ks + KR * LDF;     // [key][d], the CTA's keys
     float * Qs = Vs + KR * LDF, * dOs = Qs + TH_MM_B * LDF;        // [q][d], a step's queries
     float * Qst = dOs + TH_MM_B * LDF, * dOst = Qst + TH_MM_B * HD;   // staging
@@ -1392,7 +1488,7 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
                     th_mma1688(dp[nt], v0f, v1f, v2f, v3f, po[nt * 8 * LDF], po[nt * 8 * LDF + 4]);
                 }
             }
-            th_chunk_p_ds<true>(s, dp, Lq, Dq, j, a, w0, qc);
+            th_chunk_p_ds<true>(s, dp, Lq, Dq, j, a, w0, qc, drop, kvh);
             // dV += P^T dO, dK += dS^T Q over the chunk's queries, 8 at a time (queries 8 nt + 2t, + 1)
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
@@ -1416,10 +1512,11 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
 // them. Q's fragments are held in registers, dO's read from its rows in shared memory: two CTAs
 // an SM (some registers spilled), 2.81 ms of a gpt2-small step against 3.37 with dO's fragments
 // in registers too (192 registers, one CTA an SM).
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool DROP = false>
 static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_kernel(const th_attn_args a) {
     constexpr int LDF = HD + TH_TF_PAD, QR = 16 * WARPS, NT = 32 * WARPS;
     extern __shared__ __align__(16) unsigned char th_mma_smem[];
+    const th_drop drop = th_drop_of<DROP>(a);                   // dropout on P, or off (compiled away)
     float * Rs = (float *) th_mma_smem;                            // [q][d]: Q's rows, then dO's
     float * Ks = Rs + QR * LDF, * Vs = Ks + TH_MM_B * LDF;         // [key][d]
     float * Kst = Vs + TH_MM_B * LDF, * Vst = Kst + TH_MM_B * HD;  // staging
@@ -1473,7 +1570,7 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
                     th_mma1688(dp[nt], o0, o1, o2, o3, pv[0], pv[4]);
                 }
             }
-            th_dq_chunk_ds(s, dp, lr, dr, a, w0, kc);
+            th_dq_chunk_ds(s, dp, lr, dr, a, w0, kc, drop, bh);
             // dQ += dS K over the chunk's keys, 8 at a time (keys 8 nt + 2t, + 1: this thread's columns)
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
@@ -1501,22 +1598,30 @@ static bool th_attention_forms_ds(const ggml_tensor * bwd) {
 
 // the tf32 kernels of `heads` heads (query heads: the backward takes grouped heads split, each
 // query head's dK and dV into the scratch, then summed as at bf16), 8 warps a CTA
-template <int HD>
-static void th_tf_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
+template <int HD, bool DROP>
+static void th_tf_launch_drop(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
     constexpr int WARPS = 8;
     const dim3 grid(heads, (unsigned) ((a.T + 16 * WARPS - 1) / (16 * WARPS)));
     if (kernel == TH_CUDA_ATTN_FWD) {
         constexpr size_t smem = th_fwd_tf_smem<HD, WARPS>();
-        TH_SET_SMEM_LIMIT((th_attn_fwd_tf_kernel<HD, WARPS>), smem);
-        th_attn_fwd_tf_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+        TH_SET_SMEM_LIMIT((th_attn_fwd_tf_kernel<HD, WARPS, DROP>), smem);
+        th_attn_fwd_tf_kernel<HD, WARPS, DROP><<<grid, 32 * WARPS, smem, stream>>>(a);
     } else if (kernel == TH_CUDA_ATTN_BWD) {
         constexpr size_t smem = th_bwd_tf_smem<HD, WARPS>();
-        TH_SET_SMEM_LIMIT((th_attn_bwd_tf_kernel<HD, WARPS>), smem);
-        th_attn_bwd_tf_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+        TH_SET_SMEM_LIMIT((th_attn_bwd_tf_kernel<HD, WARPS, DROP>), smem);
+        th_attn_bwd_tf_kernel<HD, WARPS, DROP><<<grid, 32 * WARPS, smem, stream>>>(a);
     } else {
         constexpr size_t smem = th_dq_tf_smem<HD, WARPS>();
-        TH_SET_SMEM_LIMIT((th_attn_dq_tf_kernel<HD, WARPS>), smem);
-        th_attn_dq_tf_kernel<HD, WARPS><<<grid, 32 * WARPS, smem, stream>>>(a);
+        TH_SET_SMEM_LIMIT((th_attn_dq_tf_kernel<HD, WARPS, DROP>), smem);
+        th_attn_dq_tf_kernel<HD, WARPS, DROP><<<grid, 32 * WARPS, smem, stream>>>(a);
+    }
+}
+template <int HD>
+static void th_tf_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
+    if (a.drop_key != nullptr) {
+        th_tf_launch_drop<HD, true>(stream, kernel, a, heads);
+    } else {
+        th_tf_launch_drop<HD, false>(stream, kernel, a, heads);
     }
 }
 
@@ -1629,27 +1734,28 @@ static __global__ void th_attn_group_sum_kernel(const th_opd part, const th_opd 
 }
 
 // the bf16 kernels (fwd, bwd, dq) of `heads` heads (kv heads for the backward), WARPS warps a CTA
-template <int HD, int WARPS, bool B16>
+// (DROP: the instances that draw P's dropout mask, where a.drop_key is set)
+template <int HD, int WARPS, bool B16, bool DROP>
 static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
     const dim3 grid(heads, (unsigned) ((a.T + 16 * WARPS - 1) / (16 * WARPS)));
     if (kernel == TH_CUDA_ATTN_FWD) {
         constexpr size_t smem = th_fwd_mma_smem<HD, WARPS>();
-        TH_SET_SMEM_LIMIT((th_attn_fwd_mma_kernel<HD, WARPS, B16>), smem);
-        th_attn_fwd_mma_kernel<HD, WARPS, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
+        TH_SET_SMEM_LIMIT((th_attn_fwd_mma_kernel<HD, WARPS, B16, DROP>), smem);
+        th_attn_fwd_mma_kernel<HD, WARPS, B16, DROP><<<grid, 32 * WARPS, smem, stream>>>(a);
     } else if (kernel == TH_CUDA_ATTN_BWD) {
         constexpr size_t smem = th_bwd_chunk_smem<HD, WARPS>();
         constexpr int MINB = WARPS == 8 ? 2 : 4;
         if (a.group > 1) {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB, B16>), smem);
-            th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
+            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB, B16, DROP>), smem);
+            th_attn_bwd_chunk_kernel<HD, WARPS, true, MINB, B16, DROP><<<grid, 32 * WARPS, smem, stream>>>(a);
         } else {
-            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16>), smem);
-            th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
+            TH_SET_SMEM_LIMIT((th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16, DROP>), smem);
+            th_attn_bwd_chunk_kernel<HD, WARPS, false, MINB, B16, DROP><<<grid, 32 * WARPS, smem, stream>>>(a);
         }
     } else {
         constexpr size_t smem = th_dq_mma_smem<HD, WARPS>();
-        TH_SET_SMEM_LIMIT((th_attn_dq_mma_kernel<HD, WARPS, B16>), smem);
-        th_attn_dq_mma_kernel<HD, WARPS, B16><<<grid, 32 * WARPS, smem, stream>>>(a);
+        TH_SET_SMEM_LIMIT((th_attn_dq_mma_kernel<HD, WARPS, B16, DROP>), smem);
+        th_attn_dq_mma_kernel<HD, WARPS, B16, DROP><<<grid, 32 * WARPS, smem, stream>>>(a);
     }
 }
 
@@ -1658,10 +1764,13 @@ static void th_mma_launch_warps(cudaStream_t stream, const int kernel, const th_
 // takes the three of one type)
 template <int HD>
 static void th_mma_launch(cudaStream_t stream, const int kernel, const th_attn_args & a, const unsigned heads) {
+    const bool drop = a.drop_key != nullptr;
     if (a.q.bf16) {
-        th_mma_launch_warps<HD, 8, true>(stream, kernel, a, heads);
+        if (drop) th_mma_launch_warps<HD, 8, true, true>(stream, kernel, a, heads);
+        else th_mma_launch_warps<HD, 8, true, false>(stream, kernel, a, heads);
     } else {
-        th_mma_launch_warps<HD, 8, false>(stream, kernel, a, heads);
+        if (drop) th_mma_launch_warps<HD, 8, false, true>(stream, kernel, a, heads);
+        else th_mma_launch_warps<HD, 8, false, false>(stream, kernel, a, heads);
     }
 }
 
@@ -1999,6 +2108,10 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
     }
     th_attn_args a = {};
     a.T = ap.T, a.scale = ap.scale, a.causal = ap.causal, a.out = (float *) dst->data, a.group = ap.group;
+    if (th_attention_has_dropout(&ap) && kernel != TH_CUDA_ATTN_PREP) {     // the forward's fed key
+        a.drop_key = (const int32_t *) fwd->src[3]->data;
+        a.drop = th_dropout_params_from(ap.dropout);
+    }
     const int nb = (a.T + TH_AT_B - 1) / TH_AT_B;
     const int64_t T = ap.T;
     const bool bf16 = th_precision_of(dst) == TH_PRECISION_BF16;      // tensor cores (TH_MM_B == TH_AT_B)
@@ -2124,6 +2237,15 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
     }
     const th_attention_params ap = th_params_of<th_attention_params>(op);
     if (!th_attention_head_dim_ok(ap.hd) || ap.T <= 0 || ap.group < 1) return false;
+    if (th_attention_has_dropout(&ap) && kernel != TH_CUDA_ATTN_PREP) {
+        // the tensor-core kernels draw P's mask (fp32's do not), from the forward's fed key
+        const ggml_tensor * fwd = kernel == TH_CUDA_ATTN_FWD ? op : op->src[4];
+        const ggml_tensor * key = fwd != nullptr ? fwd->src[3] : nullptr;
+        if (!th_attention_on_tensor_cores(op) || key == nullptr || key->type != GGML_TYPE_I32 ||
+            ggml_nelements(key) != TH_DROPOUT_KEY_WORDS || !ggml_is_contiguous(key)) {
+            return false;
+        }
+    }
     const int64_t hd = ap.hd, T = ap.T, G = ap.group;     // k, vt and the rooms: heads / G kv heads
     const ggml_tensor * const * s = op->src;
     // q, k and v^T: all f32, or all bf16 where the tensor-core kernels read them (th_attention_inputs_bf16)

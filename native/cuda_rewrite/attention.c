@@ -1,6 +1,7 @@
 /* The cuda rewrite's pass: attention's nodes (S, P, O and their backward) become the fused kernels
  * of cuda/th-attention.cu. */
 #include "passes.h"
+#include "../dropout_mask.h"
 
 static int th_is_attention_node(const struct ggml_tensor * t) {
     return th_marked(t, TH_CUDA_ATTN_FWD) || th_marked(t, TH_CUDA_ATTN_PREP) || th_marked(t, TH_CUDA_ATTN_BWD) ||
@@ -45,10 +46,29 @@ static struct ggml_tensor * th_out_prod(struct ggml_cgraph * graph, const struct
     return NULL;
 }
 
+/* P's dropout (blocks.attention's `dropout`): the MUL of P by a dropout mask (dropout_mask.h's
+ * node, P's shape), where `dropout` lets the kernels draw the mask themselves; else NULL */
+static struct ggml_tensor * th_dropout_of(struct ggml_cgraph * graph, struct ggml_tensor * p, const int dropout) {
+    struct ggml_tensor * pd = NULL;
+    for (int i = 0; i < ggml_graph_n_nodes(graph) && dropout; i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (u->op == GGML_OP_MUL && u->src[0] == p && u->src[1] != NULL && th_is_dropout_mask(u->src[1]) &&
+            ggml_are_same_shape(u, p) && ggml_are_same_shape(u->src[1], p) && th_f32_contiguous(u->src[1]) &&
+            th_f32_contiguous(u)) {
+            if (pd != NULL) return NULL;
+            pd = u;
+        }
+    }
+    return pd;
+}
+
 /* The forward of one attention whose probabilities P (a SOFT_MAX) every reader of which is one
- * of O, its backward's dvt and dS: P becomes ATTN_FWD, O its copy, S nothing. Returns 3, 0 when
- * the nodes are not attention's (left to ggml). */
-static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor * p) {
+ * of O, its backward's dvt and dS: P becomes ATTN_FWD, O its copy, S nothing. With dropout on P
+ * (`dropout`: the kernels at this precision draw its mask; th_dropout_of), O, dvt and dP's MUL
+ * read P times the mask instead, and the mask, that product and P's MUL in the backward compute
+ * nothing: the kernels draw the mask's elements where they use them. Returns 3 (5 with dropout),
+ * 0 when the nodes are not attention's (left to ggml). */
+static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor * p, const int dropout) {
     struct ggml_tensor * s = p->src[0], * mask = p->src[1], * only;
     if (s == NULL || s->op != GGML_OP_MUL_MAT || p->src[2] != NULL || th_readers(graph, s, &only) != 1) return 0;
     struct ggml_tensor * k = s->src[0], * q = s->src[1];
@@ -63,15 +83,20 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
         (causal && (strncmp(mask->name, "causal_mask.", 12) != 0 || !th_shape_is(mask, T, T, 1)))) {
         return 0;
     }
-    struct ggml_tensor * o = NULL;
+    /* what O reads: P, or P times its dropout mask (pd), which P's backward MUL also reads */
+    struct ggml_tensor * pd = th_dropout_of(graph, p, dropout), * drop = pd != NULL ? pd->src[1] : NULL;
+    struct ggml_tensor * read = pd != NULL ? pd : p, * o = NULL;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * u = ggml_graph_node(graph, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
-            if (u->src[j] != p) continue;
-            if (j == 1 && u->op == GGML_OP_MUL_MAT && o == NULL) {
+            const struct ggml_tensor * x = u->src[j];
+            if (x == NULL || (x != p && x != read && (drop == NULL || x != drop))) continue;
+            if (x == read && j == 1 && u->op == GGML_OP_MUL_MAT && o == NULL) {
                 o = u;
-            } else if (!(j == 0 && u->op == GGML_OP_OUT_PROD) && !(j == 1 && u->op == GGML_OP_SOFT_MAX_BACK)) {
-                return 0;          /* P read by a node we do not rewrite: it must stay P */
+            } else if (!(x == read && j == 0 && u->op == GGML_OP_OUT_PROD) &&           /* dvt */
+                       !(x == p && j == 1 && u->op == GGML_OP_SOFT_MAX_BACK) &&          /* dS */
+                       !(x == p && u == pd) && !(x == drop && (u == pd || (j == 1 && u->op == GGML_OP_MUL)))) {
+                return 0;          /* read by a node we do not rewrite: P (and its mask) must stay */
             }
         }
     }
@@ -80,10 +105,19 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
         !th_shape_is(o, hd, T, heads)) {
         return 0;
     }
-    const th_attention_params params = {(int32_t) hd, (int32_t) T, causal, scale, 1};
+    th_attention_params params = {(int32_t) hd, (int32_t) T, causal, scale, 1, {0, 0, 0, 0}};
+    if (drop != NULL) {
+        const th_dropout_params dp = th_dropout_params_of(drop, TH_DROPOUT_SLOT);   /* dropout_mask.h's words */
+        params.dropout[0] = (int32_t) dp.node;
+        params.dropout[1] = (int32_t) (uint32_t) dp.threshold;
+        params.dropout[2] = (int32_t) (uint32_t) (dp.threshold >> 32);
+        memcpy(&params.dropout[3], &dp.kept, sizeof(float));
+    }
     th_mark(p, TH_CUDA_ATTN_FWD);
     th_set_params(p, &params, sizeof(params));
-    th_set_srcs(p, q, k, vt, NULL, NULL, NULL);
+    /* with dropout: the fed key, then the mask and P times it (computing nothing), which the
+     * backward finds its MULs by */
+    th_set_srcs(p, q, k, vt, drop != NULL ? drop->src[0] : NULL, drop, pd);
     th_set_rows(p, th_attention_fwd_floats(hd, T), heads);
     th_mark(o, TH_CUDA_SLICE);
     const th_slice_params slice = {th_attention_fwd_floats(hd, T), 0};
@@ -92,7 +126,15 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
     s->op = GGML_OP_NONE;
     th_set_srcs(s, NULL, NULL, NULL, NULL, NULL, NULL);
     th_set_rows(s, 1, 1);
-    return 3;
+    if (drop == NULL) return 3;
+    pd->op = drop->op = GGML_OP_NONE;
+    th_set_srcs(pd, NULL, NULL, NULL, NULL, NULL, NULL);
+    th_set_srcs(drop, NULL, NULL, NULL, NULL, NULL, NULL);
+    memset(pd->op_params, 0, sizeof(pd->op_params));
+    memset(drop->op_params, 0, sizeof(drop->op_params));
+    th_set_rows(pd, 1, 1);
+    th_set_rows(drop, 1, 1);
+    return 5;
 }
 
 /* The backward of the attention whose forward node is `fwd` (ATTN_FWD), where `graph` has it.
@@ -107,7 +149,15 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         if (u->src[1] == fwd && u->op == GGML_OP_SOFT_MAX_BACK) ds = u;
     }
     if (ds == NULL) return 0;                       /* no backward here, or marked already */
-    struct ggml_tensor * dp = ds->src[0];
+    struct ggml_tensor * dp = ds->src[0], * dp_drop = NULL;
+    if (th_attention_has_dropout(&params)) {       /* dP = MUL(dO V^T, the mask): the kernels apply it */
+        dp_drop = dp;
+        if (dp_drop == NULL || dp_drop->op != GGML_OP_MUL || dp_drop->src[1] != fwd->src[4] ||
+            th_readers(graph, dp_drop, &only) != 1) {
+            return -1;
+        }
+        dp = dp_drop->src[0];
+    }
     if (ds->op != GGML_OP_SOFT_MAX_BACK || dp == NULL || dp->op != GGML_OP_OUT_PROD ||
         th_operand_source(dp->src[0]) != th_operand_source(vt) ||
         dp->src[1] == NULL || dp->src[1]->op != GGML_OP_TRANSPOSE || th_readers(graph, dp, &only) != 1) {
@@ -115,7 +165,9 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
     }
     const int64_t hd = params.hd, T = params.T, heads = q->ne[2] * q->ne[3];   /* q: maybe a (hd, T, H, B) view */
     struct ggml_tensor * dout = dp->src[1]->src[0];
-    struct ggml_tensor * dvt = th_out_prod(graph, fwd, dout, 0), * dk = th_out_prod(graph, q, ds, 0);
+    /* dV^T's product reads P, or P times the mask (ATTN_FWD's src 5 with dropout) */
+    struct ggml_tensor * dvt = th_out_prod(graph, dp_drop != NULL ? fwd->src[5] : fwd, dout, 0);
+    struct ggml_tensor * dk = th_out_prod(graph, q, ds, 0);
     struct ggml_tensor * dq = th_out_prod(graph, k, ds, 1);
     int ds_readers = th_readers(graph, ds, &only);
     if (!th_f32_contiguous(dout) || !th_shape_is(dout, hd, T, heads) || !th_f32_contiguous(ds) ||
@@ -124,6 +176,11 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         return -1;
     }
     struct ggml_tensor * dout_t = dp->src[1];
+    if (dp_drop != NULL) {                          /* computes nothing: the backward applies the mask */
+        dp_drop->op = GGML_OP_NONE;
+        th_set_srcs(dp_drop, NULL, NULL, NULL, NULL, NULL, NULL);
+        th_set_rows(dp_drop, 1, 1);
+    }
     th_mark(dp, TH_CUDA_ATTN_PREP);
     th_set_params(dp, &params, sizeof(params));
     th_set_srcs(dp, dout, fwd, NULL, NULL, NULL, NULL);
@@ -136,7 +193,7 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
          * to the graph's end (ggml-alloc frees a source when its views are done) */
         dout_t->op = GGML_OP_NONE;
     }
-    int marked = 2;
+    int marked = 2 + (dp_drop != NULL);
     if (dk != NULL) {
         const th_slice_params slice = {th_attention_prep_floats(hd, T), 0};
         th_mark(dk, TH_CUDA_SLICE);
@@ -226,14 +283,15 @@ static int th_fold_attention_operands(struct ggml_cgraph * graph) {
 }
 
 /* Every attention of `graph`: forward and, where the graph has it, backward; with `group`, the
- * kv heads read in place (th_attention_group). Returns the nodes marked, or -1 (see
- * th_attention_backward). */
-int th_rewrite_attention(struct ggml_cgraph * graph, const int group) {
+ * kv heads read in place (th_attention_group); with `dropout`, an attention with dropout on P
+ * too (the precision's kernels draw its mask: bf16's and tf32's). Returns the nodes marked, or -1
+ * (see th_attention_backward). */
+int th_rewrite_attention(struct ggml_cgraph * graph, const int group, const int dropout) {
     int marked = 0;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i);
         if (t->op == GGML_OP_SOFT_MAX && t->type == GGML_TYPE_F32) {
-            marked += th_attention_forward(graph, t);
+            marked += th_attention_forward(graph, t, dropout);
         }
         if (th_marked(t, TH_CUDA_ATTN_FWD)) {
             const int back = th_attention_backward(graph, t);

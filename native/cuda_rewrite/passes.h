@@ -181,7 +181,7 @@ static inline int th_read_elsewhere(struct ggml_cgraph * graph, const struct ggm
 int th_mark_gelu_pairs(struct ggml_cgraph * graph);
 
 /* attention.c */
-int th_rewrite_attention(struct ggml_cgraph * graph, const int group);
+int th_rewrite_attention(struct ggml_cgraph * graph, const int group, const int dropout);
 
 /* attention_group.c */
 int th_attention_group(struct ggml_cgraph * graph, struct ggml_tensor * fwd);

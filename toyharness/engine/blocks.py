@@ -235,7 +235,8 @@ def attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, n_head:
     k before the rotation, gain (hd,): qwen3, gemma3), `window` (sliding-window attention:
     gemma3's local layers) and `scale` (the scores' scale, default 1/sqrt(hd)).
     `dropout` p > 0: dropout on the attention weights after the softmax (nanoGPT's attn_dropout),
-    mask `dropout_name`; the composed softmax and product then (fused attention takes none).
+    mask `dropout_name` (on cuda at bf16 and tf32 the fused attention draws it in its kernels;
+    elsewhere the softmax and the product stay separate nodes).
     """
     bsz, seq, d_model = x.shape
     n_kv_head = n_kv_head or n_head

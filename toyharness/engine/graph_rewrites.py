@@ -31,6 +31,9 @@ PRECISION_CODES = {"fp32": 0, "tf32": 1, "bf16": 2}
 # th_cuda_rewrite's flag for attention: fused (native/cuda/th-attention.cu), grouped-query heads'
 # kv heads read in place
 FUSED_ATTENTION = 3
+# and with dropout on the attention weights, at the precisions whose kernels draw the mask themselves
+FUSED_DROPOUT = 8
+DROPOUT_FUSING_PRECISIONS = ("tf32", "bf16")
 
 
 def prepare(prog: Program, graph, recomputed: bool = False) -> None:
@@ -50,7 +53,7 @@ def prepare(prog: Program, graph, recomputed: bool = False) -> None:
         elif prog.cpu_kernels and lib.th_cpu_rewrite(graph) < 0:
             raise RuntimeError("a stand-in node could not take its cpu kernel, or a fused node is read "
                                "elsewhere (native/cpu_kernels.c, th_cpu_rewrite): not computed")
-        elif prog.cuda_kernels and lib.th_cuda_rewrite(graph, FUSED_ATTENTION | (4 if recomputed else 0)) < 0:
+        elif prog.cuda_kernels and lib.th_cuda_rewrite(graph, cuda_rewrite_flags(prog, recomputed)) < 0:
             raise RuntimeError("a stand-in node could not take its cuda kernel, an attention's backward "
                                "could not follow its fused forward, the graph holds a node another one "
                                "writes but not that one, or it reads a LayerNorm output that the forward "
@@ -69,6 +72,12 @@ def prepare(prog: Program, graph, recomputed: bool = False) -> None:
         # after the rewrites: every node as the backend's dispatch will see it (ours included)
         check_supported(prog, graph)
         prog._gemm_rewritten.add(graph)
+
+
+def cuda_rewrite_flags(prog: Program, recomputed: bool = False) -> int:
+    """th_cuda_rewrite's flags for `prog`'s graphs (native/cuda_rewrite.c)."""
+    return (FUSED_ATTENTION | (FUSED_DROPOUT if prog.precision in DROPOUT_FUSING_PRECISIONS else 0)
+            | (4 if recomputed else 0))
 
 
 _VIEWS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
