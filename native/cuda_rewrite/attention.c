@@ -46,6 +46,15 @@ static struct ggml_tensor * th_out_prod(struct ggml_cgraph * graph, const struct
     return NULL;
 }
 
+/* a node whose value the fused kernels compute themselves: it computes nothing, reads nothing
+ * and holds one float */
+static void th_compute_nothing(struct ggml_tensor * t) {
+    t->op = GGML_OP_NONE;
+    th_set_srcs(t, NULL, NULL, NULL, NULL, NULL, NULL);
+    memset(t->op_params, 0, sizeof(t->op_params));
+    th_set_rows(t, 1, 1);
+}
+
 /* P's dropout (blocks.attention's `dropout`): the MUL of P by a dropout mask (dropout_mask.h's
  * node, P's shape), where `dropout` lets the kernels draw the mask themselves; else NULL */
 static struct ggml_tensor * th_dropout_of(struct ggml_cgraph * graph, struct ggml_tensor * p, const int dropout) {
@@ -123,17 +132,10 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
     const th_slice_params slice = {th_attention_fwd_floats(hd, T), 0};
     th_set_params(o, &slice, sizeof(slice));
     th_set_srcs(o, p, NULL, NULL, NULL, NULL, NULL);
-    s->op = GGML_OP_NONE;
-    th_set_srcs(s, NULL, NULL, NULL, NULL, NULL, NULL);
-    th_set_rows(s, 1, 1);
+    th_compute_nothing(s);
     if (drop == NULL) return 3;
-    pd->op = drop->op = GGML_OP_NONE;
-    th_set_srcs(pd, NULL, NULL, NULL, NULL, NULL, NULL);
-    th_set_srcs(drop, NULL, NULL, NULL, NULL, NULL, NULL);
-    memset(pd->op_params, 0, sizeof(pd->op_params));
-    memset(drop->op_params, 0, sizeof(drop->op_params));
-    th_set_rows(pd, 1, 1);
-    th_set_rows(drop, 1, 1);
+    th_compute_nothing(pd);
+    th_compute_nothing(drop);
     return 5;
 }
 
@@ -177,9 +179,7 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
     }
     struct ggml_tensor * dout_t = dp->src[1];
     if (dp_drop != NULL) {                          /* computes nothing: the backward applies the mask */
-        dp_drop->op = GGML_OP_NONE;
-        th_set_srcs(dp_drop, NULL, NULL, NULL, NULL, NULL, NULL);
-        th_set_rows(dp_drop, 1, 1);
+        th_compute_nothing(dp_drop);
     }
     th_mark(dp, TH_CUDA_ATTN_PREP);
     th_set_params(dp, &params, sizeof(params));
