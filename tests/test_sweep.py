@@ -297,3 +297,64 @@ def test_points_import_toyharness_itself_whatever_the_cwd_holds(tmp_path, monkey
     doc = sweep_doc(tmp_path / "s")
     assert [p["status"] for p in doc["points"]] == ["done", "done"], [p["message"] for p in doc["points"]]
     assert all(p["steps_done"] == 2 for p in doc["points"])
+
+
+class RecordingTracker:
+    """The Tracker's calls a pool makes, kept: which points finished and where."""
+
+    def __init__(self):
+        self.where: dict[int, dict] = {}
+
+    def started(self, index):
+        pass
+
+    def progress(self, index, msg):
+        pass
+
+    def finished(self, index, outcome):
+        self.where[index] = outcome.where
+
+    def wait(self, seconds):
+        time.sleep(seconds)
+
+
+@pytest.mark.parametrize("listed, want", [("3,5", ["3", "5"]), ("GPU-8e1f, GPU-77a0", ["GPU-8e1f", "GPU-77a0"]),
+                                          ("", []), ("-1", [])])
+def test_a_cuda_sweep_places_its_points_on_the_gpus_cuda_visible_devices_lists(listed, want, monkeypatch):
+    from toyharness.sweep.executors import LocalPool, visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    assert visible_gpus() == want
+    pool = LocalPool(backend="cuda")
+    assert pool.workers == max(1, len(want)) and pool.describe().get("gpus", []) == want
+
+
+@pytest.mark.parametrize("workers", [None, 3])
+def test_the_local_pool_gives_each_running_point_a_gpu_of_its_own(workers, monkeypatch):
+    """One worker per GPU by default: no two points that run at once see the same GPU, and each
+    point's record says which it had. Three workers on two GPUs: they share them in turn."""
+    import threading
+
+    from toyharness.sweep import executors
+    from toyharness.sweep.point import Outcome
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    running, lock = set(), threading.Lock()
+
+    def launch(spec, on_progress=None, procs=None, env=None):
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            if workers is None:
+                assert gpu not in running
+            running.add(gpu)
+        time.sleep(0.05)
+        with lock:
+            running.discard(gpu)
+        return Outcome("done")
+
+    monkeypatch.setattr(executors, "launch_point", launch)
+    pool = executors.LocalPool(workers, backend="cuda")
+    tracker = RecordingTracker()
+    pool.run([{"index": i} for i in range(7)], tracker)
+    assert pool.workers == (workers or 2)
+    assert sorted(tracker.where) == list(range(7)) and {w["gpu"] for w in tracker.where.values()} == {"4", "6"}

@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                      progress_help="no live progress line", out_metavar="DIR",
                      out_help="the sweep's folder (default: sweeps/RECIPE-TIMESTAMP)")
     w.add_argument("--workers", type=int,
-                   help="points at a time (default: cores / threads; with --ray: the cluster's CPUs / threads)")
+                   help="points at a time (default: cores / threads; with --backend cuda: one per GPU, each point "
+                        "seeing its worker's GPU alone; with --ray: the cluster's CPUs / threads, and GPUs on cuda)")
     w.add_argument("--ray", metavar="auto|ADDRESS",
                    help="run each point as a Ray task: auto (this machine's cluster), HOST:PORT, ray://HOST:PORT "
                         "or local; needs pip install \"toyharness[ray]\"")

@@ -36,6 +36,16 @@ def _library():
     return _nvml or None
 
 
+def nvidia_gpu_count() -> int:
+    """The GPUs the NVIDIA driver lists (NVML), whatever CUDA_VISIBLE_DEVICES says; 0 where it
+    cannot be read. No CUDA context is made: asking costs no GPU memory."""
+    lib = _library()
+    count = ctypes.c_uint(0)
+    if lib is None or lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+        return 0
+    return int(count.value)
+
+
 def process_device_mb(pid: int | None = None) -> float | None:
     """MiB that process `pid` (default: this one) holds on all GPUs, as NVML counts it; None where
     it cannot be read."""

@@ -159,6 +159,7 @@ FOREIGN = {
     "GGML_CUDA_GRAPH_OPT": "ggml-cuda's several-stream graphs: bf16 operand copies are not reused under them",
     "MLFLOW_EXPERIMENT_NAME": "the MLflow observer's experiment",
     "RAY_AUTH_MODE": "Ray's authentication, named in a sweep's connection error",
+    "CUDA_VISIBLE_DEVICES": "the GPUs a cuda sweep places its points on, one each (set per point by the sweep)",
 }
 
 

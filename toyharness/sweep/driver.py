@@ -70,7 +70,7 @@ def run_sweep(plan: Plan, out_dir: Path, executor, progress: bool = True,
     out_dir = Path(out_dir)
     records = [_point_record(plan, p, out_dir) for p in plan.points]
     for rec, old in zip(records, (previous or {}).get("points", [])):
-        rec.update({k: old[k] for k in ("node", "worker_dir", "resumed_from") if k in old})   # where Ray ran it
+        rec.update({k: old[k] for k in ("node", "worker_dir", "gpu", "resumed_from") if k in old})   # where it ran
     for rec in records:  # a point's folder, not sweep.json, says whether it finished; failed ones go again
         rec["status"] = DONE if (Path(rec["dir"]) / "summary.json").is_file() else PENDING
         rec.update(read_point(Path(rec["dir"])))

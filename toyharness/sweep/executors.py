@@ -1,10 +1,12 @@
 """Where a sweep's points run: a pool of local workers (default), or one Ray task per point
 (`--ray`), whose small files come back to the driver through Ray. Either way each point is a
-process of its own (toyharness/sweep/point.py)."""
+process of its own (toyharness/sweep/point.py). On cuda each point sees one GPU as its only
+device (CUDA_VISIBLE_DEVICES): the local pool hands each worker its own, Ray the GPU it grants."""
 
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import tempfile
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write
+from ..device_memory import nvidia_gpu_count
 from ..engine.backend import default_threads
 from ..errors import InputError
 from .plan import FAILED
@@ -27,8 +30,19 @@ def _cores() -> int:
     return default_threads()
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs a cuda sweep places its points on: CUDA_VISIBLE_DEVICES's entries where it is set
+    (a point gets one of them as its own), else every GPU the driver lists (0, 1, ...)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [x.strip() for x in listed.split(",") if x.strip() and x.strip() != "-1"]
+    return [str(i) for i in range(nvidia_gpu_count())]
+
+
 class LocalPool:
-    """`workers` local processes at a time, each point with `threads` threads."""
+    """`workers` local processes at a time, each point with `threads` threads. On cuda, one
+    worker per GPU by default, each point with its worker's GPU as its only device; more workers
+    than GPUs share them in turn."""
 
     name = "local"
 
@@ -36,8 +50,9 @@ class LocalPool:
         cores = _cores()
         if (threads is not None and threads < 1) or (workers is not None and workers < 1):
             raise InputError("--workers and --threads must be >= 1")
-        if backend != "cpu":     # one accelerator: its points one at a time unless asked
-            workers = workers or 1
+        self.gpus = visible_gpus() if backend == "cuda" else []
+        if backend != "cpu":     # a point per GPU at a time (vulkan: its one device) unless asked
+            workers = workers or max(1, len(self.gpus))
         self.threads = threads or max(1, cores // (workers or cores))
         self.workers = workers or max(1, cores // self.threads)
         if backend == "cpu" and self.workers * self.threads > cores:
@@ -46,16 +61,28 @@ class LocalPool:
                              "(ggml's spinning threads would slow every point many times over)")
         self._procs: dict[int, subprocess.Popen] = {}
         self._stopping = False
+        self._free_gpus: queue.SimpleQueue[str] = queue.SimpleQueue()   # a worker's GPU while it runs no point
+        for i in range(self.workers if self.gpus else 0):
+            self._free_gpus.put(self.gpus[i % len(self.gpus)])
 
     def describe(self) -> dict[str, Any]:
-        return {"executor": self.name, "workers": self.workers, "threads": self.threads}
+        return {"executor": self.name, "workers": self.workers, "threads": self.threads,
+                **({"gpus": self.gpus} if self.gpus else {})}
 
     def run(self, specs: list[dict], tracker: Tracker) -> None:
         def one(spec):
             if self._stopping:
                 return
-            tracker.started(spec["index"])
-            outcome = launch_point(spec, lambda msg: tracker.progress(spec["index"], msg), self._procs)
+            gpu = self._free_gpus.get() if self.gpus else None
+            try:
+                tracker.started(spec["index"])
+                outcome = launch_point(spec, lambda msg: tracker.progress(spec["index"], msg), self._procs,
+                                       env=None if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu})
+            finally:
+                if gpu is not None:
+                    self._free_gpus.put(gpu)
+            if gpu is not None:
+                outcome.where = {**outcome.where, "gpu": gpu}
             if not self._stopping:     # a point we killed stays "running": run_sweep marks it interrupted
                 tracker.finished(spec["index"], outcome)
 
@@ -95,8 +122,11 @@ def _ray_point(spec: dict[str, Any], keep_models: bool) -> dict[str, Any]:
         for p in sorted(out.iterdir()):
             if p.is_file() and not p.name.startswith(".") and (keep_models or p.name in SMALL_FILES):
                 files[p.name] = p.read_bytes()
+    where = {"node": socket.gethostname(), "worker_dir": str(out)}
+    if spec.get("backend") == "cuda" and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        where["gpu"] = os.environ["CUDA_VISIBLE_DEVICES"]    # Ray's grant: the point's process sees it alone
     return {"status": outcome.status, "message": outcome.message, "resumed_from": outcome.resumed_from,
-            "files": files, "where": {"node": socket.gethostname(), "worker_dir": str(out)}}
+            "files": files, "where": where}
 
 
 class RayExecutor:

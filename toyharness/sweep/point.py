@@ -108,18 +108,20 @@ class Outcome:
     status: str                   # DONE or FAILED
     message: str | None = None
     resumed_from: int = 0         # the step its checkpoint covered, when it resumed
-    where: dict[str, str] = field(default_factory=dict)   # Ray: node and the worker's folder
+    where: dict[str, str] = field(default_factory=dict)   # Ray: node and the worker's folder; local cuda: gpu
 
 
 def launch_point(spec: dict[str, Any], on_progress: Callable[[dict], None] | None = None,
-                 procs: dict | None = None) -> Outcome:
+                 procs: dict | None = None, env: dict[str, str] | None = None) -> Outcome:
     """Run one point in a process of its own and wait for it. `on_progress` gets its JSON
-    lines ({"start", "of"}, {"step"}); `procs` (index -> Popen) lets the caller stop it."""
+    lines ({"start", "of"}, {"step"}); `procs` (index -> Popen) lets the caller stop it; `env`
+    adds to this process's environment for it (CUDA_VISIBLE_DEVICES: the GPU it runs on)."""
     cmd = [sys.executable, "-c", _POINT_BOOTSTRAP.format(root=_PACKAGE_ROOT), json.dumps(spec)]
     message, resumed_from = None, 0
     with tempfile.TemporaryFile() as err:
+        # a session of its own: Ctrl-C reaches the driver, which stops it
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)   # Ctrl-C reaches the driver, which stops it
+                                start_new_session=True, env={**os.environ, **env} if env else None)
         if procs is not None:
             procs[spec["index"]] = proc
         try:
