@@ -34,7 +34,7 @@ def golden_t_batch(recipe: str) -> int:
     return int([s for s in golden_sets_for(recipe) if s.startswith("t_batch=")][-1].split("=")[1])
 
 
-@pytest.mark.parametrize("recipe,k", [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("vit_tiny", 2)])
+@pytest.mark.parametrize("recipe,k", [("gpt2", 2), ("gpt2", 4), ("llama", 2), ("vit_tiny", 2), ("dpo", 2)])
 def test_accumulated_losses_match_one_batch_of_t_batch_times_k(recipe, k, tmp_path):
     """16 steps of k micro-batches of t_batch rows against 16 steps of one t_batch * k batch (the
     same rows): the losses agree within 1e-6 relative (fp32), and so does the final eval loss."""

@@ -75,7 +75,9 @@ class RecipeSpec:
         default: ``model.trainer.step(batch, hp)``. With the option ``accumulate`` K > 1 it is
         called K times per optimizer step, once per micro-batch of t_batch rows, with the step's
         row each time; it must call ``Trainer.step`` once per call (the Trainer accumulates and
-        steps on the last; the runner reports ``Trainer.step_loss``)."""
+        steps on the last; the runner reports ``Trainer.step_loss``). With ``devices`` N > 1 each
+        of the N processes calls it once per step, on its own micro-batch (the Trainer gathers
+        the others' gradients and steps)."""
 
     @hookspec(firstresult=True)
     def evaluate(self, model, batch: dict) -> dict:

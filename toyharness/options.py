@@ -94,6 +94,9 @@ class Options:
     accumulate: int = positive(1)
     # clip each step's gradient to this global L2 norm, as torch.nn.utils.clip_grad_norm_ (0: off)
     grad_clip: float = 0.0
+    # processes a step is spread over, each computing one micro-batch of t_batch rows (started by
+    # `mpiexec -n N`): the bits of accumulate = N in one process (engine/data_parallel.py)
+    devices: int = positive(1)
     # the loop
     steps: int = positive(200)
     eval_every: int = positive(50)

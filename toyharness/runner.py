@@ -27,7 +27,7 @@ from .adamw import HPRow, check_convention
 from .atomic import atomic_write
 from .data import load_text_data
 from .discovery import get_recipe
-from .engine import get_engine, write_gguf
+from .engine import data_parallel, get_engine, write_gguf
 from .engine.memory_plan import check_fits, plan_model
 from .errors import CheckFailed, InputError, OutOfMemory, WriteError
 from .hookspecs import plugin_manager
@@ -42,7 +42,14 @@ from .run_files import (
     save_checkpoint,
     trainer_params,
 )
-from .training_loop import Progress, check_loop_controls, evaluate_batch, optimizer_step, options_for_steps
+from .training_loop import (
+    Progress,
+    check_loop_controls,
+    evaluate_batch,
+    loop_options,
+    optimizer_step,
+    options_for_steps,
+)
 
 GGML_VERSION = "0.25.3"
 
@@ -100,7 +107,7 @@ def load_data(pm, options):
                              "toyharness.TextOptions, or implement load_data")
         data = load_text_data(options.data)
     # a step's batch holds t_batch * accumulate rows
-    data.check(options_for_steps(options)) if hasattr(data, "check") else data.check_fits(options.t_seq)
+    data.check(options_for_steps(loop_options(options))) if hasattr(data, "check") else data.check_fits(options.t_seq)
     return data
 
 
@@ -192,7 +199,8 @@ def plan_run(recipe: str, backend: str | None = None, threads: int | None = None
     engine = get_engine(backend, threads)
     engine.set_portable(options.portable)
     engine.set_precision(options.precision)
-    engine.set_training_loop(options.accumulate, options.grad_clip)
+    loop = loop_options(options)
+    engine.set_training_loop(loop.accumulate, loop.grad_clip, options.devices)
     try:
         return plan_model(recipe, pm, engine, options, data)
     finally:
@@ -269,8 +277,16 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     run = Run(recipe, options, out_dir, engine, entry, tags=tags)
 
     # The programs the recipe makes now take the run's accumulation and clipping (the engine's,
-    # which goes back to its defaults once they are made).
-    engine.set_training_loop(options.accumulate, options.grad_clip)
+    # which goes back to its defaults once they are made); with devices > 1, a step of that many
+    # micro-batches, this process's one of them (engine/data_parallel.py)
+    loop = loop_options(options)
+    collective = data_parallel.MpiCollective() if options.devices > 1 else None
+    if collective is not None and collective.size != options.devices:
+        raise InputError(f"devices={options.devices}: start the run with mpiexec -n {options.devices} (this is "
+                         f"one process of {collective.size})")
+    if collective is not None and collective.rank != 0:     # the first process alone writes and reports
+        write_files, progress, bus = False, False, ObserverBus([])
+    engine.set_training_loop(loop.accumulate, loop.grad_clip, options.devices)
     try:
         # Refused here, before anything large is allocated, when it cannot fit (exit 2).
         check_fits(recipe, pm, engine, options, data)
@@ -281,8 +297,10 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     if trainer is None:
         raise InputError(f"recipe {recipe}: realize returned {type(model).__name__}, which has no `trainer` "
                          "(the Trainer of its program: prog.trainer(loss, convention))")
-    check_loop_controls(recipe, trainer, options)
-    step_options = options_for_steps(options)
+    check_loop_controls(recipe, trainer, loop)
+    if collective is not None:
+        trainer.spread_over(collective)
+    step_options = options_for_steps(loop)
     start = 0
     if resume_dir is not None:
         start = load_checkpoint(resume_dir / "checkpoint.gguf", trainer, options)
@@ -325,7 +343,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
         if write_files and start == options.steps and out_dir != resume_dir:
             # a resume with no step left, into another folder: that folder can be resumed too
             atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
-            save_checkpoint(out_dir, trainer, options, start)
+            save_checkpoint(out_dir, trainer, loop, start)
         for i in range(start, options.steps):
             batch = batch_for(data, "train", i, step_options)
             if save_batches:
@@ -333,7 +351,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                     batches_log.setdefault(k, []).append(v)
             row = pm.hook.hp(options=options, step=i)
             t0 = time.perf_counter()
-            loss, step_metrics = optimizer_step(pm, model, trainer, data, batch, row, options, recipe)
+            loss, step_metrics = optimizer_step(pm, model, trainer, data, batch, row, loop, recipe)
             loss = float(np.float32(loss))
             ms = (time.perf_counter() - t0) * 1000
             if not math.isfinite(loss):
@@ -352,7 +370,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
             bus.emit("step_end", run=run, **step_args, metrics=dict(step_metrics))
             done = i + 1
             if (done % options.eval_every == 0) or done == options.steps:
-                ev = evaluate(pm, model, data, options)
+                ev = evaluate(pm, model, data, loop)
                 ev["step"] = i
                 run.evals.append(ev)
                 run.metrics[-1]["eval_loss"] = ev["loss"]
@@ -368,7 +386,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
             bar.update(loss, tps, run.evals[-1]["loss"] if run.evals else None, grad_norm)
             if write_files and (done % options.checkpoint_every == 0 or done == options.steps):
                 atomic_write(out_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in run.metrics))
-                save_checkpoint(out_dir, trainer, options, done)
+                save_checkpoint(out_dir, trainer, loop, done)
     except OutOfMemory:
         # A graph's first allocation failed: a folder this run made holds no checkpoint yet, so
         # nothing in it can be resumed; it goes (a resumable one stays).

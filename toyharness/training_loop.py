@@ -12,6 +12,18 @@ from .errors import InputError
 from .options import Options
 
 
+def loop_options(options: Options) -> Options:
+    """The options the loop runs on: with `devices` N > 1 (data parallel, engine/data_parallel.py)
+    a step of N micro-batches, as accumulate = N in one process, of which each process computes one."""
+    devices = getattr(options, "devices", 1)
+    if devices == 1:
+        return options
+    if options.accumulate != 1:
+        raise InputError(f"devices={devices} with accumulate={options.accumulate}: each process computes one "
+                         "micro-batch of a step; leave accumulate at 1 (a step then has devices micro-batches)")
+    return dataclasses.replace(options, accumulate=devices)
+
+
 def options_for_steps(options: Options) -> Options:
     """The options a step's batch is made with: t_batch * accumulate rows (the rows one batch of
     that size holds), split into `accumulate` micro-batches of t_batch rows."""
@@ -60,6 +72,20 @@ def optimizer_step(pm, model, trainer, data, batch: dict, row, options: Options,
     if options.accumulate == 1:
         return split_result(pm.hook.step(model=model, batch=batch, hp=row), f"recipe {recipe}'s step hook")
     before = trainer.steps_done
+    if getattr(trainer, "collective", None) is not None:      # data parallel: this process's micro-batch
+        dp = trainer.collective
+        chunk = micro_batches(data, batch, options.accumulate, options)[dp.rank]
+        _, metrics = split_result(pm.hook.step(model=model, batch=chunk, hp=row), f"recipe {recipe}'s step hook")
+        if trainer.steps_done != before + 1:
+            raise InputError(f"option 'devices': recipe {recipe}'s step hook did not step its trainer once "
+                             "(Trainer.step); leave devices at 1")
+        names = sorted(metrics)          # every process's, summed in rank order: accumulation's mean
+        gathered = dp.allgather(np.array([metrics[k] for k in names], np.float64)) if names else []
+        sums = {k: 0.0 for k in names}
+        for values in gathered:
+            for k, v in zip(names, values):
+                sums[k] += float(v)
+        return trainer.step_loss, {k: v / options.accumulate for k, v in sums.items()}
     sums: dict[str, float] = {}
     for chunk in micro_batches(data, batch, options.accumulate, options):
         _, metrics = split_result(pm.hook.step(model=model, batch=chunk, hp=row), f"recipe {recipe}'s step hook")
@@ -82,7 +108,9 @@ def evaluate_batch(pm, model, data, batch: dict, options: Options) -> dict:
     out: dict = {}
     weights = 0.0
     for chunk in micro_batches(data, batch, options.accumulate, options):
-        w = float(chunk["valid"]) if "valid" in chunk else trainer.micro_count(chunk)
+        # image data's "valid" is its count of real rows; a preference batch's is a mask of positions
+        valid = chunk.get("valid")
+        w = float(valid) if valid is not None and np.ndim(valid) == 0 else trainer.micro_count(chunk)
         if w == 0:
             continue
         res = pm.hook.evaluate(model=model, batch=chunk)

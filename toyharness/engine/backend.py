@@ -69,11 +69,11 @@ class Engine:
             raise BackendError(f"the portable mode is for the cpu backend, not {self.backend}")
         self.portable = bool(portable)
 
-    def set_training_loop(self, accumulate: int = 1, grad_clip: float = 0.0) -> None:
+    def set_training_loop(self, accumulate: int = 1, grad_clip: float = 0.0, devices: int = 1) -> None:
         """The training loop's controls for the Trainers of programs made from now on (Options'
-        `accumulate` and `grad_clip`; engine/loop_controls.py). A run sets them and puts the
-        defaults back when it ends: this engine is the process's."""
-        self.training_loop = TrainingLoop(accumulate, grad_clip)
+        `accumulate`, `grad_clip` and `devices`; engine/loop_controls.py). A run sets them and puts
+        the defaults back when it ends: this engine is the process's."""
+        self.training_loop = TrainingLoop(accumulate, grad_clip, devices)
 
     def set_precision(self, precision: str) -> None:
         """The precision of the matrix products of programs made from now on (Options.precision;

@@ -31,12 +31,20 @@ class TrainingLoop:
 
     accumulate: int = 1
     grad_clip: float = 0.0
+    # processes a step's micro-batches are spread over, one each (engine/data_parallel.py):
+    # `accumulate` micro-batches, so a step's bits are those of one process accumulating them
+    devices: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise InputError(f"option 'accumulate': must be an integer >= 1, got {self.accumulate!r}")
         if not 0 <= self.grad_clip < float("inf"):
             raise InputError(f"option 'grad_clip': must be >= 0 and finite (0: off), got {self.grad_clip!r}")
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise InputError(f"option 'devices': must be an integer >= 1, got {self.devices!r}")
+        if self.devices > 1 and self.accumulate != self.devices:
+            raise InputError(f"devices={self.devices}: each process takes one micro-batch of a step, so the "
+                             f"step has {self.devices} (accumulate {self.accumulate} given)")
 
     @property
     def is_default(self) -> bool:
@@ -63,6 +71,7 @@ class GraphControls:
     def __init__(self, prog: Program, loop: TrainingLoop):
         self.prog, self.loop = prog, loop
         self.accumulators: dict[str, object] = {}
+        self.last_gradients: dict[str, object] = {}     # data parallel: the step's last micro-batch's, fed
         self.inv_count = None
         self.max_norm = None
         self.norm = None
@@ -75,6 +84,10 @@ class GraphControls:
             # 1/N, N the step's count (rows, or counted positions), fed at the last micro-batch
             self.inv_count = prog._new_static("grad.inv_count", (1,), GGML_TYPE_F32)
             lib.ggml_set_input(self.inv_count.ptr)
+        if self.loop.devices > 1:
+            for name, p in prog.params.items():
+                self.last_gradients[name] = prog._new_static(f"grad.last.{name}"[:63], p.shape, GGML_TYPE_F32)
+                lib.ggml_set_input(self.last_gradients[name].ptr)
         if self.loop.grad_clip > 0:
             self.max_norm = prog._new_static("grad_clip.max_norm", (1,), GGML_TYPE_F32)
             lib.ggml_set_input(self.max_norm.ptr)

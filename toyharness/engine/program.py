@@ -448,21 +448,26 @@ class Program(LossBuilders):
         (default: the engine's, Engine.set_training_loop, which a run sets from its options)."""
         return Trainer(self, loss, convention, loop)
 
-    def _compute(self, graph) -> None:
-        self._no_plan("compute")
+    def _place(self, graph) -> None:
+        """`graph`'s nodes where its allocator puts them. Computed again, a graph keeps its
+        placement: no walk over its nodes per step; after another graph, its own allocator puts
+        every node back where it was (so a graph's values can be read again after another graph
+        computed in another buffer)."""
         same_graph = graph == self._last_graph
         if not same_graph:
             # Shared nodes keep the last graph's placement unless cleared (see the shim).
             lib.th_clear_ctx_alloc(self._ctx_compute)
             self._last_graph = graph
         self._prepare(graph)
-        # Computed again, a graph keeps its placement: no walk over its nodes per step; after
-        # another graph, its own allocator puts every node back where it was.
         if not same_graph:
             with ggml_quiet():
                 placed = lib.ggml_gallocr_alloc_graph(self.galloc_for(graph), graph)
             if not placed:
                 raise allocation_failed(self.engine, "a graph's compute buffer", graph_buffer_bytes(self.engine, graph))
+
+    def _compute(self, graph) -> None:
+        self._no_plan("compute")
+        self._place(graph)
         if self.cuda_kernels and self.precision == "bf16":
             lib.th_cuda_bf16_keep_nodes(self.bf16_horizon)
         start = time.perf_counter()

@@ -84,7 +84,8 @@ class Trainer:
         self.eval_graph = prog._new_graph(prog._forward_size([loss.report]), False)
         lib.ggml_build_forward_expand(self.eval_graph, loss.report.ptr)
         self.eval_graph = graph_rewrites.lowered(prog, self.eval_graph, False)
-        graph_check.refuse_unsupported(prog, [self.gb_opt, *self.gb_micro, self.eval_graph])
+        graph_check.refuse_unsupported(prog, [self.gb_opt, *self.gb_micro, self.eval_graph,
+                                              *([self.gb_apply] if self.gb_apply is not None else [])])
         for graph in self.gb_micro:     # one compute buffer for every training graph: the largest
             prog._gallocs[int(ffi.cast("uintptr_t", graph))] = prog.galloc_for(self.gb_opt)
         self._reserve()
@@ -95,6 +96,7 @@ class Trainer:
         self._micro_loss = 0.0
         self.step_loss: float | None = None
         self.grad_norm: float | None = None
+        self.collective = None          # data parallel: the processes a step is spread over (spread_over)
 
     @property
     def forwards_done(self) -> int:
@@ -221,11 +223,22 @@ class Trainer:
 
     def _optimizer_graph(self, grads: dict, opt_size: int) -> None:
         """gb_opt: gb_grad and one AdamW step per parameter (on the accumulated and clipped
-        gradient where the loop's controls are on)."""
-        prog, ctx = self.prog, self.prog._ctx_compute
+        gradient where the loop's controls are on). Data parallel, also gb_apply: those steps alone,
+        on the fed last micro-batch's gradients (engine/data_parallel.py)."""
+        prog = self.prog
         self._check_controls_room()
         self.gb_opt = prog._new_graph(opt_size, True)
         lib.ggml_graph_cpy(self.gb_grad, self.gb_opt)
+        self._add_steps(self.gb_opt, grads)
+        self.gb_apply = None
+        if self.loop.devices > 1:
+            self._check_controls_room()
+            self.gb_apply = prog._new_graph(12 * len(prog.params) + 64, False)
+            self._add_steps(self.gb_apply, {name: t.ptr for name, t in self.controls.last_gradients.items()})
+
+    def _add_steps(self, graph, grads: dict) -> None:
+        """The loop's controls on `grads` (node by parameter name), then AdamW's steps, into `graph`."""
+        prog, ctx = self.prog, self.prog._ctx_compute
         stepped = self.controls.step_gradients(ctx, grads)
         decayed = set(self.decayed)
         # the decayed tensors' steps, then the others': each row's steps consecutive, so that the
@@ -236,7 +249,7 @@ class Trainer:
             # the controls' nodes (sums, scale, clip) all before the first step: the steps stay
             # consecutive (the cuda rewrite's runs)
             for name in order:
-                lib.ggml_build_forward_expand(self.gb_opt, stepped[name])
+                lib.ggml_build_forward_expand(graph, stepped[name])
         for name in order:
             p = prog.params[name]
             grad = stepped[name]
@@ -244,7 +257,7 @@ class Trainer:
                 grad = lib.ggml_cont(ctx, grad)
             row = self.hp if name in decayed else self.hp_no_decay
             step = lib.ggml_opt_step_adamw(ctx, p.ptr, grad, self.m[name].ptr, self.v[name].ptr, row.ptr)
-            lib.ggml_build_forward_expand(self.gb_opt, step)
+            lib.ggml_build_forward_expand(graph, step)
 
     def _check_controls_room(self) -> None:
         """Room in the compute context for one graph's control nodes (ggml aborts when it runs out)."""
@@ -326,6 +339,8 @@ class Trainer:
             row = []
         if len(row) != 7 or not all(map(math.isfinite, row)):
             raise InputError(f"the AdamW row must be 7 finite floats, got {hp!r}")
+        if self.collective is not None:
+            return self._spread_step(feeds, row)
         k, last = self.micro, self.micro == self.loop.accumulate - 1
         count = self.micro_count(feeds) if self.loop.accumulate > 1 else 1.0
         self.prog.feed(feeds)
@@ -357,6 +372,60 @@ class Trainer:
             self.steps_done += 1
             self.step_loss = loss if self.loop.accumulate == 1 else self._micro_loss / self._micro_count
             self.grad_norm = self._read_grad_norm()
+        return loss
+
+    def spread_over(self, collective) -> None:
+        """Data parallel (engine/data_parallel.py): from now on each `step` call is this process's
+        micro-batch of the step, number `collective.rank` of `collective.size`, the trainer built
+        with that many devices (TrainingLoop.devices); every process steps the same parameters."""
+        if self.gb_apply is None or collective.size != self.loop.devices:
+            raise InputError(f"a trainer built for {self.loop.devices} device(s) cannot be spread over "
+                             f"{collective.size} processes")
+        self.collective = collective
+
+    def _spread_step(self, feeds: dict[str, np.ndarray], row: list[float]) -> float:
+        """One step of a data-parallel run: this micro-batch's gradients, every process's gathered
+        and summed in micro-batch order as accumulation sums them (data_parallel.sum_in_order), then
+        gb_apply, the last micro-batch's graph's controls and AdamW steps on them: the bits of one
+        process accumulating the same micro-batches."""
+        from .data_parallel import sum_in_order
+
+        prog, dp, acc = self.prog, self.collective, self.controls.accumulators
+        count = self.micro_count(feeds)
+        self.micro = dp.rank
+        prog.feed(feeds)
+        prog.set_dropout(self._forward_index(), True)
+        if self.needs_full_reset:
+            self.reset_full()
+            self.needs_full_reset = False
+        else:
+            self.reset_grads()
+        self._count_in[0] = count        # the loss gradient seeded with the count: gradients are sums
+        lib.ggml_backend_tensor_set(self._loss_grad, self._count_in, 0, 4)
+        prog._compute(self.gb_micro[0])             # this micro-batch's gradients, into the accumulators
+        loss = self.loss_value()
+        names = list(prog.params)
+        mine = np.concatenate([prog.read(acc[n]).reshape(-1) for n in names])
+        before_last, last = sum_in_order(dp.allgather(mine))
+        at = 0
+        for n in names:
+            shape, size = prog.read(acc[n]).shape, int(np.prod(prog.params[n].shape))
+            prog.write(acc[n], before_last[at:at + size].reshape(shape))
+            prog.write(self.controls.last_gradients[n], last[at:at + size].reshape(shape))
+            at += size
+        total, loss_sum = 0.0, 0.0
+        for c, micro_loss in dp.allgather(np.array([count, loss], np.float64)):
+            total += float(c)
+            loss_sum += float(c) * float(micro_loss)
+        self._count_in[0] = 1.0 / total
+        lib.ggml_backend_tensor_set(self.controls.inv_count.ptr, self._count_in, 0, 4)
+        self._feed_rows(row)
+        prog._compute(self.gb_apply)
+        self.grad_norm = self._read_grad_norm()
+        prog._place(self.gb_micro[0])       # its own buffer, untouched: a recipe reads the step's values there
+        self.micro = 0
+        self.steps_done += 1
+        self.step_loss = loss_sum / total
         return loss
 
     def micro_count(self, feeds: dict[str, np.ndarray]) -> float:

@@ -1,0 +1,118 @@
+"""Data parallel (`devices = N`, engine/data_parallel.py): N processes started by MPI's launcher,
+one micro-batch of each step apiece, with the bits of one process accumulating the N micro-batches
+(`accumulate = N`): losses, gradient norms, evaluations, a preference recipe's metrics and the
+checkpoint's tensors, and a resume from either onto the other."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import cli
+
+from toyharness.engine import GGUFFile
+from toyharness.engine.data_parallel import sum_in_order
+from toyharness.goldens import golden_sets_for
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+try:
+    import mpi4py  # noqa: F401
+    MPI_MISSING = None if MPIEXEC.is_file() else f"no {MPIEXEC} (the mpich wheel's launcher)"
+except ImportError:
+    MPI_MISSING = 'mpi4py is not installed (pip install "toyharness[dp]")'
+needs_mpi = pytest.mark.skipif(MPI_MISSING is not None, reason=MPI_MISSING or "")
+QUIET = ["--threads", "1", "--no-progress"]
+TIMING = ("ms", "tokens_per_s", "wall_s")
+
+
+def sets_args(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def spread_run(n: int, *args: str) -> subprocess.CompletedProcess:
+    """`mpiexec -n N toyharness run ARGS` (each process one thread)."""
+    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "toyharness.cli", "run", *args, *QUIET]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]
+
+
+def losses(run_dir: Path) -> list[tuple]:
+    """Each step's loss bits and gradient norm (a run cut short has its own schedule's lr)."""
+    return [(m["loss_hex"], m["grad_norm"]) for m in metrics(run_dir)]
+
+
+def tensors(path: Path) -> dict[str, np.ndarray]:
+    with GGUFFile(path) as f:
+        return {n: f.tensor(n).to_numpy() for n in f.names}
+
+
+def test_the_gathered_gradients_are_summed_in_micro_batch_order_as_accumulation_adds_them():
+    g = np.random.default_rng(3).normal(size=(4, 1000)).astype(np.float32) * np.float32(1e4)
+    before_last, last = sum_in_order(g)
+    want = g[0].copy()
+    for k in (1, 2):
+        want = g[k] + want             # accumulation's ADD(g_k, sum): one float32 rounding each
+    assert np.array_equal(before_last, want) and np.array_equal(last, g[3])
+    assert not np.array_equal(before_last, (g[0] + (g[1] + g[2])))    # the order shows in the bits
+    with pytest.raises(ValueError, match="float32"):
+        sum_in_order(g.astype(np.float64))
+
+
+@needs_mpi
+@pytest.mark.parametrize("recipe, extra", [("gpt2", ["dropout=0.1", "grad_clip=0.05"]), ("lora", ["lora_dropout=0.1"]),
+                                           ("dpo", [])])
+def test_two_processes_give_the_bits_of_one_accumulating_two_micro_batches(recipe, extra, tmp_path):
+    sets = golden_sets_for(recipe) + extra + ["eval_every=4", "eval_batches=2"]
+    spread = spread_run(2, recipe, "--steps", "8", *sets_args(sets + ["devices=2"]), "--out", str(tmp_path / "dp"))
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    one = cli("run", recipe, "--steps", "8", *sets_args(sets + ["accumulate=2"]), "--out", str(tmp_path / "acc"),
+              *QUIET)
+    assert one.returncode == 0, one.stderr[-2000:]
+    dp, acc = metrics(tmp_path / "dp"), metrics(tmp_path / "acc")
+    assert len(dp) == 8 and dp == acc
+    assert "eval_loss" in dp[3] and (recipe != "gpt2" or "grad_norm" in dp[0])
+    a, b = tensors(tmp_path / "dp" / "checkpoint.gguf"), tensors(tmp_path / "acc" / "checkpoint.gguf")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@needs_mpi
+def test_a_checkpoint_resumes_on_another_number_of_processes_with_the_same_bits(tmp_path):
+    # a constant lr: the first half, a run of 4 steps, would have its own cosine
+    sets = golden_sets_for("gpt2") + ["dropout=0.1", "grad_clip=0.05", "checkpoint_every=4", "eval_every=100",
+                                      "lr_schedule=constant", "warmup=0"]
+    full = cli("run", "gpt2", "--steps", "8", *sets_args(sets + ["accumulate=2"]), "--out", str(tmp_path / "full"),
+               *QUIET)
+    assert full.returncode == 0, full.stderr[-2000:]
+    first = spread_run(2, "gpt2", "--steps", "4", *sets_args(sets + ["devices=2"]), "--out", str(tmp_path / "dp"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    alone = cli("run", "gpt2", "--resume", str(tmp_path / "dp"), "--steps", "8", "--set", "devices=1", "--set",
+                "accumulate=2", "--out", str(tmp_path / "alone"), *QUIET)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert losses(tmp_path / "alone") == losses(tmp_path / "full")
+    # and the other way: one process's first half, two processes' second
+    cli("run", "gpt2", "--steps", "4", *sets_args(sets + ["accumulate=2"]), "--out", str(tmp_path / "one"), *QUIET)
+    spread = spread_run(2, "gpt2", "--resume", str(tmp_path / "one"), "--steps", "8", "--set", "devices=2", "--set",
+                        "accumulate=1", "--out", str(tmp_path / "spread"))
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    assert losses(tmp_path / "spread") == losses(tmp_path / "full")
+
+
+def test_devices_without_as_many_processes_is_one_line_exit_2(tmp_path):
+    res = cli("run", "llama", "--steps", "1", "--set", "devices=2", "--out", str(tmp_path / "r"), *QUIET)
+    want = "start the run with mpiexec -n 2" if MPI_MISSING is None else "devices > 1 needs MPI"
+    assert res.returncode == 2 and want in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_devices_with_accumulate_is_refused_by_name(tmp_path):
+    res = cli("run", "llama", "--steps", "1", "--set", "devices=2", "--set", "accumulate=2", "--out",
+              str(tmp_path / "r"), *QUIET)
+    assert res.returncode == 2 and "devices=2 with accumulate=2" in res.stderr, res.stderr
