@@ -11,12 +11,23 @@ ROOT = Path(__file__).resolve().parent.parent / "goldens"
 
 
 BUILT_IN = ["gpt2", "llama", "lora", "lora@q4_k", "lora@q8_0", "lora@llama3", "lora@qwen3", "lora@gemma3",
-            "lora@phi3", "vit_tiny", "warm_start", "gpt2@dropout", "lora@dropout"]
+            "lora@phi3", "vit_tiny", "warm_start", "gpt2@dropout", "lora@dropout", "gpt2@dp2", "lora@dp2"]
 
 
 @pytest.mark.parametrize("recipe", BUILT_IN)
 def test_recipe_matches_its_golden(recipe, toyharness_golden):
     toyharness_golden(recipe, root=ROOT)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "lora"])
+def test_the_two_process_goldens_hold_the_bits_of_two_micro_batches_in_one(recipe):
+    """RECIPE@dp2 (devices=2) and RECIPE@accum (accumulate=2), recorded apart, in every folder
+    that has both: the same losses, bit for bit."""
+    pairs = [(d / f"{recipe}@dp2.yml", d / f"{recipe}@accum.yml") for d in sorted(ROOT.iterdir())]
+    pairs = [(a, b) for a, b in pairs if a.is_file() and b.is_file()]
+    assert pairs, f"no folder holds both {recipe}@dp2 and {recipe}@accum"
+    for dp2, accum in pairs:
+        assert goldens.load(dp2)["losses"] == goldens.load(accum)["losses"], dp2.parent.name
 
 
 @pytest.fixture(scope="module")

@@ -172,8 +172,13 @@ def compute(name: str, backend: str = "cpu", threads: int | None = None, extra_s
     steps = golden_steps(split_name(name)[0])
     engine = get_engine(backend)
     try:
-        train(split_name(name)[0], steps=steps, backend=backend, threads=threads, sets=sets,
-              observers=(collector,), progress=False, write_files=False)
+        devices = _devices(split_name(name)[0], sets)
+        if devices > 1:
+            collector.options, losses = _spread_losses(split_name(name)[0], steps, backend, threads, sets, devices)
+            seen.extend(losses)
+        else:
+            train(split_name(name)[0], steps=steps, backend=backend, threads=threads, sets=sets,
+                  observers=(collector,), progress=False, write_files=False)
         fp = engine.fingerprint()
     finally:
         engine.set_portable(False)   # the run set it: later programs of this process are fast again
@@ -182,6 +187,43 @@ def compute(name: str, backend: str = "cpu", threads: int | None = None, extra_s
             "blas": blas.tag() if blas is not None and backend == "cpu" and not portable else None,
             "options": _portable(collector.options.to_dict()),
             "losses": [{"step": i, "hex": float_hex(x), "value": float(np.float32(x))} for i, x in enumerate(seen)]}
+
+
+def _devices(recipe: str, sets: list[str]) -> int:
+    from .discovery import get_recipe
+    from .runner import resolve_options
+
+    return getattr(resolve_options(get_recipe(recipe)[1], None, sets, {}), "devices", 1)
+
+
+def _spread_losses(recipe: str, steps: int, backend: str, threads: int | None, sets: list[str],
+                   devices: int) -> tuple:
+    """A golden of `devices` processes (engine/data_parallel.py): the run started by MPI's launcher
+    beside this Python (`mpiexec -n N`, the mpich wheel's), one thread a process unless told; its
+    options and losses (metrics.jsonl's bits)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from .discovery import get_recipe
+    from .runner import resolve_options
+
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.is_file():
+        raise InputError(f"{recipe} with devices={devices}: needs MPI's launcher at {mpiexec} "
+                         '(pip install "toyharness[dp]")')
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [str(mpiexec), "-n", str(devices), sys.executable, "-m", "toyharness.cli", "run", recipe, "--steps",
+               str(steps), "--backend", backend, "--threads", str(threads or 1), "--no-progress", "--out",
+               str(Path(tmp) / "run"), *[a for s in sets for a in ("--set", s)]]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = [x for x in done.stderr.splitlines() if x.strip()][-1:] or [f"exit {done.returncode}"]
+            raise InputError(f"{recipe} with devices={devices}: {tail[0]}")
+        lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+    losses = [hex_to_f32(json.loads(x)["loss_hex"]) for x in lines]
+    return resolve_options(get_recipe(recipe)[1], None, sets, {"steps": steps}), losses
 
 
 def _portable(options: dict) -> dict:

@@ -59,8 +59,9 @@ class GPT2(LMRecipe):
     # micro-batches of the golden t_batch a step; gpt2@clip: a global norm bound below every step's
     # gradient norm at the golden config, so that every step clips
     # gpt2@nanogpt: nanoGPT's model (no biases, exact GELU, scaled residual projections)
+    # gpt2@dp2: gpt2@accum's two micro-batches a step in two processes (the same bits)
     golden_variants = {"dropout": ["dropout=0.1"], "accum": ["accumulate=2"], "clip": ["grad_clip=0.05"],
-                       "nanogpt": ["bias=false", "gelu=erf", "scaled_proj_init=true"]}
+                       "nanogpt": ["bias=false", "gelu=erf", "scaled_proj_init=true"], "dp2": ["devices=2"]}
 
     def torch_reference(self, options):
         """Its PyTorch twin (`bench` beside PyTorch, the parity tests); torch loads only here."""

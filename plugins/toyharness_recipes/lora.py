@@ -227,7 +227,8 @@ class LoRA(AdapterRecipe):
         """lora@q4_k, lora@q8_0: the golden config over a quantized base (a seeded llama 256 wide,
         so that K-quants fit its rows, quantized by ggml's own quantizer and kept in the cache);
         lora@dropout: the golden config with lora_dropout 0.1; lora@packed: the golden config on JSONL
-        instructions packed several to a row."""
+        instructions packed several to a row; lora@accum: two micro-batches a step, and lora@dp2 the
+        same in two processes (the same bits)."""
         base = seeded_model_file("llama", ["n_layer=1", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512",
                                            "seed=7"])
         variants = {dtype: [f"base={cached_copy_as(base, dtype)}"] for dtype in ("q4_k", "q8_0")}
@@ -237,6 +238,7 @@ class LoRA(AdapterRecipe):
             variants[name] = [f"base={example_file(**shape)}", f"targets={','.join(arch.targets)}"]
         variants["dropout"] = ["lora_dropout=0.1"]
         variants["packed"] = [f"data={synthetic_instruction_file(**PACKED_GOLDEN_DATA)}", "pack=true"]
+        variants["accum"], variants["dp2"] = ["accumulate=2"], ["devices=2"]
         return variants
 
     @property
