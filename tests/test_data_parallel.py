@@ -105,6 +105,28 @@ def test_a_checkpoint_resumes_on_another_number_of_processes_with_the_same_bits(
     assert losses(tmp_path / "spread") == losses(tmp_path / "full")
 
 
+@needs_mpi
+def test_allreduce_steps_on_mpis_sum_within_rounding_of_the_ordered_bits(tmp_path):
+    """gradient_reduce=allreduce over 3 processes: MPI's sum of the 3 micro-batches' gradients,
+    added in its own order: 8 losses within 1e-6 relative of accumulate=3's."""
+    sets = golden_sets_for("gpt2") + ["eval_every=100"]
+    spread = spread_run(3, "gpt2", "--steps", "8", *sets_args(sets + ["devices=3", "gradient_reduce=allreduce"]),
+                        "--out", str(tmp_path / "dp"))
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    one = cli("run", "gpt2", "--steps", "8", *sets_args(sets + ["accumulate=3"]), "--out", str(tmp_path / "acc"),
+              *QUIET)
+    assert one.returncode == 0, one.stderr[-2000:]
+    a = np.array([m["loss"] for m in metrics(tmp_path / "dp")])
+    b = np.array([m["loss"] for m in metrics(tmp_path / "acc")])
+    assert len(a) == 8 and np.max(np.abs(a - b) / np.abs(b)) < 1e-6
+
+
+def test_gradient_reduce_without_devices_is_refused_by_name(tmp_path):
+    res = cli("run", "llama", "--steps", "1", "--set", "gradient_reduce=allreduce", "--out", str(tmp_path / "r"),
+              *QUIET)
+    assert res.returncode == 2 and "gradient_reduce=allreduce" in res.stderr and "devices > 1" in res.stderr
+
+
 def test_devices_without_as_many_processes_is_one_line_exit_2(tmp_path):
     res = cli("run", "llama", "--steps", "1", "--set", "devices=2", "--out", str(tmp_path / "r"), *QUIET)
     want = "start the run with mpiexec -n 2" if MPI_MISSING is None else "devices > 1 needs MPI"

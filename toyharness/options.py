@@ -97,6 +97,9 @@ class Options:
     # processes a step is spread over, each computing one micro-batch of t_batch rows (started by
     # `mpiexec -n N`): the bits of accumulate = N in one process (engine/data_parallel.py)
     devices: int = positive(1)
+    # how devices > 1 combine their gradients: in_order (the bits of accumulate = devices) or
+    # allreduce (MPI's sum, less traffic for full training; its order is MPI's, the bits may differ)
+    gradient_reduce: str = choice("in_order", ("in_order", "allreduce"))
     # the loop
     steps: int = positive(200)
     eval_every: int = positive(50)

@@ -299,7 +299,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
                          "(the Trainer of its program: prog.trainer(loss, convention))")
     check_loop_controls(recipe, trainer, loop)
     if collective is not None:
-        trainer.spread_over(collective)
+        trainer.spread_over(collective, options.gradient_reduce)
     step_options = options_for_steps(loop)
     start = 0
     if resume_dir is not None:

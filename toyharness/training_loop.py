@@ -17,6 +17,9 @@ def loop_options(options: Options) -> Options:
     a step of N micro-batches, as accumulate = N in one process, of which each process computes one."""
     devices = getattr(options, "devices", 1)
     if devices == 1:
+        if getattr(options, "gradient_reduce", "in_order") != "in_order":
+            raise InputError(f"option 'gradient_reduce={options.gradient_reduce}': for devices > 1 (one process "
+                             "has nothing to reduce)")
         return options
     if options.accumulate != 1:
         raise InputError(f"devices={devices} with accumulate={options.accumulate}: each process computes one "

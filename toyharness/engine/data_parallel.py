@@ -9,7 +9,10 @@ the Trainer's gb_apply, the controls (sum, 1/count, clip) and AdamW steps of acc
 graph, on the same values, so every process holds the same parameters after each step.
 
 The cost: each process receives every other's gradients (N - 1 copies of the trainable
-parameters' size a step): small for LoRA's adapters, the whole model for full training.
+parameters' size a step): small for LoRA's adapters, the whole model for full training. The
+option ``gradient_reduce = "allreduce"`` instead has MPI sum all N micro-batches' gradients
+(Allreduce: about 2 copies a step whatever N) and steps on that sum: the same arithmetic in MPI's
+order of adding, so the bits may differ from accumulation's (within float32 rounding).
 
 The processes talk through MPI (mpi4py, with the MPICH that the `mpich` wheel installs), started by
 its launcher: ``mpiexec -n N toyharness run RECIPE --set devices=N``.
@@ -32,6 +35,9 @@ class Collective(Protocol):
 
     def allgather(self, values: np.ndarray) -> np.ndarray:
         """Every process's 1-D `values` (all of one length and dtype), by rank: (size, n)."""
+
+    def allreduce_sum(self, values: np.ndarray) -> np.ndarray:
+        """The element-wise sum of every process's 1-D `values`, in the collective's own order."""
 
 
 def sum_in_order(gathered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -63,4 +69,12 @@ class MpiCollective:
         values = np.ascontiguousarray(values)
         out = np.empty((self.size, values.size), values.dtype)
         self._comm.Allgather(values, out)
+        return out
+
+    def allreduce_sum(self, values: np.ndarray) -> np.ndarray:
+        from mpi4py import MPI
+
+        values = np.ascontiguousarray(values)
+        out = np.empty_like(values)
+        self._comm.Allreduce(values, out, op=MPI.SUM)
         return out

@@ -97,6 +97,7 @@ class Trainer:
         self.step_loss: float | None = None
         self.grad_norm: float | None = None
         self.collective = None          # data parallel: the processes a step is spread over (spread_over)
+        self.reduce = "in_order"
 
     @property
     def forwards_done(self) -> int:
@@ -374,14 +375,17 @@ class Trainer:
             self.grad_norm = self._read_grad_norm()
         return loss
 
-    def spread_over(self, collective) -> None:
+    def spread_over(self, collective, reduce: str = "in_order") -> None:
         """Data parallel (engine/data_parallel.py): from now on each `step` call is this process's
         micro-batch of the step, number `collective.rank` of `collective.size`, the trainer built
-        with that many devices (TrainingLoop.devices); every process steps the same parameters."""
+        with that many devices (TrainingLoop.devices); every process steps the same parameters.
+        `reduce`: "in_order" (accumulation's bits) or "allreduce" (the collective's sum)."""
         if self.gb_apply is None or collective.size != self.loop.devices:
             raise InputError(f"a trainer built for {self.loop.devices} device(s) cannot be spread over "
                              f"{collective.size} processes")
-        self.collective = collective
+        if reduce not in ("in_order", "allreduce"):
+            raise InputError(f"option 'gradient_reduce': {reduce!r}; allowed: in_order, allreduce")
+        self.collective, self.reduce = collective, reduce
 
     def _spread_step(self, feeds: dict[str, np.ndarray], row: list[float]) -> float:
         """One step of a data-parallel run: this micro-batch's gradients, every process's gathered
@@ -406,7 +410,11 @@ class Trainer:
         loss = self.loss_value()
         names = list(prog.params)
         mine = np.concatenate([prog.read(acc[n]).reshape(-1) for n in names])
-        before_last, last = sum_in_order(dp.allgather(mine))
+        if self.reduce == "allreduce":      # the whole sum in the accumulators, the last part 0
+            before_last = dp.allreduce_sum(mine)
+            last = np.zeros_like(before_last)
+        else:
+            before_last, last = sum_in_order(dp.allgather(mine))
         at = 0
         for n in names:
             shape, size = prog.read(acc[n]).shape, int(np.prod(prog.params[n].shape))
