@@ -222,6 +222,7 @@ def test_options_hold_only_what_every_recipe_reads():
                          "eval_batches"}
     assert {"t_batch", "seed", "init_scale", "lr", "beta1", "beta2", "eps", "weight_decay", "adamw_convention",
             "lr_schedule", "warmup", "min_lr", "steps", "eval_every", "checkpoint_every", "accumulate", "grad_clip",
+            "devices", "gradient_reduce",
             "data", "portable", "precision", "log"} == common
     assert set(TextOptions.__dataclass_fields__) - common == {"t_seq", "eval_batches"}
     assert set(LMOptions.__dataclass_fields__) - set(TextOptions.__dataclass_fields__) == \
