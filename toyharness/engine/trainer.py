@@ -409,18 +409,18 @@ class Trainer:
         prog._compute(self.gb_micro[0])             # this micro-batch's gradients, into the accumulators
         loss = self.loss_value()
         names = list(prog.params)
-        mine = np.concatenate([prog.read(acc[n]).reshape(-1) for n in names])
+        parts = [prog.read(acc[n]) for n in names]
+        mine = np.concatenate([part.reshape(-1) for part in parts])
         if self.reduce == "allreduce":      # the whole sum in the accumulators, the last part 0
             before_last = dp.allreduce_sum(mine)
             last = np.zeros_like(before_last)
         else:
             before_last, last = sum_in_order(dp.allgather(mine))
         at = 0
-        for n in names:
-            shape, size = prog.read(acc[n]).shape, int(np.prod(prog.params[n].shape))
-            prog.write(acc[n], before_last[at:at + size].reshape(shape))
-            prog.write(self.controls.last_gradients[n], last[at:at + size].reshape(shape))
-            at += size
+        for n, part in zip(names, parts):
+            prog.write(acc[n], before_last[at:at + part.size].reshape(part.shape))
+            prog.write(self.controls.last_gradients[n], last[at:at + part.size].reshape(part.shape))
+            at += part.size
         total, loss_sum = 0.0, 0.0
         for c, micro_loss in dp.allgather(np.array([count, loss], np.float64)):
             total += float(c)
