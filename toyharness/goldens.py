@@ -199,9 +199,10 @@ def _devices(recipe: str, sets: list[str]) -> int:
 def _spread_losses(recipe: str, steps: int, backend: str, threads: int | None, sets: list[str],
                    devices: int) -> tuple:
     """A golden of `devices` processes (engine/data_parallel.py): the run started by MPI's launcher
-    beside this Python (`mpiexec -n N`, the mpich wheel's), one thread a process unless told; its
-    options and losses (metrics.jsonl's bits)."""
+    beside this Python (`mpiexec -n N`, the mpich wheel's) or else on PATH, one thread a process unless
+    told; its options and losses (metrics.jsonl's bits)."""
     import json
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -211,8 +212,10 @@ def _spread_losses(recipe: str, steps: int, backend: str, threads: int | None, s
 
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.is_file():
-        raise InputError(f"{recipe} with devices={devices}: needs MPI's launcher at {mpiexec} "
-                         '(pip install "toyharness[dp]")')
+        mpiexec = shutil.which("mpiexec")
+    if not mpiexec:
+        raise InputError(f"{recipe} with devices={devices}: needs MPI's launcher mpiexec beside "
+                         f"{sys.executable} or on PATH (pip install \"toyharness[dp]\")")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [str(mpiexec), "-n", str(devices), sys.executable, "-m", "toyharness.cli", "run", recipe, "--steps",
                str(steps), "--backend", backend, "--threads", str(threads or 1), "--no-progress", "--out",
