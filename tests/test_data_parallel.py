@@ -66,6 +66,15 @@ def test_the_gathered_gradients_are_summed_in_micro_batch_order_as_accumulation_
         sum_in_order(g.astype(np.float64))
 
 
+def test_rounds_of_gathered_gradients_add_on_to_the_running_sum_in_order():
+    """Two rounds of two processes: micro-batches 0, 1 then 2, 3, added as one process adds four."""
+    g = np.random.default_rng(4).normal(size=(4, 1000)).astype(np.float32) * np.float32(1e4)
+    running, none = sum_in_order(g[:2], None, keep_last=False)
+    assert none is None and np.array_equal(running, g[1] + g[0])
+    before_last, last = sum_in_order(g[2:], running, keep_last=True)
+    assert np.array_equal(before_last, g[2] + (g[1] + g[0])) and np.array_equal(last, g[3])
+
+
 @needs_mpi
 @pytest.mark.parametrize("recipe, extra", [("gpt2", ["dropout=0.1", "grad_clip=0.05"]), ("lora", ["lora_dropout=0.1"]),
                                            ("dpo", [])])
@@ -134,7 +143,20 @@ def test_devices_without_as_many_processes_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_devices_with_accumulate_is_refused_by_name(tmp_path):
-    res = cli("run", "llama", "--steps", "1", "--set", "devices=2", "--set", "accumulate=2", "--out",
-              str(tmp_path / "r"), *QUIET)
-    assert res.returncode == 2 and "devices=2 with accumulate=2" in res.stderr, res.stderr
+@needs_mpi
+def test_two_processes_accumulating_two_rounds_give_the_bits_of_one_accumulating_four(tmp_path):
+    """devices=2 with accumulate=2: each process computes micro-batches r and r + 2 of a step's 4, in
+    two rounds; the bits of one process with accumulate=4 (dropout's masks, clipping and the
+    recipe's own metrics included)."""
+    sets = golden_sets_for("lora") + ["lora_dropout=0.1", "grad_clip=0.05", "eval_every=4", "eval_batches=2"]
+    spread = spread_run(2, "lora", "--steps", "6", *sets_args(sets + ["devices=2", "accumulate=2"]), "--out",
+                        str(tmp_path / "dp"))
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    one = cli("run", "lora", "--steps", "6", *sets_args(sets + ["accumulate=4"]), "--out", str(tmp_path / "acc"),
+              *QUIET)
+    assert one.returncode == 0, one.stderr[-2000:]
+    dp, acc = metrics(tmp_path / "dp"), metrics(tmp_path / "acc")
+    assert len(dp) == 6 and dp == acc and "grad_norm" in dp[0]
+    two = cli("run", "lora", "--steps", "6", *sets_args(sets + ["accumulate=2"]), "--out", str(tmp_path / "two"),
+              *QUIET)
+    assert two.returncode == 0 and metrics(tmp_path / "two")[1]["loss_hex"] != dp[1]["loss_hex"]   # 4, not 2

@@ -76,8 +76,8 @@ class RecipeSpec:
         called K times per optimizer step, once per micro-batch of t_batch rows, with the step's
         row each time; it must call ``Trainer.step`` once per call (the Trainer accumulates and
         steps on the last; the runner reports ``Trainer.step_loss``). With ``devices`` N > 1 each
-        of the N processes calls it once per step, on its own micro-batch (the Trainer gathers
-        the others' gradients and steps)."""
+        of the N processes calls it K times per step, on its own micro-batches (the Trainer
+        gathers the others' gradients and steps on the last)."""
 
     @hookspec(firstresult=True)
     def evaluate(self, model, batch: dict) -> dict:

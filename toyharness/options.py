@@ -89,15 +89,16 @@ class Options:
     warmup: int = 0
     # the decay's floor, an absolute learning rate; unset: lr/10 (nanoGPT's default min_lr)
     min_lr: float | None = None
-    # micro-batches of t_batch rows per optimizer step, their gradients summed (1: off); a step's
-    # rows are those one batch of t_batch * accumulate holds
+    # micro-batches of t_batch rows per optimizer step (each process's, with devices > 1), their
+    # gradients summed (1: off); a step's rows are those one batch of t_batch * accumulate holds
     accumulate: int = positive(1)
     # clip each step's gradient to this global L2 norm, as torch.nn.utils.clip_grad_norm_ (0: off)
     grad_clip: float = 0.0
-    # processes a step is spread over, each computing one micro-batch of t_batch rows (started by
-    # `mpiexec -n N`): the bits of accumulate = N in one process (engine/data_parallel.py)
+    # processes a step is spread over, each computing `accumulate` micro-batches of t_batch rows
+    # (started by `mpiexec -n N`): the bits of accumulate = N x accumulate in one process
+    # (engine/data_parallel.py)
     devices: int = positive(1)
-    # how devices > 1 combine their gradients: in_order (the bits of accumulate = devices) or
+    # how devices > 1 combine their gradients: in_order (accumulation's bits) or
     # allreduce (MPI's sum, less traffic for full training; its order is MPI's, the bits may differ)
     gradient_reduce: str = choice("in_order", ("in_order", "allreduce"))
     # the loop

@@ -14,17 +14,15 @@ from .options import Options
 
 def loop_options(options: Options) -> Options:
     """The options the loop runs on: with `devices` N > 1 (data parallel, engine/data_parallel.py)
-    a step of N micro-batches, as accumulate = N in one process, of which each process computes one."""
+    a step of N x `accumulate` micro-batches, as accumulate = N x accumulate in one process, of
+    which each process computes `accumulate`, one a round."""
     devices = getattr(options, "devices", 1)
     if devices == 1:
         if getattr(options, "gradient_reduce", "in_order") != "in_order":
             raise InputError(f"option 'gradient_reduce={options.gradient_reduce}': for devices > 1 (one process "
                              "has nothing to reduce)")
         return options
-    if options.accumulate != 1:
-        raise InputError(f"devices={devices} with accumulate={options.accumulate}: each process computes one "
-                         "micro-batch of a step; leave accumulate at 1 (a step then has devices micro-batches)")
-    return dataclasses.replace(options, accumulate=devices)
+    return dataclasses.replace(options, accumulate=devices * options.accumulate)
 
 
 def options_for_steps(options: Options) -> Options:
@@ -75,19 +73,25 @@ def optimizer_step(pm, model, trainer, data, batch: dict, row, options: Options,
     if options.accumulate == 1:
         return split_result(pm.hook.step(model=model, batch=batch, hp=row), f"recipe {recipe}'s step hook")
     before = trainer.steps_done
-    if getattr(trainer, "collective", None) is not None:      # data parallel: this process's micro-batch
+    if getattr(trainer, "collective", None) is not None:      # data parallel: this process's micro-batches
         dp = trainer.collective
-        chunk = micro_batches(data, batch, options.accumulate, options)[dp.rank]
-        _, metrics = split_result(pm.hook.step(model=model, batch=chunk, hp=row), f"recipe {recipe}'s step hook")
+        chunks = micro_batches(data, batch, options.accumulate, options)[dp.rank::dp.size]
+        mine = []
+        for chunk in chunks:
+            _, metrics = split_result(pm.hook.step(model=model, batch=chunk, hp=row), f"recipe {recipe}'s step hook")
+            mine.append(metrics)
         if trainer.steps_done != before + 1:
-            raise InputError(f"option 'devices': recipe {recipe}'s step hook did not step its trainer once "
-                             "(Trainer.step); leave devices at 1")
-        names = sorted(metrics)          # every process's, summed in rank order: accumulation's mean
-        gathered = dp.allgather(np.array([metrics[k] for k in names], np.float64)) if names else []
+            raise InputError(f"option 'devices': recipe {recipe}'s step hook did not step its trainer once per "
+                             "micro-batch (Trainer.step); leave devices at 1")
+        names = sorted(mine[0])          # every process's, summed in micro-batch order: accumulation's mean
         sums = {k: 0.0 for k in names}
-        for values in gathered:
-            for k, v in zip(names, values):
-                sums[k] += float(v)
+        if names:
+            gathered = dp.allgather(np.array([[m[k] for k in names] for m in mine], np.float64).reshape(-1))
+            by_round = gathered.reshape(dp.size, len(chunks), len(names)).transpose(1, 0, 2)
+            for round_values in by_round:
+                for values in round_values:
+                    for k, v in zip(names, values):
+                        sums[k] += float(v)
         return trainer.step_loss, {k: v / options.accumulate for k, v in sums.items()}
     sums: dict[str, float] = {}
     for chunk in micro_batches(data, batch, options.accumulate, options):

@@ -1,21 +1,24 @@
-"""Data parallel: a step's micro-batches computed by as many processes, one each, with the bits of
-one process accumulating them (engine/loop_controls.py, `accumulate`).
+"""Data parallel: a step's micro-batches spread over N processes, with the bits of one process
+accumulating them all (engine/loop_controls.py, `accumulate`).
 
-Each process computes its micro-batch's gradients (the sums its loss counts), all of them are
-gathered to every process, and each sums them as accumulation does: the first, then each next one
-added to the running sum, in micro-batch order, in float32 (the same one rounding per element as
-accumulation's ADD). The step's last micro-batch's gradients stay apart: every process then runs
-the Trainer's gb_apply, the controls (sum, 1/count, clip) and AdamW steps of accumulation's last
-graph, on the same values, so every process holds the same parameters after each step.
+A step has N x K micro-batches (K: the run's `accumulate`, 1 by default), computed in K rounds:
+in round k process r computes micro-batch k N + r. After each round every process's gradients
+(the sums its loss counts) are gathered to every process, and each adds them to its running sum
+as accumulation does: the first, then each next one added, in micro-batch order, in float32 (the
+same one rounding per element as accumulation's ADD). The step's last micro-batch's gradients
+stay apart: every process then runs the Trainer's gb_apply, the controls (sum, 1/count, clip) and
+AdamW steps of accumulation's last graph, on the same values, so every process holds the same
+parameters after each step.
 
 The cost: each process receives every other's gradients (N - 1 copies of the trainable
-parameters' size a step): small for LoRA's adapters, the whole model for full training. The
-option ``gradient_reduce = "allreduce"`` instead has MPI sum all N micro-batches' gradients
-(Allreduce: about 2 copies a step whatever N) and steps on that sum: the same arithmetic in MPI's
-order of adding, so the bits may differ from accumulation's (within float32 rounding).
+parameters' size a round): small for LoRA's adapters, the whole model for full training. The
+option ``gradient_reduce = "allreduce"`` instead has each process add its own K micro-batches'
+gradients and MPI sum those N sums once a step (Allreduce: about 2 copies a step whatever N and
+K), and steps on that sum: the same arithmetic in another order of adding, so the bits may differ
+from accumulation's (within float32 rounding).
 
 The processes talk through MPI (mpi4py, with the MPICH that the `mpich` wheel installs), started by
-its launcher: ``mpiexec -n N toyharness run RECIPE --set devices=N``.
+its launcher: ``mpiexec -n N toyharness run RECIPE --set devices=N [--set accumulate=K]``.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from ..errors import InputError
 class Collective(Protocol):
     """The processes of a data-parallel run, as a Trainer uses them."""
 
-    rank: int       # this process's micro-batch of each step
-    size: int       # the processes (micro-batches a step)
+    rank: int       # this process's micro-batch of each round
+    size: int       # the processes (micro-batches a round)
 
     def allgather(self, values: np.ndarray) -> np.ndarray:
         """Every process's 1-D `values` (all of one length and dtype), by rank: (size, n)."""
@@ -40,17 +43,21 @@ class Collective(Protocol):
         """The element-wise sum of every process's 1-D `values`, in the collective's own order."""
 
 
-def sum_in_order(gathered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The micro-batches' gradients (size, n) float32, summed in order as accumulation sums them
-    but for the last: (g0 + g1 + ... + g[size-2], g[size-1]); each addition is g_k + sum, one
-    float32 rounding per element."""
+def sum_in_order(gathered: np.ndarray, running: np.ndarray | None = None,
+                 keep_last: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """One round of micro-batches' gradients (size, n) float32, added in order to `running` (the
+    earlier rounds' sum; None in the first) as accumulation adds them, each addition g_k + sum, one
+    float32 rounding per element. With `keep_last` the round's last micro-batch stays apart:
+    (sum of all before it, its gradients); else (the sum of all, None)."""
     if gathered.dtype != np.float32 or gathered.ndim != 2 or len(gathered) < 2:
         raise ValueError(f"sum_in_order: (processes >= 2, n) float32 gradients, got {gathered.dtype} "
                          f"{gathered.shape}")
-    running = gathered[0].copy()
-    for k in range(1, len(gathered) - 1):
-        np.add(gathered[k], running, out=running)
-    return running, gathered[-1]
+    added = gathered[:-1] if keep_last else gathered
+    if running is None:
+        running, added = added[0].copy(), added[1:]
+    for g in added:
+        np.add(g, running, out=running)
+    return running, (gathered[-1] if keep_last else None)
 
 
 class MpiCollective:

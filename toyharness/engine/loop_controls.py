@@ -31,8 +31,9 @@ class TrainingLoop:
 
     accumulate: int = 1
     grad_clip: float = 0.0
-    # processes a step's micro-batches are spread over, one each (engine/data_parallel.py):
-    # `accumulate` micro-batches, so a step's bits are those of one process accumulating them
+    # processes a step's micro-batches are spread over (engine/data_parallel.py): `accumulate`
+    # micro-batches, accumulate / devices rounds of one each, so a step's bits are those of one
+    # process accumulating them
     devices: int = 1
 
     def __post_init__(self) -> None:
@@ -42,9 +43,10 @@ class TrainingLoop:
             raise InputError(f"option 'grad_clip': must be >= 0 and finite (0: off), got {self.grad_clip!r}")
         if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
             raise InputError(f"option 'devices': must be an integer >= 1, got {self.devices!r}")
-        if self.devices > 1 and self.accumulate != self.devices:
-            raise InputError(f"devices={self.devices}: each process takes one micro-batch of a step, so the "
-                             f"step has {self.devices} (accumulate {self.accumulate} given)")
+        if self.devices > 1 and self.accumulate % self.devices:
+            raise InputError(f"devices={self.devices}: each process takes one micro-batch of each round, so a "
+                             f"step's micro-batches are a multiple of {self.devices} (accumulate "
+                             f"{self.accumulate} given)")
 
     @property
     def is_default(self) -> bool:

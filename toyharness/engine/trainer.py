@@ -97,6 +97,7 @@ class Trainer:
         self.step_loss: float | None = None
         self.grad_norm: float | None = None
         self.collective = None          # data parallel: the processes a step is spread over (spread_over)
+        self._spread_sum = None         # data parallel: the step's gradients summed so far (flat, host)
         self.reduce = "in_order"
 
     @property
@@ -377,8 +378,9 @@ class Trainer:
 
     def spread_over(self, collective, reduce: str = "in_order") -> None:
         """Data parallel (engine/data_parallel.py): from now on each `step` call is this process's
-        micro-batch of the step, number `collective.rank` of `collective.size`, the trainer built
-        with that many devices (TrainingLoop.devices); every process steps the same parameters.
+        micro-batch of a round, number `collective.rank` of `collective.size`, the trainer built
+        with that many devices (TrainingLoop.devices); a step is accumulate / devices calls, and every
+        process steps the same parameters.
         `reduce`: "in_order" (accumulation's bits) or "allreduce" (the collective's sum)."""
         if self.gb_apply is None or collective.size != self.loop.devices:
             raise InputError(f"a trainer built for {self.loop.devices} device(s) cannot be spread over "
@@ -388,15 +390,19 @@ class Trainer:
         self.collective, self.reduce = collective, reduce
 
     def _spread_step(self, feeds: dict[str, np.ndarray], row: list[float]) -> float:
-        """One step of a data-parallel run: this micro-batch's gradients, every process's gathered
-        and summed in micro-batch order as accumulation sums them (data_parallel.sum_in_order), then
-        gb_apply, the last micro-batch's graph's controls and AdamW steps on them: the bits of one
-        process accumulating the same micro-batches."""
+        """One micro-batch of a data-parallel step (engine/data_parallel.py), this process's of the
+        round: its gradients, every process's gathered and added in micro-batch order as
+        accumulation adds them (data_parallel.sum_in_order); in the step's last round, gb_apply, the
+        last micro-batch's graph's controls and AdamW steps on them: the bits of one process
+        accumulating the same micro-batches."""
         from .data_parallel import sum_in_order
 
         prog, dp, acc = self.prog, self.collective, self.controls.accumulators
+        rounds = self.loop.accumulate // dp.size
+        k = self.micro // dp.size                   # this round; the micro-batch is k * size + rank
+        last_round = k == rounds - 1
         count = self.micro_count(feeds)
-        self.micro = dp.rank
+        self.micro = k * dp.size + dp.rank
         prog.feed(feeds)
         prog.set_dropout(self._forward_index(), True)
         if self.needs_full_reset:
@@ -411,29 +417,38 @@ class Trainer:
         names = list(prog.params)
         parts = [prog.read(acc[n]) for n in names]
         mine = np.concatenate([part.reshape(-1) for part in parts])
-        if self.reduce == "allreduce":      # the whole sum in the accumulators, the last part 0
-            before_last = dp.allreduce_sum(mine)
+        if k == 0:
+            self._spread_sum, self._micro_count, self._micro_loss = None, 0.0, 0.0
+        for c, micro_loss in dp.allgather(np.array([count, loss], np.float64)):     # in micro-batch order
+            self._micro_count += float(c)
+            self._micro_loss += float(c) * float(micro_loss)
+        if self.reduce == "allreduce":      # this process's own sum; MPI's sum of those in the last round
+            self._spread_sum = mine if self._spread_sum is None else np.add(mine, self._spread_sum)
+            if not last_round:
+                self.micro = (k + 1) * dp.size
+                return loss
+            before_last = dp.allreduce_sum(self._spread_sum)
             last = np.zeros_like(before_last)
         else:
-            before_last, last = sum_in_order(dp.allgather(mine))
+            self._spread_sum, last = sum_in_order(dp.allgather(mine), self._spread_sum, keep_last=last_round)
+            if not last_round:
+                self.micro = (k + 1) * dp.size
+                return loss
+            before_last = self._spread_sum
         at = 0
         for n, part in zip(names, parts):
             prog.write(acc[n], before_last[at:at + part.size].reshape(part.shape))
             prog.write(self.controls.last_gradients[n], last[at:at + part.size].reshape(part.shape))
             at += part.size
-        total, loss_sum = 0.0, 0.0
-        for c, micro_loss in dp.allgather(np.array([count, loss], np.float64)):
-            total += float(c)
-            loss_sum += float(c) * float(micro_loss)
-        self._count_in[0] = 1.0 / total
+        self._count_in[0] = 1.0 / self._micro_count
         lib.ggml_backend_tensor_set(self.controls.inv_count.ptr, self._count_in, 0, 4)
         self._feed_rows(row)
         prog._compute(self.gb_apply)
         self.grad_norm = self._read_grad_norm()
         prog._place(self.gb_micro[0])       # its own buffer, untouched: a recipe reads the step's values there
-        self.micro = 0
+        self.micro, self._spread_sum = 0, None
         self.steps_done += 1
-        self.step_loss = loss_sum / total
+        self.step_loss = self._micro_loss / self._micro_count
         return loss
 
     def micro_count(self, feeds: dict[str, np.ndarray]) -> float:
