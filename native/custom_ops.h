@@ -13,7 +13,7 @@
 /* the widest rows whose gain's gradient LAYER_NORM_BACK sums (its block's 8 warps keep a partial
  * sum of every column in shared memory: 8 x 1536 floats, 48 KiB) */
 #define TH_GAIN_SUMS_MAX_COLUMNS 1536
-#define TH_CUDA_KERNELS_VERSION 23  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 24  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -29,7 +29,8 @@
                                            an AFFINE's t not written where unread; 20: and
                                            at bf16 its bias's (src 6); 21: DROPOUT_MASK;
                                            22: GELU_ERF, GELU_ERF_BACK; 23: dropout on P
-                                           inside the attention kernels (th_attention_params) */
+                                           inside the attention kernels (th_attention_params);
+                                           24: SCATTER_ROWS */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -152,6 +153,12 @@ enum {
      *   GELU_ERF       y = x Phi(x)
      *   GELU_ERF_BACK  srcs dy, x; dx = dy (Phi(x) + x phi(x)) */
     TH_CUDA_GELU_ERF = 31, TH_CUDA_GELU_ERF_BACK = 32,
+    /* GET_ROWS_BACK whose ids are distinct (th_ids_distinct: a loss's flat target indices, one per
+     * row): srcs grad (n, R) f32, ids (R) i32; dst (n, V) zeroed, then row ids[r] = 0 + grad row r,
+     * the sum ggml's kernel forms for an id found once (the same bits), in O(n (V + R)) where
+     * GET_ROWS_BACK compares every id for every output row (O(n V R): 28 s a DPO step at 4096 rows
+     * of a 128,256-token vocabulary) */
+    TH_CUDA_SCATTER_ROWS = 33,
 };
 /* `t` becomes a node of ours computed by `kernel` (TH_CUDA_*), its parameters cleared */
 static inline void th_mark(struct ggml_tensor * t, int kernel) {
@@ -174,8 +181,14 @@ static inline const char * th_cuda_kernel_name_of(int k) {
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
                                    "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
                                    "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu",
-                                   "dropout_mask", "gelu_erf", "gelu_erf_back"};
+                                   "dropout_mask", "gelu_erf", "gelu_erf_back", "scatter_rows"};
     return k > 0 && k < (int) (sizeof(names) / sizeof(*names)) ? names[k] : NULL;
+}
+/* whether t holds distinct i32 ids by construction: a loss's flat target indices (row r's r V + its
+ * class), which the Python side names "<targets>.flat" (engine/losses.py) */
+static inline int th_ids_distinct(const struct ggml_tensor * t) {
+    const size_t n = strlen(t->name);
+    return t->type == GGML_TYPE_I32 && n > 5 && strcmp(t->name + n - 5, ".flat") == 0;
 }
 /* whether t is a column of ones (rows, 1): the constant the Python side names "ones.ROWS"
  * (Program.cached_constant) for column sums as products */

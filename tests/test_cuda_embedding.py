@@ -1,4 +1,5 @@
-"""Embedding gradients on cuda: our kernel sums each row's gradients in order, bit for bit.
+"""Embedding gradients on cuda: our kernel sums each row's gradients in order, bit for bit; a
+loss's pick of each row's target (distinct flat indices) gets a scatter into zeros instead.
 
 The rewrite is checked here on any machine, on graphs built on cpu as cuda builds them; the
 kernels' values where the cuda backend is built and a device is present (`nox -s tests-cuda`),
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import cuda_kernel_names, needs, ops_of
+from helpers import as_cuda_builds_it, cuda_kernel_names, needs, ops_of
 
+from toyharness import goldens
 from toyharness._ffi import cuda_kernels_built, lib
 from toyharness.engine import get_engine
 
@@ -32,6 +34,53 @@ def test_the_cuda_rewrite_takes_every_embedding_gradient():
     assert "GET_ROWS_BACK" in ops_of(trainer.gb_grad)
     assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 1
     assert cuda_kernel_names(trainer.gb_grad) == ["get_rows_back"] and "GET_ROWS_BACK" not in ops_of(trainer.gb_grad)
+
+
+def picks_program(backend: str, rows: int, vocab: int, ids_name: str, seed: int = 14):
+    """Each row's target logit picked by GET_ROWS at its flat index r V + target, as a loss's
+    token_logps picks it, the loss a weighted sum: (program, trainer, flat indices, weights)."""
+    rng = np.random.default_rng(seed)
+    flat = (np.arange(rows) * vocab + rng.integers(0, vocab, rows)).astype(np.int32)
+    dy = rng.normal(size=(rows, 1)).astype(np.float32)
+    dy[0] = -0.0                                       # a -0 gradient: ggml's kernel writes 0 + (-0) = +0
+    prog = get_engine(backend).program()
+    z = prog.param("z", rng.normal(size=(rows, vocab)).astype(np.float32))
+    picked = z.reshape(rows * vocab, 1).get_rows(prog.constant(ids_name, flat))
+    trainer = prog.trainer(prog.scalar_loss((picked * prog.constant("dy", dy)).sum()), "bias_corrected")
+    return prog, trainer, flat, dy
+
+
+def test_the_cuda_rewrite_scatters_a_losss_picks_and_only_distinct_flat_indices():
+    _, trainer, _, _ = picks_program("cpu", 6, 50, "targets.flat")
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 1
+    assert cuda_kernel_names(trainer.gb_grad) == ["scatter_rows"] and "GET_ROWS_BACK" not in ops_of(trainer.gb_grad)
+    _, trainer, _, _ = picks_program("cpu", 6, 50, "targets")          # ids not known distinct: summed rows
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) == 1
+    assert cuda_kernel_names(trainer.gb_grad) == ["get_rows_back"]
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "orpo"])
+def test_the_preference_recipes_picks_are_scattered_on_cuda(recipe, monkeypatch):
+    """Their token log-probabilities pick each row's target (engine/losses.py, token_logps)."""
+    _, trainer, _ = as_cuda_builds_it(recipe, goldens.golden_sets_for(recipe), "bf16", monkeypatch)
+    assert "scatter_rows" in cuda_kernel_names(trainer.gb_opt) and "GET_ROWS_BACK" not in ops_of(trainer.gb_opt)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, vocab", [(7, 3), (4096, 2049), (300, 128256)])
+def test_scattered_picks_on_cuda_equal_ggmls_gradient_bit_for_bit(backend, rows, vocab):
+    """The gradient of the picked logits: 0 + dy[r] at row r's flat index, +0 everywhere else
+    (ggml's GET_ROWS_BACK for ids found once), equal bit for bit; at 300 rows of Llama 3's
+    vocabulary the output has 38M rows, which ggml's kernel would compare with every id."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    prog, trainer, flat, dy = picks_program(backend, rows, vocab, "targets.flat")
+    trainer.grads_only({})
+    assert cuda_kernel_names(trainer.gb_grad) == ["scatter_rows"]
+    want = np.zeros(rows * vocab, np.float32)
+    want[flat] = np.float32(0.0) + dy[:, 0]
+    got = prog.read(trainer.grad_acc["z"]).reshape(-1)
+    assert np.array_equal(got, want) and not np.signbit(got).any(where=got == 0)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])

@@ -85,6 +85,18 @@ def test_frozen_product_and_input_gradient_match_numpy(bases, dtype):
         assert want <= kernels, kernels
 
 
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "f16"])
+def test_quantize_in_chunks_across_threads_gives_each_rows_own_bytes(name):
+    """quant.quantize hands chunks of rows to threads: every row's bytes are the ones it gets
+    quantized alone, the last chunk a partial one."""
+    from toyharness.engine.quant import QUANTIZE_CHUNK_ROWS
+
+    rows = 2 * QUANTIZE_CHUNK_ROWS + 37
+    a = np.random.default_rng(2).standard_normal((rows, 256)).astype(np.float32)
+    alone = np.concatenate([quantize(a[i:i + 1], name) for i in range(rows)])
+    assert np.array_equal(quantize(a, name), alone)
+
+
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_without_the_cpu_kernels_the_weight_is_dequantized_in_the_graph(bases, dtype):
     """The route other backends take (a program without the cpu kernels): a GET_ROWS of all

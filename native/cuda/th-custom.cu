@@ -1055,6 +1055,26 @@ static void th_get_rows_back(cudaStream_t stream, ggml_tensor * dst) {
                                                         (float *) dst->data, n, R, V);
 }
 
+// GET_ROWS_BACK of distinct ids (SCATTER_ROWS): dst zeroed, then a thread an element of grad,
+// written to its id's row as 0 + g, the sum ggml's kernel forms for an id found once (__fadd_rn:
+// not folded away, so a -0 gradient becomes +0 there too)
+static __global__ void th_scatter_rows_kernel(const float * __restrict__ grad, const int32_t * __restrict__ ids,
+                                              float * __restrict__ dst, const int64_t n, const int64_t R) {
+    for (int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; i < n * R; i += (int64_t) gridDim.x * blockDim.x) {
+        const int64_t r = i / n;
+        dst[(int64_t) ids[r] * n + (i - r * n)] = __fadd_rn(0.0f, grad[i]);
+    }
+}
+
+static void th_scatter_rows(cudaStream_t stream, ggml_tensor * dst) {
+    const ggml_tensor * grad = dst->src[0];
+    const int64_t n = dst->ne[0], R = grad->ne[1];
+    cudaMemsetAsync(dst->data, 0, ggml_nbytes(dst), stream);
+    const int64_t blocks = (n * R + 255) / 256;
+    th_scatter_rows_kernel<<<(unsigned) (blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(
+        (const float *) grad->data, (const int32_t *) dst->src[1]->data, (float *) dst->data, n, R);
+}
+
 template <th_rows_form form>
 static void th_rows_affine_launch(cudaStream_t stream, const float * t, const float * g, const float * b, float * y,
                                   const int64_t n, const int64_t m, __nv_bfloat16 * y16) {
@@ -1488,6 +1508,11 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         case TH_CUDA_DROPOUT_MASK:
             return th_f32_contiguous(op) && op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_I32 &&
                    ggml_nelements(op->src[0]) == TH_DROPOUT_KEY_WORDS && ggml_is_contiguous(op->src[0]);
+        case TH_CUDA_SCATTER_ROWS:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
+                   th_ids_distinct(op->src[1]) && ggml_is_contiguous(op->src[1]) &&
+                   op->src[0]->ne[0] == op->ne[0] && ggml_nrows(op->src[0]) == op->src[0]->ne[1] &&
+                   ggml_nelements(op->src[1]) == op->src[0]->ne[1] && op->ne[2] * op->ne[3] == 1;
         case TH_CUDA_GET_ROWS_BACK:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
                    op->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(op->src[1]) &&
@@ -1591,6 +1616,9 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
             return true;
         case TH_CUDA_GET_ROWS_BACK:
             th_get_rows_back(stream, dst);
+            return true;
+        case TH_CUDA_SCATTER_ROWS:
+            th_scatter_rows(stream, dst);
             return true;
         case TH_CUDA_RMS_NORM:
             th_rms_norm(stream, dst);

@@ -366,7 +366,7 @@ static bool th_writes_known(const ggml_tensor * node) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_GELU_ERF: case TH_CUDA_GELU_ERF_BACK:
         case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LAYER_NORM_BACK: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
-        case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
+        case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_SCATTER_ROWS: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
         case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU: case TH_CUDA_CROSS_ENTROPY:
         case TH_CUDA_SWIGLU_BACK: case TH_CUDA_COLUMN_DOT: case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP:
@@ -400,7 +400,7 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_GELU: case TH_CUDA_GELU_BACK: case TH_CUDA_GELU_ERF: case TH_CUDA_GELU_ERF_BACK:
         case TH_CUDA_CONT: case TH_CUDA_SLICE_CONT:
         case TH_CUDA_LAYER_NORM: case TH_CUDA_LINEAR_BIAS: case TH_CUDA_PRODUCT_SUM:
-        case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
+        case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_SCATTER_ROWS: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
         case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU:
         case TH_CUDA_CROSS_ENTROPY:                         // (and th_scratch_for's memory: no copy there)

@@ -1,4 +1,5 @@
-/* The cuda rewrite's pass: the nodes our kernels take one for one: GET_ROWS_BACK, CONT, ADD,
+/* The cuda rewrite's pass: the nodes our kernels take one for one: GET_ROWS_BACK (a scatter where
+ * its ids are distinct), CONT, ADD,
  * RMS_NORM, ROPE, a gain's MUL, the cross-entropy, SWIGLU, dropout's mask. */
 #include "passes.h"
 #include "../dropout_mask.h"
@@ -47,15 +48,19 @@ static int th_swiglu_ours(const struct ggml_tensor * t) {
 
 /* The nodes our kernels take one for one, each alone (no pass over its neighbours): how many were marked */
 int th_mark_singles(struct ggml_cgraph * graph) {
-    int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK, CONT, ADD, RMS_NORM, ROPE, a gain's MUL,
+    int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK (or SCATTER_ROWS), CONT, ADD, RMS_NORM, ROPE, a gain's MUL,
                                the cross-entropy both ways, SWIGLU */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i), * gain;
         const struct ggml_tensor * src = t->src[0];
-        if (t->op == GGML_OP_GET_ROWS_BACK && th_f32_contiguous(t) && th_f32_contiguous(src) && t->src[1] != NULL &&
-            t->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(t->src[1]) && ggml_nrows(src) == src->ne[1] &&
-            t->ne[2] * t->ne[3] == 1 && src->ne[0] == t->ne[0] && ggml_nelements(t->src[1]) == src->ne[1] &&
-            (t->ne[1] + 7) / 8 < 65536) {
+        const bool rows_back = t->op == GGML_OP_GET_ROWS_BACK && th_f32_contiguous(t) && th_f32_contiguous(src) &&
+                               t->src[1] != NULL && t->src[1]->type == GGML_TYPE_I32 && ggml_is_contiguous(t->src[1]) &&
+                               ggml_nrows(src) == src->ne[1] && t->ne[2] * t->ne[3] == 1 && src->ne[0] == t->ne[0] &&
+                               ggml_nelements(t->src[1]) == src->ne[1];
+        if (rows_back && th_ids_distinct(t->src[1])) {
+            th_mark(t, TH_CUDA_SCATTER_ROWS);
+            singles++;
+        } else if (rows_back && (t->ne[1] + 7) / 8 < 65536) {
             th_mark(t, TH_CUDA_GET_ROWS_BACK);
             singles++;
         } else if (t->op == GGML_OP_CONT && t->type == GGML_TYPE_F32 && src->type == GGML_TYPE_F32 &&

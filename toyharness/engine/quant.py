@@ -18,6 +18,8 @@ a base in another type (`gguf_io.copy_gguf_as`) and for tests.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +91,9 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     return np.asarray(gguf.quants.dequantize(rows, qtype), dtype=np.float32).reshape(shape)
 
 
+QUANTIZE_CHUNK_ROWS = 512     # rows a thread quantizes at a time
+
+
 def quantize(values: np.ndarray, name: str) -> np.ndarray:
     """float32 values (rows along the last axis) in type `name`, by ggml's own quantizer: uint8
     bytes shaped (..., row bytes), as gguf-py's writer takes them with a raw dtype. Any type
@@ -108,6 +113,15 @@ def quantize(values: np.ndarray, name: str) -> np.ndarray:
         raise GGUFError(f"quantize: rows of {n} values do not fill whole {name} blocks of {block}")
     rows = values.size // n
     out = np.empty((rows, n // block * block_bytes), np.uint8)
-    lib.ggml_quantize_chunk(t, ffi.from_buffer("float[]", values), ffi.from_buffer(out, require_writable=True),
-                            0, rows, n, ffi.NULL)
+    src, dst = ffi.from_buffer("float[]", values), ffi.from_buffer(out, require_writable=True)
+
+    def chunk(first: int) -> None:     # rows first.. of their own bytes: no row depends on another
+        lib.ggml_quantize_chunk(t, src, dst, first * n, min(QUANTIZE_CHUNK_ROWS, rows - first), n, ffi.NULL)
+
+    firsts = range(0, rows, QUANTIZE_CHUNK_ROWS)
+    if len(firsts) == 1:
+        chunk(0)
+    else:      # cffi lets go of the GIL in the call: the chunks quantize on every core
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(chunk, firsts))
     return out.reshape(*values.shape[:-1], out.shape[-1])
