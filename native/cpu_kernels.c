@@ -26,6 +26,9 @@
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
+#endif
 
 #include "ggml.h"
 #include "ggml-impl.h" /* struct ggml_map_custom{1,2}_op_params */
@@ -697,6 +700,59 @@ static void th_soft_max_back_op(struct ggml_tensor * dst, int ith, int nth, void
             for (int64_t k = n; k < nc; k++) dx[k] = 0.0f;
         }
     }
+}
+
+/* SOFT_MAX_BACK without a mask (srcs dy, y), as ggml's kernel computes it but safe in place.
+ * ggml's writes dx := dy, then dx -= dot(y, dy), then dx *= y: where ggml-alloc gives dx the
+ * buffer of y (it may, when the softmax's output has no reader left but this node: a recomputed
+ * softmax, engine/recompute.py) the product reads dx for y, a wrong gradient. Here each element
+ * reads y and dy before dx is written, with ggml's own vec_dot for the dot and the same operations
+ * after it: the bits of ggml's kernel, in place or not. ggml_vec_dot_f32 is ggml-cpu's (exported,
+ * not in a public header): found in the loaded library, else SOFT_MAX_BACK stays ggml's. */
+typedef void (*th_vec_dot_f32_fn)(int, float *, size_t, const float *, size_t, const float *, size_t, int);
+static th_vec_dot_f32_fn th_vec_dot_f32;
+
+static th_vec_dot_f32_fn th_find_vec_dot_f32(void) {
+#if defined(__unix__) || defined(__APPLE__)
+    static const char * const names[] = {"libggml-cpu.so.0", "libggml-cpu.so", "libggml-cpu.dylib"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]) && th_vec_dot_f32 == NULL; i++) {
+        void * lib = dlopen(names[i], RTLD_NOW | RTLD_NOLOAD);
+        if (lib != NULL) {
+            th_vec_dot_f32 = (th_vec_dot_f32_fn) dlsym(lib, "ggml_vec_dot_f32");
+            dlclose(lib);    /* NOLOAD took a reference of a library the process keeps loaded */
+        }
+    }
+#endif
+    return th_vec_dot_f32;
+}
+
+static void th_soft_max_back_rows_op(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                                     int ith, int nth, void * userdata) {
+    (void) userdata;
+    float scale;
+    memcpy(&scale, (const float *) dst->op_params + TH_PARAM_SLOT, sizeof(float));
+    const int64_t nc = dst->ne[0], nr = ggml_nrows(dst);
+    int64_t taken = 0, r0, r1;
+    while (th_next_rows(nr, nc, ith, nth, &taken, &r0, &r1)) {
+        for (int64_t r = r0; r < r1; r++) {
+            const float * dy = (const float *) ((const char *) a->data + r * a->nb[1]);
+            const float * y = (const float *) ((const char *) b->data + r * b->nb[1]);
+            float * dx = (float *) ((char *) dst->data + r * dst->nb[1]);
+            float dot = 0.0f;
+            th_vec_dot_f32((int) nc, &dot, 0, y, 0, dy, 0, 1);
+            const float minus_dot = -dot;
+            for (int64_t k = 0; k < nc; k++) dx[k] = ((dy[k] + minus_dot) * y[k]) * scale;
+        }
+    }
+}
+
+static int th_soft_max_back_rows_ok(const struct ggml_tensor * t) {
+    float max_bias;
+    memcpy(&max_bias, (const float *) t->op_params + 1, sizeof(float));
+    return t->op == GGML_OP_SOFT_MAX_BACK && t->type == GGML_TYPE_F32 && t->src[0]->type == GGML_TYPE_F32 &&
+           t->src[1]->type == GGML_TYPE_F32 && t->src[2] == NULL && max_bias == 0.0f && ggml_is_contiguous(t) &&
+           ggml_is_contiguous(t->src[0]) && ggml_is_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) &&
+           ggml_are_same_shape(t, t->src[1]) && t->ne[0] <= INT32_MAX && th_find_vec_dot_f32() != NULL;
 }
 
 static int th_soft_max_ok(const struct ggml_tensor * t) {
@@ -1737,6 +1793,11 @@ TH_EXPORT int th_cpu_rewrite(struct ggml_cgraph * graph) {
             th_set_custom2(t, th_silu_back_op, NULL, GGML_N_TASKS_MAX);
         } else if (th_soft_max_ok(t)) {
             th_set_soft_max(t, 0);
+        } else if (th_soft_max_back_rows_ok(t)) {
+            float scale;
+            memcpy(&scale, t->op_params, sizeof(float));
+            th_set_custom2(t, th_soft_max_back_rows_op, NULL, GGML_N_TASKS_MAX);
+            memcpy((float *) t->op_params + TH_PARAM_SLOT, &scale, sizeof(float));
         } else if (th_rms_norm_ok(t) || th_rms_norm_back_ok(t)) {
             float eps;
             memcpy(&eps, t->op_params, sizeof(float));

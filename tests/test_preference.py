@@ -167,6 +167,57 @@ def test_reference_precomputed_equals_in_step(base, pairs, tmp_path):
     assert "eval_rewards/accuracies" in runs["precomputed"][1]
 
 
+@pytest.mark.parametrize("recipe,extra", [("dpo", []), ("orpo", []), ("dpo", ["recompute_blocks=true"])])
+@pytest.mark.parametrize("portable", [False, True])
+def test_logits_in_pieces_keep_every_bit(base, pairs, tmp_path, recipe, extra, portable):
+    """logits_chunk=7 (pieces that straddle rows, the last one short): the output head made a piece at a
+    time and recomputed in the backward; every loss, metric and gradient of the whole head's, bit for bit."""
+    runs = {}
+    for chunk in (0, 7):
+        out = tmp_path / f"{chunk}"
+        train(recipe, steps=4, sets=sets(base, pairs, "lr=2e-2", f"logits_chunk={chunk}", f"portable={portable}",
+                                         "eval_every=2", *extra), out=str(out), progress=False)
+        runs[chunk] = [{k: v for k, v in json.loads(x).items() if k not in ("ms", "tokens_per_s", "wall_s")}
+                       for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert runs[0] == runs[7] and "eval_loss" in runs[7][1]
+    model, data, o = model_for(recipe, base, pairs, "logits_chunk=7", *extra)
+    whole, _, _ = model_for(recipe, base, pairs, *extra)
+    feeds = data.step_batch("train", 0, o)
+    for m in (model, whole):
+        m.trainer.grads_only(m.feeds(feeds))
+    for name in model.prog.params:
+        a, b = model.prog.read(model.trainer.grad_acc[name]), whole.prog.read(whole.trainer.grad_acc[name])
+        assert np.array_equal(a, b), name
+    assert any(np.abs(model.prog.read(model.trainer.grad_acc[n])).max() > 0 for n in model.prog.params)
+
+
+def test_logits_in_pieces_shrink_the_training_buffer(tmp_path):
+    """A 2,048-token vocabulary over 2 pairs of 48 positions: the head's rows x vocab tensors are most of the
+    training graph's buffer; in pieces of 16 positions one piece's are alive at a time."""
+    from toyharness.runner import plan_run
+
+    big = seeded_model_file("llama", SMALL, vocab=2048)
+    pairs48 = synthetic_preference_file(n=24, seed=1)
+    common = [f"base={big}", f"data={pairs48}", "t_seq=48", "t_batch=2", "targets=q,v", "rank=4"]
+    sizes = {}
+    for chunk in (0, 16):
+        plan = plan_run("dpo", sets=common + [f"logits_chunk={chunk}"])
+        sizes[chunk] = plan.rows["compute"]
+    assert sizes[16] < 0.5 * sizes[0], sizes
+
+
+def test_logits_in_pieces_need_a_recipe_with_hidden_and_head(base, pairs):
+    from toyharness.lm import LMRecipe
+
+    _, dpo = get_recipe("dpo")
+    whole_only = type("WholeForward", (type(dpo),), {"hidden": LMRecipe.hidden})()
+    o = resolve_options(whole_only, None, sets(base, pairs, "logits_chunk=8"), {})
+    engine = get_engine("cpu")
+    engine.set_portable(False)
+    with pytest.raises(InputError, match="option 'logits_chunk': recipe dpo has no hidden and head"):
+        whole_only.realize(engine, o, whole_only.load_data(o))
+
+
 def test_orpo_run_logs_what_trl_logs(base, pairs, tmp_path):
     seen = []
 
@@ -243,7 +294,7 @@ def test_options_refused_by_name(base, pairs):
     _, dpo = get_recipe("dpo")
     for bad, message in [("pack=true", "option 'pack'"), ("mask_prompt=false", "option 'mask_prompt'"),
                          ("label_smoothing=0.1", "option 'label_smoothing': is for loss_type=sigmoid"),
-                         ("reference=twice", "option 'reference'")]:
+                         ("reference=twice", "option 'reference'"), ("logits_chunk=-1", "option 'logits_chunk'")]:
         extra = [bad, "loss_type=ipo"] if bad.startswith("label") else [bad]
         with pytest.raises(InputError, match=message):
             resolve_options(dpo, None, sets(base, pairs, *extra), {})

@@ -19,7 +19,9 @@ The sides, each in its own process, one after another (--sides picks them):
 
 - ours: `dpo` (reference=in_step: the base's forward in each step's graph, adapters left out), at
   --precision (bf16 on cuda: bf16 products over the quantized base, f32 adapters and AdamW); ours-recompute adds
-  recompute_blocks=true; ours-precomputed is reference=precomputed (its one-off pass untimed).
+  recompute_blocks=true; ours-precomputed is reference=precomputed (its one-off pass untimed);
+  ours-chunked is logits_chunk=--logits-chunk (the output head's logits made a piece of positions at
+  a time, recomputed in the backward); ours-lean is both recompute_blocks and logits_chunk.
 - trl: TRL's DPOTrainer, loss_type sigmoid, on transformers' model of the base dequantized to bf16
   (toyharness's hf_model), PEFT LoRA of the same rank, alpha and targets; its reference as TRL makes
   it for a PEFT model (the same model with the adapters disabled, in each step); DPOConfig's
@@ -51,7 +53,7 @@ LLAMA_32_1B = dict(arch="llama", n_layer=16, d_model=2048, n_head=32, n_kv_head=
                    rope_base=500000.0, rope_factors=True)
 HF_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
               "down": "down_proj"}
-SIDES = ("ours", "ours-recompute", "ours-precomputed", "trl", "trl-no-gc")
+SIDES = ("ours", "ours-recompute", "ours-precomputed", "ours-chunked", "ours-lean", "trl", "trl-no-gc")
 
 
 # --- set-up (the parent) --------------------------------------------------------------------------
@@ -103,8 +105,9 @@ def side_ours(a, base: Path, data: Path, variant: str) -> dict:
 
     from toyharness.bench.config import realize_for_bench
 
-    extra = {"ours": [], "ours-recompute": ["recompute_blocks=true"],
-             "ours-precomputed": ["reference=precomputed"]}[variant]
+    chunk = f"logits_chunk={a.logits_chunk}"
+    extra = {"ours": [], "ours-recompute": ["recompute_blocks=true"], "ours-precomputed": ["reference=precomputed"],
+             "ours-chunked": [chunk], "ours-lean": ["recompute_blocks=true", chunk]}[variant]
     pm, opts, pairs, engine, model = realize_for_bench("dpo", a.backend, a.threads, our_sets(a, base, data) + extra)
     batch = pairs.rows(np.arange(a.t_batch))
     if variant == "ours-precomputed":
@@ -120,7 +123,8 @@ def side_ours(a, base: Path, data: Path, variant: str) -> dict:
             times.append(ms)
         peak = max(peak, peak_memory_mb(a.backend) or 0.0)
     return {"ms": statistics.median(times), "peak_mb": peak or None, "first_loss": losses[0],
-            "note": f"{opts.precision}, reference={opts.reference}, recompute_blocks={opts.recompute_blocks}"}
+            "note": f"{opts.precision}, reference={opts.reference}, recompute_blocks={opts.recompute_blocks}, "
+                    f"logits_chunk={opts.logits_chunk}"}
 
 
 def import_trl(wheels: str | None):
@@ -257,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=None,
                     help="JSON over Llama-3.2-1B's shape, e.g. '{\"n_layer\": 2, \"d_model\": 256}' (a cpu check)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--sides", default="ours,ours-recompute,trl,trl-no-gc")
+    ap.add_argument("--sides", default="ours,ours-lean,trl,trl-no-gc")
+    ap.add_argument("--logits-chunk", type=int, default=1024, help="ours-chunked and ours-lean: positions of "
+                    "the output head a piece (the option logits_chunk)")
     ap.add_argument("--trl-wheels", default=None, help="a folder of wheels: trl, and its missing dependencies")
     ap.add_argument("--side", default=None, help=argparse.SUPPRESS)      # a child process's one side
     ap.add_argument("--base", default=None, help=argparse.SUPPRESS)
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             args = [sys.executable, __file__, "--side", side, "--base", str(base), "--data", str(data)]
             for key in ("backend", "precision", "steps", "warmup", "t_seq", "t_batch", "rank", "targets", "beta",
-                        "threads", "trl_wheels"):
+                        "threads", "trl_wheels", "logits_chunk"):
                 value = getattr(a, key)
                 if value is not None:
                     args += [f"--{key.replace('_', '-')}", str(value)]

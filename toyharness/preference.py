@@ -6,6 +6,11 @@ log-probability of its targets (`Program.token_logps`) and sums it over the comp
 (`PairLogps`); a recipe's `loss` turns those into the scalar the trainer steps on, and its
 `metrics` the same values, read back after the step, into what it logs.
 
+With the option ``logits_chunk`` N > 0 the recipe's `hidden` and `head` are used instead of its
+`forward`, and the head's logits are made N positions at a time and recomputed in the backward
+(Program.head_token_logps): on a large vocabulary the logits of every position, their softmax and
+their gradients are most of a step's memory.
+
 The reference policy (DPO) is the recipe's forward over `reference_params`, the same frozen
 tensors with the adapters left out: with ``reference="in_step"`` it is a second forward in the same
 step's graph (no trainable tensor in it, so no gradient); with ``reference="precomputed"`` its
@@ -23,6 +28,7 @@ import numpy as np
 from ._ffi import ffi, lib
 from .engine import Program, Tensor
 from .errors import InputError
+from .lm import LMRecipe
 
 REFERENCE_MODES = ("in_step", "precomputed")
 
@@ -73,18 +79,31 @@ class PreferenceModel:
         self.prog: Program = engine.program()
         if getattr(options, "recompute_blocks", False):
             self.prog.enable_recompute()
+        chunk = getattr(options, "logits_chunk", 0)
+        if chunk:
+            if type(recipe).hidden is LMRecipe.hidden:
+                raise InputError(f"option 'logits_chunk': recipe {recipe.name} has no hidden and head to apply "
+                                 "the output head in pieces; leave it 0")
+            self.prog.enable_recompute(every_block=False, option="logits_chunk")
         self.P = recipe.build_params(self.prog, options, vocab, params, True)
         self.tokens = self.prog.input("tokens", (rows, seq), "i32", upper=vocab)
         self.positions = self.prog.constant("positions", np.arange(seq, dtype=np.int32))
         completion = self.prog.input("completion", (rows, seq), "f32")
 
-        def row_logps(P) -> tuple[Tensor, Tensor]:
+        def row_logps(P, trained: bool = True) -> tuple[Tensor, Tensor]:
             """(completion's summed log-probs, every target's), each (rows, 1)."""
-            logits = recipe.forward(P, self.tokens, self.positions, options)
-            if logits.shape != (rows, seq, vocab):
-                raise InputError(f"recipe {recipe.name}: forward gave logits {logits.shape}, expected "
-                                 f"{(rows, seq, vocab)}")
-            tok = self.prog.token_logps(logits, "targets", "valid")
+            if chunk:
+                h = recipe.hidden(P, self.tokens, self.positions, options)
+                if h.ndim != 3 or h.shape[:2] != (rows, seq):
+                    raise InputError(f"recipe {recipe.name}: hidden gave {h.shape}, expected ({rows}, {seq}, d)")
+                tok = self.prog.head_token_logps(lambda x: recipe.head(P, x, options), h, vocab, "targets", "valid",
+                                                 chunk, recompute=trained)
+            else:
+                logits = recipe.forward(P, self.tokens, self.positions, options)
+                if logits.shape != (rows, seq, vocab):
+                    raise InputError(f"recipe {recipe.name}: forward gave logits {logits.shape}, expected "
+                                     f"{(rows, seq, vocab)}")
+                tok = self.prog.token_logps(logits, "targets", "valid")
             return (tok * completion).sum_rows(), tok.sum_rows()
 
         policy, policy_all = row_logps(self.P)
@@ -103,10 +122,10 @@ class PreferenceModel:
         if reference is not None:
             ref_params = recipe.reference_params(self.P)
             if reference == "in_step":
-                ref, _ = row_logps(ref_params)
+                ref, _ = row_logps(ref_params, trained=False)
                 self._readouts["ref"] = ref
             else:
-                self._ref_rows, _ = row_logps(ref_params)     # computed once, forward only (precompute)
+                self._ref_rows, _ = row_logps(ref_params, trained=False)   # once, forward only (precompute)
                 ref = self.prog.input("ref_logps", (rows, 1), "f32")
             values.ref_chosen, values.ref_rejected = _sides(ref, pairs)
         for t in self._readouts.values():     # the allocator keeps an output's memory for reading

@@ -174,9 +174,16 @@ class AdapterRecipe(LMRecipe):
         return {name: w.base if isinstance(w, blocks.LoRAWeight) else w for name, w in P.items()}
 
     def forward(self, P, tokens, positions, o: AdapterOptions):
+        return self.head(P, self.hidden(P, tokens, positions, o), o)
+
+    def hidden(self, P, tokens, positions, o: AdapterOptions):
         tokens.prog.dropout_seed = o.seed
         base = self.base(o)
-        return base.arch.forward(P, P["token_embd.weight"].get_rows(tokens), positions, base.shape)
+        return base.arch.hidden(P, P["token_embd.weight"].get_rows(tokens), positions, base.shape)
+
+    def head(self, P, h, o: AdapterOptions):
+        base = self.base(o)
+        return base.arch.head(P, h, base.shape)
 
     def fuse_adapters(self, o: AdapterOptions, checkpoint: Path):
         """`toyharness fuse`: each adapted weight of the base gains (alpha / rank) B A."""

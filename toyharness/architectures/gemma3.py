@@ -17,11 +17,12 @@ import math
 
 from ..engine import blocks
 from ..engine.gguf_io import GGUFError
-from .llama import Llama, output, read_common, rope_for, tensor_shapes
+from .llama import Llama, read_common, rope_for, tensor_shapes
 from .spec import DecoderShape, ModelKeys
 
 
-def gemma3_forward(P: dict, h, positions, s: DecoderShape):
+def gemma3_hidden(P: dict, h, positions, s: DecoderShape):
+    """The blocks over embedded tokens `h`: the last hidden states, before the output head."""
     h = h.scale(s.embed_scale)
     for i in range(s.n_layer):
         b = f"blk.{i}."
@@ -35,7 +36,7 @@ def gemma3_forward(P: dict, h, positions, s: DecoderShape):
         x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
         f = blocks.geglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
         h = h + blocks.rms_norm(f, P[b + "post_ffw_norm.weight"], s.rms_eps)
-    return output(P, h, s)
+    return h
 
 
 def local_layers(keys: ModelKeys, n_layer: int) -> list[bool]:
@@ -85,8 +86,8 @@ class Gemma3(Llama):
                        b + "post_attention_norm.weight": (s.d_model,), b + "post_ffw_norm.weight": (s.d_model,)}
         return shapes
 
-    def forward(self, P, h, positions, s):
-        return gemma3_forward(P, h, positions, s)
+    def hidden(self, P, h, positions, s):
+        return gemma3_hidden(P, h, positions, s)
 
     def metadata(self, s: DecoderShape) -> dict:
         from .llama import common_metadata

@@ -83,10 +83,15 @@ def llama_forward(P: dict, h, positions, s: DecoderShape, dropout: float = 0.0):
     `blocks.LoRAWeight`. Also the forward of the llama recipe (from scratch) and warm_start.
     `dropout` p > 0: where nanoGPT puts it (on the embeddings, the attention weights and each
     residual branch's output), masks named as `dropout_names` says."""
+    return output(P, llama_hidden(P, h, positions, s, dropout), s)
+
+
+def llama_hidden(P: dict, h, positions, s: DecoderShape, dropout: float = 0.0):
+    """`llama_forward` up to its last hidden states (B, T, d), before the final norm and output."""
     h = h.dropout(dropout, "dropout.embd") if dropout else h
     for i in range(s.n_layer):
         h = blocks.recomputed_block(llama_block, h, P, positions, s, i, dropout)
-    return output(P, h, s)
+    return h
 
 
 def llama_block(h, P: dict, positions, s: DecoderShape, i: int, dropout: float = 0.0):
@@ -167,7 +172,16 @@ class Llama:
         return tensor_shapes(s, names)
 
     def forward(self, P: dict, h, positions, s: DecoderShape):
-        return llama_forward(P, h, positions, s)
+        """The logits (B, T, vocab) of embedded tokens `h` (B, T, d): `head` of `hidden`."""
+        return self.head(P, self.hidden(P, h, positions, s), s)
+
+    def hidden(self, P: dict, h, positions, s: DecoderShape):
+        """The blocks: the last hidden states (B, T, d), before the output head."""
+        return llama_hidden(P, h, positions, s)
+
+    def head(self, P: dict, h, s: DecoderShape):
+        """The final norm and the output projection: logits of hidden states (..., d)."""
+        return output(P, h, s)
 
     def metadata(self, s: DecoderShape) -> dict:
         return common_metadata(s)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from ..engine import blocks
 from ..engine.gguf_io import GGUFError
-from .llama import Llama, output, read_common, rope_for, tensor_shapes
+from .llama import Llama, read_common, rope_for, tensor_shapes
 from .spec import DecoderShape, ModelKeys
 
 
-def phi3_forward(P: dict, h, positions, s: DecoderShape):
+def phi3_hidden(P: dict, h, positions, s: DecoderShape):
+    """The blocks over embedded tokens `h`: the last hidden states, before the output head."""
     for i in range(s.n_layer):
         b = f"blk.{i}."
         x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
@@ -27,7 +28,7 @@ def phi3_forward(P: dict, h, positions, s: DecoderShape):
                                  head_dim=s.head_dim, wqkv=P[b + "attn_qkv.weight"], rope=rope_for(P, positions, s, i))
         x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
         h = h + blocks.fused_swiglu_mlp(x, P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
-    return output(P, h, s)
+    return h
 
 
 class Phi3(Llama):
@@ -52,8 +53,8 @@ class Phi3(Llama):
     def tensor_shapes(self, s: DecoderShape, names: list[str]) -> dict[str, tuple[int, ...]]:
         return tensor_shapes(s, names, fused=True)
 
-    def forward(self, P, h, positions, s):
-        return phi3_forward(P, h, positions, s)
+    def hidden(self, P, h, positions, s):
+        return phi3_hidden(P, h, positions, s)
 
     def metadata(self, s: DecoderShape) -> dict:
         from .llama import common_metadata

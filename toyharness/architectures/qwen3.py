@@ -5,11 +5,12 @@ size from `attention.key_length` (128 whatever the width), NeoX rope, no biases.
 from __future__ import annotations
 
 from ..engine import blocks
-from .llama import Llama, output, rope_for, tensor_shapes
+from .llama import Llama, rope_for, tensor_shapes
 from .spec import DecoderShape
 
 
-def qwen3_forward(P: dict, h, positions, s: DecoderShape):
+def qwen3_hidden(P: dict, h, positions, s: DecoderShape):
+    """The blocks over embedded tokens `h`: the last hidden states, before the output head."""
     for i in range(s.n_layer):
         b = f"blk.{i}."
         x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
@@ -19,7 +20,7 @@ def qwen3_forward(P: dict, h, positions, s: DecoderShape):
                                  norm_eps=s.rms_eps, rope=rope_for(P, positions, s, i))
         x = blocks.rms_norm(h, P[b + "ffn_norm.weight"], s.rms_eps)
         h = h + blocks.swiglu_mlp(x, P[b + "ffn_gate.weight"], P[b + "ffn_up.weight"], P[b + "ffn_down.weight"])
-    return output(P, h, s)
+    return h
 
 
 class Qwen3(Llama):
@@ -38,8 +39,8 @@ class Qwen3(Llama):
             shapes |= {f"blk.{i}.attn_q_norm.weight": (s.head_dim,), f"blk.{i}.attn_k_norm.weight": (s.head_dim,)}
         return shapes
 
-    def forward(self, P, h, positions, s):
-        return qwen3_forward(P, h, positions, s)
+    def hidden(self, P, h, positions, s):
+        return qwen3_hidden(P, h, positions, s)
 
 
 QWEN3 = Qwen3()

@@ -60,6 +60,9 @@ class FedTargets:
     # On a device (Program.onehot_in_graph) the graph itself zeroes the one-hot rows and sets
     # the ones at the flat indices: only those cross the bus, not rows x vocab floats.
     in_graph: bool = False
+    # > 0: the flat indices count rows from the start of each piece of `chunk` rows (a loss over
+    # the logits of one piece at a time, engine/losses.py head_token_logps)
+    chunk: int = 0
 
 
 def feed_input(name: str, inp: FedInput, value) -> None:
@@ -92,7 +95,8 @@ def feed_targets(name: str, tg: FedTargets, value) -> None:
         bad = np.flatnonzero((ids < 0) | (ids >= tg.vocab))
         if bad.size:
             raise id_error(name, ids[bad[0]], tg.vocab)
-        flat = np.ascontiguousarray(np.arange(rows, dtype=np.int64) * tg.vocab + ids, dtype=np.int32)
+        row = np.arange(rows, dtype=np.int64)
+        flat = np.ascontiguousarray((row % tg.chunk if tg.chunk else row) * tg.vocab + ids, dtype=np.int32)
         upload(tg.flat_index, flat)
         tg.fed = True
         return

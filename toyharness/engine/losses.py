@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -167,6 +168,8 @@ class LossBuilders:
             if (*tg.shape, tg.vocab) != logits.shape:
                 raise ShapeError(f"token_logps: logits {logits.shape} differ from the {(*tg.shape, tg.vocab)} that "
                                  f"targets {targets!r} were declared for")
+            if tg.chunk:
+                raise ShapeError(f"token_logps: targets {targets!r} were declared for head_token_logps's pieces")
         else:
             tg, _ = self._new_targets(logits, targets, "token_logps", onehot=False)
             m = self.input(mask, tg.shape, "f32").reshape(math.prod(tg.shape), 1)
@@ -175,6 +178,62 @@ class LossBuilders:
         picked = logits.reshape(rows * seq, vocab).softmax().reshape(rows * seq * vocab, 1).get_rows(tg.flat_index)
         logp = (picked * m + m.scale_bias(-1.0, 1.0)).log()
         return logp.reshape(rows, seq).named(f"{targets}.logps")
+
+    def head_token_logps(self, head: Callable[[Tensor], Tensor], h: Tensor, vocab: int, targets: str, mask: str,
+                         chunk: int, recompute: bool = True) -> Tensor:
+        """token_logps of ``head(h)``, the logits of hidden states h (R, T, d) (`head` maps (n, d)
+        to (n, vocab)), `chunk` positions at a time: each piece's logits, softmax and pick built
+        apart and, with `recompute`, recomputed in the backward (engine/recompute.py; the program
+        recomputes: Program.enable_recompute), so that one piece's rows x vocab tensors are alive
+        at a time, not every position's. Each position's value is made by token_logps's ops on its
+        own row. `recompute` False: a forward no gradient flows through (a reference policy's),
+        whose pieces die within the forward anyway. Called again with the same `targets` and
+        `mask` (another model's hidden states of the same rows) it reads the same fed inputs."""
+        if h.ndim != 3:
+            raise ShapeError(f"head_token_logps: hidden states must be (rows, positions, d), got {h.shape}")
+        rows, seq, d = h.shape
+        n = rows * seq
+        if not 0 < chunk:
+            raise ShapeError(f"head_token_logps: chunk must be > 0 positions, got {chunk}")
+        chunk = min(chunk, n)
+        made = self.__dict__.setdefault("_token_targets", {})
+        if (targets, mask) in made:
+            tg, m = made[targets, mask]
+            if (tg.shape, tg.vocab, tg.chunk) != ((rows, seq), vocab, chunk):
+                raise ShapeError(f"head_token_logps: {(rows, seq)} positions of {vocab} classes in pieces of {chunk} "
+                                 f"differ from the {tg.shape}, {tg.vocab}, {tg.chunk} that targets {targets!r} were "
+                                 "declared for")
+        else:
+            self._check_new_name(targets)
+            if chunk * vocab >= 2 ** 31:    # the flat index into a piece's logits is an i32
+                raise ShapeError(f"head_token_logps: {chunk} positions x {vocab} classes is too many for i32 "
+                                 "indices; use smaller pieces")
+            flat = self._new_static(f"{targets}.flat", (n,), GGML_TYPE_I32)
+            lib.ggml_set_input(flat.ptr)
+            tg = self._targets[targets] = FedTargets((rows, seq), vocab, None, flat, in_graph=True, chunk=chunk)
+            m = self.input(mask, (rows, seq), "f32").reshape(n, 1)
+            made[targets, mask] = tg, m
+
+        def picked(hc: Tensor, ids: Tensor) -> Tensor:
+            logits = head(hc)
+            if logits.shape != (hc.shape[0], vocab):
+                raise ShapeError(f"head_token_logps: the head gave {logits.shape} for {hc.shape[0]} positions, "
+                                 f"expected {(hc.shape[0], vocab)}")
+            return logits.softmax().reshape(hc.shape[0] * vocab, 1).get_rows(ids)
+
+        from .recompute import recomputed_block
+
+        flat_h, pieces = h.reshape(n, d), []
+        for start in range(0, n, chunk):
+            length = min(chunk, n - start)
+            # distinct ids by construction, as the whole .flat tensor's (the cuda scatter reads the name)
+            ids = tg.flat_index if length == n else tg.flat_index.narrow(0, start, length).named(
+                f"{targets}.{start}.flat")
+            hc = flat_h.narrow(0, start, length)
+            p = recomputed_block(picked, hc, ids, always=True) if recompute else picked(hc, ids)
+            mc = m.narrow(0, start, length)
+            pieces.append((p * mc + mc.scale_bias(-1.0, 1.0)).log())
+        return pieces[0].concat(pieces[1:], axis=0).reshape(rows, seq).named(f"{targets}.logps")
 
     def scalar_loss(self, value: Tensor, name: str = "loss") -> CrossEntropy:
         """Train on any scalar (tests, custom objectives); it is also what `step` reports."""

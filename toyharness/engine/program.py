@@ -217,15 +217,16 @@ class Program(LossBuilders):
         self._graph_bytes += nbytes
         return graph
 
-    def _forward_size(self, outputs: list[Tensor]) -> int:
-        """The graph size a forward graph over `outputs` needs (its nodes or its leafs, the
-        larger), counted by building it once in a scratch graph of _reachable_bound() nodes."""
+    def _forward_size(self, outputs: list) -> int:
+        """The graph size a forward graph over `outputs` (Tensors or ggml tensor pointers) needs
+        (its nodes or its leafs, the larger), counted by building it once in a scratch graph of
+        _reachable_bound() nodes."""
         bound = self._reachable_bound()
         scratch = self._new_ctx(lib.ggml_graph_overhead_custom(bound, False))
         try:
             graph = lib.ggml_new_graph_custom(scratch, bound, False)
             for t in outputs:
-                lib.ggml_build_forward_expand(graph, t.ptr)
+                lib.ggml_build_forward_expand(graph, getattr(t, "ptr", t))
             return max(lib.ggml_graph_n_nodes(graph), lib.th_graph_n_leafs(graph))
         finally:
             lib.ggml_free(scratch)
@@ -340,18 +341,22 @@ class Program(LossBuilders):
         self._pending.append((t, np.ascontiguousarray(array, dtype=np.int32 if dtype == "i32" else np.float32)))
         return t
 
-    def enable_recompute(self) -> None:
+    def enable_recompute(self, every_block: bool = True, option: str = "recompute_blocks") -> None:
         """Recompute recomputed blocks' activations in the backward (engine/recompute.py), for
-        graphs built from now on. On cpu and cuda, whose rewrites (native/cpu_kernels.c,
-        native/cuda_rewrite.c) recompute.apply runs on the graph as ggml built it and on the copies
-        apart; other backends (and the metal lowering, which rewrites the graph before the copies
-        are wired in) are refused."""
+        graphs built from now on; `every_block` False: only blocks built with always=True (a
+        chunked output head), `option` the option that asked, named in a refusal. On cpu and
+        cuda, whose rewrites (native/cpu_kernels.c, native/cuda_rewrite.c) recompute.apply runs
+        on the graph as ggml built it and on the copies apart; other backends (and the metal
+        lowering, which rewrites the graph before the copies are wired in) are refused."""
         from .recompute import Recompute
 
         if self.engine.backend not in ("cpu", "cuda") or self.lowering_target:
-            raise InputError(f"option 'recompute_blocks': the cpu and cuda backends only, not {self.engine.backend}"
+            raise InputError(f"option {option!r}: the cpu and cuda backends only, not {self.engine.backend}"
                              + (" lowered for " + self.lowering_target if self.lowering_target else ""))
-        self.recompute = Recompute()
+        if self.recompute is None:
+            self.recompute = Recompute(every_block=every_block)
+        else:
+            self.recompute.every_block |= every_block
 
     def cached_constant(self, name: str, make) -> Tensor:
         """`constant(name, make())` made once per program; blocks share it by name."""

@@ -47,6 +47,9 @@ class Recompute:
     copies: dict[int, object] = field(default_factory=dict)
     outputs: list = field(default_factory=list)      # each block's copy's output
     blocks: int = 0
+    # recompute_blocks: every recomputed_block; False: only those called with always=True (the
+    # pieces of a chunked output head, engine/losses.py head_token_logps)
+    every_block: bool = True
 
 
 def _addr(t) -> int:
@@ -73,13 +76,14 @@ def _after(ctx, last) -> list:
     return out
 
 
-def recomputed_block(fn: Callable[..., Tensor], h: Tensor, *args) -> Tensor:
+def recomputed_block(fn: Callable[..., Tensor], h: Tensor, *args, always: bool = False) -> Tensor:
     """`fn(h, *args)`, a block of the forward; with the program's recompute_blocks on, its
-    activations are recomputed in the backward (see the module). `fn` must build the same ops
-    each time it is called (a pure function of its inputs and the parameters)."""
+    activations are recomputed in the backward (see the module); `always`: wherever the program
+    recomputes at all (Program.enable_recompute). `fn` must build the same ops each time it is
+    called (a pure function of its inputs and the parameters)."""
     prog = h.prog
     rec = prog.recompute
-    if rec is None:
+    if rec is None or not (rec.every_block or always):
         return fn(h, *args)
     ctx = prog._ctx_compute
     mark = _last(ctx)
@@ -129,9 +133,8 @@ def apply(prog: Program, gf, graphs: list) -> list:
     graph as ggml built it, and on the copies apart; the graphs returned are marked rewritten."""
     rec = prog.recompute
     prog._prepare(graphs[-1])
-    # nodes: the copies; leafs: what they read (block inputs, parameters, frozen weights, constants)
-    copies = prog._new_graph(2 * len(rec.copies) + len(prog.params) + len(prog.frozen) + len(prog._constants)
-                             + len(prog.inputs) + 16, False)
+    # the copies and what they read: the blocks' inputs and everything before them
+    copies = prog._new_graph(prog._forward_size(rec.outputs), False)
     for out in rec.outputs:
         lib.ggml_build_forward_expand(copies, out)
     prog._prepare(copies, recomputed=True)
