@@ -151,6 +151,26 @@ def test_on_cuda_each_attention_backward_reads_its_blocks_recomputed_forward(nam
     base_prog.close()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_cuda_a_chunked_head_recomputes_beside_the_blocks(precision, monkeypatch, q4_k_base):
+    """dpo with recompute_blocks and logits_chunk, built on cpu as cuda builds it: the head's pieces
+    and the blocks recomputed in one training graph, the rewrite's checks passing on each graph (a
+    piece's copies read the blocks' originals; rewritten beside the blocks' copies, the cuda rewrite
+    refused the graph). Every piece's pick has a copy, and the graph's buffer is smaller than
+    with the blocks alone recomputed."""
+    from toyharness import synthetic_preference_file
+
+    sets = [f"base={q4_k_base}", f"data={synthetic_preference_file(n=24, seed=1)}", "t_seq=48", "t_batch=2",
+            "targets=q,v", "rank=4", "recompute_blocks=true"]
+    blocks_prog, blocks_trainer, engine = as_cuda_builds_it("dpo", sets, precision, monkeypatch)
+    prog, trainer, _ = as_cuda_builds_it("dpo", sets + ["logits_chunk=48"], precision, monkeypatch)
+    assert len(prog.recompute.outputs["always"]) == 4 and prog.recompute.outputs["blocks"]
+    assert lib.th_cuda_rewrite(trainer.gb_opt, 1) == 0 and lib.th_cuda_rewrite(trainer.gb_grad, 1) == 0
+    assert graph_buffer_bytes(engine, trainer.gb_opt) < graph_buffer_bytes(engine, blocks_trainer.gb_opt)
+    prog.close()
+    blocks_prog.close()
+
+
 # The cuda goldens of the recipes that recompute blocks (lora over llama-family bases), each
 # precision: with recompute on, the same bits.
 CUDA_GOLDENS = ["gpt2", "llama", "warm_start", "lora", "lora@q4_k", "lora@q8_0", "gpt2@tf32", "llama@tf32",

@@ -159,14 +159,14 @@ class LMRecipe(Recipe):
         raise NotImplementedError
 
     def hidden(self, P: dict[str, Tensor], tokens: Tensor, positions: Tensor, options) -> Tensor | None:
-        """Optional, with `head`: `forward` up to the last hidden states (B, T, d), so that a loss
-        can apply the output head to pieces of the positions (preference training's
-        `logits_chunk`). None: the recipe has `forward` only."""
+        """Optional, with `head`: `forward` up to the hidden states (B, T, d) that its output
+        projection reads (after the final norm), so that a loss can apply the projection to pieces
+        of the positions (preference training's `logits_chunk`). None: the recipe has `forward` only."""
         return None
 
     def head(self, P: dict[str, Tensor], h: Tensor, options) -> Tensor:
-        """With `hidden`: the output head, logits (..., vocab) of hidden states (..., d);
-        ``forward == head(hidden)``."""
+        """With `hidden`: the output projection, logits (..., vocab) of hidden states (..., d),
+        each position's its own (no norm over positions); ``forward == head(hidden)``."""
         raise NotImplementedError(f"recipe {self.name} has no head (it defines forward only)")
 
     def gguf_metadata(self, options, vocab: int) -> tuple[str, dict[str, Any]]:

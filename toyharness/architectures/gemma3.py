@@ -21,8 +21,8 @@ from .llama import Llama, read_common, rope_for, tensor_shapes
 from .spec import DecoderShape, ModelKeys
 
 
-def gemma3_hidden(P: dict, h, positions, s: DecoderShape):
-    """The blocks over embedded tokens `h`: the last hidden states, before the output head."""
+def gemma3_blocks(P: dict, h, positions, s: DecoderShape):
+    """The blocks over embedded tokens `h`: the last block's output, before the final norm."""
     h = h.scale(s.embed_scale)
     for i in range(s.n_layer):
         b = f"blk.{i}."
@@ -86,8 +86,8 @@ class Gemma3(Llama):
                        b + "post_attention_norm.weight": (s.d_model,), b + "post_ffw_norm.weight": (s.d_model,)}
         return shapes
 
-    def hidden(self, P, h, positions, s):
-        return gemma3_hidden(P, h, positions, s)
+    def decoder_blocks(self, P, h, positions, s):
+        return gemma3_blocks(P, h, positions, s)
 
     def metadata(self, s: DecoderShape) -> dict:
         from .llama import common_metadata

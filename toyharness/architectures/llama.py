@@ -74,7 +74,15 @@ def rope_for(P: dict, positions, s: DecoderShape, layer: int) -> blocks.Rope:
 
 def output(P: dict, h, s: DecoderShape):
     """Final norm and the output projection, tied to the embedding unless the file has output.weight."""
-    h = blocks.rms_norm(h, P["output_norm.weight"], s.rms_eps)
+    return project(P, final_norm(P, h, s))
+
+
+def final_norm(P: dict, h, s: DecoderShape):
+    return blocks.rms_norm(h, P["output_norm.weight"], s.rms_eps)
+
+
+def project(P: dict, h):
+    """The output projection: logits of normed hidden states."""
     return blocks.linear(h, P.get("output.weight", P["token_embd.weight"]))
 
 
@@ -83,10 +91,10 @@ def llama_forward(P: dict, h, positions, s: DecoderShape, dropout: float = 0.0):
     `blocks.LoRAWeight`. Also the forward of the llama recipe (from scratch) and warm_start.
     `dropout` p > 0: where nanoGPT puts it (on the embeddings, the attention weights and each
     residual branch's output), masks named as `dropout_names` says."""
-    return output(P, llama_hidden(P, h, positions, s, dropout), s)
+    return output(P, llama_blocks(P, h, positions, s, dropout), s)
 
 
-def llama_hidden(P: dict, h, positions, s: DecoderShape, dropout: float = 0.0):
+def llama_blocks(P: dict, h, positions, s: DecoderShape, dropout: float = 0.0):
     """`llama_forward` up to its last hidden states (B, T, d), before the final norm and output."""
     h = h.dropout(dropout, "dropout.embd") if dropout else h
     for i in range(s.n_layer):
@@ -176,12 +184,17 @@ class Llama:
         return self.head(P, self.hidden(P, h, positions, s), s)
 
     def hidden(self, P: dict, h, positions, s: DecoderShape):
-        """The blocks: the last hidden states (B, T, d), before the output head."""
-        return llama_hidden(P, h, positions, s)
+        """The blocks and the final norm: the hidden states (B, T, d) the output projection reads."""
+        return final_norm(P, self.decoder_blocks(P, h, positions, s), s)
+
+    def decoder_blocks(self, P: dict, h, positions, s: DecoderShape):
+        """The blocks over embedded tokens `h`: the last block's output (B, T, d)."""
+        return llama_blocks(P, h, positions, s)
 
     def head(self, P: dict, h, s: DecoderShape):
-        """The final norm and the output projection: logits of hidden states (..., d)."""
-        return output(P, h, s)
+        """The output projection: logits (..., vocab) of normed hidden states (..., d), one position
+        independent of the others (so it may take them in pieces)."""
+        return project(P, h)
 
     def metadata(self, s: DecoderShape) -> dict:
         return common_metadata(s)

@@ -19,8 +19,8 @@ from .llama import Llama, read_common, rope_for, tensor_shapes
 from .spec import DecoderShape, ModelKeys
 
 
-def phi3_hidden(P: dict, h, positions, s: DecoderShape):
-    """The blocks over embedded tokens `h`: the last hidden states, before the output head."""
+def phi3_blocks(P: dict, h, positions, s: DecoderShape):
+    """The blocks over embedded tokens `h`: the last block's output, before the final norm."""
     for i in range(s.n_layer):
         b = f"blk.{i}."
         x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
@@ -53,8 +53,8 @@ class Phi3(Llama):
     def tensor_shapes(self, s: DecoderShape, names: list[str]) -> dict[str, tuple[int, ...]]:
         return tensor_shapes(s, names, fused=True)
 
-    def hidden(self, P, h, positions, s):
-        return phi3_hidden(P, h, positions, s)
+    def decoder_blocks(self, P, h, positions, s):
+        return phi3_blocks(P, h, positions, s)
 
     def metadata(self, s: DecoderShape) -> dict:
         from .llama import common_metadata

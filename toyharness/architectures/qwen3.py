@@ -9,8 +9,8 @@ from .llama import Llama, rope_for, tensor_shapes
 from .spec import DecoderShape
 
 
-def qwen3_hidden(P: dict, h, positions, s: DecoderShape):
-    """The blocks over embedded tokens `h`: the last hidden states, before the output head."""
+def qwen3_blocks(P: dict, h, positions, s: DecoderShape):
+    """The blocks over embedded tokens `h`: the last block's output, before the final norm."""
     for i in range(s.n_layer):
         b = f"blk.{i}."
         x = blocks.rms_norm(h, P[b + "attn_norm.weight"], s.rms_eps)
@@ -39,8 +39,8 @@ class Qwen3(Llama):
             shapes |= {f"blk.{i}.attn_q_norm.weight": (s.head_dim,), f"blk.{i}.attn_k_norm.weight": (s.head_dim,)}
         return shapes
 
-    def hidden(self, P, h, positions, s):
-        return qwen3_hidden(P, h, positions, s)
+    def decoder_blocks(self, P, h, positions, s):
+        return qwen3_blocks(P, h, positions, s)
 
 
 QWEN3 = Qwen3()

@@ -45,7 +45,9 @@ class Recompute:
     """A program's recomputed blocks: each original activation's copy, by address."""
 
     copies: dict[int, object] = field(default_factory=dict)
-    outputs: list = field(default_factory=list)      # each block's copy's output
+    # each block's copy's output, by group: the blocks of recompute_blocks ("blocks") and those built
+    # with always=True ("always"), whose copies are rewritten in graphs of their own (apply)
+    outputs: dict[str, list] = field(default_factory=lambda: {"blocks": [], "always": []})
     blocks: int = 0
     # recompute_blocks: every recomputed_block; False: only those called with always=True (the
     # pieces of a chunked output head, engine/losses.py head_token_logps)
@@ -105,7 +107,7 @@ def recomputed_block(fn: Callable[..., Tensor], h: Tensor, *args, always: bool =
     for a, b in zip(made, again):
         if _addr(a) not in keep:
             rec.copies[_addr(a)] = b
-    rec.outputs.append(copy_out.ptr)
+    rec.outputs["always" if always else "blocks"].append(copy_out.ptr)
     rec.blocks += 1
     return out
 
@@ -133,11 +135,16 @@ def apply(prog: Program, gf, graphs: list) -> list:
     graph as ggml built it, and on the copies apart; the graphs returned are marked rewritten."""
     rec = prog.recompute
     prog._prepare(graphs[-1])
-    # the copies and what they read: the blocks' inputs and everything before them
-    copies = prog._new_graph(prog._forward_size(rec.outputs), False)
-    for out in rec.outputs:
-        lib.ggml_build_forward_expand(copies, out)
-    prog._prepare(copies, recomputed=True)
+    # The copies and what they read: the blocks' inputs and everything before them, a graph a group.
+    # A chunked head's pieces read the whole forward, the blocks' originals among it: beside the
+    # blocks' copies there, the cuda rewrite would see an original and a copy of a block's norm
+    # reading the same residual sum, and pair them wrongly.
+    for outputs in rec.outputs.values():
+        if outputs:
+            copies = prog._new_graph(prog._forward_size(outputs), False)
+            for out in outputs:
+                lib.ggml_build_forward_expand(copies, out)
+            prog._prepare(copies, recomputed=True)
     forward = {_addr(lib.ggml_graph_node(gf, i)) for i in range(lib.ggml_graph_n_nodes(gf))}
     graph = graphs[-1]
     for i in range(lib.ggml_graph_n_nodes(graph)):
