@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[side] = json.loads(lines[-1][len("RESULT "):])
                 print(f"{side}: {results[side]} ({time.perf_counter() - t1:.0f} s)", flush=True)
     memory = "peak GPU MiB (NVML, per process)" if a.backend == "cuda" else "peak RSS MiB"
-    print(f"\nDPO step, Llama-3.2-1B-shaped base ({a.type}, vocab {shape['vocab']}, {shape['n_layer']} layers, "
+    named = "Llama-3.2-1B-shaped" if shape == LLAMA_32_1B else "llama-family"
+    print(f"\nDPO step, {named} base ({a.type}, vocab {shape['vocab']}, {shape['n_layer']} layers, "
           f"d_model {shape['d_model']}), {a.t_batch} pairs x 2 sides x t_seq {a.t_seq}, LoRA rank {a.rank} on "
           f"{a.targets}, {a.backend} {a.precision}; median of {a.steps} steps after {a.warmup}")
     print(f"{'side':18} {'ms/step':>9} {memory:>33} {'loss 0':>8}  notes")
