@@ -4,6 +4,8 @@ trained from scratch with tokenizer=, then LoRA over it on prompt/completion dat
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from toyharness.errors import InputError
 from toyharness.tokenizer import ByteTokenizer, GGUFTokenizer
 
 SMALL = ["n_layer=1", "d_model=16", "n_head=2", "n_kv_head=1", "d_ff=32", "t_seq=48", "t_batch=2", "eval_every=2",
-         "checkpoint_every=2", "eval_batches=1"]
+         "checkpoint_every=2"]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_scratch_with_tokenizer_then_lora_on_prompt_completion_then_sample(tmp_p
     assert tok.vocab_size == 49152 and tok.chat_template
     lora = tmp_path / "lora"
     assert main(["run", "lora", "--steps", "2", "--set", f"base={base / 'model.gguf'}", "--set", f"data={data}",
-                 *sum((["--set", s] for s in SMALL[-5:]), []), "--out", str(lora), "--save-batches",
+                 *sum((["--set", s] for s in SMALL[-4:]), []), "--out", str(lora), "--save-batches",
                  "--no-progress"]) == 0
     batches = np.load(lora / "batches.npz")
     assert batches["mask"].shape == batches["tokens"].shape == (2, 2, 48)
@@ -107,3 +109,15 @@ def test_scratch_with_tokenizer_then_lora_on_prompt_completion_then_sample(tmp_p
     assert main(["sample", str(lora), "--prompt", "n2w 3", "--chat", "--tokens", "3", "--temperature", "0"]) == 0
     reply = capsys.readouterr().out
     assert reply.endswith("\n") and "<|im_start|>" not in reply
+
+
+def test_eval_batches_on_jsonl_data_is_refused_by_name(tmp_path):
+    """JSONL examples evaluate every held-out row: an eval_batches the data would not read is refused."""
+    path = tmp_path / "ex.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i} ", "completion": f"a{i} " * 3}) + "\n" for i in range(20)))
+    res = subprocess.run([sys.executable, "-m", "toyharness.cli", "run", "llama", "--steps", "1", "--set",
+                          f"data={path}", "--set", "eval_batches=1", "--out", str(tmp_path / "r"), "--no-progress"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert "option 'eval_batches=1': this data's evaluation goes through every held-out row" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

@@ -228,7 +228,7 @@ def write_rows(rows):
 
 # --- runs: metrics, the cache, the generator ---------------------------------------------------
 RUN = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=2", "--set", "n_kv_head=1", "--set", "d_ff=48",
-       "--set", "t_seq=64", "--set", "t_batch=4", "--set", "eval_every=2", "--set", "eval_batches=1"]
+       "--set", "t_seq=64", "--set", "t_batch=4", "--set", "eval_every=2"]
 
 
 def test_runs_report_padding_and_counted_tokens_and_packing_cuts_padding(tmp_path, monkeypatch, capsys):

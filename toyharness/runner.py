@@ -9,6 +9,8 @@ failed write at any moment it holds at least the steps the checkpoint beside it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import resource
@@ -108,7 +110,20 @@ def load_data(pm, options):
         data = load_text_data(options.data)
     # a step's batch holds t_batch * accumulate rows
     data.check(options_for_steps(loop_options(options))) if hasattr(data, "check") else data.check_fits(options.t_seq)
+    refuse_unread_eval_batches(data, options)
     return data
+
+
+def refuse_unread_eval_batches(data, options) -> None:
+    """Data with its own count of held-out batches (JSONL examples, preference pairs: every held-out
+    row) does not read the option eval_batches: a value other than its default is refused by name."""
+    if not hasattr(data, "eval_batches") or not hasattr(options, "eval_batches"):
+        return
+    default = {f.name: f.default for f in dataclasses.fields(options)}.get("eval_batches")
+    if options.eval_batches != default:
+        n = data.eval_batches(options_for_steps(loop_options(options)))
+        raise InputError(f"option 'eval_batches={options.eval_batches}': this data's evaluation goes through every "
+                         f"held-out row ({n} batches here), not a number of batches; leave eval_batches unset")
 
 
 def batch_for(data, split: str, index: int, options) -> dict[str, np.ndarray]:
