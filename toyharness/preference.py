@@ -81,7 +81,7 @@ class PreferenceModel:
             self.prog.enable_recompute()
         chunk = getattr(options, "logits_chunk", 0)
         if chunk:
-            if type(recipe).hidden is LMRecipe.hidden:
+            if getattr(type(recipe), "hidden", LMRecipe.hidden) is LMRecipe.hidden:
                 raise InputError(f"option 'logits_chunk': recipe {recipe.name} has no hidden and head to apply "
                                  "the output head in pieces; leave it 0")
             self.prog.enable_recompute(every_block=False, option="logits_chunk")
