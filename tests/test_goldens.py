@@ -22,8 +22,9 @@ def test_recipe_matches_its_golden(recipe, toyharness_golden):
 @pytest.mark.parametrize("recipe", ["gpt2", "lora"])
 def test_the_two_process_goldens_hold_the_bits_of_two_micro_batches_in_one(recipe):
     """RECIPE@dp2 (devices=2) and RECIPE@accum (accumulate=2), recorded apart, in every folder
-    that has both: the same losses, bit for bit."""
-    pairs = [(d / f"{recipe}@dp2.yml", d / f"{recipe}@accum.yml") for d in sorted(ROOT.iterdir())]
+    that has both, at each precision (cuda's @bf16 too): the same losses, bit for bit."""
+    pairs = [(d / f"{recipe}@dp2{p}.yml", d / f"{recipe}@accum{p}.yml") for d in sorted(ROOT.iterdir())
+             for p in ("", "@tf32", "@bf16")]
     pairs = [(a, b) for a, b in pairs if a.is_file() and b.is_file()]
     assert pairs, f"no folder holds both {recipe}@dp2 and {recipe}@accum"
     for dp2, accum in pairs:
