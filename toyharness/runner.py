@@ -10,7 +10,6 @@ failed write at any moment it holds at least the steps the checkpoint beside it 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import resource
