@@ -424,16 +424,15 @@ class Trainer:
             self._micro_loss += float(c) * float(micro_loss)
         if self.reduce == "allreduce":      # this process's own sum; MPI's sum of those in the last round
             self._spread_sum = mine if self._spread_sum is None else np.add(mine, self._spread_sum)
-            if not last_round:
-                self.micro = (k + 1) * dp.size
-                return loss
+        else:
+            self._spread_sum, last = sum_in_order(dp.allgather(mine), self._spread_sum, keep_last=last_round)
+        if not last_round:
+            self.micro = (k + 1) * dp.size
+            return loss
+        if self.reduce == "allreduce":
             before_last = dp.allreduce_sum(self._spread_sum)
             last = np.zeros_like(before_last)
         else:
-            self._spread_sum, last = sum_in_order(dp.allgather(mine), self._spread_sum, keep_last=last_round)
-            if not last_round:
-                self.micro = (k + 1) * dp.size
-                return loss
             before_last = self._spread_sum
         at = 0
         for n, part in zip(names, parts):
