@@ -755,6 +755,10 @@ static int th_soft_max_back_rows_ok(const struct ggml_tensor * t) {
            ggml_are_same_shape(t, t->src[1]) && t->ne[0] <= INT32_MAX && th_find_vec_dot_f32() != NULL;
 }
 
+/* Whether th_cpu_rewrite will give SOFT_MAX_BACK node `t` the kernel above, which may take y's
+ * buffer for dx (engine/graph_rewrites.py keep_softmax_for_backward asks before it keeps y). */
+TH_EXPORT int th_cpu_soft_max_back_in_place_ok(const struct ggml_tensor * t) { return th_soft_max_back_rows_ok(t); }
+
 static int th_soft_max_ok(const struct ggml_tensor * t) {
     const struct ggml_tensor * x = t->src[0], * mask = t->src[1];
     float max_bias;

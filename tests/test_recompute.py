@@ -108,6 +108,16 @@ def q4_k_base() -> str:
     return str(cached_copy_as(base, "q4_k"))
 
 
+@pytest.fixture(scope="module")
+def wide_head_base() -> str:
+    """q4_k_base's shape over a vocabulary of 4096: the output head's logits outweigh a block."""
+    from toyharness.engine.gguf_io import cached_copy_as
+
+    base = seeded_model_file("llama", ["n_layer=2", "d_model=256", "n_head=4", "n_kv_head=2", "d_ff=512", "seed=7"],
+                             vocab=4096)
+    return str(cached_copy_as(base, "q4_k"))
+
+
 @pytest.mark.parametrize("name,sets,precision", CUDA_SHAPES, ids=[c[0] for c in CUDA_SHAPES])
 def test_on_cuda_each_attention_backward_reads_its_blocks_recomputed_forward(name, sets, precision, monkeypatch,
                                                                               q4_k_base):
@@ -152,15 +162,15 @@ def test_on_cuda_each_attention_backward_reads_its_blocks_recomputed_forward(nam
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_on_cuda_a_chunked_head_recomputes_beside_the_blocks(precision, monkeypatch, q4_k_base):
+def test_on_cuda_a_chunked_head_recomputes_beside_the_blocks(precision, monkeypatch, wide_head_base):
     """dpo with recompute_blocks and logits_chunk, built on cpu as cuda builds it: the head's pieces
     and the blocks recomputed in one training graph, the rewrite's checks passing on each graph (a
     piece's copies read the blocks' originals; rewritten beside the blocks' copies, the cuda rewrite
-    refused the graph). Every piece's pick has a copy, and the graph's buffer is smaller than
-    with the blocks alone recomputed."""
+    refused the graph). Every piece's pick has a copy, and over a head that outweighs a block the
+    graph's buffer is smaller than with the blocks alone recomputed."""
     from toyharness import synthetic_preference_file
 
-    sets = [f"base={q4_k_base}", f"data={synthetic_preference_file(n=24, seed=1)}", "t_seq=48", "t_batch=2",
+    sets = [f"base={wide_head_base}", f"data={synthetic_preference_file(n=24, seed=1)}", "t_seq=48", "t_batch=2",
             "targets=q,v", "rank=4", "recompute_blocks=true"]
     blocks_prog, blocks_trainer, engine = as_cuda_builds_it("dpo", sets, precision, monkeypatch)
     prog, trainer, _ = as_cuda_builds_it("dpo", sets + ["logits_chunk=48"], precision, monkeypatch)
@@ -169,6 +179,44 @@ def test_on_cuda_a_chunked_head_recomputes_beside_the_blocks(precision, monkeypa
     assert graph_buffer_bytes(engine, trainer.gb_opt) < graph_buffer_bytes(engine, blocks_trainer.gb_opt)
     prog.close()
     blocks_prog.close()
+
+
+def _kept_softmaxes(graph) -> int:
+    return sum(1 for t in graph_nodes(graph) if ffi.string(lib.ggml_op_desc(t)).decode() == "SOFT_MAX"
+               and lib.th_tensor_flags(t) & 2)      # GGML_TENSOR_FLAG_OUTPUT: ggml-alloc never frees it
+
+
+@pytest.mark.parametrize("mode", ["fast", "portable", "cuda", "ggml"])
+def test_a_softmax_is_kept_for_its_backward_only_where_the_kernel_overwrites_it(mode, monkeypatch, q4_k_base):
+    """dpo's picks: SOFT_MAX_BACK's gradient arrives as a view, so ggml-alloc may give dx the softmax's
+    buffer. ggml's cpu kernel (`ggml`: a cpu program without our kernels) then reads what it wrote, and
+    the softmax is kept as an output, to the graph's end; ours (fast, portable) and ggml-cuda's read a
+    row before writing it, and keep nothing (with logits_chunk, every piece's probabilities stayed:
+    2 GiB at the 1B race's shape)."""
+    from toyharness import synthetic_preference_file
+
+    sets = [f"base={q4_k_base}", f"data={synthetic_preference_file(n=24, seed=1)}", "t_seq=48", "t_batch=2",
+            "targets=q,v", "rank=4", "logits_chunk=48"]
+    if mode == "cuda":
+        prog, trainer, _ = as_cuda_builds_it("dpo", sets, "fp32", monkeypatch)
+    else:
+        if mode == "ggml":
+            real_choose = Program._choose_kernels
+
+            def choose(self, engine):
+                real_choose(self, engine)
+                self.cpu_kernels = self.cpu_folds = self.kv_in_place = False
+
+            monkeypatch.setattr(Program, "_choose_kernels", choose)
+        _, obj = get_recipe("dpo")
+        options = resolve_options(obj, None, sets, {})
+        pm = plugin_manager(obj)
+        engine = get_engine("cpu")
+        monkeypatch.setattr(engine, "portable", mode == "portable")
+        trainer = pm.hook.realize(engine=engine, options=options, data=load_data(pm, options)).trainer
+        prog = trainer.prog
+    assert _kept_softmaxes(trainer.gb_grad) == (4 if mode == "ggml" else 0)     # one a piece
+    prog.close()
 
 
 # The cuda goldens of the recipes that recompute blocks (lora over llama-family bases), each

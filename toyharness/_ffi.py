@@ -199,6 +199,7 @@ const char * th_kernel_name(const ggml_tensor * t);
 void th_set_sgemm(void * fn);
 void th_gemm_cut(int64_t M, int64_t N, int64_t * rows, int64_t * cols);
 int th_cpu_rewrite(ggml_cgraph * graph);
+int th_cpu_soft_max_back_in_place_ok(const ggml_tensor * t);
 ggml_tensor * th_dropout_mask(ggml_context * ctx, ggml_tensor * key, int64_t ne0, int64_t ne1, int64_t ne2,
                               int64_t ne3, uint32_t node, uint64_t threshold, float kept);
 void th_philox4x32_10_block(uint32_t c[4], uint32_t k0, uint32_t k1);

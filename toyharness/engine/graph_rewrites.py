@@ -83,14 +83,22 @@ def cuda_rewrite_flags(prog: Program, recomputed: bool = False) -> int:
 _VIEWS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 
 
-def keep_softmax_for_backward(graph) -> int:
-    """Mark as outputs the softmaxes whose SOFT_MAX_BACK could be placed in their own buffer; the
-    count. ggml-alloc puts an op that may run in place in the buffer of its first source that no
-    later node reads; SOFT_MAX_BACK's are (dy, y), and ggml's cpu kernel writes dx = dy before it
-    reads y. Where dy cannot take dx (a view of another node's result, as a GET_ROWS pick's
-    gradient reshaped is, or read by another node too) y would, and the gradient would be wrong;
-    an output is never reused. Graphs whose dy takes dx (every built-in attention's) are left as
-    they are: their memory and bits do not change."""
+def keep_softmax_for_backward(prog: Program, graph) -> int:
+    """Mark as outputs the softmaxes whose SOFT_MAX_BACK could be placed in their own buffer where
+    its kernel is not safe in place; the count. ggml-alloc puts an op that may run in place in the
+    buffer of its first source that no later node reads; SOFT_MAX_BACK's are (dy, y), and ggml's cpu
+    kernel writes dx = dy before it reads y. Where dy cannot take dx (a view of another node's
+    result, as a GET_ROWS pick's gradient reshaped is, or read by another node too) y would, and the
+    gradient would be wrong; an output is never reused. Graphs whose dy takes dx (every built-in
+    attention's) are left as they are: their memory and bits do not change.
+
+    Kept only where ggml's cpu kernel computes it: ggml-cuda's reads a row's y and dy before it
+    writes the row, and ours (native/cpu_kernels.c th_soft_max_back_rows_op, the portable mode's
+    tp_soft_max_back) each element before writing it. An output is never freed, so a kept softmax
+    holds its memory to the graph's end: with logits_chunk, every piece's (vocabulary x piece)
+    probabilities."""
+    if prog.cuda_kernels or prog.engine.backend == "cuda" or prog.portable:
+        return 0
     nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
     readers: dict[int, int] = {}
     for node in nodes:
@@ -102,6 +110,8 @@ def keep_softmax_for_backward(graph) -> int:
     kept = 0
     for node in nodes:
         if ffi.string(lib.ggml_op_desc(node)).decode() != "SOFT_MAX_BACK":
+            continue
+        if prog.cpu_kernels and lib.th_cpu_soft_max_back_in_place_ok(node):
             continue
         dy, y = lib.th_tensor_src(node, 0), lib.th_tensor_src(node, 1)
         if ffi.string(lib.ggml_op_desc(dy)).decode() in _VIEWS or readers.get(int(ffi.cast("uintptr_t", dy)), 0) > 1:

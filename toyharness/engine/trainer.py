@@ -194,7 +194,7 @@ class Trainer:
             # nodes of gf were rewritten in place: gf again, with the nodes they now read
             self.gb_grad, gf = lowered, self._forward_graph(roots)
             opt_size = max(opt_size, lib.ggml_graph_size(self.gb_grad) + 2 * len(prog.params) + 1 + self._extra_leafs())
-        graph_rewrites.keep_softmax_for_backward(self.gb_grad)     # before any allocator places it
+        graph_rewrites.keep_softmax_for_backward(prog, self.gb_grad)     # before any allocator places it
         return gf, opt_size
 
     def _extra_leafs(self) -> int:
