@@ -13,7 +13,7 @@
 /* the widest rows whose gain's gradient LAYER_NORM_BACK sums (its block's 8 warps keep a partial
  * sum of every column in shared memory: 8 x 1536 floats, 48 KiB) */
 #define TH_GAIN_SUMS_MAX_COLUMNS 1536
-#define TH_CUDA_KERNELS_VERSION 24  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 25  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -30,7 +30,7 @@
                                            at bf16 its bias's (src 6); 21: DROPOUT_MASK;
                                            22: GELU_ERF, GELU_ERF_BACK; 23: dropout on P
                                            inside the attention kernels (th_attention_params);
-                                           24: SCATTER_ROWS */
+                                           24: SCATTER_ROWS; 25: SOFT_MAX_BACK */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -159,6 +159,13 @@ enum {
      * GET_ROWS_BACK compares every id for every output row (O(n V R): 28 s a DPO step at 4096 rows
      * of a 128,256-token vocabulary) */
     TH_CUDA_SCATTER_ROWS = 33,
+    /* SOFT_MAX_BACK without a mask (th-loss.cu): srcs dy, y (f32, contiguous, dst's shape), the
+     * scale at parameter slot 2; dx = scale (dy - dot(y, dy)) y a row, ggml's arithmetic and bits
+     * (a warp a row: lane l's products l, l + 32, ... in order, then ggml's warp sum) in two
+     * kernels: the rows' dots, loads in flight ahead of the sums, then every element at once.
+     * ggml's warp a row waits on one load at a time: 2.1 ms for 256 rows of a 128,256-token
+     * vocabulary (logits_chunk's piece), 33 ms of a 1B DPO step */
+    TH_CUDA_SOFT_MAX_BACK = 34,
 };
 /* `t` becomes a node of ours computed by `kernel` (TH_CUDA_*), its parameters cleared */
 static inline void th_mark(struct ggml_tensor * t, int kernel) {
@@ -181,7 +188,8 @@ static inline const char * th_cuda_kernel_name_of(int k) {
                                    "slice_cont", "add", "attention_dq", "room", "product_sum", "adamw",
                                    "frozen_mul_mat", "frozen_out_prod", "silu_back_mul", "swiglu_back",
                                    "rms_norm", "rope", "cross_entropy_back", "cross_entropy", "swiglu",
-                                   "dropout_mask", "gelu_erf", "gelu_erf_back", "scatter_rows"};
+                                   "dropout_mask", "gelu_erf", "gelu_erf_back", "scatter_rows",
+                                   "soft_max_back"};
     return k > 0 && k < (int) (sizeof(names) / sizeof(*names)) ? names[k] : NULL;
 }
 /* whether t holds distinct i32 ids by construction: a loss's flat target indices (row r's r V + its

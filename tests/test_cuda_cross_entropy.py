@@ -1,4 +1,6 @@
-"""The cross entropy on cuda: ours both ways, with ggml's bits.
+"""The losses' kernels on cuda (native/cuda/th-loss.cu): the cross entropy both ways, and the
+backward of a softmax whose rows' target probabilities a loss picks (SOFT_MAX_BACK), each with
+ggml's bits.
 
 The rewrite is checked here on any machine, on graphs built on cpu as cuda builds them; the
 kernels' values where the cuda backend is built and a device is present (`nox -s tests-cuda`),
@@ -68,3 +70,55 @@ def test_the_cross_entropy_on_cuda_is_ours_both_ways_and_gives_ggmls_bits(backen
     p = np.exp(log_p)
     p[np.arange(rows), ids] -= 1.0
     assert np.max(np.abs(grads["ours"] - p / rows)) <= 1e-5 / rows
+
+
+def picked_softmax_program(backend: str, rows: int, vocab: int, scale: float = 1.0, seed: int = 9,
+                           cuda_kernels: bool = True):
+    """Each row's target probability picked from the flattened softmax of a parameter (as
+    token_logps picks it), the loss a weighted sum of their logs: SOFT_MAX_BACK's dy arrives as a
+    view. (program, trainer, z, targets, weights)"""
+    rng = np.random.default_rng(seed)
+    targets = rng.integers(0, vocab, rows)
+    flat = (np.arange(rows) * vocab + targets).astype(np.int32)
+    weights = rng.normal(size=(rows, 1)).astype(np.float32)
+    prog = get_engine(backend).program()
+    prog.cuda_kernels = prog.cuda_kernels and cuda_kernels
+    z = (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    probabilities = prog.param("z", z).softmax(scale).reshape(rows * vocab, 1)
+    picked = probabilities.get_rows(prog.constant("targets.flat", flat)).log()
+    trainer = prog.trainer(prog.scalar_loss((picked * prog.constant("w", weights)).sum()), "bias_corrected")
+    return prog, trainer, z, targets, weights
+
+
+def test_the_cuda_rewrite_takes_a_picked_softmaxs_backward():
+    """Built on cpu: the pick's SOFT_MAX_BACK becomes ours."""
+    _, trainer, _, _, _ = picked_softmax_program("cpu", 6, 40)
+    assert "SOFT_MAX_BACK" in ops_of(trainer.gb_grad)
+    assert lib.th_cuda_rewrite(trainer.gb_grad, 1) >= 1
+    assert "soft_max_back" in cuda_kernel_names(trainer.gb_grad) and "SOFT_MAX_BACK" not in ops_of(trainer.gb_grad)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+@pytest.mark.parametrize("rows, vocab, scale", [(256, 128256, 1.0), (5, 17, 1.0), (300, 2049, 0.5), (33, 1000, 1.0)])
+def test_a_picked_softmaxs_backward_on_cuda_is_ours_and_gives_ggmls_bits(backend, rows, vocab, scale):
+    """th-loss.cu's SOFT_MAX_BACK against ggml-cuda's (a piece of 256 rows of Llama 3's vocabulary,
+    as logits_chunk makes them; rows and columns not a multiple of a warp or of the loads a lane
+    keeps ahead; a scale): every bit of the gradient, and that gradient w (onehot - softmax(s z)) s
+    a row (float64)."""
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    grads = {}
+    for how in ("ours", "ggml"):
+        prog, trainer, z, targets, weights = picked_softmax_program(backend, rows, vocab, scale,
+                                                                    cuda_kernels=how == "ours")
+        trainer.grads_only({})
+        assert ("soft_max_back" in cuda_kernel_names(trainer.gb_grad)) == (how == "ours")
+        grads[how] = prog.read(trainer.grad_acc["z"]).reshape(rows, vocab)
+    assert np.array_equal(grads["ours"].view(np.uint32), grads["ggml"].view(np.uint32))
+    sz = z.astype(np.float64) * scale
+    p = np.exp(sz - sz.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    want = -p
+    want[np.arange(rows), targets] += 1.0
+    want *= weights.astype(np.float64) * scale
+    assert np.max(np.abs(grads["ours"] - want)) <= 1e-5 * np.max(np.abs(want))

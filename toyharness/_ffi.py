@@ -363,7 +363,7 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 24
+CUDA_KERNELS_VERSION = 25
 
 
 def cuda_kernels_built() -> bool:

@@ -1508,6 +1508,10 @@ bool th_cuda_custom_supported(const ggml_tensor * op) {
         case TH_CUDA_DROPOUT_MASK:
             return th_f32_contiguous(op) && op->src[0] != nullptr && op->src[0]->type == GGML_TYPE_I32 &&
                    ggml_nelements(op->src[0]) == TH_DROPOUT_KEY_WORDS && ggml_is_contiguous(op->src[0]);
+        case TH_CUDA_SOFT_MAX_BACK:
+            return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && th_f32_contiguous(op->src[1]) &&
+                   ggml_are_same_shape(op, op->src[0]) && ggml_are_same_shape(op, op->src[1]) &&
+                   op->ne[0] < INT32_MAX / 2;
         case TH_CUDA_SCATTER_ROWS:
             return th_f32_contiguous(op) && th_f32_contiguous(op->src[0]) && op->src[1] != nullptr &&
                    th_ids_distinct(op->src[1]) && ggml_is_contiguous(op->src[1]) &&
@@ -1620,6 +1624,8 @@ bool th_cuda_custom(cudaStream_t stream, cublasHandle_t cublas, ggml_tensor * ds
         case TH_CUDA_SCATTER_ROWS:
             th_scatter_rows(stream, dst);
             return true;
+        case TH_CUDA_SOFT_MAX_BACK:
+            return th_soft_max_back(stream, dst);
         case TH_CUDA_RMS_NORM:
             th_rms_norm(stream, dst);
             return true;

@@ -74,9 +74,11 @@ bool th_attention(cudaStream_t stream, ggml_tensor * dst, int kernel);
 bool th_adamw_supported(const ggml_tensor * op);
 void th_adamw(cudaStream_t stream, ggml_tensor * dst);
 
-// th-loss.cu: CROSS_ENTROPY (false when its scratch or cub's call failed) and CROSS_ENTROPY_BACK
+// th-loss.cu: CROSS_ENTROPY (false when its scratch or cub's call failed), CROSS_ENTROPY_BACK and
+// SOFT_MAX_BACK (false when its scratch failed)
 bool th_cross_entropy(cudaStream_t stream, ggml_tensor * dst);
 void th_cross_entropy_back(cudaStream_t stream, ggml_tensor * dst);
+bool th_soft_max_back(cudaStream_t stream, ggml_tensor * dst);
 
 // a frozen weight's products at bf16 (th-frozen.cu): FROZEN_MUL_MAT and FROZEN_OUT_PROD
 bool th_frozen_supported(const ggml_tensor * op, int kernel);

@@ -369,6 +369,7 @@ static bool th_writes_known(const ggml_tensor * node) {
         case TH_CUDA_AFFINE: case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_SCATTER_ROWS: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
         case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU: case TH_CUDA_CROSS_ENTROPY:
+        case TH_CUDA_SOFT_MAX_BACK:
         case TH_CUDA_SWIGLU_BACK: case TH_CUDA_COLUMN_DOT: case TH_CUDA_ATTN_FWD: case TH_CUDA_ATTN_PREP:
         case TH_CUDA_ATTN_BWD: case TH_CUDA_ATTN_DQ: case TH_CUDA_SLICE:
             return true;
@@ -403,7 +404,7 @@ static void th_writes(const ggml_tensor * node) {
         case TH_CUDA_ADD: case TH_CUDA_GET_ROWS_BACK: case TH_CUDA_SCATTER_ROWS: case TH_CUDA_FOLDED: case TH_CUDA_ROOM:
         case TH_CUDA_FROZEN_MUL_MAT: case TH_CUDA_FROZEN_OUT_PROD: case TH_CUDA_SILU_BACK_MUL: case TH_CUDA_RMS_NORM:
         case TH_CUDA_ROPE: case TH_CUDA_CROSS_ENTROPY_BACK: case TH_CUDA_SWIGLU:
-        case TH_CUDA_CROSS_ENTROPY:                         // (and th_scratch_for's memory: no copy there)
+        case TH_CUDA_CROSS_ENTROPY: case TH_CUDA_SOFT_MAX_BACK:    // (and th_scratch_for's memory: no copy there)
             th_drop_tensor(node, node);                     // its own bytes only (FOLDED, ROOM: written by others),
             return;                                         // the copy it wrote beside them kept
         case TH_CUDA_SWIGLU_BACK:                           // and up's gradient, into its room (src 3)

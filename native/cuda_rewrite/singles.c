@@ -1,6 +1,6 @@
 /* The cuda rewrite's pass: the nodes our kernels take one for one: GET_ROWS_BACK (a scatter where
  * its ids are distinct), CONT, ADD,
- * RMS_NORM, ROPE, a gain's MUL, the cross-entropy, SWIGLU, dropout's mask. */
+ * RMS_NORM, ROPE, a gain's MUL, the cross-entropy, SWIGLU, dropout's mask, SOFT_MAX_BACK. */
 #include "passes.h"
 #include "../dropout_mask.h"
 
@@ -46,10 +46,20 @@ static int th_swiglu_ours(const struct ggml_tensor * t) {
            th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) && ggml_are_same_shape(t, t->src[1]);
 }
 
+/* A SOFT_MAX_BACK our kernel computes (th-loss.cu): no mask or ALiBi bias, dy, y and dx f32
+ * contiguous rows of one shape (attention's, fused, are gone by now: a loss's pick is left) */
+static int th_soft_max_back_ours(const struct ggml_tensor * t) {
+    float max_bias;
+    memcpy(&max_bias, (const float *) t->op_params + 1, sizeof(float));
+    return t->op == GGML_OP_SOFT_MAX_BACK && t->src[2] == NULL && max_bias == 0.0f && th_f32_contiguous(t) &&
+           th_f32_contiguous(t->src[0]) && th_f32_contiguous(t->src[1]) && ggml_are_same_shape(t, t->src[0]) &&
+           ggml_are_same_shape(t, t->src[1]) && t->ne[0] < INT32_MAX / 2;
+}
+
 /* The nodes our kernels take one for one, each alone (no pass over its neighbours): how many were marked */
 int th_mark_singles(struct ggml_cgraph * graph) {
     int singles = 0;        /* nodes marked one for one: GET_ROWS_BACK (or SCATTER_ROWS), CONT, ADD, RMS_NORM, ROPE, a gain's MUL,
-                               the cross-entropy both ways, SWIGLU */
+                               the cross-entropy both ways, SWIGLU, SOFT_MAX_BACK */
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * t = ggml_graph_node(graph, i), * gain;
         const struct ggml_tensor * src = t->src[0];
@@ -77,6 +87,12 @@ int th_mark_singles(struct ggml_cgraph * graph) {
             const float eps = th_eps_of(t, 0);
             th_mark(t, TH_CUDA_RMS_NORM);
             th_set_params(t, &eps, sizeof(eps));
+            singles++;
+        } else if (th_soft_max_back_ours(t)) {
+            float scale;
+            memcpy(&scale, t->op_params, sizeof(float));
+            th_mark(t, TH_CUDA_SOFT_MAX_BACK);
+            th_set_params(t, &scale, sizeof(scale));
             singles++;
         } else if (t->op == GGML_OP_CROSS_ENTROPY_LOSS_BACK && th_cross_entropy_back_ours(t)) {
             th_mark(t, TH_CUDA_CROSS_ENTROPY_BACK);
