@@ -122,7 +122,15 @@ def side_ours(a, base: Path, data: Path, variant: str) -> dict:
         if i >= a.warmup:
             times.append(ms)
         peak = max(peak, peak_memory_mb(a.backend) or 0.0)
+    parts = {"compute_buffers_mb": model.prog.compute_buffer_bytes() / 2**20,
+             "persistent_mb": model.prog.persistent_bytes() / 2**20}
+    if a.backend == "cuda" and opts.precision == "bf16":      # native/cuda/th-precision.cu's memory
+        from toyharness._ffi import lib
+
+        parts.update(bf16_copies_mb=lib.th_cuda_bf16_copy_bytes() / 2**20,
+                     bf16_scratch_mb=lib.th_cuda_bf16_scratch_bytes() / 2**20)
     return {"ms": statistics.median(times), "peak_mb": peak or None, "first_loss": losses[0],
+            "parts": {k: round(v) for k, v in parts.items()},
             "note": f"{opts.precision}, reference={opts.reference}, recompute_blocks={opts.recompute_blocks}, "
                     f"logits_chunk={opts.logits_chunk}"}
 

@@ -228,6 +228,7 @@ int th_cuda_kernels_version(void);
 void th_cuda_linear_bias_calls(int64_t * lt, int64_t * plain);
 void th_cuda_bf16_copies(int64_t * converted, int64_t * reused);
 int64_t th_cuda_bf16_copy_bytes(void);
+int64_t th_cuda_bf16_scratch_bytes(void);
 int64_t th_cuda_bf16_copy_peak_bytes(void);
 int64_t th_cuda_bf16_copies_alone(void);
 void th_cuda_bf16_keep_nodes(int nodes);

@@ -263,6 +263,14 @@ extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_copy_byte
     return total;
 }
 
+// the device memory the products' scratch holds (all devices; never given back)
+extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_scratch_bytes(void) {
+    std::lock_guard<std::mutex> lock(th_scratch_mutex);
+    int64_t total = 0;
+    for (const th_scratch & s : th_scratches) total += (int64_t) s.bytes;
+    return total;
+}
+
 // the most bytes of chunks the kept copies took at once (what the chunks need)
 extern "C" __attribute__((visibility("default"))) int64_t th_cuda_bf16_copy_peak_bytes(void) { return th_copies_peak; }
 
