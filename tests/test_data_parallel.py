@@ -137,11 +137,90 @@ def test_gradient_reduce_without_devices_is_refused_by_name(tmp_path):
     assert res.returncode == 2 and "gradient_reduce=allreduce" in res.stderr and "devices > 1" in res.stderr
 
 
-def test_devices_without_as_many_processes_is_one_line_exit_2(tmp_path):
-    res = cli("run", "llama", "--steps", "1", "--set", "devices=2", "--out", str(tmp_path / "r"), *QUIET)
-    want = "start the run with mpiexec -n 2" if MPI_MISSING is None else "devices > 1 needs MPI"
-    assert res.returncode == 2 and want in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert not (tmp_path / "r").exists()
+@needs_mpi
+def test_devices_under_a_launcher_of_another_size_is_one_line_exit_2(tmp_path):
+    res = spread_run(1, "llama", "--steps", "1", "--set", "devices=2", "--out", str(tmp_path / "r"))
+    lines = [x for x in res.stderr.strip().splitlines() if x.startswith("toyharness")]
+    assert res.returncode == 2 and lines == ["toyharness: error: devices=2: start the run with mpiexec -n 2 (this "
+                                             "is one process of 1)"], res.stderr
+
+
+@needs_mpi
+def test_devices_without_a_launcher_starts_mpiexec_itself_with_the_bits_of_accumulation(tmp_path):
+    """`toyharness run lora --set devices=2` in a plain shell: MPI's launcher started by the run
+    (toyharness/launcher.py), one summary printed, the bits of accumulate=2."""
+    sets = golden_sets_for("lora")
+    spread = cli("run", "lora", "--steps", "4", *sets_args(sets + ["devices=2"]), "--out", str(tmp_path / "dp"),
+                 *QUIET)
+    assert spread.returncode == 0, spread.stderr[-2000:]
+    assert spread.stdout.count("run folder:") == 1 and not (tmp_path / "dp" / "launcher.log").exists()
+    one = cli("run", "lora", "--steps", "4", *sets_args(sets + ["accumulate=2"]), "--out", str(tmp_path / "acc"),
+              *QUIET)
+    assert one.returncode == 0 and metrics(tmp_path / "dp") == metrics(tmp_path / "acc")
+
+
+def _pids_running(marker: str) -> list[int]:
+    """The run's Python processes (not MPI's launcher) whose command line holds `marker` (the run's folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entry.name.isdigit() and args[1:3] == [b"-m", b"toyharness.cli"] and b"--spread-process" in args \
+                and marker.encode() in args:
+            pids.append(int(entry.name))
+    return pids
+
+
+@needs_mpi
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the run's processes through /proc (Linux)")
+def test_a_killed_process_ends_the_run_in_one_line_and_its_checkpoint_resumes_with_the_same_bits(tmp_path):
+    """A process killed (a node lost): MPI's launcher stops the other, its banner goes to the run
+    folder's launcher.log, the run ends with exit 1 and one line naming the signal and the resume;
+    resumed on one process accumulating two, the steps equal an uninterrupted run's."""
+    import os
+    import signal
+    import time
+
+    sets = golden_sets_for("gpt2") + ["dropout=0.1", "grad_clip=0.05", "checkpoint_every=5", "eval_every=1000",
+                                      "lr_schedule=constant", "warmup=0"]
+    run_dir = tmp_path / "dp"
+    proc = subprocess.Popen([sys.executable, "-m", "toyharness.cli", "run", "gpt2", "--steps", "100000",
+                             *sets_args(sets + ["devices=2"]), "--out", str(run_dir), *QUIET],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoint.gguf").is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    pids = _pids_running(str(run_dir))
+    assert len(pids) == 2 and (run_dir / "checkpoint.gguf").is_file(), pids
+    os.kill(max(pids), signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    lines = [x for x in (out + err).splitlines() if x.strip()]
+    assert proc.returncode == 1 and lines == [
+        f"toyharness: error: a process of the run ended: Killed (signal 9); the others were stopped; resume from "
+        f"its last checkpoint: toyharness run --resume {run_dir} (on any number of devices)"], out + err
+    assert "BAD TERMINATION" in (run_dir / "launcher.log").read_text()
+    done = len(metrics(run_dir))
+    assert done >= 5 and done % 5 == 0       # metrics.jsonl as of the last checkpoint
+    resumed = cli("run", "gpt2", "--resume", str(run_dir), "--steps", str(done + 3), "--set", "devices=1", "--set",
+                  "accumulate=2", "--out", str(tmp_path / "resumed"), *QUIET)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    full = cli("run", "gpt2", "--steps", str(done + 3), *sets_args(sets + ["accumulate=2"]), "--out",
+               str(tmp_path / "full"), *QUIET)
+    assert full.returncode == 0 and losses(tmp_path / "resumed") == losses(tmp_path / "full")
+
+
+@needs_mpi
+def test_a_process_whose_write_fails_ends_every_process_with_its_one_line(tmp_path):
+    """The first process alone writes the run's files: when it cannot (here metrics.jsonl is a
+    folder), it says so and ends the other, which would otherwise wait in its next gather."""
+    (tmp_path / "dp" / "metrics.jsonl").mkdir(parents=True)
+    res = cli("run", "gpt2", "--steps", "40", *sets_args(golden_sets_for("gpt2") + ["devices=2", "checkpoint_every=5"]),
+              "--out", str(tmp_path / "dp"), *QUIET, timeout=120)
+    lines = [x for x in (res.stdout + res.stderr).splitlines() if x.strip()]
+    assert res.returncode == 1 and lines == [f"toyharness: error: cannot write {tmp_path / 'dp' / 'metrics.jsonl'}: "
+                                             "Is a directory"], res.stdout + res.stderr
 
 
 @needs_mpi

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import CheckFailed, ToyharnessError
+from .errors import CheckFailed, Reported, ToyharnessError
 from .switches import check_all as check_all_switches
 
 # toyharness.engine.backend.KNOWN_BACKENDS, without loading the native libraries for --help
@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "batch); grad_clip=C clips each step's gradient to global L2 norm C, as PyTorch's "
                               "clip_grad_norm_ (metrics.jsonl's grad_norm); lr_schedule=constant|linear|cosine "
                               "with warmup=N and min_lr=LR (the decay's floor; unset: lr/10, nanoGPT's default); "
-                              "weight_decay applies to matrices and embeddings only. `--set bogus=1` lists every "
-                              "option of the recipe.")
+                              "weight_decay applies to matrices and embeddings only; devices=N spreads each step "
+                              "over N processes with accumulate=N's bits (MPI: the run starts mpiexec -n N itself "
+                              "unless a launcher started it). `--set bogus=1` lists every option of the recipe.")
     r.add_argument("recipe", help="an installed recipe (`toyharness recipes` lists them)")
     r.add_argument("--steps", type=int, help="number of training steps (default: the recipe's)")
     add_shared_flags(r, backend_default=None,
@@ -146,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--backend or --set precision=... given here wins, and is named on stderr)")
     r.add_argument("--log", action="append", metavar="NAME[,NAME]", help=LOG_HELP)
     r.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    # a process toyharness/launcher.py started: the run's summary is printed by the one that started it
+    r.add_argument("--spread-process", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--plan", action="store_true",
                    help="print the run's memory plan (parameters, moments, frozen weights, activations, the largest "
                         "tensors) beside the backend's free memory, and exit without training")
@@ -320,19 +323,39 @@ def main(argv: list[str] | None = None) -> int:
         return {"recipes": cmd_recipes, "run": cmd_run, "golden": cmd_golden, "bench": cmd_bench,
                 "sample": cmd_sample, "sweep": cmd_sweep, "fuse": cmd_fuse,
                 "new-recipe": cmd_new_recipe}[args.command](args)
+    except Reported as exc:          # its one line is printed already
+        return exc.exit_code
     except ToyharnessError as exc:
         if getattr(args, "debug", False):
             import traceback
 
             traceback.print_exception(exc, file=sys.stderr)
         print(f"toyharness: {'check failed' if isinstance(exc, CheckFailed) else 'error'}: {exc}", file=sys.stderr)
+        end_every_process(exc.exit_code)          # a data-parallel run's other processes, not left waiting
         return exc.exit_code
     except KeyboardInterrupt:
         print("toyharness: interrupted", file=sys.stderr)
+        end_every_process(130)
         return 130
+    except Exception:
+        from .engine.data_parallel import several_processes
+
+        if several_processes():      # a crash: its traceback, then the other processes end too
+            import traceback
+
+            traceback.print_exc()
+            end_every_process(1)
+        raise
     except BrokenPipeError:      # e.g. `toyharness bench --profile | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
         return 141
+
+
+def end_every_process(code: int) -> None:
+    """A data-parallel run's other processes ended with this one (engine/data_parallel.py)."""
+    from .engine.data_parallel import end_every_process as end
+
+    end(code)
 
 
 def check_counts(args) -> None:
@@ -366,6 +389,7 @@ def log_names(values: list[str] | None) -> str | None:
 
 
 def cmd_run(args) -> int:
+    from . import launcher
     from .errors import InputError
     from .runner import plan_run, train
 
@@ -382,7 +406,8 @@ def cmd_run(args) -> int:
     summary = train(args.recipe, steps=args.steps, backend=args.backend, threads=args.threads, config=args.config,
                     sets=args.sets, out=args.out, save_init=args.save_init, save_batches=args.save_batches,
                     resume=args.resume, progress=not args.no_progress, log=log_names(args.log))
-    _print_summary(summary)
+    if not args.spread_process and launcher.process_rank() == 0:      # one summary a run
+        _print_summary(summary)
     return 0
 
 

@@ -66,3 +66,13 @@ class RecipeError(ToyharnessError):
         super().__init__(f"{where}{hook} raised {type(cause).__name__}"
                          + (f": {reason}" if reason else "") + " (--debug shows the traceback)")
         self.recipe, self.hook, self.cause = recipe, hook, cause
+
+
+class Reported(ToyharnessError):
+    """A failure whose one line was already printed (a data-parallel run's process said it, or the
+    launcher's supervisor did: toyharness/launcher.py); the CLI prints nothing more. Its exit code
+    is the run's."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"exit {exit_code}")
+        self.exit_code = exit_code

@@ -202,22 +202,17 @@ def _spread_losses(recipe: str, steps: int, backend: str, threads: int | None, s
     beside this Python (`mpiexec -n N`, the mpich wheel's) or else on PATH, one thread a process unless
     told; its options and losses (metrics.jsonl's bits)."""
     import json
-    import shutil
     import subprocess
     import sys
     import tempfile
 
     from .discovery import get_recipe
+    from .launcher import find_mpiexec
     from .runner import resolve_options
 
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.is_file():
-        mpiexec = shutil.which("mpiexec")
-    if not mpiexec:
-        raise InputError(f"{recipe} with devices={devices}: needs MPI's launcher mpiexec beside "
-                         f"{sys.executable} or on PATH (pip install \"toyharness[dp]\")")
+    mpiexec = find_mpiexec(f"{recipe} with devices={devices}")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [str(mpiexec), "-n", str(devices), sys.executable, "-m", "toyharness.cli", "run", recipe, "--steps",
+        cmd = [mpiexec, "-n", str(devices), sys.executable, "-m", "toyharness.cli", "run", recipe, "--steps",
                str(steps), "--backend", backend, "--threads", str(threads or 1), "--no-progress", "--out",
                str(Path(tmp) / "run"), *[a for s in sets for a in ("--set", s)]]
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from . import __version__, launcher
 from .adamw import HPRow, check_convention
 from .atomic import atomic_write
 from .data import load_text_data
 from .discovery import get_recipe
 from .engine import data_parallel, get_engine, write_gguf
 from .engine.memory_plan import check_fits, plan_model
-from .errors import CheckFailed, InputError, OutOfMemory, WriteError
+from .errors import CheckFailed, InputError, OutOfMemory, Reported, WriteError
 from .hookspecs import plugin_manager
 from .observers import ObserverBus, load_observers
 from .options import Options, read_toml, resolve_options
@@ -182,6 +182,18 @@ def train(recipe: str, steps: int | None = None, backend: str | None = None, thr
     if resume_dir is not None:
         backend = resume_backend(resume_dir, saved, backend, options)
     backend = backend or "cpu"
+    if options.devices > 1 and not launcher.under_launcher():
+        # started without MPI's launcher: start it on this run and wait (toyharness/launcher.py)
+        if observers or not write_files or tags:
+            raise InputError(f"devices={options.devices} with observers or tags given in Python: start the run "
+                             f"under mpiexec -n {options.devices} (each process then calls train)")
+        out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+        command = launcher.run_command(recipe, out_dir, steps, backend, threads, config if resume_dir is None else None,
+                                       sets, save_init, save_batches, resume_dir, progress, log)
+        code = launcher.spread(options.devices, command, out_dir)
+        if code != 0:
+            raise Reported(code)
+        return {**json.loads((out_dir / "summary.json").read_text()), "out_dir": str(out_dir)}
     bus = ObserverBus(load_observers(options.log))      # an unknown --log name stops us here, exit 2
     run_box: list[Run] = []
     try:

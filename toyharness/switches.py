@@ -160,6 +160,11 @@ FOREIGN = {
     "MLFLOW_EXPERIMENT_NAME": "the MLflow observer's experiment",
     "RAY_AUTH_MODE": "Ray's authentication, named in a sweep's connection error",
     "CUDA_VISIBLE_DEVICES": "the GPUs a cuda sweep places its points on, one each (set per point by the sweep)",
+    "PMI_RANK": "MPICH's launcher's rank of a process: a data-parallel run's process (launcher.py)",
+    "PMI_SIZE": "MPICH's launcher's process count: set, a run with devices > 1 does not start a launcher",
+    "OMPI_COMM_WORLD_RANK": "Open MPI's rank of a process (as PMI_RANK)",
+    "OMPI_COMM_WORLD_SIZE": "Open MPI's process count (as PMI_SIZE)",
+    "PMIX_RANK": "a PMIx launcher's rank of a process (as PMI_RANK)",
 }
 
 

@@ -18,11 +18,13 @@ K), and steps on that sum: the same arithmetic in another order of adding, so th
 from accumulation's (within float32 rounding).
 
 The processes talk through MPI (mpi4py, with the MPICH that the `mpich` wheel installs), started by
-its launcher: ``mpiexec -n N toyharness run RECIPE --set devices=N [--set accumulate=K]``.
+its launcher: ``mpiexec -n N toyharness run RECIPE --set devices=N [--set accumulate=K]``, by hand
+or by the run itself (toyharness/launcher.py).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import numpy as np
@@ -58,6 +60,22 @@ def sum_in_order(gathered: np.ndarray, running: np.ndarray | None = None,
     for g in added:
         np.add(g, running, out=running)
     return running, (gathered[-1] if keep_last else None)
+
+
+def several_processes() -> bool:
+    """Whether this process is one of several that MPI started and connected (mpi4py loaded)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1
+
+
+def end_every_process(code: int) -> None:
+    """Where several_processes(), end them all with exit `code` (MPI_Abort): a process that stopped
+    alone would leave the others waiting in their next collective. Call it after the one line that
+    says why; elsewhere it does nothing."""
+    if several_processes():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
 
 
 class MpiCollective:
