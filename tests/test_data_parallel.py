@@ -186,16 +186,24 @@ def test_a_killed_process_ends_the_run_in_one_line_and_its_checkpoint_resumes_wi
     sets = golden_sets_for("gpt2") + ["dropout=0.1", "grad_clip=0.05", "checkpoint_every=5", "eval_every=1000",
                                       "lr_schedule=constant", "warmup=0"]
     run_dir = tmp_path / "dp"
+    # a session of its own: whatever fails below, the run and its launcher are ended with it
     proc = subprocess.Popen([sys.executable, "-m", "toyharness.cli", "run", "gpt2", "--steps", "100000",
                              *sets_args(sets + ["devices=2"]), "--out", str(run_dir), *QUIET],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (run_dir / "checkpoint.gguf").is_file() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    pids = _pids_running(str(run_dir))
-    assert len(pids) == 2 and (run_dir / "checkpoint.gguf").is_file(), pids
-    os.kill(max(pids), signal.SIGKILL)
-    out, err = proc.communicate(timeout=60)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoint.gguf").is_file() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        pids = _pids_running(str(run_dir))
+        assert len(pids) == 2 and (run_dir / "checkpoint.gguf").is_file(), pids
+        os.kill(max(pids), signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in _pids_running(str(run_dir)):      # a launcher's processes in groups of their own
+            os.kill(pid, signal.SIGKILL)
     lines = [x for x in (out + err).splitlines() if x.strip()]
     assert proc.returncode == 1 and lines == [
         f"toyharness: error: a process of the run ended: Killed (signal 9); the others were stopped; resume from "
