@@ -149,6 +149,11 @@ def config_toml(run: Run, threads: int) -> str:
     return tomli_w.dumps(doc)
 
 
+def run_folder(recipe: str, out: str | None, resume_dir: Path | None) -> Path:
+    """Where a run writes: `out`, else the resumed run's folder, else runs/RECIPE-TIMESTAMP."""
+    return Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def train(recipe: str, steps: int | None = None, backend: str | None = None, threads: int | None = None,
           config: str | None = None, sets: list[str] | None = None, out: str | None = None,
           save_init: bool = False, save_batches: bool = False, resume: str | None = None,
@@ -185,9 +190,9 @@ def train(recipe: str, steps: int | None = None, backend: str | None = None, thr
     if options.devices > 1 and not launcher.under_launcher():
         # started without MPI's launcher: start it on this run and wait (toyharness/launcher.py)
         if observers or not write_files or tags:
-            raise InputError(f"devices={options.devices} with observers or tags given in Python: start the run "
-                             f"under mpiexec -n {options.devices} (each process then calls train)")
-        out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+            raise InputError(f"devices={options.devices} with observers, tags or write_files=False given in Python: "
+                             f"start the run under mpiexec -n {options.devices} (each process then calls train)")
+        out_dir = run_folder(recipe, out, resume_dir)
         command = launcher.run_command(recipe, out_dir, steps, backend, threads, config if resume_dir is None else None,
                                        sets, save_init, save_batches, resume_dir, progress, log)
         code = launcher.spread(options.devices, command, out_dir)
@@ -299,7 +304,7 @@ def _train(recipe: str, entry, recipe_obj, options: Options, bus: ObserverBus, b
     engine = get_engine(backend, threads)
     engine.set_portable(options.portable)   # each run sets it; a program keeps the mode it was made in
     engine.set_precision(options.precision)
-    out_dir = Path(out) if out else (resume_dir or Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = run_folder(recipe, out, resume_dir)
     run = Run(recipe, options, out_dir, engine, entry, tags=tags)
 
     # The programs the recipe makes now take the run's accumulation and clipping (the engine's,
