@@ -13,7 +13,7 @@
 /* the widest rows whose gain's gradient LAYER_NORM_BACK sums (its block's 8 warps keep a partial
  * sum of every column in shared memory: 8 x 1536 floats, 48 KiB) */
 #define TH_GAIN_SUMS_MAX_COLUMNS 1536
-#define TH_CUDA_KERNELS_VERSION 25  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
+#define TH_CUDA_KERNELS_VERSION 26  /* 7: the precision stamp below (issue 32); 8: frozen products at bf16;
                                        9: SILU_BACK_MUL, SWIGLU_BACK; 10: th_cuda_bf16_keep_nodes;
                                        11: grouped-query heads in the attention kernels (group);
                                        12: AFFINE without a bias (a gain alone), RMS_NORM,
@@ -30,7 +30,8 @@
                                            at bf16 its bias's (src 6); 21: DROPOUT_MASK;
                                            22: GELU_ERF, GELU_ERF_BACK; 23: dropout on P
                                            inside the attention kernels (th_attention_params);
-                                           24: SCATTER_ROWS; 25: SOFT_MAX_BACK */
+                                           24: SCATTER_ROWS; 25: SOFT_MAX_BACK; 26: attention
+                                           over packed rows (TH_ATTENTION_PACKED) */
 enum {
     TH_CUDA_GELU = 1, TH_CUDA_GELU_BACK = 2, TH_CUDA_CONT = 3,
     /* fused attention (th-attention.cu), each node of one head batch of BH heads of T tokens:
@@ -289,6 +290,21 @@ typedef struct { int64_t nb[4]; int64_t offset; } th_slice_cont_params;
  * (dropout_mask.h's th_dropout_params layout: node, threshold's two words, the kept value's
  * bits; all 0: no dropout); ATTN_FWD's src 3 is then the program's fed key. */
 typedef struct { int32_t hd, T, causal; float scale; int32_t group; int32_t dropout[4]; } th_attention_params;
+/* `causal` TH_ATTENTION_PACKED: packed rows (toyharness/engine/packed.py), several examples a row,
+ * each query seeing the keys of its own example up to itself only. ATTN_FWD's src 6 is then the
+ * fed bounds, i32 (T, 2, B): per batch row the first key each query sees, then the end of the
+ * queries that see each key; the kernels skip the tiles outside every example. (The packed
+ * mask's op_params hold that tensor's address, where the harness made one: th_packed_bounds_of.) */
+enum { TH_ATTENTION_CAUSAL = 1, TH_ATTENTION_PACKED = 2 };
+#define TH_ATTENTION_BOUNDS_SRC 6
+static inline struct ggml_tensor * th_packed_bounds_of(const struct ggml_tensor * mask) {
+    struct ggml_tensor * bounds = NULL;
+    memcpy(&bounds, mask->op_params, sizeof(bounds));
+    return bounds;
+}
+static inline void th_packed_bounds_set(struct ggml_tensor * mask, const struct ggml_tensor * bounds) {
+    memcpy(mask->op_params, &bounds, sizeof(bounds));
+}
 static inline int th_attention_has_dropout(const th_attention_params * ap) { return ap->dropout[3] != 0; }
 typedef struct { int64_t stride, offset; } th_slice_params;
 /* Where a head's (d, t) elements go in a room: the room's axis that each of d, t, h and b is
@@ -365,7 +381,10 @@ static inline int th_attention_cudnn(const struct ggml_tensor * fwd) {
     }
     th_attention_params ap;
     memcpy(&ap, (const char *) fwd->op_params + 2 * sizeof(int32_t), sizeof(ap));
-    if ((ap.hd != 32 && ap.hd != 64) || ap.T % 8 != 0 || th_attention_has_dropout(&ap)) return 0;   /* our stream's masks */
+    if ((ap.hd != 32 && ap.hd != 64) || ap.T % 8 != 0 || th_attention_has_dropout(&ap) ||   /* our stream's masks */
+        ap.causal == TH_ATTENTION_PACKED) {                                                /* our bounds */
+        return 0;
+    }
     for (int j = 0; j < 3; j++) {    /* all three bf16 (read in place) or all f32 (narrowed) */
         if (fwd->src[j] == NULL || fwd->src[j]->type != fwd->src[0]->type) return 0;
     }

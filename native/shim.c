@@ -20,6 +20,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "custom_ops.h"
 #include "ggml-impl.h" /* ggml_graph_view, for the profiler */
 
 #define TH_EXPORT __attribute__((visibility("default")))
@@ -111,6 +112,12 @@ TH_EXPORT int64_t th_feed_f32(struct ggml_tensor * t, const float * x, int64_t n
     }
     ggml_backend_tensor_set(t, x, 0, (size_t) n * sizeof(float));
     return -1;
+}
+
+/* a packed rows' mask (toyharness/engine/packed.py) names the bounds that the cuda attention reads
+ * instead of it (custom_ops.h, th_packed_bounds_of) */
+TH_EXPORT void th_link_packed_bounds(struct ggml_tensor * mask, const struct ggml_tensor * bounds) {
+    th_packed_bounds_set(mask, bounds);
 }
 
 /* ids in [0, upper) (upper <= 0: any id an i32 holds), written as i32 through `scratch` */

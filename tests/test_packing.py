@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import needs
+from helpers import cuda_kernel_names, needs
 
 from toyharness.cli import main
 from toyharness.data.examples import first_fit_rows
@@ -109,13 +109,18 @@ def gemma3_lora_sets() -> list[str]:
     return [f"base={example_file(**ARCH_GOLDEN_BASES['gemma3'])}", "targets=q,k,v,o", "rank=4", "alpha=8", "seed=5"]
 
 
-def unpacked_and_packed_step(recipe: str, backend: str, portable: bool = False, t_seq: int = 32):
-    """Loss and every gradient of one step over the same examples: one example a row, then packed."""
+def unpacked_and_packed_step(recipe: str, backend: str, portable: bool = False, t_seq: int = 32,
+                             lengths: list[int] | None = None, kernels: list | None = None,
+                             sets: list[str] | None = None):
+    """Loss and every gradient of one step over the same examples: one example a row, then packed.
+    `kernels`: where given, each step's training graph's cuda kernel names (and the inputs a next
+    step would feed) are appended to it;
+    `sets`: the recipe's options, where not the shapes above."""
     _, obj = get_recipe(recipe)
-    sets = gemma3_lora_sets() if recipe == "lora" else SHAPES[recipe]
+    sets = sets or (gemma3_lora_sets() if recipe == "lora" else SHAPES[recipe])
     options = resolve_options(obj, None, sets + [f"t_seq={t_seq}"], {})
     vocab = obj.vocab_for(options, 256)
-    lengths = [5, 12, 30, 3, 9, 17, 33, 8, 2, 14, 20, 6]          # 33 bytes: cut to 32 positions
+    lengths = lengths or [5, 12, 30, 3, 9, 17, 33, 8, 2, 14, 20, 6]          # 33 bytes: cut to 32 positions
     rows = [{"prompt": "p" * max(1, n // 3), "completion": "".join(chr(98 + (i * 7 + j) % 20) for j in
                                                                     range(n - max(1, n // 3)))}
             for i, n in enumerate(lengths)]
@@ -143,6 +148,8 @@ def unpacked_and_packed_step(recipe: str, backend: str, portable: bool = False, 
             model = LanguageModel(obj, engine, options, vocab, params, batch=data.n_rows, masked=True,
                                   packed=data.packed)
             loss = model.trainer.grads_only(model.feeds(batch))
+            if kernels is not None:     # and the inputs a next step feeds
+                kernels.append((cuda_kernel_names(model.trainer.gb_grad), sorted(model.feeds(batch))))
             out.append((loss, {k: model.prog.read(g) for k, g in model.trainer.grad_acc.items()}, data.n_rows))
     finally:
         engine.set_portable(False)
@@ -187,6 +194,72 @@ def test_packed_step_loss_and_gradients_equal_the_unpacked_step(recipe, backend,
     # k adapter's come 1.14e-6 apart (an H200: cuBLAS picks its kernel by the product's size)
     fast_lora = recipe == "lora" and not portable
     assert_close(grads_b, grads_a, 2e-6 if fast_lora else 1e-6)
+
+
+# examples of 1 to 140 tokens (prompt and completion) in rows of 200: the fused attention's tiles
+# (64 queries or keys) lie across examples, inside one, or outside every example of their rows
+LONG_LENGTHS = [70, 3, 141, 9, 40, 66, 2, 120, 17, 5, 90, 33, 64, 65, 1, 128, 12, 50]
+FUSED_LLAMA = ["n_layer=2", "d_model=64", "n_head=4", "n_kv_head=2", "d_ff=96", "seed=5"]   # head size 16
+
+
+@pytest.mark.parametrize("precision, rel", [("fp32", 1e-6), ("tf32", 2e-3), ("bf16", 2e-2)])
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs("cuda"))])
+def test_the_fused_attention_over_packed_rows_gives_the_unpacked_step(backend, precision, rel):
+    """On cuda the fused attention takes packed rows (the fed bounds: each query's first key, each
+    key's last query) and skips the tiles outside every example: llama (grouped-query heads, head
+    size 16) at t_seq 200, both ways on the fused kernels. fp32: loss and gradients within 1e-6 of
+    the unpacked step; tf32 and bf16 within their operands' rounding (each way rounds its own
+    products)."""
+    from toyharness._ffi import cuda_kernels_built
+
+    if not cuda_kernels_built():
+        pytest.skip("this ggml-cuda was built without toyharness's kernels (native/cuda)")
+    engine = get_engine(backend)
+    engine.set_precision(precision)
+    kernels: list = []
+    try:
+        (loss_a, grads_a, rows_a), (loss_b, grads_b, rows_b) = unpacked_and_packed_step(
+            "llama", backend, t_seq=200, lengths=LONG_LENGTHS, kernels=kernels, sets=FUSED_LLAMA)
+    finally:
+        engine.set_precision("fp32")
+    assert rows_b < rows_a == len(LONG_LENGTHS)
+    for names, _ in kernels:      # unpacked and packed alike: no softmax left to ggml
+        assert {"attention", "attention_back", "attention_dq"} <= set(names), names
+    # the mask read by no node is no longer made or fed; the bounds are
+    assert "packed_bounds.all" in kernels[1][1] and "packed_mask.all" not in kernels[1][1]
+    assert abs(loss_a - loss_b) <= rel * abs(loss_a)
+    assert_close(grads_b, grads_a, rel)
+
+
+def test_a_mask_that_a_graph_reads_stays_fed():
+    """On the cpu every packed softmax reads its mask: after the graphs' rewrites it is still fed
+    each step (the cuda attention, which reads the bounds, lets it go)."""
+    _, obj = get_recipe("llama")
+    options = resolve_options(obj, None, SHAPES["llama"] + ["t_seq=16"], {})
+    model = LanguageModel(obj, get_engine("cpu"), options, 256, obj.init_params(options, 256), batch=2,
+                          masked=True, packed=True)
+    col = np.arange(16)
+    batch = {"tokens": np.ones((2, 16), np.int32), "targets": np.ones((2, 16), np.int32),
+             "mask": np.ones((2, 16), np.float32), "segments": np.tile(col // 5, (2, 1)).astype(np.int32),
+             "positions": np.tile(col % 5, (2, 1)).astype(np.int32)}
+    assert "packed_mask.all" in model.feeds(batch)
+    model.trainer.grads_only(model.feeds(batch))
+    assert model.prog.packed_rows.masks_read == {"packed_mask.all"}
+    assert "packed_mask.all" in model.feeds(batch)
+
+
+def test_the_fed_bounds_are_the_masks_first_key_and_query_end():
+    """PackedRows.bounds, which the cuda kernels read instead of the mask: query i sees key j exactly
+    where first[i] <= j <= i < end[j], pair by pair the mask's zeros, with and without a window."""
+    from toyharness.engine.packed import PackedRows
+
+    segments = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1], [0] * 11, list(range(11))], np.int32)
+    for window in (None, 3):
+        rows = PackedRows(None, 3, 11)
+        mask, bounds = rows.mask(segments, window)[:, 0], rows.bounds(segments, window)
+        i, j = np.arange(11)[:, None], np.arange(11)[None, :]
+        seen = (bounds[:, 0, :, None] <= j) & (j <= i) & (i < bounds[:, 1, None, :])
+        np.testing.assert_array_equal(seen, mask == 0)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["cpu-fast", "cpu-portable"])

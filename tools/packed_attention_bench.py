@@ -1,13 +1,15 @@
-"""The cpu cost of packed attention: a training step (forward and backward, no AdamW) of a small
+"""The cost of packed attention, on the cpu or cuda: a training step (forward and backward, no AdamW) of a small
 llama whose attention dominates, on rows of one long example against rows of many short examples
 at the same t_seq, and the unpacked causal step beside them (a packed step's time includes making
 and feeding its masks, as in a run).
 
     python tools/packed_attention_bench.py [--t-seq 256 1024] [--short 16] [--reps 20] [--threads 2]
+        [--backend cuda --precision bf16]
 
 On the fast cpu path a packed row's softmax and its backward start at the 16-column block of each
 row's first key in its own example, and the six products of attention contract (or compute) only
-over the terms inside each block of rows' examples (native/cpu_kernels.c, th_packed_range).
+over the terms inside each block of rows' examples (native/cpu_kernels.c, th_packed_range). On
+cuda the fused attention walks only the tiles of each row's examples (native/cuda/th-attention.cu).
 Prints the median ms of each and the ratio short/long.
 """
 
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shape", default="n_layer=1,d_model=64,n_head=4,n_kv_head=4,d_ff=128")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"], help="cuda only")
     args = ap.parse_args()
     from toyharness.discovery import get_recipe
     from toyharness.engine import get_engine
@@ -46,8 +50,11 @@ def main() -> None:
     from toyharness.options import resolve_options
 
     _, obj = get_recipe("llama")
-    engine = get_engine("cpu", args.threads)
-    print(f"llama {args.shape}, batch {args.batch}, {args.threads} threads, fingerprint {engine.fingerprint()}")
+    engine = get_engine(args.backend, args.threads)
+    if args.backend == "cuda":
+        engine.set_precision(args.precision)
+    where = f"{args.threads} threads" if args.backend == "cpu" else f"precision {args.precision}"
+    print(f"llama {args.shape}, batch {args.batch}, {where}, fingerprint {engine.fingerprint()}")
     for t in args.t_seq:
         options = resolve_options(obj, None, [*args.shape.split(","), f"t_seq={t}"], {})
         params = obj.init_params(options, 256)

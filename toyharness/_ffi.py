@@ -189,6 +189,7 @@ int th_tensor_is_host(const ggml_tensor * t);
 void th_zero_tensors(ggml_tensor ** ts, int n);
 int64_t th_feed_f32(ggml_tensor * t, const float * x, int64_t n);
 int64_t th_feed_ids(ggml_tensor * t, const int64_t * ids, int64_t n, int64_t upper, int32_t * scratch);
+void th_link_packed_bounds(ggml_tensor * mask, const ggml_tensor * bounds);
 int64_t th_feed_targets(ggml_tensor * onehot, float * mirror, ggml_tensor * flat_index, const int64_t * ids,
                         int64_t * last, int has_last, int64_t n, int64_t vocab, int32_t * scratch);
 void th_install_abort_handler(void);
@@ -364,7 +365,8 @@ blas = _load_blas()
 
 
 # native/custom_ops.h's TH_CUDA_KERNELS_VERSION: the stand-ins this toyharness builds
-CUDA_KERNELS_VERSION = 25
+CUDA_KERNELS_VERSION = 26
+GGML_MAX_SRC = 10                # ggml.h: the sources a node holds
 
 
 def cuda_kernels_built() -> bool:

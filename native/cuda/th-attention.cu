@@ -28,6 +28,11 @@
 // The forward and the backward fit two CTAs an SM (102.5 KB of shared memory at head size 64).
 // At precision bf16 and tf32 the same nodes run on tensor cores instead (the sections "bf16" and
 // "tf32" below; th_precision_of(node) picks): bf16 or TF32 tiles, fp32 softmax and sums.
+// Packed rows (several examples a row, custom_ops.h's TH_ATTENTION_PACKED): each query sees its own
+// example's keys up to itself (th_first_key, th_query_end: the fed bounds), and every kernel walks
+// only the key or query blocks of those examples, so a row of short examples costs the sum of
+// their squared lengths. A block or tile skipped would have added exactly nothing (its P and dS are
+// 0): the bits are those of the walk over every block.
 #include "th-custom.cuh"
 #include "th-precision.cuh"                 // th_copy_for_writer: dQ's, dK's and dV's bf16 copies
 #include "th-cudnn.cuh"                     // cuDNN's fused attention (the section "cuDNN" below)
@@ -135,7 +140,28 @@ struct th_attn_args {
     int group;            // query heads a kv head (the backward: one CTA a kv head, its heads in turn)
     const int32_t * drop_key;   // dropout on P: the program's fed key (dropout_mask.h), or none
     th_dropout_params drop;     // and the mask's stream (th_attention_params.dropout)
+    const int32_t * bounds;     // packed rows (TH_ATTENTION_PACKED): per batch row the first key
+                                // each query sees (T), then the end of the queries each key is seen by
+                                // (T); none: every causal query sees keys 0 .. itself
+    int row_heads;              // query heads a batch row (head bh's row: bh / row_heads)
 };
+
+// Packed rows (custom_ops.h, TH_ATTENTION_PACKED): query i sees keys j with first(i) <= j <= i, and
+// key j is seen by queries j <= i < end(j); both nondecreasing along the row (an example's keys are
+// contiguous), so a block's bounds are its first and last element's. Without bounds: 0 and T.
+// A row or key past T reads its last (those rows and keys are masked or not written anyway).
+static __device__ __forceinline__ int th_first_key(const th_attn_args & a, const int bh, const int row) {
+    if (a.bounds == nullptr) return 0;
+    return __ldg(a.bounds + (int64_t) (bh / a.row_heads) * 2 * a.T + (row < a.T ? row : a.T - 1));
+}
+static __device__ __forceinline__ int th_query_end(const th_attn_args & a, const int bh, const int key) {
+    if (a.bounds == nullptr) return a.T;
+    return __ldg(a.bounds + (int64_t) (bh / a.row_heads) * 2 * a.T + a.T + (key < a.T ? key : a.T - 1));
+}
+// whether query `row` sees `key` (both inside the sequence): causal, and inside the row's example
+static __device__ __forceinline__ bool th_sees(const th_attn_args & a, const int bh, const int row, const int key) {
+    return key < a.T && row < a.T && !(a.causal && key > row) && key >= th_first_key(a, bh, row);
+}
 
 static __device__ __forceinline__ float4 th_ld4(const float * p) { return *(const float4 *) p; }
 
@@ -196,9 +222,12 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_fwd_kernel(co
     }
     const int q_end = q0 + TH_AT_QB < T ? q0 + TH_AT_QB : T;
     const int nkb = ((a.causal ? q_end : T) + TH_AT_B - 1) / TH_AT_B;
-    for (int kb = 0; kb < nkb; kb++) {
+    // packed rows: the key blocks before the first query's example are skipped by all, and a
+    // warp skips those before its first row's
+    const int warp_first_key = th_first_key(a, bh, warp_last_row - 15);
+    for (int kb = th_first_key(a, bh, q0) / TH_AT_B; kb < nkb; kb++) {
         const int k0 = kb * TH_AT_B;
-        const bool sees = !a.causal || k0 <= warp_last_row;        // the same for a whole warp
+        const bool sees = (!a.causal || k0 <= warp_last_row) && k0 + TH_AT_B > warp_first_key;   // warp-wide
         __syncthreads();
         th_load_tile<HD, false, true>(nullptr, 0, Kt, k, a.k, k0, T);
         th_load_tile<HD, true, false>(V, LDV, nullptr, v, a.v, k0, T);
@@ -222,12 +251,12 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_fwd_kernel(co
             }
 #pragma unroll
             for (int i = 0; i < R; i++) {
-                const int row = q0 + R * ty + i;
+                const int row = q0 + R * ty + i, first = th_first_key(a, bh, row);   // packed rows; else 0
                 float mx = -INFINITY;
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int col = k0 + 4 * tx + j;
-                    s[i][j] = col >= T || (a.causal && col > row) ? -INFINITY : s[i][j] * a.scale;
+                    s[i][j] = col >= T || (a.causal && col > row) || col < first ? -INFINITY : s[i][j] * a.scale;
                     mx = fmaxf(mx, s[i][j]);
                 }
 #pragma unroll
@@ -314,7 +343,6 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(co
     float * Pq = Qt, * Sq = dOt;
     const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
     const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, kb = blockIdx.y, k0 = kb * TH_AT_B, T = a.T;
-    const int nqb = (T + TH_AT_B - 1) / TH_AT_B;
     const float * k = th_head(a.k, kvh * G), * v = th_head(a.v, kvh * G);
     th_load_tile<HD, false, true>(nullptr, 0, Kt, k, a.k, k0, T);
     th_load_tile<HD, false, true>(nullptr, 0, Vt, v, a.v, k0, T);
@@ -327,7 +355,9 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(co
         float dv[4][DN], dk[4][DN];
         for (int i = 0; i < 4; i++)
             for (int j = 0; j < DN; j++) dv[i][j] = dk[i][j] = 0.0f;
-        for (int qb = a.causal ? kb : 0; qb < nqb; qb++) {
+        // packed rows: the query blocks past the last key's example see none of the block's keys
+        const int qb_end = (th_query_end(a, bh, k0 + TH_AT_B - 1) + TH_AT_B - 1) / TH_AT_B;
+        for (int qb = a.causal ? kb : 0; qb < qb_end; qb++) {
             const int q0 = qb * TH_AT_B;
             __syncthreads();
             th_load_tile<HD, true, true>(Qn, LDN, Qt, q, a.q, q0, T);
@@ -360,7 +390,7 @@ static __global__ void __launch_bounds__(TH_AT_THREADS, 2) th_attn_bwd_kernel(co
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int qr = q0 + 4 * tx + j;
-                    const bool seen = key < T && qr < T && !(a.causal && key > qr);
+                    const bool seen = th_sees(a, bh, qr, key);
                     const float p = seen ? expf(s[i][j] * a.scale - Lq[4 * tx + j]) : 0.0f;
                     s[i][j] = p;
                     dp[i][j] = p * (dp[i][j] - Dq[4 * tx + j]) * a.scale;     // dS
@@ -434,7 +464,8 @@ static __global__ void __launch_bounds__(TH_AT_THREADS) th_attn_dq_kernel(const 
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < DN; j++) acc[i][j] = 0.0f;
     const int nkb = a.causal ? qb + 1 : nqb;
-    for (int kb = 0; kb < nkb; kb++) {
+    // packed rows: from the first query's example's first key block (the tiles the backward wrote)
+    for (int kb = th_first_key(a, bh, q0) / TH_AT_B; kb < nkb; kb++) {
         const int k0 = kb * TH_AT_B;
         __syncthreads();
         if (T % 4 == 0) {             // then a float4 of keys is all in, or all past T
@@ -829,12 +860,12 @@ static __device__ __forceinline__ void th_zero(float (&x)[HD / 8][4]) {
 // tests compile away; a finite score gives the same P either way).
 template <int HD, bool WHOLE>
 static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float (&o)[HD / 8][4], float (&m)[2],
-                                                        float (&l)[2], const th_attn_args & a, const int w0,
-                                                        const int k0) {
+                                                        float (&l)[2], const th_attn_args & a, const int bh,
+                                                        const int w0, const int k0) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4), T = a.T;
 #pragma unroll
     for (int r = 0; r < 2; r++) {                                   // rows g and g + 8
-        const int row = w0 + g + 8 * r;
+        const int row = w0 + g + 8 * r, first = WHOLE ? 0 : th_first_key(a, bh, row);
         float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++)
@@ -842,7 +873,7 @@ static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float 
             for (int e = 0; e < 2; e++) {
                 const int col = k0 + nt * 8 + c + e;
                 float & x = s[nt][2 * r + e];
-                x = !WHOLE && (col >= T || (a.causal && col > row)) ? -INFINITY : x * a.scale;
+                x = !WHOLE && (col >= T || (a.causal && col > row) || col < first) ? -INFINITY : x * a.scale;
                 mx = fmaxf(mx, x);
             }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
@@ -868,19 +899,29 @@ static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float 
 }
 template <int HD>
 static __device__ __forceinline__ void th_softmax_block(float (&s)[8][4], float (&o)[HD / 8][4], float (&m)[2],
-                                                        float (&l)[2], const th_attn_args & a, const int w0,
-                                                        const int k0) {
-    if (k0 + TH_MM_B <= a.T && !(a.causal && k0 + TH_MM_B - 1 > w0)) {
-        th_softmax_block<HD, true>(s, o, m, l, a, w0, k0);
+                                                        float (&l)[2], const th_attn_args & a, const int bh,
+                                                        const int w0, const int k0) {
+    if (k0 + TH_MM_B <= a.T && !(a.causal && k0 + TH_MM_B - 1 > w0) && k0 >= th_first_key(a, bh, w0 + 15)) {
+        th_softmax_block<HD, true>(s, o, m, l, a, bh, w0, k0);
     } else {
-        th_softmax_block<HD, false>(s, o, m, l, a, w0, k0);
+        th_softmax_block<HD, false>(s, o, m, l, a, bh, w0, k0);
     }
 }
 
-// the key blocks of TH_MM_B a CTA of `rows` queries from q0 walks through (causal: up to its last query's)
+// the key blocks of TH_MM_B a CTA of `rows` queries from q0 walks through (causal: up to its last
+// query's), from th_first_key_block's
 static __device__ __forceinline__ int th_key_blocks(const th_attn_args & a, const int q0, const int rows) {
     const int q_end = q0 + rows < a.T ? q0 + rows : a.T;
     return ((a.causal ? q_end : a.T) + TH_MM_B - 1) / TH_MM_B;
+}
+// packed rows: the first key block a CTA of queries from q0 sees (its first query's example's); else 0
+static __device__ __forceinline__ int th_first_key_block(const th_attn_args & a, const int bh, const int q0) {
+    return th_first_key(a, bh, q0) / TH_MM_B;
+}
+// packed rows: the query blocks of TH_MM_B that see keys from k0 to `last` end here (those past the
+// last key's example see none); else every block to T
+static __device__ __forceinline__ int th_query_blocks_end(const th_attn_args & a, const int bh, const int last) {
+    return (th_query_end(a, bh, last) + TH_MM_B - 1) / TH_MM_B;
 }
 
 // A walk over key blocks (the forward's, dQ's) takes block kb: the staged K and V (or, unstaged,
@@ -986,7 +1027,7 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = w0 + g + 8 * (e / 2), qr = qc + nt * 8 + c + e % 2;
-                const bool seen = WHOLE || (key < T && qr < T && !(a.causal && key > qr));
+                const bool seen = WHOLE || th_sees(a, bh, qr, key);
                 const float p = th_p_of(s[nt][e], lq[nt][e % 2], a.scale, seen);
                 if (drop.on) {                           // P M into dV's product, dP M into dS
                     const float m = th_drop_at(drop, T, bh, qr, key);
@@ -999,7 +1040,7 @@ static __device__ __forceinline__ void th_chunk_p_ds(float (&s)[2][4], float (&d
                 if constexpr (TF32) dp[nt][e] = th_tf32(dp[nt][e]);
             }
     };
-    if (w0 + 16 <= T && qc + 16 <= T && !(a.causal && w0 + 15 > qc)) {
+    if (w0 + 16 <= T && qc + 16 <= T && !(a.causal && w0 + 15 > qc) && w0 >= th_first_key(a, bh, qc + 15)) {
         p_and_ds(std::true_type{});
     } else {
         p_and_ds(std::false_type{});
@@ -1022,7 +1063,7 @@ static __device__ __forceinline__ void th_dq_chunk_ds(const float (&s)[2][4], fl
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int row = w0 + g + 8 * (e / 2), key = kc + nt * 8 + c + e % 2;
-                const bool seen = WHOLE || (key < T && row < T && !(a.causal && key > row));
+                const bool seen = WHOLE || th_sees(a, bh, row, key);
                 float d = dp[nt][e];
                 if (drop.on) {                           // dP M, the mask's pair drawn at the pair's first
                     if (e % 2 == 0) m2 = th_drop_pair(drop, T, bh, row, key);
@@ -1031,7 +1072,7 @@ static __device__ __forceinline__ void th_dq_chunk_ds(const float (&s)[2][4], fl
                 dp[nt][e] = th_ds_of(th_p_of(s[nt][e], lr[e / 2], a.scale, seen), d, dr[e / 2], a.scale);
             }
     };
-    if (w0 + 16 <= T && kc + 16 <= T && !(a.causal && kc + 15 > w0)) {
+    if (w0 + 16 <= T && kc + 16 <= T && !(a.causal && kc + 15 > w0) && kc >= th_first_key(a, bh, w0 + 15)) {
         p_and_ds(std::true_type{});
     } else {
         p_and_ds(std::false_type{});
@@ -1069,9 +1110,9 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     const int w0 = q0 + 16 * warp;                                   // the warp's first query
     const float * q = th_head_as<B16>(a.q, bh), * k = th_head_as<B16>(a.k, bh), * v = th_head_as<B16>(a.v, bh);
     const bool k_staged = th_stageable<B16>(a.k, k), v_staged = th_stageable<B16>(a.v, v);
-    const int nkb = th_key_blocks(a, q0, QR);
-    if (k_staged) th_stage<HD, TH_MM_B, NT, B16>(Kst, k, a.k, 0, T);
-    if (v_staged) th_stage<HD, TH_MM_B, NT, B16>(Vst, v, a.v, 0, T);
+    const int nkb = th_key_blocks(a, q0, QR), kb0 = th_first_key_block(a, bh, q0);
+    if (k_staged) th_stage<HD, TH_MM_B, NT, B16>(Kst, k, a.k, kb0 * TH_MM_B, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT, B16>(Vst, v, a.v, kb0 * TH_MM_B, T);
     th_cp_commit();
     th_load_rows<__nv_bfloat16, HD, QR, NT, B16>(Qs, LDR, q, a.q, q0, T);
     __syncthreads();
@@ -1079,13 +1120,14 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_mma
     th_frag_a<HD>(qf, Qs, LDR, 16 * warp);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
     th_zero<HD>(o);
-    for (int kb = 0; kb < nkb; kb++) {
+    const int warp_first_key = th_first_key(a, bh, w0);              // packed rows; else 0
+    for (int kb = kb0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_kv_block<__nv_bfloat16, HD, NT, B16>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
-        if (a.causal && k0 > w0 + 15) continue;                    // the same for the whole warp
+        if ((a.causal && k0 > w0 + 15) || k0 + TH_MM_B <= warp_first_key) continue;   // the same for the whole warp
         float s[8][4];
         th_mm_rows<HD>(s, qf, Ks, LDR);
-        th_softmax_block<HD>(s, o, m, l, a, w0, k0);
+        th_softmax_block<HD>(s, o, m, l, a, bh, w0, k0);
         if (drop.on) th_drop_p(s, drop, T, bh, w0, k0);
         th_mm_acc<HD>(o, s, Vs, LDR);
     }
@@ -1172,8 +1214,10 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
     float * LD = dOst + TH_MM_B * HD;                              // [2 steps][L 64, D 64]
     const int warp = threadIdx.x / 32;
     const int kvh = blockIdx.x, G = GROUPED ? a.group : 1, k0 = blockIdx.y * KR, T = a.T;
-    const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
+    // the query blocks that see the CTA's keys (packed rows: to the last key's example's end)
+    const int nqb = th_query_blocks_end(a, kvh * G, k0 + KR - 1), qb0 = a.causal ? k0 / TH_MM_B : 0, nq = nqb - qb0;
     const int w0 = k0 + 16 * warp;                                   // the warp's first key
+    const int warp_query_end = th_query_end(a, kvh * G, w0 + 15);    // packed rows; else T
     const float * k = th_head_as<B16>(a.k, kvh * G), * v = th_head_as<B16>(a.v, kvh * G);
     auto stage = [&](const int gr, const int qb, const int i) {
         th_bwd_stage<HD, NT, B16>(a, kvh * G + gr, qb * TH_MM_B, Qst, dOst, LD + (i % 2) * 2 * TH_MM_B);
@@ -1191,12 +1235,12 @@ static __global__ void __launch_bounds__(32 * WARPS, MINB) th_attn_bwd_chunk_ker
         const int next_gr = qb + 1 < nqb ? gr : gr + 1, next_qb = qb + 1 < nqb ? qb + 1 : qb0;
         if (i + 1 < G * nq) stage(next_gr, next_qb, i + 1);
         th_cp_commit();
-        if (!(a.causal && w0 > q0 + TH_MM_B - 1)) {
+        if (!(a.causal && w0 > q0 + TH_MM_B - 1) && q0 < warp_query_end) {
             const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
 #pragma unroll
             for (int j = 0; j < TH_MM_B / 16; j++) {
                 const int qc = q0 + 16 * j;                          // the chunk's first query
-                if (a.causal && w0 > qc + 15) continue;              // no query of the chunk sees the keys
+                if ((a.causal && w0 > qc + 15) || qc >= warp_query_end) continue;   // no query of the chunk sees the keys
                 float s[2][4], dp[2][4];
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++)
@@ -1268,9 +1312,9 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     const float * q = th_head_as<B16>(a.q, bh), * k = th_head_as<B16>(a.k, bh), * v = th_head_as<B16>(a.v, bh);
     const float * dout = th_head(a.dout, bh);
     const bool k_staged = th_stageable<B16>(a.k, k), v_staged = th_stageable<B16>(a.v, v);
-    const int nkb = th_key_blocks(a, q0, QR);
-    if (k_staged) th_stage<HD, TH_MM_B, NT, B16>(Kst, k, a.k, 0, T);
-    if (v_staged) th_stage<HD, TH_MM_B, NT, B16>(Vst, v, a.v, 0, T);
+    const int nkb = th_key_blocks(a, q0, QR), kb0 = th_first_key_block(a, bh, q0);
+    if (k_staged) th_stage<HD, TH_MM_B, NT, B16>(Kst, k, a.k, kb0 * TH_MM_B, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT, B16>(Vst, v, a.v, kb0 * TH_MM_B, T);
     th_cp_commit();
     // the warp's Q and dO as A fragments, and L and D of its rows g and g + 8 (a row past T: 0)
     uint32_t qf[HD / 16][4], of[HD / 16][4];
@@ -1285,13 +1329,15 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_mma_
     th_dq_rows_ld<HD>(lr, dr, a, bh, w0);
     float acc[HD / 8][4];
     th_zero<HD>(acc);
-    for (int kb = 0; kb < nkb; kb++) {
+    const int warp_first_key = th_first_key(a, bh, w0);              // packed rows; else 0
+    for (int kb = kb0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_kv_block<__nv_bfloat16, HD, NT, B16>(a, k, v, Ks, Vs, LDR, Kst, Vst, k_staged, v_staged, kb, nkb);
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
             const int kc = k0 + 16 * j;                              // the chunk's first key
             if (a.causal && kc > w0 + 15) break;                     // the same for the whole warp
+            if (kc + 16 <= warp_first_key) continue;                 // before every row's example
             float s[2][4], dp[2][4];
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
@@ -1411,20 +1457,21 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_fwd_tf_
     const int w0 = q0 + 16 * warp;
     const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
     const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
-    const int nkb = th_key_blocks(a, q0, QR);
-    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
-    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    const int nkb = th_key_blocks(a, q0, QR), kb0 = th_first_key_block(a, bh, q0);
+    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, kb0 * TH_MM_B, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, kb0 * TH_MM_B, T);
     th_cp_commit();
     th_load_rows<float, HD, QR, NT>(Qs, LDF, q, a.q, q0, T);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
     th_zero<HD>(o);
-    for (int kb = 0; kb < nkb; kb++) {
+    const int warp_first_key = th_first_key(a, bh, w0);              // packed rows; else 0
+    for (int kb = kb0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_kv_block<float, HD, NT>(a, k, v, Ks, Vs, LDF, Kst, Vst, k_staged, v_staged, kb, nkb);
-        if (a.causal && k0 > w0 + 15) continue;
+        if ((a.causal && k0 > w0 + 15) || k0 + TH_MM_B <= warp_first_key) continue;
         float s[8][4];
         th_tf_rows<HD>(s, Qs, 16 * warp, Ks, LDF);
-        th_softmax_block<HD>(s, o, m, l, a, w0, k0);
+        th_softmax_block<HD>(s, o, m, l, a, bh, w0, k0);
         if (drop.on) th_drop_p(s, drop, T, bh, w0, k0);
         // O += P V over the block's keys, 8 at a time (keys nt 8 + 2t, + 1: this thread's columns)
 #pragma unroll
@@ -1451,8 +1498,8 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
     float * LD = dOst + TH_MM_B * HD;                              // [2 steps][L 64, D 64]
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, c = 2 * t;
     const int kvh = blockIdx.x, k0 = blockIdx.y * KR, T = a.T;
-    const int nqb = (T + TH_MM_B - 1) / TH_MM_B, qb0 = a.causal ? k0 / TH_MM_B : 0;
-    const int w0 = k0 + 16 * warp;
+    const int nqb = th_query_blocks_end(a, kvh, k0 + KR - 1), qb0 = a.causal ? k0 / TH_MM_B : 0;
+    const int w0 = k0 + 16 * warp, warp_query_end = th_query_end(a, kvh, w0 + 15);
     const float * k = th_head(a.k, kvh), * v = th_head(a.v, kvh);
     th_bwd_stage<HD, NT>(a, kvh, qb0 * TH_MM_B, Qst, dOst, LD);
     th_cp_commit();
@@ -1465,12 +1512,12 @@ static __global__ void __launch_bounds__(32 * WARPS) th_attn_bwd_tf_kernel(const
         th_bwd_step_tiles<float, HD, NT>(a, kvh, q0, Qs, dOs, LDF, Qst, dOst);
         if (qb + 1 < nqb) th_bwd_stage<HD, NT>(a, kvh, q0 + TH_MM_B, Qst, dOst, LD + ((i + 1) % 2) * 2 * TH_MM_B);
         th_cp_commit();
-        if (a.causal && w0 > q0 + TH_MM_B - 1) continue;
+        if ((a.causal && w0 > q0 + TH_MM_B - 1) || q0 >= warp_query_end) continue;
         const float * Lq = LD + (i % 2) * 2 * TH_MM_B, * Dq = Lq + TH_MM_B;
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
             const int qc = q0 + 16 * j;
-            if (a.causal && w0 > qc + 15) continue;          // no query of the chunk sees the keys
+            if ((a.causal && w0 > qc + 15) || qc >= warp_query_end) continue;   // no query of the chunk sees the keys
             float s[2][4], dp[2][4];
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
@@ -1527,9 +1574,9 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
     const float * q = th_head(a.q, bh), * k = th_head(a.k, bh), * v = th_head(a.v, bh);
     const float * dout = th_head(a.dout, bh);
     const bool k_staged = th_stageable(a.k, k), v_staged = th_stageable(a.v, v);
-    const int nkb = th_key_blocks(a, q0, QR);
-    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, 0, T);
-    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, 0, T);
+    const int nkb = th_key_blocks(a, q0, QR), kb0 = th_first_key_block(a, bh, q0);
+    if (k_staged) th_stage<HD, TH_MM_B, NT>(Kst, k, a.k, kb0 * TH_MM_B, T);
+    if (v_staged) th_stage<HD, TH_MM_B, NT>(Vst, v, a.v, kb0 * TH_MM_B, T);
     th_cp_commit();
     // the warp's Q as A fragments (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of each 8 of d)
     float qf[HD / 8][4];
@@ -1546,13 +1593,15 @@ static __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) th_attn_dq_tf_k
     th_dq_rows_ld<HD>(lr, dr, a, bh, w0);
     float acc[HD / 8][4];
     th_zero<HD>(acc);
-    for (int kb = 0; kb < nkb; kb++) {
+    const int warp_first_key = th_first_key(a, bh, w0);              // packed rows; else 0
+    for (int kb = kb0; kb < nkb; kb++) {
         const int k0 = kb * TH_MM_B;
         th_kv_block<float, HD, NT>(a, k, v, Ks, Vs, LDF, Kst, Vst, k_staged, v_staged, kb, nkb);
 #pragma unroll
         for (int j = 0; j < TH_MM_B / 16; j++) {
             const int kc = k0 + 16 * j;                              // the chunk's first key
             if (a.causal && kc > w0 + 15) break;                     // the same for the whole warp
+            if (kc + 16 <= warp_first_key) continue;                 // before every row's example
             float s[2][4], dp[2][4];
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
@@ -2112,6 +2161,11 @@ static void th_attention_launch(cudaStream_t stream, ggml_tensor * dst, const in
         a.drop_key = (const int32_t *) fwd->src[3]->data;
         a.drop = th_dropout_params_from(ap.dropout);
     }
+    if (ap.causal == TH_ATTENTION_PACKED) {      // the fed bounds (T, 2, B) of the forward's src 6
+        const ggml_tensor * bounds = fwd->src[TH_ATTENTION_BOUNDS_SRC];
+        a.bounds = (const int32_t *) bounds->data;
+        a.row_heads = (int) (fwd->ne[1] / bounds->ne[2]);
+    }
     const int nb = (a.T + TH_AT_B - 1) / TH_AT_B;
     const int64_t T = ap.T;
     const bool bf16 = th_precision_of(dst) == TH_PRECISION_BF16;      // tensor cores (TH_MM_B == TH_AT_B)
@@ -2237,6 +2291,15 @@ bool th_attention_supported(const ggml_tensor * op, const int kernel) {
     }
     const th_attention_params ap = th_params_of<th_attention_params>(op);
     if (!th_attention_head_dim_ok(ap.hd) || ap.T <= 0 || ap.group < 1) return false;
+    if (ap.causal == TH_ATTENTION_PACKED && kernel != TH_CUDA_ATTN_PREP) {
+        // the forward's bounds: i32 (T, 2, B), B dividing the heads (each batch row's H of them)
+        const ggml_tensor * fwd = kernel == TH_CUDA_ATTN_FWD ? op : op->src[4];
+        const ggml_tensor * bounds = fwd != nullptr ? fwd->src[TH_ATTENTION_BOUNDS_SRC] : nullptr;
+        if (bounds == nullptr || bounds->type != GGML_TYPE_I32 || !ggml_is_contiguous(bounds) ||
+            bounds->ne[0] != ap.T || bounds->ne[1] != 2 || bounds->ne[3] != 1 || fwd->ne[1] % bounds->ne[2] != 0) {
+            return false;
+        }
+    }
     if (th_attention_has_dropout(&ap) && kernel != TH_CUDA_ATTN_PREP) {
         // the tensor-core kernels draw P's mask (fp32's do not), from the forward's fed key
         const ggml_tensor * fwd = kernel == TH_CUDA_ATTN_FWD ? op : op->src[4];

@@ -71,6 +71,54 @@ static struct ggml_tensor * th_dropout_of(struct ggml_cgraph * graph, struct ggm
     return pd;
 }
 
+/* Packed rows (toyharness/engine/packed.py): the softmax of S (T, T, BH) reshaped to (T, T, H, B)
+ * under the fed mask (T, T, 1, B) of name "packed_mask.*", which holds the address of the fed
+ * bounds (custom_ops.h, th_packed_bounds_of: i32 (T, 2, B)); the readers of P read it reshaped
+ * back to (T, T, BH). The bounds where p is such a softmax and the mask has them; else NULL. */
+static struct ggml_tensor * th_packed_bounds(const struct ggml_tensor * p, const int64_t T) {
+    const struct ggml_tensor * mask = p->src[1];
+    if (mask == NULL || strncmp(mask->name, "packed_mask.", 12) != 0 || mask->type != GGML_TYPE_F32 ||
+        mask->ne[0] != T || mask->ne[1] != T || mask->ne[2] != 1 || p->ne[3] != mask->ne[3]) {
+        return NULL;
+    }
+    struct ggml_tensor * bounds = th_packed_bounds_of(mask);
+    if (bounds == NULL || strncmp(bounds->name, "packed_bounds.", 14) != 0 || bounds->type != GGML_TYPE_I32 ||
+        bounds->ne[0] != T || bounds->ne[1] != 2 || bounds->ne[2] != mask->ne[3] || bounds->ne[3] != 1 ||
+        !ggml_is_contiguous(bounds)) {
+        return NULL;
+    }
+    return bounds;
+}
+
+/* a node whose value the fused kernels compute themselves, read through a RESHAPE `view` (of its
+ * own shape otherwise): each reader of the view reads t itself, and the view computes nothing */
+static void th_read_past_view(struct ggml_cgraph * graph, struct ggml_tensor * view, struct ggml_tensor * t) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (u->src[j] == view) u->src[j] = t;
+        }
+        if (u->view_src == view) u->view_src = t;          /* a TRANSPOSE of the view */
+    }
+    th_compute_nothing(view);
+}
+
+/* the RESHAPE views of t in `graph` (packed rows' P and dS, seen as (T, T, BH)) read past */
+static void th_read_past_views(struct ggml_cgraph * graph, struct ggml_tensor * t) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * u = ggml_graph_node(graph, i);
+        if (u->view_src == t && (u->op == GGML_OP_RESHAPE || u->op == GGML_OP_NONE) && u->view_offs == 0) {
+            th_read_past_view(graph, u, t);
+        }
+    }
+}
+
+/* t (contiguous) as (ne0, ne1, heads): packed rows' (T, T, H, B) node as the unpacked one */
+static void th_as_heads(struct ggml_tensor * t, const int64_t heads) {
+    t->ne[2] = heads, t->ne[3] = 1;
+    t->nb[3] = t->nb[2] * (size_t) heads;
+}
+
 /* The forward of one attention whose probabilities P (a SOFT_MAX) every reader of which is one
  * of O, its backward's dvt and dS: P becomes ATTN_FWD, O its copy, S nothing. With dropout on P
  * (`dropout`: the kernels at this precision draw its mask; th_dropout_of), O, dvt and dP's MUL
@@ -78,28 +126,46 @@ static struct ggml_tensor * th_dropout_of(struct ggml_cgraph * graph, struct ggm
  * nothing: the kernels draw the mask's elements where they use them. Returns 3 (5 with dropout),
  * 0 when the nodes are not attention's (left to ggml). */
 static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor * p, const int dropout) {
-    struct ggml_tensor * s = p->src[0], * mask = p->src[1], * only;
+    struct ggml_tensor * s = p->src[0], * mask = p->src[1], * only, * s_view = NULL, * p_view = NULL;
+    /* packed rows: S and P seen through RESHAPEs (th_packed_bounds), each read by one node */
+    if (s != NULL && s->op == GGML_OP_RESHAPE && s->view_offs == 0 && th_readers(graph, s, &only) == 1) {
+        s_view = s;
+        s = s->src[0];
+    }
     if (s == NULL || s->op != GGML_OP_MUL_MAT || p->src[2] != NULL || th_readers(graph, s, &only) != 1) return 0;
     struct ggml_tensor * k = s->src[0], * q = s->src[1];
     const int64_t hd = q->ne[0], T = q->ne[1], heads = q->ne[2];
     float scale, max_bias;
     memcpy(&scale, p->op_params, sizeof(float));
     memcpy(&max_bias, p->op_params + 1, sizeof(float));
-    const int causal = mask != NULL;
+    struct ggml_tensor * bounds = s_view != NULL ? th_packed_bounds(p, T) : NULL;
+    const int causal = bounds != NULL ? TH_ATTENTION_PACKED : mask != NULL ? TH_ATTENTION_CAUSAL : 0;
+    if (s_view != NULL) {               /* P (T, T, H, B) read by one RESHAPE to (T, T, BH) and dS */
+        for (int i = 0; i < ggml_graph_n_nodes(graph) && bounds != NULL; i++) {
+            struct ggml_tensor * u = ggml_graph_node(graph, i);
+            if (u->op == GGML_OP_RESHAPE && u->src[0] == p && p_view == NULL) p_view = u;
+        }
+        if (bounds == NULL || p_view == NULL || p->ne[2] * p->ne[3] != heads || !th_shape_is(s, T, T, heads) ||
+            !th_shape_is(p_view, T, T, heads)) {
+            return 0;
+        }
+    }
     if (max_bias != 0.0f || !th_attention_head_dim_ok(hd) || T > INT32_MAX / 2 || !th_f32_contiguous(q) ||
         !th_f32_contiguous(k) || !th_shape_is(k, hd, T, heads) || !th_f32_contiguous(p) ||
-        !th_shape_is(p, T, T, heads) ||
-        (causal && (strncmp(mask->name, "causal_mask.", 12) != 0 || !th_shape_is(mask, T, T, 1)))) {
+        (bounds == NULL && !th_shape_is(p, T, T, heads)) || (bounds != NULL && (p->ne[0] != T || p->ne[1] != T)) ||
+        (causal == TH_ATTENTION_CAUSAL && (strncmp(mask->name, "causal_mask.", 12) != 0 || !th_shape_is(mask, T, T, 1)))) {
         return 0;
     }
-    /* what O reads: P, or P times its dropout mask (pd), which P's backward MUL also reads */
-    struct ggml_tensor * pd = th_dropout_of(graph, p, dropout), * drop = pd != NULL ? pd->src[1] : NULL;
-    struct ggml_tensor * read = pd != NULL ? pd : p, * o = NULL;
+    /* what O reads: P, or P times its dropout mask (pd), which P's backward MUL also reads
+     * (packed rows: P through its RESHAPE, no dropout) */
+    struct ggml_tensor * pd = bounds != NULL ? NULL : th_dropout_of(graph, p, dropout), * drop = pd != NULL ? pd->src[1] : NULL;
+    struct ggml_tensor * read = pd != NULL ? pd : p_view != NULL ? p_view : p, * o = NULL;
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * u = ggml_graph_node(graph, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
             const struct ggml_tensor * x = u->src[j];
             if (x == NULL || (x != p && x != read && (drop == NULL || x != drop))) continue;
+            if (x == p && u == p_view) continue;
             if (x == read && j == 1 && u->op == GGML_OP_MUL_MAT && o == NULL) {
                 o = u;
             } else if (!(x == read && j == 0 && u->op == GGML_OP_OUT_PROD) &&           /* dvt */
@@ -114,6 +180,11 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
         !th_shape_is(o, hd, T, heads)) {
         return 0;
     }
+    if (p_view != NULL) {               /* packed rows: P's readers read it as (T, T, BH) */
+        th_read_past_view(graph, p_view, p);
+        th_compute_nothing(s_view);
+        th_as_heads(p, heads);
+    }
     th_attention_params params = {(int32_t) hd, (int32_t) T, causal, scale, 1, {0, 0, 0, 0}};
     if (drop != NULL) {
         const th_dropout_params dp = th_dropout_params_of(drop, TH_DROPOUT_SLOT);   /* dropout_mask.h's words */
@@ -127,6 +198,7 @@ static int th_attention_forward(struct ggml_cgraph * graph, struct ggml_tensor *
     /* with dropout: the fed key, then the mask and P times it (computing nothing), which the
      * backward finds its MULs by */
     th_set_srcs(p, q, k, vt, drop != NULL ? drop->src[0] : NULL, drop, pd);
+    p->src[TH_ATTENTION_BOUNDS_SRC] = bounds;
     th_set_rows(p, th_attention_fwd_floats(hd, T), heads);
     th_mark(o, TH_CUDA_SLICE);
     const th_slice_params slice = {th_attention_fwd_floats(hd, T), 0};
@@ -151,7 +223,19 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         if (u->src[1] == fwd && u->op == GGML_OP_SOFT_MAX_BACK) ds = u;
     }
     if (ds == NULL) return 0;                       /* no backward here, or marked already */
-    struct ggml_tensor * dp = ds->src[0], * dp_drop = NULL;
+    struct ggml_tensor * dp = ds->src[0], * dp_drop = NULL, * dp_view = NULL;
+    if (params.causal == TH_ATTENTION_PACKED) {
+        /* packed rows: dS = SOFT_MAX_BACK(dP as (T, T, H, B), P), read as (T, T, BH); P's readers
+         * here (dV's product) read it through its RESHAPE, which an earlier graph may have read past */
+        th_read_past_views(graph, fwd);
+        if (dp == NULL || dp->op != GGML_OP_RESHAPE || dp->view_offs != 0 || th_readers(graph, dp, &only) != 1 ||
+            !th_f32_contiguous(ds) || ds->ne[0] != params.T || ds->ne[1] != params.T) {
+            return -1;
+        }
+        dp_view = dp;
+        dp = dp->src[0];
+        th_read_past_views(graph, ds);              /* dK's and dQ's products read dS as (T, T, BH) */
+    }
     if (th_attention_has_dropout(&params)) {       /* dP = MUL(dO V^T, the mask): the kernels apply it */
         dp_drop = dp;
         if (dp_drop == NULL || dp_drop->op != GGML_OP_MUL || dp_drop->src[1] != fwd->src[4] ||
@@ -178,6 +262,11 @@ static int th_attention_backward(struct ggml_cgraph * graph, struct ggml_tensor 
         return -1;
     }
     struct ggml_tensor * dout_t = dp->src[1];
+    if (dp_view != NULL) {                          /* packed rows: dS's readers read it as (T, T, BH) */
+        ds->src[0] = dp;
+        th_compute_nothing(dp_view);
+        th_as_heads(ds, heads);
+    }
     if (dp_drop != NULL) {                          /* computes nothing: the backward applies the mask */
         th_compute_nothing(dp_drop);
     }

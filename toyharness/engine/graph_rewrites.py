@@ -72,6 +72,8 @@ def prepare(prog: Program, graph, recomputed: bool = False) -> None:
         # after the rewrites: every node as the backend's dispatch will see it (ours included)
         check_supported(prog, graph)
         prog._gemm_rewritten.add(graph)
+        if prog.packed_rows is not None:      # which packed masks the graph still reads (engine/packed.py)
+            prog.packed_rows.note_graph(graph)
 
 
 def cuda_rewrite_flags(prog: Program, recomputed: bool = False) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._ffi import ffi, lib
+from .._ffi import GGML_MAX_SRC, ffi, lib
 from ..errors import DoesNotFit, InputError
 from ..switches import switch
 from .allocation import fmt_bytes, free_memory
@@ -367,7 +367,6 @@ class Planner:
 # struct ggml_tensor of ggml 0.25.3 (ggml.h): type, buffer, ne[4], nb[4], op, op_params[16],
 # flags, src[10], view_src, view_offs, data, name[64], ... The shim has no getter for view_src,
 # which ggml's allocator tests; its offset is checked against `data` and `name` on first use.
-GGML_MAX_SRC = 10
 _VIEW_SRC_OFFSET, _DATA_OFFSET, _NAME_OFFSET = 232, 248, 256
 _layout_checked = False
 

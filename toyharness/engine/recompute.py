@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .._ffi import ffi, lib
+from .._ffi import GGML_MAX_SRC, ffi, lib
 from ..errors import InputError
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 # flags, then src[10]. The shim has no setter for a node's inputs; the offset is checked against
 # th_tensor_src before any write.
 _SRC_OFFSET = 152
-GGML_MAX_SRC = 10
 _VIEW_OPS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")
 
 
