@@ -186,12 +186,31 @@ def byte_tokenizer(vocab: int):
     return tok
 
 
+def step_timer_class(device: str, times: list):
+    """A transformers TrainerCallback class that appends each step's ms to `times`, the device
+    synchronized at both ends (cuda)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - self.t0) * 1e3)
+
+    return Timer
+
+
 def side_trl(a, base: Path, data: Path, variant: str) -> dict:
     trl = import_trl(a.trl_wheels)
     import datasets
     import torch
     from peft import LoraConfig
-    from transformers import TrainerCallback
 
     from toyharness import hf_model
     from toyharness.bench.config import bench_options
@@ -216,16 +235,9 @@ def side_trl(a, base: Path, data: Path, variant: str) -> dict:
 
     times, peak, losses = [], [0.0], []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
+    class Timer(step_timer_class(device, times)):
         def on_step_end(self, args, state, control, **kw):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - self.t0) * 1e3)
+            super().on_step_end(args, state, control, **kw)
             peak[0] = max(peak[0], peak_memory_mb(a.backend) or 0.0)
 
         def on_log(self, args, state, control, logs=None, **kw):

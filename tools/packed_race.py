@@ -96,13 +96,12 @@ def trl_examples(args, base: Path, data: Path) -> tuple[list[dict], int]:
 
 def side_trl(args, base: Path, data: Path) -> dict:
     """TRL's SFTTrainer with packing (run in a child process: `--side trl`)."""
-    from dpo_race import byte_tokenizer, import_trl
+    from dpo_race import byte_tokenizer, import_trl, step_timer_class
 
     trl = import_trl(args.trl_wheels)
     import datasets
     import torch
     from peft import LoraConfig
-    from transformers import TrainerCallback
 
     from toyharness import hf_model
 
@@ -116,18 +115,7 @@ def side_trl(args, base: Path, data: Path) -> dict:
         def _get_train_sampler(self, train_dataset=None):      # the packed rows in order: counted below
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
-    times = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t0)
+    times = []                                                   # ms
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = trl.SFTConfig(output_dir=tmp, per_device_train_batch_size=args.t_batch,
@@ -138,17 +126,18 @@ def side_trl(args, base: Path, data: Path) -> dict:
         peft_cfg = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
                               target_modules=list(TARGETS))
         trainer = Trainer(model=model, args=cfg, train_dataset=datasets.Dataset.from_list(rows),
-                          processing_class=byte_tokenizer(vocab), peft_config=peft_cfg, callbacks=[Timer()])
+                          processing_class=byte_tokenizer(vocab), peft_config=peft_cfg,
+                          callbacks=[step_timer_class(device, times)()])
         packed = trainer.train_dataset
         counted = [sum(int(x != -100) for x in labels) for labels in packed["labels"]]
         positions = [len(ids) for ids in packed["input_ids"]]
         trainer.train()
     b, w = args.t_batch, args.warmup
     per_step = [sum(counted[i * b:(i + 1) * b]) for i in range(len(times))]
-    rates = [c / t for c, t in zip(per_step[w:], times[w:])]
+    rates = [c / (t / 1e3) for c, t in zip(per_step[w:], times[w:])]
     held = sum(positions[w * b:len(times) * b])
     return {"side": "trl", "counted_tokens_per_s": statistics.median(rates),
-            "ms": statistics.median(times[w:]) * 1e3,
+            "ms": statistics.median(times[w:]),
             "padding": round(1 - held / (args.t_seq * b * (len(times) - w)), 4),
             "note": f"trl {trl.__version__}, {'bf16' if bf16 else 'fp32'}, attention {args.trl_attention}, "
                     f"packing {cfg.packing_strategy}, gradient_checkpointing={cfg.gradient_checkpointing}"}
