@@ -54,6 +54,15 @@ def use_chunked_loss(options, vocab: int, prog: Program) -> bool:
     return want == "on" or (want == "auto" and prog.cpu_kernels and vocab >= CHUNKED_LOSS_VOCAB)
 
 
+def head_in_pieces(recipe, prog: Program) -> None:
+    """The option logits_chunk on `prog`: refused for a recipe without `hidden` and `head`, else the
+    program recomputes the head's pieces in the backward (cpu and cuda)."""
+    if getattr(type(recipe), "hidden", LMRecipe.hidden) is LMRecipe.hidden:
+        raise InputError(f"option 'logits_chunk': recipe {recipe.name} has no hidden and head to apply "
+                         "the output head in pieces; leave it 0")
+    prog.enable_recompute(every_block=False, option="logits_chunk")
+
+
 @dataclass
 class LMOptions(TextOptions):
     """`TextOptions` plus the keys every language model reads: its tokenizer, the loss mask of
@@ -83,6 +92,10 @@ class LanguageModel:
         self.prog: Program = engine.program()
         if getattr(options, "recompute_blocks", False) and trainable:
             self.prog.enable_recompute()
+        # the output head in pieces of this many positions (0: whole), the loss built from them
+        chunk = getattr(options, "logits_chunk", 0) if trainable else 0
+        if chunk:
+            head_in_pieces(recipe, self.prog)
         self.P: dict[str, Tensor] = recipe.build_params(self.prog, options, vocab, params, trainable)
         self.tokens = self.prog.input("tokens", (self.batch, self.seq), "i32", upper=vocab)
         if packed:
@@ -94,18 +107,32 @@ class LanguageModel:
             self.positions = self.prog.input("positions", (self.batch, self.seq), "i32", upper=self.seq)
         else:
             self.positions = self.prog.constant("positions", np.arange(self.seq, dtype=np.int32))
-        self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
-        if self.prog.recompute is not None and not self.prog.recompute.blocks:
+        self.masked = masked
+        if chunk:
+            self._hidden = recipe.hidden(self.P, self.tokens, self.positions, options)
+            self.logits = None               # made by next_logits where asked: the loss reads pieces
+        else:
+            self.logits = recipe.forward(self.P, self.tokens, self.positions, options)
+        if (getattr(options, "recompute_blocks", False) and trainable and self.prog.recompute is not None
+                and not self.prog.recompute.blocks):
             raise InputError(f"option 'recompute_blocks': recipe {recipe.name}'s forward here has no blocks to "
                              f"recompute (blocks.recomputed_block); set recompute_blocks=false")
-        if self.logits.shape != (self.batch, self.seq, vocab):
-            raise InputError(f"recipe {recipe.name}: forward gave logits {self.logits.shape}, "
-                             f"expected {(self.batch, self.seq, vocab)}")
+        got = self._hidden.shape[:2] if chunk else self.logits.shape
+        if got != ((self.batch, self.seq) if chunk else (self.batch, self.seq, vocab)):
+            raise InputError(f"recipe {recipe.name}: {'hidden' if chunk else 'forward'} gave {got}, "
+                             f"expected {(self.batch, self.seq) + (() if chunk else (vocab,))}")
         self.convention = options.adamw_convention
         if trainable:
             # data with a loss mask (JSONL examples): the mean over the positions that count
             mask = "mask" if masked else None
-            if use_chunked_loss(options, vocab, self.prog):
+            if chunk:
+                # each position's log-probability, a piece of positions at a time (text data: every
+                # position counts, a mask of ones fed by `feeds`)
+                logps = self.prog.head_token_logps(lambda h: recipe.head(self.P, h, options), self._hidden, vocab,
+                                                   "targets", "mask", chunk)
+                counted = self.prog.inputs["mask"].tensor.sum()
+                self.loss = self.prog.scalar_loss(-(logps.sum() / counted), "targets.loss")
+            elif use_chunked_loss(options, vocab, self.prog):
                 self.loss = self.prog.chunked_cross_entropy(self.logits, "targets", mask)
             else:
                 self.loss = (self.prog.masked_cross_entropy(self.logits, "targets", "mask") if masked
@@ -117,6 +144,8 @@ class LanguageModel:
 
     def feeds(self, batch: dict) -> dict:
         """A batch as the program's inputs: packed rows' segments become their masks."""
+        if not self.masked and "mask" in self.prog.inputs and "mask" not in batch:     # logits_chunk on text
+            batch = {**batch, "mask": np.ones(batch["targets"].shape, np.float32)}
         packed = self.prog.packed_rows
         if packed is None:
             return batch
@@ -138,6 +167,8 @@ class LanguageModel:
     def next_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits (batch, seq, vocab) of a forward-only graph."""
         if self._logits_graph is None:
+            if self.logits is None:          # logits_chunk: the whole head, for this forward only
+                self.logits = self.recipe.head(self.P, self._hidden, self.options)
             self._logits_graph = self.prog.forward({"logits": self.logits})
         return self._logits_graph.run({"tokens": tokens})["logits"]
 

@@ -28,7 +28,7 @@ import numpy as np
 from ._ffi import ffi, lib
 from .engine import Program, Tensor
 from .errors import InputError
-from .lm import LMRecipe
+from .lm import head_in_pieces
 
 REFERENCE_MODES = ("in_step", "precomputed")
 
@@ -81,10 +81,7 @@ class PreferenceModel:
             self.prog.enable_recompute()
         chunk = getattr(options, "logits_chunk", 0)
         if chunk:
-            if getattr(type(recipe), "hidden", LMRecipe.hidden) is LMRecipe.hidden:
-                raise InputError(f"option 'logits_chunk': recipe {recipe.name} has no hidden and head to apply "
-                                 "the output head in pieces; leave it 0")
-            self.prog.enable_recompute(every_block=False, option="logits_chunk")
+            head_in_pieces(recipe, self.prog)
         self.P = recipe.build_params(self.prog, options, vocab, params, True)
         self.tokens = self.prog.input("tokens", (rows, seq), "i32", upper=vocab)
         self.positions = self.prog.constant("positions", np.arange(seq, dtype=np.int32))

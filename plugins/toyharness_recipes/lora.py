@@ -89,6 +89,15 @@ class AdapterOptions(LMOptions):
     # dropout on each adapter's input, where PEFT puts it: B(A(dropout(x))) * alpha / rank (the base's
     # product reads x itself); 0 builds no dropout node
     lora_dropout: float = probability(0.0)
+    # positions whose output logits the loss makes at a time, recomputed in the backward (0: all
+    # at once). On a large vocabulary every position's logits, softmax and their gradients are most
+    # of a step's memory; pieces of 256 keep one piece's (cpu and cuda; lora: before chunked_loss=auto)
+    logits_chunk: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.logits_chunk < 0:
+            raise self.invalid("logits_chunk", f"must be >= 0 positions (0: all at once), got {self.logits_chunk}")
 
 
 @dataclass
@@ -96,6 +105,12 @@ class LoRAOptions(AdapterOptions):
     # the loss over the base's vocabulary a tile at a time (toyharness.lm.use_chunked_loss):
     # auto = from 4,096 classes on cpu (every real vocabulary), on, off
     chunked_loss: str = choice("auto", ("auto", "on", "off"))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.logits_chunk and self.chunked_loss == "on":
+            raise self.invalid("logits_chunk", "and chunked_loss=on are two ways to the same saving; set one "
+                                               "(logits_chunk=0 or chunked_loss=off)")
 
 
 def read_base(path: str, recipe: str = "lora") -> ModelFile:

@@ -56,10 +56,6 @@ class PreferenceOptions(AdapterOptions):
     pack: bool = False
     lr: float = 5e-4
     beta: float = 0.1
-    # positions whose output logits the loss makes at a time, recomputed in the backward (0: all
-    # at once). On a large vocabulary every position's logits, softmax and their gradients are most
-    # of a step's memory; pieces of 1024 keep one piece's (cpu and cuda).
-    logits_chunk: int = 0
 
     def validate(self) -> None:
         super().validate()
@@ -69,8 +65,6 @@ class PreferenceOptions(AdapterOptions):
             raise self.invalid("mask_prompt", "preference losses count completion tokens only; leave it true")
         if not self.beta > 0:
             raise self.invalid("beta", f"must be > 0, got {self.beta}")
-        if self.logits_chunk < 0:
-            raise self.invalid("logits_chunk", f"must be >= 0 positions (0: all at once), got {self.logits_chunk}")
 
 
 @dataclass
